@@ -1,0 +1,1 @@
+//! CPU backend (rayon): the fallback and the oracle for the kernels.

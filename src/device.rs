@@ -1,0 +1,212 @@
+//! Devices and device-resident matrices: the one device-agnostic entry point.
+//!
+//! Every numerical operation is a method on [`Device`] (see [`crate::ops`]) taking
+//! [`Matrix`] operands that live on that device. The optimizers are written once against
+//! these methods; which backend runs is decided by the `Device` value alone:
+//!
+//! - [`Device::Cpu`]: the rayon backend in [`crate::cpu`] — the fallback and the test oracle;
+//! - [`Device::Cuda`]: the hand-written kernels of `kernels/*.cu` on a GPU through cudarc;
+//! - [`Device::Emulated`]: the *same* kernels compiled for the CPU and run by the emulator in
+//!   `kernels/emu/` through the same launch code — slow, for tests on machines without a GPU.
+
+use crate::error::{Error, Result};
+use half::bf16;
+
+/// Scalar types a [`Matrix`] can hold: `f32`, and `bf16` for GEMM inputs.
+pub trait Element:
+    Copy
+    + Default
+    + Send
+    + Sync
+    + bytemuck::Pod
+    + cudarc::driver::DeviceRepr
+    + cudarc::driver::ValidAsZeroBits
+    + 'static
+{
+    /// Widen to f32 (exact for both types).
+    fn to_f32(self) -> f32;
+    /// Round from f32 (round-to-nearest-even for bf16).
+    fn from_f32(v: f32) -> Self;
+}
+
+impl Element for f32 {
+    fn to_f32(self) -> f32 {
+        self
+    }
+    fn from_f32(v: f32) -> Self {
+        v
+    }
+}
+
+impl Element for bf16 {
+    fn to_f32(self) -> f32 {
+        bf16::to_f32(self)
+    }
+    fn from_f32(v: f32) -> Self {
+        bf16::from_f32(v)
+    }
+}
+
+/// Where numbers live and kernels run.
+#[derive(Clone, Debug)]
+pub enum Device {
+    /// The rayon CPU backend (reference and fallback).
+    Cpu,
+    /// The CUDA kernels executed on the CPU by the emulator (tests; slow).
+    Emulated,
+    /// A CUDA GPU.
+    Cuda(crate::cuda::CudaDevice),
+}
+
+impl Device {
+    /// The device named by `GRNG_DEVICE` (`cpu`, `cuda`, `emulated`) if set, else CUDA when a
+    /// driver, a GPU and the compiled kernels are all present, else the CPU.
+    ///
+    /// Asking for `cuda` where there is none is an error, never a silent CPU fallback.
+    pub fn auto() -> Result<Self> {
+        match std::env::var("GRNG_DEVICE").ok().as_deref().map(str::trim) {
+            None | Some("") | Some("auto") => Ok(crate::cuda::CudaDevice::new(0)
+                .map(Device::Cuda)
+                .unwrap_or(Device::Cpu)),
+            Some("cpu") => Ok(Device::Cpu),
+            Some("emulated") => Ok(Device::Emulated),
+            Some("cuda") => crate::cuda::CudaDevice::new(0).map(Device::Cuda),
+            Some(other) => Err(Error::DeviceUnavailable(format!(
+                "GRNG_DEVICE={other:?}: expected one of cpu, cuda, emulated, auto"
+            ))),
+        }
+    }
+
+    /// Short name for messages.
+    pub fn name(&self) -> &'static str {
+        match self {
+            Device::Cpu => "cpu",
+            Device::Emulated => "emulated",
+            Device::Cuda(_) => "cuda",
+        }
+    }
+
+    /// Copies a row-major `rows x cols` host array onto this device.
+    pub fn upload<T: Element>(&self, rows: usize, cols: usize, host: &[T]) -> Result<Matrix<T>> {
+        crate::error::check_len("Device::upload", "host", host.len(), rows * cols)?;
+        let storage = match self {
+            Device::Cpu | Device::Emulated => Storage::Host(host.to_vec()),
+            Device::Cuda(d) => Storage::Cuda(d.upload(host)?),
+        };
+        Ok(Matrix {
+            rows,
+            cols,
+            storage,
+        })
+    }
+
+    /// A `rows x cols` matrix of zeros on this device.
+    pub fn zeros<T: Element>(&self, rows: usize, cols: usize) -> Result<Matrix<T>> {
+        let storage = match self {
+            Device::Cpu | Device::Emulated => Storage::Host(vec![T::default(); rows * cols]),
+            Device::Cuda(d) => Storage::Cuda(d.zeros(rows * cols)?),
+        };
+        Ok(Matrix {
+            rows,
+            cols,
+            storage,
+        })
+    }
+
+    /// Checks that `m` lives on this device (host storage for Cpu/Emulated).
+    pub(crate) fn check_on<T: Element>(&self, op: &'static str, m: &Matrix<T>) -> Result<()> {
+        let ok = matches!(
+            (self, &m.storage),
+            (Device::Cpu | Device::Emulated, Storage::Host(_))
+                | (Device::Cuda(_), Storage::Cuda(_))
+        );
+        if ok {
+            Ok(())
+        } else {
+            Err(Error::DeviceMismatch {
+                op,
+                a: self.name(),
+                b: m.storage_name(),
+            })
+        }
+    }
+}
+
+/// Where a [`Matrix`]'s elements are stored.
+#[derive(Debug)]
+pub(crate) enum Storage<T: Element> {
+    /// Host memory (Cpu and Emulated devices).
+    Host(Vec<T>),
+    /// GPU memory.
+    Cuda(cudarc::driver::CudaSlice<T>),
+}
+
+/// A dense row-major `rows x cols` matrix resident on a [`Device`].
+///
+/// Vectors are `n x 1` matrices. Element `(i, j)` is at flat index `i * cols + j`.
+#[derive(Debug)]
+pub struct Matrix<T: Element = f32> {
+    rows: usize,
+    cols: usize,
+    pub(crate) storage: Storage<T>,
+}
+
+impl<T: Element> Matrix<T> {
+    pub fn rows(&self) -> usize {
+        self.rows
+    }
+    pub fn cols(&self) -> usize {
+        self.cols
+    }
+    /// `(rows, cols)`.
+    pub fn shape(&self) -> (usize, usize) {
+        (self.rows, self.cols)
+    }
+    /// Number of elements.
+    pub fn len(&self) -> usize {
+        self.rows * self.cols
+    }
+    /// True when the matrix has no element.
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+    fn storage_name(&self) -> &'static str {
+        match self.storage {
+            Storage::Host(_) => "host memory",
+            Storage::Cuda(_) => "cuda",
+        }
+    }
+    /// Copies the elements back to the host (row-major).
+    pub fn to_vec(&self) -> Result<Vec<T>> {
+        match &self.storage {
+            Storage::Host(v) => Ok(v.clone()),
+            Storage::Cuda(s) => Ok(s.stream().clone_dtoh(s)?),
+        }
+    }
+    /// Host elements, when the storage is on the host (Cpu and Emulated devices).
+    pub fn host(&self) -> Option<&[T]> {
+        match &self.storage {
+            Storage::Host(v) => Some(v),
+            Storage::Cuda(_) => None,
+        }
+    }
+    /// Host elements, mutable, when the storage is on the host.
+    pub fn host_mut(&mut self) -> Option<&mut [T]> {
+        match &mut self.storage {
+            Storage::Host(v) => Some(v),
+            Storage::Cuda(_) => None,
+        }
+    }
+    /// A device-side copy.
+    pub fn try_clone(&self) -> Result<Self> {
+        let storage = match &self.storage {
+            Storage::Host(v) => Storage::Host(v.clone()),
+            Storage::Cuda(s) => Storage::Cuda(s.stream().clone_dtod(s)?),
+        };
+        Ok(Self {
+            rows: self.rows,
+            cols: self.cols,
+            storage,
+        })
+    }
+}

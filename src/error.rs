@@ -1,0 +1,169 @@
+//! One typed error for the whole crate. Every public entry point returns [`Result`];
+//! no input, however bad, makes grng panic.
+
+use std::fmt;
+
+/// Crate-wide result alias.
+pub type Result<T, E = Error> = std::result::Result<T, E>;
+
+/// Everything that can go wrong in grng. Messages name the argument and what was expected.
+#[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
+pub enum Error {
+    /// An argument has the wrong shape or length.
+    #[error("{op}: `{arg}` has shape {got}, expected {expected}")]
+    Shape {
+        op: &'static str,
+        arg: &'static str,
+        expected: String,
+        got: String,
+    },
+    /// An argument holds NaN or ±Inf.
+    #[error("{op}: `{arg}` holds a non-finite value ({value}) at flat index {index}")]
+    NonFinite {
+        op: &'static str,
+        arg: &'static str,
+        index: usize,
+        value: f32,
+    },
+    /// A hyperparameter or scalar argument is outside its valid range.
+    #[error("{op}: `{arg}` = {value} is invalid, expected {expected}")]
+    Value {
+        op: &'static str,
+        arg: &'static str,
+        value: f64,
+        expected: &'static str,
+    },
+    /// A matrix that must be symmetric positive definite is not (Cholesky pivot ≤ 0).
+    #[error("{op}: matrix is not symmetric positive definite (pivot {pivot} at index {index})")]
+    NotSpd {
+        op: &'static str,
+        index: usize,
+        pivot: f64,
+    },
+    /// An iteration diverged or stalled above its tolerance.
+    #[error("{op}: {reason} after {iterations} iterations (residual {residual:e})")]
+    Diverged {
+        op: &'static str,
+        reason: DivergenceReason,
+        iterations: usize,
+        residual: f64,
+    },
+    /// The requested device is not available (no driver, no GPU, kernels not built).
+    #[error("device unavailable: {0}")]
+    DeviceUnavailable(String),
+    /// Operands live on different devices.
+    #[error("{op}: operands live on different devices ({a} and {b})")]
+    DeviceMismatch {
+        op: &'static str,
+        a: &'static str,
+        b: &'static str,
+    },
+    /// An error from the CUDA driver or NVRTC.
+    #[error("CUDA: {0}")]
+    Cuda(String),
+    /// A checkpoint could not be read or written.
+    #[error("checkpoint: {0}")]
+    Checkpoint(String),
+    /// File-system error.
+    #[error(transparent)]
+    Io(#[from] std::io::Error),
+}
+
+/// Why an iterative method gave up.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum DivergenceReason {
+    /// The residual became NaN or infinite.
+    NonFinite,
+    /// The residual grew instead of shrinking.
+    Growing,
+    /// The iteration budget ran out above the tolerance.
+    NotConverged,
+}
+
+impl fmt::Display for DivergenceReason {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(match self {
+            Self::NonFinite => "non-finite residual",
+            Self::Growing => "residual grew",
+            Self::NotConverged => "no convergence",
+        })
+    }
+}
+
+impl From<cudarc::driver::DriverError> for Error {
+    fn from(e: cudarc::driver::DriverError) -> Self {
+        Error::Cuda(e.to_string())
+    }
+}
+
+/// Shape check helper: `Err(Error::Shape)` unless `got == expected`.
+pub(crate) fn check_shape(
+    op: &'static str,
+    arg: &'static str,
+    got: (usize, usize),
+    expected: (usize, usize),
+) -> Result<()> {
+    if got == expected {
+        Ok(())
+    } else {
+        Err(Error::Shape {
+            op,
+            arg,
+            expected: format!("{}x{}", expected.0, expected.1),
+            got: format!("{}x{}", got.0, got.1),
+        })
+    }
+}
+
+/// Length check helper for flat vectors.
+pub(crate) fn check_len(
+    op: &'static str,
+    arg: &'static str,
+    got: usize,
+    expected: usize,
+) -> Result<()> {
+    if got == expected {
+        Ok(())
+    } else {
+        Err(Error::Shape {
+            op,
+            arg,
+            expected: format!("length {expected}"),
+            got: format!("length {got}"),
+        })
+    }
+}
+
+/// Finiteness check: the first NaN/Inf is reported with its index.
+pub(crate) fn check_finite(op: &'static str, arg: &'static str, xs: &[f32]) -> Result<()> {
+    match xs.iter().position(|v| !v.is_finite()) {
+        None => Ok(()),
+        Some(index) => Err(Error::NonFinite {
+            op,
+            arg,
+            index,
+            value: xs[index],
+        }),
+    }
+}
+
+/// Range check for scalars: `Err(Error::Value)` unless `ok`.
+pub(crate) fn check_value(
+    op: &'static str,
+    arg: &'static str,
+    value: f64,
+    ok: bool,
+    expected: &'static str,
+) -> Result<()> {
+    if ok && value.is_finite() {
+        Ok(())
+    } else {
+        Err(Error::Value {
+            op,
+            arg,
+            value,
+            expected,
+        })
+    }
+}
