@@ -16,4 +16,4 @@ pub mod mat;
 
 pub use device::{Device, Element, Matrix};
 pub use error::{DivergenceReason, Error, Result};
-pub use mat::{Mat, MatMut, MatRef};
+pub use mat::{Mat, MatMut, MatRef, Trans};

@@ -218,3 +218,12 @@ impl Mat<f32> {
         m
     }
 }
+
+/// Whether a GEMM operand is used as stored or transposed.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Trans {
+    /// Use the operand as stored.
+    No,
+    /// Use the operand's transpose.
+    Yes,
+}
