@@ -10,9 +10,13 @@
 
 pub mod cpu;
 pub mod cuda;
+pub mod data;
 pub mod device;
 pub mod error;
 pub mod mat;
+pub mod mlp;
+pub mod ops;
+pub mod optim;
 
 pub use device::{Device, Element, Matrix};
 pub use error::{DivergenceReason, Error, Result};

@@ -1,0 +1,60 @@
+//! Kronecker-factor accumulation `Λ = (1/m) AᵀA` (m = n): grng's SYRK (f32 and bf16 inputs)
+//! against faer's full matmul `AᵀA` on the same data. Throughput counts the GEMM-equivalent
+//! 2·m·n² flops for every contender, so a SYRK that skips the upper triangle can exceed the
+//! GEMM's rate.
+
+use criterion::{
+    criterion_group, criterion_main, BenchmarkId, Criterion, SamplingMode, Throughput,
+};
+use faer::linalg::matmul::matmul;
+use faer::{Accum, Par};
+use grng::{Mat, MatRef};
+use half::bf16;
+use rand::{Rng, SeedableRng};
+use rand_chacha::ChaCha8Rng;
+use std::time::Duration;
+
+fn bench_kron(c: &mut Criterion) {
+    let mut group = c.benchmark_group("kron_factor");
+    group
+        .sample_size(10)
+        .measurement_time(Duration::from_secs(3))
+        .warm_up_time(Duration::from_secs(1))
+        .sampling_mode(SamplingMode::Flat);
+    let mut rng = ChaCha8Rng::seed_from_u64(2);
+    for n in [256usize, 512, 1024, 2048] {
+        let m = n;
+        group.throughput(Throughput::Elements(2 * (m * n * n) as u64));
+        let a: Vec<f32> = (0..m * n).map(|_| rng.random_range(-1.0f32..1.0)).collect();
+        let abf: Vec<bf16> = a.iter().map(|&x| bf16::from_f32(x)).collect();
+        let mut factor = Mat::zeros(n, n);
+
+        group.bench_with_input(BenchmarkId::new("grng_syrk_f32", n), &n, |bch, _| {
+            let av = MatRef::new(&a, m, n).unwrap();
+            bch.iter(|| grng::cpu::syrk_ema(av, 0.0, factor.as_mut()).unwrap())
+        });
+        group.bench_with_input(BenchmarkId::new("grng_syrk_bf16", n), &n, |bch, _| {
+            let av = MatRef::new(&abf, m, n).unwrap();
+            bch.iter(|| grng::cpu::syrk_ema(av, 0.0, factor.as_mut()).unwrap())
+        });
+
+        let fa = faer::Mat::<f32>::from_fn(m, n, |i, j| a[i * n + j]);
+        let mut fc = faer::Mat::<f32>::zeros(n, n);
+        group.bench_with_input(BenchmarkId::new("faer_gemm_ata", n), &n, |bch, _| {
+            bch.iter(|| {
+                matmul(
+                    fc.as_mut(),
+                    Accum::Replace,
+                    fa.transpose(),
+                    fa.as_ref(),
+                    1.0 / m as f32,
+                    Par::rayon(0),
+                )
+            })
+        });
+    }
+    group.finish();
+}
+
+criterion_group!(benches, bench_kron);
+criterion_main!(benches);

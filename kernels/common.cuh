@@ -1,0 +1,84 @@
+// Included first by every kernel file (see kernels/README.md for the conventions).
+//
+// Two builds of the same sources:
+// - CUDA (NVRTC or nvcc → PTX): the real headers. No host standard headers here: NVRTC
+//   has none.
+// - GRNG_EMU (g++ → CPU, for tests): emu/cuda_emu.h provides the subset of CUDA we use.
+#pragma once
+
+#ifdef GRNG_EMU
+#include "emu/cuda_emu.h"
+#else
+// bf16 is converted explicitly (__float2bfloat16 / __bfloat162float) in both builds: the
+// emulated type has no implicit conversions or operators, and neither has CUDA's with these.
+#define __CUDA_NO_BFLOAT16_CONVERSIONS__
+#define __CUDA_NO_BFLOAT16_OPERATORS__
+#include <cuda_bf16.h>
+#include <mma.h>
+
+// The emulation entry point exists only in the CPU build.
+#define GRNG_EMU_ENTRY(...)
+
+// Dynamic shared memory of the launch (LaunchConfig::shared_mem bytes), 128-byte aligned.
+#define GRNG_DYN_SHARED(T, name)                                          \
+    extern __shared__ __align__(128) unsigned char grng_dyn_smem_raw_[]; \
+    T* name = reinterpret_cast<T*>(grng_dyn_smem_raw_)
+#endif
+
+#define GRNG_FULL_MASK 0xffffffffu
+
+// ceil(a / b) for positive b.
+__host__ __device__ __forceinline__ int grng_ceil_div(int a, int b) { return (a + b - 1) / b; }
+
+// Sum of `v` over the 32 lanes of a full warp, returned to every lane.
+__device__ __forceinline__ float grng_warp_sum(float v) {
+    for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(GRNG_FULL_MASK, v, o);
+    return v;
+}
+
+// Maximum of `v` over a full warp, returned to every lane.
+__device__ __forceinline__ float grng_warp_max(float v) {
+    for (int o = 16; o > 0; o >>= 1) v = fmaxf(v, __shfl_xor_sync(GRNG_FULL_MASK, v, o));
+    return v;
+}
+
+// Sum of `v` over the whole block, returned to every thread. blockDim.x * blockDim.y *
+// blockDim.z must be a multiple of 32; `scratch` is shared memory of at least 32 floats.
+// Every thread of the block must call it (it contains __syncthreads); scratch may be reused
+// right after it returns.
+__device__ __forceinline__ float grng_block_sum(float v, float* scratch) {
+    const int tid = threadIdx.x + blockDim.x * (threadIdx.y + blockDim.y * threadIdx.z);
+    const int nwarps = (blockDim.x * blockDim.y * blockDim.z) / 32;
+    v = grng_warp_sum(v);
+    if ((tid & 31) == 0) scratch[tid >> 5] = v;
+    __syncthreads();
+    float t = (tid & 31) < nwarps ? scratch[tid & 31] : 0.0f;
+    t = grng_warp_sum(t);
+    __syncthreads();
+    return t;
+}
+
+// Maximum of `v` over the whole block; same contract as grng_block_sum.
+__device__ __forceinline__ float grng_block_max(float v, float* scratch) {
+    const int tid = threadIdx.x + blockDim.x * (threadIdx.y + blockDim.y * threadIdx.z);
+    const int nwarps = (blockDim.x * blockDim.y * blockDim.z) / 32;
+    v = grng_warp_max(v);
+    if ((tid & 31) == 0) scratch[tid >> 5] = v;
+    __syncthreads();
+    float t = (tid & 31) < nwarps ? scratch[tid & 31] : __int_as_float(0xff800000);  // -inf
+    t = grng_warp_max(t);
+    __syncthreads();
+    return t;
+}
+
+// bf16 ⇄ f32 element access (round-to-nearest-even when narrowing).
+__device__ __forceinline__ float grng_ld_bf16(const __nv_bfloat16* p) {
+    return __bfloat162float(*p);
+}
+__device__ __forceinline__ void grng_st_bf16(__nv_bfloat16* p, float v) {
+    *p = __float2bfloat16_rn(v);
+}
+// Two adjacent bf16 values as floats; `p` must be 4-byte aligned.
+__device__ __forceinline__ float2 grng_ld_bf16x2(const __nv_bfloat16* p) {
+    return __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(p));
+}

@@ -1,0 +1,117 @@
+//! Dense `f32` GEMM: `C ← α·op(A)·op(B) + β·C` on row-major host views.
+//!
+//! The inner kernel is the `gemm` crate (the micro-kernels faer itself builds on), run with
+//! rayon parallelism; this module only maps grng's views and BLAS conventions onto it.
+
+use crate::error::{check_value, Error, Result};
+use crate::mat::{MatMut, MatRef, Trans};
+
+/// Shape of `op(X)` for a stored `rows x cols` operand.
+fn op_shape(t: Trans, shape: (usize, usize)) -> (usize, usize) {
+    match t {
+        Trans::No => shape,
+        Trans::Yes => (shape.1, shape.0),
+    }
+}
+
+/// `(row stride, column stride)` of `op(X)` for a row-major view with leading dimension `ld`.
+fn op_strides(t: Trans, ld: usize) -> (isize, isize) {
+    // Row-major: element (i, j) at i*ld + j. Transposing swaps the two strides.
+    match t {
+        Trans::No => (ld as isize, 1),
+        Trans::Yes => (1, ld as isize),
+    }
+}
+
+/// `C ← α·op(A)·op(B) + β·C` with `op(A)` `m x k`, `op(B)` `k x n` and `C` `m x n`, all
+/// row-major views with their own leading dimensions.
+///
+/// BLAS semantics for the scalars: `β = 0` never reads `C` (it may hold NaN), `α = 0` never
+/// reads `A` or `B`. Empty shapes are fine (`k = 0` gives `C ← β·C`).
+///
+/// # Errors
+/// [`Error::Shape`] when the inner or outer dimensions disagree, [`Error::Value`] for a
+/// non-finite `α` or `β`. Nothing is written on error.
+pub fn gemm(
+    trans_a: Trans,
+    trans_b: Trans,
+    alpha: f32,
+    a: MatRef<'_, f32>,
+    b: MatRef<'_, f32>,
+    beta: f32,
+    mut c: MatMut<'_, f32>,
+) -> Result<()> {
+    const OP: &str = "cpu::gemm";
+    check_value(OP, "alpha", alpha as f64, true, "a finite number")?;
+    check_value(OP, "beta", beta as f64, true, "a finite number")?;
+    let (m, k) = op_shape(trans_a, a.shape());
+    let (kb, n) = op_shape(trans_b, b.shape());
+    if kb != k {
+        return Err(Error::Shape {
+            op: OP,
+            arg: "b",
+            expected: format!("op(b) with {k} rows (the columns of op(a))"),
+            got: format!("op(b) of {kb}x{n}"),
+        });
+    }
+    if c.shape() != (m, n) {
+        return Err(Error::Shape {
+            op: OP,
+            arg: "c",
+            expected: format!("{m}x{n}"),
+            got: format!("{}x{}", c.rows(), c.cols()),
+        });
+    }
+    if m == 0 || n == 0 {
+        return Ok(());
+    }
+    if k == 0 || alpha == 0.0 {
+        scale(c.rb(), beta);
+        return Ok(());
+    }
+    let (a_rs, a_cs) = op_strides(trans_a, a.ld());
+    let (b_rs, b_cs) = op_strides(trans_b, b.ld());
+    let c_ld = c.ld() as isize;
+    let read_dst = beta != 0.0;
+    // SAFETY: the views were validated at construction to hold every element they address:
+    // op(A) spans m x k, op(B) k x n and C m x n with the strides above, all in bounds. `c` is
+    // a unique borrow, so C aliases neither A nor B. The crate's naming is swapped against
+    // BLAS: it computes dst := alpha·dst + beta·lhs·rhs, and ignores dst when `read_dst` is
+    // false, which is how β = 0 avoids reading a NaN-poisoned C.
+    unsafe {
+        ::gemm::gemm(
+            m,
+            n,
+            k,
+            c.data_mut().as_mut_ptr(),
+            1,
+            c_ld,
+            read_dst,
+            a.data().as_ptr(),
+            a_cs,
+            a_rs,
+            b.data().as_ptr(),
+            b_cs,
+            b_rs,
+            beta,
+            alpha,
+            false,
+            false,
+            false,
+            ::gemm::Parallelism::Rayon(0),
+        );
+    }
+    Ok(())
+}
+
+/// `C ← β·C`, with `β = 0` writing zeros without reading `C`.
+fn scale(mut c: MatMut<'_, f32>, beta: f32) {
+    for i in 0..c.rows() {
+        let row = c.row_mut(i);
+        if beta == 0.0 {
+            row.fill(0.0);
+        } else if beta != 1.0 {
+            row.iter_mut().for_each(|x| *x *= beta);
+        }
+    }
+}

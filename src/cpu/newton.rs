@@ -1,0 +1,522 @@
+//! Newton–Schulz inversion of an SPD matrix on the host (SPEC §2).
+//!
+//! With `T = AX` and `E = I − T`, one step maps `E ↦ E^p`:
+//! quadratic `X(2I − T)`, cubic `X(3I − 3T + T²)`, quartic `X(4I − T(6I − T(4I − T)))`.
+//! Every step first forms `T = AX`, whose residual `‖I − T‖_F/√n` drives the stop test, then
+//! the polynomial in `T` and its product with `X`. All products go through
+//! [`crate::cpu::gemm`].
+//!
+//! **Symmetry.** `A` is symmetric, so for any symmetric `X` the update `X·p(AX)` is a
+//! palindrome (`2X − XAX`, …) and hence symmetric: it is computed as its upper block triangle
+//! and mirrored, which also keeps `X` exactly symmetric. From the paper's and the scaled-identity
+//! starts `X` is a polynomial in `A`, so `T = AX` and the powers of `T` are symmetric too and
+//! get the same treatment (about 55–75% of a full product from n = 512 up, one full product
+//! plus a mirror below). A warm start is not a polynomial in `A`: there `T` and its powers are
+//! full products.
+//!
+//! **Stopping.** The iteration returns as soon as the residual is `≤ tol`. In exact arithmetic
+//! the residual never grows from any of the three starts, so a residual that stops falling
+//! means either the rounding floor was reached or the iteration diverges:
+//! - non-finite residual → [`DivergenceReason::NonFinite`];
+//! - once the best residual is below [`ARMED`], no improvement means the floor: `F32` mode
+//!   errs ([`DivergenceReason::NotConverged`] or, for a jump above twice the best,
+//!   [`DivergenceReason::Growing`]); `Bf16` mode returns its best iterate;
+//! - above [`ARMED`] (the first steps from the paper's start sit near 1) only a clear growth,
+//!   more than [`GROWTH_SLACK`] relative per step, is divergence ([`DivergenceReason::Growing`]);
+//! - `max_iter` exhausted → [`DivergenceReason::NotConverged`] (both modes).
+//!
+//! **Residual floors** (measured with `tests/cpu_newton.rs`' generator: `A = QᵀDQ`, random
+//! Householder `Q`, eigenvalues log-spaced in `[1/κ, 1]`, n = 256; cubic from the scaled
+//! identity; `‖I − AX‖_F/√n` of the returned `X` in `f32`):
+//!
+//! | κ | `F32` floor | `Bf16` best iterate | `Bf16` + polish |
+//! |---|---|---|---|
+//! | 10 | 2.0e-7 | 3.2e-3 | 1.0e-5 |
+//! | 33 | 4.3e-7 | 6.5e-3 | 4.2e-5 |
+//! | 100 | 1.1e-6 | 1.3e-2 | 1.6e-4 |
+//! | 1000 | 9.0e-6 | 1.2e-1 | 1.4e-2 |
+//!
+//! The `bf16` floors match SPEC's numpy figures (4.5e-3, 9e-3, 1.7e-2, 0.14): the floor is
+//! the rounding of `A` itself, `≈ 2⁻⁹·(rms relative error)·κ`-like growth, reached in 4–6
+//! cubic steps. The `f32` floor grows roughly linearly in κ (`≈ 1e-8·κ` at this n), so the
+//! default `tol = 1e-4` holds to κ ≈ 1e4.
+
+use rayon::prelude::*;
+
+use super::check_finite_view;
+use super::gemm::gemm;
+use crate::error::{check_shape, DivergenceReason, Error, Result};
+use crate::mat::{Mat, MatMut, MatRef, Trans};
+use crate::ops::newton::{InitialGuess, NewtonInfo, NewtonOptions, NewtonOrder, Precision};
+use crate::ops::norm::PowerOptions;
+
+/// Below this best residual the iteration is in its fast-convergence regime, where a residual
+/// that stops falling means the rounding floor.
+pub const ARMED: f32 = 0.5;
+
+/// Relative growth per step tolerated above [`ARMED`] (rounding noise on a residual near 1,
+/// which is far larger in `Bf16` mode) before it counts as divergence.
+pub const GROWTH_SLACK: f32 = 1e-2;
+
+/// Relative asymmetry accepted in `a` and `warm`: `|a_ij − a_ji| ≤ SYM_TOL · max|a|`.
+pub const SYM_TOL: f32 = 1e-5;
+
+/// Safety factor on the power-iteration estimate of `λ_max` (a lower bound of it).
+const LAMBDA_MARGIN: f32 = 1.1;
+
+/// Inverse of the symmetric positive definite `n x n` matrix `a` by Newton iteration; see the
+/// module docs for the arithmetic and the stopping rules, and
+/// [`crate::Device::newton_inverse`] for the contract. `warm` is used only with
+/// [`InitialGuess::Warm`].
+///
+/// # Errors
+/// [`Error::Shape`] (not square, `n = 0`, `warm` not `n x n`), [`Error::NonFinite`],
+/// [`Error::Value`] (bad options; `a` or `warm` asymmetric beyond [`SYM_TOL`]; `a = 0`; no
+/// positive eigenvalue found for the scaled identity), [`Error::Diverged`].
+pub fn newton_inverse(
+    a: MatRef<'_, f32>,
+    warm: Option<MatRef<'_, f32>>,
+    opts: &NewtonOptions,
+) -> Result<(Mat, NewtonInfo)> {
+    const OP: &str = "cpu::newton_inverse";
+    opts.validate(OP)?;
+    let n = a.rows();
+    check_shape(OP, "a", a.shape(), (n, n))?;
+    if n == 0 {
+        return Err(Error::Shape {
+            op: OP,
+            arg: "a",
+            expected: "n x n with n >= 1".into(),
+            got: "0x0".into(),
+        });
+    }
+    check_finite_view(OP, "a", a)?;
+    let a_sym = symmetric_part(OP, "a", a)?;
+    let warm_sym = match (opts.init, warm) {
+        (InitialGuess::Warm, Some(w)) => {
+            check_shape(OP, "warm", w.shape(), (n, n))?;
+            check_finite_view(OP, "warm", w)?;
+            Some(symmetric_part(OP, "warm", w)?)
+        }
+        _ => None,
+    };
+    let bf16 = opts.precision == Precision::Bf16;
+    let mut it = Iteration::new(a_sym, n, bf16);
+
+    // X₀, and whether X stays a polynomial in A (then every T-product is symmetric).
+    let (init_used, commuting) = match (opts.init, warm_sym) {
+        (InitialGuess::Paper, _) => {
+            it.x = paper_start(&it.a, n)?;
+            (InitialGuess::Paper, true)
+        }
+        (InitialGuess::Warm, Some(w)) => {
+            it.x = w;
+            it.product_t()?;
+            if warm_acceptable(&it.t, n) {
+                (InitialGuess::Warm, false)
+            } else {
+                it.x = scaled_identity(&it.a, n, opts.lambda_low)?;
+                (InitialGuess::ScaledIdentity, true)
+            }
+        }
+        (InitialGuess::ScaledIdentity | InitialGuess::Warm, _) => {
+            it.x = scaled_identity(&it.a, n, opts.lambda_low)?;
+            (InitialGuess::ScaledIdentity, true)
+        }
+    };
+    if init_used != InitialGuess::Warm {
+        it.product_t()?;
+    }
+
+    let mut history = Vec::new();
+    let mut iterations = 0;
+    let mut best_r = f32::INFINITY;
+    let mut best_iter = 0;
+    let mut prev_r = f32::INFINITY;
+    let diverged = |reason, iterations, residual: f32| Error::Diverged {
+        op: OP,
+        reason,
+        iterations,
+        residual: residual as f64,
+    };
+    loop {
+        let r = residual(&it.t, n);
+        history.push(r);
+        if !r.is_finite() {
+            if bf16 && best_r < ARMED {
+                break;
+            }
+            return Err(diverged(DivergenceReason::NonFinite, iterations, r));
+        }
+        if r <= opts.tol {
+            best_r = r;
+            best_iter = iterations;
+            if bf16 {
+                it.best.clone_from(&it.x);
+            }
+            break;
+        }
+        if r < best_r {
+            best_r = r;
+            best_iter = iterations;
+            if bf16 {
+                it.best.clone_from(&it.x);
+            }
+        } else if best_r < ARMED {
+            if bf16 {
+                break;
+            }
+            let reason = if r > 2.0 * best_r {
+                DivergenceReason::Growing
+            } else {
+                DivergenceReason::NotConverged
+            };
+            return Err(diverged(reason, iterations, best_r));
+        } else if r > prev_r * (1.0 + GROWTH_SLACK) {
+            return Err(diverged(DivergenceReason::Growing, iterations, r));
+        }
+        if iterations == opts.max_iter {
+            return Err(diverged(DivergenceReason::NotConverged, iterations, r));
+        }
+        prev_r = r;
+        it.step(opts.order, commuting)?;
+        iterations += 1;
+        it.product_t()?;
+    }
+
+    if !bf16 {
+        let info = NewtonInfo {
+            residual: best_r,
+            iterations: best_iter,
+            init_used,
+            residual_history: history,
+            polished: false,
+        };
+        return Ok((Mat::from_vec(it.x, n, n)?, info));
+    }
+    // Bf16: the honest residual of the best iterate, in f32, then the optional polish.
+    it.bf16 = false;
+    it.x = std::mem::take(&mut it.best);
+    it.product_t()?;
+    let r_best = residual(&it.t, n);
+    let mut out = NewtonInfo {
+        residual: r_best,
+        iterations: best_iter,
+        init_used,
+        residual_history: history,
+        polished: false,
+    };
+    if opts.polish {
+        let x_best = it.x.clone();
+        it.step(NewtonOrder::Quadratic, false)?;
+        it.product_t()?;
+        let r_pol = residual(&it.t, n);
+        if r_pol < r_best {
+            out.residual = r_pol;
+            out.polished = true;
+        } else {
+            it.x = x_best;
+        }
+    }
+    if !out.residual.is_finite() {
+        return Err(diverged(
+            DivergenceReason::NonFinite,
+            best_iter,
+            out.residual,
+        ));
+    }
+    Ok((Mat::from_vec(it.x, n, n)?, out))
+}
+
+/// The iteration's buffers (all `n x n`, row-major).
+struct Iteration {
+    n: usize,
+    bf16: bool,
+    /// `A` (symmetric part), `f32`.
+    a: Vec<f32>,
+    /// `A` rounded to `bf16` (empty in `F32` mode).
+    a_bf: Vec<f32>,
+    /// The iterate.
+    x: Vec<f32>,
+    /// `T = AX`.
+    t: Vec<f32>,
+    /// The best iterate so far (`Bf16` mode).
+    best: Vec<f32>,
+    /// Scratch: `T²`, `U`, the polynomial, the new iterate, rounded operands.
+    w1: Vec<f32>,
+    w2: Vec<f32>,
+    w3: Vec<f32>,
+    r1: Vec<f32>,
+    r2: Vec<f32>,
+}
+
+impl Iteration {
+    fn new(a: Vec<f32>, n: usize, bf16: bool) -> Self {
+        let mut a_bf = Vec::new();
+        if bf16 {
+            a_bf = vec![0.0; n * n];
+            round_bf16(&a, &mut a_bf);
+        }
+        let z = || vec![0.0f32; n * n];
+        Self {
+            n,
+            bf16,
+            a,
+            a_bf,
+            x: Vec::new(),
+            t: z(),
+            best: Vec::new(),
+            w1: z(),
+            w2: z(),
+            w3: z(),
+            r1: z(),
+            r2: z(),
+        }
+    }
+
+    /// `T ← A X`, always a full product: its deviation from symmetry is the first-order
+    /// information that makes the iteration self-correcting (mirroring it is unstable).
+    fn product_t(&mut self) -> Result<()> {
+        let a = if self.bf16 { &self.a_bf } else { &self.a };
+        let x = operand(&self.x, &mut self.r1, self.bf16);
+        product(a, x, &mut self.t, self.n, false)
+    }
+
+    /// `X ← X p(T)` for the given order; the T-products are symmetric when `commuting`.
+    fn step(&mut self, order: NewtonOrder, commuting: bool) -> Result<()> {
+        let n = self.n;
+        let bf = self.bf16;
+        // E = I − T; the step is X ← X + X·F with F = E, E + E², E + E² + E³
+        // (= X p(T) for the three orders). Forming the small correction F and adding X in
+        // f32 keeps E's digits: rounding T ≈ I or p(T) ≈ I to bf16 would lose them.
+        affine_identity(&mut self.w1, &self.t, -1.0, 1.0, n);
+        let f: &[f32] = match order {
+            NewtonOrder::Quadratic => &self.w1,
+            NewtonOrder::Cubic | NewtonOrder::Quartic => {
+                let er = operand(&self.w1, &mut self.r1, bf);
+                product(er, er, &mut self.w2, n, commuting)?;
+                if order == NewtonOrder::Quartic {
+                    let e2r = operand(&self.w2, &mut self.r2, bf);
+                    product(e2r, er, &mut self.w3, n, commuting)?;
+                    add_assign(&mut self.w2, &self.w3);
+                }
+                add_assign(&mut self.w2, &self.w1);
+                &self.w2
+            }
+        };
+        let fr = operand(f, &mut self.r2, bf);
+        let xr = operand(&self.x, &mut self.r1, bf);
+        product(xr, fr, &mut self.w3, n, true)?;
+        add_assign(&mut self.w3, &self.x);
+        std::mem::swap(&mut self.x, &mut self.w3);
+        Ok(())
+    }
+}
+
+/// `dst ← dst + src`.
+fn add_assign(dst: &mut [f32], src: &[f32]) {
+    dst.par_chunks_mut(4096)
+        .zip(src.par_chunks(4096))
+        .for_each(|(d, s)| d.iter_mut().zip(s).for_each(|(d, &s)| *d += s));
+}
+
+/// `dst ← s·src + d·I`.
+fn affine_identity(dst: &mut [f32], src: &[f32], s: f32, d: f32, n: usize) {
+    dst.par_chunks_mut(n)
+        .zip(src.par_chunks(n))
+        .enumerate()
+        .for_each(|(i, (o, x))| {
+            o.iter_mut().zip(x).for_each(|(o, &x)| *o = s * x);
+            o[i] += d;
+        });
+}
+
+/// The product operand for `src`: itself in `f32` mode, its `bf16` rounding (in `buf`) else.
+fn operand<'a>(src: &'a [f32], buf: &'a mut [f32], bf16: bool) -> &'a [f32] {
+    if bf16 {
+        round_bf16(src, buf);
+        buf
+    } else {
+        src
+    }
+}
+
+/// `dst ← bf16(src)` widened back to `f32` (exact), round-to-nearest-even.
+fn round_bf16(src: &[f32], dst: &mut [f32]) {
+    dst.par_chunks_mut(4096)
+        .zip(src.par_chunks(4096))
+        .for_each(|(d, s)| {
+            d.iter_mut()
+                .zip(s)
+                .for_each(|(d, &s)| *d = half::bf16::from_f32(s).to_f32());
+        });
+}
+
+/// `C ← A B` (`n x n`). With `sym` the result is known to be symmetric: only the block rows'
+/// upper parts (`C[r0.., r0..]`) are computed, in a few GEMMs, and mirrored.
+fn product(a: &[f32], b: &[f32], c: &mut [f32], n: usize, sym: bool) -> Result<()> {
+    let blocks = if sym { (n / 256).clamp(1, 8) } else { 1 };
+    let nb = n.div_ceil(blocks);
+    let mut r0 = 0;
+    while r0 < n {
+        let rows = nb.min(n - r0);
+        // Column offset: the upper part only when the result is symmetric.
+        let c0 = if sym { r0 } else { 0 };
+        gemm(
+            Trans::No,
+            Trans::No,
+            1.0,
+            MatRef::with_ld(&a[r0 * n..], rows, n, n)?,
+            MatRef::with_ld(&b[c0..], n, n - c0, n)?,
+            0.0,
+            MatMut::with_ld(&mut c[r0 * n + c0..], rows, n - c0, n)?,
+        )?;
+        r0 += rows;
+    }
+    if sym {
+        mirror_upper(c, n);
+    }
+    Ok(())
+}
+
+/// `c_ij ← c_ji` for `i > j`, in cache-sized tiles.
+fn mirror_upper(c: &mut [f32], n: usize) {
+    const TILE: usize = 64;
+    for bi in (0..n).step_by(TILE) {
+        for bj in (0..=bi).step_by(TILE) {
+            for i in bi..(bi + TILE).min(n) {
+                for j in bj..(bj + TILE).min(i) {
+                    c[i * n + j] = c[j * n + i];
+                }
+            }
+        }
+    }
+}
+
+/// `‖I − T‖_F / √n`, summed in `f64`.
+fn residual(t: &[f32], n: usize) -> f32 {
+    let s: f64 = t
+        .par_chunks(n)
+        .enumerate()
+        .map(|(i, row)| {
+            row.iter()
+                .enumerate()
+                .map(|(j, &v)| {
+                    let e = if i == j { 1.0 - v as f64 } else { -(v as f64) };
+                    e * e
+                })
+                .sum::<f64>()
+        })
+        .sum();
+    (s / n as f64).sqrt() as f32
+}
+
+/// Whether `‖I − T‖₂ < 1`, through the upper bounds `‖·‖_F` and `√(‖·‖₁‖·‖∞)`.
+fn warm_acceptable(t: &[f32], n: usize) -> bool {
+    let e = |i: usize, j: usize| {
+        let v = t[i * n + j] as f64;
+        if i == j {
+            1.0 - v
+        } else {
+            -v
+        }
+    };
+    let fro = residual(t, n) as f64 * (n as f64).sqrt();
+    let inf = (0..n)
+        .map(|i| (0..n).map(|j| e(i, j).abs()).sum::<f64>())
+        .fold(0.0, f64::max);
+    let one = (0..n)
+        .map(|j| (0..n).map(|i| e(i, j).abs()).sum::<f64>())
+        .fold(0.0, f64::max);
+    fro.min((inf * one).sqrt()) < 1.0
+}
+
+/// The symmetric part of a square view after checking it is symmetric to [`SYM_TOL`].
+fn symmetric_part(op: &'static str, arg: &'static str, a: MatRef<'_, f32>) -> Result<Vec<f32>> {
+    let n = a.rows();
+    let max = (0..n)
+        .flat_map(|i| a.row(i).iter())
+        .fold(0.0f32, |m, v| m.max(v.abs()));
+    let mut worst = 0.0f32;
+    let mut s = vec![0.0f32; n * n];
+    for i in 0..n {
+        for j in 0..n {
+            let (x, y) = (a.at(i, j), a.at(j, i));
+            worst = worst.max((x - y).abs());
+            s[i * n + j] = 0.5 * (x + y);
+        }
+    }
+    if worst > SYM_TOL * max {
+        return Err(Error::Value {
+            op,
+            arg,
+            value: (worst / max) as f64,
+            expected: "a symmetric matrix (max |a_ij - a_ji| / max |a| <= 1e-5)",
+        });
+    }
+    Ok(s)
+}
+
+/// The paper's `X₀ = Aᵀ / (‖A‖₁ ‖A‖∞)` for a symmetric `A`.
+fn paper_start(a: &[f32], n: usize) -> Result<Vec<f32>> {
+    let inf = a
+        .chunks(n)
+        .map(|r| r.iter().map(|v| v.abs() as f64).sum::<f64>())
+        .fold(0.0, f64::max);
+    let one = (0..n)
+        .map(|j| (0..n).map(|i| a[i * n + j].abs() as f64).sum::<f64>())
+        .fold(0.0, f64::max);
+    let prod = inf * one;
+    if prod == 0.0 {
+        return Err(zero_matrix());
+    }
+    let alpha = 1.0 / prod;
+    // Symmetric, so Aᵀ = A.
+    Ok(a.iter().map(|&v| (v as f64 * alpha) as f32).collect())
+}
+
+/// `X₀ = c I`, `c = 2/(λ_hi + λ_low)`, `λ_hi = min(1.1 · power estimate, ‖A‖∞) ≥ λ_max`.
+fn scaled_identity(a: &[f32], n: usize, lambda_low: f32) -> Result<Vec<f32>> {
+    let inf = a
+        .chunks(n)
+        .map(|r| r.iter().map(|v| v.abs()).sum::<f32>())
+        .fold(0.0f32, f32::max);
+    if inf == 0.0 {
+        return Err(zero_matrix());
+    }
+    let power = super::norm::spectral_norm(
+        MatRef::new(a, n, n)?,
+        &PowerOptions {
+            tol: 1e-3,
+            max_iter: 60,
+        },
+    )?;
+    // Gershgorin: λ_max ≤ ‖A‖∞. An unconverged estimate falls back to that bound.
+    let hi = if power.converged {
+        (LAMBDA_MARGIN * power.value).min(inf)
+    } else {
+        inf
+    };
+    if power.value <= 0.0 {
+        return Err(Error::Value {
+            op: "cpu::newton_inverse",
+            arg: "a",
+            value: power.value as f64,
+            expected:
+                "a positive definite matrix (the power iteration found no positive eigenvalue)",
+        });
+    }
+    let c = 2.0 / (hi + lambda_low.min(hi));
+    let mut x = vec![0.0f32; n * n];
+    (0..n).for_each(|i| x[i * n + i] = c);
+    Ok(x)
+}
+
+fn zero_matrix() -> Error {
+    Error::Value {
+        op: "cpu::newton_inverse",
+        arg: "a",
+        value: 0.0,
+        expected: "a nonzero (positive definite) matrix",
+    }
+}

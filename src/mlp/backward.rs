@@ -1,0 +1,228 @@
+//! Backward passes: the loss gradient with per-layer statistics, sampled labels and the three
+//! Fisher modes.
+
+use rand::Rng;
+use rayon::prelude::*;
+
+use super::model::{act_deriv, min_rows, row_mut, Forward};
+use super::{Backward, FisherMode, LayerStats, Loss, Mlp, Targets, TargetsBuf};
+use crate::cpu::gemm;
+use crate::data::standard_normal;
+use crate::error::Result;
+use crate::mat::{Mat, MatMut, Trans};
+
+impl Mlp {
+    /// Backpropagates output gradients `e_out` (`M x d_L`, `M = m·r`, row `i` belonging to
+    /// sample `i / r`) to every layer: returns `E_l` (`M x d_{l+1}`), layer 0 first. Linear in
+    /// `e_out`; `fwd` must be current (checked by the callers).
+    pub(crate) fn backprop(&self, fwd: &Forward, e_out: Mat, r: usize) -> Result<Vec<Mat>> {
+        let nl = self.num_layers();
+        let act = self.config().activation;
+        let mut es = Vec::with_capacity(nl);
+        let mut cur = e_out;
+        for l in (1..nl).rev() {
+            let d_in = self.config().sizes[l];
+            let mut next = Mat::zeros(cur.rows(), d_in);
+            // ∂ℓ/∂x_l = E_l W_l (bias column dropped), then ⊙ φ'(z_{l−1}) read off x_l = φ(z_{l−1}).
+            gemm(
+                Trans::No,
+                Trans::No,
+                1.0,
+                cur.as_ref(),
+                self.weights(l)?,
+                0.0,
+                next.as_mut(),
+            )?;
+            let h = fwd.a[l].as_ref();
+            next.as_mut_slice()
+                .par_chunks_mut(d_in)
+                .enumerate()
+                .with_min_len(min_rows(d_in))
+                .for_each(|(i, row)| {
+                    for (v, &hv) in row.iter_mut().zip(h.row(i / r)) {
+                        *v *= act_deriv(act, hv);
+                    }
+                });
+            es.push(cur);
+            cur = next;
+        }
+        es.push(cur);
+        es.reverse();
+        Ok(es)
+    }
+
+    /// Per-layer statistics, the flat mean-loss gradient (empty unless `with_grad`) and the loss.
+    fn backward_stats(
+        &self,
+        fwd: &Forward,
+        targets: Targets<'_>,
+        with_grad: bool,
+    ) -> Result<Backward> {
+        let m = fwd.batch_size();
+        let (e, loss) = self.output_grad(fwd, targets);
+        let es = self.backprop(fwd, e, 1)?;
+        let mut grad = Vec::new();
+        if with_grad {
+            grad = vec![0.0f32; self.num_params()];
+            for (l, e_l) in es.iter().enumerate() {
+                let (rows, cols) = self.layer_shape(l)?;
+                let range = self.layer_range(l)?;
+                // G_l = (1/m) E_lᵀ A_l.
+                gemm(
+                    Trans::Yes,
+                    Trans::No,
+                    1.0 / m as f32,
+                    e_l.as_ref(),
+                    fwd.a[l].as_ref(),
+                    0.0,
+                    MatMut::new(&mut grad[range], rows, cols)?,
+                )?;
+            }
+        }
+        let layers = fwd
+            .a
+            .iter()
+            .zip(es)
+            .map(|(a, e)| LayerStats { a: a.clone(), e })
+            .collect();
+        Ok(Backward { layers, grad, loss })
+    }
+
+    /// Backward pass for the data `targets`: per layer `A_l` (`m x (d_l+1)`) and `E_l`
+    /// (`m x d_{l+1}`, per-sample `∂ℓ_k/∂z_l`, not divided by `m`), the flat gradient of the mean
+    /// loss (`G_l = (1/m) E_lᵀ A_l` in layer `l`'s range) and the mean loss.
+    ///
+    /// # Errors
+    /// [`Error::Value`](crate::Error::Value) when `fwd` was not computed by this network with
+    /// its current parameters or a label is ≥ the output width; [`Error::Shape`](crate::Error::Shape)
+    /// when the targets' length/shape is not the batch's, or for value targets with softmax;
+    /// [`Error::NonFinite`](crate::Error::NonFinite) for NaN/Inf target values.
+    pub fn backward(&self, fwd: &Forward, targets: Targets<'_>) -> Result<Backward> {
+        const OP: &str = "Mlp::backward";
+        self.check_forward(OP, fwd)?;
+        self.check_targets(OP, targets, fwd.batch_size())?;
+        self.backward_stats(fwd, targets, true)
+    }
+
+    /// Labels drawn from the model's predictive distribution (SPEC §1): a class
+    /// `c ~ Categorical(ŷ_k)` per sample for softmax, `y_k ~ N(ŷ_k, I)` for squared error.
+    ///
+    /// # Errors
+    /// [`Error::Value`](crate::Error::Value) for a stale `fwd`.
+    pub fn sample_targets<R: Rng + ?Sized>(&self, fwd: &Forward, rng: &mut R) -> Result<TargetsBuf> {
+        self.check_forward("Mlp::sample_targets", fwd)?;
+        let y = fwd.outputs();
+        Ok(match self.config().loss {
+            Loss::SoftmaxCrossEntropy => TargetsBuf::Classes(
+                (0..y.rows())
+                    .map(|k| sample_class(y.row(k), rng.random::<f64>()))
+                    .collect(),
+            ),
+            Loss::SquaredError => {
+                let mut t = fwd.y.clone();
+                for v in t.as_mut_slice() {
+                    *v += standard_normal(rng) as f32;
+                }
+                TargetsBuf::Values(t)
+            }
+        })
+    }
+
+    /// Backward pass with labels sampled by [`Mlp::sample_targets`]: the statistics of the
+    /// true-Fisher error factor `Γ` and the flat gradient for those labels (Sophia-G's
+    /// Gauss–Newton–Bartlett estimator); `loss` is the loss on the sampled labels.
+    pub fn backward_sampled<R: Rng + ?Sized>(&self, fwd: &Forward, rng: &mut R) -> Result<Backward> {
+        let t = self.sample_targets(fwd, rng)?;
+        self.backward_stats(fwd, t.as_targets(), true)
+    }
+
+    /// Per-layer statistics for the Kronecker factors `Λ = (1/rows) aᵀa`, `Γ = (1/rows) eᵀe`
+    /// in the given [`FisherMode`]: `m` rows for `Sampled` (labels drawn with `rng`) and
+    /// `Empirical` (the data `targets`); `m·d_L` rows for `Exact` (see [`FisherMode::Exact`]).
+    /// `targets` is checked in every mode so a misuse is caught, but only `Empirical` reads it;
+    /// only `Sampled` draws from `rng`.
+    ///
+    /// # Errors
+    /// As [`Mlp::backward`].
+    pub fn fisher_stats<R: Rng + ?Sized>(
+        &self,
+        fwd: &Forward,
+        mode: FisherMode,
+        targets: Targets<'_>,
+        rng: &mut R,
+    ) -> Result<Vec<LayerStats>> {
+        const OP: &str = "Mlp::fisher_stats";
+        self.check_forward(OP, fwd)?;
+        self.check_targets(OP, targets, fwd.batch_size())?;
+        match mode {
+            FisherMode::Empirical => Ok(self.backward_stats(fwd, targets, false)?.layers),
+            FisherMode::Sampled => {
+                let t = self.sample_targets(fwd, rng)?;
+                Ok(self.backward_stats(fwd, t.as_targets(), false)?.layers)
+            }
+            FisherMode::Exact => self.exact_fisher_stats(fwd),
+        }
+    }
+
+    /// [`FisherMode::Exact`]: `C = d_L` weighted rows per sample (the trick is documented there).
+    fn exact_fisher_stats(&self, fwd: &Forward) -> Result<Vec<LayerStats>> {
+        let m = fwd.batch_size();
+        let c = self.output_dim();
+        let mut e = Mat::zeros(m * c, c);
+        let sqrt_c = (c as f32).sqrt();
+        for k in 0..m {
+            let p = fwd.y.as_ref().row(k);
+            for cls in 0..c {
+                let row = row_mut(&mut e, k * c + cls);
+                match self.config().loss {
+                    Loss::SoftmaxCrossEntropy => {
+                        let w = (c as f32 * p[cls]).sqrt();
+                        for (r, &pj) in row.iter_mut().zip(p) {
+                            *r = w * pj;
+                        }
+                        row[cls] -= w;
+                    }
+                    // E[e eᵀ] = I for y ~ N(ŷ, I): the basis vectors with equal weights.
+                    Loss::SquaredError => row[cls] = sqrt_c,
+                }
+            }
+        }
+        let es = self.backprop(fwd, e, c)?;
+        Ok(fwd
+            .a
+            .iter()
+            .zip(es)
+            .map(|(a, e)| LayerStats {
+                a: repeat_rows(a, c),
+                e,
+            })
+            .collect())
+    }
+}
+
+/// Each row of `a` repeated `r` times in place (`(rows·r) x cols`).
+fn repeat_rows(a: &Mat, r: usize) -> Mat {
+    let cols = a.cols();
+    let mut out = Mat::zeros(a.rows() * r, cols);
+    for (i, dst) in out.as_mut_slice().chunks_mut(cols).enumerate() {
+        dst.copy_from_slice(a.as_ref().row(i / r));
+    }
+    out
+}
+
+/// Inverse-CDF draw from the probabilities `p` with a uniform `u ∈ [0, 1)`; rounding that
+/// leaves the cumulative sum below `u` falls back to the last class with positive probability.
+fn sample_class(p: &[f32], u: f64) -> usize {
+    let mut cum = 0.0f64;
+    let mut last = 0;
+    for (j, &pj) in p.iter().enumerate() {
+        if pj > 0.0 {
+            last = j;
+            cum += pj as f64;
+            if u < cum {
+                return j;
+            }
+        }
+    }
+    last
+}

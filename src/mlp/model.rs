@@ -1,0 +1,524 @@
+//! Parameters, initialisation, the forward pass, losses and the shared row kernels.
+
+use std::ops::Range;
+use std::sync::atomic::{AtomicU64, Ordering};
+
+use rand::{Rng, SeedableRng};
+use rand_chacha::ChaCha8Rng;
+use rayon::prelude::*;
+
+use super::{Activation, Loss, MlpConfig, Targets};
+use crate::cpu::gemm;
+use crate::error::{check_finite, check_len, check_shape, check_value, Error, Result};
+use crate::mat::{Mat, MatMut, MatRef, Trans};
+
+/// Source of parameter-state stamps: every new, cloned or mutated parameter vector gets a fresh
+/// one, so a [`Forward`] computed with other parameters is caught instead of silently mixed.
+static STAMPS: AtomicU64 = AtomicU64::new(1);
+
+fn next_stamp() -> u64 {
+    STAMPS.fetch_add(1, Ordering::Relaxed)
+}
+
+/// Rows per rayon task in the element-wise row loops: small batches stay sequential.
+pub(crate) fn min_rows(cols: usize) -> usize {
+    (8192 / cols.max(1)).max(1)
+}
+
+/// Multilayer perceptron with one flat parameter vector (layout in the module docs).
+#[derive(Debug)]
+pub struct Mlp {
+    config: MlpConfig,
+    params: Vec<f32>,
+    /// `offsets[l]..offsets[l + 1]` is layer `l`'s `W̄_l`.
+    offsets: Vec<usize>,
+    stamp: u64,
+}
+
+impl Clone for Mlp {
+    fn clone(&self) -> Self {
+        Self {
+            config: self.config.clone(),
+            params: self.params.clone(),
+            offsets: self.offsets.clone(),
+            stamp: next_stamp(),
+        }
+    }
+}
+
+/// What the forward pass caches for the backward passes.
+#[derive(Clone, Debug)]
+pub struct Forward {
+    /// Per layer `l`, `m x (d_l + 1)`: augmented inputs `[x̄_l]` (hidden part `φ(z_{l−1})`).
+    pub(crate) a: Vec<Mat>,
+    /// `m x d_L`: last-layer pre-activations.
+    pub(crate) logits: Mat,
+    /// `m x d_L`: model outputs `ŷ` (probabilities for softmax, `= logits` for squared error).
+    pub(crate) y: Mat,
+    pub(crate) stamp: u64,
+}
+
+impl Forward {
+    /// Batch size `m`.
+    pub fn batch_size(&self) -> usize {
+        self.logits.rows()
+    }
+    /// Augmented inputs of layer `l`, `m x (d_l + 1)` (last column 1); `None` past the last layer.
+    pub fn inputs(&self, l: usize) -> Option<MatRef<'_, f32>> {
+        self.a.get(l).map(Mat::as_ref)
+    }
+    /// Last-layer pre-activations `z_L`, `m x d_L`.
+    pub fn logits(&self) -> MatRef<'_, f32> {
+        self.logits.as_ref()
+    }
+    /// Model outputs `ŷ`, `m x d_L`: class probabilities (softmax) or raw outputs (squared error).
+    pub fn outputs(&self) -> MatRef<'_, f32> {
+        self.y.as_ref()
+    }
+    /// Index of the largest output per sample (first one on ties).
+    pub fn argmax(&self) -> Vec<usize> {
+        (0..self.y.rows())
+            .map(|k| {
+                let row = self.y.as_ref().row(k);
+                let mut best = 0;
+                for (j, &v) in row.iter().enumerate() {
+                    if v > row[best] {
+                        best = j;
+                    }
+                }
+                best
+            })
+            .collect()
+    }
+}
+
+impl Mlp {
+    /// A new network with the documented initialisation, deterministic in `seed`:
+    /// weights `U(−s, s)` with Glorot's `s = √(6/(d_in + d_out))` for tanh networks and He's
+    /// `s = √(6/d_in)` for ReLU networks (the output layer uses the same rule); biases 0.
+    ///
+    /// # Errors
+    /// [`Error::Shape`] unless `sizes` has at least two entries, all ≥ 1.
+    pub fn new(config: MlpConfig, seed: u64) -> Result<Self> {
+        if config.sizes.len() < 2 || config.sizes.contains(&0) {
+            return Err(Error::Shape {
+                op: "Mlp::new",
+                arg: "sizes",
+                expected: "at least two layer widths, all >= 1".into(),
+                got: format!("{:?}", config.sizes),
+            });
+        }
+        let mut offsets = vec![0];
+        for w in config.sizes.windows(2) {
+            offsets.push(offsets.last().copied().unwrap_or(0) + w[1] * (w[0] + 1));
+        }
+        let n = offsets.last().copied().unwrap_or(0);
+        let mut params = vec![0.0f32; n];
+        let mut rng = ChaCha8Rng::seed_from_u64(seed);
+        for (l, w) in config.sizes.windows(2).enumerate() {
+            let (d_in, d_out) = (w[0], w[1]);
+            let s = match config.activation {
+                Activation::Tanh => (6.0 / (d_in + d_out) as f64).sqrt(),
+                Activation::Relu => (6.0 / d_in as f64).sqrt(),
+            } as f32;
+            let layer = &mut params[offsets[l]..offsets[l + 1]];
+            for row in layer.chunks_mut(d_in + 1) {
+                for v in &mut row[..d_in] {
+                    *v = rng.random_range(-s..s);
+                }
+            }
+        }
+        Ok(Self {
+            config,
+            params,
+            offsets,
+            stamp: next_stamp(),
+        })
+    }
+
+    /// The configuration this network was built with.
+    pub fn config(&self) -> &MlpConfig {
+        &self.config
+    }
+    /// Number of layers `L` (weight matrices).
+    pub fn num_layers(&self) -> usize {
+        self.offsets.len() - 1
+    }
+    /// Total number of parameters `n`.
+    pub fn num_params(&self) -> usize {
+        self.params.len()
+    }
+    /// Input width `d_0`.
+    pub fn input_dim(&self) -> usize {
+        self.config.sizes[0]
+    }
+    /// Output width `d_L` (number of classes for softmax).
+    pub fn output_dim(&self) -> usize {
+        self.config.sizes[self.num_layers()]
+    }
+
+    fn check_layer(&self, op: &'static str, l: usize) -> Result<()> {
+        if l < self.num_layers() {
+            Ok(())
+        } else {
+            Err(Error::Value {
+                op,
+                arg: "l",
+                value: l as f64,
+                expected: "a layer index < num_layers()",
+            })
+        }
+    }
+
+    /// `(d_out, d_in + 1)`: the shape of layer `l`'s augmented `W̄_l`.
+    pub fn layer_shape(&self, l: usize) -> Result<(usize, usize)> {
+        self.check_layer("Mlp::layer_shape", l)?;
+        Ok((self.config.sizes[l + 1], self.config.sizes[l] + 1))
+    }
+    /// Every layer's `(d_out, d_in + 1)`, layer 0 first.
+    pub fn layer_shapes(&self) -> Vec<(usize, usize)> {
+        self.config
+            .sizes
+            .windows(2)
+            .map(|w| (w[1], w[0] + 1))
+            .collect()
+    }
+    /// Where layer `l`'s `W̄_l` (row-major) sits in the flat parameter vector.
+    pub fn layer_range(&self, l: usize) -> Result<Range<usize>> {
+        self.check_layer("Mlp::layer_range", l)?;
+        Ok(self.offsets[l]..self.offsets[l + 1])
+    }
+    /// Layer `l`'s `W̄_l = [W_l b_l]`, `d_out x (d_in + 1)`.
+    pub fn layer(&self, l: usize) -> Result<MatRef<'_, f32>> {
+        let (r, c) = self.layer_shape(l)?;
+        MatRef::new(&self.params[self.offsets[l]..self.offsets[l + 1]], r, c)
+    }
+    /// Layer `l`'s `W̄_l`, mutable (the parameters count as changed).
+    pub fn layer_mut(&mut self, l: usize) -> Result<MatMut<'_, f32>> {
+        let (r, c) = self.layer_shape(l)?;
+        self.stamp = next_stamp();
+        MatMut::new(&mut self.params[self.offsets[l]..self.offsets[l + 1]], r, c)
+    }
+    /// The flat parameter vector (layout in the module docs).
+    pub fn params(&self) -> &[f32] {
+        &self.params
+    }
+    /// The flat parameter vector, mutable (the parameters count as changed).
+    pub fn params_mut(&mut self) -> &mut [f32] {
+        self.stamp = next_stamp();
+        &mut self.params
+    }
+    /// Overwrites all parameters.
+    ///
+    /// # Errors
+    /// [`Error::Shape`] on a wrong length, [`Error::NonFinite`] on NaN/Inf; nothing changes then.
+    pub fn set_params(&mut self, params: &[f32]) -> Result<()> {
+        check_len("Mlp::set_params", "params", params.len(), self.params.len())?;
+        check_finite("Mlp::set_params", "params", params)?;
+        self.params.copy_from_slice(params);
+        self.stamp = next_stamp();
+        Ok(())
+    }
+
+    /// Layer `l`'s `W_l` without the bias column: `d_out x d_in` with leading dimension `d_in + 1`.
+    pub(crate) fn weights(&self, l: usize) -> Result<MatRef<'_, f32>> {
+        let (d_in, d_out) = (self.config.sizes[l], self.config.sizes[l + 1]);
+        MatRef::with_ld(
+            &self.params[self.offsets[l]..self.offsets[l + 1]],
+            d_out,
+            d_in,
+            d_in + 1,
+        )
+    }
+
+    /// Forward pass over a batch `x` (`m x d_0`, one sample per row, `m ≥ 1`), caching the
+    /// augmented layer inputs and the outputs for the backward passes.
+    ///
+    /// # Errors
+    /// [`Error::Shape`] on a wrong width or an empty batch, [`Error::NonFinite`] when `x` or the
+    /// parameters hold NaN/Inf.
+    pub fn forward(&self, x: MatRef<'_, f32>) -> Result<Forward> {
+        const OP: &str = "Mlp::forward";
+        self.check_input(OP, x)?;
+        check_finite(OP, "params", &self.params)?;
+        let m = x.rows();
+        let nl = self.num_layers();
+        let mut a = Vec::with_capacity(nl);
+        let mut a0 = Mat::zeros(m, x.cols() + 1);
+        fill_augmented(&mut a0, |k| x.row(k));
+        a.push(a0);
+        let mut logits = Mat::zeros(0, 0);
+        for l in 0..nl {
+            let d_out = self.config.sizes[l + 1];
+            let mut z = Mat::zeros(m, d_out);
+            gemm(
+                Trans::No,
+                Trans::Yes,
+                1.0,
+                a[l].as_ref(),
+                self.layer(l)?,
+                0.0,
+                z.as_mut(),
+            )?;
+            if l + 1 < nl {
+                let act = self.config.activation;
+                let mut next = Mat::zeros(m, d_out + 1);
+                next.as_mut_slice()
+                    .par_chunks_mut(d_out + 1)
+                    .zip(z.as_slice().par_chunks(d_out))
+                    .with_min_len(min_rows(d_out))
+                    .for_each(|(dst, src)| {
+                        for (d, &s) in dst.iter_mut().zip(src) {
+                            *d = match act {
+                                Activation::Tanh => s.tanh(),
+                                Activation::Relu => s.max(0.0),
+                            };
+                        }
+                        dst[d_out] = 1.0;
+                    });
+                a.push(next);
+            } else {
+                logits = z;
+            }
+        }
+        let y = match self.config.loss {
+            Loss::SquaredError => logits.clone(),
+            Loss::SoftmaxCrossEntropy => {
+                let c = logits.cols();
+                let mut y = logits.clone();
+                y.as_mut_slice()
+                    .par_chunks_mut(c)
+                    .with_min_len(min_rows(c))
+                    .for_each(softmax_in_place);
+                y
+            }
+        };
+        Ok(Forward {
+            a,
+            logits,
+            y,
+            stamp: self.stamp,
+        })
+    }
+
+    pub(crate) fn check_input(&self, op: &'static str, x: MatRef<'_, f32>) -> Result<()> {
+        if x.cols() != self.input_dim() || x.rows() == 0 {
+            return Err(Error::Shape {
+                op,
+                arg: "x",
+                expected: format!("m x {} with m >= 1", self.input_dim()),
+                got: format!("{}x{}", x.rows(), x.cols()),
+            });
+        }
+        for k in 0..x.rows() {
+            if let Some(j) = x.row(k).iter().position(|v| !v.is_finite()) {
+                return Err(Error::NonFinite {
+                    op,
+                    arg: "x",
+                    index: k * x.ld() + j,
+                    value: x.at(k, j),
+                });
+            }
+        }
+        Ok(())
+    }
+
+    /// Errors unless `fwd` was computed by this network with its current parameters.
+    pub(crate) fn check_forward(&self, op: &'static str, fwd: &Forward) -> Result<()> {
+        let shapes_ok = fwd.a.len() == self.num_layers()
+            && fwd.logits.cols() == self.output_dim()
+            && fwd.a[0].cols() == self.input_dim() + 1;
+        if !shapes_ok || fwd.stamp != self.stamp {
+            return Err(Error::Value {
+                op,
+                arg: "fwd",
+                value: fwd.stamp as f64,
+                expected: "a Forward computed by this network with its current parameters",
+            });
+        }
+        Ok(())
+    }
+
+    /// Validates `targets` for a batch of `m` samples.
+    pub(crate) fn check_targets(
+        &self,
+        op: &'static str,
+        targets: Targets<'_>,
+        m: usize,
+    ) -> Result<()> {
+        let c = self.output_dim();
+        match targets {
+            Targets::Classes(labels) => {
+                check_len(op, "targets", labels.len(), m)?;
+                if let Some(&bad) = labels.iter().find(|&&y| y >= c) {
+                    return Err(Error::Value {
+                        op,
+                        arg: "targets",
+                        value: bad as f64,
+                        expected: "class labels < the output width",
+                    });
+                }
+                Ok(())
+            }
+            Targets::Values(t) => {
+                if self.config.loss == Loss::SoftmaxCrossEntropy {
+                    return Err(Error::Shape {
+                        op,
+                        arg: "targets",
+                        expected: "class labels (softmax cross-entropy)".into(),
+                        got: format!("a {}x{} value matrix", t.rows(), t.cols()),
+                    });
+                }
+                check_shape(op, "targets", t.shape(), (m, c))?;
+                for k in 0..m {
+                    if let Some(j) = t.row(k).iter().position(|v| !v.is_finite()) {
+                        return Err(Error::NonFinite {
+                            op,
+                            arg: "targets",
+                            index: k * t.ld() + j,
+                            value: t.at(k, j),
+                        });
+                    }
+                }
+                Ok(())
+            }
+        }
+    }
+
+    /// Output gradients `E` (`m x d_L`, rows `∂ℓ_k/∂z_k`) and the mean loss, for validated targets.
+    pub(crate) fn output_grad(&self, fwd: &Forward, targets: Targets<'_>) -> (Mat, f32) {
+        let m = fwd.batch_size();
+        let c = self.output_dim();
+        let mut e = fwd.y.clone();
+        let mut total = 0.0f64;
+        for k in 0..m {
+            let z = fwd.logits.as_ref().row(k);
+            let row = row_mut(&mut e, k);
+            match (self.config.loss, targets) {
+                (Loss::SoftmaxCrossEntropy, Targets::Classes(labels)) => {
+                    let y = labels[k];
+                    // −log p_y = logsumexp(z) − z_y, stable against large logits.
+                    total += (log_sum_exp(z) - z[y] as f64).max(0.0);
+                    row[y] -= 1.0;
+                }
+                (Loss::SquaredError, Targets::Classes(labels)) => {
+                    row[labels[k]] -= 1.0;
+                    total += 0.5 * row.iter().map(|&v| v as f64 * v as f64).sum::<f64>();
+                }
+                (Loss::SquaredError, Targets::Values(t)) => {
+                    for (r, &tv) in row.iter_mut().zip(t.row(k)) {
+                        *r -= tv;
+                    }
+                    total += 0.5 * row.iter().map(|&v| v as f64 * v as f64).sum::<f64>();
+                }
+                // Rejected by `check_targets`.
+                (Loss::SoftmaxCrossEntropy, Targets::Values(_)) => {}
+            }
+        }
+        debug_assert_eq!(e.cols(), c);
+        (e, (total / m as f64) as f32)
+    }
+
+    /// Mean loss of a forward pass.
+    ///
+    /// # Errors
+    /// [`Error::Value`] for a stale `fwd`; target errors as in [`Mlp::backward`].
+    pub fn loss(&self, fwd: &Forward, targets: Targets<'_>) -> Result<f32> {
+        const OP: &str = "Mlp::loss";
+        self.check_forward(OP, fwd)?;
+        self.check_targets(OP, targets, fwd.batch_size())?;
+        Ok(self.output_grad(fwd, targets).1)
+    }
+
+    /// Forward pass and mean loss in one call.
+    pub fn evaluate(&self, x: MatRef<'_, f32>, targets: Targets<'_>) -> Result<f32> {
+        self.check_targets("Mlp::evaluate", targets, x.rows())?;
+        let fwd = self.forward(x)?;
+        self.loss(&fwd, targets)
+    }
+
+    /// Fraction of samples whose largest output is the label.
+    ///
+    /// # Errors
+    /// [`Error::Value`] for a stale `fwd` or a label ≥ the output width, [`Error::Shape`] on a
+    /// wrong number of labels.
+    pub fn accuracy(&self, fwd: &Forward, labels: &[usize]) -> Result<f32> {
+        const OP: &str = "Mlp::accuracy";
+        self.check_forward(OP, fwd)?;
+        self.check_targets(OP, Targets::Classes(labels), fwd.batch_size())?;
+        let hits = fwd
+            .argmax()
+            .iter()
+            .zip(labels)
+            .filter(|(p, y)| p == y)
+            .count();
+        Ok(hits as f32 / labels.len() as f32)
+    }
+
+    /// Predicted class (largest output) for each row of `x` (`m x d_0`).
+    pub fn predict(&self, x: MatRef<'_, f32>) -> Result<Vec<usize>> {
+        Ok(self.forward(x)?.argmax())
+    }
+}
+
+/// `dst` (`m x (d + 1)`) ← rows `[src(k), 1]`.
+fn fill_augmented<'a>(dst: &mut Mat, src: impl Fn(usize) -> &'a [f32]) {
+    let d = dst.cols() - 1;
+    for k in 0..dst.rows() {
+        let row = row_mut(dst, k);
+        row[..d].copy_from_slice(src(k));
+        row[d] = 1.0;
+    }
+}
+
+/// `log Σ exp(z)` in f64, shifted by the maximum.
+fn log_sum_exp(z: &[f32]) -> f64 {
+    let mx = z.iter().copied().fold(f32::NEG_INFINITY, f32::max) as f64;
+    mx + z.iter().map(|&v| (v as f64 - mx).exp()).sum::<f64>().ln()
+}
+
+/// Numerically stable softmax of one row.
+fn softmax_in_place(row: &mut [f32]) {
+    let mx = row.iter().copied().fold(f32::NEG_INFINITY, f32::max);
+    let mut sum = 0.0f32;
+    for v in row.iter_mut() {
+        *v = (*v - mx).exp();
+        sum += *v;
+    }
+    for v in row.iter_mut() {
+        *v /= sum;
+    }
+}
+
+/// `φ'(z)` from the activation's value `h = φ(z)`: `1 − h²` for tanh, `[h > 0]` for ReLU.
+pub(crate) fn act_deriv(act: Activation, h: f32) -> f32 {
+    match act {
+        Activation::Tanh => 1.0 - h * h,
+        Activation::Relu => {
+            if h > 0.0 {
+                1.0
+            } else {
+                0.0
+            }
+        }
+    }
+}
+
+/// `φ''(z)` from `h = φ(z)`: `−2h(1 − h²)` for tanh, 0 for ReLU (almost everywhere).
+pub(crate) fn act_second_deriv(act: Activation, h: f32) -> f32 {
+    match act {
+        Activation::Tanh => -2.0 * h * (1.0 - h * h),
+        Activation::Relu => 0.0,
+    }
+}
+
+/// Range check for scalar hyperparameters of the MLP's entry points.
+pub(crate) fn check_nonneg(op: &'static str, arg: &'static str, v: f32) -> Result<()> {
+    check_value(op, arg, v as f64, v >= 0.0, "a finite number >= 0")
+}
+
+/// Row `k` of an owned matrix, mutable.
+pub(crate) fn row_mut(a: &mut Mat, k: usize) -> &mut [f32] {
+    let c = a.cols();
+    &mut a.as_mut_slice()[k * c..(k + 1) * c]
+}

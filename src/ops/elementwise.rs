@@ -1,0 +1,337 @@
+//! Element-wise vector operations and the fused optimizer updates on a device.
+//!
+//! Operands are [`Matrix`] values of one shape; they are treated as flat vectors of
+//! `rows * cols` elements in row-major order. Each fused update states its formula; the CPU
+//! backend ([`crate::cpu::elementwise`]) and the GPU kernels (`kernels/elementwise.cu`)
+//! implement exactly those formulas, in `f32`.
+
+use super::no_kernel;
+use crate::cpu::elementwise::check_beta;
+use crate::device::{Device, Matrix};
+use crate::error::{check_shape, check_value, Error, Result};
+
+/// Scalars of one fused SGD step ([`Device::sgd_update`]).
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct SgdCoeffs {
+    /// Learning rate, finite and `≥ 0`.
+    pub lr: f32,
+    /// Heavy-ball momentum `μ`, `0 ≤ μ < 1`.
+    pub momentum: f32,
+    /// Decoupled weight decay `λ`, finite and `≥ 0`.
+    pub weight_decay: f32,
+}
+
+impl SgdCoeffs {
+    /// `Err(Error::Value)` naming the first field outside its documented range.
+    pub fn validate(&self, op: &'static str) -> Result<()> {
+        check_value(op, "lr", self.lr as f64, self.lr >= 0.0, "lr >= 0")?;
+        check_beta(op, "momentum", self.momentum)?;
+        check_value(
+            op,
+            "weight_decay",
+            self.weight_decay as f64,
+            self.weight_decay >= 0.0,
+            "weight_decay >= 0",
+        )
+    }
+}
+
+/// Scalars of one fused AdamW step ([`Device::adamw_update`]).
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct AdamWCoeffs {
+    /// Learning rate of this step (after the optimizer's schedule), finite and `≥ 0`.
+    pub lr: f32,
+    /// First-moment decay `β₁`, `0 ≤ β₁ < 1`.
+    pub beta1: f32,
+    /// Second-moment decay `β₂`, `0 ≤ β₂ < 1`.
+    pub beta2: f32,
+    /// Denominator offset `ε`, finite and `> 0`.
+    pub eps: f32,
+    /// Decoupled weight decay `λ`, finite and `≥ 0`.
+    pub weight_decay: f32,
+    /// The 1-based index `t ≥ 1` of this step, for the bias corrections.
+    pub step: u64,
+}
+
+impl AdamWCoeffs {
+    /// `Err(Error::Value)` naming the first field outside its documented range.
+    pub fn validate(&self, op: &'static str) -> Result<()> {
+        check_value(op, "lr", self.lr as f64, self.lr >= 0.0, "lr >= 0")?;
+        check_beta(op, "beta1", self.beta1)?;
+        check_beta(op, "beta2", self.beta2)?;
+        check_value(op, "eps", self.eps as f64, self.eps > 0.0, "eps > 0")?;
+        check_value(
+            op,
+            "weight_decay",
+            self.weight_decay as f64,
+            self.weight_decay >= 0.0,
+            "weight_decay >= 0",
+        )?;
+        check_value(op, "step", self.step as f64, self.step >= 1, "step >= 1")
+    }
+
+    /// `(1 − β₁ᵗ, 1 − β₂ᵗ)` computed in `f64` and rounded to `f32`; both are `> 0` for a
+    /// valid `t ≥ 1` (the smallest, `1 − β` at `t = 1`, is at least `2⁻²⁴` for `β < 1`).
+    pub fn bias_corrections(&self) -> (f32, f32) {
+        let t = self.step.min(i32::MAX as u64) as i32;
+        let bc = |b: f32| (1.0 - (b as f64).powi(t)) as f32;
+        (bc(self.beta1), bc(self.beta2))
+    }
+}
+
+/// Scalars of one fused Sophia step ([`Device::sophia_update`]).
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct SophiaCoeffs {
+    /// Learning rate, finite and `≥ 0`.
+    pub lr: f32,
+    /// Momentum decay `β₁`, `0 ≤ β₁ < 1`.
+    pub beta1: f32,
+    /// Hessian scale `γ` of the clipped ratio, finite and `> 0`.
+    pub gamma: f32,
+    /// Denominator floor `ε`, finite and `> 0`.
+    pub eps: f32,
+    /// Decoupled weight decay `λ`, finite and `≥ 0`.
+    pub weight_decay: f32,
+}
+
+impl SophiaCoeffs {
+    /// `Err(Error::Value)` naming the first field outside its documented range.
+    pub fn validate(&self, op: &'static str) -> Result<()> {
+        check_value(op, "lr", self.lr as f64, self.lr >= 0.0, "lr >= 0")?;
+        check_beta(op, "beta1", self.beta1)?;
+        check_value(
+            op,
+            "gamma",
+            self.gamma as f64,
+            self.gamma > 0.0,
+            "gamma > 0",
+        )?;
+        check_value(op, "eps", self.eps as f64, self.eps > 0.0, "eps > 0")?;
+        check_value(
+            op,
+            "weight_decay",
+            self.weight_decay as f64,
+            self.weight_decay >= 0.0,
+            "weight_decay >= 0",
+        )
+    }
+}
+
+/// Host elements of a matrix already checked to live on a host device.
+fn host(m: &Matrix) -> Result<&[f32]> {
+    m.host()
+        .ok_or_else(|| Error::DeviceUnavailable("matrix is not in host memory".into()))
+}
+
+/// Mutable host elements of a matrix already checked to live on a host device.
+fn host_mut(m: &mut Matrix) -> Result<&mut [f32]> {
+    m.host_mut()
+        .ok_or_else(|| Error::DeviceUnavailable("matrix is not in host memory".into()))
+}
+
+impl Device {
+    /// Checks that every operand lives on this device and has the shape of the first.
+    fn check_same(&self, op: &'static str, args: &[(&'static str, &Matrix)]) -> Result<()> {
+        let shape = args[0].1.shape();
+        for &(name, m) in args {
+            self.check_on(op, m)?;
+            check_shape(op, name, m.shape(), shape)?;
+        }
+        Ok(())
+    }
+
+    /// `y ← α x + y` for `x`, `y` of one shape.
+    ///
+    /// # Errors
+    /// [`Error::DeviceMismatch`], [`Error::Shape`], [`Error::Value`] for a non-finite `α`,
+    /// [`Error::NonFinite`] for NaN/Inf in `x` or `y`. `y` is unchanged on error.
+    pub fn axpy(&self, alpha: f32, x: &Matrix, y: &mut Matrix) -> Result<()> {
+        const OP: &str = "Device::axpy";
+        self.check_same(OP, &[("y", &*y), ("x", x)])?;
+        match self {
+            Device::Cpu => crate::cpu::elementwise::axpy(alpha, host(x)?, host_mut(y)?),
+            Device::Emulated | Device::Cuda(_) => Err(no_kernel(self, OP)),
+        }
+    }
+
+    /// `x ← α x`.
+    ///
+    /// # Errors
+    /// [`Error::DeviceMismatch`], [`Error::Value`] for a non-finite `α`, [`Error::NonFinite`]
+    /// for NaN/Inf in `x`. `x` is unchanged on error.
+    pub fn scale(&self, alpha: f32, x: &mut Matrix) -> Result<()> {
+        const OP: &str = "Device::scale";
+        self.check_on(OP, x)?;
+        match self {
+            Device::Cpu => crate::cpu::elementwise::scale(alpha, host_mut(x)?),
+            Device::Emulated | Device::Cuda(_) => Err(no_kernel(self, OP)),
+        }
+    }
+
+    /// Dot product `Σ xᵢ yᵢ` of two matrices of one shape (Frobenius inner product),
+    /// accumulated in `f64` (see [`crate::cpu::elementwise::dot`] for the error bound).
+    ///
+    /// # Errors
+    /// [`Error::DeviceMismatch`], [`Error::Shape`], [`Error::NonFinite`].
+    pub fn dot(&self, x: &Matrix, y: &Matrix) -> Result<f32> {
+        const OP: &str = "Device::dot";
+        self.check_same(OP, &[("x", x), ("y", y)])?;
+        match self {
+            Device::Cpu => crate::cpu::elementwise::dot(host(x)?, host(y)?),
+            Device::Emulated | Device::Cuda(_) => Err(no_kernel(self, OP)),
+        }
+    }
+
+    /// Euclidean (Frobenius) norm `√(Σ xᵢ²)`, accumulated in `f64`.
+    ///
+    /// # Errors
+    /// [`Error::DeviceMismatch`], [`Error::NonFinite`].
+    pub fn norm2(&self, x: &Matrix) -> Result<f32> {
+        const OP: &str = "Device::norm2";
+        self.check_on(OP, x)?;
+        match self {
+            Device::Cpu => crate::cpu::elementwise::norm2(host(x)?),
+            Device::Emulated | Device::Cuda(_) => Err(no_kernel(self, OP)),
+        }
+    }
+
+    /// `dst ← src` for two matrices of one shape (non-finite values are copied as they are).
+    ///
+    /// # Errors
+    /// [`Error::DeviceMismatch`], [`Error::Shape`]. `dst` is unchanged on error.
+    pub fn copy(&self, src: &Matrix, dst: &mut Matrix) -> Result<()> {
+        const OP: &str = "Device::copy";
+        self.check_same(OP, &[("dst", &*dst), ("src", src)])?;
+        match self {
+            Device::Cpu => crate::cpu::elementwise::copy(host(src)?, host_mut(dst)?),
+            Device::Emulated | Device::Cuda(_) => Err(no_kernel(self, OP)),
+        }
+    }
+
+    /// Fused SGD step with momentum buffer `b` and decoupled weight decay:
+    /// `b ← μ b + g`, `θ ← θ − lr·λ·θ − lr·b` (see [`crate::cpu::elementwise::sgd_update`]).
+    ///
+    /// # Errors
+    /// [`Error::DeviceMismatch`], [`Error::Shape`] (operands of different shapes),
+    /// [`Error::Value`] (coefficients), [`Error::NonFinite`]. Nothing is written on error.
+    pub fn sgd_update(
+        &self,
+        params: &mut Matrix,
+        grad: &Matrix,
+        momentum_buf: &mut Matrix,
+        c: &SgdCoeffs,
+    ) -> Result<()> {
+        const OP: &str = "Device::sgd_update";
+        self.check_same(
+            OP,
+            &[
+                ("params", &*params),
+                ("grad", grad),
+                ("momentum_buf", &*momentum_buf),
+            ],
+        )?;
+        c.validate(OP)?;
+        match self {
+            Device::Cpu => crate::cpu::elementwise::sgd_update(
+                host_mut(params)?,
+                host(grad)?,
+                host_mut(momentum_buf)?,
+                c,
+            ),
+            Device::Emulated | Device::Cuda(_) => Err(no_kernel(self, OP)),
+        }
+    }
+
+    /// Fused AdamW step: `m ← β₁m + (1−β₁)g`, `v ← β₂v + (1−β₂)g²`,
+    /// `θ ← θ − lr·λ·θ − lr·(m/bc₁)/(√(v/bc₂) + ε)` with `bcₖ = 1 − βₖᵗ`
+    /// (see [`crate::cpu::elementwise::adamw_update`]).
+    ///
+    /// # Errors
+    /// [`Error::DeviceMismatch`], [`Error::Shape`], [`Error::Value`] (coefficients, negative
+    /// `v`), [`Error::NonFinite`]. Nothing is written on error.
+    pub fn adamw_update(
+        &self,
+        params: &mut Matrix,
+        grad: &Matrix,
+        m: &mut Matrix,
+        v: &mut Matrix,
+        c: &AdamWCoeffs,
+    ) -> Result<()> {
+        const OP: &str = "Device::adamw_update";
+        self.check_same(
+            OP,
+            &[("params", &*params), ("grad", grad), ("m", &*m), ("v", &*v)],
+        )?;
+        c.validate(OP)?;
+        match self {
+            Device::Cpu => crate::cpu::elementwise::adamw_update(
+                host_mut(params)?,
+                host(grad)?,
+                host_mut(m)?,
+                host_mut(v)?,
+                c,
+            ),
+            Device::Emulated | Device::Cuda(_) => Err(no_kernel(self, OP)),
+        }
+    }
+
+    /// Fused Sophia step: `m ← β₁m + (1−β₁)g`,
+    /// `θ ← θ − lr·λ·θ − lr·clip(m / max(γ·h, ε), −1, 1)` with the Hessian estimate `h`
+    /// read only (see [`crate::cpu::elementwise::sophia_update`]).
+    ///
+    /// # Errors
+    /// [`Error::DeviceMismatch`], [`Error::Shape`], [`Error::Value`] (coefficients, negative
+    /// `h`), [`Error::NonFinite`]. Nothing is written on error.
+    pub fn sophia_update(
+        &self,
+        params: &mut Matrix,
+        grad: &Matrix,
+        m: &mut Matrix,
+        h: &Matrix,
+        c: &SophiaCoeffs,
+    ) -> Result<()> {
+        const OP: &str = "Device::sophia_update";
+        self.check_same(
+            OP,
+            &[("params", &*params), ("grad", grad), ("m", &*m), ("h", h)],
+        )?;
+        c.validate(OP)?;
+        match self {
+            Device::Cpu => crate::cpu::elementwise::sophia_update(
+                host_mut(params)?,
+                host(grad)?,
+                host_mut(m)?,
+                host(h)?,
+                c,
+            ),
+            Device::Emulated | Device::Cuda(_) => Err(no_kernel(self, OP)),
+        }
+    }
+
+    /// Sophia-G's Gauss–Newton–Bartlett EMA `h ← β₂h + (1−β₂)·B·ĝ⊙ĝ`, `ĝ` the mean gradient
+    /// of a batch of `B = batch` samples under model-sampled labels
+    /// (see [`crate::cpu::elementwise::sophia_hessian_ema`]).
+    ///
+    /// # Errors
+    /// [`Error::DeviceMismatch`], [`Error::Shape`], [`Error::Value`] (`β₂ ∉ [0, 1)`,
+    /// `batch = 0`, negative `h`), [`Error::NonFinite`]. `h` is unchanged on error.
+    pub fn sophia_hessian_ema(
+        &self,
+        h: &mut Matrix,
+        sampled_grad: &Matrix,
+        beta2: f32,
+        batch: usize,
+    ) -> Result<()> {
+        const OP: &str = "Device::sophia_hessian_ema";
+        self.check_same(OP, &[("h", &*h), ("sampled_grad", sampled_grad)])?;
+        match self {
+            Device::Cpu => crate::cpu::elementwise::sophia_hessian_ema(
+                host_mut(h)?,
+                host(sampled_grad)?,
+                beta2,
+                batch,
+            ),
+            Device::Emulated | Device::Cuda(_) => Err(no_kernel(self, OP)),
+        }
+    }
+}

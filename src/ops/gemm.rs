@@ -1,0 +1,68 @@
+//! Dense GEMM on a device.
+
+use super::{host_mut, host_ref, no_kernel};
+use crate::cpu::check_finite_view;
+use crate::device::{Device, Matrix};
+use crate::error::{check_shape, check_value, Error, Result};
+use crate::mat::Trans;
+
+fn op_shape(t: Trans, m: &Matrix) -> (usize, usize) {
+    match t {
+        Trans::No => m.shape(),
+        Trans::Yes => (m.cols(), m.rows()),
+    }
+}
+
+impl Device {
+    /// `C ← α·op(A)·op(B) + β·C` with `op(A)` `m x k`, `op(B)` `k x n`, `C` `m x n`.
+    ///
+    /// `β = 0` never reads `C`; `α = 0` never reads `A`, `B`.
+    ///
+    /// # Errors
+    /// [`Error::DeviceMismatch`] for an operand on another device, [`Error::Shape`] for
+    /// disagreeing dimensions, [`Error::Value`] for a non-finite `α`/`β`,
+    /// [`Error::NonFinite`] for NaN/Inf in `A`, `B`, or in `C` when `β ≠ 0`. `c` is unchanged on
+    /// error.
+    #[allow(clippy::too_many_arguments)]
+    pub fn gemm(
+        &self,
+        ta: Trans,
+        tb: Trans,
+        alpha: f32,
+        a: &Matrix,
+        b: &Matrix,
+        beta: f32,
+        c: &mut Matrix,
+    ) -> Result<()> {
+        const OP: &str = "Device::gemm";
+        self.check_on(OP, a)?;
+        self.check_on(OP, b)?;
+        self.check_on(OP, c)?;
+        check_value(OP, "alpha", alpha as f64, true, "a finite number")?;
+        check_value(OP, "beta", beta as f64, true, "a finite number")?;
+        let (m, k) = op_shape(ta, a);
+        let (kb, n) = op_shape(tb, b);
+        if kb != k {
+            return Err(Error::Shape {
+                op: OP,
+                arg: "b",
+                expected: format!("op(b) with {k} rows (the columns of op(a))"),
+                got: format!("op(b) of {kb}x{n}"),
+            });
+        }
+        check_shape(OP, "c", c.shape(), (m, n))?;
+        match self {
+            Device::Cpu => {
+                let (a, b) = (host_ref(a)?, host_ref(b)?);
+                check_finite_view(OP, "a", a)?;
+                check_finite_view(OP, "b", b)?;
+                let c = host_mut(c)?;
+                if beta != 0.0 {
+                    check_finite_view(OP, "c", c.as_ref())?;
+                }
+                crate::cpu::gemm(ta, tb, alpha, a, b, beta, c)
+            }
+            Device::Emulated | Device::Cuda(_) => Err(no_kernel(self, OP)),
+        }
+    }
+}

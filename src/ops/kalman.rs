@@ -1,0 +1,249 @@
+//! The diagonal R-Kalman step (SPEC §3, steps 1 and 3–7): options, state and the
+//! device-agnostic entry point [`Device::kalman_step`].
+
+use crate::device::{Device, Matrix};
+use crate::error::{check_shape, check_value, Error, Result};
+
+/// How the regularized observation noise `R̃` is formed from `R` (SPEC §3 step 5).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Default)]
+pub enum RForm {
+    /// `R̃ = R (I + ρR)⁻¹`, through a Cholesky solve with the SPD `I + ρR`.
+    #[default]
+    Exact,
+    /// First-order Neumann form `R̃ = R (I − ρR)`: agrees with the exact form to `O(ρ²)`,
+    /// valid for `ρ‖R‖₂ ≪ 1` (for `ρ‖R‖₂ ≥ 1` it is no longer PSD).
+    Neumann,
+}
+
+/// Hyperparameters of one R-Kalman step. Defaults follow SPEC §6.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct KalmanOptions {
+    /// Forgetting factor of the `R` EMA, `0 ≤ β ≤ 1`. Default `0.97` (paper: 0.96–0.98).
+    pub beta: f32,
+    /// Gradient regularizer `ρ ≥ 0`; `0` is the plain diagonal EKF. Default `1e-4` (the
+    /// paper's well-performing ρ for its regularized optimizers).
+    pub rho: f32,
+    /// Diagonal process noise `q ≥ 0` added to `σ` before the update. Default `0`.
+    pub process_noise: f32,
+    /// Positivity floor of `σ`, `> 0`: an entry that the update would push below it is set to
+    /// `min(floor, σ⁻_i)`. Default `1e-10` (σ₀ is 0.04–0.2, so only collapsed entries hit it).
+    pub sigma_floor: f32,
+    /// Relative jitter `> 0`: `S` is factored as `S + δI`, `δ = jitter · mean(diag S)`
+    /// (`δ = jitter` when that diagonal is all zero). Default `1e-7`, far below the `f32`
+    /// resolution of the streaming pass yet enough for a rank-deficient `S` in `f64`.
+    pub jitter: f32,
+    /// How many times `δ` may be multiplied by 10 while the Cholesky factorization of `S`
+    /// fails. Default `6`.
+    pub max_jitter_escalations: usize,
+    /// Exact or Neumann `R̃`. Default [`RForm::Exact`].
+    pub r_form: RForm,
+}
+
+impl Default for KalmanOptions {
+    fn default() -> Self {
+        Self {
+            beta: 0.97,
+            rho: 1e-4,
+            process_noise: 0.0,
+            sigma_floor: 1e-10,
+            jitter: 1e-7,
+            max_jitter_escalations: 6,
+            r_form: RForm::Exact,
+        }
+    }
+}
+
+impl KalmanOptions {
+    /// `Err(Error::Value)` for a parameter outside the range its field documents.
+    pub fn validate(&self, op: &'static str) -> Result<()> {
+        check_value(
+            op,
+            "beta",
+            self.beta as f64,
+            (0.0..=1.0).contains(&self.beta),
+            "0 <= beta <= 1",
+        )?;
+        check_value(op, "rho", self.rho as f64, self.rho >= 0.0, "rho >= 0")?;
+        check_value(
+            op,
+            "process_noise",
+            self.process_noise as f64,
+            self.process_noise >= 0.0,
+            "process_noise >= 0",
+        )?;
+        check_value(
+            op,
+            "sigma_floor",
+            self.sigma_floor as f64,
+            self.sigma_floor > 0.0,
+            "sigma_floor > 0",
+        )?;
+        check_value(
+            op,
+            "jitter",
+            self.jitter as f64,
+            self.jitter > 0.0,
+            "jitter > 0",
+        )?;
+        check_value(
+            op,
+            "max_jitter_escalations",
+            self.max_jitter_escalations as f64,
+            self.max_jitter_escalations <= 30,
+            "at most 30 (δ grows 10x per escalation)",
+        )
+    }
+}
+
+/// What one step did.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct KalmanInfo {
+    /// The absolute jitter `δ` added to `S`'s diagonal by the factorization that succeeded.
+    pub jitter: f32,
+    /// How many times `δ` was multiplied by 10 before `S + δI` factored.
+    pub jitter_escalations: usize,
+    /// How many `σ_i` were set by the positivity floor.
+    pub sigma_floored: usize,
+    /// Normalized innovation squared `vᵀ S⁻¹ v` (≈ `d_o` on average for a calibrated filter).
+    pub nis: f32,
+}
+
+/// The R-Kalman state of `n` parameters observed through `d_o` outputs, resident on one
+/// device.
+#[derive(Debug)]
+pub struct KalmanState {
+    /// Posterior mean `μ`, `n x 1`.
+    pub mu: Matrix,
+    /// Diagonal posterior covariance `σ`, `n x 1`, every entry `> 0`.
+    pub sigma: Matrix,
+    /// Observation-noise estimate `R`, `d_o x d_o`, symmetric PSD (starts at 0).
+    pub r: Matrix,
+    /// Buffers the next posterior is written into, swapped in on success, so a failed step
+    /// leaves `mu`, `sigma`, `r` untouched without copying them.
+    spare: Option<[Matrix; 3]>,
+}
+
+impl KalmanState {
+    /// `μ = mu0`, `σ = sigma0` everywhere, `R = 0` (`d_o x d_o`), on `device`.
+    ///
+    /// # Errors
+    /// [`Error::Shape`] for an empty `mu0` or `d_o = 0`, [`Error::NonFinite`] for NaN/Inf in
+    /// `mu0`, [`Error::Value`] unless `sigma0` is finite and `> 0`; device errors.
+    pub fn new(device: &Device, mu0: &[f32], sigma0: f32, d_o: usize) -> Result<Self> {
+        const OP: &str = "KalmanState::new";
+        if mu0.is_empty() || d_o == 0 {
+            return Err(Error::Shape {
+                op: OP,
+                arg: "mu0, d_o",
+                expected: "n >= 1 parameters and d_o >= 1".into(),
+                got: format!("n = {}, d_o = {d_o}", mu0.len()),
+            });
+        }
+        crate::error::check_finite(OP, "mu0", mu0)?;
+        check_value(OP, "sigma0", sigma0 as f64, sigma0 > 0.0, "sigma0 > 0")?;
+        let n = mu0.len();
+        Ok(Self {
+            mu: device.upload(n, 1, mu0)?,
+            sigma: device.upload(n, 1, &vec![sigma0; n])?,
+            r: device.zeros(d_o, d_o)?,
+            spare: None,
+        })
+    }
+
+    /// Number of parameters `n`.
+    pub fn n(&self) -> usize {
+        self.mu.rows()
+    }
+
+    /// Observation size `d_o`.
+    pub fn d_o(&self) -> usize {
+        self.r.rows()
+    }
+}
+
+impl Device {
+    /// One R-Kalman step (SPEC §3 steps 1 and 3–7) for the `d_o x n` Jacobian `h` (row-major,
+    /// `∂ŷ/∂μ` at the prior mean) and the innovation `v = y − ŷ` (`d_o x 1`): updates
+    /// `state.mu`, `state.sigma` and `state.r` in place. See [`crate::cpu::kalman::kalman_step`]
+    /// for the exact arithmetic, the jitter and the floor.
+    ///
+    /// All operands must live on this device. A failed call leaves `state` bit-for-bit
+    /// unchanged.
+    ///
+    /// # Errors
+    /// [`Error::DeviceMismatch`], [`Error::Shape`] (`state.mu`/`state.sigma` not `n x 1`,
+    /// `state.r` not `d_o x d_o`, `innovation` not `d_o x 1`, empty `h`), [`Error::Value`]
+    /// (bad options, `σ_i ≤ 0`), [`Error::NonFinite`], [`Error::NotSpd`] (no jitter made `S`
+    /// factorable), and device errors.
+    pub fn kalman_step(
+        &self,
+        state: &mut KalmanState,
+        h: &Matrix,
+        innovation: &Matrix,
+        opts: &KalmanOptions,
+    ) -> Result<KalmanInfo> {
+        const OP: &str = "Device::kalman_step";
+        opts.validate(OP)?;
+        for m in [&state.mu, &state.sigma, &state.r, h, innovation] {
+            self.check_on(OP, m)?;
+        }
+        let (d_o, n) = h.shape();
+        if d_o == 0 || n == 0 {
+            return Err(Error::Shape {
+                op: OP,
+                arg: "h",
+                expected: "d_o x n with d_o >= 1 and n >= 1".into(),
+                got: format!("{d_o}x{n}"),
+            });
+        }
+        check_shape(OP, "state.mu", state.mu.shape(), (n, 1))?;
+        check_shape(OP, "state.sigma", state.sigma.shape(), (n, 1))?;
+        check_shape(OP, "state.r", state.r.shape(), (d_o, d_o))?;
+        check_shape(OP, "innovation", innovation.shape(), (d_o, 1))?;
+
+        let mut spare = match state.spare.take() {
+            Some(s)
+                if s[0].shape() == (n, 1)
+                    && s[2].shape() == (d_o, d_o)
+                    && self.check_on(OP, &s[0]).is_ok() =>
+            {
+                s
+            }
+            _ => [self.zeros(n, 1)?, self.zeros(n, 1)?, self.zeros(d_o, d_o)?],
+        };
+        let result = match self {
+            Device::Cpu => {
+                let [mu_out, sigma_out, r_out] = &mut spare;
+                let io = crate::cpu::kalman::KalmanIo {
+                    mu: host(&state.mu)?,
+                    sigma: host(&state.sigma)?,
+                    r: host(&state.r)?,
+                    mu_out: host_out(mu_out)?,
+                    sigma_out: host_out(sigma_out)?,
+                    r_out: host_out(r_out)?,
+                };
+                crate::cpu::kalman::kalman_step(io, super::host_ref(h)?, host(innovation)?, opts)
+            }
+            Device::Emulated | Device::Cuda(_) => Err(super::no_kernel(self, OP)),
+        };
+        if result.is_ok() {
+            let [mu_out, sigma_out, r_out] = &mut spare;
+            std::mem::swap(&mut state.mu, mu_out);
+            std::mem::swap(&mut state.sigma, sigma_out);
+            std::mem::swap(&mut state.r, r_out);
+        }
+        state.spare = Some(spare);
+        result
+    }
+}
+
+/// The host elements of a matrix already checked to live on a host device.
+fn host(m: &Matrix) -> Result<&[f32]> {
+    Ok(super::host_ref(m)?.data())
+}
+
+/// The host elements of an output buffer allocated on a host device.
+fn host_out(m: &mut Matrix) -> Result<&mut [f32]> {
+    m.host_mut()
+        .ok_or_else(|| Error::DeviceUnavailable("matrix is not in host memory".into()))
+}

@@ -1,0 +1,41 @@
+//! The device-agnostic operations: one file per hot path, each an `impl Device` block whose
+//! methods validate their [`Matrix`] operands (device placement, shapes, scalar ranges, and
+//! finiteness where cheap) before anything is written, then match on the device.
+//!
+//! [`Device::Cpu`] runs the rayon backend of [`crate::cpu`] on the host storage; the kernel
+//! backends answer [`Error::DeviceUnavailable`] until their launchers exist.
+
+pub mod cholesky;
+pub mod elementwise;
+pub mod gemm;
+pub mod kalman;
+pub mod kron;
+pub mod newton;
+pub mod norm;
+pub mod precond;
+
+use crate::device::{Device, Element, Matrix};
+use crate::error::{Error, Result};
+use crate::mat::{MatMut, MatRef};
+
+/// The error of an operation that has no kernel on `device` yet.
+fn no_kernel(device: &Device, op: &'static str) -> Error {
+    Error::DeviceUnavailable(format!("{op}: no {} kernel yet", device.name()))
+}
+
+/// Host view of a matrix already checked to live on a host device.
+pub(crate) fn host_ref<T: Element>(m: &Matrix<T>) -> Result<MatRef<'_, T>> {
+    let data = m
+        .host()
+        .ok_or_else(|| Error::DeviceUnavailable("matrix is not in host memory".into()))?;
+    MatRef::new(data, m.rows(), m.cols())
+}
+
+/// Mutable host view of a matrix already checked to live on a host device.
+pub(crate) fn host_mut<T: Element>(m: &mut Matrix<T>) -> Result<MatMut<'_, T>> {
+    let (rows, cols) = m.shape();
+    let data = m
+        .host_mut()
+        .ok_or_else(|| Error::DeviceUnavailable("matrix is not in host memory".into()))?;
+    MatMut::new(data, rows, cols)
+}

@@ -1,0 +1,162 @@
+//! Inversion of an SPD matrix by Newton iteration (SPEC §2): options, report and the
+//! device-agnostic entry point [`Device::newton_inverse`]. The arithmetic, the stopping rules
+//! and the measured residual floors are documented in [`crate::cpu::newton`].
+
+use crate::device::{Device, Matrix};
+use crate::error::{check_shape, check_value, Result};
+
+/// The Newton–Schulz iteration, by the power its error is raised to per step
+/// (`I − A X_{k+1} = (I − A X_k)^p`).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Default)]
+pub enum NewtonOrder {
+    /// `X ← X (2I − AX)`: 2 products per step.
+    Quadratic,
+    /// `X ← X (3I − 3AX + (AX)²)`: 3 products per step, the best error reduction per product.
+    #[default]
+    Cubic,
+    /// `X ← X (4I − AX (6I − AX (4I − AX)))`: 4 products per step.
+    Quartic,
+}
+
+/// The starting guess `X₀` (SPEC §2).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Default)]
+pub enum InitialGuess {
+    /// The paper's `X₀ = Aᵀ / (‖A‖₁ ‖A‖∞)`: always convergent, but the eigenvalues of `A X₀`
+    /// are `λ²/(‖A‖₁‖A‖∞)`, so the condition number is squared and the residual sits near 1
+    /// for the first iterations.
+    Paper,
+    /// The SPD-aware `X₀ = c I`, `c = 2 / (λ_hi + λ_low)`, with `λ_hi ≥ λ_max` from a power
+    /// iteration (times 1.1, capped by the bound `‖A‖∞`) and `λ_low` =
+    /// [`NewtonOptions::lambda_low`]. The eigenvalues of `I − A X₀` lie in `(−1, 1)`.
+    #[default]
+    ScaledIdentity,
+    /// The caller's previous inverse, when `‖I − A X_warm‖₂ < 1` (tested through the bounds
+    /// `‖·‖_F` and `√(‖·‖₁‖·‖∞)`); otherwise [`InitialGuess::ScaledIdentity`].
+    /// [`NewtonInfo::init_used`] says which one ran.
+    Warm,
+}
+
+/// Arithmetic of the products.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Default)]
+pub enum Precision {
+    /// `f32` everywhere.
+    #[default]
+    F32,
+    /// Every product's inputs are rounded to `bf16` (round-to-nearest-even) and accumulated in
+    /// `f32`; the iterate stays `f32` (the tensor-core GPU path). Converges to a floor that
+    /// grows with the condition number (see [`crate::cpu::newton`]); the best iterate is kept.
+    Bf16,
+}
+
+/// Settings of [`Device::newton_inverse`].
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct NewtonOptions {
+    /// Iteration order. Default [`NewtonOrder::Cubic`].
+    pub order: NewtonOrder,
+    /// Starting guess. Default [`InitialGuess::ScaledIdentity`].
+    pub init: InitialGuess,
+    /// Product arithmetic. Default [`Precision::F32`].
+    pub precision: Precision,
+    /// Stop once the residual `‖I − AX‖_F / √n` is at most `tol` (`> 0`). Default `1e-4`,
+    /// which `f32` reaches up to condition numbers of about `1e4`.
+    pub tol: f32,
+    /// Iteration budget (`0` only evaluates `X₀`). Default `100`: the cubic iteration from
+    /// the scaled identity needs about `log₃ κ + 3` steps, the quadratic one from the paper's
+    /// start about `2 log₂ κ + 5`.
+    pub max_iter: usize,
+    /// A known lower bound `≥ 0` on the smallest eigenvalue of `A` (for a damped factor
+    /// `Λ + λI`: the damping `λ`), used by [`InitialGuess::ScaledIdentity`]. Any value is safe;
+    /// a tight one saves iterations. Default `0`.
+    pub lambda_low: f32,
+    /// After a [`Precision::Bf16`] run, one `f32` quadratic step from the best iterate (which
+    /// squares its residual), kept only if it lowers the residual. Ignored in `F32` mode.
+    /// Default `true`.
+    pub polish: bool,
+}
+
+impl Default for NewtonOptions {
+    fn default() -> Self {
+        Self {
+            order: NewtonOrder::Cubic,
+            init: InitialGuess::ScaledIdentity,
+            precision: Precision::F32,
+            tol: 1e-4,
+            max_iter: 100,
+            lambda_low: 0.0,
+            polish: true,
+        }
+    }
+}
+
+impl NewtonOptions {
+    /// `Err(Error::Value)` unless `tol` is finite and `> 0` and `lambda_low` finite and `≥ 0`.
+    pub fn validate(&self, op: &'static str) -> Result<()> {
+        check_value(op, "tol", self.tol as f64, self.tol > 0.0, "tol > 0")?;
+        check_value(
+            op,
+            "lambda_low",
+            self.lambda_low as f64,
+            self.lambda_low >= 0.0,
+            "lambda_low >= 0",
+        )
+    }
+}
+
+/// What a Newton inversion achieved.
+#[derive(Clone, Debug, PartialEq)]
+pub struct NewtonInfo {
+    /// `‖I − AX‖_F / √n` of the returned `X`, from an `f32` product (in `Bf16` mode
+    /// recomputed in `f32` at the end, so it includes the rounding of `A` to `bf16`).
+    pub residual: f32,
+    /// Newton steps applied to `X₀` to reach the returned `X` (the `Bf16` polish not counted).
+    pub iterations: usize,
+    /// The starting guess actually used.
+    pub init_used: InitialGuess,
+    /// `residual_history[k]` = residual of `X_k` as the iteration saw it (from its own
+    /// products, so with `bf16` inputs in `Bf16` mode); `X₀` first.
+    pub residual_history: Vec<f32>,
+    /// Whether the `Bf16` polish step was applied (it is dropped when it does not help).
+    pub polished: bool,
+}
+
+impl Device {
+    /// Inverse of the symmetric positive definite `n x n` matrix `a` by Newton iteration,
+    /// with an optional warm start (`n x n`, used with [`InitialGuess::Warm`], ignored
+    /// otherwise). Returns `X ≈ A⁻¹` (exactly symmetric, on this device) and what was achieved.
+    ///
+    /// `a` (and `warm`) must be symmetric to `|a_ij − a_ji| ≤ 1e-5·max|a|`; their symmetric
+    /// parts are used.
+    ///
+    /// # Errors
+    /// [`Error::DeviceMismatch`](crate::Error::DeviceMismatch);
+    /// [`Error::Shape`](crate::Error::Shape) (`a` not square or empty, `warm` not `n x n`);
+    /// [`Error::Value`](crate::Error::Value) (bad options, asymmetric or zero input, no
+    /// positive eigenvalue); [`Error::NonFinite`](crate::Error::NonFinite);
+    /// [`Error::Diverged`](crate::Error::Diverged) when the residual becomes non-finite, grows,
+    /// stalls above `tol` in `F32` mode, or the budget runs out — never a silent wrong inverse.
+    pub fn newton_inverse(
+        &self,
+        a: &Matrix,
+        warm: Option<&Matrix>,
+        opts: &NewtonOptions,
+    ) -> Result<(Matrix, NewtonInfo)> {
+        const OP: &str = "Device::newton_inverse";
+        opts.validate(OP)?;
+        self.check_on(OP, a)?;
+        let n = a.rows();
+        check_shape(OP, "a", a.shape(), (n, n))?;
+        if let Some(w) = warm {
+            self.check_on(OP, w)?;
+            check_shape(OP, "warm", w.shape(), (n, n))?;
+        }
+        match self {
+            Device::Cpu => {
+                let warm = warm.map(super::host_ref).transpose()?;
+                let (x, info) =
+                    crate::cpu::newton::newton_inverse(super::host_ref(a)?, warm, opts)?;
+                Ok((self.upload(n, n, x.as_slice())?, info))
+            }
+            Device::Emulated | Device::Cuda(_) => Err(super::no_kernel(self, OP)),
+        }
+    }
+}

@@ -1,0 +1,91 @@
+//! Spectral norm and trace of PSD factors (SPEC §2: RING's damping `√ρ·‖Λ‖₂`, NGD's π).
+
+use crate::device::{Device, Matrix};
+use crate::error::{check_shape, check_value, Result};
+
+/// Power-iteration settings for [`Device::spectral_norm`].
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct PowerOptions {
+    /// Stop when the Rayleigh quotient changes by at most `tol` relative to its value between
+    /// two iterations. Default `1e-4`: the damping `√ρ·‖Λ‖₂` needs a few digits only.
+    pub tol: f32,
+    /// Iteration budget. Default `100`.
+    pub max_iter: usize,
+}
+
+impl Default for PowerOptions {
+    fn default() -> Self {
+        Self {
+            tol: 1e-4,
+            max_iter: 100,
+        }
+    }
+}
+
+impl PowerOptions {
+    /// `Err(Error::Value)` unless `tol` is finite and positive and `max_iter ≥ 1`.
+    pub fn validate(&self, op: &'static str) -> Result<()> {
+        check_value(
+            op,
+            "tol",
+            self.tol as f64,
+            self.tol > 0.0,
+            "a finite tolerance > 0",
+        )?;
+        check_value(
+            op,
+            "max_iter",
+            self.max_iter as f64,
+            self.max_iter >= 1,
+            "at least 1",
+        )
+    }
+}
+
+/// What a power iteration found.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct PowerInfo {
+    /// The last Rayleigh quotient `vᵀAv` (`‖v‖ = 1`): the largest-eigenvalue estimate, a lower
+    /// bound on it for a symmetric `A`.
+    pub value: f32,
+    /// Matrix-vector products performed.
+    pub iterations: usize,
+    /// Whether the relative tolerance was met within `max_iter`.
+    pub converged: bool,
+}
+
+impl Device {
+    /// Spectral norm (largest eigenvalue) of a symmetric PSD `n x n` matrix by power iteration
+    /// from a fixed start vector, so the result is deterministic. Running out of iterations is
+    /// not an error: the estimate is returned with `converged = false`.
+    ///
+    /// # Errors
+    /// [`Error::Shape`](crate::Error::Shape) unless `a` is square,
+    /// [`Error::Value`](crate::Error::Value) for bad options,
+    /// [`Error::NonFinite`](crate::Error::NonFinite) for NaN/Inf in `a`, and device errors.
+    pub fn spectral_norm(&self, a: &Matrix, opts: &PowerOptions) -> Result<PowerInfo> {
+        const OP: &str = "Device::spectral_norm";
+        self.check_on(OP, a)?;
+        check_shape(OP, "a", a.shape(), (a.rows(), a.rows()))?;
+        opts.validate(OP)?;
+        match self {
+            Device::Cpu => crate::cpu::spectral_norm(super::host_ref(a)?, opts),
+            Device::Emulated | Device::Cuda(_) => Err(super::no_kernel(self, OP)),
+        }
+    }
+
+    /// Trace of a square matrix (summed in `f64`).
+    ///
+    /// # Errors
+    /// [`Error::Shape`](crate::Error::Shape) unless `a` is square,
+    /// [`Error::NonFinite`](crate::Error::NonFinite) for a NaN/Inf diagonal, device errors.
+    pub fn trace(&self, a: &Matrix) -> Result<f32> {
+        const OP: &str = "Device::trace";
+        self.check_on(OP, a)?;
+        check_shape(OP, "a", a.shape(), (a.rows(), a.rows()))?;
+        match self {
+            Device::Cpu => crate::cpu::trace(super::host_ref(a)?),
+            Device::Emulated | Device::Cuda(_) => Err(super::no_kernel(self, OP)),
+        }
+    }
+}

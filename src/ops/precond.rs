@@ -1,0 +1,76 @@
+//! Kronecker preconditioning and damping on a device.
+
+use super::{host_mut, host_ref, no_kernel};
+use crate::device::{Device, Matrix};
+use crate::error::{check_shape, check_value, Result};
+
+impl Device {
+    /// `P = Γ̃⁻¹ G Λ̃⁻¹` with `Γ̃⁻¹` `d_out x d_out`, `G` `d_out x d_in`, `Λ̃⁻¹` `d_in x d_in`.
+    ///
+    /// # Errors
+    /// [`Error::DeviceMismatch`](crate::Error::DeviceMismatch),
+    /// [`Error::Shape`](crate::Error::Shape), [`Error::NonFinite`](crate::Error::NonFinite) for
+    /// NaN/Inf in an input. `p` is unchanged on error.
+    pub fn precondition(
+        &self,
+        gamma_inv: &Matrix,
+        g: &Matrix,
+        lambda_inv: &Matrix,
+        p: &mut Matrix,
+    ) -> Result<()> {
+        const OP: &str = "Device::precondition";
+        for m in [gamma_inv, g, lambda_inv] {
+            self.check_on(OP, m)?;
+        }
+        self.check_on(OP, p)?;
+        let (d_out, d_in) = g.shape();
+        check_shape(OP, "gamma_inv", gamma_inv.shape(), (d_out, d_out))?;
+        check_shape(OP, "lambda_inv", lambda_inv.shape(), (d_in, d_in))?;
+        check_shape(OP, "p", p.shape(), (d_out, d_in))?;
+        match self {
+            Device::Cpu => crate::cpu::precondition(
+                host_ref(gamma_inv)?,
+                host_ref(g)?,
+                host_ref(lambda_inv)?,
+                host_mut(p)?,
+            ),
+            Device::Emulated | Device::Cuda(_) => Err(no_kernel(self, OP)),
+        }
+    }
+
+    /// Lazy-Fisher damped-inverse update `X ← X − dλ · X X` (SPEC §2) for a square `X`.
+    /// Callers recompute the inverse instead when `|dλ|·‖X‖₂ > 0.5`.
+    ///
+    /// # Errors
+    /// [`Error::DeviceMismatch`](crate::Error::DeviceMismatch),
+    /// [`Error::Shape`](crate::Error::Shape) unless square, [`Error::Value`](crate::Error::Value)
+    /// for a non-finite `dλ`, [`Error::NonFinite`](crate::Error::NonFinite) for NaN/Inf in `X`.
+    /// `inv` is unchanged on error.
+    pub fn damped_inverse_update(&self, inv: &mut Matrix, dlambda: f32) -> Result<()> {
+        const OP: &str = "Device::damped_inverse_update";
+        self.check_on(OP, inv)?;
+        check_shape(OP, "inv", inv.shape(), (inv.rows(), inv.rows()))?;
+        check_value(OP, "dlambda", dlambda as f64, true, "a finite number")?;
+        match self {
+            Device::Cpu => crate::cpu::damped_inverse_update(host_mut(inv)?, dlambda),
+            Device::Emulated | Device::Cuda(_) => Err(no_kernel(self, OP)),
+        }
+    }
+
+    /// `A ← A + λ I` for a square `A`.
+    ///
+    /// # Errors
+    /// [`Error::DeviceMismatch`](crate::Error::DeviceMismatch),
+    /// [`Error::Shape`](crate::Error::Shape) unless square, [`Error::Value`](crate::Error::Value)
+    /// for a non-finite `λ`. `a` is unchanged on error.
+    pub fn add_diagonal(&self, a: &mut Matrix, lambda: f32) -> Result<()> {
+        const OP: &str = "Device::add_diagonal";
+        self.check_on(OP, a)?;
+        check_shape(OP, "a", a.shape(), (a.rows(), a.rows()))?;
+        check_value(OP, "lambda", lambda as f64, true, "a finite number")?;
+        match self {
+            Device::Cpu => crate::cpu::add_diagonal(host_mut(a)?, lambda),
+            Device::Emulated | Device::Cuda(_) => Err(no_kernel(self, OP)),
+        }
+    }
+}

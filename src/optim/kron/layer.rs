@@ -1,0 +1,189 @@
+//! Per-factor work on the device: refresh from statistics, inversion with fallbacks, and the
+//! lazy first-order inverse update. Every function builds new matrices and leaves the old
+//! state untouched, so the caller can commit all layers at once or drop everything on error.
+
+use super::config::{InverseMethod, KronConfig, KronVariant, NEWTON_RETRY_DAMPING};
+use super::damping::FactorScalars;
+use super::state::{KronCounters, KronFactorState};
+use crate::device::{Device, Matrix};
+use crate::error::{Error, Result};
+use crate::ops::newton::InitialGuess;
+
+/// Largest `|dλ|·‖X‖₂` for which the first-order update `X ← X − dλ·X·X` is used (SPEC §2);
+/// its relative error is about `(dλ·‖X‖₂)²`.
+pub(super) const FIRST_ORDER_LIMIT: f32 = 0.5;
+
+/// The device and configuration shared by the per-factor routines.
+pub(super) struct Ctx<'a> {
+    pub device: &'a Device,
+    pub cfg: &'a KronConfig,
+}
+
+impl Ctx<'_> {
+    /// New undamped factor from the statistics rows `x` (`m x n`): `(1/m) xᵀx`, blended with
+    /// `old` by the EMA when there is one, and its scalars for the damping rules.
+    pub fn factor(
+        &self,
+        x: &Matrix,
+        old: Option<&Matrix>,
+        c: &mut KronCounters,
+    ) -> Result<(Matrix, FactorScalars)> {
+        let n = x.cols();
+        let (mut f, eps) = match old {
+            Some(o) if self.cfg.ema > 0.0 => (o.try_clone()?, self.cfg.ema),
+            // ε = 0 (or the first refresh, which replaces) never reads the old factor.
+            _ => (self.device.zeros(n, n)?, 0.0),
+        };
+        self.device.kron_factor_update(x, eps, &mut f)?;
+        let trace = self.device.trace(&f)?;
+        let norm = match self.cfg.variant {
+            KronVariant::Ring => self.spectral_norm(&f, c)?,
+            KronVariant::Reng | KronVariant::Ngd => 0.0,
+        };
+        Ok((
+            f,
+            FactorScalars {
+                dim: n,
+                norm,
+                trace,
+            },
+        ))
+    }
+
+    /// `‖M‖₂` of a symmetric PSD matrix, counting a power iteration that hit its budget.
+    pub fn spectral_norm(&self, m: &Matrix, c: &mut KronCounters) -> Result<f32> {
+        let info = self.device.spectral_norm(m, &self.cfg.power)?;
+        if !info.converged {
+            c.power_unconverged += 1;
+        }
+        Ok(info.value)
+    }
+
+    /// A fresh inverse of `factor + damping·I` with its norm estimate (see [`Ctx::invert`]).
+    pub fn inverse(
+        &self,
+        factor: &Matrix,
+        damping: f32,
+        warm: Option<&Matrix>,
+        c: &mut KronCounters,
+    ) -> Result<InverseUpdate> {
+        let (inverse, damping) = self.invert(factor, damping, warm, c)?;
+        let inverse_norm = self.spectral_norm(&inverse, c)?;
+        Ok(InverseUpdate {
+            inverse,
+            damping,
+            inverse_norm,
+        })
+    }
+
+    /// `(F + λI)⁻¹` by the configured method. Newton that diverges is retried once with
+    /// `NEWTON_RETRY_DAMPING·λ`, then replaced by Cholesky at `λ`; each step is counted.
+    /// Returns the inverse and the damping it corresponds to.
+    fn invert(
+        &self,
+        factor: &Matrix,
+        damping: f32,
+        warm: Option<&Matrix>,
+        c: &mut KronCounters,
+    ) -> Result<(Matrix, f32)> {
+        let damped = |lambda: f32| -> Result<Matrix> {
+            let mut d = factor.try_clone()?;
+            self.device.add_diagonal(&mut d, lambda)?;
+            Ok(d)
+        };
+        let opts = match &self.cfg.inverse {
+            InverseMethod::Cholesky => {
+                c.cholesky_inversions += 1;
+                return Ok((self.device.cholesky_inverse(&damped(damping)?)?, damping));
+            }
+            InverseMethod::Newton(o) => o,
+        };
+        let warm = if opts.init == InitialGuess::Warm {
+            warm
+        } else {
+            None
+        };
+        for lambda in [damping, NEWTON_RETRY_DAMPING * damping] {
+            let mut o = *opts;
+            // F is PSD, so λ bounds the spectrum of F + λI from below.
+            o.lambda_low = o.lambda_low.max(lambda);
+            match self.device.newton_inverse(&damped(lambda)?, warm, &o) {
+                Ok((x, info)) => {
+                    if lambda == damping {
+                        c.newton_inversions += 1;
+                    } else {
+                        c.newton_retries += 1;
+                    }
+                    c.newton_iterations += info.iterations as u64;
+                    return Ok((x, lambda));
+                }
+                Err(Error::Diverged { .. }) => {
+                    if lambda == damping {
+                        c.newton_divergences += 1;
+                    }
+                }
+                Err(e) => return Err(e),
+            }
+        }
+        c.cholesky_fallbacks += 1;
+        c.cholesky_inversions += 1;
+        Ok((self.device.cholesky_inverse(&damped(damping)?)?, damping))
+    }
+
+    /// Moves `s` to the damping `target` on a lazy step: `None` when it is already there,
+    /// the first-order update when `|dλ|·‖X‖₂ ≤ 1/2`, otherwise a recomputed inverse (warm
+    /// started from the current one); the counters say which happened.
+    pub fn retarget(
+        &self,
+        s: &KronFactorState,
+        target: f32,
+        c: &mut KronCounters,
+    ) -> Result<Option<InverseUpdate>> {
+        let d = target - s.damping;
+        if d == 0.0 {
+            return Ok(None);
+        }
+        if (d * s.inverse_norm).abs() <= FIRST_ORDER_LIMIT {
+            let mut inverse = s.inverse.try_clone()?;
+            self.device.damped_inverse_update(&mut inverse, d)?;
+            c.first_order_updates += 1;
+            return Ok(Some(InverseUpdate {
+                inverse,
+                damping: target,
+                inverse_norm: s.inverse_norm - d * s.inverse_norm * s.inverse_norm,
+            }));
+        }
+        c.lazy_recomputes += 1;
+        self.inverse(&s.factor, target, Some(&s.inverse), c)
+            .map(Some)
+    }
+}
+
+/// A new inverse for one factor: replaces `inverse`, `damping` and `inverse_norm` of its
+/// [`KronFactorState`].
+pub(super) struct InverseUpdate {
+    pub inverse: Matrix,
+    pub damping: f32,
+    pub inverse_norm: f32,
+}
+
+impl InverseUpdate {
+    /// Installs the update into `s`.
+    pub fn apply(self, s: &mut KronFactorState) {
+        s.inverse = self.inverse;
+        s.damping = self.damping;
+        s.inverse_norm = self.inverse_norm;
+    }
+
+    /// The full factor state for a freshly computed factor.
+    pub fn with_factor(self, factor: Matrix, scalars: FactorScalars) -> KronFactorState {
+        KronFactorState {
+            factor,
+            inverse: self.inverse,
+            damping: self.damping,
+            inverse_norm: self.inverse_norm,
+            norm: scalars.norm,
+            trace: scalars.trace,
+        }
+    }
+}
