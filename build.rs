@@ -124,15 +124,13 @@ enum Compiler {
 fn find_cuda(manifest: &Path) -> Result<Compiler, String> {
     if let Some(dir) = env::var_os("GRNG_CUDA_TOOLS").filter(|v| !v.is_empty()) {
         let dir = PathBuf::from(dir);
-        return pip_tools(&dir)
-            .or_else(|| toolkit(&dir))
-            .ok_or_else(|| {
-                format!(
-                    "GRNG_CUDA_TOOLS={} holds neither the wheels of scripts/install-cuda-tools.sh \
+        return pip_tools(&dir).or_else(|| toolkit(&dir)).ok_or_else(|| {
+            format!(
+                "GRNG_CUDA_TOOLS={} holds neither the wheels of scripts/install-cuda-tools.sh \
                      nor a CUDA toolkit",
-                    dir.display()
-                )
-            });
+                dir.display()
+            )
+        });
     }
     if let Some(c) = pip_tools(&manifest.join(".cuda-tools")) {
         return Ok(c);
@@ -152,8 +150,9 @@ fn find_cuda(manifest: &Path) -> Result<Compiler, String> {
     }) {
         return Ok(Compiler::Nvcc { exe });
     }
-    toolkit(Path::new("/usr/local/cuda"))
-        .ok_or_else(|| "no CUDA compiler found: GRNG_CUDA_TOOLS, .cuda-tools, CUDA_HOME, nvcc".into())
+    toolkit(Path::new("/usr/local/cuda")).ok_or_else(|| {
+        "no CUDA compiler found: GRNG_CUDA_TOOLS, .cuda-tools, CUDA_HOME, nvcc".into()
+    })
 }
 
 /// The layout `pip install --target DIR nvidia-cuda-*-cu12` produces (GPU.md §1).
@@ -269,7 +268,12 @@ fn nvrtc_compile(
     unsafe {
         let l = match libloading::Library::new(lib) {
             Ok(l) => l,
-            Err(e) => return (Err(format!("cannot load {}: {e}", lib.display())), String::new()),
+            Err(e) => {
+                return (
+                    Err(format!("cannot load {}: {e}", lib.display())),
+                    String::new(),
+                )
+            }
         };
         let sym = |n: &[u8]| -> *const () {
             *l.get::<*const ()>(n)
@@ -300,7 +304,10 @@ fn nvrtc_compile(
             std::ptr::null(),
         );
         if rc != 0 {
-            return (Err(format!("nvrtcCreateProgram returned {rc}")), String::new());
+            return (
+                Err(format!("nvrtcCreateProgram returned {rc}")),
+                String::new(),
+            );
         }
         let rc = compile(prog, popts.len() as c_int, popts.as_ptr());
         let read = |size: NvrtcSize, get: NvrtcGet| -> String {

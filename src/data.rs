@@ -45,7 +45,11 @@ pub fn digits() -> Result<Dataset> {
     };
     let mut x = Vec::with_capacity(1797 * D);
     let mut labels = Vec::with_capacity(1797);
-    for (i, line) in DIGITS_CSV.lines().enumerate().filter(|(_, l)| !l.trim().is_empty()) {
+    for (i, line) in DIGITS_CSV
+        .lines()
+        .enumerate()
+        .filter(|(_, l)| !l.trim().is_empty())
+    {
         let fields: Vec<&str> = line.trim().split(',').collect();
         if fields.len() != D + 1 {
             return Err(bad(i, &format!("{} fields", fields.len())));
@@ -76,7 +80,13 @@ impl Dataset {
     pub fn new(x: Mat, labels: Vec<usize>, classes: usize) -> Result<Self> {
         const OP: &str = "Dataset::new";
         crate::error::check_len(OP, "labels", labels.len(), x.rows())?;
-        check_value(OP, "classes", classes as f64, classes > 0, "at least one class")?;
+        check_value(
+            OP,
+            "classes",
+            classes as f64,
+            classes > 0,
+            "at least one class",
+        )?;
         if let Some(&bad) = labels.iter().find(|&&y| y >= classes) {
             return Err(Error::Value {
                 op: OP,
@@ -132,9 +142,27 @@ impl Dataset {
     pub fn split(&self, seed: u64, fractions: (f64, f64)) -> Result<(Dataset, Dataset, Dataset)> {
         const OP: &str = "Dataset::split";
         let (ft, fv) = fractions;
-        check_value(OP, "fractions.0", ft, (0.0..=1.0).contains(&ft), "in [0, 1]")?;
-        check_value(OP, "fractions.1", fv, (0.0..=1.0).contains(&fv), "in [0, 1]")?;
-        check_value(OP, "fractions", ft + fv, ft + fv <= 1.0 + 1e-12, "a sum <= 1")?;
+        check_value(
+            OP,
+            "fractions.0",
+            ft,
+            (0.0..=1.0).contains(&ft),
+            "in [0, 1]",
+        )?;
+        check_value(
+            OP,
+            "fractions.1",
+            fv,
+            (0.0..=1.0).contains(&fv),
+            "in [0, 1]",
+        )?;
+        check_value(
+            OP,
+            "fractions",
+            ft + fv,
+            ft + fv <= 1.0 + 1e-12,
+            "a sum <= 1",
+        )?;
         let n = self.len();
         let mut order: Vec<usize> = (0..n).collect();
         order.shuffle(&mut ChaCha8Rng::seed_from_u64(seed));
@@ -268,7 +296,13 @@ pub fn linear_regression(
     check_value(OP, "n", n as f64, n > 0, "at least 1")?;
     check_value(OP, "d", d as f64, d > 0, "at least 1")?;
     check_value(OP, "d_o", d_o as f64, d_o > 0, "at least 1")?;
-    check_value(OP, "noise", noise as f64, noise >= 0.0, "a finite number >= 0")?;
+    check_value(
+        OP,
+        "noise",
+        noise as f64,
+        noise >= 0.0,
+        "a finite number >= 0",
+    )?;
     let mut rng = ChaCha8Rng::seed_from_u64(seed);
     let mut w = Mat::zeros(d_o, d + 1);
     let scale = 1.0 / (d as f64).sqrt();

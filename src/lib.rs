@@ -8,6 +8,7 @@
 //! Layout conventions: matrices are dense row-major; a dense layer `y = W x + b` has `W` of
 //! shape `d_out x d_in`, and with a bias the augmented `W̄ = [W b]` / `x̄ = [x; 1]` are used.
 
+pub mod checkpoint;
 pub mod cpu;
 pub mod cuda;
 pub mod data;
@@ -17,6 +18,8 @@ pub mod mat;
 pub mod mlp;
 pub mod ops;
 pub mod optim;
+pub mod report;
+pub mod train;
 
 pub use device::{Device, Element, Matrix};
 pub use error::{DivergenceReason, Error, Result};

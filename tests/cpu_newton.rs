@@ -99,7 +99,7 @@ fn run(a: &[f32], n: usize, warm: Option<&[f32]>, opts: &NewtonOptions) -> grng:
 #[test]
 fn measure_floors() {
     let mut rng = ChaCha8Rng::seed_from_u64(7);
-    for &n in &[256usize, 512] {
+    for &n in &[24usize, 64, 200, 256, 512] { for _seed in 0..3 {
         for &kappa in &[10.0, 33.0, 100.0, 1000.0] {
             let a = spd(&mut rng, n, kappa);
             let mut o = NewtonOptions { tol: 1e-9, ..Default::default() };
@@ -117,15 +117,49 @@ fn measure_floors() {
             o.init = InitialGuess::Paper;
             let pb = run(&a, n, None, &o);
             eprintln!(
-                "n {n} kappa {kappa}: f32 {f32floor:.2e} | bf16 {:.2e} ({:.2e}) it {} hist {:?} | polish {:.2e} ({:.2e}) | paper bf16 {:?}",
+                "n {n} kappa {kappa}: f32 {f32floor:.2e} | bf16 {:.2e} ({:.2e}) it {} | polish {:.2e} ({:.2e}) | paper bf16 {:?}",
                 ib.residual,
                 residual64(&a, xb.as_slice(), n),
                 ib.iterations,
-                ib.residual_history,
                 ip.residual,
                 residual64(&a, xp.as_slice(), n),
                 pb.map(|(_, i)| (i.residual, i.iterations))
             );
         }
+    }}
+}
+
+#[test]
+fn debug_small() {
+    let mut rng = ChaCha8Rng::seed_from_u64(7);
+    for _ in 0..3 {
+        let n = 24;
+        let a = spd(&mut rng, n, 1000.0);
+        let o = NewtonOptions { tol: 1e-9, max_iter: 30, ..Default::default() };
+        let f = run(&a, n, None, &o);
+        eprintln!("{:?}", f.as_ref().map(|x| &x.1));
+        let o = NewtonOptions { tol: 1e-4, max_iter: 30, ..Default::default() };
+        let f = run(&a, n, None, &o);
+        eprintln!("{:?}", f.as_ref().map(|x| &x.1));
+    }
+}
+
+#[test]
+fn debug_gemm_noise() {
+    let mut rng = ChaCha8Rng::seed_from_u64(7);
+    for &n in &[24usize, 64, 200] {
+        let a = spd(&mut rng, n, 1000.0);
+        let inv = inverse64(&a, n);
+        let x32: Vec<f32> = inv.iter().map(|&v| v as f32).collect();
+        let r_store = residual64(&a, &x32, n);
+        let mut t = vec![0f32; n * n];
+        grng::cpu::gemm(grng::Trans::No, grng::Trans::No, 1.0, MatRef::new(&a, n, n).unwrap(), MatRef::new(&x32, n, n).unwrap(), 0.0, grng::MatMut::new(&mut t, n, n).unwrap()).unwrap();
+        let mut s = 0.0;
+        for i in 0..n { for j in 0..n {
+            let e = if i == j { 1.0 - t[i*n+j] as f64 } else { -(t[i*n+j] as f64) };
+            s += e * e;
+        }}
+        let xmax = x32.iter().fold(0f32, |m, v| m.max(v.abs()));
+        eprintln!("n {n}: storage residual {r_store:.2e}, f32-gemm residual of it {:.2e}, max|x| {xmax}", (s / n as f64).sqrt());
     }
 }

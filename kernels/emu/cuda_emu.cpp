@@ -138,6 +138,8 @@ struct Runtime {
     size_t smem_map_len = 0;
     bool running = false;
     Fiber* cur = nullptr;
+    const grng_emu_buffer* buffers = nullptr;
+    uint32_t nbuffers = 0;
 
     ~Runtime() {
         for (Stack& s : stacks) munmap(s.map, s.len);
@@ -508,18 +510,12 @@ void warp_op(unsigned mask, WarpOp op, uint64_t value, int b, int width, void* c
         failf("%s: mask 0x%08x does not include the calling lane %u", op_name(op), mask, f.lane);
     if (width < 1 || width > 32 || (width & (width - 1)))
         failf("%s: width %d is not a power of two in [1, 32]", op_name(op), width);
+    // At most one pending collective per mask (every lane of it must arrive before any
+    // leaves). Different masks may overlap: lanes outside a partial-mask collective can wait
+    // in a full-mask one until the others get there.
     WarpSlot* s = nullptr;
-    for (int i = 0; i < w.nslots; ++i) {
-        WarpSlot& c = w.slots[i];
-        if (!c.active) continue;
-        if (c.mask == mask) {
-            s = &c;
-        } else if (c.mask & mask) {
-            failf("%s(mask 0x%08x) while lanes 0x%08x of the same warp wait in %s(mask 0x%08x): "
-                  "overlapping masks must name the same collective",
-                  op_name(op), mask, c.arrived, op_name(c.op), c.mask);
-        }
-    }
+    for (int i = 0; i < w.nslots && !s; ++i)
+        if (w.slots[i].active && w.slots[i].mask == mask) s = &w.slots[i];
     if (!s) {
         int i = 0;
         while (i < w.nslots && w.slots[i].active) ++i;
@@ -569,6 +565,8 @@ void run_grid(const grng_emu_launch* cfg, const char* name, void (*body)(void*),
     if (r.warps.size() < (r.nthreads + 31) / 32) r.warps.resize((r.nthreads + 31) / 32);
     map_smem(r, cfg->shared_mem);
     r.name = name;
+    r.buffers = cfg->buffers;
+    r.nbuffers = cfg->buffers ? cfg->nbuffers : 0;
     r.body = body;
     r.body_ctx = ctx;
     r.block.dim = dim3(cfg->block[0], cfg->block[1], cfg->block[2]);
@@ -584,6 +582,8 @@ void run_grid(const grng_emu_launch* cfg, const char* name, void (*body)(void*),
     tl_block = nullptr;
     r.running = false;
     r.name = nullptr;
+    r.buffers = nullptr;
+    r.nbuffers = 0;
     if (r.smem_map) munmap(r.smem_map, r.smem_map_len);
     r.smem_map = nullptr;
     r.smem = nullptr;
@@ -600,12 +600,32 @@ namespace {
 int leader(unsigned participants) { return __builtin_ctz(participants); }
 }  // namespace
 
-void check_ptr(const void* p, unsigned ldm, int elem_size, const char* what) {
-    // CUDA: 256-bit aligned pointer; ldm a multiple of 16 bytes.
-    if (reinterpret_cast<uintptr_t>(p) % 32 != 0)
-        grng_emu::failf("%s: pointer %p is not 32-byte aligned", what, p);
+void check_ptr(const void* p, unsigned ldm, int elem_size, bool col_major, const char* what) {
+    // CUDA: a 256-bit aligned pointer and ldm a multiple of 16 bytes. Kernel buffers are
+    // 256-byte aligned on the GPU but not on the host, so inside one the offset from its base
+    // is checked (and that the whole 16x16 tile lies inside); elsewhere (shared memory) the
+    // address itself.
     if ((ldm * unsigned(elem_size)) % 16 != 0)
         grng_emu::failf("%s: ldm %u is not a multiple of %d elements", what, ldm, 16 / elem_size);
+    if (ldm < 16)
+        grng_emu::failf("%s: ldm %u is smaller than the tile (16)", what, ldm);
+    (void)col_major;  // both layouts span 15 * ldm + 16 elements
+    const uintptr_t a = reinterpret_cast<uintptr_t>(p);
+    const grng_emu::Runtime& r = grng_emu::rt();
+    for (uint32_t i = 0; i < r.nbuffers; ++i) {
+        const uint64_t base = r.buffers[i].base, bytes = r.buffers[i].bytes;
+        if (a < base || a >= base + bytes) continue;
+        if ((a - base) % 32 != 0)
+            grng_emu::failf("%s: pointer is %llu bytes into a kernel buffer, not a multiple of 32",
+                            what, (unsigned long long)(a - base));
+        const uint64_t extent = (uint64_t(15) * ldm + 16) * uint64_t(elem_size);
+        if (a - base + extent > bytes)
+            grng_emu::failf("%s: the 16x16 tile (ldm %u) at byte %llu runs past the end of its "
+                            "%llu-byte buffer",
+                            what, ldm, (unsigned long long)(a - base), (unsigned long long)bytes);
+        return;
+    }
+    if (a % 32 != 0) grng_emu::failf("%s: pointer %p is not 32-byte aligned", what, p);
 }
 
 void load_all(void* const* ctxs, unsigned participants) {

@@ -15,8 +15,8 @@
 // - Warp collectives (shuffles, votes, __syncwarp, WMMA load/store/mma) complete when every
 //   live lane of `mask` has arrived; the last lane to arrive computes every lane's result,
 //   so no lane can run ahead and overwrite data another lane has yet to read. Reading a lane
-//   outside the participating set, a lane not in its own mask, or mismatched collectives in
-//   one warp abort with a message.
+//   outside the participating set, a lane not in its own mask, different collectives with
+//   the same mask, or collectives that can never complete abort with a message.
 // - WMMA fragments hold the whole 16x16 tile in every lane (layout is opaque in CUDA too);
 //   load/store/mma check that all 32 lanes pass identical arguments/fragments, so per-lane
 //   element tricks that depend on CUDA's private layout are caught rather than mis-emulated.
@@ -39,10 +39,18 @@
 // ---------------------------------------------------------------------------------------
 // Launch record shared with Rust (src/cuda/emu.rs `EmuLaunch`, #[repr(C)]).
 extern "C" {
+// A buffer passed to the kernel (host memory): WMMA checks pointer alignment relative to its
+// base (cudaMalloc aligns to 256 bytes, host vectors less) and that tiles stay inside it.
+struct grng_emu_buffer {
+    uint64_t base;
+    uint64_t bytes;
+};
 struct grng_emu_launch {
     uint32_t grid[3];
     uint32_t block[3];
     uint32_t shared_mem;
+    uint32_t nbuffers;
+    const grng_emu_buffer* buffers;
 };
 }
 
@@ -539,7 +547,7 @@ struct MmaArgs {
 void load_all(void* const* ctxs, unsigned participants);
 void store_all(void* const* ctxs, unsigned participants);
 void mma_all(void* const* ctxs, unsigned participants);
-void check_ptr(const void* p, unsigned ldm, int elem_size, const char* what);
+void check_ptr(const void* p, unsigned ldm, int elem_size, bool col_major, const char* what);
 inline void collective(void* ctx, void (*fn)(void* const*, unsigned), const char* what) {
     ::grng_emu::require_full_warp(what);
     ::grng_emu::warp_op(0xffffffffu, ::grng_emu::W_FN, 0, 0, 32, ctx, fn);
@@ -549,7 +557,7 @@ inline void collective(void* ctx, void (*fn)(void* const*, unsigned), const char
 template <class L>
 inline void load_matrix_sync(fragment<matrix_a, 16, 16, 16, __nv_bfloat16, L>& a,
                              const __nv_bfloat16* p, unsigned ldm) {
-    detail::check_ptr(p, ldm, 2, "load_matrix_sync(matrix_a)");
+    detail::check_ptr(p, ldm, 2, std::is_same<L, col_major>::value, "load_matrix_sync(matrix_a)");
     detail::LoadArgs args{a.x, p, ldm, std::is_same<L, col_major>::value, 2};
     detail::collective(&args, &detail::load_all, "load_matrix_sync");
 }
@@ -558,19 +566,19 @@ inline void load_matrix_sync(fragment<matrix_a, 16, 16, 16, __nv_bfloat16, L>& a
 template <class L>
 inline void load_matrix_sync(fragment<matrix_b, 16, 16, 16, __nv_bfloat16, L>& b,
                              const __nv_bfloat16* p, unsigned ldm) {
-    detail::check_ptr(p, ldm, 2, "load_matrix_sync(matrix_b)");
+    detail::check_ptr(p, ldm, 2, std::is_same<L, col_major>::value, "load_matrix_sync(matrix_b)");
     detail::LoadArgs args{b.x, p, ldm, std::is_same<L, col_major>::value, 2};
     detail::collective(&args, &detail::load_all, "load_matrix_sync");
 }
 inline void load_matrix_sync(fragment<accumulator, 16, 16, 16, float>& c, const float* p,
                              unsigned ldm, layout_t layout) {
-    detail::check_ptr(p, ldm, 4, "load_matrix_sync(accumulator)");
+    detail::check_ptr(p, ldm, 4, layout == mem_col_major, "load_matrix_sync(accumulator)");
     detail::LoadArgs args{c.x, p, ldm, layout == mem_col_major, 4};
     detail::collective(&args, &detail::load_all, "load_matrix_sync");
 }
 inline void store_matrix_sync(float* p, const fragment<accumulator, 16, 16, 16, float>& c,
                               unsigned ldm, layout_t layout) {
-    detail::check_ptr(p, ldm, 4, "store_matrix_sync");
+    detail::check_ptr(p, ldm, 4, layout == mem_col_major, "store_matrix_sync");
     detail::LoadArgs args{const_cast<float*>(c.x), p, ldm, layout == mem_col_major, 4};
     detail::collective(&args, &detail::store_all, "store_matrix_sync");
 }

@@ -35,8 +35,8 @@ extern "C" __global__ void selftest_dyn_smem_reverse(const float* __restrict__ i
 GRNG_EMU_ENTRY(selftest_dyn_smem_reverse)
 
 // Shuffles. For test case t = (op, b, width) in cases[3t..3t+3], thread g writes
-// out[t * nthreads + g] (int) and out64[t * nthreads + g] (low 32 bits of a 64-bit shuffle
-// of ((long long)v << 32 | v ^ 0x5a5a5a5a), to exercise 8-byte values).
+// out[t * nthreads + g] (int) and out64[2 (t * nthreads + g) + {0, 1}] (low and high words of
+// a 64-bit shuffle of (v ^ 0x5a5a5a5a) << 32 | ~v, to exercise 8-byte values).
 // op: 0 idx with srcLane = b + 3 * lane, 1 up by b, 2 down by b, 3 xor b, 4 xor b with the
 // two half-warps shuffling separately (masks 0x0000ffff / 0xffff0000, width <= 16).
 extern "C" __global__ void selftest_shfl(const int* __restrict__ in, int* __restrict__ out,
@@ -46,7 +46,7 @@ extern "C" __global__ void selftest_shfl(const int* __restrict__ in, int* __rest
     const int nthreads = gridDim.x * blockDim.x;
     const int lane = threadIdx.x & 31;
     const int v = in[g];
-    const long long w = ((long long)v << 32) | (unsigned)(v ^ 0x5a5a5a5a);
+    const long long w = (long long)(((unsigned long long)(unsigned)(v ^ 0x5a5a5a5a) << 32) | (unsigned)~v);
     for (int t = 0; t < ncases; ++t) {
         const int op = cases[3 * t], b = cases[3 * t + 1], width = cases[3 * t + 2];
         int r = 0;
@@ -69,7 +69,8 @@ extern "C" __global__ void selftest_shfl(const int* __restrict__ in, int* __rest
             r64 = __shfl_xor_sync(half, w, b, width);
         }
         out[t * nthreads + g] = r;
-        out64[t * nthreads + g] = (int)(unsigned)(r64 & 0xffffffffll) ^ (int)(r64 >> 32);
+        out64[2 * (t * nthreads + g)] = (int)(unsigned)((unsigned long long)r64 & 0xffffffffull);
+        out64[2 * (t * nthreads + g) + 1] = (int)(unsigned)((unsigned long long)r64 >> 32);
     }
 }
 GRNG_EMU_ENTRY(selftest_shfl)
@@ -112,7 +113,7 @@ GRNG_EMU_ENTRY(selftest_vote)
 
 // Atomics from every thread of a grid-stride loop: acc[0] += x (float), iacc[0] += k,
 // iacc[1] = max k, iacc[2] = min k, and slot[atomicAdd(&iacc[3], 1)] = i (the returned old
-// values must be a permutation of 0..n).
+// values must be a permutation of 0..n when iacc[3] starts at 0).
 extern "C" __global__ void selftest_atomics(const float* __restrict__ x, const int* __restrict__ k,
                                             int n, float* acc, int* iacc, int* slot) {
     for (int i = blockIdx.x * blockDim.x + threadIdx.x; i < n; i += gridDim.x * blockDim.x) {
@@ -121,7 +122,7 @@ extern "C" __global__ void selftest_atomics(const float* __restrict__ x, const i
         atomicMax(&iacc[1], k[i]);
         atomicMin(&iacc[2], k[i]);
         const int old = atomicAdd(&iacc[3], 1);
-        slot[old] = i;
+        if (old >= 0 && old < n) slot[old] = i;
     }
 }
 GRNG_EMU_ENTRY(selftest_atomics)
@@ -260,3 +261,30 @@ extern "C" __global__ void selftest_overhead(float* __restrict__ out, int barrie
     out[g] = (float)threadIdx.x;
 }
 GRNG_EMU_ENTRY(selftest_overhead)
+
+// Misuse the emulator must report (abort with a message) instead of running wrongly; CUDA
+// leaves all of these undefined. Never launched on a GPU. mode 0: __syncthreads reached by
+// odd threads only; 1: a shuffle reading a lane outside its mask; 2: __syncwarp with a mask
+// that does not name the calling lane; 3: mma_sync on fragments changed per lane.
+extern "C" __global__ void selftest_misuse(float* __restrict__ out, int mode) {
+    const int t = threadIdx.x;
+    if (mode == 0) {
+        if (t & 1) __syncthreads();
+    } else if (mode == 1) {
+        if (t < 16) out[t] = __shfl_sync(0x0000ffffu, (float)t, 20);
+    } else if (mode == 2) {
+        __syncwarp(1u << ((t + 1) & 31));
+    } else {
+        using namespace nvcuda;
+        wmma::fragment<wmma::matrix_a, 16, 16, 16, __nv_bfloat16, wmma::row_major> fa;
+        wmma::fragment<wmma::matrix_b, 16, 16, 16, __nv_bfloat16, wmma::col_major> fb;
+        wmma::fragment<wmma::accumulator, 16, 16, 16, float> acc;
+        wmma::fill_fragment(fa, __float2bfloat16(1.0f));
+        wmma::fill_fragment(fb, __float2bfloat16(1.0f));
+        wmma::fill_fragment(acc, 0.0f);
+        fa.x[0] = __float2bfloat16((float)t);
+        wmma::mma_sync(acc, fa, fb, acc);
+        wmma::store_matrix_sync(out, acc, 16, wmma::mem_row_major);
+    }
+}
+GRNG_EMU_ENTRY(selftest_misuse)

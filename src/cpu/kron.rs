@@ -13,7 +13,7 @@ use crate::mat::{MatMut, MatRef, Trans};
 
 /// Diagonal blocks at most this wide are computed as one full GEMM (its upper half is wasted
 /// work, `≤ n·BASE·m/2` flops in all, a few percent at n ≥ 1024) instead of being split again.
-const BASE: usize = 96;
+const BASE: usize = 192;
 
 /// `Λ ← ε Λ + (1−ε)/m · AᵀA` for `A` of shape `m x n` (`T` = `f32` or `bf16`) and `Λ`
 /// (`factor`) of shape `n x n`, both row-major views.
@@ -69,56 +69,56 @@ pub fn syrk_ema<T: Element>(a: MatRef<'_, T>, eps: f32, mut factor: MatMut<'_, f
         MatRef::new(&widened, m, n)?
     };
     let alpha = (1.0 - eps) / m as f32;
-    lower_syrk(a32, alpha, eps, factor.rb(), 0, n)?;
+    let ld = factor.ld();
+    lower_syrk(a32, (alpha, eps), factor.data_mut(), ld, (0, n))?;
     mirror_lower(factor);
     Ok(())
 }
 
 /// Computes the lower triangle of rows/columns `lo..hi` of `C ← α AᵀA + β C` (plus the upper
-/// half of the smallest diagonal blocks).
+/// half of the smallest diagonal blocks). `c` holds rows `lo..` of `C`, `ld` apart.
+///
+/// The diagonal block above the split and the rows below it touch disjoint rows of `C`, so
+/// they run as two rayon tasks: small GEMMs alone cannot keep both cores busy.
 fn lower_syrk(
     a: MatRef<'_, f32>,
-    alpha: f32,
-    beta: f32,
-    mut c: MatMut<'_, f32>,
-    lo: usize,
-    hi: usize,
+    (alpha, beta): (f32, f32),
+    c: &mut [f32],
+    ld: usize,
+    (lo, hi): (usize, usize),
 ) -> Result<()> {
     let w = hi - lo;
     let m = a.rows();
-    let ld_a = a.ld();
-    let ld_c = c.ld();
     let cols_of_a = |from: usize, to: usize| -> Result<MatRef<'_, f32>> {
         // A[:, from..to], an m x (to − from) view into the same buffer.
-        MatRef::with_ld(&a.data()[from..], m, to - from, ld_a)
+        MatRef::with_ld(&a.data()[from..], m, to - from, a.ld())
     };
     if w <= BASE {
         let blk = cols_of_a(lo, hi)?;
-        let dst = MatMut::with_ld(&mut c.data_mut()[lo * ld_c + lo..], w, w, ld_c)?;
+        let dst = MatMut::with_ld(&mut c[lo..], w, w, ld)?;
         return gemm(Trans::Yes, Trans::No, alpha, blk, blk, beta, dst);
     }
     // Split at a multiple of 16 so the GEMM tiles stay aligned with the micro-kernel.
     let mid = lo + (w / 2).next_multiple_of(16).min(w - 1);
-    // Off-diagonal block C[mid..hi, lo..mid] = α A[:, mid..hi]ᵀ A[:, lo..mid] + β C[...].
-    {
-        let dst = MatMut::with_ld(
-            &mut c.data_mut()[mid * ld_c + lo..],
-            hi - mid,
-            mid - lo,
-            ld_c,
-        )?;
-        gemm(
-            Trans::Yes,
-            Trans::No,
-            alpha,
-            cols_of_a(mid, hi)?,
-            cols_of_a(lo, mid)?,
-            beta,
-            dst,
-        )?;
-    }
-    lower_syrk(a, alpha, beta, c.rb(), lo, mid)?;
-    lower_syrk(a, alpha, beta, c, mid, hi)
+    let (top, bottom) = c.split_at_mut((mid - lo) * ld);
+    let (r_top, r_bottom) = rayon::join(
+        || lower_syrk(a, (alpha, beta), top, ld, (lo, mid)),
+        || -> Result<()> {
+            // Off-diagonal block C[mid..hi, lo..mid] = α A[:, mid..hi]ᵀ A[:, lo..mid] + β C[…].
+            let dst = MatMut::with_ld(&mut bottom[lo..], hi - mid, mid - lo, ld)?;
+            gemm(
+                Trans::Yes,
+                Trans::No,
+                alpha,
+                cols_of_a(mid, hi)?,
+                cols_of_a(lo, mid)?,
+                beta,
+                dst,
+            )?;
+            lower_syrk(a, (alpha, beta), bottom, ld, (mid, hi))
+        },
+    );
+    r_top.and(r_bottom)
 }
 
 /// Copies the strict lower triangle of a square view into its upper triangle.

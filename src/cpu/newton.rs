@@ -1,45 +1,57 @@
 //! Newton–Schulz inversion of an SPD matrix on the host (SPEC §2).
 //!
-//! With `T = AX` and `E = I − T`, one step maps `E ↦ E^p`:
-//! quadratic `X(2I − T)`, cubic `X(3I − 3T + T²)`, quartic `X(4I − T(6I − T(4I − T)))`.
-//! Every step first forms `T = AX`, whose residual `‖I − T‖_F/√n` drives the stop test, then
-//! the polynomial in `T` and its product with `X`. All products go through
-//! [`crate::cpu::gemm`].
+//! With `T = AX` and `E = I − T`, one step maps `E ↦ E^p`: quadratic `X(2I − T)`, cubic
+//! `X(3I − 3T + T²)`, quartic `X(4I − T(6I − T(4I − T)))`. They are evaluated as
+//! `X ← X + X·F` with `F = E`, `E + E²`, `E + E² + E³` (the same polynomials): the correction
+//! `F` is small near convergence, so forming it, rather than `p(T) ≈ I`, keeps its digits —
+//! which matters most in `Bf16` mode, where `p(T)` rounded to bf16 would lose them. Every
+//! step first forms `T = AX` (always a full product), whose residual `‖I − T‖_F/√n` drives
+//! the stop test. All products go through [`crate::cpu::gemm`].
 //!
-//! **Symmetry.** `A` is symmetric, so for any symmetric `X` the update `X·p(AX)` is a
-//! palindrome (`2X − XAX`, …) and hence symmetric: it is computed as its upper block triangle
-//! and mirrored, which also keeps `X` exactly symmetric. From the paper's and the scaled-identity
-//! starts `X` is a polynomial in `A`, so `T = AX` and the powers of `T` are symmetric too and
-//! get the same treatment (about 55–75% of a full product from n = 512 up, one full product
-//! plus a mirror below). A warm start is not a polynomial in `A`: there `T` and its powers are
-//! full products.
+//! **Symmetry, and why only early.** For symmetric `X` the update `X + X·F` is a palindrome
+//! (`2X − XAX`, …) and hence symmetric, and from the paper's and the scaled-identity starts
+//! `X` is a polynomial in `A`, so the powers of `E` are symmetric too. Such products are
+//! computed as their upper block triangles and mirrored (about 55–75% of a full product from
+//! n = 512 up). But mirroring is not stable to the last digit: the rounding noise `N` of
+//! `T` enters `X` as `X·N`, whose residual `≈ N` the next step removes; mirrored, it becomes
+//! `Nᵀ X` as well, with residual `A Nᵀ A⁻¹`, amplified by about `κ/(2 ln κ)` (measured: an
+//! `f32` floor of 2.4e-4 instead of 5e-6 at κ = 1e3, n = 24). So the `F32` iteration uses the
+//! mirrored products only while the residual is above [`SYM_SWITCH`] (where that noise is
+//! far below the residual and later steps remove it) and full products afterwards; `Bf16`,
+//! whose noise is 2¹⁵ times larger, and the warm start (not a polynomial in `A`) use full
+//! products throughout for the powers of `E`. The returned `X` is therefore symmetric only to
+//! rounding; symmetrizing it would raise its residual the same way.
 //!
 //! **Stopping.** The iteration returns as soon as the residual is `≤ tol`. In exact arithmetic
 //! the residual never grows from any of the three starts, so a residual that stops falling
 //! means either the rounding floor was reached or the iteration diverges:
-//! - non-finite residual → [`DivergenceReason::NonFinite`];
+//! - non-finite residual → [`DivergenceReason::NonFinite`] (`Bf16` past its floor: best
+//!   iterate returned);
+//! - during the mirrored phase, no improvement ends that phase (full products from then on);
 //! - once the best residual is below [`ARMED`], no improvement means the floor: `F32` mode
-//!   errs ([`DivergenceReason::NotConverged`] or, for a jump above twice the best,
-//!   [`DivergenceReason::Growing`]); `Bf16` mode returns its best iterate;
+//!   errs ([`DivergenceReason::NotConverged`], or [`DivergenceReason::Growing`] for a jump
+//!   above twice the best); `Bf16` mode returns its best iterate;
 //! - above [`ARMED`] (the first steps from the paper's start sit near 1) only a clear growth,
 //!   more than [`GROWTH_SLACK`] relative per step, is divergence ([`DivergenceReason::Growing`]);
 //! - `max_iter` exhausted → [`DivergenceReason::NotConverged`] (both modes).
 //!
-//! **Residual floors** (measured with `tests/cpu_newton.rs`' generator: `A = QᵀDQ`, random
-//! Householder `Q`, eigenvalues log-spaced in `[1/κ, 1]`, n = 256; cubic from the scaled
-//! identity; `‖I − AX‖_F/√n` of the returned `X` in `f32`):
+//! **Residual floors** `‖I − AX‖_F/√n` of the returned `X`, measured in `f64` (generator of
+//! `tests/cpu_newton.rs`: `A = QDQᵀ`, `Q` three random Householder reflectors, eigenvalues
+//! log-spaced over `[1/κ, 1]`; cubic from the scaled identity; 3 matrices each at
+//! n = 24, 64, 200, 256, 512; the smaller n give the upper ends of the ranges):
 //!
 //! | κ | `F32` floor | `Bf16` best iterate | `Bf16` + polish |
 //! |---|---|---|---|
-//! | 10 | 2.0e-7 | 3.2e-3 | 1.0e-5 |
-//! | 33 | 4.3e-7 | 6.5e-3 | 4.2e-5 |
-//! | 100 | 1.1e-6 | 1.3e-2 | 1.6e-4 |
-//! | 1000 | 9.0e-6 | 1.2e-1 | 1.4e-2 |
+//! | 10 | 6e-8 – 1.2e-7 | 2.4e-3 – 4.9e-3 | 8.6e-6 – 3.9e-5 |
+//! | 33 | 1.2e-7 – 2.6e-7 | 3.2e-3 – 1.1e-2 | 1.3e-5 – 1.3e-4 |
+//! | 100 | 3.8e-7 – 9.8e-7 | 5.8e-3 – 2.5e-2 | 3.9e-5 – 9.0e-4 |
+//! | 1000 | 4.0e-6 – 5.5e-6 | 3.3e-2 – 1.3e-1 | 9.8e-4 – 3.1e-2 |
 //!
-//! The `bf16` floors match SPEC's numpy figures (4.5e-3, 9e-3, 1.7e-2, 0.14): the floor is
-//! the rounding of `A` itself, `≈ 2⁻⁹·(rms relative error)·κ`-like growth, reached in 4–6
-//! cubic steps. The `f32` floor grows roughly linearly in κ (`≈ 1e-8·κ` at this n), so the
-//! default `tol = 1e-4` holds to κ ≈ 1e4.
+//! The `f32` floor grows about linearly, `≈ 5e-9·κ`, so the default `tol = 1e-4` holds to
+//! κ ≈ 1e4. The `bf16` floor, `≲ 2.5e-3·κ^0.6` (the bound `tests/cpu_newton.rs` checks), is
+//! set by the rounding of `A` itself and reached in 3–8 cubic steps; at n = 256–512 it is
+//! below SPEC's numpy figures (4.5e-3, 9e-3, 1.7e-2, 0.14 at κ = 10, 33, 100, 1000), which
+//! rounded `p(T) ≈ I` to bf16 instead of the correction `F`. The polish step squares it.
 
 use rayon::prelude::*;
 
@@ -58,11 +70,17 @@ pub const ARMED: f32 = 0.5;
 /// which is far larger in `Bf16` mode) before it counts as divergence.
 pub const GROWTH_SLACK: f32 = 1e-2;
 
+/// Above this residual the `F32` iteration uses symmetric-result products (then never again).
+pub const SYM_SWITCH: f32 = 0.1;
+
 /// Relative asymmetry accepted in `a` and `warm`: `|a_ij − a_ji| ≤ SYM_TOL · max|a|`.
 pub const SYM_TOL: f32 = 1e-5;
 
 /// Safety factor on the power-iteration estimate of `λ_max` (a lower bound of it).
 const LAMBDA_MARGIN: f32 = 1.1;
+
+/// Safety factor on the Gershgorin bound `‖A‖∞ ≥ λ_max`.
+const GERSHGORIN_MARGIN: f32 = 1.02;
 
 /// Inverse of the symmetric positive definite `n x n` matrix `a` by Newton iteration; see the
 /// module docs for the arithmetic and the stopping rules, and
@@ -133,6 +151,7 @@ pub fn newton_inverse(
     let mut best_r = f32::INFINITY;
     let mut best_iter = 0;
     let mut prev_r = f32::INFINITY;
+    let mut sym_phase = !bf16;
     let diverged = |reason, iterations, residual: f32| Error::Diverged {
         op: OP,
         reason,
@@ -162,6 +181,10 @@ pub fn newton_inverse(
             if bf16 {
                 it.best.clone_from(&it.x);
             }
+        } else if sym_phase {
+            // The noise of the mirrored products (see the module docs) stalled the early
+            // phase: go on with full products, which correct it.
+            sym_phase = false;
         } else if best_r < ARMED {
             if bf16 {
                 break;
@@ -178,8 +201,13 @@ pub fn newton_inverse(
         if iterations == opts.max_iter {
             return Err(diverged(DivergenceReason::NotConverged, iterations, r));
         }
+        // Symmetric-result products only in the early f32 phase (see the module docs): the
+        // last steps must be full products for Newton's self-correction to hold.
+        if r <= SYM_SWITCH {
+            sym_phase = false;
+        }
         prev_r = r;
-        it.step(opts.order, commuting)?;
+        it.step(opts.order, sym_phase, sym_phase && commuting)?;
         iterations += 1;
         it.product_t()?;
     }
@@ -208,7 +236,7 @@ pub fn newton_inverse(
     };
     if opts.polish {
         let x_best = it.x.clone();
-        it.step(NewtonOrder::Quadratic, false)?;
+        it.step(NewtonOrder::Quadratic, false, false)?;
         it.product_t()?;
         let r_pol = residual(&it.t, n);
         if r_pol < r_best {
@@ -282,8 +310,9 @@ impl Iteration {
         product(a, x, &mut self.t, self.n, false)
     }
 
-    /// `X ← X p(T)` for the given order; the T-products are symmetric when `commuting`.
-    fn step(&mut self, order: NewtonOrder, commuting: bool) -> Result<()> {
+    /// `X ← X p(T)` for the given order. `sym_x`: compute `X·F` as a symmetric-result
+    /// product; `sym_e`: the same for the powers of `E` (valid only when X commutes with A).
+    fn step(&mut self, order: NewtonOrder, sym_x: bool, sym_e: bool) -> Result<()> {
         let n = self.n;
         let bf = self.bf16;
         // E = I − T; the step is X ← X + X·F with F = E, E + E², E + E² + E³
@@ -293,11 +322,12 @@ impl Iteration {
         let f: &[f32] = match order {
             NewtonOrder::Quadratic => &self.w1,
             NewtonOrder::Cubic | NewtonOrder::Quartic => {
+                let sym = sym_e;
                 let er = operand(&self.w1, &mut self.r1, bf);
-                product(er, er, &mut self.w2, n, commuting)?;
+                product(er, er, &mut self.w2, n, sym)?;
                 if order == NewtonOrder::Quartic {
                     let e2r = operand(&self.w2, &mut self.r2, bf);
-                    product(e2r, er, &mut self.w3, n, commuting)?;
+                    product(e2r, er, &mut self.w3, n, sym)?;
                     add_assign(&mut self.w2, &self.w3);
                 }
                 add_assign(&mut self.w2, &self.w1);
@@ -306,7 +336,7 @@ impl Iteration {
         };
         let fr = operand(f, &mut self.r2, bf);
         let xr = operand(&self.x, &mut self.r1, bf);
-        product(xr, fr, &mut self.w3, n, true)?;
+        product(xr, fr, &mut self.w3, n, sym_x)?;
         add_assign(&mut self.w3, &self.x);
         std::mem::swap(&mut self.x, &mut self.w3);
         Ok(())
@@ -475,7 +505,7 @@ fn paper_start(a: &[f32], n: usize) -> Result<Vec<f32>> {
     Ok(a.iter().map(|&v| (v as f64 * alpha) as f32).collect())
 }
 
-/// `X₀ = c I`, `c = 2/(λ_hi + λ_low)`, `λ_hi = min(1.1 · power estimate, ‖A‖∞) ≥ λ_max`.
+/// `X₀ = c I`, `c = 2/(λ_hi + λ_low)`, `λ_hi = min(1.1 · power estimate, 1.02 ‖A‖∞) > λ_max`.
 fn scaled_identity(a: &[f32], n: usize, lambda_low: f32) -> Result<Vec<f32>> {
     let inf = a
         .chunks(n)
@@ -491,11 +521,12 @@ fn scaled_identity(a: &[f32], n: usize, lambda_low: f32) -> Result<Vec<f32>> {
             max_iter: 60,
         },
     )?;
-    // Gershgorin: λ_max ≤ ‖A‖∞. An unconverged estimate falls back to that bound.
+    // Gershgorin: λ_max ≤ ‖A‖∞; the margin on it keeps c·λ_max < 2 strictly even when the
+    // bound is attained (a diagonal A), where c·λ_max = 2 would stall that eigencomponent.
     let hi = if power.converged {
-        (LAMBDA_MARGIN * power.value).min(inf)
+        (LAMBDA_MARGIN * power.value).min(GERSHGORIN_MARGIN * inf)
     } else {
-        inf
+        GERSHGORIN_MARGIN * inf
     };
     if power.value <= 0.0 {
         return Err(Error::Value {

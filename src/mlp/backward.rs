@@ -109,7 +109,11 @@ impl Mlp {
     ///
     /// # Errors
     /// [`Error::Value`](crate::Error::Value) for a stale `fwd`.
-    pub fn sample_targets<R: Rng + ?Sized>(&self, fwd: &Forward, rng: &mut R) -> Result<TargetsBuf> {
+    pub fn sample_targets<R: Rng + ?Sized>(
+        &self,
+        fwd: &Forward,
+        rng: &mut R,
+    ) -> Result<TargetsBuf> {
         self.check_forward("Mlp::sample_targets", fwd)?;
         let y = fwd.outputs();
         Ok(match self.config().loss {
@@ -131,7 +135,11 @@ impl Mlp {
     /// Backward pass with labels sampled by [`Mlp::sample_targets`]: the statistics of the
     /// true-Fisher error factor `Γ` and the flat gradient for those labels (Sophia-G's
     /// Gauss–Newton–Bartlett estimator); `loss` is the loss on the sampled labels.
-    pub fn backward_sampled<R: Rng + ?Sized>(&self, fwd: &Forward, rng: &mut R) -> Result<Backward> {
+    pub fn backward_sampled<R: Rng + ?Sized>(
+        &self,
+        fwd: &Forward,
+        rng: &mut R,
+    ) -> Result<Backward> {
         let t = self.sample_targets(fwd, rng)?;
         self.backward_stats(fwd, t.as_targets(), true)
     }

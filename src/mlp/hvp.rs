@@ -80,7 +80,12 @@ impl Mlp {
             MatRef::new(&v[self.layer_range(l)?], r, c)
         };
         let v_weights = |l: usize| -> Result<MatRef<'_, f32>> {
-            MatRef::with_ld(&v[self.layer_range(l)?], sizes[l + 1], sizes[l], sizes[l] + 1)
+            MatRef::with_ld(
+                &v[self.layer_range(l)?],
+                sizes[l + 1],
+                sizes[l],
+                sizes[l] + 1,
+            )
         };
 
         // Forward R-pass: rz[l] = R{Z_l}; rx[l] = R{X_l} (rx[0] unused: the input is fixed).

@@ -26,7 +26,7 @@ pub enum InitialGuess {
     /// for the first iterations.
     Paper,
     /// The SPD-aware `X₀ = c I`, `c = 2 / (λ_hi + λ_low)`, with `λ_hi ≥ λ_max` from a power
-    /// iteration (times 1.1, capped by the bound `‖A‖∞`) and `λ_low` =
+    /// iteration (times 1.1, capped by 1.02 times the bound `‖A‖∞`) and `λ_low` =
     /// [`NewtonOptions::lambda_low`]. The eigenvalues of `I − A X₀` lie in `(−1, 1)`.
     #[default]
     ScaledIdentity,

@@ -3,6 +3,12 @@
 //! Every optimizer validates shapes, finiteness and hyperparameters before mutating any
 //! state, so a failed call leaves it bit-for-bit unchanged.
 
+pub mod adamw;
+pub mod kalman;
+pub mod kron;
+pub mod sgd;
+pub mod sophia;
+
 use crate::device::Matrix;
 
 /// Kronecker statistics of one layer (SPEC §1).

@@ -1,0 +1,88 @@
+#!/usr/bin/env bash
+# Static audit of the compiled CUDA kernels (GPU.md §3), no GPU needed.
+#
+# Installs the NVIDIA tools if needed (scripts/install-cuda-tools.sh), builds the crate so the
+# PTX of every kernel file exists, then for each kernel and each target (sm_80, sm_90) runs
+# `ptxas -v` and prints registers, spill bytes, stack frame and static shared memory. Kernels
+# whose name ends in `_tc` (tensor-core kernels, kernels/README.md) must show HMMA
+# instructions in `cuobjdump --dump-sass`. Exits non-zero on any spill, on a `_tc` kernel
+# without HMMA, or when no kernel was audited.
+#
+# Usage: scripts/audit-kernels.sh
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+eval "$(scripts/install-cuda-tools.sh --quiet)"
+for tool in ptxas cuobjdump nvdisasm; do
+    command -v "$tool" >/dev/null || { echo "audit: $tool not found" >&2; exit 1; }
+done
+
+# Build with the tools exported; the build script's out_dir holds the PTX.
+out_dir="$(cargo build --release --lib --message-format=json 2>/dev/null |
+    jq -r 'select(.reason == "build-script-executed" and (.package_id | test("grng"))) | .out_dir' |
+    tail -n 1)"
+if [[ -z "$out_dir" || ! -f "$out_dir/ptx.rs" ]]; then
+    echo "audit: could not find the build's PTX (cargo build --release failed?)" >&2
+    exit 1
+fi
+if ! grep -q "pub const BUILT: bool = true" "$out_dir/ptx.rs"; then
+    echo "audit: the build did not compile the kernels to PTX" >&2
+    exit 1
+fi
+
+work="$(mktemp -d)"
+trap 'rm -rf "$work"' EXIT
+
+fail=0
+rows=0
+fmt="%-12s %-34s %-6s %5s %9s %9s %7s %7s %6s\n"
+printf "$fmt" file kernel arch regs spill_st spill_ld stack smem hmma
+printf '%.0s-' {1..103}
+echo
+for ptx in "$out_dir"/*.ptx; do
+    file="$(basename "$ptx" .ptx)"
+    for arch in sm_80 sm_90; do
+        cubin="$work/$file.$arch.cubin"
+        if ! ptxas -arch="$arch" -v "$ptx" -o "$cubin" 2>"$work/log"; then
+            cat "$work/log" >&2
+            echo "audit: ptxas failed on $file for $arch" >&2
+            exit 1
+        fi
+        # ptxas -v prints, per kernel: "Compiling entry function 'k' for 'sm_xx'", then
+        # "N bytes stack frame, S bytes spill stores, L bytes spill loads", then
+        # "Used R registers, ..., M bytes smem, ...".
+        awk '
+            /Compiling entry function/ { match($0, /function .[^'"'"']*/); k = substr($0, RSTART + 10, RLENGTH - 10) }
+            /bytes stack frame/ { st = $1; ss = $5; sl = $9 }
+            /Used [0-9]+ registers/ {
+                r = $0; sub(/.*Used /, "", r); sub(/ registers.*/, "", r)
+                m = 0; if (match($0, /[0-9]+ bytes smem/)) { m = substr($0, RSTART, RLENGTH); sub(/ .*/, "", m) }
+                print k, r, ss, sl, st, m
+            }' "$work/log" >"$work/table"
+        while read -r kernel regs spill_st spill_ld stack smem; do
+            hmma="-"
+            if [[ "$kernel" == *_tc ]]; then
+                hmma="$(cuobjdump --dump-sass --function "$kernel" "$cubin" 2>/dev/null | grep -c HMMA || true)"
+                if [[ "$hmma" == 0 ]]; then
+                    echo "audit: tensor-core kernel $kernel has no HMMA for $arch" >&2
+                    fail=1
+                fi
+            fi
+            if [[ "$spill_st" != 0 || "$spill_ld" != 0 ]]; then
+                echo "audit: $kernel spills for $arch ($spill_st bytes stored, $spill_ld loaded)" >&2
+                fail=1
+            fi
+            printf "$fmt" "$file" "$kernel" "$arch" "$regs" "$spill_st" "$spill_ld" "$stack" "$smem" "$hmma"
+            rows=$((rows + 1))
+        done <"$work/table"
+    done
+done
+if [[ $rows == 0 ]]; then
+    echo "audit: no kernel found in $out_dir" >&2
+    exit 1
+fi
+if [[ $fail != 0 ]]; then
+    echo "audit: FAILED" >&2
+    exit 1
+fi
+echo "audit: $rows kernel/target pairs, no spills, HMMA in every _tc kernel"

@@ -1,0 +1,348 @@
+//! [`Checkpoint`] for every optimizer, the reference MLP and the trainer's ChaCha8 stream.
+//!
+//! Each object writes a `kind` tag first, then its records; loading checks the tag, reads and
+//! checks every record into a host-side state, and only then installs it through the object's
+//! own validating `restore` (which commits nothing on error). Errors from that `restore` are
+//! re-wrapped as [`Error::Checkpoint`] naming the scope.
+//!
+//! | object          | kind       | records                                                        |
+//! |-----------------|------------|----------------------------------------------------------------|
+//! | [`Sgd`]         | `sgd`      | `steps` u64, `momentum` `[n]`                                  |
+//! | [`AdamW`]       | `adamw`    | `steps` u64, `m` `[n]`, `v` `[n]`                              |
+//! | [`Sophia`]      | `sophia`   | `steps` u64, `m` `[n]`, `h` `[n]`                              |
+//! | [`RKalman`]     | `rkalman`  | `steps` u64, `mu` `[n]`, `sigma` `[n]`, `r` `[d_o, d_o]`      |
+//! | [`KronOptimizer`] | `kron`   | `variant`, `layer_shapes` u64s, `rho`, `steps`, `predicted`, `last_ratio`, `counters.*`, `factored_layers`, `layer{l}.{lambda,gamma}.{factor,inverse}` `[n, n]` and `.{damping,inverse_norm,norm,trace}` |
+//! | [`Mlp`]         | `mlp`      | `sizes` u64s, `activation`, `loss`, `params` `[n]`             |
+//! | [`ChaCha8Rng`]  | `chacha8`  | `seed` 32 bytes, `stream` u64, `word_pos` u64s `[lo, hi]`      |
+
+use rand::SeedableRng;
+use rand_chacha::ChaCha8Rng;
+
+use super::{Checkpoint, Reader, Writer};
+use crate::error::{Error, Result};
+use crate::mlp::{Activation, Loss, Mlp};
+use crate::optim::adamw::{AdamW, AdamWState};
+use crate::optim::kalman::{RKalman, RKalmanState};
+use crate::optim::kron::{
+    KronCounters, KronFactorState, KronLayerState, KronOptimizer, KronState, KronVariant,
+};
+use crate::optim::sgd::{Sgd, SgdState};
+use crate::optim::sophia::{Sophia, SophiaState};
+
+/// An object's own validation error, as a checkpoint error naming the scope.
+fn wrap(r: &Reader, e: Error) -> Error {
+    match e {
+        Error::Checkpoint(_) => e,
+        other => Error::Checkpoint(format!(
+            "`{}` cannot be restored: {other}",
+            r.prefix.trim_end_matches('.')
+        )),
+    }
+}
+
+impl Checkpoint for Sgd {
+    fn save(&self, w: &mut Writer) -> Result<()> {
+        let s = self.state()?;
+        w.str("kind", "sgd")?;
+        w.u64("steps", s.steps)?;
+        w.tensor("momentum", &[s.momentum.len()], &s.momentum)
+    }
+
+    fn load(&mut self, r: &Reader) -> Result<()> {
+        r.expect_kind("sgd")?;
+        let state = SgdState {
+            steps: r.u64("steps")?,
+            momentum: r.tensor("momentum", &[self.n()])?.to_vec(),
+        };
+        self.restore(&state).map_err(|e| wrap(r, e))
+    }
+}
+
+impl Checkpoint for AdamW {
+    fn save(&self, w: &mut Writer) -> Result<()> {
+        let s = self.state()?;
+        w.str("kind", "adamw")?;
+        w.u64("steps", s.steps)?;
+        w.tensor("m", &[s.m.len()], &s.m)?;
+        w.tensor("v", &[s.v.len()], &s.v)
+    }
+
+    fn load(&mut self, r: &Reader) -> Result<()> {
+        r.expect_kind("adamw")?;
+        let n = self.n();
+        let state = AdamWState {
+            steps: r.u64("steps")?,
+            m: r.tensor("m", &[n])?.to_vec(),
+            v: r.tensor("v", &[n])?.to_vec(),
+        };
+        self.restore(&state).map_err(|e| wrap(r, e))
+    }
+}
+
+impl Checkpoint for Sophia {
+    fn save(&self, w: &mut Writer) -> Result<()> {
+        let s = self.state()?;
+        w.str("kind", "sophia")?;
+        w.u64("steps", s.steps)?;
+        w.tensor("m", &[s.m.len()], &s.m)?;
+        w.tensor("h", &[s.h.len()], &s.h)
+    }
+
+    fn load(&mut self, r: &Reader) -> Result<()> {
+        r.expect_kind("sophia")?;
+        let n = self.n();
+        let state = SophiaState {
+            steps: r.u64("steps")?,
+            m: r.tensor("m", &[n])?.to_vec(),
+            h: r.tensor("h", &[n])?.to_vec(),
+        };
+        self.restore(&state).map_err(|e| wrap(r, e))
+    }
+}
+
+impl Checkpoint for RKalman {
+    fn save(&self, w: &mut Writer) -> Result<()> {
+        let s = self.state()?;
+        let d_o = self.d_o();
+        w.str("kind", "rkalman")?;
+        w.u64("steps", s.steps)?;
+        w.tensor("mu", &[s.mu.len()], &s.mu)?;
+        w.tensor("sigma", &[s.sigma.len()], &s.sigma)?;
+        w.tensor("r", &[d_o, d_o], &s.r)
+    }
+
+    fn load(&mut self, r: &Reader) -> Result<()> {
+        r.expect_kind("rkalman")?;
+        let (n, d_o) = (self.n(), self.d_o());
+        let state = RKalmanState {
+            steps: r.u64("steps")?,
+            mu: r.tensor("mu", &[n])?.to_vec(),
+            sigma: r.tensor("sigma", &[n])?.to_vec(),
+            r: r.tensor("r", &[d_o, d_o])?.to_vec(),
+        };
+        self.restore(&state).map_err(|e| wrap(r, e))
+    }
+}
+
+fn variant_name(v: KronVariant) -> &'static str {
+    match v {
+        KronVariant::Ring => "ring",
+        KronVariant::Reng => "reng",
+        KronVariant::Ngd => "ngd",
+    }
+}
+
+const FACTOR_SCALARS: [&str; 4] = ["damping", "inverse_norm", "norm", "trace"];
+
+impl Checkpoint for KronOptimizer {
+    fn save(&self, w: &mut Writer) -> Result<()> {
+        let s = self.state()?;
+        w.str("kind", "kron")?;
+        w.str("variant", variant_name(self.config().variant))?;
+        let shapes: Vec<u64> = self
+            .layer_shapes()
+            .iter()
+            .flat_map(|&(o, i)| [o as u64, i as u64])
+            .collect();
+        w.u64s("layer_shapes", &shapes)?;
+        w.f32("rho", s.rho)?;
+        w.u64("steps", s.steps)?;
+        w.opt_f32("predicted", s.predicted)?;
+        w.opt_f32("last_ratio", s.last_ratio)?;
+        w.scope("counters", |w| {
+            s.counters
+                .named()
+                .iter()
+                .try_for_each(|&(name, v)| w.u64(name, v))
+        })?;
+        w.u64("factored_layers", s.layers.len() as u64)?;
+        for (l, layer) in s.layers.iter().enumerate() {
+            w.scope(&format!("layer{l}"), |w| {
+                for (side, f) in [("lambda", &layer.lambda), ("gamma", &layer.gamma)] {
+                    w.scope(side, |w| {
+                        let n = f.factor.rows();
+                        w.tensor("factor", &[n, n], &f.factor.to_vec()?)?;
+                        w.tensor("inverse", &[n, n], &f.inverse.to_vec()?)?;
+                        let vals = [f.damping, f.inverse_norm, f.norm, f.trace];
+                        for (name, v) in FACTOR_SCALARS.iter().zip(vals) {
+                            w.f32(name, v)?;
+                        }
+                        Ok(())
+                    })?;
+                }
+                Ok(())
+            })?;
+        }
+        Ok(())
+    }
+
+    fn load(&mut self, r: &Reader) -> Result<()> {
+        r.expect_kind("kron")?;
+        let want = variant_name(self.config().variant);
+        let got = r.str("variant")?;
+        if got != want {
+            return Err(Error::Checkpoint(format!(
+                "`variant`: the checkpoint holds {got} state, this optimizer is {want}"
+            )));
+        }
+        let shapes = self.layer_shapes().to_vec();
+        let flat: Vec<u64> = shapes
+            .iter()
+            .flat_map(|&(o, i)| [o as u64, i as u64])
+            .collect();
+        let stored = r.u64s("layer_shapes")?;
+        if stored != flat.as_slice() {
+            return Err(Error::Checkpoint(format!(
+                "`layer_shapes`: the checkpoint has (d_out, d_in) pairs {stored:?}, this optimizer {flat:?}"
+            )));
+        }
+        let c = r.scope("counters");
+        let counters = KronCounters {
+            refreshes: c.u64("refreshes")?,
+            first_order_updates: c.u64("first_order_updates")?,
+            lazy_recomputes: c.u64("lazy_recomputes")?,
+            newton_inversions: c.u64("newton_inversions")?,
+            newton_iterations: c.u64("newton_iterations")?,
+            newton_divergences: c.u64("newton_divergences")?,
+            newton_retries: c.u64("newton_retries")?,
+            cholesky_fallbacks: c.u64("cholesky_fallbacks")?,
+            cholesky_inversions: c.u64("cholesky_inversions")?,
+            power_unconverged: c.u64("power_unconverged")?,
+            lm_updates: c.u64("lm_updates")?,
+            lm_skipped: c.u64("lm_skipped")?,
+            nonfinite_losses: c.u64("nonfinite_losses")?,
+        };
+        let factored = r.usize("factored_layers")?;
+        if factored != 0 && factored != shapes.len() {
+            return Err(Error::Checkpoint(format!(
+                "`factored_layers` = {factored}, expected 0 or {}",
+                shapes.len()
+            )));
+        }
+        let device = self.device().clone();
+        let mut layers = Vec::with_capacity(factored);
+        for (l, &(o, i)) in shapes.iter().enumerate().take(factored) {
+            let lr = r.scope(&format!("layer{l}"));
+            let factor = |side: &str, n: usize| -> Result<KronFactorState> {
+                let fr = lr.scope(side);
+                let f = fr.tensor("factor", &[n, n])?;
+                let x = fr.tensor("inverse", &[n, n])?;
+                Ok(KronFactorState {
+                    factor: device.upload(n, n, f)?,
+                    inverse: device.upload(n, n, x)?,
+                    damping: fr.f32("damping")?,
+                    inverse_norm: fr.f32("inverse_norm")?,
+                    norm: fr.f32("norm")?,
+                    trace: fr.f32("trace")?,
+                })
+            };
+            layers.push(KronLayerState {
+                lambda: factor("lambda", i)?,
+                gamma: factor("gamma", o)?,
+            });
+        }
+        let state = KronState {
+            rho: r.f32("rho")?,
+            steps: r.u64("steps")?,
+            predicted: r.opt_f32("predicted")?,
+            last_ratio: r.opt_f32("last_ratio")?,
+            counters,
+            layers,
+        };
+        self.restore(state).map_err(|e| wrap(r, e))
+    }
+}
+
+fn activation_name(a: Activation) -> &'static str {
+    match a {
+        Activation::Relu => "relu",
+        Activation::Tanh => "tanh",
+    }
+}
+
+fn loss_name(l: Loss) -> &'static str {
+    match l {
+        Loss::SoftmaxCrossEntropy => "softmax_cross_entropy",
+        Loss::SquaredError => "squared_error",
+    }
+}
+
+impl Checkpoint for Mlp {
+    fn save(&self, w: &mut Writer) -> Result<()> {
+        let c = self.config();
+        w.str("kind", "mlp")?;
+        let sizes: Vec<u64> = c.sizes.iter().map(|&s| s as u64).collect();
+        w.u64s("sizes", &sizes)?;
+        w.str("activation", activation_name(c.activation))?;
+        w.str("loss", loss_name(c.loss))?;
+        w.tensor("params", &[self.num_params()], self.params())
+    }
+
+    fn load(&mut self, r: &Reader) -> Result<()> {
+        r.expect_kind("mlp")?;
+        let c = self.config();
+        let sizes: Vec<u64> = c.sizes.iter().map(|&s| s as u64).collect();
+        let stored = r.u64s("sizes")?;
+        if stored != sizes.as_slice() {
+            return Err(Error::Checkpoint(format!(
+                "`sizes`: the checkpoint's network has widths {stored:?}, this one {sizes:?}"
+            )));
+        }
+        for (name, want) in [
+            ("activation", activation_name(c.activation)),
+            ("loss", loss_name(c.loss)),
+        ] {
+            let got = r.str(name)?;
+            if got != want {
+                return Err(Error::Checkpoint(format!(
+                    "`{name}`: the checkpoint's network uses {got}, this one {want}"
+                )));
+            }
+        }
+        let params = r.tensor("params", &[self.num_params()])?;
+        self.set_params(params).map_err(|e| wrap(r, e))
+    }
+}
+
+/// ChaCha's block counter is 64 bits of 16-word blocks: positions are below `2^68`.
+const WORD_POS_LIMIT: u128 = 1 << 68;
+
+impl Checkpoint for ChaCha8Rng {
+    fn save(&self, w: &mut Writer) -> Result<()> {
+        let pos = self.get_word_pos();
+        w.str("kind", "chacha8")?;
+        w.bytes("seed", &self.get_seed())?;
+        w.u64("stream", self.get_stream())?;
+        w.u64s("word_pos", &[pos as u64, (pos >> 64) as u64])
+    }
+
+    fn load(&mut self, r: &Reader) -> Result<()> {
+        r.expect_kind("chacha8")?;
+        let seed: [u8; 32] = r.bytes("seed")?.try_into().map_err(|_| {
+            Error::Checkpoint(format!("`{}seed`: expected 32 bytes", r.prefix))
+        })?;
+        let stream = r.u64("stream")?;
+        let pos = match r.u64s("word_pos")? {
+            &[lo, hi] => (hi as u128) << 64 | lo as u128,
+            other => {
+                return Err(Error::Checkpoint(format!(
+                    "`{}word_pos`: expected [lo, hi], got {} values",
+                    r.prefix,
+                    other.len()
+                )))
+            }
+        };
+        // set_word_pos would silently drop the high bits: reject instead.
+        if pos >= WORD_POS_LIMIT {
+            return Err(Error::Checkpoint(format!(
+                "`{}word_pos` = {pos} is past the end of a ChaCha stream (2^68 words)",
+                r.prefix
+            )));
+        }
+        let mut rng = ChaCha8Rng::from_seed(seed);
+        rng.set_stream(stream);
+        rng.set_word_pos(pos);
+        *self = rng;
+        Ok(())
+    }
+}

@@ -1,0 +1,167 @@
+//! The GPU path: a CUDA device, its default stream, and kernel launches through the driver
+//! API (modules loaded lazily from the embedded PTX, functions cached by name).
+
+use super::launch::{Kernel, LaunchConfig};
+use crate::error::{Error, Result};
+use crate::Element;
+use cudarc::driver::sys::CUfunction_attribute;
+use cudarc::driver::{CudaContext, CudaFunction, CudaModule, CudaSlice, CudaStream};
+use cudarc::nvrtc::Ptx;
+use std::collections::HashMap;
+use std::ffi::c_void;
+use std::fmt;
+use std::sync::{Arc, Mutex, PoisonError};
+
+/// Shared dynamic memory a kernel may use without raising its limit.
+const DEFAULT_SHARED_LIMIT: u32 = 48 * 1024;
+
+/// A loaded kernel and the dynamic shared memory limit set on it so far.
+struct Loaded {
+    func: CudaFunction,
+    shared_limit: u32,
+}
+
+#[derive(Default)]
+struct Cache {
+    modules: HashMap<&'static str, Arc<CudaModule>>,
+    functions: HashMap<&'static str, Loaded>,
+}
+
+/// A CUDA GPU with its default stream.
+#[derive(Clone)]
+pub struct CudaDevice {
+    ctx: Arc<CudaContext>,
+    stream: Arc<CudaStream>,
+    cache: Arc<Mutex<Cache>>,
+}
+
+impl fmt::Debug for CudaDevice {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("CudaDevice")
+            .field("ordinal", &self.ctx.ordinal())
+            .finish()
+    }
+}
+
+impl CudaDevice {
+    /// Opens GPU `ordinal`. Errors (never panics) when the kernels were not compiled at build
+    /// time, or libcuda or a GPU is absent.
+    pub fn new(ordinal: usize) -> Result<Self> {
+        if !super::ptx::BUILT {
+            return Err(Error::DeviceUnavailable(
+                "grng was built without its CUDA kernels (no CUDA compiler at build time): run \
+                 scripts/install-cuda-tools.sh, export the GRNG_CUDA_TOOLS it prints, and rebuild"
+                    .into(),
+            ));
+        }
+        // SAFETY: only probes whether the shared library can be loaded; with dynamic loading
+        // the first real driver call would panic if it could not.
+        if !unsafe { cudarc::driver::sys::is_culib_present() } {
+            return Err(Error::DeviceUnavailable(
+                "no CUDA driver (libcuda) found on this machine".into(),
+            ));
+        }
+        let ctx = CudaContext::new(ordinal)?;
+        let stream = ctx.default_stream();
+        Ok(Self {
+            ctx,
+            stream,
+            cache: Arc::new(Mutex::new(Cache::default())),
+        })
+    }
+
+    /// The cudarc context.
+    pub fn context(&self) -> &Arc<CudaContext> {
+        &self.ctx
+    }
+
+    /// The stream every launch and copy of this device is queued on.
+    pub fn stream(&self) -> &Arc<CudaStream> {
+        &self.stream
+    }
+
+    /// Waits until all queued work has finished.
+    pub fn synchronize(&self) -> Result<()> {
+        Ok(self.stream.synchronize()?)
+    }
+
+    pub(crate) fn upload<T: Element>(&self, host: &[T]) -> Result<CudaSlice<T>> {
+        Ok(self.stream.clone_htod(host)?)
+    }
+
+    pub(crate) fn zeros<T: Element>(&self, len: usize) -> Result<CudaSlice<T>> {
+        Ok(self.stream.alloc_zeros(len)?)
+    }
+
+    /// The function of `kernel`, loading its file's module on first use, with its dynamic
+    /// shared memory limit raised to at least `shared_mem`.
+    fn function(&self, kernel: &Kernel, shared_mem: u32) -> Result<CudaFunction> {
+        let mut cache = self.cache.lock().unwrap_or_else(PoisonError::into_inner);
+        if !cache.functions.contains_key(kernel.name) {
+            let module = match cache.modules.get(kernel.file) {
+                Some(m) => m.clone(),
+                None => {
+                    let ptx = kernel.ptx.ok_or_else(|| {
+                        Error::DeviceUnavailable(format!(
+                            "the PTX of kernel file {} was not built",
+                            kernel.file
+                        ))
+                    })?;
+                    let m = self.ctx.load_module(Ptx::from_src(ptx))?;
+                    cache.modules.insert(kernel.file, m.clone());
+                    m
+                }
+            };
+            let func = module.load_function(kernel.name)?;
+            cache.functions.insert(
+                kernel.name,
+                Loaded {
+                    func,
+                    shared_limit: DEFAULT_SHARED_LIMIT,
+                },
+            );
+        }
+        let loaded = cache
+            .functions
+            .get_mut(kernel.name)
+            .expect("inserted above");
+        if shared_mem > loaded.shared_limit {
+            loaded.func.set_attribute(
+                CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
+                i32::try_from(shared_mem).unwrap_or(i32::MAX),
+            )?;
+            loaded.shared_limit = shared_mem;
+        }
+        Ok(loaded.func.clone())
+    }
+
+    /// Queues `kernel` on this device's stream.
+    ///
+    /// # Safety
+    /// `params` must hold one pointer per kernel parameter, in order, each pointing at a value
+    /// of that parameter's type, live until this returns; device pointers among them must
+    /// stay allocated until the kernel has run and cover every access it makes under `cfg`.
+    pub(crate) unsafe fn launch(
+        &self,
+        kernel: &Kernel,
+        cfg: &LaunchConfig,
+        params: &mut [*mut c_void],
+    ) -> Result<()> {
+        let func = self.function(kernel, cfg.shared_mem)?;
+        self.ctx.bind_to_thread()?;
+        // SAFETY: `func` belongs to this context, now current; the stream is this context's;
+        // cuLaunchKernel copies the parameter values before returning, and the caller
+        // guarantees they match the kernel's signature and bounds.
+        unsafe {
+            cudarc::driver::result::launch_kernel(
+                func.cu_function(),
+                cfg.grid,
+                cfg.block,
+                cfg.shared_mem,
+                self.stream.cu_stream(),
+                params,
+            )
+        }
+        .map_err(|e| Error::Cuda(format!("launching {}: {e}", kernel.name)))
+    }
+}

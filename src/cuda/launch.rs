@@ -1,0 +1,285 @@
+//! One launch path for every kernel, on a GPU or in the emulator.
+//!
+//! A launcher (one per kernel, in `src/cuda/<file>.rs`) validates its inputs, computes a
+//! [`LaunchConfig`], pushes the arguments in the kernel's parameter order into
+//! [`KernelArgs`] and calls [`launch`]. Everything up to the final dispatch is shared by
+//! [`Device::Emulated`] and [`Device::Cuda`]: the only difference is where the kernel body
+//! executes. See `kernels/README.md` for the conventions.
+
+use super::emu::{EmuBuffer, EmuEntry};
+use crate::device::{Device, Element, Matrix, Storage};
+use crate::error::{Error, Result};
+use cudarc::driver::{DevicePtr, DevicePtrMut, SyncOnDrop};
+use std::ffi::c_void;
+use std::marker::PhantomData;
+
+/// Largest dynamic shared memory of one block (sm_90's opt-in limit, 227 KiB). Above 48 KiB
+/// the driver path raises the kernel's limit before launching; sm_80 stops at 163 KiB.
+pub const MAX_SHARED_MEM: u32 = 232_448;
+
+/// `<<<grid, block, shared_mem>>>` of a launch.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct LaunchConfig {
+    /// Blocks in x, y, z (each ≥ 1; y, z ≤ 65535).
+    pub grid: (u32, u32, u32),
+    /// Threads per block in x, y, z (product 1..=1024, z ≤ 64).
+    pub block: (u32, u32, u32),
+    /// Bytes of dynamic shared memory (`GRNG_DYN_SHARED`), at most [`MAX_SHARED_MEM`].
+    pub shared_mem: u32,
+}
+
+impl LaunchConfig {
+    /// A 1-D launch of `ceil(n / block)` blocks of `block` threads, no shared memory.
+    pub fn for_elements(n: usize, block: u32) -> Result<Self> {
+        let blocks = if block == 0 {
+            0
+        } else {
+            n.div_ceil(block as usize).max(1)
+        };
+        let cfg = Self {
+            grid: (u32::try_from(blocks).unwrap_or(u32::MAX), 1, 1),
+            block: (block, 1, 1),
+            shared_mem: 0,
+        };
+        cfg.validate("LaunchConfig::for_elements")?;
+        Ok(cfg)
+    }
+
+    /// Checks CUDA's limits, so both paths reject the same configurations.
+    pub fn validate(&self, op: &'static str) -> Result<()> {
+        let (bx, by, bz) = self.block;
+        let threads = u64::from(bx) * u64::from(by) * u64::from(bz);
+        if threads == 0 || threads > 1024 || bz > 64 {
+            return Err(Error::Value {
+                op,
+                arg: "block",
+                value: threads as f64,
+                expected: "1..=1024 threads per block (block.z <= 64)",
+            });
+        }
+        let (gx, gy, gz) = self.grid;
+        if gx == 0 || gy == 0 || gz == 0 || gx > 0x7fff_ffff || gy > 65_535 || gz > 65_535 {
+            return Err(Error::Value {
+                op,
+                arg: "grid",
+                value: f64::from(gx) * f64::from(gy) * f64::from(gz),
+                expected: "1..=2^31-1 blocks in x, 1..=65535 in y and z",
+            });
+        }
+        if self.shared_mem > MAX_SHARED_MEM {
+            return Err(Error::Value {
+                op,
+                arg: "shared_mem",
+                value: f64::from(self.shared_mem),
+                expected: "at most 232448 bytes of dynamic shared memory",
+            });
+        }
+        Ok(())
+    }
+}
+
+/// One kernel: where its PTX is and its emulator entry point. Declare with [`kernel!`].
+#[derive(Clone, Copy, Debug)]
+pub struct Kernel {
+    /// Kernel file's PTX constant name (`KRON` for `kernels/kron.cu`).
+    pub file: &'static str,
+    /// The `extern "C"` kernel name.
+    pub name: &'static str,
+    /// The file's PTX ([`super::ptx`]), `None` when not built.
+    pub ptx: Option<&'static str>,
+    /// `grng_emu_<name>`.
+    pub emu: EmuEntry,
+}
+
+/// Declares a [`Kernel`]: `kernel!(pub(crate) SYRK = KRON::kron_syrk_tc);` for the kernel
+/// `kron_syrk_tc` of `kernels/kron.cu`. A misspelt file or kernel name fails to compile or
+/// link (the emulator symbol `grng_emu_kron_syrk_tc` must exist).
+macro_rules! kernel {
+    ($(#[$attr:meta])* $vis:vis $NAME:ident = $FILE:ident :: $kname:ident;) => {
+        $(#[$attr])*
+        $vis const $NAME: $crate::cuda::launch::Kernel = {
+            extern "C" {
+                #[link_name = concat!("grng_emu_", stringify!($kname))]
+                fn entry(
+                    cfg: *const $crate::cuda::emu::EmuLaunch,
+                    args: *mut *mut ::std::ffi::c_void,
+                );
+            }
+            $crate::cuda::launch::Kernel {
+                file: stringify!($FILE),
+                name: stringify!($kname),
+                ptx: $crate::cuda::ptx::$FILE,
+                emu: entry,
+            }
+        };
+    };
+}
+pub(crate) use kernel;
+
+/// Scalar kernel parameters: `int`, `unsigned`, `float`, `long long`, `unsigned long long`,
+/// `double` on the CUDA side.
+pub trait KernelScalar: bytemuck::Pod + private::Sealed {}
+impl KernelScalar for i32 {}
+impl KernelScalar for u32 {}
+impl KernelScalar for f32 {}
+impl KernelScalar for i64 {}
+impl KernelScalar for u64 {}
+impl KernelScalar for f64 {}
+mod private {
+    pub trait Sealed {}
+    impl Sealed for i32 {}
+    impl Sealed for u32 {}
+    impl Sealed for f32 {}
+    impl Sealed for i64 {}
+    impl Sealed for u64 {}
+    impl Sealed for f64 {}
+}
+
+/// A kernel's argument list, in parameter order, built against one device.
+///
+/// Every value gets its own 8-byte slot (its bytes at the start), and a launch passes one
+/// pointer per slot — cuLaunchKernel's `kernelParams`, and what `GRNG_EMU_ENTRY` unpacks.
+/// Buffers are borrowed for `'a` (shared for [`KernelArgs::input`], exclusive for
+/// [`KernelArgs::output`]), so they outlive the launch and a written buffer cannot also be
+/// passed as another argument.
+pub struct KernelArgs<'a> {
+    device: &'a Device,
+    slots: Vec<u64>,
+    /// Stream-ordering records of the CUDA buffers, dropped after the launch is queued.
+    guards: Vec<SyncOnDrop<'a>>,
+    /// Host buffers (emulator checks).
+    host: Vec<EmuBuffer>,
+    _buffers: PhantomData<&'a mut ()>,
+}
+
+impl<'a> KernelArgs<'a> {
+    /// An empty list for a launch on `device`.
+    pub fn new(device: &'a Device) -> Self {
+        Self {
+            device,
+            slots: Vec::with_capacity(16),
+            guards: Vec::new(),
+            host: Vec::new(),
+            _buffers: PhantomData,
+        }
+    }
+
+    /// The device the arguments live on.
+    pub fn device(&self) -> &'a Device {
+        self.device
+    }
+
+    /// Appends a scalar parameter.
+    pub fn scalar<S: KernelScalar>(&mut self, v: S) -> &mut Self {
+        let mut slot = 0u64;
+        let bytes = bytemuck::bytes_of(&v);
+        bytemuck::bytes_of_mut(&mut slot)[..bytes.len()].copy_from_slice(bytes);
+        self.slots.push(slot);
+        self
+    }
+
+    /// Appends a `const T*` parameter: `m`'s first element (row-major, `m.len()` elements).
+    /// Errors if `m` does not live on the launch's device.
+    pub fn input<T: Element>(&mut self, op: &'static str, m: &'a Matrix<T>) -> Result<&mut Self> {
+        self.device.check_on(op, m)?;
+        let addr = match (self.device, &m.storage) {
+            (Device::Cpu | Device::Emulated, Storage::Host(v)) => {
+                self.host.push(host_buffer(v));
+                v.as_ptr() as u64
+            }
+            (Device::Cuda(d), Storage::Cuda(s)) => {
+                let (ptr, guard) = s.device_ptr(d.stream());
+                self.guards.push(guard);
+                ptr
+            }
+            _ => return Err(self.mismatch(op)),
+        };
+        self.slots.push(addr);
+        Ok(self)
+    }
+
+    /// Appends a `T*` parameter the kernel may write: `m`'s first element. Errors if `m` does
+    /// not live on the launch's device.
+    pub fn output<T: Element>(
+        &mut self,
+        op: &'static str,
+        m: &'a mut Matrix<T>,
+    ) -> Result<&mut Self> {
+        self.device.check_on(op, m)?;
+        let addr = match (self.device, &mut m.storage) {
+            (Device::Cpu | Device::Emulated, Storage::Host(v)) => {
+                self.host.push(host_buffer(v));
+                v.as_mut_ptr() as u64
+            }
+            (Device::Cuda(d), Storage::Cuda(s)) => {
+                let (ptr, guard) = s.device_ptr_mut(d.stream());
+                self.guards.push(guard);
+                ptr
+            }
+            _ => return Err(self.mismatch(op)),
+        };
+        self.slots.push(addr);
+        Ok(self)
+    }
+
+    fn mismatch(&self, op: &'static str) -> Error {
+        Error::DeviceMismatch {
+            op,
+            a: self.device.name(),
+            b: "another device",
+        }
+    }
+}
+
+fn host_buffer<T>(v: &[T]) -> EmuBuffer {
+    EmuBuffer {
+        base: v.as_ptr() as u64,
+        bytes: std::mem::size_of_val(v) as u64,
+    }
+}
+
+/// Launches `kernel` with `cfg` and `args` on the device the arguments were built for:
+/// in the emulator for [`Device::Emulated`] (synchronously), on the device's stream for
+/// [`Device::Cuda`] (asynchronously, ordered with the stream's other work).
+///
+/// # Safety
+/// What cannot be checked here, and each launcher's SAFETY comment must establish against
+/// the kernel's signature:
+/// 1. `args` holds exactly the kernel's parameters, in order, with matching types
+///    (`input`/`output` for `const T*`/`T*` of the same element type, `scalar` of the same
+///    width and kind);
+/// 2. every access the kernel makes under `cfg` stays inside the buffers passed, and it
+///    writes only buffers passed through `output`;
+/// 3. `cfg.shared_mem` covers the kernel's `GRNG_DYN_SHARED` use.
+pub unsafe fn launch(kernel: &Kernel, cfg: LaunchConfig, args: KernelArgs<'_>) -> Result<()> {
+    cfg.validate(kernel.name)?;
+    let KernelArgs {
+        device,
+        mut slots,
+        guards,
+        host,
+        ..
+    } = args;
+    // Pointers into `slots`, which is neither moved nor resized until the launch returns.
+    let mut params: Vec<*mut c_void> = slots
+        .iter_mut()
+        .map(|s| (s as *mut u64).cast::<c_void>())
+        .collect();
+    let result = match device {
+        Device::Cpu => Err(Error::DeviceUnavailable(format!(
+            "kernel {} runs on the Emulated or Cuda device, not on the CPU backend",
+            kernel.name
+        ))),
+        Device::Emulated => {
+            // SAFETY: the caller guarantees 1-3; `params` points into `slots`, alive here, and
+            // host buffers are borrowed by `args` for the whole (synchronous) call.
+            unsafe { super::emu::launch(kernel, &cfg, &mut params, &host) };
+            Ok(())
+        }
+        // SAFETY: as above; device buffers outlive the queued kernel: cudarc frees a CudaSlice
+        // stream-ordered (after the work already queued on its stream, this kernel included).
+        Device::Cuda(d) => unsafe { d.launch(kernel, &cfg, &mut params) },
+    };
+    drop(guards);
+    result
+}

@@ -1,0 +1,441 @@
+//! Launchers of the self-test kernels (`kernels/emu/selftest.cu`): each exercises one CUDA
+//! primitive so `tests/emu_primitives.rs` can check the emulator (and, on a GPU, the
+//! hardware) against the primitive's definition. Not used by the optimizers.
+//!
+//! Buffers documented as holding `i32` keep 32-bit integer bit patterns in an `f32` matrix
+//! (`f32::from_bits` / `to_bits`): matrices hold `f32` or `bf16` only.
+
+use super::launch::{kernel, launch, KernelArgs, LaunchConfig, MAX_SHARED_MEM};
+use crate::device::{Device, Matrix};
+use crate::error::{check_len, Error, Result};
+use half::bf16;
+
+kernel!(pub TRANSPOSE = SELFTEST::selftest_transpose;);
+kernel!(pub DYN_SMEM_REVERSE = SELFTEST::selftest_dyn_smem_reverse;);
+kernel!(pub SHFL = SELFTEST::selftest_shfl;);
+kernel!(pub VOTE = SELFTEST::selftest_vote;);
+kernel!(pub ATOMICS = SELFTEST::selftest_atomics;);
+kernel!(pub BF16 = SELFTEST::selftest_bf16;);
+kernel!(pub WMMA_TC = SELFTEST::selftest_wmma_tc;);
+kernel!(pub BARRIERS = SELFTEST::selftest_barriers;);
+kernel!(pub DIMS = SELFTEST::selftest_dims;);
+kernel!(pub OVERHEAD = SELFTEST::selftest_overhead;);
+kernel!(pub MISUSE = SELFTEST::selftest_misuse;);
+
+fn value_err(op: &'static str, arg: &'static str, v: usize, expected: &'static str) -> Error {
+    Error::Value {
+        op,
+        arg,
+        value: v as f64,
+        expected,
+    }
+}
+
+fn to_i32(op: &'static str, arg: &'static str, v: usize) -> Result<i32> {
+    i32::try_from(v).map_err(|_| value_err(op, arg, v, "< 2^31"))
+}
+
+/// `out` (cols x rows) ← `a` (rows x cols)ᵀ through a 32x33 shared tile, blocks of 32x8.
+pub fn transpose(dev: &Device, a: &Matrix<f32>, out: &mut Matrix<f32>) -> Result<()> {
+    const OP: &str = "selftest::transpose";
+    let (rows, cols) = a.shape();
+    crate::error::check_shape(OP, "out", out.shape(), (cols, rows))?;
+    if a.is_empty() {
+        return Ok(());
+    }
+    let cfg = LaunchConfig {
+        grid: (
+            to_i32(OP, "cols", cols.div_ceil(32))? as u32,
+            to_i32(OP, "rows", rows.div_ceil(32))? as u32,
+            1,
+        ),
+        block: (32, 8, 1),
+        shared_mem: 0,
+    };
+    let mut args = KernelArgs::new(dev);
+    args.input(OP, a)?
+        .output(OP, out)?
+        .scalar(to_i32(OP, "rows", rows)?)
+        .scalar(to_i32(OP, "cols", cols)?);
+    // SAFETY: selftest_transpose(const float* in, float* out, int rows, int cols): in holds
+    // rows*cols and out cols*rows floats (checked above); the kernel bounds-checks r < rows,
+    // c < cols.
+    unsafe { launch(&TRANSPOSE, cfg, args) }
+}
+
+/// Each block of `block` threads reverses a chunk of `chunk` elements of `x` into `out`
+/// through `chunk` floats of dynamic shared memory (flat order; last chunk may be short).
+pub fn dyn_smem_reverse(
+    dev: &Device,
+    x: &Matrix<f32>,
+    out: &mut Matrix<f32>,
+    chunk: usize,
+    block: u32,
+) -> Result<()> {
+    const OP: &str = "selftest::dyn_smem_reverse";
+    check_len(OP, "out", out.len(), x.len())?;
+    if chunk == 0 || chunk * 4 > MAX_SHARED_MEM as usize {
+        return Err(value_err(OP, "chunk", chunk, "1..=58112 floats"));
+    }
+    if x.is_empty() {
+        return Ok(());
+    }
+    let cfg = LaunchConfig {
+        grid: (to_i32(OP, "x", x.len().div_ceil(chunk))? as u32, 1, 1),
+        block: (block, 1, 1),
+        shared_mem: (chunk * 4) as u32,
+    };
+    let mut args = KernelArgs::new(dev);
+    args.input(OP, x)?
+        .output(OP, out)?
+        .scalar(to_i32(OP, "x", x.len())?)
+        .scalar(chunk as i32);
+    // SAFETY: selftest_dyn_smem_reverse(const float* in, float* out, int n, int chunk): in and
+    // out hold n floats; block b touches [b*chunk, min((b+1)*chunk, n)) and smem[0..chunk),
+    // chunk*4 = shared_mem bytes.
+    unsafe { launch(&DYN_SMEM_REVERSE, cfg, args) }
+}
+
+/// Shuffle cases over `input` (n i32, n a multiple of `32 * warps_per_block`): `cases` holds
+/// i32 triples (op, b, width), see `selftest_shfl`; `out` gets n and `out64` 2 n i32 per
+/// case.
+pub fn shfl(
+    dev: &Device,
+    input: &Matrix<f32>,
+    cases: &Matrix<f32>,
+    out: &mut Matrix<f32>,
+    out64: &mut Matrix<f32>,
+    warps_per_block: u32,
+) -> Result<()> {
+    const OP: &str = "selftest::shfl";
+    let n = input.len();
+    let block = 32 * warps_per_block;
+    if warps_per_block == 0 || warps_per_block > 32 || n == 0 || n % block as usize != 0 {
+        return Err(value_err(
+            OP,
+            "input",
+            n,
+            "a positive multiple of 32 * warps_per_block",
+        ));
+    }
+    if cases.len() % 3 != 0 {
+        return Err(value_err(OP, "cases", cases.len(), "a multiple of 3"));
+    }
+    let ncases = cases.len() / 3;
+    check_len(OP, "out", out.len(), n * ncases)?;
+    check_len(OP, "out64", out64.len(), 2 * n * ncases)?;
+    let cfg = LaunchConfig {
+        grid: (to_i32(OP, "input", n / block as usize)? as u32, 1, 1),
+        block: (block, 1, 1),
+        shared_mem: 0,
+    };
+    let mut args = KernelArgs::new(dev);
+    args.input(OP, input)?
+        .output(OP, out)?
+        .output(OP, out64)?
+        .input(OP, cases)?
+        .scalar(to_i32(OP, "cases", ncases)?);
+    // SAFETY: selftest_shfl(const int* in, int* out, int* out64, const int* cases, int ncases):
+    // the grid has exactly n threads; out holds ncases*n, out64 2*ncases*n and cases 3*ncases
+    // 4-byte values.
+    unsafe { launch(&SHFL, cfg, args) }
+}
+
+/// Votes and warp reductions over `input` (n i32, n a multiple of `block`, itself a
+/// multiple of 32): `out` gets 9 n i32 and `blk` 3 i32 per block, see `selftest_vote`.
+pub fn vote(
+    dev: &Device,
+    input: &Matrix<f32>,
+    out: &mut Matrix<f32>,
+    blk: &mut Matrix<f32>,
+    mask: u32,
+    block: u32,
+) -> Result<()> {
+    const OP: &str = "selftest::vote";
+    let n = input.len();
+    if block == 0 || block % 32 != 0 || block > 1024 || n == 0 || n % block as usize != 0 {
+        return Err(value_err(
+            OP,
+            "input",
+            n,
+            "a positive multiple of block (itself of 32)",
+        ));
+    }
+    let blocks = n / block as usize;
+    check_len(OP, "out", out.len(), 9 * n)?;
+    check_len(OP, "blk", blk.len(), 3 * blocks)?;
+    let cfg = LaunchConfig {
+        grid: (to_i32(OP, "input", blocks)? as u32, 1, 1),
+        block: (block, 1, 1),
+        shared_mem: 0,
+    };
+    let mut args = KernelArgs::new(dev);
+    args.input(OP, input)?
+        .output(OP, out)?
+        .output(OP, blk)?
+        .scalar(mask);
+    // SAFETY: selftest_vote(const int* in, int* out, int* blk, unsigned mask): n threads,
+    // out holds 9n and blk 3*blocks 4-byte values.
+    unsafe { launch(&VOTE, cfg, args) }
+}
+
+/// Atomics over x (n f32) and k (n i32) from `(grid, block)` blocks x threads: `acc` (1 f32)
+/// += Σx; `iacc` (4 i32): += Σk, max k, min k, count; `slot` (n i32) ← a permutation of 0..n.
+pub fn atomics(
+    dev: &Device,
+    x: &Matrix<f32>,
+    k: &Matrix<f32>,
+    acc: &mut Matrix<f32>,
+    iacc: &mut Matrix<f32>,
+    slot: &mut Matrix<f32>,
+    (grid, block): (u32, u32),
+) -> Result<()> {
+    const OP: &str = "selftest::atomics";
+    let n = x.len();
+    check_len(OP, "k", k.len(), n)?;
+    check_len(OP, "acc", acc.len(), 1)?;
+    check_len(OP, "iacc", iacc.len(), 4)?;
+    check_len(OP, "slot", slot.len(), n)?;
+    let cfg = LaunchConfig {
+        grid: (grid, 1, 1),
+        block: (block, 1, 1),
+        shared_mem: 0,
+    };
+    let mut args = KernelArgs::new(dev);
+    args.input(OP, x)?
+        .input(OP, k)?
+        .scalar(to_i32(OP, "x", n)?)
+        .output(OP, acc)?
+        .output(OP, iacc)?
+        .output(OP, slot)?;
+    // SAFETY: selftest_atomics(const float* x, const int* k, int n, float* acc, int* iacc,
+    // int* slot): x, k, slot hold n, acc 1, iacc 4 values; the grid-stride loop stays below n
+    // and slot is written only at indices in [0, n).
+    unsafe { launch(&ATOMICS, cfg, args) }
+}
+
+/// bf16 conversions of x (n f32): `out` (n bf16) = bf16(x), `back` (n f32) = f32(out),
+/// `pair` (2n f32) = (x, -x) through __floats2bfloat162_rn.
+pub fn bf16_convert(
+    dev: &Device,
+    x: &Matrix<f32>,
+    out: &mut Matrix<bf16>,
+    back: &mut Matrix<f32>,
+    pair: &mut Matrix<f32>,
+) -> Result<()> {
+    const OP: &str = "selftest::bf16_convert";
+    let n = x.len();
+    check_len(OP, "out", out.len(), n)?;
+    check_len(OP, "back", back.len(), n)?;
+    check_len(OP, "pair", pair.len(), 2 * n)?;
+    if n == 0 {
+        return Ok(());
+    }
+    let cfg = LaunchConfig::for_elements(n, 128)?;
+    let mut args = KernelArgs::new(dev);
+    args.input(OP, x)?
+        .output(OP, out)?
+        .output(OP, back)?
+        .output(OP, pair)?
+        .scalar(to_i32(OP, "x", n)?);
+    // SAFETY: selftest_bf16(const float* in, __nv_bfloat16* out, float* back, float* pair,
+    // int n): threads i < n touch in/out/back[i] and pair[2i..2i+2]; lengths checked above.
+    unsafe { launch(&BF16, cfg, args) }
+}
+
+/// D = alpha (A B + C) on tensor cores, M, N, K multiples of 16. `layouts` bits: 1 A
+/// col-major (A stored K x M), 2 B col-major (stored N x K), 4 C col-major, 8 D col-major
+/// (stored N x M); row-major otherwise. Lengths: a M K, b K N, c and d M N.
+#[allow(clippy::too_many_arguments)]
+pub fn wmma(
+    dev: &Device,
+    a: &Matrix<bf16>,
+    b: &Matrix<bf16>,
+    c: &Matrix<f32>,
+    d: &mut Matrix<f32>,
+    (m, n, k): (usize, usize, usize),
+    layouts: u32,
+    alpha: f32,
+) -> Result<()> {
+    const OP: &str = "selftest::wmma";
+    for (arg, v) in [("m", m), ("n", n), ("k", k)] {
+        if v == 0 || v % 16 != 0 || v > 4096 {
+            return Err(value_err(
+                OP,
+                arg,
+                v,
+                "a positive multiple of 16, at most 4096",
+            ));
+        }
+    }
+    if layouts > 15 {
+        return Err(value_err(OP, "layouts", layouts as usize, "0..=15"));
+    }
+    check_len(OP, "a", a.len(), m * k)?;
+    check_len(OP, "b", b.len(), k * n)?;
+    check_len(OP, "c", c.len(), m * n)?;
+    check_len(OP, "d", d.len(), m * n)?;
+    let cfg = LaunchConfig {
+        grid: ((n / 16) as u32, (m / 16) as u32, 1),
+        block: (32, 1, 1),
+        shared_mem: 0,
+    };
+    let mut args = KernelArgs::new(dev);
+    args.input(OP, a)?
+        .input(OP, b)?
+        .input(OP, c)?
+        .output(OP, d)?
+        .scalar(m as i32)
+        .scalar(n as i32)
+        .scalar(k as i32)
+        .scalar(layouts as i32)
+        .scalar(alpha);
+    // SAFETY: selftest_wmma_tc(const bf16* a, const bf16* b, const float* c, float* d, int M,
+    // int N, int K, int layouts, float alpha): block (x, y) reads the 16-row/column panels of
+    // tile (y, x) inside a (M K), b (K N), c (M N) and writes its tile of d (M N); lengths
+    // checked above, M, N, K multiples of 16 keep every 16x16 tile inside.
+    unsafe { launch(&WMMA_TC, cfg, args) }
+}
+
+/// Barrier loop over `x` (blocks * block f32, block a multiple of 32 up to 1024): `out`
+/// (same length) gets the values after `iters` stencil steps, `sums` (blocks * iters) the
+/// block sums, `wmax` (x.len() / 32) the warp maxima; see `selftest_barriers`.
+pub fn barriers(
+    dev: &Device,
+    x: &Matrix<f32>,
+    out: &mut Matrix<f32>,
+    sums: &mut Matrix<f32>,
+    wmax: &mut Matrix<f32>,
+    iters: usize,
+    block: u32,
+) -> Result<()> {
+    const OP: &str = "selftest::barriers";
+    let n = x.len();
+    if block == 0 || block % 32 != 0 || block > 1024 || n == 0 || n % block as usize != 0 {
+        return Err(value_err(
+            OP,
+            "x",
+            n,
+            "a positive multiple of block (itself of 32)",
+        ));
+    }
+    let blocks = n / block as usize;
+    check_len(OP, "out", out.len(), n)?;
+    check_len(OP, "sums", sums.len(), blocks * iters)?;
+    check_len(OP, "wmax", wmax.len(), n / 32)?;
+    let cfg = LaunchConfig {
+        grid: (to_i32(OP, "x", blocks)? as u32, 1, 1),
+        block: (block, 1, 1),
+        shared_mem: 0,
+    };
+    let mut args = KernelArgs::new(dev);
+    args.input(OP, x)?
+        .output(OP, out)?
+        .output(OP, sums)?
+        .output(OP, wmax)?
+        .scalar(to_i32(OP, "iters", iters)?);
+    // SAFETY: selftest_barriers(const float* x, float* out, float* sums, float* wmax, int
+    // iters): block b touches x/out[b*block ..+block], sums[b*iters ..+iters] and its warps'
+    // wmax entries; lengths checked above; ring[1024] covers block <= 1024.
+    unsafe { launch(&BARRIERS, cfg, args) }
+}
+
+/// Scalar parameters of every kind, passed through to a kernel.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct DimsParams {
+    pub i: i32,
+    pub u: u32,
+    pub f: f32,
+    pub ll: i64,
+    pub ull: u64,
+    pub d: f64,
+}
+
+/// Built-in variables over a 3-D launch: `out` (8 per thread) and `params` (6) as documented
+/// on `selftest_dims`.
+pub fn dims(
+    dev: &Device,
+    out: &mut Matrix<f32>,
+    params: &mut Matrix<f32>,
+    grid: (u32, u32, u32),
+    block: (u32, u32, u32),
+    p: DimsParams,
+) -> Result<()> {
+    const OP: &str = "selftest::dims";
+    let cfg = LaunchConfig {
+        grid,
+        block,
+        shared_mem: 0,
+    };
+    cfg.validate(OP)?;
+    let threads = [grid.0, grid.1, grid.2, block.0, block.1, block.2]
+        .iter()
+        .map(|&v| v as usize)
+        .product::<usize>();
+    check_len(OP, "out", out.len(), 8 * threads)?;
+    check_len(OP, "params", params.len(), 6)?;
+    let mut args = KernelArgs::new(dev);
+    args.output(OP, out)?
+        .output(OP, params)?
+        .scalar(p.i)
+        .scalar(p.u)
+        .scalar(p.f)
+        .scalar(p.ll)
+        .scalar(p.ull)
+        .scalar(p.d);
+    // SAFETY: selftest_dims(float* out, float* params, int, unsigned, float, long long,
+    // unsigned long long, double): thread g writes out[8g..8g+8] for g < threads, thread 0
+    // params[0..6]; lengths checked above.
+    unsafe { launch(&DIMS, cfg, args) }
+}
+
+/// `blocks` blocks of `block` threads each storing one float into `out` (blocks * block),
+/// after `barriers` __syncthreads: measures the emulator's per-launch and per-thread cost.
+pub fn overhead(
+    dev: &Device,
+    out: &mut Matrix<f32>,
+    blocks: u32,
+    block: u32,
+    barriers: u32,
+) -> Result<()> {
+    const OP: &str = "selftest::overhead";
+    check_len(OP, "out", out.len(), blocks as usize * block as usize)?;
+    let cfg = LaunchConfig {
+        grid: (blocks, 1, 1),
+        block: (block, 1, 1),
+        shared_mem: 0,
+    };
+    let mut args = KernelArgs::new(dev);
+    args.output(OP, out)?
+        .scalar(to_i32(OP, "barriers", barriers as usize)?);
+    // SAFETY: selftest_overhead(float* out, int barriers): thread g < blocks*block writes
+    // out[g]; length checked above.
+    unsafe { launch(&OVERHEAD, cfg, args) }
+}
+
+/// Launches `selftest_misuse` in `mode` (0..=3) on one block of 32 threads, `out` 256 f32.
+/// On the emulator every mode aborts the process with a message (tested in a child
+/// process); on a GPU the behaviour is undefined, so it is refused there.
+pub fn misuse(dev: &Device, out: &mut Matrix<f32>, mode: i32) -> Result<()> {
+    const OP: &str = "selftest::misuse";
+    if !matches!(dev, Device::Emulated) {
+        return Err(Error::DeviceUnavailable(
+            "selftest::misuse runs only on the emulator".into(),
+        ));
+    }
+    if !(0..=3).contains(&mode) {
+        return Err(value_err(OP, "mode", mode as usize, "0..=3"));
+    }
+    check_len(OP, "out", out.len(), 256)?;
+    let cfg = LaunchConfig {
+        grid: (1, 1, 1),
+        block: (32, 1, 1),
+        shared_mem: 0,
+    };
+    let mut args = KernelArgs::new(dev);
+    args.output(OP, out)?.scalar(mode);
+    // SAFETY: selftest_misuse(float* out, int mode): 32 threads write out[0..32) or, through
+    // one 16x16 store, out[0..256); length checked above. The misuse itself is caught by the
+    // emulator, which aborts before anything undefined happens.
+    unsafe { launch(&MISUSE, cfg, args) }
+}

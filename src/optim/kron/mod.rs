@@ -1,0 +1,532 @@
+//! RING, RENG and NGD (K-FAC with Tikhonov damping and π) — SPEC §2, paper Algorithm 1 —
+//! as whole optimizers ([`KronOptimizer::step`]) and as a gradient preconditioner composable
+//! with any first-order update ([`KronOptimizer::precondition`], kfac-pytorch style).
+//!
+//! # Per layer
+//! With the augmented weights `W̄` (`d_out x d_in`, `d_in` including the bias column when the
+//! layer has one) and the statistics of [`KronStats`]:
+//! - factors `Λ = (1/m) AᵀA`, `Γ = (1/m') ÊᵀÊ`, optionally blended by the EMA `ε`;
+//! - dampings `λ_Λ`, `λ_Γ` by [`KronVariant`] (RING `√ρ‖·‖₂`, RENG `√ρ`, NGD `π√ρ`, `√ρ/π`);
+//! - `P = Γ̃⁻¹ G Λ̃⁻¹` with `Λ̃ = Λ + λ_Λ I`, `Γ̃ = Γ + λ_Γ I`, i.e. `(Λ̃ ⊗ Γ̃)⁻¹ vec(G)`;
+//! - whole optimizer: `W̄ ← W̄ − η P`, `η = α/L` (or `α` without [`KronConfig::scale_by_layers`]).
+//!
+//! # Lazy Fisher
+//! Steps with `step mod S == 0` ([`KronOptimizer::needs_stats`]) recompute the factors, their
+//! norms/traces and the inverses (warm-started Newton or Cholesky). Other steps reuse them; when
+//! `ρ` moved since an inverse `X` was formed, its damping target moved by `dλ` and `X` follows by
+//! `X ← X − dλ·X·X` if `|dλ|·‖X‖₂ ≤ 1/2`, else it is recomputed from the stored factor. The update
+//! is applied step by step, so its error is `O(Σ dλ²)`.
+//!
+//! # Levenberg–Marquardt damping
+//! [`KronOptimizer::step`] stores the quadratic model's predicted change, summed over layers,
+//! for the step `Δ = −ηP`:
+//!
+//! `q(δ) − q(0) = ⟨G, Δ⟩ + ½⟨Δ, Γ Δ Λ⟩ + ½ λ ‖Δ‖²`, with `λ = λ_Λ · λ_Γ`,
+//!
+//! the coefficient of the identity term of `Λ̃ ⊗ Γ̃ = Λ⊗Γ + λ_Γ Λ⊗I + λ_Λ I⊗Γ + λ_Λλ_Γ I`.
+//! For RENG and NGD this is `λ = ρ` — Martens & Grosse's model `F + ρI`, of which the factored
+//! Tikhonov damping is the Kronecker-friendly approximation — and for RING `ρ‖Λ‖₂‖Γ‖₂`.
+//! [`KronOptimizer::observe_loss`] forms `r = (L(θ+δ) − L(θ)) / (q(δ) − q(0))` and moves `ρ` by
+//! [`levenberg_marquardt`].
+//!
+//! # Failure
+//! Every entry point validates its inputs and computes into new buffers before committing, so
+//! an error leaves the optimizer exactly as it was. Newton divergence falls back (more damping,
+//! then Cholesky) and is counted in [`KronCounters`].
+
+mod config;
+mod damping;
+mod layer;
+mod state;
+
+pub use config::{InverseMethod, KronConfig, KronVariant, NEWTON_RETRY_DAMPING};
+pub use damping::levenberg_marquardt;
+pub use state::{KronCounters, KronFactorState, KronLayerState, KronState, KronStepInfo};
+
+use self::damping::{factor_dampings, FactorScalars};
+use self::layer::{Ctx, InverseUpdate};
+use super::KronStats;
+use crate::device::{Device, Matrix};
+use crate::error::{check_shape, check_value, Error, Result};
+use crate::mat::Trans;
+
+/// RING / RENG / NGD over `L` dense layers on one [`Device`]. See the module docs.
+#[derive(Debug)]
+pub struct KronOptimizer {
+    device: Device,
+    config: KronConfig,
+    /// `(d_out, d_in)` of each `W̄_l`.
+    shapes: Vec<(usize, usize)>,
+    st: KronState,
+}
+
+/// How the inverses move on this call: rebuilt from statistics, or retargeted lazily.
+enum Plan {
+    Refresh(Vec<KronLayerState>),
+    Lazy(Vec<[Option<InverseUpdate>; 2]>),
+}
+
+/// What the preconditioning and the quadratic model of one layer read.
+struct LayerView<'a> {
+    lambda: &'a Matrix,
+    gamma: &'a Matrix,
+    lambda_inv: &'a Matrix,
+    gamma_inv: &'a Matrix,
+    damping: (f32, f32),
+}
+
+fn scalars(s: &KronFactorState) -> FactorScalars {
+    FactorScalars {
+        dim: s.factor.rows(),
+        norm: s.norm,
+        trace: s.trace,
+    }
+}
+
+impl KronOptimizer {
+    /// An optimizer for layers with `layers[l] = (d_out, d_in)` (the shape of `W̄_l`, `d_in`
+    /// including the bias column when present). Nothing is allocated on the device until the
+    /// first refresh.
+    ///
+    /// # Errors
+    /// [`Error::Value`] for a bad config ([`KronConfig::validate`]), no layers, or a zero
+    /// dimension.
+    pub fn new(device: &Device, layers: &[(usize, usize)], config: KronConfig) -> Result<Self> {
+        const OP: &str = "KronOptimizer::new";
+        config.validate()?;
+        check_value(
+            OP,
+            "layers",
+            layers.len() as f64,
+            !layers.is_empty(),
+            "at least one layer",
+        )?;
+        for &(o, i) in layers {
+            check_value(
+                OP,
+                "layers",
+                o.min(i) as f64,
+                o >= 1 && i >= 1,
+                "every (d_out, d_in) >= 1",
+            )?;
+        }
+        Ok(Self {
+            device: device.clone(),
+            config,
+            shapes: layers.to_vec(),
+            st: KronState {
+                rho: config.rho,
+                steps: 0,
+                predicted: None,
+                last_ratio: None,
+                counters: KronCounters::default(),
+                layers: Vec::new(),
+            },
+        })
+    }
+
+    /// The configuration (`rho` there is the initial value; see [`KronOptimizer::rho`]).
+    pub fn config(&self) -> &KronConfig {
+        &self.config
+    }
+
+    /// The device the optimizer's state lives on.
+    pub fn device(&self) -> &Device {
+        &self.device
+    }
+
+    /// `(d_out, d_in)` per layer.
+    pub fn layer_shapes(&self) -> &[(usize, usize)] {
+        &self.shapes
+    }
+
+    /// Current damping parameter `ρ`.
+    pub fn rho(&self) -> f32 {
+        self.st.rho
+    }
+
+    /// Completed steps (`step` and `precondition` calls).
+    pub fn steps(&self) -> u64 {
+        self.st.steps
+    }
+
+    /// Counters, fallbacks included.
+    pub fn counters(&self) -> &KronCounters {
+        &self.st.counters
+    }
+
+    /// Reduction ratio formed by the last [`KronOptimizer::observe_loss`].
+    pub fn last_ratio(&self) -> Option<f32> {
+        self.st.last_ratio
+    }
+
+    /// Effective step size `α/L` (or `α`).
+    pub fn effective_lr(&self) -> f32 {
+        if self.config.scale_by_layers {
+            self.config.lr / self.shapes.len() as f32
+        } else {
+            self.config.lr
+        }
+    }
+
+    /// True when the coming step refreshes the Fisher (`step mod S == 0`, or no factors yet):
+    /// `stats` must be passed then. Statistics passed on other steps refresh too.
+    pub fn needs_stats(&self) -> bool {
+        self.st.layers.is_empty() || self.st.steps % self.config.skip as u64 == 0
+    }
+
+    /// Preconditioner only: returns `P_l = Γ̃_l⁻¹ G_l Λ̃_l⁻¹` (`d_out x d_in`) for any
+    /// first-order update to consume, refreshing the factors when `stats` is given and moving
+    /// the inverses to the current `ρ` otherwise. Counts as a step for the lazy schedule; `ρ`
+    /// only moves through [`KronOptimizer::step`] + [`KronOptimizer::observe_loss`], so this
+    /// clears any pending predicted change.
+    ///
+    /// `grads[l]`: `d_out x d_in` gradient of layer `l` (for RENG, `g + 2c·H_L g`).
+    ///
+    /// # Errors
+    /// [`Error::Shape`] / [`Error::DeviceMismatch`] for wrong counts, shapes or devices,
+    /// [`Error::Value`] for missing `stats` when [`KronOptimizer::needs_stats`],
+    /// [`Error::NonFinite`] for NaN/Inf in gradients or statistics (or a preconditioned
+    /// gradient that overflows), [`Error::NotSpd`] if even the Cholesky fallback fails.
+    /// The optimizer is unchanged on error.
+    pub fn precondition(
+        &mut self,
+        grads: &[&Matrix],
+        stats: Option<&[KronStats<'_>]>,
+    ) -> Result<Vec<Matrix>> {
+        const OP: &str = "KronOptimizer::precondition";
+        self.check_inputs(OP, grads, stats)?;
+        let mut counters = self.st.counters;
+        let plan = self.plan(stats, &mut counters)?;
+        let ps = self.preconditioned(&plan, grads)?;
+        self.commit(plan, counters);
+        self.st.predicted = None;
+        Ok(ps)
+    }
+
+    /// Whole optimizer: `W̄_l ← W̄_l − η·P_l` with `η = α/L` (or `α`), storing the quadratic
+    /// model's predicted change for [`KronOptimizer::observe_loss`].
+    ///
+    /// `params[l]`: `W̄_l`, `d_out x d_in`, updated in place; `grads`, `stats` as in
+    /// [`KronOptimizer::precondition`].
+    ///
+    /// # Errors
+    /// As [`KronOptimizer::precondition`], plus shape/device/finiteness errors for `params`.
+    /// Neither the optimizer nor `params` change on error.
+    pub fn step(
+        &mut self,
+        params: &mut [Matrix],
+        grads: &[&Matrix],
+        stats: Option<&[KronStats<'_>]>,
+    ) -> Result<KronStepInfo> {
+        const OP: &str = "KronOptimizer::step";
+        self.check_inputs(OP, grads, stats)?;
+        self.check_layers(OP, "params", params.iter())?;
+        for p in params.iter() {
+            // norm2 rejects NaN/Inf, so the axpy below cannot fail half-way.
+            self.device.norm2(p)?;
+        }
+        let before = self.st.counters;
+        let mut counters = before;
+        let plan = self.plan(stats, &mut counters)?;
+        let ps = self.preconditioned(&plan, grads)?;
+        let eta = self.effective_lr();
+        let mut q = 0.0f64;
+        for (l, (p, g)) in ps.iter().zip(grads).enumerate() {
+            q += self.model_change(&self.view(&plan, l), g, p, eta)?;
+        }
+        let q = q as f32;
+        check_value(
+            OP,
+            "predicted change",
+            q as f64,
+            true,
+            "a finite quadratic-model value (the step overflows)",
+        )?;
+        let refreshed = matches!(plan, Plan::Refresh(_));
+        self.commit(plan, counters);
+        self.st.predicted = Some(q);
+        for (w, p) in params.iter_mut().zip(&ps) {
+            self.device.axpy(-eta, p, w)?;
+        }
+        let delta = |f: fn(&KronCounters) -> u64| (f(&counters) - f(&before)) as u32;
+        Ok(KronStepInfo {
+            refreshed,
+            predicted_change: q,
+            rho: self.st.rho,
+            lr: eta,
+            first_order_updates: delta(|c| c.first_order_updates),
+            lazy_recomputes: delta(|c| c.lazy_recomputes),
+            fallbacks: delta(|c| c.fallbacks()),
+        })
+    }
+
+    /// Levenberg–Marquardt update after a [`KronOptimizer::step`]: `before` and `after` are
+    /// the loss whose gradient was passed (RENG: the regularized one if the trainer has it,
+    /// else the plain loss), on the same batch, before and after the step. Forms
+    /// `r = (after − before) / q` with the stored prediction `q` and moves `ρ` by
+    /// [`levenberg_marquardt`]. A non-finite `after` (the step blew up) counts as `r = −∞`
+    /// and raises `ρ`; a prediction `q ≥ 0` (zero gradient) leaves `ρ` alone (counted).
+    ///
+    /// # Errors
+    /// [`Error::Value`] when no step is pending (each step is observed at most once),
+    /// [`Error::NonFinite`] for a non-finite `before`. Unchanged on error.
+    pub fn observe_loss(&mut self, before: f32, after: f32) -> Result<()> {
+        const OP: &str = "KronOptimizer::observe_loss";
+        let Some(q) = self.st.predicted else {
+            return Err(Error::Value {
+                op: OP,
+                arg: "predicted change",
+                value: f64::NAN,
+                expected: "a step() not yet observed",
+            });
+        };
+        if !before.is_finite() {
+            return Err(Error::NonFinite {
+                op: OP,
+                arg: "before",
+                index: 0,
+                value: before,
+            });
+        }
+        let c = &mut self.st.counters;
+        self.st.predicted = None;
+        let r = if !after.is_finite() {
+            c.nonfinite_losses += 1;
+            f32::NEG_INFINITY
+        } else if q < 0.0 {
+            ((after as f64 - before as f64) / q as f64) as f32
+        } else {
+            c.lm_skipped += 1;
+            return Ok(());
+        };
+        c.lm_updates += 1;
+        self.st.last_ratio = Some(r);
+        self.st.rho = levenberg_marquardt(&self.config, self.st.rho, r);
+        Ok(())
+    }
+
+    /// A deep copy of the mutable state (factors, inverses, dampings, ρ, counters).
+    ///
+    /// # Errors
+    /// Device errors from the copies.
+    pub fn state(&self) -> Result<KronState> {
+        self.st.try_clone()
+    }
+
+    /// Installs a state taken from an optimizer with the same layer shapes and device.
+    ///
+    /// # Errors
+    /// [`Error::Shape`] for a wrong layer count or matrix shape, [`Error::DeviceMismatch`],
+    /// [`Error::Value`] for `ρ` outside `[rho_min, rho_max]` or bad scalars,
+    /// [`Error::NonFinite`] for NaN/Inf in a matrix. Unchanged on error.
+    pub fn restore(&mut self, state: KronState) -> Result<()> {
+        const OP: &str = "KronOptimizer::restore";
+        let cfg = &self.config;
+        check_value(
+            OP,
+            "rho",
+            state.rho as f64,
+            state.rho >= cfg.rho_min && state.rho <= cfg.rho_max,
+            "rho_min <= rho <= rho_max",
+        )?;
+        if let Some(q) = state.predicted {
+            check_value(OP, "predicted", q as f64, true, "a finite number")?;
+        }
+        if let Some(r) = state.last_ratio {
+            // −∞ is what a non-finite loss records.
+            if !(r.is_finite() || r == f32::NEG_INFINITY) {
+                return Err(Error::Value {
+                    op: OP,
+                    arg: "last_ratio",
+                    value: r as f64,
+                    expected: "finite or -inf",
+                });
+            }
+        }
+        if !state.layers.is_empty() {
+            check_shape(
+                OP,
+                "layers",
+                (state.layers.len(), 1),
+                (self.shapes.len(), 1),
+            )?;
+        }
+        for (layer, &(o, i)) in state.layers.iter().zip(&self.shapes) {
+            for (s, n) in [(&layer.lambda, i), (&layer.gamma, o)] {
+                check_shape(OP, "factor", s.factor.shape(), (n, n))?;
+                check_shape(OP, "inverse", s.inverse.shape(), (n, n))?;
+                for (arg, v) in [
+                    ("damping", s.damping),
+                    ("inverse_norm", s.inverse_norm),
+                    ("norm", s.norm),
+                    ("trace", s.trace),
+                ] {
+                    let ok = if arg == "damping" { v > 0.0 } else { v >= 0.0 };
+                    check_value(OP, arg, v as f64, ok, "finite, >= 0 (damping > 0)")?;
+                }
+                // norm2 checks the device and rejects NaN/Inf.
+                self.device.norm2(&s.factor)?;
+                self.device.norm2(&s.inverse)?;
+            }
+        }
+        self.st = state;
+        Ok(())
+    }
+
+    /// Counts, shapes and devices of `grads` and `stats`, and `stats` presence.
+    fn check_inputs(
+        &self,
+        op: &'static str,
+        grads: &[&Matrix],
+        stats: Option<&[KronStats<'_>]>,
+    ) -> Result<()> {
+        self.check_layers(op, "grads", grads.iter().copied())?;
+        match stats {
+            None if self.needs_stats() => Err(Error::Value {
+                op,
+                arg: "stats",
+                value: self.st.steps as f64,
+                expected: "statistics on a refresh step (see needs_stats())",
+            }),
+            None => Ok(()),
+            Some(stats) => {
+                check_shape(op, "stats", (stats.len(), 1), (self.shapes.len(), 1))?;
+                for (s, &(o, i)) in stats.iter().zip(&self.shapes) {
+                    self.device.check_on(op, s.a)?;
+                    self.device.check_on(op, s.e)?;
+                    check_shape(op, "stats.a", s.a.shape(), (s.a.rows().max(1), i))?;
+                    check_shape(op, "stats.e", s.e.shape(), (s.e.rows().max(1), o))?;
+                }
+                Ok(())
+            }
+        }
+    }
+
+    /// One matrix per layer, each `d_out x d_in` on this device.
+    fn check_layers<'m>(
+        &self,
+        op: &'static str,
+        arg: &'static str,
+        ms: impl ExactSizeIterator<Item = &'m Matrix>,
+    ) -> Result<()> {
+        check_shape(op, arg, (ms.len(), 1), (self.shapes.len(), 1))?;
+        for (m, &shape) in ms.zip(&self.shapes) {
+            self.device.check_on(op, m)?;
+            check_shape(op, arg, m.shape(), shape)?;
+        }
+        Ok(())
+    }
+
+    /// Computes the new factors/inverses (refresh) or inverse updates (lazy) without touching
+    /// the state.
+    fn plan(&self, stats: Option<&[KronStats<'_>]>, c: &mut KronCounters) -> Result<Plan> {
+        let ctx = Ctx {
+            device: &self.device,
+            cfg: &self.config,
+        };
+        let rho = self.st.rho;
+        let Some(stats) = stats else {
+            let mut ups = Vec::with_capacity(self.shapes.len());
+            for layer in &self.st.layers {
+                let (dl, dg) = factor_dampings(
+                    &self.config,
+                    rho,
+                    scalars(&layer.lambda),
+                    scalars(&layer.gamma),
+                );
+                ups.push([
+                    ctx.retarget(&layer.lambda, dl, c)?,
+                    ctx.retarget(&layer.gamma, dg, c)?,
+                ]);
+            }
+            return Ok(Plan::Lazy(ups));
+        };
+        let mut layers = Vec::with_capacity(self.shapes.len());
+        for (l, s) in stats.iter().enumerate() {
+            let old = self.st.layers.get(l);
+            let (fl, sl) = ctx.factor(s.a, old.map(|o| &o.lambda.factor), c)?;
+            let (fg, sg) = ctx.factor(s.e, old.map(|o| &o.gamma.factor), c)?;
+            let (dl, dg) = factor_dampings(&self.config, rho, sl, sg);
+            let il = ctx.inverse(&fl, dl, old.map(|o| &o.lambda.inverse), c)?;
+            let ig = ctx.inverse(&fg, dg, old.map(|o| &o.gamma.inverse), c)?;
+            layers.push(KronLayerState {
+                lambda: il.with_factor(fl, sl),
+                gamma: ig.with_factor(fg, sg),
+            });
+        }
+        c.refreshes += 1;
+        Ok(Plan::Refresh(layers))
+    }
+
+    /// The matrices layer `l` uses under `plan`.
+    fn view<'a>(&'a self, plan: &'a Plan, l: usize) -> LayerView<'a> {
+        let (layer, ups) = match plan {
+            Plan::Refresh(layers) => (&layers[l], None),
+            Plan::Lazy(ups) => (&self.st.layers[l], Some(&ups[l])),
+        };
+        let pick = |s: &'a KronFactorState, u: Option<&'a InverseUpdate>| match u {
+            Some(u) => (&u.inverse, u.damping),
+            None => (&s.inverse, s.damping),
+        };
+        let (lambda_inv, dl) = pick(&layer.lambda, ups.and_then(|u| u[0].as_ref()));
+        let (gamma_inv, dg) = pick(&layer.gamma, ups.and_then(|u| u[1].as_ref()));
+        LayerView {
+            lambda: &layer.lambda.factor,
+            gamma: &layer.gamma.factor,
+            lambda_inv,
+            gamma_inv,
+            damping: (dl, dg),
+        }
+    }
+
+    /// `P_l = Γ̃⁻¹ G_l Λ̃⁻¹` for every layer, rejecting a non-finite result.
+    fn preconditioned(&self, plan: &Plan, grads: &[&Matrix]) -> Result<Vec<Matrix>> {
+        let mut ps = Vec::with_capacity(grads.len());
+        for (l, g) in grads.iter().enumerate() {
+            let v = self.view(plan, l);
+            let (o, i) = self.shapes[l];
+            let mut p = self.device.zeros(o, i)?;
+            self.device
+                .precondition(v.gamma_inv, g, v.lambda_inv, &mut p)?;
+            self.device.norm2(&p)?;
+            ps.push(p);
+        }
+        Ok(ps)
+    }
+
+    /// `⟨G, Δ⟩ + ½⟨Δ, Γ Δ Λ⟩ + ½ λ_Λλ_Γ ‖Δ‖²` for `Δ = −ηP`, in `f64`.
+    fn model_change(&self, v: &LayerView<'_>, g: &Matrix, p: &Matrix, eta: f32) -> Result<f64> {
+        let d = &self.device;
+        let (o, i) = p.shape();
+        let mut gp = d.zeros(o, i)?;
+        d.gemm(Trans::No, Trans::No, 1.0, v.gamma, p, 0.0, &mut gp)?;
+        let mut gpl = d.zeros(o, i)?;
+        d.gemm(Trans::No, Trans::No, 1.0, &gp, v.lambda, 0.0, &mut gpl)?;
+        let curv = d.dot(p, &gpl)? as f64;
+        let lin = d.dot(g, p)? as f64;
+        let sq = d.dot(p, p)? as f64;
+        let eta = eta as f64;
+        let lambda = v.damping.0 as f64 * v.damping.1 as f64;
+        Ok(-eta * lin + 0.5 * eta * eta * (curv + lambda * sq))
+    }
+
+    /// Installs `plan` and the counters and advances the step counter.
+    fn commit(&mut self, plan: Plan, counters: KronCounters) {
+        match plan {
+            Plan::Refresh(layers) => self.st.layers = layers,
+            Plan::Lazy(ups) => {
+                for (layer, [ul, ug]) in self.st.layers.iter_mut().zip(ups) {
+                    if let Some(u) = ul {
+                        u.apply(&mut layer.lambda);
+                    }
+                    if let Some(u) = ug {
+                        u.apply(&mut layer.gamma);
+                    }
+                }
+            }
+        }
+        self.st.counters = counters;
+        self.st.steps += 1;
+    }
+}

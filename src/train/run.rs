@@ -1,0 +1,314 @@
+//! The main job's training loop: one method on a train/validation/test split, with the
+//! curves and summary numbers the report prints and plots.
+
+use std::time::Duration;
+
+use crate::data::Dataset;
+use crate::device::Device;
+use crate::error::{check_value, Result};
+use crate::mlp::{Activation, Loss, Mlp, MlpConfig, Targets};
+
+use super::hyper::MethodConfig;
+use super::trainer::{norm, Batch, Trainer};
+
+/// Train / validation / test parts of a classification data set.
+#[derive(Clone, Debug)]
+pub struct Splits {
+    /// Samples the optimizers train on.
+    pub train: Dataset,
+    /// Samples for the curves, the target-accuracy clock and the sweep.
+    pub val: Dataset,
+    /// Held-out samples, evaluated once at the end.
+    pub test: Dataset,
+}
+
+/// Fractions of the main job's split: 60% train, 20% validation, the rest test.
+pub const SPLIT: (f64, f64) = (0.6, 0.2);
+
+impl Splits {
+    /// The UCI digits ([`crate::data::digits`]) split 60/20/20 by a permutation fixed by `seed`.
+    ///
+    /// # Errors
+    /// As [`crate::data::digits`].
+    pub fn digits(seed: u64) -> Result<Self> {
+        let (train, val, test) = crate::data::digits()?.split(seed, SPLIT)?;
+        Ok(Self { train, val, test })
+    }
+}
+
+/// Settings shared by every method of a run.
+#[derive(Clone, Debug, PartialEq)]
+pub struct RunConfig {
+    /// Passes over the training split.
+    pub epochs: usize,
+    /// Mini-batch size for the gradient methods; `None` keeps each method's own
+    /// ([`MethodConfig::batch_size`]). The Kalman methods always keep theirs (batch 1).
+    pub batch_size: Option<usize>,
+    /// Seed of the network initialization (the same for every method), of the batch order and
+    /// of the trainers' random streams.
+    pub seed: u64,
+    /// Hidden-layer widths.
+    pub hidden: Vec<usize>,
+    /// Hidden nonlinearity.
+    pub activation: Activation,
+    /// Validation accuracy the "steps / time to target" columns wait for, in `(0, 1]`.
+    pub target_acc: f32,
+    /// About how many evaluation points each curve gets (at least one per epoch end is not
+    /// guaranteed; the last step is always evaluated).
+    pub eval_points: usize,
+}
+
+impl Default for RunConfig {
+    fn default() -> Self {
+        Self {
+            epochs: 10,
+            batch_size: None,
+            seed: 0,
+            hidden: vec![64],
+            activation: Activation::Tanh,
+            target_acc: 0.95,
+            eval_points: 200,
+        }
+    }
+}
+
+impl RunConfig {
+    /// `Err(Error::Value)` naming the first bad field.
+    pub fn validate(&self) -> Result<()> {
+        const OP: &str = "RunConfig::validate";
+        check_value(OP, "epochs", self.epochs as f64, self.epochs >= 1, "epochs >= 1")?;
+        if let Some(b) = self.batch_size {
+            check_value(OP, "batch_size", b as f64, b >= 1, "batch_size >= 1")?;
+        }
+        check_value(
+            OP,
+            "hidden",
+            self.hidden.len() as f64,
+            self.hidden.iter().all(|&h| h >= 1),
+            "hidden widths >= 1",
+        )?;
+        check_value(
+            OP,
+            "target_acc",
+            self.target_acc as f64,
+            self.target_acc > 0.0 && self.target_acc <= 1.0,
+            "0 < target_acc <= 1",
+        )?;
+        check_value(
+            OP,
+            "eval_points",
+            self.eval_points as f64,
+            self.eval_points >= 1,
+            "eval_points >= 1",
+        )
+    }
+
+    /// `config` with this run's batch-size override applied (gradient methods only).
+    pub fn apply(&self, mut config: MethodConfig) -> MethodConfig {
+        if let (Some(b), false) = (self.batch_size, config.method.is_kalman()) {
+            config.batch_size = b;
+        }
+        config
+    }
+
+    /// The network every method starts from: `[d, hidden…, classes]`, softmax
+    /// cross-entropy, initialized from `seed`.
+    pub fn network(&self, data: &Dataset) -> Result<Mlp> {
+        let mut sizes = vec![data.dim()];
+        sizes.extend_from_slice(&self.hidden);
+        sizes.push(data.classes);
+        Mlp::new(
+            MlpConfig {
+                sizes,
+                activation: self.activation,
+                loss: Loss::SoftmaxCrossEntropy,
+            },
+            self.seed,
+        )
+    }
+
+    /// Steps `config` takes over the whole run on `train_len` samples. Kalman methods drop
+    /// an incomplete last batch (their observation size is fixed); the others keep it.
+    pub fn total_steps(&self, config: &MethodConfig, train_len: usize) -> u64 {
+        let b = config.batch_size.max(1);
+        let per_epoch = if config.method.is_kalman() {
+            train_len / b
+        } else {
+            train_len.div_ceil(b)
+        };
+        (per_epoch * self.epochs) as u64
+    }
+}
+
+/// One evaluation point of a curve.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct CurvePoint {
+    /// Completed optimizer steps.
+    pub step: u64,
+    /// Completed passes over the training split (fractional).
+    pub epoch: f64,
+    /// Accuracy on the validation split.
+    pub val_acc: f32,
+    /// Mean loss on the whole training split.
+    pub train_loss: f32,
+    /// Norm of the gradient of the mean loss over the whole training split (full batch, so
+    /// methods with different batch sizes compare on the same quantity).
+    pub grad_norm: f32,
+    /// Sum of the step times so far (evaluation excluded), seconds.
+    pub train_time: f64,
+}
+
+/// Everything the report needs about one method's run.
+#[derive(Clone, Debug, PartialEq)]
+pub struct MethodResult {
+    /// The configuration it trained with.
+    pub config: MethodConfig,
+    /// Evaluation points, step 0 first.
+    pub curve: Vec<CurvePoint>,
+    /// Optimizer steps taken.
+    pub steps: u64,
+    /// Accuracy on the test split at the end (`NaN` when training failed before the end).
+    pub test_acc: f32,
+    /// First evaluated step at which the validation accuracy reached the target.
+    pub steps_to_target: Option<u64>,
+    /// Training time (sum of step times) up to that step, seconds.
+    pub time_to_target: Option<f64>,
+    /// Median step time, seconds.
+    pub median_step_time: f64,
+    /// Sum of all step times, seconds.
+    pub train_time: f64,
+    /// Why training stopped early (an optimizer error, a non-finite loss), if it did.
+    pub failure: Option<String>,
+}
+
+impl MethodResult {
+    /// The last evaluation point (the initial one if no step completed).
+    pub fn last(&self) -> Option<&CurvePoint> {
+        self.curve.last()
+    }
+}
+
+/// Evaluation of a network: `(validation accuracy, train loss, train gradient norm)`.
+fn evaluate(mlp: &Mlp, splits: &Splits) -> Result<(f32, f32, f32)> {
+    let val_fwd = mlp.forward(splits.val.x.as_ref())?;
+    let val_acc = mlp.accuracy(&val_fwd, &splits.val.labels)?;
+    let fwd = mlp.forward(splits.train.x.as_ref())?;
+    let b = mlp.backward(&fwd, Targets::Classes(&splits.train.labels))?;
+    Ok((val_acc, b.loss, norm(&b.grad)))
+}
+
+/// Trains `config` (after [`RunConfig::apply`]) on `splits.train` for `run.epochs` epochs on
+/// `device`, evaluating about `run.eval_points` times; `progress(done, total)` is called after
+/// every step. An optimizer error stops this method's training and is recorded in
+/// [`MethodResult::failure`] (the run goes on with the other methods).
+///
+/// # Errors
+/// A bad `run`, a network that cannot be built, a trainer that cannot be constructed, or an
+/// evaluation failure of the initial network.
+pub fn train_method(
+    device: &Device,
+    splits: &Splits,
+    run: &RunConfig,
+    config: MethodConfig,
+    progress: &mut dyn FnMut(u64, u64),
+) -> Result<MethodResult> {
+    run.validate()?;
+    let config = run.apply(config);
+    let mlp = run.network(&splits.train)?;
+    // A per-method stream: methods do not share sampled labels, yet every run repeats.
+    let stream = run.seed ^ (0x9E37_79B9_7F4A_7C15u64.wrapping_mul(config.method as u64 + 1));
+    let mut trainer = Trainer::new(device, mlp, config, stream)?;
+    let total = run.total_steps(&config, splits.train.len());
+    let every = (total / run.eval_points as u64).max(1);
+    let train_len = splits.train.len() as f64;
+
+    let (acc0, loss0, gn0) = evaluate(trainer.mlp(), splits)?;
+    let mut curve = vec![CurvePoint {
+        step: 0,
+        epoch: 0.0,
+        val_acc: acc0,
+        train_loss: loss0,
+        grad_norm: gn0,
+        train_time: 0.0,
+    }];
+    let mut step_times: Vec<f64> = Vec::with_capacity(total as usize);
+    let mut elapsed = Duration::ZERO;
+    let mut seen = 0usize;
+    let mut failure = None;
+    'epochs: for epoch in 0..run.epochs {
+        for idx in splits
+            .train
+            .batches(run.seed, epoch as u64, config.batch_size)?
+        {
+            if config.method.is_kalman() && idx.len() != config.batch_size {
+                continue;
+            }
+            let (x, labels) = splits.train.gather(&idx)?;
+            let batch = Batch {
+                x: x.as_ref(),
+                targets: Targets::Classes(&labels),
+            };
+            match trainer.step(batch) {
+                Ok(r) => {
+                    elapsed += r.time;
+                    step_times.push(r.time.as_secs_f64());
+                }
+                Err(e) => {
+                    failure = Some(e.to_string());
+                    break 'epochs;
+                }
+            }
+            seen += idx.len();
+            let step = trainer.steps();
+            progress(step, total);
+            if step % every == 0 || step == total {
+                match evaluate(trainer.mlp(), splits) {
+                    Ok((val_acc, train_loss, grad_norm)) => curve.push(CurvePoint {
+                        step,
+                        epoch: seen as f64 / train_len,
+                        val_acc,
+                        train_loss,
+                        grad_norm,
+                        train_time: elapsed.as_secs_f64(),
+                    }),
+                    Err(e) => {
+                        failure = Some(e.to_string());
+                        break 'epochs;
+                    }
+                }
+            }
+        }
+    }
+    let test_acc = if failure.is_none() {
+        let fwd = trainer.mlp().forward(splits.test.x.as_ref())?;
+        trainer.mlp().accuracy(&fwd, &splits.test.labels)?
+    } else {
+        f32::NAN
+    };
+    let hit = curve.iter().find(|p| p.val_acc >= run.target_acc);
+    Ok(MethodResult {
+        config,
+        steps: trainer.steps(),
+        test_acc,
+        steps_to_target: hit.map(|p| p.step),
+        time_to_target: hit.map(|p| p.train_time),
+        median_step_time: median(&mut step_times),
+        train_time: elapsed.as_secs_f64(),
+        curve,
+        failure,
+    })
+}
+
+/// Median of `v` (sorted in place); `NaN` when empty.
+fn median(v: &mut [f64]) -> f64 {
+    if v.is_empty() {
+        return f64::NAN;
+    }
+    v.sort_by(f64::total_cmp);
+    let n = v.len();
+    if n % 2 == 1 {
+        v[n / 2]
+    } else {
+        0.5 * (v[n / 2 - 1] + v[n / 2])
+    }
+}
