@@ -80,6 +80,8 @@ fn kron_config(method: Method) -> KronConfig {
         Method::Reng => KronConfig::reng(),
         _ => KronConfig::ngd(),
     };
+    // The paper's lr 1.0 with 1/L diverges on this 16-sample toy problem within a few steps;
+    // 0.25 (the sweep grid's lowest) trains, so the contract is checked on a sane run.
     c.lr = 0.25;
     c
 }
@@ -352,7 +354,11 @@ fn resume_contract(method: Method, n: u64, k: u64) {
     drop(first);
 
     let mut resumed = Run::new(method, 99).unwrap();
-    assert_ne!(resumed.bytes(), straight.bytes(), "{method}: fresh run must differ");
+    assert_ne!(
+        resumed.bytes(),
+        straight.bytes(),
+        "{method}: fresh run must differ"
+    );
     resumed.load(&Reader::open(&path).unwrap()).unwrap();
     let mut resumed_losses = Vec::new();
     for _ in k..n {
@@ -377,16 +383,6 @@ fn resume_equals_straight_run_bit_for_bit_for_every_method() {
     // AdamW resumes after its 3-step warm-up started.
     for method in Method::ALL {
         resume_contract(method, 11, 5);
-    }
-}
-
-#[test]
-fn zz_losses() {
-    let data = data();
-    for method in Method::ALL {
-        let mut r = Run::new(method, 1).unwrap();
-        let l: Vec<f32> = (0..11).map(|_| r.step(&data).unwrap()).collect();
-        eprintln!("{method}: {l:?}");
     }
 }
 
@@ -423,7 +419,10 @@ fn arb_value() -> impl Strategy<Value = Value> {
 fn same(a: &Value, b: &Value) -> bool {
     match (a, b) {
         (Value::F32 { shape: s, data: d }, Value::F32 { shape: t, data: e }) => {
-            s == t && d.iter().map(|x| x.to_bits()).eq(e.iter().map(|x| x.to_bits()))
+            s == t
+                && d.iter()
+                    .map(|x| x.to_bits())
+                    .eq(e.iter().map(|x| x.to_bits()))
         }
         (Value::F64(x), Value::F64(y)) => x.to_bits() == y.to_bits(),
         _ => a == b,
@@ -643,7 +642,10 @@ fn well_formed_files_with_wrong_content_are_rejected_and_change_nothing() {
                 },
             ),
         ),
-        ("missing", without_record(&bytes, "optim.counters.refreshes")),
+        (
+            "missing",
+            without_record(&bytes, "optim.counters.refreshes"),
+        ),
         (
             "kind",
             with_record(&bytes, "optim.kind", Value::Bytes(b"adamw".to_vec())),
@@ -653,7 +655,17 @@ fn well_formed_files_with_wrong_content_are_rejected_and_change_nothing() {
             with_record(&bytes, "optim.variant", Value::Bytes(b"ngd".to_vec())),
         ),
         ("type", with_record(&bytes, "optim.steps", Value::F64(3.0))),
-        ("rho", with_record(&bytes, "optim.rho", Value::F32 { shape: vec![], data: vec![-1.0] })),
+        (
+            "rho",
+            with_record(
+                &bytes,
+                "optim.rho",
+                Value::F32 {
+                    shape: vec![],
+                    data: vec![-1.0],
+                },
+            ),
+        ),
         (
             "sizes",
             with_record(&bytes, "mlp.sizes", Value::U64s(vec![5, 8, 3])),
@@ -662,7 +674,10 @@ fn well_formed_files_with_wrong_content_are_rejected_and_change_nothing() {
             "word_pos",
             with_record(&bytes, "rng.word_pos", Value::U64s(vec![0, 1 << 40])),
         ),
-        ("seed", with_record(&bytes, "rng.seed", Value::Bytes(vec![0; 31]))),
+        (
+            "seed",
+            with_record(&bytes, "rng.seed", Value::Bytes(vec![0; 31])),
+        ),
     ];
     // A damping of 0 deep inside a layer: only KronOptimizer::restore can tell.
     cases.push((

@@ -204,7 +204,7 @@ proptest! {
             let mut acc = dev.upload(1, 1, &[0.0f32]).unwrap();
             let mut iacc = upload_i32(&dev, &[0, i32::MIN, i32::MAX, 0]);
             let mut slot = poison(&dev, n);
-            selftest::atomics(&dev, &xm, &km, &mut acc, &mut iacc, &mut slot, grid, block).unwrap();
+            selftest::atomics(&dev, &xm, &km, &mut acc, &mut iacc, &mut slot, (grid, block)).unwrap();
             let sum: f64 = x.iter().map(|&v| f64::from(v)).sum();
             let abs: f64 = x.iter().map(|&v| f64::from(v.abs())).sum();
             // n f32 additions in some order: each rounding costs at most 2^-24 of the running

@@ -22,7 +22,7 @@ fn task() -> Task {
     Task {
         x: d.x.clone(),
         labels: d.labels.clone(),
-        sizes: vec![8, 16, c],
+        sizes: { let h: Vec<usize> = std::env::var("KH").unwrap_or("16".into()).split(',').map(|v| v.parse().unwrap()).collect(); let mut v = vec![8]; v.extend(h); v.push(c); v },
     }
 }
 
@@ -175,12 +175,12 @@ fn train_sgd(t: &Task, lr: f32) -> Option<usize> {
 #[test]
 fn sweep() {
     let t = task();
-    for lr in [0.03f32, 0.1, 0.3, 1.0, 3.0] { eprintln!("sgd {lr}: {:?}", train_sgd(&t, lr)); }
+    for lr in [0.3f32, 1.0, 2.0, 3.0, 5.0, 10.0] { eprintln!("sgd {lr}: {:?}", train_sgd(&t, lr)); }
     for mut cfg in [KronConfig::ring(), KronConfig::reng(), KronConfig::ngd()] {
-        for lr in [0.1f32, 0.3, 1.0] { for rho in [1e-3f32, 1e-2] { for skip in [1usize, 4] {
-            cfg.lr = lr; cfg.rho = rho; cfg.skip = skip; cfg.inverse = InverseMethod::Cholesky;
+        for lr in [0.3f32, 0.5, 1.0] { for rho in [3e-3f32, 1e-2, 3e-2] { for skip in [1usize, 4] { for ema in [0.0f32, 0.95] {
+            cfg.lr = lr; cfg.rho = rho; cfg.skip = skip; cfg.ema = ema;
             let (s, l0, l1) = train_kron(&t, cfg);
-            eprintln!("{:?} lr {lr} rho {rho} S {skip}: {s:?} {l0:.3}->{l1:.3}", cfg.variant);
-        }}}
+            eprintln!("{:?} lr {lr} rho {rho} S {skip} ema {ema}: {s:?} {l0:.3}->{l1:.3}", cfg.variant);
+        }}}}
     }
 }

@@ -597,7 +597,13 @@ namespace wmma {
 namespace detail {
 
 namespace {
-int leader(unsigned participants) { return __builtin_ctz(participants); }
+// WMMA operations are warp-wide: all 32 lanes, none exited.
+int leader(unsigned participants) {
+    if (participants != 0xffffffffu)
+        grng_emu::failf("WMMA operation with lanes 0x%08x only: all 32 lanes must take part",
+                        participants);
+    return 0;
+}
 }  // namespace
 
 void check_ptr(const void* p, unsigned ldm, int elem_size, bool col_major, const char* what) {

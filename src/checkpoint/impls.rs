@@ -318,9 +318,10 @@ impl Checkpoint for ChaCha8Rng {
 
     fn load(&mut self, r: &Reader) -> Result<()> {
         r.expect_kind("chacha8")?;
-        let seed: [u8; 32] = r.bytes("seed")?.try_into().map_err(|_| {
-            Error::Checkpoint(format!("`{}seed`: expected 32 bytes", r.prefix))
-        })?;
+        let seed: [u8; 32] = r
+            .bytes("seed")?
+            .try_into()
+            .map_err(|_| Error::Checkpoint(format!("`{}seed`: expected 32 bytes", r.prefix)))?;
         let stream = r.u64("stream")?;
         let pos = match r.u64s("word_pos")? {
             &[lo, hi] => (hi as u128) << 64 | lo as u128,

@@ -715,9 +715,10 @@ fn read_record(cur: &mut Cursor<'_>, i: u64) -> Result<(String, Value)> {
             let mut shape = Vec::with_capacity(ndim);
             for _ in 0..ndim {
                 let d = cur.u64(&|| ctx("shape"))?;
-                shape.push(usize::try_from(d).map_err(|_| {
-                    ck(format!("record `{name}`: dimension {d} does not fit"))
-                })?);
+                shape.push(
+                    usize::try_from(d)
+                        .map_err(|_| ck(format!("record `{name}`: dimension {d} does not fit")))?,
+                );
             }
             let n = numel(&shape)
                 .filter(|&n| n <= cur.left() / 4)

@@ -347,7 +347,7 @@ pub(crate) fn check_beta(op: &'static str, arg: &'static str, beta: f32) -> Resu
 }
 
 /// `Err(Error::Value)` naming the first negative entry of a quantity that must be `≥ 0`.
-fn check_nonnegative(op: &'static str, arg: &'static str, xs: &[f32]) -> Result<()> {
+pub(crate) fn check_nonnegative(op: &'static str, arg: &'static str, xs: &[f32]) -> Result<()> {
     match xs.iter().find(|v| **v < 0.0) {
         None => Ok(()),
         Some(&v) => check_value(op, arg, v as f64, false, "every entry >= 0"),

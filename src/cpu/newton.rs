@@ -50,8 +50,9 @@
 //! The `f32` floor grows about linearly, `≈ 5e-9·κ`, so the default `tol = 1e-4` holds to
 //! κ ≈ 1e4. The `bf16` floor, `≲ 2.5e-3·κ^0.6` (the bound `tests/cpu_newton.rs` checks), is
 //! set by the rounding of `A` itself and reached in 3–8 cubic steps; at n = 256–512 it is
-//! below SPEC's numpy figures (4.5e-3, 9e-3, 1.7e-2, 0.14 at κ = 10, 33, 100, 1000), which
-//! rounded `p(T) ≈ I` to bf16 instead of the correction `F`. The polish step squares it.
+//! below SPEC's numpy figures (4.5e-3, 9e-3, 1.7e-2, 0.14 at κ = 10, 33, 100, 1000); rounding
+//! the small correction `F` rather than `p(T) ≈ I` to bf16 is the likely difference. The
+//! polish step squares the floor.
 
 use rayon::prelude::*;
 

@@ -50,8 +50,8 @@ pub(crate) unsafe fn launch(
         nbuffers: u32::try_from(buffers.len()).unwrap_or(0),
         buffers: buffers.as_ptr(),
     };
-    // SAFETY: the entry reads `l`, `buffers` and `params` only during the call; the caller guarantees
-    // the parameter values match the kernel (see above); `cfg` passed
+    // SAFETY: the entry reads `l`, `buffers` and `params` only during the call; the caller
+    // guarantees the parameter values match the kernel (see above); `cfg` passed
     // `LaunchConfig::validate`, so the runtime's own limit check cannot abort.
     unsafe { (kernel.emu)(&l, params.as_mut_ptr()) }
 }

@@ -1,6 +1,7 @@
 //! AdamW (Loshchilov & Hutter 2019) with linear warm-up (SPEC §4 baseline).
 
-use super::sgd::{check_n, check_nonnegative};
+use super::sgd::check_n;
+use crate::cpu::elementwise::check_nonnegative;
 use crate::device::{Device, Matrix};
 use crate::error::{check_finite, check_len, check_shape, check_value, Result};
 use crate::ops::elementwise::AdamWCoeffs;

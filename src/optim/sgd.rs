@@ -1,7 +1,7 @@
 //! SGD with heavy-ball momentum and decoupled weight decay (SPEC §4 baseline).
 
 use crate::device::{Device, Matrix};
-use crate::error::{check_finite, check_len, check_shape, check_value, Error, Result};
+use crate::error::{check_finite, check_len, check_shape, Error, Result};
 use crate::ops::elementwise::SgdCoeffs;
 
 /// Hyperparameters of [`Sgd`]. The paper gives none for SGD; the defaults are the usual
@@ -159,12 +159,4 @@ pub(crate) fn check_n(op: &'static str, n: usize) -> Result<()> {
         });
     }
     Ok(())
-}
-
-/// `Err(Error::Value)` unless every entry is `≥ 0` (second moments, Hessian estimates).
-pub(crate) fn check_nonnegative(op: &'static str, arg: &'static str, xs: &[f32]) -> Result<()> {
-    match xs.iter().find(|v| **v < 0.0) {
-        None => Ok(()),
-        Some(&v) => check_value(op, arg, v as f64, false, "every entry >= 0"),
-    }
 }

@@ -11,8 +11,8 @@
 //! The first step always refreshes `h`, so the ratio never starts from `h = 0` (where it would
 //! be plain sign momentum).
 
-use super::sgd::{check_n, check_nonnegative};
-use crate::cpu::elementwise::check_beta;
+use super::sgd::check_n;
+use crate::cpu::elementwise::{check_beta, check_nonnegative};
 use crate::device::{Device, Matrix};
 use crate::error::{check_finite, check_len, check_shape, check_value, Result};
 use crate::ops::elementwise::SophiaCoeffs;

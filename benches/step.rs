@@ -1,0 +1,132 @@
+//! Full training step per optimizer: forward, backward, the method's statistics, the update
+//! (and the Kronecker methods' loss-after evaluation), through [`grng::train::Trainer::step`].
+//!
+//! Environment:
+//! - `GRNG_BENCH_SHAPE`: MLP widths `d_0-…-d_L` (default `784-1024-1024-10`, tanh);
+//! - `GRNG_BENCH_BATCH`: mini-batch of the gradient methods (default 256);
+//! - `GRNG_BENCH_ACT`: `tanh` (default) or `relu`;
+//! - `GRNG_BENCH_ONLY`: comma-separated subset of `ring,reng,ngd,rkalman,kalman,adamw,sgd,sophia`.
+//!
+//! RING and RENG run at `S = 1` (factors and inverses every step) and `S = 8` (the amortized
+//! lazy cost: criterion averages over many consecutive steps). The Kalman methods take ONE
+//! sample per step (SPEC §6), so their time is per sample, not per batch.
+//! Quick smoke run: `GRNG_BENCH_SHAPE=64-32-10 GRNG_BENCH_BATCH=32 cargo bench --bench step`.
+//!
+//! The learning rates are tiny so thousands of repeated steps on one batch stay finite; they
+//! do not change the cost.
+
+use std::hint::black_box;
+use std::time::Duration;
+
+use criterion::{criterion_group, criterion_main, Criterion};
+use rand::{Rng, SeedableRng};
+use rand_chacha::ChaCha8Rng;
+
+use grng::mat::Mat;
+use grng::mlp::{Activation, Loss, Mlp, MlpConfig, Targets};
+use grng::train::{Batch, Knob, Method, MethodConfig, OptimizerConfig, Trainer};
+use grng::Device;
+
+fn env_or(name: &str, default: &str) -> String {
+    std::env::var(name).unwrap_or_else(|_| default.to_string())
+}
+
+fn shape() -> Vec<usize> {
+    let s = env_or("GRNG_BENCH_SHAPE", "784-1024-1024-10");
+    let sizes: Vec<usize> = s
+        .split(['-', ',', 'x'])
+        .map(|w| w.trim().parse().expect("GRNG_BENCH_SHAPE: widths like 784-1024-1024-10"))
+        .collect();
+    assert!(
+        sizes.len() >= 2 && !sizes.contains(&0),
+        "GRNG_BENCH_SHAPE needs at least two widths >= 1"
+    );
+    sizes
+}
+
+/// `(label, config)` for every benchmarked variant.
+fn variants(batch: usize) -> Vec<(String, MethodConfig)> {
+    let only = std::env::var("GRNG_BENCH_ONLY")
+        .ok()
+        .map(|s| Method::parse_list(&s).expect("GRNG_BENCH_ONLY: optimizer names"));
+    let mut out = Vec::new();
+    for method in Method::ALL {
+        if only.as_ref().is_some_and(|o| !o.contains(&method)) {
+            continue;
+        }
+        let mut c = MethodConfig::tuned(method);
+        if !method.is_kalman() {
+            c.batch_size = batch;
+            let lr = match method {
+                Method::Ring | Method::Reng | Method::Ngd => 1e-3,
+                _ => 1e-5,
+            };
+            c.set(Knob::Lr, lr).expect("gradient methods have a learning rate");
+        }
+        match (method, c.optimizer) {
+            (Method::Ring | Method::Reng, OptimizerConfig::Kron(k)) => {
+                for s in [1, 8] {
+                    let mut k = k;
+                    k.skip = s;
+                    let mut cs = c;
+                    cs.optimizer = OptimizerConfig::Kron(k);
+                    out.push((format!("{}/S={s}", method.key()), cs));
+                }
+            }
+            _ if method.is_kalman() => out.push((format!("{}/batch=1", method.key()), c)),
+            _ => out.push((method.key().to_string(), c)),
+        }
+    }
+    out
+}
+
+fn bench(c: &mut Criterion) {
+    let sizes = shape();
+    let batch: usize = env_or("GRNG_BENCH_BATCH", "256")
+        .parse()
+        .expect("GRNG_BENCH_BATCH: a positive integer");
+    let activation = match env_or("GRNG_BENCH_ACT", "tanh").as_str() {
+        "relu" => Activation::Relu,
+        _ => Activation::Tanh,
+    };
+    let config = MlpConfig {
+        sizes: sizes.clone(),
+        activation,
+        loss: Loss::SoftmaxCrossEntropy,
+    };
+    let (d0, classes) = (sizes[0], sizes[sizes.len() - 1]);
+    let mut rng = ChaCha8Rng::seed_from_u64(7);
+    let mut x = Mat::zeros(batch, d0);
+    x.as_mut_slice()
+        .iter_mut()
+        .for_each(|v| *v = rng.random::<f32>());
+    let labels: Vec<usize> = (0..batch).map(|_| rng.random_range(0..classes)).collect();
+
+    let mut group = c.benchmark_group(format!(
+        "step/{}/batch={batch}",
+        sizes
+            .iter()
+            .map(usize::to_string)
+            .collect::<Vec<_>>()
+            .join("-")
+    ));
+    group.sample_size(10);
+    group.warm_up_time(Duration::from_secs(1));
+    group.measurement_time(Duration::from_secs(5));
+    for (label, mc) in variants(batch) {
+        let mlp = Mlp::new(config.clone(), 1).expect("valid MLP shape");
+        let mut trainer = Trainer::new(&Device::Cpu, mlp, mc, 3).expect("trainer");
+        let m = mc.batch_size;
+        let step_batch = Batch {
+            x: grng::mat::MatRef::new(&x.as_slice()[..m * d0], m, d0).expect("batch view"),
+            targets: Targets::Classes(&labels[..m]),
+        };
+        group.bench_function(label, |b| {
+            b.iter(|| black_box(trainer.step(step_batch).expect("training step")))
+        });
+    }
+    group.finish();
+}
+
+criterion_group!(benches, bench);
+criterion_main!(benches);
