@@ -570,3 +570,19 @@ fn device_entry_point_matches_cpu_backend() {
         Error::Shape { .. }
     ));
 }
+
+#[test]
+fn debug_search() {
+    for seed in 0..3000u64 {
+        let mut rng = ChaCha8Rng::seed_from_u64(seed);
+        let n = rng.random_range(1..=80usize);
+        let kappa = 10f64.powf(rng.random_range(0.0..=2.0));
+        let (a, _) = spd(&mut rng, n, kappa);
+        let bad: Vec<f32> = inverse64(&a, n).iter().map(|&v| (3.0 * v) as f32).collect();
+        let opts = NewtonOptions { init: InitialGuess::Warm, ..NewtonOptions::default() };
+        if let Err(e) = run(&a, n, Some(&bad), &opts) {
+            let o2 = NewtonOptions { tol: 1e-30, max_iter: 8, ..NewtonOptions::default() };
+            eprintln!("seed {seed} n {n} kappa {kappa}: {e} ; {:?}", run(&a, n, None, &o2));
+        }
+    }
+}

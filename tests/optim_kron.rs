@@ -6,7 +6,8 @@ use grng::data::synthetic_classification;
 use grng::mlp::{Activation, FisherMode, Loss, Mlp, MlpConfig, Targets};
 use grng::ops::newton::NewtonOptions;
 use grng::optim::kron::{
-    levenberg_marquardt, InverseMethod, KronConfig, KronOptimizer, KronState, KronVariant,
+    levenberg_marquardt, InverseMethod, KronConfig, KronCounters, KronOptimizer, KronState,
+    KronVariant,
 };
 use grng::optim::KronStats;
 use grng::{Device, Error, Mat, Matrix};
@@ -922,11 +923,11 @@ struct Task {
 }
 
 fn task() -> Task {
-    let d = synthetic_classification(512, 8, 6, 7).unwrap();
+    let d = synthetic_classification(512, 8, 20, 7).unwrap();
     Task {
         x: d.x.clone(),
         labels: d.labels.clone(),
-        sizes: vec![8, 16, 6],
+        sizes: vec![8, 16, 20],
     }
 }
 
@@ -986,12 +987,17 @@ fn store(net: &mut Mlp, ws: &[Matrix]) {
     net.set_params(&flat).unwrap();
 }
 
-const TARGET: f32 = 0.95;
+const TARGET: f32 = 0.9;
 const MAX_STEPS: usize = 300;
 
-/// Trains with a Kronecker optimizer; returns (steps to reach TARGET training accuracy,
-/// initial and final full-batch loss).
-fn train_kron(t: &Task, cfg: KronConfig) -> (Option<usize>, f32, f32) {
+/// Trains with a Kronecker optimizer for at most `steps` steps (stopping at TARGET training
+/// accuracy when `stop`); returns (steps to reach TARGET, initial and final full-batch loss).
+fn train_kron(
+    t: &Task,
+    cfg: KronConfig,
+    steps: usize,
+    stop: bool,
+) -> (Option<usize>, f32, f32, KronCounters) {
     let mut net = mlp(t);
     let mut rng = ChaCha8Rng::seed_from_u64(99);
     let shapes = net.layer_shapes();
@@ -999,7 +1005,7 @@ fn train_kron(t: &Task, cfg: KronConfig) -> (Option<usize>, f32, f32) {
     let mut ws = layer_mats(&net);
     let l0 = full_loss(&net, t);
     let mut reached = None;
-    for k in 0..MAX_STEPS {
+    for k in 0..steps {
         let (x, y) = batch(t, k);
         let targets = Targets::Classes(&y);
         let fwd = net.forward(x.as_ref()).unwrap();
@@ -1043,14 +1049,15 @@ fn train_kron(t: &Task, cfg: KronConfig) -> (Option<usize>, f32, f32) {
             net.evaluate(x.as_ref(), targets).unwrap()
         };
         opt.observe_loss(loss, after).unwrap();
-        if std::env::var("KDBG").is_ok() { eprintln!("{:?} k {k} loss {loss:.4} after {after:.4} rho {:.2e} acc {}", cfg.variant, opt.rho(), accuracy(&net, t)); }
         if reached.is_none() && accuracy(&net, t) >= TARGET {
             reached = Some(k + 1);
-            break;
+            if stop {
+                break;
+            }
         }
     }
     assert_eq!(opt.counters().fallbacks(), 0, "{:?}", opt.counters());
-    (reached, l0, full_loss(&net, t))
+    (reached, l0, full_loss(&net, t), *opt.counters())
 }
 
 /// SGD with heavy-ball momentum on the same batches, through the device element-wise ops.
@@ -1075,13 +1082,19 @@ fn train_sgd(t: &Task, lr: f32) -> Option<usize> {
     None
 }
 
-/// RING, RENG and NGD lower the loss and reach 95 % training accuracy on Gaussian blobs
-/// (well conditioned: isotropic unit-scale features) in fewer steps than the best of a small
-/// learning-rate sweep of SGD with momentum.
+/// RING, RENG and NGD reach 90 % training accuracy on Gaussian blobs (20 classes in 8
+/// dimensions; well conditioned: isotropic unit-scale features) in fewer steps than the best
+/// of a learning-rate sweep of SGD with momentum 0.9, and lower the loss on the way.
+///
+/// Measured with the default Newton inverse (sweep over lr ∈ {0.3, 0.5, 1}, ρ ∈ {3e-3, 1e-2,
+/// 3e-2}, S ∈ {1, 4}, ε ∈ {0, 0.95}): RING best 3 steps (lr 1, ρ 3e-2, S 1), RENG 3 (lr 1,
+/// ρ 1e-2, S 1), NGD 3 (lr 1, ρ 1e-2, S 1); SGD lr ∈ {0.3, 1, 2, 3, 5, 10} → 20, 10, 8, 6,
+/// 5, 6 steps. The paper defaults (lr 1, ρ 1e-3) diverge here for RING and NGD: RING's
+/// relative damping √ρ‖Γ‖₂ is tiny once the softmax is confident.
 #[test]
 fn kron_optimizers_beat_sgd_on_a_well_conditioned_task() {
     let t = task();
-    let sgd: Vec<(f32, Option<usize>)> = [0.03f32, 0.1, 0.3, 1.0]
+    let sgd: Vec<(f32, Option<usize>)> = [0.3f32, 1.0, 2.0, 3.0, 5.0, 10.0]
         .iter()
         .map(|&lr| (lr, train_sgd(&t, lr)))
         .collect();
@@ -1091,8 +1104,28 @@ fn kron_optimizers_beat_sgd_on_a_well_conditioned_task() {
         .min()
         .unwrap_or(MAX_STEPS + 1);
     eprintln!("SGD (lr, steps to {TARGET}): {sgd:?}");
-    for cfg in [KronConfig::ring(), KronConfig::reng(), KronConfig::ngd()] {
-        let (steps, l0, l1) = train_kron(&t, cfg);
+    let tuned = [
+        KronConfig {
+            lr: 1.0,
+            rho: 3e-2,
+            skip: 1,
+            ..KronConfig::ring()
+        },
+        KronConfig {
+            lr: 1.0,
+            rho: 1e-2,
+            skip: 1,
+            ..KronConfig::reng()
+        },
+        KronConfig {
+            lr: 1.0,
+            rho: 1e-2,
+            skip: 1,
+            ..KronConfig::ngd()
+        },
+    ];
+    for cfg in tuned {
+        let (steps, l0, l1, _) = train_kron(&t, cfg, MAX_STEPS, true);
         eprintln!(
             "{:?}: steps to {TARGET} = {steps:?}, loss {l0:.4} -> {l1:.4}",
             cfg.variant
@@ -1104,5 +1137,26 @@ fn kron_optimizers_beat_sgd_on_a_well_conditioned_task() {
             "{:?}: {s} steps vs SGD {best_sgd}",
             cfg.variant
         );
+    }
+}
+
+/// With the lazy Fisher (S = 4: first-order inverse updates between refreshes) and the LM
+/// controller running, every variant keeps lowering the loss over 40 steps.
+#[test]
+fn lazy_training_lowers_the_loss() {
+    let t = task();
+    for base in [KronConfig::ring(), KronConfig::reng(), KronConfig::ngd()] {
+        let cfg = KronConfig {
+            lr: 0.5,
+            rho: 3e-2,
+            skip: 4,
+            phi: 0.95,
+            ..base
+        };
+        let (_, l0, l1, c) = train_kron(&t, cfg, 40, false);
+        eprintln!("{:?} S = 4: loss {l0:.4} -> {l1:.4}, {c:?}", cfg.variant);
+        assert_eq!(c.refreshes, 10);
+        assert!(c.first_order_updates > 0, "{c:?}");
+        assert!(l1 < 0.3 * l0, "{:?}: loss {l0} -> {l1}", cfg.variant);
     }
 }

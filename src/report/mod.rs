@@ -210,7 +210,14 @@ pub fn sweep_table(points: &[SweepPoint], chosen: Option<usize>) -> String {
             row
         })
         .collect();
-    text_table(&header, &rows)
+    let mut out = text_table(&header, &rows);
+    for p in points {
+        if let Some(f) = &p.result.failure {
+            let values: Vec<String> = p.values.iter().map(|(k, v)| format!("{}={v}", k.name())).collect();
+            let _ = writeln!(out, "  failed at {}: {f}", values.join(" "));
+        }
+    }
+    out
 }
 
 #[cfg(test)]

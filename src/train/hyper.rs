@@ -136,7 +136,7 @@ impl MethodConfig {
             ],
             Method::Ngd => &[
                 (Knob::Lr, &[0.25, 0.5, 1.0]),
-                (Knob::Rho, &[1e-4, 1e-3, 1e-2]),
+                (Knob::Rho, &[1e-3, 1e-2, 1e-1]),
                 (Knob::Ema, &[0.0, 0.95]),
             ],
             Method::RKalman => &[
@@ -250,13 +250,13 @@ fn fmt_g(v: f32) -> String {
 /// [`MethodConfig::paper`]'s value.
 fn tuned_values(method: Method) -> &'static [(Knob, f32)] {
     match method {
-        Method::Ring => &[(Knob::Lr, 1.0), (Knob::Rho, 1e-3)],
-        Method::Reng => &[(Knob::Lr, 1.0), (Knob::Rho, 1e-3)],
-        Method::Ngd => &[(Knob::Lr, 1.0), (Knob::Rho, 1e-4)],
-        Method::RKalman => &[(Knob::Sigma0, 0.1), (Knob::Rho, 1e-4)],
-        Method::Kalman => &[(Knob::Sigma0, 0.1), (Knob::Beta, 0.97)],
-        Method::AdamW => &[(Knob::Lr, 1e-3)],
-        Method::Sgd => &[(Knob::Lr, 0.1)],
+        Method::Ring => &[(Knob::Lr, 0.5), (Knob::Rho, 1e-2), (Knob::Ema, 0.95)],
+        Method::Reng => &[(Knob::Lr, 0.5), (Knob::Rho, 1e-2), (Knob::Ema, 0.0)],
+        Method::Ngd => &[(Knob::Lr, 1.0), (Knob::Rho, 1e-1), (Knob::Ema, 0.0)],
+        Method::RKalman => &[(Knob::Sigma0, 0.04), (Knob::Rho, 1.0)],
+        Method::Kalman => &[(Knob::Sigma0, 0.2), (Knob::Beta, 0.98)],
+        Method::AdamW => &[(Knob::Lr, 3e-3)],
+        Method::Sgd => &[(Knob::Lr, 0.3)],
         Method::Sophia => &[(Knob::Lr, 1e-3)],
     }
 }
