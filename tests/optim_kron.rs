@@ -31,7 +31,9 @@ fn host(m: &Matrix) -> Vec<f32> {
 
 /// Everything in a state as host numbers (matrices by name, then scalars by name), for
 /// exact before/after comparisons.
-fn snapshot(opt: &KronOptimizer) -> (Vec<(String, Vec<f32>)>, Vec<(String, u64)>) {
+type Snapshot = (Vec<(String, Vec<f32>)>, Vec<(String, u64)>);
+
+fn snapshot(opt: &KronOptimizer) -> Snapshot {
     let st = opt.state().unwrap();
     let ms = st
         .matrices()

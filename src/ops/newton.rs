@@ -25,9 +25,11 @@ pub enum InitialGuess {
     /// are `λ²/(‖A‖₁‖A‖∞)`, so the condition number is squared and the residual sits near 1
     /// for the first iterations.
     Paper,
-    /// The SPD-aware `X₀ = c I`, `c = 2 / (λ_hi + λ_low)`, with `λ_hi ≥ λ_max` from a power
-    /// iteration (times 1.1, capped by 1.02 times the bound `‖A‖∞`) and `λ_low` =
-    /// [`NewtonOptions::lambda_low`]. The eigenvalues of `I − A X₀` lie in `(−1, 1)`.
+    /// The SPD-aware `X₀ = c I`, `c = 2 / (λ_hi + λ_low)`, with `λ_hi ≈ 1.1 λ_max` from power
+    /// iterations (capped by `1.02·min(‖A‖∞, ‖A‖_F)`) and `λ_low` =
+    /// [`NewtonOptions::lambda_low`]. The eigenvalues of `I − A X₀` then lie in `(−1, 1)`;
+    /// should the estimate have missed `λ_max`, the run restarts once from the guaranteed
+    /// bound ([`NewtonInfo::restarted`]).
     #[default]
     ScaledIdentity,
     /// The caller's previous inverse, when `‖I − A X_warm‖₂ < 1` (tested through the bounds
@@ -117,6 +119,10 @@ pub struct NewtonInfo {
     pub residual_history: Vec<f32>,
     /// Whether the `Bf16` polish step was applied (it is dropped when it does not help).
     pub polished: bool,
+    /// Whether the scaled-identity start diverged (its power-iteration `λ_max` estimate was
+    /// too low) and the run restarted from the guaranteed bound `1.02·min(‖A‖∞, ‖A‖_F)`;
+    /// `iterations` and `residual_history` describe the second run.
+    pub restarted: bool,
 }
 
 impl Device {
