@@ -7,6 +7,39 @@
 //!
 //! Layout conventions: matrices are dense row-major; a dense layer `y = W x + b` has `W` of
 //! shape `d_out x d_in`, and with a bias the augmented `W̄ = [W b]` / `x̄ = [x; 1]` are used.
+//!
+//! # Example: RING as a whole optimizer on one dense layer
+//!
+//! ```
+//! use grng::optim::kron::{KronConfig, KronOptimizer};
+//! use grng::optim::KronStats;
+//! use grng::{Device, Result};
+//!
+//! fn main() -> Result<()> {
+//!     let dev = Device::Cpu; // or Device::auto()?: CUDA when present, else the CPU
+//!     let (m, d_in, d_out) = (16, 4 + 1, 3); // batch 16, 4 inputs plus the bias column
+//!     // Layer inputs x̄_k as rows (the last column is the bias 1) and per-sample output
+//!     // gradients e_k (here made up; a trainer gets them from its backward pass).
+//!     let x: Vec<f32> = (0..m * d_in)
+//!         .map(|i| if i % d_in == d_in - 1 { 1.0 } else { ((i * 7 % 11) as f32 - 5.0) / 5.0 })
+//!         .collect();
+//!     let e: Vec<f32> = (0..m * d_out).map(|i| ((i * 5 % 7) as f32 - 3.0) / 3.0).collect();
+//!     let a = dev.upload(m, d_in, &x)?;
+//!     let e = dev.upload(m, d_out, &e)?;
+//!
+//!     let mut g = dev.zeros(d_out, d_in)?;
+//!     dev.batch_gradient(&e, &a, &mut g)?; // G = (1/m) Eᵀ A
+//!
+//!     let mut w = vec![dev.zeros(d_out, d_in)?]; // W̄ = [W b], d_out x (d_in + 1)
+//!     let mut opt = KronOptimizer::new(&dev, &[(d_out, d_in)], KronConfig::ring())?;
+//!     // On refresh steps (step mod S == 0) pass the statistics; `e` should come from labels
+//!     // sampled from the model (true Fisher) — reused here for brevity.
+//!     let stats = opt.needs_stats().then(|| vec![KronStats { a: &a, e: &e }]);
+//!     let info = opt.step(&mut w, &[&g], stats.as_deref())?;
+//!     println!("{info:?}, rho = {}", opt.rho());
+//!     Ok(())
+//! }
+//! ```
 
 pub mod checkpoint;
 pub mod cpu;
