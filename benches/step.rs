@@ -35,7 +35,11 @@ fn shape() -> Vec<usize> {
     let s = env_or("GRNG_BENCH_SHAPE", "784-1024-1024-10");
     let sizes: Vec<usize> = s
         .split(['-', ',', 'x'])
-        .map(|w| w.trim().parse().expect("GRNG_BENCH_SHAPE: widths like 784-1024-1024-10"))
+        .map(|w| {
+            w.trim()
+                .parse()
+                .expect("GRNG_BENCH_SHAPE: widths like 784-1024-1024-10")
+        })
         .collect();
     assert!(
         sizes.len() >= 2 && !sizes.contains(&0),
@@ -61,7 +65,8 @@ fn variants(batch: usize) -> Vec<(String, MethodConfig)> {
                 Method::Ring | Method::Reng | Method::Ngd => 1e-3,
                 _ => 1e-5,
             };
-            c.set(Knob::Lr, lr).expect("gradient methods have a learning rate");
+            c.set(Knob::Lr, lr)
+                .expect("gradient methods have a learning rate");
         }
         match (method, c.optimizer) {
             (Method::Ring | Method::Reng, OptimizerConfig::Kron(k)) => {

@@ -2477,14 +2477,17 @@ fn bad_inputs_error_without_panic_and_leave_state_unchanged() {
     // One line per (target, kind of input, outcome), with how often and one example.
     let mut groups: BTreeMap<String, (usize, &String)> = BTreeMap::new();
     for v in &t.violations {
-        let key: String = v
-            .split(|c: char| c.is_ascii_digit() || c == '-')
-            .collect::<Vec<_>>()
-            .join("#");
-        let key = key
-            .replace("NaN", "X")
-            .replace("inf", "X")
-            .replace("#X", "X");
+        let mut key = String::new();
+        for c in v.replace("NaN", "#").replace("inf", "#").chars() {
+            let c = if c.is_ascii_digit() || c == '-' {
+                '#'
+            } else {
+                c
+            };
+            if !(c == '#' && key.ends_with('#')) {
+                key.push(c);
+            }
+        }
         groups.entry(key).or_insert((0, v)).0 += 1;
     }
     for (count, example) in groups.values() {

@@ -572,3 +572,20 @@ fn device_entry_point_matches_cpu_backend() {
         Error::Shape { .. }
     ));
 }
+
+#[test]
+fn debug_search() {
+    for seed in 0..4000u64 {
+        let mut rng = ChaCha8Rng::seed_from_u64(seed);
+        let n = rng.random_range(1..=200usize);
+        let kappa = 10f64.powf(rng.random_range(0.0..=3.0));
+        let paper = rng.random_bool(0.5); let order = [NewtonOrder::Quadratic, NewtonOrder::Cubic, NewtonOrder::Quartic][rng.random_range(0..3usize)];
+        let (a, d) = spd(&mut rng, n, kappa);
+        let opts = NewtonOptions { order, init: if paper { InitialGuess::Paper } else { InitialGuess::ScaledIdentity }, ..NewtonOptions::default() };
+        let (x, info) = run(&a, n, None, &opts).unwrap();
+        let r = std::panic::catch_unwind(|| check_f32(&a, &d, n, kappa, &opts, &x, &info));
+        if r.is_err() {
+            eprintln!("seed {seed} n {n} kappa {kappa} paper {paper} {order:?}: {:?}", info.residual_history);
+        }
+    }
+}

@@ -119,8 +119,7 @@ fn bad_batches_are_typed_errors_and_change_nothing() {
     let data = synthetic_classification(40, 5, 3, 1).expect("data");
     for method in Method::ALL {
         let config = MethodConfig::tuned(method);
-        let mut trainer =
-            Trainer::new(&Device::Cpu, network(5, 3, 1), config, 1).expect("trainer");
+        let mut trainer = Trainer::new(&Device::Cpu, network(5, 3, 1), config, 1).expect("trainer");
         let params = trainer.mlp().params().to_vec();
         let m = config.batch_size;
         let (x, labels) = data.gather(&(0..m).collect::<Vec<_>>()).expect("gather");
@@ -146,7 +145,11 @@ fn bad_batches_are_typed_errors_and_change_nothing() {
             "{method}: {e:?}"
         );
         assert_eq!(trainer.steps(), 0);
-        assert_eq!(trainer.mlp().params(), &params[..], "{method} changed on error");
+        assert_eq!(
+            trainer.mlp().params(),
+            &params[..],
+            "{method} changed on error"
+        );
         // The good batch still trains afterwards.
         trainer
             .step(Batch {

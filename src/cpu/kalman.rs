@@ -4,8 +4,8 @@
 //! step is two streaming passes over the row-major `d_o x n` Jacobian `H` plus `d_o x d_o`
 //! algebra in `f64`:
 //!
-//! 1. `P = H diag(σ⁻) Hᵀ` — a rayon reduction over column chunks (each chunk's sums in `f32`
-//!    lanes, chunks added in `f64`); never anything `n x n`.
+//! 1. `P = H diag(σ⁻) Hᵀ` — a rayon reduction over column chunks, summed in `f64`; never
+//!    anything `n x n`.
 //! 2. `R ← βR + (1−β)(vvᵀ + P)`, `R̃`, `S = P + R̃ + δI = LLᵀ`, `w = S⁻¹v`, all `f64`.
 //! 3. One fused pass: with `z_i = L⁻¹h_i` (`h_i` the column `i` of `H`),
 //!    `μ_i ← μ_i + σ⁻_i h_iᵀw` and `σ_i ← σ⁻_i (1 − σ⁻_i ‖z_i‖²)`, floored.
@@ -187,8 +187,11 @@ pub fn kalman_step(
 }
 
 /// `P = H diag(σ + q) Hᵀ` (`d_o x d_o`, row-major, symmetric) by a reduction over column
-/// chunks: per chunk, the weighted rows `g_j = σ⁻ ⊙ H[j, chunk]` are formed once and dotted
-/// with the rows of `H` in eight `f32` lanes (≤ 32 terms each), and chunk sums add in `f64`.
+/// chunks: per chunk the rows `g_j = √σ⁻ ⊙ H[j, chunk]` are formed once in `f32`, and
+/// `P = G Gᵀ` is summed in `f64` (products of two `f32` are exact there). As the Gram matrix
+/// of one rounded `G` summed in `f64`, `P` is PSD to ~1e-16 relative even when rank-deficient
+/// (`n < d_o`); forming `σ⁻ ⊙ h_j` and dotting with `h_k` in `f32` would leave negative
+/// eigenvalues of ~1e-7·‖P‖, enough to make `I + ρR` indefinite for large `H`.
 fn weighted_gram(h: MatRef<'_, f32>, sigma: &[f32], q: f32) -> Vec<f64> {
     let (d_o, n) = h.shape();
     let chunks = n.div_ceil(CHUNK);
@@ -201,17 +204,21 @@ fn weighted_gram(h: MatRef<'_, f32>, sigma: &[f32], q: f32) -> Vec<f64> {
                 let c0 = c * CHUNK;
                 let c1 = (c0 + CHUNK).min(n);
                 let w = c1 - c0;
-                let sp = &sigma[c0..c1];
+                let mut root = [0.0f32; CHUNK];
+                for (r, &s) in root.iter_mut().zip(&sigma[c0..c1]) {
+                    *r = (s + q).sqrt();
+                }
                 for j in 0..d_o {
                     let hj = &h.row(j)[c0..c1];
-                    for ((gi, &hv), &s) in g[j * CHUNK..j * CHUNK + w].iter_mut().zip(hj).zip(sp) {
-                        *gi = (s + q) * hv;
+                    for ((gi, &hv), &r) in g[j * CHUNK..j * CHUNK + w].iter_mut().zip(hj).zip(&root)
+                    {
+                        *gi = r * hv;
                     }
                 }
                 for j in 0..d_o {
                     let gj = &g[j * CHUNK..j * CHUNK + w];
                     for k in j..d_o {
-                        acc[j * d_o + k] += dot8(gj, &h.row(k)[c0..c1]) as f64;
+                        acc[j * d_o + k] += dot_f64(gj, &g[k * CHUNK..k * CHUNK + w]);
                     }
                 }
                 (acc, g)
@@ -305,17 +312,21 @@ fn posterior_pass(
         .sum()
 }
 
-/// `Σ xᵢyᵢ` in eight `f32` lanes (vectorizes without reassociation flags).
-fn dot8(x: &[f32], y: &[f32]) -> f32 {
-    let mut acc = [0.0f32; 8];
-    let split = x.len() - x.len() % 8;
-    for (a, b) in x[..split].chunks_exact(8).zip(y[..split].chunks_exact(8)) {
-        for l in 0..8 {
-            acc[l] += a[l] * b[l];
+/// `Σ xᵢyᵢ` of two `f32` slices in four `f64` lanes (vectorizes without reassociation flags).
+fn dot_f64(x: &[f32], y: &[f32]) -> f64 {
+    let mut acc = [0.0f64; 4];
+    let split = x.len() - x.len() % 4;
+    for (a, b) in x[..split].chunks_exact(4).zip(y[..split].chunks_exact(4)) {
+        for l in 0..4 {
+            acc[l] += a[l] as f64 * b[l] as f64;
         }
     }
-    let tail: f32 = x[split..].iter().zip(&y[split..]).map(|(a, b)| a * b).sum();
-    acc.iter().sum::<f32>() + tail
+    let tail: f64 = x[split..]
+        .iter()
+        .zip(&y[split..])
+        .map(|(&a, &b)| a as f64 * b as f64)
+        .sum();
+    (acc[0] + acc[1]) + (acc[2] + acc[3]) + tail
 }
 
 /// `R̃` from the updated `R` (both `d_o x d_o`, `f64`).

@@ -150,22 +150,18 @@ pub fn newton_inverse(
 
     // The scaled identity's λ_hi comes from power iterations, which can underestimate λ_max
     // (a start vector nearly orthogonal to the top eigenvector); then c·λ_max > 2 and the
-    // iteration diverges. Retry once from a guaranteed bound before calling it divergence.
-    let mut restarted = false;
-    let run = match iterate(&mut it, opts, commuting) {
-        Err(Error::Diverged { .. }) if init_used == InitialGuess::ScaledIdentity => {
-            restarted = true;
+    // iteration diverges. Retry once from a guaranteed bound before calling it divergence;
+    // the history then holds both runs and `iterations` counts the first run's steps too.
+    let mut history = Vec::new();
+    let (best_r, best_iter) = match iterate(&mut it, opts, commuting, &mut history) {
+        Err(Error::Diverged { iterations, .. }) if init_used == InitialGuess::ScaledIdentity => {
             it.x = scaled_identity(&it.a, n, opts.lambda_low, Bound::Guaranteed)?;
             it.product_t()?;
-            iterate(&mut it, opts, true)?
+            let (r, k) = iterate(&mut it, opts, true, &mut history)?;
+            (r, iterations + k)
         }
         other => other?,
     };
-    let Run {
-        best_r,
-        best_iter,
-        history,
-    } = run;
 
     if !bf16 {
         let info = NewtonInfo {
@@ -174,7 +170,6 @@ pub fn newton_inverse(
             init_used,
             residual_history: history,
             polished: false,
-            restarted,
         };
         return Ok((Mat::from_vec(it.x, n, n)?, info));
     }
@@ -189,7 +184,6 @@ pub fn newton_inverse(
         init_used,
         residual_history: history,
         polished: false,
-        restarted,
     };
     if opts.polish {
         let x_best = it.x.clone();
@@ -214,21 +208,18 @@ pub fn newton_inverse(
     Ok((Mat::from_vec(it.x, n, n)?, out))
 }
 
-/// What one run of the iteration achieved (its iterate is left in `it.x`, or `it.best` in
-/// `Bf16` mode).
-struct Run {
-    best_r: f32,
-    best_iter: usize,
-    history: Vec<f32>,
-}
-
 /// Iterates from the `X₀` in `it.x` (with `T = AX₀` in `it.t`) under the stopping rules of
-/// the module docs.
-fn iterate(it: &mut Iteration, opts: &NewtonOptions, commuting: bool) -> Result<Run> {
+/// the module docs, appending each residual to `history`. Returns the best residual and the
+/// step that reached it; the iterate is left in `it.x` (`F32`) or `it.best` (`Bf16`).
+fn iterate(
+    it: &mut Iteration,
+    opts: &NewtonOptions,
+    commuting: bool,
+    history: &mut Vec<f32>,
+) -> Result<(f32, usize)> {
     const OP: &str = "cpu::newton_inverse";
     let n = it.n;
     let bf16 = it.bf16;
-    let mut history = Vec::new();
     let mut iterations = 0;
     let mut best_r = f32::INFINITY;
     let mut best_iter = 0;
@@ -294,11 +285,7 @@ fn iterate(it: &mut Iteration, opts: &NewtonOptions, commuting: bool) -> Result<
         it.product_t()?;
     }
 
-    Ok(Run {
-        best_r,
-        best_iter,
-        history,
-    })
+    Ok((best_r, best_iter))
 }
 
 /// The iteration's buffers (all `n x n`, row-major).
@@ -695,7 +682,9 @@ mod tests {
             &NewtonOptions::default(),
         )
         .unwrap();
-        assert!(info.restarted);
+        // The first run diverged (a residual above 1), the second converged: two X₀ entries.
+        assert!(info.residual_history.iter().any(|&r| r > 1.0));
+        assert_eq!(info.residual_history.len(), info.iterations + 2);
         assert_eq!(info.init_used, InitialGuess::ScaledIdentity);
         assert!(info.residual <= 1e-4);
         assert_eq!(x.shape(), (n, n));

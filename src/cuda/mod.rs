@@ -9,8 +9,13 @@
 //! above it (see `kernels/README.md`).
 
 pub mod driver;
+pub mod elementwise;
 pub mod emu;
+pub mod kalman;
+pub mod kron;
 pub mod launch;
+pub mod newton;
+pub mod precond;
 pub mod ptx;
 pub mod selftest;
 

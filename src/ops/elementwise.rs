@@ -5,8 +5,8 @@
 //! backend ([`crate::cpu::elementwise`]) and the GPU kernels (`kernels/elementwise.cu`)
 //! implement exactly those formulas, in `f32`.
 
-use super::no_kernel;
 use crate::cpu::elementwise::check_beta;
+use crate::cuda::elementwise as ew;
 use crate::device::{Device, Matrix};
 use crate::error::{check_shape, check_value, Error, Result};
 
@@ -150,7 +150,7 @@ impl Device {
         self.check_same(OP, &[("y", &*y), ("x", x)])?;
         match self {
             Device::Cpu => crate::cpu::elementwise::axpy(alpha, host(x)?, host_mut(y)?),
-            Device::Emulated | Device::Cuda(_) => Err(no_kernel(self, OP)),
+            Device::Emulated | Device::Cuda(_) => ew::axpy(self, alpha, x, y),
         }
     }
 
@@ -164,7 +164,7 @@ impl Device {
         self.check_on(OP, x)?;
         match self {
             Device::Cpu => crate::cpu::elementwise::scale(alpha, host_mut(x)?),
-            Device::Emulated | Device::Cuda(_) => Err(no_kernel(self, OP)),
+            Device::Emulated | Device::Cuda(_) => ew::scale(self, alpha, x),
         }
     }
 
@@ -178,7 +178,7 @@ impl Device {
         self.check_same(OP, &[("x", x), ("y", y)])?;
         match self {
             Device::Cpu => crate::cpu::elementwise::dot(host(x)?, host(y)?),
-            Device::Emulated | Device::Cuda(_) => Err(no_kernel(self, OP)),
+            Device::Emulated | Device::Cuda(_) => ew::dot(self, x, y),
         }
     }
 
@@ -191,7 +191,7 @@ impl Device {
         self.check_on(OP, x)?;
         match self {
             Device::Cpu => crate::cpu::elementwise::norm2(host(x)?),
-            Device::Emulated | Device::Cuda(_) => Err(no_kernel(self, OP)),
+            Device::Emulated | Device::Cuda(_) => ew::norm2(self, x),
         }
     }
 
@@ -204,7 +204,7 @@ impl Device {
         self.check_same(OP, &[("dst", &*dst), ("src", src)])?;
         match self {
             Device::Cpu => crate::cpu::elementwise::copy(host(src)?, host_mut(dst)?),
-            Device::Emulated | Device::Cuda(_) => Err(no_kernel(self, OP)),
+            Device::Emulated | Device::Cuda(_) => ew::copy(self, src, dst),
         }
     }
 
@@ -238,7 +238,7 @@ impl Device {
                 host_mut(momentum_buf)?,
                 c,
             ),
-            Device::Emulated | Device::Cuda(_) => Err(no_kernel(self, OP)),
+            Device::Emulated | Device::Cuda(_) => ew::sgd_update(self, params, grad, momentum_buf, c),
         }
     }
 
@@ -271,7 +271,7 @@ impl Device {
                 host_mut(v)?,
                 c,
             ),
-            Device::Emulated | Device::Cuda(_) => Err(no_kernel(self, OP)),
+            Device::Emulated | Device::Cuda(_) => ew::adamw_update(self, params, grad, m, v, c),
         }
     }
 
@@ -304,7 +304,7 @@ impl Device {
                 host(h)?,
                 c,
             ),
-            Device::Emulated | Device::Cuda(_) => Err(no_kernel(self, OP)),
+            Device::Emulated | Device::Cuda(_) => ew::sophia_update(self, params, grad, m, h, c),
         }
     }
 
@@ -331,7 +331,7 @@ impl Device {
                 beta2,
                 batch,
             ),
-            Device::Emulated | Device::Cuda(_) => Err(no_kernel(self, OP)),
+            Device::Emulated | Device::Cuda(_) => ew::sophia_hessian_ema(self, h, sampled_grad, beta2, batch),
         }
     }
 }

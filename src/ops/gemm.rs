@@ -1,10 +1,24 @@
 //! Dense GEMM on a device.
 
-use super::{host_mut, host_ref, no_kernel};
+use super::{host_mut, host_ref};
 use crate::cpu::check_finite_view;
-use crate::device::{Device, Matrix};
+use crate::device::{Device, Element, Matrix};
 use crate::error::{check_shape, check_value, Error, Result};
 use crate::mat::Trans;
+
+/// Finiteness check of an operand in host memory (`Device::Emulated`, where it is free next to
+/// the emulation, so errors match the CPU backend's); a no-op for device memory, where it
+/// would cost a device→host round trip per call.
+pub(super) fn check_finite_host<T: Element>(
+    op: &'static str,
+    arg: &'static str,
+    m: &Matrix<T>,
+) -> Result<()> {
+    if m.host().is_some() {
+        check_finite_view(op, arg, host_ref(m)?)?;
+    }
+    Ok(())
+}
 
 fn op_shape(t: Trans, m: &Matrix) -> (usize, usize) {
     match t {
@@ -21,8 +35,12 @@ impl Device {
     /// # Errors
     /// [`Error::DeviceMismatch`] for an operand on another device, [`Error::Shape`] for
     /// disagreeing dimensions, [`Error::Value`] for a non-finite `α`/`β`,
-    /// [`Error::NonFinite`] for NaN/Inf in `A`, `B`, or in `C` when `β ≠ 0`. `c` is unchanged on
-    /// error.
+    /// [`Error::NonFinite`] for NaN/Inf in `A`, `B`, or in `C` when `β ≠ 0` (not checked on
+    /// [`Device::Cuda`], where it would cost a round trip: NaN/Inf propagate there). `c` is
+    /// unchanged on error.
+    ///
+    /// On the kernel devices this is one launch of the tiled fp32 GEMM of
+    /// `kernels/precond.cu` ([`crate::cuda::precond::gemm`]).
     #[allow(clippy::too_many_arguments)]
     pub fn gemm(
         &self,
@@ -62,7 +80,14 @@ impl Device {
                 }
                 crate::cpu::gemm(ta, tb, alpha, a, b, beta, c)
             }
-            Device::Emulated | Device::Cuda(_) => Err(no_kernel(self, OP)),
+            Device::Emulated | Device::Cuda(_) => {
+                check_finite_host(OP, "a", a)?;
+                check_finite_host(OP, "b", b)?;
+                if beta != 0.0 {
+                    check_finite_host(OP, "c", c)?;
+                }
+                crate::cuda::precond::gemm(self, ta, tb, alpha, a, b, beta, c)
+            }
         }
     }
 }

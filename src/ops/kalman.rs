@@ -224,7 +224,18 @@ impl Device {
                 };
                 crate::cpu::kalman::kalman_step(io, super::host_ref(h)?, host(innovation)?, opts)
             }
-            Device::Emulated | Device::Cuda(_) => Err(super::no_kernel(self, OP)),
+            Device::Emulated | Device::Cuda(_) => {
+                let [mu_out, sigma_out, r_out] = &mut spare;
+                let io = crate::cuda::kalman::KalmanBuffers {
+                    mu: &state.mu,
+                    sigma: &state.sigma,
+                    r: &state.r,
+                    mu_out,
+                    sigma_out,
+                    r_out,
+                };
+                crate::cuda::kalman::kalman_step(self, io, h, innovation, opts)
+            }
         };
         if result.is_ok() {
             let [mu_out, sigma_out, r_out] = &mut spare;

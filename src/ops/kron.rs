@@ -1,8 +1,12 @@
 //! Kronecker-factor accumulation and the batch gradient on a device.
 
-use super::{host_mut, host_ref, no_kernel};
+use std::any::Any;
+
+use super::gemm::check_finite_host;
+use super::{host_mut, host_ref};
 use crate::device::{Device, Element, Matrix};
 use crate::error::{check_shape, check_value, Error, Result};
+use half::bf16;
 
 fn check_batch(op: &'static str, arg: &'static str, m: usize, cols: usize) -> Result<()> {
     if m == 0 {
@@ -23,8 +27,13 @@ impl Device {
     ///
     /// # Errors
     /// [`Error::DeviceMismatch`], [`Error::Shape`] (also for `m = 0`), [`Error::Value`] unless
-    /// `0 ≤ ε < 1`, [`Error::NonFinite`] for NaN/Inf in `A` (or in `Λ` when `ε > 0`).
-    /// `factor` is unchanged on error.
+    /// `0 ≤ ε < 1`, [`Error::NonFinite`] for NaN/Inf in `A` (or in `Λ` when `ε > 0`; neither is
+    /// checked on [`Device::Cuda`], where it would cost a round trip). `factor` is unchanged on
+    /// error.
+    ///
+    /// On the kernel devices: `f32` `A` runs `kron_syrk_ema_f32`, `bf16` `A` the tensor-core
+    /// `kron_syrk_ema_tc` ([`crate::cuda::kron`]); both compute the lower-triangle tiles only
+    /// and mirror them (exactly symmetric result).
     pub fn kron_factor_update<T: Element>(
         &self,
         a: &Matrix<T>,
@@ -45,7 +54,24 @@ impl Device {
         check_shape(OP, "factor", factor.shape(), (a.cols(), a.cols()))?;
         match self {
             Device::Cpu => crate::cpu::syrk_ema(host_ref(a)?, eps, host_mut(factor)?),
-            Device::Emulated | Device::Cuda(_) => Err(no_kernel(self, OP)),
+            Device::Emulated | Device::Cuda(_) => {
+                check_finite_host(OP, "a", a)?;
+                if eps > 0.0 {
+                    check_finite_host(OP, "factor", factor)?;
+                }
+                // grng implements `Element` for f32 and bf16: pick the kernel of the concrete type.
+                let any: &dyn Any = a;
+                if let Some(a) = any.downcast_ref::<Matrix<f32>>() {
+                    crate::cuda::kron::syrk_ema_f32(self, a, eps, factor)
+                } else if let Some(a) = any.downcast_ref::<Matrix<bf16>>() {
+                    crate::cuda::kron::syrk_ema_tc(self, a, eps, factor)
+                } else {
+                    Err(Error::DeviceUnavailable(format!(
+                        "{OP}: no kernel for elements of type {}",
+                        std::any::type_name::<T>()
+                    )))
+                }
+            }
         }
     }
 
@@ -53,7 +79,9 @@ impl Device {
     ///
     /// # Errors
     /// [`Error::DeviceMismatch`], [`Error::Shape`] (also for `m = 0`), [`Error::NonFinite`] for
-    /// NaN/Inf in `E` or `A`. `g` is unchanged on error.
+    /// NaN/Inf in `E` or `A` (not checked on [`Device::Cuda`]). `g` is unchanged on error.
+    ///
+    /// On the kernel devices: the GEMM kernel `precond_gemm_tn` with `α = 1/m`.
     pub fn batch_gradient(&self, e: &Matrix, a: &Matrix, g: &mut Matrix) -> Result<()> {
         const OP: &str = "Device::batch_gradient";
         self.check_on(OP, e)?;
@@ -64,7 +92,11 @@ impl Device {
         check_shape(OP, "g", g.shape(), (e.cols(), a.cols()))?;
         match self {
             Device::Cpu => crate::cpu::batch_gradient(host_ref(e)?, host_ref(a)?, host_mut(g)?),
-            Device::Emulated | Device::Cuda(_) => Err(no_kernel(self, OP)),
+            Device::Emulated | Device::Cuda(_) => {
+                check_finite_host(OP, "e", e)?;
+                check_finite_host(OP, "a", a)?;
+                crate::cuda::kron::batch_gradient(self, e, a, g)
+            }
         }
     }
 }

@@ -2,8 +2,9 @@
 //! methods validate their [`Matrix`] operands (device placement, shapes, scalar ranges, and
 //! finiteness where cheap) before anything is written, then match on the device.
 //!
-//! [`Device::Cpu`] runs the rayon backend of [`crate::cpu`] on the host storage; the kernel
-//! backends answer [`Error::DeviceUnavailable`] until their launchers exist.
+//! [`Device::Cpu`] runs the rayon backend of [`crate::cpu`] on the host storage;
+//! [`Device::Emulated`] and [`Device::Cuda`] run the kernels of `kernels/*.cu` through the
+//! launchers of [`crate::cuda`].
 
 pub mod cholesky;
 pub mod elementwise;
@@ -17,11 +18,6 @@ pub mod precond;
 use crate::device::{Device, Element, Matrix};
 use crate::error::{Error, Result};
 use crate::mat::{MatMut, MatRef};
-
-/// The error of an operation that has no kernel on `device` yet.
-fn no_kernel(device: &Device, op: &'static str) -> Error {
-    Error::DeviceUnavailable(format!("{op}: no {} kernel yet", device.name()))
-}
 
 /// Host view of a matrix already checked to live on a host device.
 pub(crate) fn host_ref<T: Element>(m: &Matrix<T>) -> Result<MatRef<'_, T>> {

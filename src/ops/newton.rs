@@ -28,8 +28,9 @@ pub enum InitialGuess {
     /// The SPD-aware `X₀ = c I`, `c = 2 / (λ_hi + λ_low)`, with `λ_hi ≈ 1.1 λ_max` from power
     /// iterations (capped by `1.02·min(‖A‖∞, ‖A‖_F)`) and `λ_low` =
     /// [`NewtonOptions::lambda_low`]. The eigenvalues of `I − A X₀` then lie in `(−1, 1)`;
-    /// should the estimate have missed `λ_max`, the run restarts once from the guaranteed
-    /// bound ([`NewtonInfo::restarted`]).
+    /// should the estimate have missed `λ_max` (the iteration diverges), it restarts once from
+    /// the guaranteed bound `1.02·min(‖A‖∞, ‖A‖_F)` ([`NewtonInfo::residual_history`] then
+    /// holds both runs).
     #[default]
     ScaledIdentity,
     /// The caller's previous inverse, when `‖I − A X_warm‖₂ < 1` (tested through the bounds
@@ -110,19 +111,18 @@ pub struct NewtonInfo {
     /// `‖I − AX‖_F / √n` of the returned `X`, from an `f32` product (in `Bf16` mode
     /// recomputed in `f32` at the end, so it includes the rounding of `A` to `bf16`).
     pub residual: f32,
-    /// Newton steps applied to `X₀` to reach the returned `X` (the `Bf16` polish not counted).
+    /// Newton steps applied to `X₀` to reach the returned `X` (the `Bf16` polish not counted;
+    /// after a scaled-identity restart, the first run's steps included).
     pub iterations: usize,
     /// The starting guess actually used.
     pub init_used: InitialGuess,
     /// `residual_history[k]` = residual of `X_k` as the iteration saw it (from its own
-    /// products, so with `bf16` inputs in `Bf16` mode); `X₀` first.
+    /// products, so with `bf16` inputs in `Bf16` mode); `X₀` first. `iterations + 1` entries
+    /// in `F32` mode (`Bf16` adds the steps past its best iterate); after a restart the two
+    /// runs follow each other, each from its own `X₀`.
     pub residual_history: Vec<f32>,
     /// Whether the `Bf16` polish step was applied (it is dropped when it does not help).
     pub polished: bool,
-    /// Whether the scaled-identity start diverged (its power-iteration `λ_max` estimate was
-    /// too low) and the run restarted from the guaranteed bound `1.02·min(‖A‖∞, ‖A‖_F)`;
-    /// `iterations` and `residual_history` describe the second run.
-    pub restarted: bool,
 }
 
 impl Device {
@@ -132,6 +132,12 @@ impl Device {
     ///
     /// `a` (and `warm`) must be symmetric to `|a_ij − a_ji| ≤ 1e-5·max|a|`; their symmetric
     /// parts are used.
+    ///
+    /// On [`Device::Emulated`] / [`Device::Cuda`] the whole iteration runs on the device
+    /// (`kernels/newton.cu`, [`crate::cuda::newton`]): `Bf16` products on tensor cores with the
+    /// step's algebra fused into the GEMM epilogues, only the residual read back per step for
+    /// the stop test. Same rules and results as the CPU backend up to the products' rounding
+    /// (the iteration count may differ by one where a residual lands near `tol`).
     ///
     /// # Errors
     /// [`Error::DeviceMismatch`](crate::Error::DeviceMismatch);
@@ -162,7 +168,9 @@ impl Device {
                     crate::cpu::newton::newton_inverse(super::host_ref(a)?, warm, opts)?;
                 Ok((self.upload(n, n, x.as_slice())?, info))
             }
-            Device::Emulated | Device::Cuda(_) => Err(super::no_kernel(self, OP)),
+            Device::Emulated | Device::Cuda(_) => {
+                crate::cuda::newton::newton_inverse(self, a, warm, opts)
+            }
         }
     }
 }

@@ -1,6 +1,7 @@
 //! Kronecker preconditioning and damping on a device.
 
-use super::{host_mut, host_ref, no_kernel};
+use super::gemm::check_finite_host;
+use super::{host_mut, host_ref};
 use crate::device::{Device, Matrix};
 use crate::error::{check_shape, check_value, Result};
 
@@ -10,7 +11,11 @@ impl Device {
     /// # Errors
     /// [`Error::DeviceMismatch`](crate::Error::DeviceMismatch),
     /// [`Error::Shape`](crate::Error::Shape), [`Error::NonFinite`](crate::Error::NonFinite) for
-    /// NaN/Inf in an input. `p` is unchanged on error.
+    /// NaN/Inf in an input (not checked on [`Device::Cuda`], where it would cost a round trip).
+    /// `p` is unchanged on error.
+    ///
+    /// On the kernel devices: two GEMM launches (`precond_gemm_nn`) through a `d_out x d_in`
+    /// scratch matrix, `P = Γ̃⁻¹ (G Λ̃⁻¹)`.
     pub fn precondition(
         &self,
         gamma_inv: &Matrix,
@@ -34,7 +39,12 @@ impl Device {
                 host_ref(lambda_inv)?,
                 host_mut(p)?,
             ),
-            Device::Emulated | Device::Cuda(_) => Err(no_kernel(self, OP)),
+            Device::Emulated | Device::Cuda(_) => {
+                check_finite_host(OP, "gamma_inv", gamma_inv)?;
+                check_finite_host(OP, "g", g)?;
+                check_finite_host(OP, "lambda_inv", lambda_inv)?;
+                crate::cuda::precond::precondition(self, gamma_inv, g, lambda_inv, p)
+            }
         }
     }
 
@@ -44,8 +54,11 @@ impl Device {
     /// # Errors
     /// [`Error::DeviceMismatch`](crate::Error::DeviceMismatch),
     /// [`Error::Shape`](crate::Error::Shape) unless square, [`Error::Value`](crate::Error::Value)
-    /// for a non-finite `dλ`, [`Error::NonFinite`](crate::Error::NonFinite) for NaN/Inf in `X`.
-    /// `inv` is unchanged on error.
+    /// for a non-finite `dλ`, [`Error::NonFinite`](crate::Error::NonFinite) for NaN/Inf in `X`
+    /// (not checked on [`Device::Cuda`]). `inv` is unchanged on error.
+    ///
+    /// On the kernel devices: one GEMM launch (`α = −dλ`, `β = 1`, the update fused into its
+    /// epilogue) reading a device-side copy of the old `X`.
     pub fn damped_inverse_update(&self, inv: &mut Matrix, dlambda: f32) -> Result<()> {
         const OP: &str = "Device::damped_inverse_update";
         self.check_on(OP, inv)?;
@@ -53,7 +66,10 @@ impl Device {
         check_value(OP, "dlambda", dlambda as f64, true, "a finite number")?;
         match self {
             Device::Cpu => crate::cpu::damped_inverse_update(host_mut(inv)?, dlambda),
-            Device::Emulated | Device::Cuda(_) => Err(no_kernel(self, OP)),
+            Device::Emulated | Device::Cuda(_) => {
+                check_finite_host(OP, "inv", inv)?;
+                crate::cuda::precond::damped_inverse_update(self, inv, dlambda)
+            }
         }
     }
 
@@ -70,7 +86,9 @@ impl Device {
         check_value(OP, "lambda", lambda as f64, true, "a finite number")?;
         match self {
             Device::Cpu => crate::cpu::add_diagonal(host_mut(a)?, lambda),
-            Device::Emulated | Device::Cuda(_) => Err(no_kernel(self, OP)),
+            Device::Emulated | Device::Cuda(_) => {
+                crate::cuda::precond::add_diagonal(self, a, lambda)
+            }
         }
     }
 }

@@ -116,7 +116,11 @@ pub fn figure(results: &[MethodResult]) -> String {
             .map(|r| Series {
                 name: r.config.method.label().into(),
                 // Step 0 has no place on a log axis: iterations are 1-based there.
-                points: r.curve.iter().map(|p| (p.step.max(1) as f64, f(p))).collect(),
+                points: r
+                    .curve
+                    .iter()
+                    .map(|p| (p.step.max(1) as f64, f(p)))
+                    .collect(),
             })
             .collect()
     };
@@ -206,14 +210,22 @@ pub fn sweep_table(points: &[SweepPoint], chosen: Option<usize>) -> String {
                     .steps_to_target
                     .map_or("—".into(), |s| s.to_string()),
             );
-            row.push(if Some(i) == chosen { "*".into() } else { String::new() });
+            row.push(if Some(i) == chosen {
+                "*".into()
+            } else {
+                String::new()
+            });
             row
         })
         .collect();
     let mut out = text_table(&header, &rows);
     for p in points {
         if let Some(f) = &p.result.failure {
-            let values: Vec<String> = p.values.iter().map(|(k, v)| format!("{}={v}", k.name())).collect();
+            let values: Vec<String> = p
+                .values
+                .iter()
+                .map(|(k, v)| format!("{}={v}", k.name()))
+                .collect();
             let _ = writeln!(out, "  failed at {}: {f}", values.join(" "));
         }
     }

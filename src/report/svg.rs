@@ -124,7 +124,10 @@ impl Axis {
                     .collect()
             }
             Scale::Log => {
-                let (a, b) = (self.lo.log10().round() as i32, self.hi.log10().round() as i32);
+                let (a, b) = (
+                    self.lo.log10().round() as i32,
+                    self.hi.log10().round() as i32,
+                );
                 // At most ~8 labelled decades: skip every other one on wide ranges.
                 let stride = ((b - a) / 8 + 1).max(1) as usize;
                 (a..=b)
@@ -142,7 +145,11 @@ fn drawable(scale: Scale, v: f64) -> bool {
 
 /// The 1-2-5 multiple of a power of ten closest above `raw` (> 0).
 fn nice_step(raw: f64) -> f64 {
-    let raw = if raw.is_finite() && raw > 0.0 { raw } else { 1.0 };
+    let raw = if raw.is_finite() && raw > 0.0 {
+        raw
+    } else {
+        1.0
+    };
     let mag = 10f64.powf(raw.log10().floor());
     let f = raw / mag;
     let nice = if f <= 1.0 {
@@ -214,10 +221,7 @@ pub fn figure(panels: &[Panel], legend: &[String]) -> String {
 
 fn draw_panel(out: &mut String, panel: &Panel, x0: f64) {
     let (left, top) = (x0 + MARGIN_L, MARGIN_T);
-    let (w, h) = (
-        PANEL_W - MARGIN_L - MARGIN_R,
-        PANEL_H - MARGIN_T - MARGIN_B,
-    );
+    let (w, h) = (PANEL_W - MARGIN_L - MARGIN_R, PANEL_H - MARGIN_T - MARGIN_B);
     let _ = writeln!(
         out,
         r#"<text x="{}" y="20" text-anchor="middle" font-size="14" font-weight="bold">{}</text>"#,
@@ -293,7 +297,10 @@ fn draw_panel(out: &mut String, panel: &Panel, x0: f64) {
             }
         }
         for piece in pieces.iter().filter(|p| !p.is_empty()) {
-            let pts: Vec<String> = piece.iter().map(|(x, y)| format!("{x:.1},{y:.1}")).collect();
+            let pts: Vec<String> = piece
+                .iter()
+                .map(|(x, y)| format!("{x:.1},{y:.1}"))
+                .collect();
             let _ = writeln!(
                 out,
                 r#"<polyline fill="none" stroke="{}" stroke-width="1.6" stroke-opacity="0.9" points="{}"/>"#,

@@ -129,10 +129,7 @@ pub fn run(cli: &Cli) -> Result<()> {
     let mut results = Vec::with_capacity(methods.len());
     for &method in methods {
         let config = run.apply(MethodConfig::tuned(method));
-        let bar = bar(
-            run.total_steps(&config, splits.train.len()),
-            method.label(),
-        );
+        let bar = bar(run.total_steps(&config, splits.train.len()), method.label());
         let result = train::train_method(&device, &splits, &run, config, &mut |done, _| {
             bar.set_position(done)
         })?;
@@ -168,10 +165,10 @@ fn sweep(device: &Device, splits: &Splits, run: &RunConfig, methods: &[Method]) 
 fn bar(len: u64, label: &str) -> ProgressBar {
     let bar = ProgressBar::new(len);
     // The template is a constant known to parse; fall back to the default style regardless.
-    if let Ok(style) = ProgressStyle::with_template("{prefix:>9} [{bar:40}] {pos}/{len} {elapsed}") {
+    if let Ok(style) = ProgressStyle::with_template("{prefix:>9} [{bar:40}] {pos}/{len} {elapsed}")
+    {
         bar.set_style(style.progress_chars("=> "));
     }
     bar.set_prefix(label.to_string());
     bar
 }
-

@@ -76,7 +76,13 @@ impl RunConfig {
     /// `Err(Error::Value)` naming the first bad field.
     pub fn validate(&self) -> Result<()> {
         const OP: &str = "RunConfig::validate";
-        check_value(OP, "epochs", self.epochs as f64, self.epochs >= 1, "epochs >= 1")?;
+        check_value(
+            OP,
+            "epochs",
+            self.epochs as f64,
+            self.epochs >= 1,
+            "epochs >= 1",
+        )?;
         if let Some(b) = self.batch_size {
             check_value(OP, "batch_size", b as f64, b >= 1, "batch_size >= 1")?;
         }

@@ -87,6 +87,8 @@ pub fn best(points: &[SweepPoint]) -> Option<usize> {
     };
     (0..points.len()).max_by(|&a, &b| {
         let (ka, kb) = (key(&points[a]), key(&points[b]));
-        ka.0.total_cmp(&kb.0).then(kb.1.total_cmp(&ka.1)).then(b.cmp(&a))
+        ka.0.total_cmp(&kb.0)
+            .then(kb.1.total_cmp(&ka.1))
+            .then(b.cmp(&a))
     })
 }

@@ -74,7 +74,9 @@ enum Engine {
         params: Matrix,
     },
     /// The filter's mean `μ` is the parameter vector.
-    Kalman { filter: Box<RKalman> },
+    Kalman {
+        filter: Box<RKalman>,
+    },
 }
 
 /// Trains an [`Mlp`] with one method.
@@ -97,10 +99,12 @@ impl Trainer {
     /// A trainer for `mlp` with `config` on `device`; `seed` seeds the trainer's own random
     /// stream (the network's initialization is the caller's).
     ///
+    /// The Kalman methods observe `batch_size · d_L` outputs per step (class probabilities for
+    /// softmax, raw outputs for squared error).
+    ///
     /// # Errors
-    /// [`Error::Value`] for a bad config (including a zero batch size, or a Kalman method on a
-    /// network whose loss is not softmax cross-entropy or squared error — both are accepted),
-    /// an optimizer's validation error, device errors.
+    /// [`Error::Value`] for a zero batch size or an optimizer config that is not `method`'s;
+    /// the optimizer's own validation errors; device errors.
     pub fn new(device: &Device, mlp: Mlp, config: MethodConfig, seed: u64) -> Result<Self> {
         const OP: &str = "Trainer::new";
         crate::error::check_value(

@@ -1,0 +1,345 @@
+// Element-wise vector operations and the fused optimizer updates (SPEC §5 "the small kernels
+// every optimizer step needs"); launchers in src/cuda/elementwise.rs, CPU oracle
+// src/cpu/elementwise.rs.
+//
+// Every update is ONE streaming pass: each element is read once and written once, float4
+// loads/stores when every pointer is 16-byte aligned (always for cudaMalloc'd buffers; the
+// scalar tail loop covers the rest and the unaligned case). The formulas are the CPU's 1:1,
+// in the same operation order, written with the __f*_rn intrinsics so that nvcc cannot
+// contract them into FMAs: every result is the correctly rounded f32 of the same sequence of
+// operations as the CPU, i.e. bit-identical to it.
+//
+// Validation without touching the state: `elementwise_check` records, per input array, the
+// first index holding NaN/Inf (and the first sign violation of one array) with integer
+// atomicMin (order-independent, hence deterministic) into a status of 5 ints the host set to
+// EW_NONE. Each update kernel reads that status first and writes nothing unless it is clean;
+// the host reads the status once, after the update, to report the error — so a failed call
+// leaves every buffer unchanged and costs no extra round trip.
+//
+// Reductions (dot, norm2) are deterministic two-pass reductions: pass 1 gives one f64 partial
+// per block (products of f32 inputs are exact in f64; grid-stride sums in f64, warp-shuffle
+// and shared-memory tree per block), pass 2 reduces the partials in one block in a fixed
+// order. The grid depends on n only, so the result does not depend on the device or on
+// scheduling.
+#include "common.cuh"
+
+// Full unrolling of the constant-trip loops (g++ of the emulator build has no such pragma).
+#ifdef GRNG_EMU
+#define EW_UNROLL
+#else
+#define EW_UNROLL _Pragma("unroll")
+#endif
+
+// "No bad index" in a status slot (INT_MAX; NVRTC has no <climits>).
+#define EW_NONE 0x7fffffff
+
+// True when every pointer is 16-byte aligned (float4 path).
+__device__ __forceinline__ bool ew_aligned16(const void* a, const void* b = nullptr,
+                                             const void* c = nullptr, const void* d = nullptr) {
+    const unsigned long long bits =
+        reinterpret_cast<unsigned long long>(a) | reinterpret_cast<unsigned long long>(b) |
+        reinterpret_cast<unsigned long long>(c) | reinterpret_cast<unsigned long long>(d);
+    return (bits & 15ull) == 0;
+}
+
+// The status written by elementwise_check is clean (no bad index in any of its 5 slots).
+__device__ __forceinline__ bool ew_clean(const int* status) {
+    return (status[0] & status[1] & status[2] & status[3] & status[4]) == EW_NONE;
+}
+
+// A float buffer used as f64 scratch: its first 8-byte aligned address (host buffers of the
+// emulator are only 4-byte aligned; the launcher allocates one spare float for this).
+__device__ __forceinline__ double* ew_as_f64(float* p) {
+    const unsigned long long a = (reinterpret_cast<unsigned long long>(p) + 7ull) & ~7ull;
+    return reinterpret_cast<double*>(a);
+}
+__device__ __forceinline__ const double* ew_as_f64(const float* p) {
+    const unsigned long long a = (reinterpret_cast<unsigned long long>(p) + 7ull) & ~7ull;
+    return reinterpret_cast<const double*>(a);
+}
+
+// Sum of a double over the block (blockDim.x a multiple of 32, at most 1024), fixed tree
+// order; the result is valid in thread 0.
+__device__ __forceinline__ double ew_block_sum_f64(double v) {
+    __shared__ double red[32];
+    for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(GRNG_FULL_MASK, v, o);
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    if (lane == 0) red[warp] = v;
+    __syncthreads();
+    double t = 0.0;
+    if (warp == 0) {
+        t = lane < static_cast<int>(blockDim.x >> 5) ? red[lane] : 0.0;
+        for (int o = 16; o > 0; o >>= 1) t += __shfl_xor_sync(GRNG_FULL_MASK, t, o);
+    }
+    return t;
+}
+
+// ---------------------------------------------------------------------------------------
+// Scalar formulas (the CPU's, same order, no contraction).
+
+struct EwSgd {
+    float lr, mu, lrwd;  // lrwd = lr * λ rounded to f32, as the CPU's left-to-right `lr * wd`
+    __device__ __forceinline__ void operator()(float& p, float g, float& b) const {
+        const float bi = __fadd_rn(__fmul_rn(mu, b), g);
+        b = bi;
+        p = __fsub_rn(__fsub_rn(p, __fmul_rn(lrwd, p)), __fmul_rn(lr, bi));
+    }
+};
+
+struct EwAdamW {
+    float lr, b1, omb1, b2, omb2, eps, lrwd, bc1, bc2;  // omb = 1 - β in f32
+    __device__ __forceinline__ void operator()(float& p, float g, float& m, float& v) const {
+        const float mi = __fadd_rn(__fmul_rn(b1, m), __fmul_rn(omb1, g));
+        const float vi = __fadd_rn(__fmul_rn(b2, v), __fmul_rn(omb2, __fmul_rn(g, g)));
+        m = mi;
+        v = vi;
+        const float den = __fadd_rn(__fsqrt_rn(__fdiv_rn(vi, bc2)), eps);
+        const float step = __fdiv_rn(__fmul_rn(lr, __fdiv_rn(mi, bc1)), den);
+        p = __fsub_rn(__fsub_rn(p, __fmul_rn(lrwd, p)), step);
+    }
+};
+
+struct EwSophia {
+    float lr, b1, omb1, gamma, eps, lrwd;
+    __device__ __forceinline__ void operator()(float& p, float g, float& m, float h) const {
+        const float mi = __fadd_rn(__fmul_rn(b1, m), __fmul_rn(omb1, g));
+        m = mi;
+        // Rust's f32::max(γh, ε) and clamp(-1, 1); ε > 0 and γh ≥ 0 are never NaN here.
+        const float gh = __fmul_rn(gamma, h);
+        float ratio = __fdiv_rn(mi, gh > eps ? gh : eps);
+        ratio = ratio < -1.0f ? -1.0f : ratio;
+        ratio = ratio > 1.0f ? 1.0f : ratio;
+        p = __fsub_rn(__fsub_rn(p, __fmul_rn(lrwd, p)), __fmul_rn(lr, ratio));
+    }
+};
+
+struct EwHessianEma {
+    float b2, omb2, bs;  // bs = batch size B as f32
+    __device__ __forceinline__ void operator()(float& h, float g) const {
+        h = __fadd_rn(__fmul_rn(b2, h), __fmul_rn(omb2, __fmul_rn(__fmul_rn(bs, g), g)));
+    }
+};
+
+// Grid-stride indices: float4 items k < n4, then the scalar elements from 4*n4 to n.
+#define EW_TID (blockIdx.x * blockDim.x + threadIdx.x)
+#define EW_STRIDE (blockDim.x * gridDim.x)
+
+// ---------------------------------------------------------------------------------------
+// y ← y + α x (n elements). Skipped unless `status` is clean.
+extern "C" __global__ void elementwise_axpy(float* __restrict__ y, const float* __restrict__ x,
+                                            float alpha, int n, const int* __restrict__ status) {
+    if (!ew_clean(status)) return;
+    const int n4 = ew_aligned16(y, x) ? n / 4 : 0;
+    for (int k = EW_TID; k < n4; k += EW_STRIDE) {
+        float4 a = reinterpret_cast<const float4*>(x)[k];
+        float4 b = reinterpret_cast<float4*>(y)[k];
+        b.x = __fadd_rn(b.x, __fmul_rn(alpha, a.x));
+        b.y = __fadd_rn(b.y, __fmul_rn(alpha, a.y));
+        b.z = __fadd_rn(b.z, __fmul_rn(alpha, a.z));
+        b.w = __fadd_rn(b.w, __fmul_rn(alpha, a.w));
+        reinterpret_cast<float4*>(y)[k] = b;
+    }
+    for (int i = 4 * n4 + EW_TID; i < n; i += EW_STRIDE) y[i] = __fadd_rn(y[i], __fmul_rn(alpha, x[i]));
+}
+GRNG_EMU_ENTRY(elementwise_axpy, (float*, const float*, float, int, const int*))
+
+// x ← α x (n elements). Skipped unless `status` is clean.
+extern "C" __global__ void elementwise_scale(float* __restrict__ x, float alpha, int n,
+                                             const int* __restrict__ status) {
+    if (!ew_clean(status)) return;
+    const int n4 = ew_aligned16(x) ? n / 4 : 0;
+    for (int k = EW_TID; k < n4; k += EW_STRIDE) {
+        float4 a = reinterpret_cast<float4*>(x)[k];
+        a.x = __fmul_rn(a.x, alpha);
+        a.y = __fmul_rn(a.y, alpha);
+        a.z = __fmul_rn(a.z, alpha);
+        a.w = __fmul_rn(a.w, alpha);
+        reinterpret_cast<float4*>(x)[k] = a;
+    }
+    for (int i = 4 * n4 + EW_TID; i < n; i += EW_STRIDE) x[i] = __fmul_rn(x[i], alpha);
+}
+GRNG_EMU_ENTRY(elementwise_scale, (float*, float, int, const int*))
+
+// dst ← src (n elements, bit patterns copied as they are).
+extern "C" __global__ void elementwise_copy(float* __restrict__ dst, const float* __restrict__ src,
+                                            int n) {
+    const int n4 = ew_aligned16(dst, src) ? n / 4 : 0;
+    for (int k = EW_TID; k < n4; k += EW_STRIDE)
+        reinterpret_cast<float4*>(dst)[k] = reinterpret_cast<const float4*>(src)[k];
+    for (int i = 4 * n4 + EW_TID; i < n; i += EW_STRIDE) dst[i] = src[i];
+}
+GRNG_EMU_ENTRY(elementwise_copy, (float*, const float*, int))
+
+// Pass 1 of Σ x_i y_i: block b writes its f64 partial to ew_as_f64(partial)[b]. For norm2
+// the launcher passes x twice. blockDim.x a multiple of 32.
+extern "C" __global__ void elementwise_dot_partial(const float* __restrict__ x,
+                                                   const float* __restrict__ y, int n,
+                                                   float* __restrict__ partial) {
+    double acc = 0.0;
+    const int n4 = ew_aligned16(x, y) ? n / 4 : 0;
+    for (int k = EW_TID; k < n4; k += EW_STRIDE) {
+        const float4 a = reinterpret_cast<const float4*>(x)[k];
+        const float4 b = reinterpret_cast<const float4*>(y)[k];
+        // f32 x f32 is exact in f64.
+        acc += static_cast<double>(a.x) * static_cast<double>(b.x);
+        acc += static_cast<double>(a.y) * static_cast<double>(b.y);
+        acc += static_cast<double>(a.z) * static_cast<double>(b.z);
+        acc += static_cast<double>(a.w) * static_cast<double>(b.w);
+    }
+    for (int i = 4 * n4 + EW_TID; i < n; i += EW_STRIDE)
+        acc += static_cast<double>(x[i]) * static_cast<double>(y[i]);
+    const double total = ew_block_sum_f64(acc);
+    if (threadIdx.x == 0) ew_as_f64(partial)[blockIdx.x] = total;
+}
+GRNG_EMU_ENTRY(elementwise_dot_partial, (const float*, const float*, int, float*))
+
+// Pass 2: one block sums the `nblocks` f64 partials in a fixed order; out[0] = the f32
+// rounding of the sum (of its square root when `take_sqrt`), out[1] = 1 when the f64 sum is
+// finite, else 0 (a NaN/Inf input; finite f32 products cannot overflow f64).
+extern "C" __global__ void elementwise_dot_final(const float* __restrict__ partial, int nblocks,
+                                                 int take_sqrt, float* __restrict__ out) {
+    const double* p = ew_as_f64(partial);
+    double acc = 0.0;
+    for (int b = threadIdx.x; b < nblocks; b += blockDim.x) acc += p[b];
+    const double total = ew_block_sum_f64(acc);
+    if (threadIdx.x == 0) {
+        const bool finite = isfinite(total);
+        out[0] = static_cast<float>(take_sqrt ? sqrt(total) : total);
+        out[1] = finite ? 1.0f : 0.0f;
+    }
+}
+GRNG_EMU_ENTRY(elementwise_dot_final, (const float*, int, int, float*))
+
+// Validation pass over `narr` (1..4) arrays of n floats: status[a] ← min(status[a], first
+// index of a NaN/Inf in array a); status[4] ← min(status[4], first index i with
+// a[sign_arr][i] < 0 (strict = 0) or ≤ 0 (strict = 1)); sign_arr < 0 checks no sign. Unused
+// array pointers may repeat a used one. Read-only on the arrays; integer atomicMin makes the
+// result independent of the order blocks run in.
+extern "C" __global__ void elementwise_check(const float* __restrict__ a0,
+                                             const float* __restrict__ a1,
+                                             const float* __restrict__ a2,
+                                             const float* __restrict__ a3, int narr,
+                                             int sign_arr, int strict, int n,
+                                             int* __restrict__ status) {
+    const float* arr[4] = {a0, a1, a2, a3};
+    int bad[4] = {EW_NONE, EW_NONE, EW_NONE, EW_NONE};
+    int sbad = EW_NONE;
+    // Indices grow along a thread's grid-stride loop: the first hit is the thread's minimum.
+    for (int i = EW_TID; i < n; i += EW_STRIDE) {
+EW_UNROLL
+        for (int a = 0; a < 4; ++a) {
+            if (a < narr) {
+                const float v = arr[a][i];
+                if (!isfinite(v) && bad[a] == EW_NONE) bad[a] = i;
+                if (a == sign_arr && sbad == EW_NONE && (strict ? v <= 0.0f : v < 0.0f))
+                    sbad = i;
+            }
+        }
+    }
+EW_UNROLL
+    for (int a = 0; a < 4; ++a) {
+        const int m = __reduce_min_sync(GRNG_FULL_MASK, bad[a]);
+        if ((threadIdx.x & 31) == 0 && m != EW_NONE) atomicMin(&status[a], m);
+    }
+    const int m = __reduce_min_sync(GRNG_FULL_MASK, sbad);
+    if ((threadIdx.x & 31) == 0 && m != EW_NONE) atomicMin(&status[4], m);
+}
+GRNG_EMU_ENTRY(elementwise_check,
+               (const float*, const float*, const float*, const float*, int, int, int, int, int*))
+
+// θ, b ← fused SGD step (EwSgd) over n elements. Skipped unless `status` is clean.
+extern "C" __global__ void elementwise_sgd(float* __restrict__ p, const float* __restrict__ g,
+                                           float* __restrict__ b, float lr, float mu, float lrwd,
+                                           int n, const int* __restrict__ status) {
+    if (!ew_clean(status)) return;
+    const EwSgd op{lr, mu, lrwd};
+    const int n4 = ew_aligned16(p, g, b) ? n / 4 : 0;
+    for (int k = EW_TID; k < n4; k += EW_STRIDE) {
+        float4 P = reinterpret_cast<float4*>(p)[k];
+        const float4 G = reinterpret_cast<const float4*>(g)[k];
+        float4 B = reinterpret_cast<float4*>(b)[k];
+        op(P.x, G.x, B.x);
+        op(P.y, G.y, B.y);
+        op(P.z, G.z, B.z);
+        op(P.w, G.w, B.w);
+        reinterpret_cast<float4*>(p)[k] = P;
+        reinterpret_cast<float4*>(b)[k] = B;
+    }
+    for (int i = 4 * n4 + EW_TID; i < n; i += EW_STRIDE) op(p[i], g[i], b[i]);
+}
+GRNG_EMU_ENTRY(elementwise_sgd,
+               (float*, const float*, float*, float, float, float, int, const int*))
+
+// θ, m, v ← fused AdamW step (EwAdamW) over n elements. Skipped unless `status` is clean.
+extern "C" __global__ void elementwise_adamw(float* __restrict__ p, const float* __restrict__ g,
+                                             float* __restrict__ m, float* __restrict__ v,
+                                             float lr, float b1, float omb1, float b2, float omb2,
+                                             float eps, float lrwd, float bc1, float bc2, int n,
+                                             const int* __restrict__ status) {
+    if (!ew_clean(status)) return;
+    const EwAdamW op{lr, b1, omb1, b2, omb2, eps, lrwd, bc1, bc2};
+    const int n4 = ew_aligned16(p, g, m, v) ? n / 4 : 0;
+    for (int k = EW_TID; k < n4; k += EW_STRIDE) {
+        float4 P = reinterpret_cast<float4*>(p)[k];
+        const float4 G = reinterpret_cast<const float4*>(g)[k];
+        float4 M = reinterpret_cast<float4*>(m)[k];
+        float4 V = reinterpret_cast<float4*>(v)[k];
+        op(P.x, G.x, M.x, V.x);
+        op(P.y, G.y, M.y, V.y);
+        op(P.z, G.z, M.z, V.z);
+        op(P.w, G.w, M.w, V.w);
+        reinterpret_cast<float4*>(p)[k] = P;
+        reinterpret_cast<float4*>(m)[k] = M;
+        reinterpret_cast<float4*>(v)[k] = V;
+    }
+    for (int i = 4 * n4 + EW_TID; i < n; i += EW_STRIDE) op(p[i], g[i], m[i], v[i]);
+}
+GRNG_EMU_ENTRY(elementwise_adamw, (float*, const float*, float*, float*, float, float, float,
+                                   float, float, float, float, float, float, int, const int*))
+
+// θ, m ← fused Sophia step (EwSophia) with h read only. Skipped unless `status` is clean.
+extern "C" __global__ void elementwise_sophia(float* __restrict__ p, const float* __restrict__ g,
+                                              float* __restrict__ m, const float* __restrict__ h,
+                                              float lr, float b1, float omb1, float gamma,
+                                              float eps, float lrwd, int n,
+                                              const int* __restrict__ status) {
+    if (!ew_clean(status)) return;
+    const EwSophia op{lr, b1, omb1, gamma, eps, lrwd};
+    const int n4 = ew_aligned16(p, g, m, h) ? n / 4 : 0;
+    for (int k = EW_TID; k < n4; k += EW_STRIDE) {
+        float4 P = reinterpret_cast<float4*>(p)[k];
+        const float4 G = reinterpret_cast<const float4*>(g)[k];
+        float4 M = reinterpret_cast<float4*>(m)[k];
+        const float4 H = reinterpret_cast<const float4*>(h)[k];
+        op(P.x, G.x, M.x, H.x);
+        op(P.y, G.y, M.y, H.y);
+        op(P.z, G.z, M.z, H.z);
+        op(P.w, G.w, M.w, H.w);
+        reinterpret_cast<float4*>(p)[k] = P;
+        reinterpret_cast<float4*>(m)[k] = M;
+    }
+    for (int i = 4 * n4 + EW_TID; i < n; i += EW_STRIDE) op(p[i], g[i], m[i], h[i]);
+}
+GRNG_EMU_ENTRY(elementwise_sophia, (float*, const float*, float*, const float*, float, float,
+                                    float, float, float, float, int, const int*))
+
+// h ← Sophia-G's Hessian EMA (EwHessianEma) over n elements. Skipped unless `status` is clean.
+extern "C" __global__ void elementwise_hessian_ema(float* __restrict__ h,
+                                                   const float* __restrict__ g, float b2,
+                                                   float omb2, float bs, int n,
+                                                   const int* __restrict__ status) {
+    if (!ew_clean(status)) return;
+    const EwHessianEma op{b2, omb2, bs};
+    const int n4 = ew_aligned16(h, g) ? n / 4 : 0;
+    for (int k = EW_TID; k < n4; k += EW_STRIDE) {
+        float4 H = reinterpret_cast<float4*>(h)[k];
+        const float4 G = reinterpret_cast<const float4*>(g)[k];
+        op(H.x, G.x);
+        op(H.y, G.y);
+        op(H.z, G.z);
+        op(H.w, G.w);
+        reinterpret_cast<float4*>(h)[k] = H;
+    }
+    for (int i = 4 * n4 + EW_TID; i < n; i += EW_STRIDE) op(h[i], g[i]);
+}
+GRNG_EMU_ENTRY(elementwise_hessian_ema, (float*, const float*, float, float, float, int, const int*))

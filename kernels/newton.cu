@@ -1,0 +1,444 @@
+// Newton–Schulz inversion of SPD matrices (SPEC §2, §5.2) and power iteration.
+//
+// One step from X with E = I − AX is X ← X + X·F, F = E (quadratic), E + E² (cubic),
+// E + E² + E³ (quartic) — the CPU oracle's form (src/cpu/newton.rs): the small correction F,
+// not p(AX) ≈ I, is what gets rounded to bf16. Every product is one GEMM launch whose
+// epilogue applies the step's algebra:
+//   T-product   E  = I − A·X        → E (f32 + bf16 copy) and per-block Σ E² (the residual)
+//   cubic       F  = E·E + E        → F (bf16, or f32 in f32 mode)
+//   quartic     G  = E·E; F = G·E + G + E   (two nested fused epilogues)
+//   update      X' = X·F + X        → X' (f32 + bf16 copy) into another buffer
+// so in bf16 mode no pass over n² elements runs outside the GEMMs: newton_gemm_tc, bf16
+// operands (the copies the epilogues wrote) staged in shared memory, WMMA m16n16k16, f32
+// accumulation. f32 mode (and the bf16 run's f32 check and polish) multiplies with the fp32
+// GEMM of kernels/precond.cu (precond_gemm_nn, not duplicated here) and applies the same
+// epilogue in newton_epilogue_f32, one extra read of the product. The residual partials are
+// reduced in a fixed order by newton_residual, whose single float is the only per-iteration
+// transfer to the host.
+//
+// Setup kernels: newton_sym_stats (symmetric part, bf16 copy, max|a|, asymmetry, first
+// non-finite), newton_abs_norms (‖·‖∞, ‖·‖₁, ‖·‖_F partials), newton_init_x (X₀ = αA or cI);
+// power iteration: newton_power_matvec + newton_power_normalize (Rayleigh quotient and ‖Av‖ as
+// double-float pairs for the host's stop test).
+#include "common.cuh"
+
+// Output tile of the tensor-core GEMM and of the epilogue (rows and columns).
+#define NEWTON_TILE 64
+
+// Epilogue flags (the `flags` parameter of newton_gemm_tc and newton_epilogue_f32).
+#define NEWTON_ADD1 1       // v += add1[r, c]
+#define NEWTON_ADD2 2       // v += add2[r, c]
+#define NEWTON_OUT_F32 4    // out[r, c] = v
+#define NEWTON_OUT_BF16 8   // out_bf[r, c] = bf16(v)
+#define NEWTON_RESID 16     // partial[block] = Σ v² over the block's tile
+
+// v = alpha·c + diag·[r = col] + add1 + add2 at (r, col), the additions in the CPU's order.
+__device__ __forceinline__ float newton_epi_value(float c, int r, int col, int n, float alpha,
+                                                  float diag, const float* __restrict__ add1,
+                                                  const float* __restrict__ add2, int flags) {
+    float v = alpha * c;
+    if (r == col) v += diag;
+    const size_t o = (size_t)r * n + col;
+    if (flags & NEWTON_ADD1) v += add1[o];
+    if (flags & NEWTON_ADD2) v += add2[o];
+    return v;
+}
+
+__device__ __forceinline__ void newton_epi_store(float* __restrict__ out,
+                                                 __nv_bfloat16* __restrict__ out_bf, size_t o,
+                                                 float v, int flags) {
+    if (flags & NEWTON_OUT_F32) out[o] = v;
+    if (flags & NEWTON_OUT_BF16) grng_st_bf16(&out_bf[o], v);
+}
+
+// The shared epilogue: the block's 64x64 product tile is in shared memory `cs` (leading
+// dimension ldc) for output rows r0.., columns c0..; every thread of the block calls it.
+// Consecutive threads take consecutive columns (coalesced).
+__device__ __forceinline__ void newton_epilogue(const float* cs, int ldc, int r0, int c0, int n,
+                                                float alpha, float diag,
+                                                const float* __restrict__ add1,
+                                                const float* __restrict__ add2,
+                                                float* __restrict__ out,
+                                                __nv_bfloat16* __restrict__ out_bf,
+                                                float* __restrict__ partial, int flags) {
+    const int tid = threadIdx.x, nth = blockDim.x;
+    float acc = 0.0f;
+    for (int idx = tid; idx < NEWTON_TILE * NEWTON_TILE; idx += nth) {
+        const int i = idx / NEWTON_TILE, j = idx % NEWTON_TILE;
+        const int r = r0 + i, c = c0 + j;
+        if (r < n && c < n) {
+            const float v =
+                newton_epi_value(cs[i * ldc + j], r, c, n, alpha, diag, add1, add2, flags);
+            newton_epi_store(out, out_bf, (size_t)r * n + c, v, flags);
+            acc = fmaf(v, v, acc);
+        }
+    }
+    if (flags & NEWTON_RESID) {
+        __shared__ float scratch[32];
+        const float s = grng_block_sum(acc, scratch);
+        if (tid == 0) partial[blockIdx.y * gridDim.x + blockIdx.x] = s;
+    }
+}
+
+// ---------------------------------------------------------------------------------------
+// bf16 tensor-core GEMM with the fused epilogue: C = A·B for n x n row-major bf16 A, B.
+// Grid (ceil(n/64), ceil(n/64)), block 128 (4 warps in 2x2, each a 32x32 quadrant = 2x2 WMMA
+// accumulators), dynamic shared memory NEWTON_TC_SMEM bytes. K steps of 32, double-buffered:
+// the next step's global loads go to registers while the tensor cores work on the current
+// shared tiles. 16-byte loads when n % 8 == 0, else bounds-checked scalar loads; ragged
+// edges are zero-filled. Shared rows are padded by 8 bf16 (16 bytes) against bank conflicts;
+// the f32 tile of the epilogue reuses the same memory.
+#define NEWTON_TC_BK 32
+#define NEWTON_TC_LDA (NEWTON_TC_BK + 8)
+#define NEWTON_TC_LDB (NEWTON_TILE + 8)
+#define NEWTON_TC_LDC (NEWTON_TILE + 4)
+#define NEWTON_TC_A_ELEMS (NEWTON_TILE * NEWTON_TC_LDA)  // one stage of A
+#define NEWTON_TC_B_ELEMS (NEWTON_TC_BK * NEWTON_TC_LDB)  // one stage of B
+
+// 8 consecutive bf16 of row `row` from column `col` (zero past n) as 16 bytes.
+__device__ __forceinline__ uint4 newton_ld8(const __nv_bfloat16* __restrict__ m, int n, int row,
+                                            int col, bool vec) {
+    uint4 r = make_uint4(0u, 0u, 0u, 0u);
+    if (row >= n || col >= n) return r;
+    const __nv_bfloat16* p = m + (size_t)row * n + col;
+    if (vec) return *reinterpret_cast<const uint4*>(p);
+    unsigned w[4] = {0u, 0u, 0u, 0u};
+    for (int e = 0; e < 8; ++e) {
+        if (col + e < n) w[e >> 1] |= (unsigned)__bfloat16_as_ushort(p[e]) << (16 * (e & 1));
+    }
+    return make_uint4(w[0], w[1], w[2], w[3]);
+}
+
+extern "C" __global__ void __launch_bounds__(128)
+    newton_gemm_tc(const __nv_bfloat16* __restrict__ a, const __nv_bfloat16* __restrict__ b,
+                   const float* __restrict__ add1, const float* __restrict__ add2,
+                   float* __restrict__ out, __nv_bfloat16* __restrict__ out_bf,
+                   float* __restrict__ partial, int n, float alpha, float diag, int flags) {
+    using namespace nvcuda;
+    GRNG_DYN_SHARED(unsigned char, smem);
+    __nv_bfloat16* as = reinterpret_cast<__nv_bfloat16*>(smem);  // [2][64][40]
+    __nv_bfloat16* bs = as + 2 * NEWTON_TC_A_ELEMS;               // [2][32][72]
+    float* cs = reinterpret_cast<float*>(smem);                   // [64][68], after the K loop
+    const int r0 = blockIdx.y * NEWTON_TILE, c0 = blockIdx.x * NEWTON_TILE;
+    const int tid = threadIdx.x, warp = tid >> 5;
+    const int wm = warp >> 1, wn = warp & 1;
+    const bool vec = (n & 7) == 0;
+
+    wmma::fragment<wmma::accumulator, 16, 16, 16, float> acc[2][2];
+    for (int i = 0; i < 2; ++i)
+        for (int j = 0; j < 2; ++j) wmma::fill_fragment(acc[i][j], 0.0f);
+
+    // Thread tid moves 16-byte chunks tid and tid + 128 of each stage: A is 64 rows x 4
+    // chunks, B is 32 rows x 8 chunks.
+    uint4 ra[2], rb[2];
+    const int nk = grng_ceil_div(n, NEWTON_TC_BK);
+    for (int q = 0; q < 2; ++q) {
+        const int c = tid + 128 * q;
+        ra[q] = newton_ld8(a, n, r0 + (c >> 2), (c & 3) * 8, vec);
+        rb[q] = newton_ld8(b, n, c >> 3, c0 + (c & 7) * 8, vec);
+    }
+    for (int kt = 0; kt < nk; ++kt) {
+        const int buf = kt & 1;
+        __nv_bfloat16* sa = as + buf * NEWTON_TC_A_ELEMS;
+        __nv_bfloat16* sb = bs + buf * NEWTON_TC_B_ELEMS;
+        for (int q = 0; q < 2; ++q) {
+            const int c = tid + 128 * q;
+            *reinterpret_cast<uint4*>(sa + (c >> 2) * NEWTON_TC_LDA + (c & 3) * 8) = ra[q];
+            *reinterpret_cast<uint4*>(sb + (c >> 3) * NEWTON_TC_LDB + (c & 7) * 8) = rb[q];
+        }
+        __syncthreads();
+        if (kt + 1 < nk) {
+            const int k0 = (kt + 1) * NEWTON_TC_BK;
+            for (int q = 0; q < 2; ++q) {
+                const int c = tid + 128 * q;
+                ra[q] = newton_ld8(a, n, r0 + (c >> 2), k0 + (c & 3) * 8, vec);
+                rb[q] = newton_ld8(b, n, k0 + (c >> 3), c0 + (c & 7) * 8, vec);
+            }
+        }
+        for (int kk = 0; kk < NEWTON_TC_BK; kk += 16) {
+            wmma::fragment<wmma::matrix_a, 16, 16, 16, __nv_bfloat16, wmma::row_major> fa[2];
+            wmma::fragment<wmma::matrix_b, 16, 16, 16, __nv_bfloat16, wmma::row_major> fb[2];
+            for (int i = 0; i < 2; ++i)
+                wmma::load_matrix_sync(fa[i], sa + (wm * 32 + 16 * i) * NEWTON_TC_LDA + kk,
+                                       NEWTON_TC_LDA);
+            for (int j = 0; j < 2; ++j)
+                wmma::load_matrix_sync(fb[j], sb + kk * NEWTON_TC_LDB + wn * 32 + 16 * j,
+                                       NEWTON_TC_LDB);
+            for (int i = 0; i < 2; ++i)
+                for (int j = 0; j < 2; ++j) wmma::mma_sync(acc[i][j], fa[i], fb[j], acc[i][j]);
+        }
+        // No second barrier: the next step stores into the other stage, whose last readers
+        // (step kt − 1) all passed this step's barrier.
+    }
+    __syncthreads();  // the epilogue tile overwrites both stages
+    for (int i = 0; i < 2; ++i)
+        for (int j = 0; j < 2; ++j)
+            wmma::store_matrix_sync(cs + (wm * 32 + 16 * i) * NEWTON_TC_LDC + wn * 32 + 16 * j,
+                                    acc[i][j], NEWTON_TC_LDC, wmma::mem_row_major);
+    __syncthreads();
+    newton_epilogue(cs, NEWTON_TC_LDC, r0, c0, n, alpha, diag, add1, add2, out, out_bf, partial,
+                    flags);
+}
+GRNG_EMU_ENTRY(newton_gemm_tc, (const __nv_bfloat16*, const __nv_bfloat16*, const float*,
+                                const float*, float*, __nv_bfloat16*, float*, int, float, float,
+                                int))
+
+// ---------------------------------------------------------------------------------------
+// The same epilogue for an f32 product C already in global memory (the f32 GEMM is
+// precond_gemm_nn of kernels/precond.cu, shared with the preconditioner rather than
+// duplicated here): one read of C plus the epilogue's own traffic, in place of the fused
+// store. Grid (ceil(n/64), ceil(n/64)), block 256; c may not alias the outputs.
+extern "C" __global__ void __launch_bounds__(256)
+    newton_epilogue_f32(const float* __restrict__ c, const float* __restrict__ add1,
+                        const float* __restrict__ add2, float* __restrict__ out,
+                        __nv_bfloat16* __restrict__ out_bf, float* __restrict__ partial, int n,
+                        float alpha, float diag, int flags) {
+    const int r0 = blockIdx.y * NEWTON_TILE, c0 = blockIdx.x * NEWTON_TILE;
+    newton_epilogue(c + (size_t)r0 * n + c0, n, r0, c0, n, alpha, diag, add1, add2, out, out_bf,
+                    partial, flags);
+}
+GRNG_EMU_ENTRY(newton_epilogue_f32, (const float*, const float*, const float*, float*,
+                                     __nv_bfloat16*, float*, int, float, float, int))
+
+// ---------------------------------------------------------------------------------------
+// Reductions in double with a fixed tree (deterministic for a given launch shape).
+__device__ __forceinline__ double newton_warp_sum_d(double v) {
+    for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(GRNG_FULL_MASK, v, o);
+    return v;
+}
+
+// Block sum of `v`, returned to every thread; blockDim.x a multiple of 32; every thread calls.
+__device__ __forceinline__ double newton_block_sum_d(double v) {
+    __shared__ double scratch[32];
+    const int tid = threadIdx.x, nwarps = blockDim.x / 32;
+    v = newton_warp_sum_d(v);
+    if ((tid & 31) == 0) scratch[tid >> 5] = v;
+    __syncthreads();
+    double t = (tid & 31) < nwarps ? scratch[tid & 31] : 0.0;
+    t = newton_warp_sum_d(t);
+    __syncthreads();
+    return t;
+}
+
+// res[0] = sqrt(Σ partial[0..count) / n): the residual ‖I − AX‖_F/√n from the T-product's
+// per-block Σ E². One block of 256 threads.
+extern "C" __global__ void __launch_bounds__(256)
+    newton_residual(const float* __restrict__ partial, int count, int n, float* __restrict__ res) {
+    double s = 0.0;
+    for (int i = threadIdx.x; i < count; i += blockDim.x) s += (double)partial[i];
+    s = newton_block_sum_d(s);
+    if (threadIdx.x == 0) res[0] = (float)sqrt(s / (double)n);
+}
+GRNG_EMU_ENTRY(newton_residual, (const float*, int, int, float*))
+
+// ---------------------------------------------------------------------------------------
+// Symmetric part and input checks. Block (32, 8) per row band of 32 rows (grid ceil(n/32)):
+// for each 32x32 tile (band, j) the tile and its mirror (j, band) are read coalesced into
+// shared memory. Writes sym = (a + aᵀ)/2 (flags & 1) and its bf16 rounding (flags & 2), and
+// per block stats[4b..4b+4] = max |a_ij|, max |a_ij − a_ji|, the first (row-major) index of a
+// non-finite element as int bits (INT_MAX when none), and that element.
+extern "C" __global__ void __launch_bounds__(256)
+    newton_sym_stats(const float* __restrict__ a, int n, float* __restrict__ sym,
+                     __nv_bfloat16* __restrict__ sym_bf, float* __restrict__ stats, int flags) {
+    __shared__ float t0[32][33];
+    __shared__ float t1[32][33];
+    __shared__ float red[3][256];
+    __shared__ int bad_idx[256];
+    const int tx = threadIdx.x, ty = threadIdx.y, tid = ty * 32 + tx;
+    const int i0 = blockIdx.x * 32;
+    float mx = 0.0f, asym = 0.0f, bad_val = 0.0f;
+    int bad = 0x7fffffff;
+    for (int j0 = 0; j0 < n; j0 += 32) {
+        for (int dy = ty; dy < 32; dy += 8) {
+            const int r = i0 + dy, c = j0 + tx;
+            t0[dy][tx] = (r < n && c < n) ? a[(size_t)r * n + c] : 0.0f;
+            const int r2 = j0 + dy, c2 = i0 + tx;
+            t1[dy][tx] = (r2 < n && c2 < n) ? a[(size_t)r2 * n + c2] : 0.0f;
+        }
+        __syncthreads();
+        for (int dy = ty; dy < 32; dy += 8) {
+            const int r = i0 + dy, c = j0 + tx;
+            if (r < n && c < n) {
+                const float x = t0[dy][tx], y = t1[tx][dy];
+                const int idx = r * n + c;
+                if ((__float_as_uint(x) & 0x7f800000u) == 0x7f800000u) {
+                    if (idx < bad) {
+                        bad = idx;
+                        bad_val = x;
+                    }
+                } else {
+                    mx = fmaxf(mx, fabsf(x));
+                    asym = fmaxf(asym, fabsf(x - y));
+                }
+                const float s = 0.5f * (x + y);
+                if (flags & 1) sym[idx] = s;
+                if (flags & 2) grng_st_bf16(&sym_bf[idx], s);
+            }
+        }
+        __syncthreads();
+    }
+    red[0][tid] = mx;
+    red[1][tid] = asym;
+    red[2][tid] = bad_val;
+    bad_idx[tid] = bad;
+    __syncthreads();
+    for (int s = 128; s > 0; s >>= 1) {
+        if (tid < s) {
+            red[0][tid] = fmaxf(red[0][tid], red[0][tid + s]);
+            red[1][tid] = fmaxf(red[1][tid], red[1][tid + s]);
+            if (bad_idx[tid + s] < bad_idx[tid]) {
+                bad_idx[tid] = bad_idx[tid + s];
+                red[2][tid] = red[2][tid + s];
+            }
+        }
+        __syncthreads();
+    }
+    if (tid == 0) {
+        float* o = stats + 4 * blockIdx.x;
+        o[0] = red[0][0];
+        o[1] = red[1][0];
+        o[2] = __int_as_float(bad_idx[0]);
+        o[3] = red[2][0];
+    }
+}
+GRNG_EMU_ENTRY(newton_sym_stats, (const float*, int, float*, __nv_bfloat16*, float*, int))
+
+// ‖m‖∞, ‖m‖₁ and ‖m‖_F partials. Block (32, 8) per band b of 32 rows and 32 columns (grid
+// ceil(n/32)): row sums of |m| and of m² for rows 32b.. (a warp per row, lanes across the
+// row), column sums of |m| for columns 32b.. (lane = column, warps down the rows, fixed-order
+// combine), all in double. partial[3b] = the band's largest row sum, partial[3b + 1] its
+// largest column sum, partial[3b + 2] its rows' Σ m².
+extern "C" __global__ void __launch_bounds__(256)
+    newton_abs_norms(const float* __restrict__ m, int n, float* __restrict__ partial) {
+    __shared__ double cols[8][32];
+    __shared__ double rows[32];
+    __shared__ double squares[32];
+    const int tx = threadIdx.x, ty = threadIdx.y;
+    const int b0 = blockIdx.x * 32;
+    for (int i = ty; i < 32; i += 8) {
+        const int r = b0 + i;
+        double s = 0.0, q = 0.0;
+        if (r < n)
+            for (int c = tx; c < n; c += 32) {
+                const double v = (double)m[(size_t)r * n + c];
+                s += fabs(v);
+                q += v * v;
+            }
+        s = newton_warp_sum_d(s);
+        q = newton_warp_sum_d(q);
+        if (tx == 0) {
+            rows[i] = s;
+            squares[i] = q;
+        }
+    }
+    double cs = 0.0;
+    const int c = b0 + tx;
+    if (c < n)
+        for (int r = ty; r < n; r += 8) cs += (double)fabsf(m[(size_t)r * n + c]);
+    cols[ty][tx] = cs;
+    __syncthreads();
+    if (ty == 0) {
+        double col = 0.0;
+        for (int k = 0; k < 8; ++k) col += cols[k][tx];
+        double row = rows[tx];
+        double sq = squares[tx];
+        for (int o = 16; o > 0; o >>= 1) {
+            col = fmax(col, __shfl_xor_sync(GRNG_FULL_MASK, col, o));
+            row = fmax(row, __shfl_xor_sync(GRNG_FULL_MASK, row, o));
+        }
+        sq = newton_warp_sum_d(sq);
+        if (tx == 0) {
+            partial[3 * blockIdx.x] = (float)row;
+            partial[3 * blockIdx.x + 1] = (float)col;
+            partial[3 * blockIdx.x + 2] = (float)sq;
+        }
+    }
+}
+GRNG_EMU_ENTRY(newton_abs_norms, (const float*, int, float*))
+
+// X₀ (and its bf16 copy when flags & 2): flags & 1 → X = f32(alpha · a) (the paper's start
+// for a symmetric a, alpha in double like the CPU), else X = c·I. Grid-stride over n².
+extern "C" __global__ void __launch_bounds__(256)
+    newton_init_x(const float* __restrict__ a, float* __restrict__ x,
+                  __nv_bfloat16* __restrict__ x_bf, int n, double alpha, float c, int flags) {
+    const size_t nn = (size_t)n * n;
+    for (size_t i = (size_t)blockIdx.x * blockDim.x + threadIdx.x; i < nn;
+         i += (size_t)gridDim.x * blockDim.x) {
+        float v;
+        if (flags & 1)
+            v = (float)((double)a[i] * alpha);
+        else
+            v = (i / n == i % n) ? c : 0.0f;
+        x[i] = v;
+        if (flags & 2) grng_st_bf16(&x_bf[i], v);
+    }
+}
+GRNG_EMU_ENTRY(newton_init_x, (const float*, float*, __nv_bfloat16*, int, double, float, int))
+
+// ---------------------------------------------------------------------------------------
+// Power iteration. w = A v (a warp per row, grid-stride, double accumulation; w stored f32)
+// with per-block partials of vᵀw and wᵀw as double-float pairs (hi, lo):
+// partial[4b..4b+4] = (vᵀw hi, lo, wᵀw hi, lo). Block 256.
+__device__ __forceinline__ void newton_store_df(float* p, double v) {
+    const float hi = (float)v;
+    p[0] = hi;
+    p[1] = (float)(v - (double)hi);
+}
+
+extern "C" __global__ void __launch_bounds__(256)
+    newton_power_matvec(const float* __restrict__ a, const float* __restrict__ v,
+                        float* __restrict__ w, float* __restrict__ partial, int n) {
+    __shared__ double red[2][8];
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    const int nwarps = blockDim.x >> 5;
+    double vw = 0.0, ww = 0.0;
+    for (int r = blockIdx.x * nwarps + warp; r < n; r += gridDim.x * nwarps) {
+        double s = 0.0;
+        const float* row = a + (size_t)r * n;
+        for (int c = lane; c < n; c += 32) s += (double)row[c] * (double)v[c];
+        s = newton_warp_sum_d(s);
+        if (lane == 0) {
+            w[r] = (float)s;
+            vw += (double)v[r] * s;
+            ww += s * s;
+        }
+    }
+    if (lane == 0) {
+        red[0][warp] = vw;
+        red[1][warp] = ww;
+    }
+    __syncthreads();
+    if (threadIdx.x == 0) {
+        double s0 = 0.0, s1 = 0.0;
+        for (int k = 0; k < nwarps; ++k) {
+            s0 += red[0][k];
+            s1 += red[1][k];
+        }
+        newton_store_df(partial + 4 * blockIdx.x, s0);
+        newton_store_df(partial + 4 * blockIdx.x + 2, s1);
+    }
+}
+GRNG_EMU_ENTRY(newton_power_matvec, (const float*, const float*, float*, float*, int))
+
+// Sums the matvec partials (fixed order) into scal = (vᵀw hi, lo, ‖w‖ hi, lo) and, when
+// ‖w‖ > 0, normalizes v = w / ‖w‖. One block of 256 threads.
+extern "C" __global__ void __launch_bounds__(256)
+    newton_power_normalize(const float* __restrict__ partial, int count,
+                           const float* __restrict__ w, float* __restrict__ v,
+                           float* __restrict__ scal, int n) {
+    double vw = 0.0, ww = 0.0;
+    for (int i = threadIdx.x; i < count; i += blockDim.x) {
+        vw += (double)partial[4 * i] + (double)partial[4 * i + 1];
+        ww += (double)partial[4 * i + 2] + (double)partial[4 * i + 3];
+    }
+    vw = newton_block_sum_d(vw);
+    ww = newton_block_sum_d(ww);
+    const double wn = sqrt(ww);
+    if (threadIdx.x == 0) {
+        newton_store_df(scal, vw);
+        newton_store_df(scal + 2, wn);
+    }
+    if (wn > 0.0)
+        for (int i = threadIdx.x; i < n; i += blockDim.x) v[i] = (float)((double)w[i] / wn);
+}
+GRNG_EMU_ENTRY(newton_power_normalize, (const float*, int, const float*, float*, float*, int))

@@ -1,0 +1,443 @@
+//! Launchers of `kernels/elementwise.cu`: element-wise vector operations, the fused optimizer
+//! updates and the deterministic two-pass reductions, for [`Device::Emulated`] and
+//! [`Device::Cuda`] (called by the GPU arms of [`crate::ops::elementwise`]).
+//!
+//! Semantics are those of [`crate::cpu::elementwise`], errors included: every input is
+//! validated before anything is written. On the device that is one read-only pass
+//! (`elementwise_check`, first NaN/Inf per array and first sign violation, by integer
+//! `atomicMin`) into a 5-int status the update kernel reads first — it writes nothing unless
+//! the status is clean — and the host reads once, after the update, to report the error the
+//! CPU backend would report. A clean call thus costs one check pass, one update pass and one
+//! 20-byte read-back (the only synchronization).
+//!
+//! Matrices hold `f32`; integer slots of the status live in an `f32` matrix as bit patterns.
+
+use super::launch::{kernel, launch, KernelArgs, LaunchConfig};
+use crate::cpu::elementwise::check_beta;
+use crate::device::{Device, Matrix};
+use crate::error::{check_len, check_value, Error, Result};
+use crate::ops::elementwise::{AdamWCoeffs, SgdCoeffs, SophiaCoeffs};
+
+kernel!(pub(crate) AXPY = ELEMENTWISE::elementwise_axpy;);
+kernel!(pub(crate) SCALE = ELEMENTWISE::elementwise_scale;);
+kernel!(pub(crate) COPY = ELEMENTWISE::elementwise_copy;);
+kernel!(pub(crate) DOT_PARTIAL = ELEMENTWISE::elementwise_dot_partial;);
+kernel!(pub(crate) DOT_FINAL = ELEMENTWISE::elementwise_dot_final;);
+kernel!(pub(crate) CHECK = ELEMENTWISE::elementwise_check;);
+kernel!(pub(crate) SGD = ELEMENTWISE::elementwise_sgd;);
+kernel!(pub(crate) ADAMW = ELEMENTWISE::elementwise_adamw;);
+kernel!(pub(crate) SOPHIA = ELEMENTWISE::elementwise_sophia;);
+kernel!(pub(crate) HESSIAN_EMA = ELEMENTWISE::elementwise_hessian_ema;);
+
+/// Threads per block of every element-wise kernel.
+const BLOCK: u32 = 256;
+/// Grid cap of the streaming kernels (grid-stride loops above it): 4096 x 256 threads keep
+/// every SM of an H100 busy with several resident blocks.
+const MAX_BLOCKS: usize = 4096;
+/// Grid cap of pass 1 of the reductions: at most this many f64 partials for pass 2. The grid
+/// is a function of `n` only, so the summation order (and the result) is device-independent.
+const REDUCE_BLOCKS: usize = 1024;
+/// "No bad index" in a status slot (`EW_NONE` in the kernel file).
+const NONE: i32 = i32::MAX;
+
+/// `n` as the kernels' `int`.
+pub(crate) fn to_i32(op: &'static str, arg: &'static str, n: usize) -> Result<i32> {
+    i32::try_from(n).map_err(|_| Error::Value {
+        op,
+        arg,
+        value: n as f64,
+        expected: "fewer than 2^31 elements on the GPU backend",
+    })
+}
+
+/// The 1-D grid of the streaming kernels: one thread per float4 item, capped.
+fn stream_config(n: usize) -> Result<LaunchConfig> {
+    let items = n.div_ceil(4).max(1);
+    let blocks = items.div_ceil(BLOCK as usize).clamp(1, MAX_BLOCKS);
+    Ok(LaunchConfig {
+        grid: (blocks as u32, 1, 1),
+        block: (BLOCK, 1, 1),
+        shared_mem: 0,
+    })
+}
+
+/// A fresh 5-slot status (every slot [`NONE`]).
+fn new_status(dev: &Device) -> Result<Matrix> {
+    dev.upload(5, 1, &[f32::from_bits(NONE as u32); 5])
+}
+
+/// The sign condition of one checked array: `(array index, strict)` — `strict` rejects
+/// `v ≤ 0`, otherwise `v < 0`.
+type SignCheck = Option<(usize, bool)>;
+
+/// Queues `elementwise_check` over `arrays` (1..=4 of one length) into `status`.
+fn queue_check(
+    dev: &Device,
+    op: &'static str,
+    arrays: &[(&'static str, &Matrix)],
+    sign: SignCheck,
+    status: &mut Matrix,
+) -> Result<()> {
+    let n = arrays[0].1.len();
+    let ptr = |a: usize| arrays[a.min(arrays.len() - 1)].1;
+    let (sign_arr, strict) = sign.map_or((-1, 0), |(a, s)| (a as i32, i32::from(s)));
+    let mut args = KernelArgs::new(dev);
+    args.input(op, ptr(0))?
+        .input(op, ptr(1))?
+        .input(op, ptr(2))?
+        .input(op, ptr(3))?
+        .scalar(arrays.len() as i32)
+        .scalar(sign_arr)
+        .scalar(strict)
+        .scalar(to_i32(op, arrays[0].0, n)?)
+        .output(op, status)?;
+    // SAFETY: elementwise_check(const float* a0, const float* a1, const float* a2,
+    // const float* a3, int narr, int sign_arr, int strict, int n, int* status): the four
+    // pointers are matrices of n floats (callers pass arrays of one length; unused slots
+    // repeat the last one and are not read, narr = arrays.len() <= 4); status holds 5 ints;
+    // threads read index i < n only.
+    unsafe { launch(&CHECK, stream_config(n)?, args) }
+}
+
+/// Reads `status` back (the synchronization point) and turns it into the error the CPU
+/// backend reports for the same inputs: the first array (in `arrays` order) holding a
+/// NaN/Inf, at its first such index; else the first sign violation.
+fn status_result(
+    op: &'static str,
+    arrays: &[(&'static str, &Matrix)],
+    sign: SignCheck,
+    status: &Matrix,
+) -> Result<()> {
+    let s: Vec<i32> = status.to_vec()?.iter().map(|v| v.to_bits() as i32).collect();
+    for (a, &(arg, m)) in arrays.iter().enumerate() {
+        if s[a] != NONE {
+            let index = s[a] as usize;
+            return Err(Error::NonFinite {
+                op,
+                arg,
+                index,
+                value: m.to_vec()?[index],
+            });
+        }
+    }
+    match sign {
+        Some((a, strict)) if s[4] != NONE => {
+            let (arg, m) = arrays[a];
+            let value = m.to_vec()?[s[4] as usize] as f64;
+            let expected = if strict {
+                "every entry > 0"
+            } else {
+                "every entry >= 0"
+            };
+            check_value(op, arg, value, false, expected)
+        }
+        _ => Ok(()),
+    }
+}
+
+/// Validates `arrays` on the device the way the CPU backend does (first NaN/Inf per array,
+/// then the sign condition); reads back a status (one synchronization).
+pub(crate) fn validate(
+    dev: &Device,
+    op: &'static str,
+    arrays: &[(&'static str, &Matrix)],
+    sign: SignCheck,
+) -> Result<()> {
+    if arrays[0].1.is_empty() {
+        return Ok(());
+    }
+    let mut status = new_status(dev)?;
+    queue_check(dev, op, arrays, sign, &mut status)?;
+    status_result(op, arrays, sign, &status)
+}
+
+/// `y ← α x + y` (same length); `y` unchanged on error (non-finite `α`, `x` or `y`).
+pub(crate) fn axpy(dev: &Device, alpha: f32, x: &Matrix, y: &mut Matrix) -> Result<()> {
+    const OP: &str = "cuda::axpy";
+    check_len(OP, "x", x.len(), y.len())?;
+    check_value(OP, "alpha", alpha as f64, true, "a finite number")?;
+    let n = to_i32(OP, "y", y.len())?;
+    if n == 0 {
+        return Ok(());
+    }
+    let cfg = stream_config(y.len())?;
+    let mut status = new_status(dev)?;
+    queue_check(dev, OP, &[("x", x), ("y", &*y)], None, &mut status)?;
+    let mut args = KernelArgs::new(dev);
+    args.output(OP, y)?
+        .input(OP, x)?
+        .scalar(alpha)
+        .scalar(n)
+        .input(OP, &status)?;
+    // SAFETY: elementwise_axpy(float* y, const float* x, float alpha, int n, const int*
+    // status): x and y hold n floats (checked above), status 5 ints; indices stay below n.
+    unsafe { launch(&AXPY, cfg, args)? };
+    status_result(OP, &[("x", x), ("y", &*y)], None, &status)
+}
+
+/// `x ← α x`; `x` unchanged on error (non-finite `α` or `x`).
+pub(crate) fn scale(dev: &Device, alpha: f32, x: &mut Matrix) -> Result<()> {
+    const OP: &str = "cuda::scale";
+    check_value(OP, "alpha", alpha as f64, true, "a finite number")?;
+    let n = to_i32(OP, "x", x.len())?;
+    if n == 0 {
+        return Ok(());
+    }
+    let cfg = stream_config(x.len())?;
+    let mut status = new_status(dev)?;
+    queue_check(dev, OP, &[("x", &*x)], None, &mut status)?;
+    let mut args = KernelArgs::new(dev);
+    args.output(OP, x)?
+        .scalar(alpha)
+        .scalar(n)
+        .input(OP, &status)?;
+    // SAFETY: elementwise_scale(float* x, float alpha, int n, const int* status): x holds n
+    // floats, status 5 ints; indices stay below n.
+    unsafe { launch(&SCALE, cfg, args)? };
+    status_result(OP, &[("x", &*x)], None, &status)
+}
+
+/// `dst ← src` (same length; non-finite values copied as they are). Asynchronous on CUDA.
+pub(crate) fn copy(dev: &Device, src: &Matrix, dst: &mut Matrix) -> Result<()> {
+    const OP: &str = "cuda::copy";
+    check_len(OP, "src", src.len(), dst.len())?;
+    let n = to_i32(OP, "dst", dst.len())?;
+    if n == 0 {
+        return Ok(());
+    }
+    let cfg = stream_config(src.len())?;
+    let mut args = KernelArgs::new(dev);
+    args.output(OP, dst)?.input(OP, src)?.scalar(n);
+    // SAFETY: elementwise_copy(float* dst, const float* src, int n): both hold n floats
+    // (checked above); indices stay below n.
+    unsafe { launch(&COPY, cfg, args) }
+}
+
+/// `Σ xᵢ yᵢ` in f64 (two-pass, deterministic), rounded to f32 — see [`crate::cpu::elementwise::dot`]
+/// for the error bound, which holds here too (only the f64 summation order differs).
+pub(crate) fn dot(dev: &Device, x: &Matrix, y: &Matrix) -> Result<f32> {
+    const OP: &str = "cuda::dot";
+    check_len(OP, "y", y.len(), x.len())?;
+    reduce(dev, OP, &[("x", x), ("y", y)], false)
+}
+
+/// `√(Σ xᵢ²)` accumulated in f64 like [`dot`], the square root taken in f64.
+pub(crate) fn norm2(dev: &Device, x: &Matrix) -> Result<f32> {
+    reduce(dev, "cuda::norm2", &[("x", x)], true)
+}
+
+/// The two-pass f64 reduction of `Σ a[0]ᵢ a[last]ᵢ` (`a` holds one or two arrays).
+fn reduce(
+    dev: &Device,
+    op: &'static str,
+    arrays: &[(&'static str, &Matrix)],
+    take_sqrt: bool,
+) -> Result<f32> {
+    let (x, y) = (arrays[0].1, arrays[arrays.len() - 1].1);
+    let n = to_i32(op, arrays[0].0, x.len())?;
+    if n == 0 {
+        return Ok(0.0);
+    }
+    let blocks = x
+        .len()
+        .div_ceil(4 * BLOCK as usize)
+        .clamp(1, REDUCE_BLOCKS);
+    // f64 partials in an f32 buffer, one spare float for the kernel's 8-byte alignment; NaN
+    // so that a partial the kernel failed to write poisons the result.
+    let mut partial = dev.upload(2 * blocks + 1, 1, &vec![f32::NAN; 2 * blocks + 1])?;
+    let mut out = dev.upload(2, 1, &[f32::NAN; 2])?;
+    let mut args = KernelArgs::new(dev);
+    args.input(op, x)?
+        .input(op, y)?
+        .scalar(n)
+        .output(op, &mut partial)?;
+    let cfg = LaunchConfig {
+        grid: (blocks as u32, 1, 1),
+        block: (BLOCK, 1, 1),
+        shared_mem: 0,
+    };
+    // SAFETY: elementwise_dot_partial(const float* x, const float* y, int n, float* partial):
+    // x and y hold n floats (checked by the callers); block b < blocks writes the f64 at the
+    // 8-byte aligned start of partial + b, inside its 2*blocks+1 floats.
+    unsafe { launch(&DOT_PARTIAL, cfg, args)? };
+    let mut args = KernelArgs::new(dev);
+    args.input(op, &partial)?
+        .scalar(blocks as i32)
+        .scalar(i32::from(take_sqrt))
+        .output(op, &mut out)?;
+    let cfg = LaunchConfig {
+        grid: (1, 1, 1),
+        block: (BLOCK, 1, 1),
+        shared_mem: 0,
+    };
+    // SAFETY: elementwise_dot_final(const float* partial, int nblocks, int take_sqrt, float*
+    // out): reads the `blocks` f64 partials written above (inside 2*blocks+1 floats), thread 0
+    // writes out[0..2].
+    unsafe { launch(&DOT_FINAL, cfg, args)? };
+    let o = out.to_vec()?;
+    if o[1] != 1.0 {
+        // A non-finite f64 sum needs a NaN/Inf input (finite f32 products cannot overflow
+        // f64): report it as the CPU does, first array first.
+        validate(dev, op, arrays, None)?;
+    }
+    Ok(o[0])
+}
+
+/// Fused SGD step (see [`crate::cpu::elementwise::sgd_update`]); nothing written on error.
+pub(crate) fn sgd_update(
+    dev: &Device,
+    params: &mut Matrix,
+    grad: &Matrix,
+    momentum_buf: &mut Matrix,
+    c: &SgdCoeffs,
+) -> Result<()> {
+    const OP: &str = "cuda::sgd_update";
+    let n = params.len();
+    check_len(OP, "grad", grad.len(), n)?;
+    check_len(OP, "momentum_buf", momentum_buf.len(), n)?;
+    c.validate(OP)?;
+    let ni = to_i32(OP, "params", n)?;
+    if n == 0 {
+        return Ok(());
+    }
+    let mut status = new_status(dev)?;
+        queue_check(dev, OP, &[("params", &*params), ("grad", grad), ("momentum_buf", &*momentum_buf)], None, &mut status)?;
+    let mut args = KernelArgs::new(dev);
+    args.output(OP, params)?
+        .input(OP, grad)?
+        .output(OP, momentum_buf)?
+        .scalar(c.lr)
+        .scalar(c.momentum)
+        .scalar(c.lr * c.weight_decay)
+        .scalar(ni)
+        .input(OP, &status)?;
+    // SAFETY: elementwise_sgd(float* p, const float* g, float* b, float lr, float mu, float
+    // lrwd, int n, const int* status): p, g, b hold n floats (checked above), status 5 ints;
+    // indices stay below n.
+    unsafe { launch(&SGD, stream_config(n)?, args)? };
+    status_result(OP, &[("params", &*params), ("grad", grad), ("momentum_buf", &*momentum_buf)], None, &status)
+}
+
+/// Fused AdamW step (see [`crate::cpu::elementwise::adamw_update`]); nothing written on error.
+pub(crate) fn adamw_update(
+    dev: &Device,
+    params: &mut Matrix,
+    grad: &Matrix,
+    m: &mut Matrix,
+    v: &mut Matrix,
+    c: &AdamWCoeffs,
+) -> Result<()> {
+    const OP: &str = "cuda::adamw_update";
+    let n = params.len();
+    check_len(OP, "grad", grad.len(), n)?;
+    check_len(OP, "m", m.len(), n)?;
+    check_len(OP, "v", v.len(), n)?;
+    c.validate(OP)?;
+    let ni = to_i32(OP, "params", n)?;
+    if n == 0 {
+        return Ok(());
+    }
+    let (bc1, bc2) = c.bias_corrections();
+    let sign = Some((3, false));
+    let mut status = new_status(dev)?;
+        queue_check(dev, OP, &[("params", &*params), ("grad", grad), ("m", &*m), ("v", &*v)], sign, &mut status)?;
+    let mut args = KernelArgs::new(dev);
+    args.output(OP, params)?
+        .input(OP, grad)?
+        .output(OP, m)?
+        .output(OP, v)?
+        .scalar(c.lr)
+        .scalar(c.beta1)
+        .scalar(1.0 - c.beta1)
+        .scalar(c.beta2)
+        .scalar(1.0 - c.beta2)
+        .scalar(c.eps)
+        .scalar(c.lr * c.weight_decay)
+        .scalar(bc1)
+        .scalar(bc2)
+        .scalar(ni)
+        .input(OP, &status)?;
+    // SAFETY: elementwise_adamw(float* p, const float* g, float* m, float* v, float lr, float
+    // b1, float omb1, float b2, float omb2, float eps, float lrwd, float bc1, float bc2, int n,
+    // const int* status): p, g, m, v hold n floats (checked above), status 5 ints; indices
+    // stay below n.
+    unsafe { launch(&ADAMW, stream_config(n)?, args)? };
+    status_result(OP, &[("params", &*params), ("grad", grad), ("m", &*m), ("v", &*v)], sign, &status)
+}
+
+/// Fused Sophia step (see [`crate::cpu::elementwise::sophia_update`]); nothing written on error.
+pub(crate) fn sophia_update(
+    dev: &Device,
+    params: &mut Matrix,
+    grad: &Matrix,
+    m: &mut Matrix,
+    h: &Matrix,
+    c: &SophiaCoeffs,
+) -> Result<()> {
+    const OP: &str = "cuda::sophia_update";
+    let n = params.len();
+    check_len(OP, "grad", grad.len(), n)?;
+    check_len(OP, "m", m.len(), n)?;
+    check_len(OP, "h", h.len(), n)?;
+    c.validate(OP)?;
+    let ni = to_i32(OP, "params", n)?;
+    if n == 0 {
+        return Ok(());
+    }
+    let sign = Some((3, false));
+    let mut status = new_status(dev)?;
+        queue_check(dev, OP, &[("params", &*params), ("grad", grad), ("m", &*m), ("h", h)], sign, &mut status)?;
+    let mut args = KernelArgs::new(dev);
+    args.output(OP, params)?
+        .input(OP, grad)?
+        .output(OP, m)?
+        .input(OP, h)?
+        .scalar(c.lr)
+        .scalar(c.beta1)
+        .scalar(1.0 - c.beta1)
+        .scalar(c.gamma)
+        .scalar(c.eps)
+        .scalar(c.lr * c.weight_decay)
+        .scalar(ni)
+        .input(OP, &status)?;
+    // SAFETY: elementwise_sophia(float* p, const float* g, float* m, const float* h, float lr,
+    // float b1, float omb1, float gamma, float eps, float lrwd, int n, const int* status): p,
+    // g, m, h hold n floats (checked above), status 5 ints; indices stay below n.
+    unsafe { launch(&SOPHIA, stream_config(n)?, args)? };
+    status_result(OP, &[("params", &*params), ("grad", grad), ("m", &*m), ("h", h)], sign, &status)
+}
+
+/// Sophia-G's Hessian EMA (see [`crate::cpu::elementwise::sophia_hessian_ema`]); `h`
+/// unchanged on error.
+pub(crate) fn sophia_hessian_ema(
+    dev: &Device,
+    h: &mut Matrix,
+    sampled_grad: &Matrix,
+    beta2: f32,
+    batch: usize,
+) -> Result<()> {
+    const OP: &str = "cuda::sophia_hessian_ema";
+    check_len(OP, "sampled_grad", sampled_grad.len(), h.len())?;
+    check_beta(OP, "beta2", beta2)?;
+    check_value(OP, "batch", batch as f64, batch >= 1, "batch >= 1")?;
+    let n = to_i32(OP, "h", h.len())?;
+    if n == 0 {
+        return Ok(());
+    }
+    let sign = Some((0, false));
+    let mut status = new_status(dev)?;
+        queue_check(dev, OP, &[("h", &*h), ("sampled_grad", sampled_grad)], sign, &mut status)?;
+    let mut args = KernelArgs::new(dev);
+    args.output(OP, h)?
+        .input(OP, sampled_grad)?
+        .scalar(beta2)
+        .scalar(1.0 - beta2)
+        .scalar(batch as f32)
+        .scalar(n)
+        .input(OP, &status)?;
+    // SAFETY: elementwise_hessian_ema(float* h, const float* g, float b2, float omb2, float
+    // bs, int n, const int* status): h and g hold n floats (checked above), status 5 ints;
+    // indices stay below n.
+    unsafe { launch(&HESSIAN_EMA, stream_config(n as usize)?, args)? };
+    status_result(OP, &[("h", &*h), ("sampled_grad", sampled_grad)], sign, &status)
+}

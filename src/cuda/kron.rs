@@ -1,0 +1,156 @@
+//! Launchers of `kernels/kron.cu`: the Kronecker-factor SYRK with its EMA epilogue,
+//! `Λ ← ε Λ + (1−ε)/m · AᵀA`, in fp32 (`kron_syrk_ema_f32`) and on bf16 tensor cores
+//! (`kron_syrk_ema_tc`), and the batch gradient `G = (1/m) Eᵀ A` (the GEMM of
+//! [`super::precond`] with `α = 1/m`).
+//!
+//! Both SYRK kernels compute only the lower-triangle 64x64 tiles and mirror them, so the
+//! result is exactly symmetric; only the lower triangle of the old `Λ` is read, and not at all
+//! when `ε = 0`. Shapes and scalars are validated here before any launch; finiteness of the
+//! operands is the caller's business (see [`crate::ops`]).
+
+use super::launch::{kernel, launch, KernelArgs, LaunchConfig};
+use super::precond::to_i32;
+use crate::device::{Device, Element, Matrix};
+use crate::error::{check_shape, check_value, Error, Result};
+use crate::mat::Trans;
+use half::bf16;
+
+kernel!(pub SYRK_EMA_F32 = KRON::kron_syrk_ema_f32;);
+kernel!(pub SYRK_EMA_TC = KRON::kron_syrk_ema_tc;);
+
+/// Output tile of both SYRK kernels.
+const TILE: usize = 64;
+
+/// Validates a SYRK-EMA call and returns `(m, n, α, grid)`: `a` `m x n` with `m ≥ 1`,
+/// `factor` `n x n`, `0 ≤ ε < 1`, and the triangle of tile pairs within one grid dimension.
+fn check_syrk<T: Element>(
+    op: &'static str,
+    dev: &Device,
+    a: &Matrix<T>,
+    eps: f32,
+    factor: &Matrix,
+) -> Result<(i32, i32, f32, u32)> {
+    dev.check_on(op, a)?;
+    dev.check_on(op, factor)?;
+    check_value(
+        op,
+        "eps",
+        eps as f64,
+        (0.0..1.0).contains(&eps),
+        "0 <= eps < 1",
+    )?;
+    let (m, n) = a.shape();
+    if m == 0 {
+        return Err(Error::Shape {
+            op,
+            arg: "a",
+            expected: "at least one row (sample)".into(),
+            got: format!("0x{n}"),
+        });
+    }
+    check_shape(op, "factor", factor.shape(), (n, n))?;
+    let (mi, ni) = (to_i32(op, "m", m)?, to_i32(op, "n", n)?);
+    // The kernel forms row * n offsets in 64 bits, but the tile-pair index is an int.
+    let nt = n.div_ceil(TILE);
+    let pairs = u32::try_from(nt * (nt + 1) / 2)
+        .ok()
+        .filter(|&p| p <= i32::MAX as u32)
+        .ok_or(Error::Value {
+            op,
+            arg: "a",
+            value: n as f64,
+            expected: "at most 2^31 - 1 lower-triangle 64x64 tiles",
+        })?;
+    Ok((mi, ni, (1.0 - eps) / m as f32, pairs))
+}
+
+/// The launch shared by both SYRK kernels: one block per lower-triangle tile pair.
+///
+/// # Safety
+/// `kernel` is `kron_syrk_ema_f32` with `T = f32` or `kron_syrk_ema_tc` with `T = bf16`,
+/// `threads` its block size, and the arguments passed `check_syrk`.
+#[allow(clippy::too_many_arguments)]
+unsafe fn launch_syrk<T: Element>(
+    op: &'static str,
+    kernel: &super::launch::Kernel,
+    threads: u32,
+    dev: &Device,
+    a: &Matrix<T>,
+    factor: &mut Matrix,
+    (m, n, alpha, pairs): (i32, i32, f32, u32),
+    eps: f32,
+) -> Result<()> {
+    if n == 0 {
+        return Ok(());
+    }
+    let cfg = LaunchConfig {
+        grid: (pairs, 1, 1),
+        block: (threads, 1, 1),
+        shared_mem: 0,
+    };
+    let mut args = KernelArgs::new(dev);
+    args.input(op, a)?
+        .output(op, factor)?
+        .scalar(m)
+        .scalar(n)
+        .scalar(alpha)
+        .scalar(eps);
+    // SAFETY: see the callers (kernel signature and bounds).
+    unsafe { launch(kernel, cfg, args) }
+}
+
+/// `Λ ← ε Λ + (1−ε)/m · AᵀA` for an `f32` `A` (`m x n`, `m ≥ 1`) and `factor` `n x n`:
+/// one launch of `kron_syrk_ema_f32` (256 threads per lower-triangle 64x64 tile).
+///
+/// # Errors
+/// [`Error::DeviceMismatch`], [`Error::Shape`] (also `m = 0`), [`Error::Value`] unless
+/// `0 ≤ ε < 1` or for dimensions ≥ 2^31, launch errors. `factor` is unchanged on error.
+pub fn syrk_ema_f32(dev: &Device, a: &Matrix<f32>, eps: f32, factor: &mut Matrix) -> Result<()> {
+    const OP: &str = "cuda::kron::syrk_ema_f32";
+    let checked = check_syrk(OP, dev, a, eps, factor)?;
+    // SAFETY: kron_syrk_ema_f32(const float* A, float* L, int m, int n, float alpha,
+    // float eps) with block 256 and one block per tile pair (bi ≥ bj) of ceil(n/64) tiles.
+    // A holds m*n floats and is read at (s, c) only for s < m, c < n; L holds n*n floats and
+    // is touched at (i, j) only for i, j < n. Static shared memory only.
+    unsafe { launch_syrk(OP, &SYRK_EMA_F32, 256, dev, a, factor, checked, eps) }
+}
+
+/// `Λ ← ε Λ + (1−ε)/m · AᵀA` for a `bf16` `A` (`m x n`, `m ≥ 1`) and an `f32` `factor`
+/// `n x n`: one launch of `kron_syrk_ema_tc` (bf16 WMMA m16n16k16, f32 accumulation;
+/// 128 threads per lower-triangle 64x64 tile).
+///
+/// # Errors
+/// As [`syrk_ema_f32`]. `factor` is unchanged on error.
+pub fn syrk_ema_tc(dev: &Device, a: &Matrix<bf16>, eps: f32, factor: &mut Matrix) -> Result<()> {
+    const OP: &str = "cuda::kron::syrk_ema_tc";
+    let checked = check_syrk(OP, dev, a, eps, factor)?;
+    // SAFETY: kron_syrk_ema_tc(const __nv_bfloat16* A, float* L, int m, int n, float alpha,
+    // float eps) with block 128 (4 full warps, as WMMA needs) and one block per tile pair.
+    // A holds m*n bf16 and is read at (s, c) only for s < m, c < n (16-byte vector reads only
+    // when n % 8 == 0 and A is 16-byte aligned, so a vector never crosses row n); L holds
+    // n*n floats, touched at (i, j) only for i, j < n. WMMA tiles live in static shared
+    // memory only.
+    unsafe { launch_syrk(OP, &SYRK_EMA_TC, 128, dev, a, factor, checked, eps) }
+}
+
+/// Batch gradient `G = (1/m) Eᵀ A` for `E` `m x d_out` (`m ≥ 1`), `A` `m x d_in`, `G`
+/// `d_out x d_in`: the `precond_gemm_tn` kernel with `α = 1/m`, `β = 0` (`G` is not read).
+///
+/// # Errors
+/// [`Error::DeviceMismatch`], [`Error::Shape`] (also `m = 0`), launch errors. `g` is
+/// unchanged on error.
+pub fn batch_gradient(dev: &Device, e: &Matrix, a: &Matrix, g: &mut Matrix) -> Result<()> {
+    const OP: &str = "cuda::kron::batch_gradient";
+    let m = e.rows();
+    if m == 0 {
+        return Err(Error::Shape {
+            op: OP,
+            arg: "e",
+            expected: "at least one row (sample)".into(),
+            got: format!("0x{}", e.cols()),
+        });
+    }
+    check_shape(OP, "a", a.shape(), (m, a.cols()))?;
+    check_shape(OP, "g", g.shape(), (e.cols(), a.cols()))?;
+    super::precond::gemm(dev, Trans::Yes, Trans::No, 1.0 / m as f32, e, a, 0.0, g)
+}

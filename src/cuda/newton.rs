@@ -1,0 +1,1153 @@
+//! Launchers of `kernels/newton.cu` and the device-side Newton inversion and power iteration
+//! behind [`Device::newton_inverse`] and [`Device::spectral_norm`] on
+//! [`Device::Emulated`] and [`Device::Cuda`].
+//!
+//! The iteration is the CPU oracle's ([`crate::cpu::newton`]): the same step form
+//! `X ← X + X·F`, starting guesses, stop/stall/best-iterate rules, `Bf16` polish and
+//! [`NewtonInfo`]. Differences are rounding-level only: the products accumulate in a different
+//! order, and the early `F32` steps use full products where the CPU mirrors symmetric ones
+//! (the CPU does that for speed; here it would only add noise), while the stop rule's phase
+//! logic is kept as is. Per iteration one `f32` (the residual) goes to the host for the stop
+//! test; per power-iteration step four (the Rayleigh quotient and `‖Av‖` as double-float
+//! pairs). Setup reads back a few per-block partials (input checks, norms) once.
+//!
+//! Products: `Bf16` mode runs [`newton_gemm_tc`](product_tc) (WMMA bf16, f32 accumulate) on the
+//! bf16 copies the previous epilogues wrote; `F32` mode (and the `Bf16` run's final `f32`
+//! residual and polish) runs the fp32 GEMM of [`super::precond::gemm`] followed by
+//! `newton_epilogue_f32` ([`product_f32`]), which applies the same epilogue.
+
+use super::launch::{kernel, launch, KernelArgs, LaunchConfig};
+use super::precond::{gemm, to_i32};
+use crate::cpu::newton::{ARMED, GROWTH_SLACK, SYM_SWITCH, SYM_TOL};
+use crate::device::{Device, Matrix};
+use crate::error::{check_len, check_shape, DivergenceReason, Error, Result};
+use crate::mat::Trans;
+use crate::ops::newton::{InitialGuess, NewtonInfo, NewtonOptions, NewtonOrder, Precision};
+use crate::ops::norm::{PowerInfo, PowerOptions};
+use half::bf16;
+
+kernel!(pub GEMM_TC = NEWTON::newton_gemm_tc;);
+kernel!(pub EPILOGUE_F32 = NEWTON::newton_epilogue_f32;);
+kernel!(pub RESIDUAL = NEWTON::newton_residual;);
+kernel!(pub SYM_STATS = NEWTON::newton_sym_stats;);
+kernel!(pub ABS_NORMS = NEWTON::newton_abs_norms;);
+kernel!(pub INIT_X = NEWTON::newton_init_x;);
+kernel!(pub POWER_MATVEC = NEWTON::newton_power_matvec;);
+kernel!(pub POWER_NORMALIZE = NEWTON::newton_power_normalize;);
+
+/// Output tile of `newton_gemm_tc` and `newton_epilogue_f32` (rows and columns).
+pub const TILE: usize = 64;
+/// Dynamic shared memory of `newton_gemm_tc`: two stages of the 64x32 A and 32x64 B bf16
+/// tiles with rows padded by 8 (the 64x68 f32 epilogue tile reuses it).
+const TC_SMEM: u32 = (2 * 64 * 40 + 2 * 32 * 72) * 2;
+/// Largest `n`: the kernels index `n²` elements with `int`.
+const MAX_N: usize = 46_340;
+/// Blocks of `newton_power_matvec` (8 rows each, grid-stride beyond).
+const MATVEC_MAX_BLOCKS: usize = 2048;
+
+// Epilogue flags of kernels/newton.cu.
+const ADD1: i32 = 1;
+const ADD2: i32 = 2;
+const OUT_F32: i32 = 4;
+const OUT_BF16: i32 = 8;
+const RESID: i32 = 16;
+
+// Safety margins of the scaled-identity start; must equal those of `crate::cpu::newton`.
+/// On the power-iteration estimate of `λ_max` (a lower bound of it).
+const LAMBDA_MARGIN: f32 = 1.1;
+/// On the bounds `‖A‖∞, ‖A‖_F ≥ λ_max`.
+const GERSHGORIN_MARGIN: f32 = 1.02;
+
+/// Number of residual partials a product of `n x n` matrices writes (one per 64x64 tile).
+pub fn partials(n: usize) -> usize {
+    n.div_ceil(TILE).pow(2)
+}
+
+/// The algebra fused into a Newton product `C = A·B` (`n x n`): per element
+/// `v = α·C[r,c] + diag·[r = c] + add1[r,c] + add2[r,c]` (absent terms skipped), written to
+/// `out` (`f32`) and/or `out_bf` (`bf16`, round-to-nearest-even); with `partial`, element `b`
+/// (row-major over the 64x64 output tiles) receives the tile's `Σ v²`.
+pub struct Epilogue<'a> {
+    pub alpha: f32,
+    pub diag: f32,
+    pub add1: Option<&'a Matrix>,
+    pub add2: Option<&'a Matrix>,
+    pub out: Option<&'a mut Matrix>,
+    pub out_bf: Option<&'a mut Matrix<bf16>>,
+    /// At least [`partials`]`(n)` elements.
+    pub partial: Option<&'a mut Matrix>,
+}
+
+impl<'a> Epilogue<'a> {
+    /// `v = C` with nothing written yet.
+    pub fn new() -> Self {
+        Self {
+            alpha: 1.0,
+            diag: 0.0,
+            add1: None,
+            add2: None,
+            out: None,
+            out_bf: None,
+            partial: None,
+        }
+    }
+}
+
+impl Default for Epilogue<'_> {
+    fn default() -> Self {
+        Self::new()
+    }
+}
+
+/// Placeholder buffers passed for the pointers an epilogue does not use (the kernel never
+/// touches them), so a product needs no allocation.
+pub struct Unused {
+    input: Matrix,
+    out: Matrix,
+    partial: Matrix,
+    out_bf: Matrix<bf16>,
+}
+
+impl Unused {
+    /// One element each on `dev`.
+    pub fn new(dev: &Device) -> Result<Self> {
+        Ok(Self {
+            input: dev.zeros(1, 1)?,
+            out: dev.zeros(1, 1)?,
+            partial: dev.zeros(1, 1)?,
+            out_bf: dev.zeros(1, 1)?,
+        })
+    }
+}
+
+fn value_err(op: &'static str, arg: &'static str, v: f64, expected: &'static str) -> Error {
+    Error::Value {
+        op,
+        arg,
+        value: v,
+        expected,
+    }
+}
+
+/// `n` as an `int` kernel parameter, `1 ≤ n ≤ MAX_N`.
+fn dim(op: &'static str, n: usize) -> Result<i32> {
+    if n == 0 || n > MAX_N {
+        return Err(value_err(op, "n", n as f64, "1 <= n <= 46340"));
+    }
+    to_i32(op, "n", n)
+}
+
+/// Checks the epilogue's operands against `n` and pushes its arguments (add1, add2, out,
+/// out_bf, partial) after the product's operands; returns the flags.
+fn push_epilogue<'a>(
+    op: &'static str,
+    args: &mut KernelArgs<'a>,
+    epi: Epilogue<'a>,
+    unused: &'a mut Unused,
+    n: usize,
+) -> Result<i32> {
+    let mut flags = 0;
+    let Unused {
+        input,
+        out,
+        partial,
+        out_bf,
+    } = unused;
+    let input: &'a Matrix = input;
+    let mut add = |m: Option<&'a Matrix>, flag: i32, arg| -> Result<&'a Matrix> {
+        match m {
+            Some(m) => {
+                check_shape(op, arg, m.shape(), (n, n))?;
+                flags |= flag;
+                Ok(m)
+            }
+            None => Ok(input),
+        }
+    };
+    let add1 = add(epi.add1, ADD1, "add1")?;
+    let add2 = add(epi.add2, ADD2, "add2")?;
+    let out = match epi.out {
+        Some(m) => {
+            check_shape(op, "out", m.shape(), (n, n))?;
+            flags |= OUT_F32;
+            m
+        }
+        None => out,
+    };
+    let out_bf = match epi.out_bf {
+        Some(m) => {
+            check_shape(op, "out_bf", m.shape(), (n, n))?;
+            flags |= OUT_BF16;
+            m
+        }
+        None => out_bf,
+    };
+    let partial = match epi.partial {
+        Some(m) => {
+            if m.len() < partials(n) {
+                return Err(Error::Shape {
+                    op,
+                    arg: "partial",
+                    expected: format!("at least {} elements", partials(n)),
+                    got: format!("{}", m.len()),
+                });
+            }
+            flags |= RESID;
+            m
+        }
+        None => partial,
+    };
+    check_value_finite(op, "alpha", epi.alpha)?;
+    check_value_finite(op, "diag", epi.diag)?;
+    args.input(op, add1)?
+        .input(op, add2)?
+        .output(op, out)?
+        .output(op, out_bf)?
+        .output(op, partial)?
+        .scalar(dim(op, n)?)
+        .scalar(epi.alpha)
+        .scalar(epi.diag)
+        .scalar(flags);
+    Ok(flags)
+}
+
+fn check_value_finite(op: &'static str, arg: &'static str, v: f32) -> Result<()> {
+    crate::error::check_value(op, arg, v as f64, true, "a finite number")
+}
+
+fn tile_grid(n: usize) -> (u32, u32, u32) {
+    let t = n.div_ceil(TILE) as u32;
+    (t, t, 1)
+}
+
+/// `C = A·B` for `n x n` bf16 `a`, `b` on tensor cores (`newton_gemm_tc`: 64x64 tiles, 4 warps
+/// of 2x2 WMMA m16n16k16 accumulators, f32 accumulation), with `epi` fused into the store.
+///
+/// # Errors
+/// [`Error::Shape`] (non-square or mismatched operands, short `partial`), [`Error::Value`]
+/// (`n` outside `1..=46340`, non-finite `alpha`/`diag`), device mismatch, launch errors.
+pub fn product_tc(
+    dev: &Device,
+    a: &Matrix<bf16>,
+    b: &Matrix<bf16>,
+    epi: Epilogue<'_>,
+    unused: &mut Unused,
+) -> Result<()> {
+    const OP: &str = "cuda::newton::product_tc";
+    let n = a.rows();
+    check_shape(OP, "a", a.shape(), (n, n))?;
+    check_shape(OP, "b", b.shape(), (n, n))?;
+    dim(OP, n)?;
+    let cfg = LaunchConfig {
+        grid: tile_grid(n),
+        block: (128, 1, 1),
+        shared_mem: TC_SMEM,
+    };
+    let mut args = KernelArgs::new(dev);
+    args.input(OP, a)?.input(OP, b)?;
+    push_epilogue(OP, &mut args, epi, unused, n)?;
+    // SAFETY: newton_gemm_tc(const bf16* a, const bf16* b, const float* add1, const float*
+    // add2, float* out, bf16* out_bf, float* partial, int n, float alpha, float diag, int
+    // flags). a, b and every buffer selected by `flags` are n x n (checked), partial holds
+    // one float per block of the ceil(n/64)² grid; unselected pointers are never touched.
+    // The kernel reads and writes only rows/columns < n (zero-filled tile edges) and uses
+    // TC_SMEM bytes of dynamic shared memory (2 stages of [64][40] + [32][72] bf16).
+    unsafe { launch(&GEMM_TC, cfg, args) }
+}
+
+/// `C = A·B` for `n x n` f32 `a`, `b` through the fp32 GEMM of [`super::precond::gemm`] into
+/// the scratch `c`, then `epi` applied by `newton_epilogue_f32` (one read of `c`).
+///
+/// # Errors
+/// As [`product_tc`]; `c` must be `n x n` too.
+pub fn product_f32(
+    dev: &Device,
+    a: &Matrix,
+    b: &Matrix,
+    c: &mut Matrix,
+    epi: Epilogue<'_>,
+    unused: &mut Unused,
+) -> Result<()> {
+    const OP: &str = "cuda::newton::product_f32";
+    let n = a.rows();
+    check_shape(OP, "a", a.shape(), (n, n))?;
+    check_shape(OP, "b", b.shape(), (n, n))?;
+    check_shape(OP, "c", c.shape(), (n, n))?;
+    dim(OP, n)?;
+    gemm(dev, Trans::No, Trans::No, 1.0, a, b, 0.0, c)?;
+    let cfg = LaunchConfig {
+        grid: tile_grid(n),
+        block: (256, 1, 1),
+        shared_mem: 0,
+    };
+    let mut args = KernelArgs::new(dev);
+    args.input(OP, c)?;
+    push_epilogue(OP, &mut args, epi, unused, n)?;
+    // SAFETY: newton_epilogue_f32(const float* c, const float* add1, const float* add2,
+    // float* out, bf16* out_bf, float* partial, int n, float alpha, float diag, int flags):
+    // c and every buffer selected by `flags` are n x n (checked; c is a distinct buffer, so
+    // it cannot alias the outputs), partial holds one float per block of the ceil(n/64)²
+    // grid; elements are touched only at rows/columns < n; static shared memory only.
+    unsafe { launch(&EPILOGUE_F32, cfg, args) }
+}
+
+/// `res[0] = sqrt(Σ partial[..count] / n)` (one block, fixed-order double sum).
+///
+/// # Errors
+/// [`Error::Shape`] if `partial` holds fewer than `count` or `res` no element;
+/// [`Error::Value`] for `n` out of range; launch errors.
+pub fn residual(
+    dev: &Device,
+    partial: &Matrix,
+    count: usize,
+    n: usize,
+    res: &mut Matrix,
+) -> Result<()> {
+    const OP: &str = "cuda::newton::residual";
+    if partial.len() < count || res.is_empty() {
+        return Err(Error::Shape {
+            op: OP,
+            arg: "partial",
+            expected: format!("at least {count} partials and a 1-element result"),
+            got: format!("{} and {}", partial.len(), res.len()),
+        });
+    }
+    let cfg = LaunchConfig {
+        grid: (1, 1, 1),
+        block: (256, 1, 1),
+        shared_mem: 0,
+    };
+    let mut args = KernelArgs::new(dev);
+    args.input(OP, partial)?
+        .scalar(to_i32(OP, "count", count)?)
+        .scalar(dim(OP, n)?)
+        .output(OP, res)?;
+    // SAFETY: newton_residual(const float* partial, int count, int n, float* res): reads
+    // partial[0..count) (checked above), writes res[0] (non-empty); static shared memory.
+    unsafe { launch(&RESIDUAL, cfg, args) }
+}
+
+/// Input checks and symmetric part of an `n x n` matrix, reduced on the host.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct SymStats {
+    /// `max |a_ij|` over the finite elements.
+    pub max_abs: f32,
+    /// `max |a_ij − a_ji|` over the finite elements.
+    pub max_asym: f32,
+    /// First (row-major) non-finite element: `(flat index, value)`.
+    pub non_finite: Option<(usize, f32)>,
+}
+
+/// Runs `newton_sym_stats` on `a` (`n x n`): optionally writes `(a + aᵀ)/2` to `sym` and its
+/// bf16 rounding to `sym_bf`, and returns the stats (one small read-back).
+///
+/// # Errors
+/// [`Error::Shape`] unless all are `n x n`, [`Error::Value`] for `n` out of range, device
+/// and launch errors.
+pub fn sym_stats(
+    dev: &Device,
+    a: &Matrix,
+    sym: Option<&mut Matrix>,
+    sym_bf: Option<&mut Matrix<bf16>>,
+    unused: &mut Unused,
+) -> Result<SymStats> {
+    const OP: &str = "cuda::newton::sym_stats";
+    let n = a.rows();
+    check_shape(OP, "a", a.shape(), (n, n))?;
+    let ni = dim(OP, n)?;
+    let bands = n.div_ceil(32);
+    let mut stats: Matrix = dev.zeros(4 * bands, 1)?;
+    let mut flags = 0i32;
+    let sym = match sym {
+        Some(m) => {
+            check_shape(OP, "sym", m.shape(), (n, n))?;
+            flags |= 1;
+            m
+        }
+        None => &mut unused.out,
+    };
+    let sym_bf = match sym_bf {
+        Some(m) => {
+            check_shape(OP, "sym_bf", m.shape(), (n, n))?;
+            flags |= 2;
+            m
+        }
+        None => &mut unused.out_bf,
+    };
+    let cfg = LaunchConfig {
+        grid: (bands as u32, 1, 1),
+        block: (32, 8, 1),
+        shared_mem: 0,
+    };
+    let mut args = KernelArgs::new(dev);
+    args.input(OP, a)?
+        .scalar(ni)
+        .output(OP, sym)?
+        .output(OP, sym_bf)?
+        .output(OP, &mut stats)?
+        .scalar(flags);
+    // SAFETY: newton_sym_stats(const float* a, int n, float* sym, bf16* sym_bf, float* stats,
+    // int flags): a (and sym, sym_bf when flagged) are n x n, touched only at indices < n²;
+    // block b of the ceil(n/32) grid writes stats[4b..4b+4), inside 4·bands floats.
+    unsafe { launch(&SYM_STATS, cfg, args) }?;
+    let v = stats.to_vec()?;
+    let mut out = SymStats {
+        max_abs: 0.0,
+        max_asym: 0.0,
+        non_finite: None,
+    };
+    for s in v.chunks_exact(4) {
+        out.max_abs = out.max_abs.max(s[0]);
+        out.max_asym = out.max_asym.max(s[1]);
+        let idx = s[2].to_bits() as i32;
+        if idx != i32::MAX && out.non_finite.is_none_or(|(i, _)| (idx as usize) < i) {
+            out.non_finite = Some((idx as usize, s[3]));
+        }
+    }
+    Ok(out)
+}
+
+/// `(‖m‖∞, ‖m‖₁, ‖m‖_F)` of an `n x n` matrix: `newton_abs_norms` (per-band maxima of the
+/// absolute row and column sums and the band's `Σ m²`, summed in double) and a read-back of
+/// `3·ceil(n/32)` floats.
+///
+/// # Errors
+/// [`Error::Shape`] unless square, [`Error::Value`] for `n` out of range, launch errors.
+pub fn abs_norms(dev: &Device, m: &Matrix) -> Result<(f64, f64, f64)> {
+    const OP: &str = "cuda::newton::abs_norms";
+    let n = m.rows();
+    check_shape(OP, "m", m.shape(), (n, n))?;
+    let ni = dim(OP, n)?;
+    let bands = n.div_ceil(32);
+    let mut part: Matrix = dev.zeros(3 * bands, 1)?;
+    let cfg = LaunchConfig {
+        grid: (bands as u32, 1, 1),
+        block: (32, 8, 1),
+        shared_mem: 0,
+    };
+    let mut args = KernelArgs::new(dev);
+    args.input(OP, m)?.scalar(ni).output(OP, &mut part)?;
+    // SAFETY: newton_abs_norms(const float* m, int n, float* partial): m is n x n, read at
+    // indices < n²; block b of the ceil(n/32) grid writes partial[3b..3b+3).
+    unsafe { launch(&ABS_NORMS, cfg, args) }?;
+    let v = part.to_vec()?;
+    let (mut inf, mut one, mut sq) = (0.0f64, 0.0f64, 0.0f64);
+    for p in v.chunks_exact(3) {
+        inf = inf.max(p[0] as f64);
+        one = one.max(p[1] as f64);
+        sq += p[2] as f64;
+    }
+    Ok((inf, one, sq.sqrt()))
+}
+
+/// `x ← f32(alpha·a)` (with `a = Some`) or `x ← c·I`, plus the bf16 copy when `x_bf` is given.
+///
+/// # Errors
+/// [`Error::Shape`] unless all are `n x n`, [`Error::Value`] for `n` out of range, launch
+/// errors.
+pub fn init_x(
+    dev: &Device,
+    a: Option<(&Matrix, f64)>,
+    c: f32,
+    x: &mut Matrix,
+    x_bf: Option<&mut Matrix<bf16>>,
+    unused: &mut Unused,
+) -> Result<()> {
+    const OP: &str = "cuda::newton::init_x";
+    let n = x.rows();
+    check_shape(OP, "x", x.shape(), (n, n))?;
+    let ni = dim(OP, n)?;
+    let mut flags = 0;
+    let (src, alpha) = match a {
+        Some((m, alpha)) => {
+            check_shape(OP, "a", m.shape(), (n, n))?;
+            flags |= 1;
+            (m, alpha)
+        }
+        None => (&unused.input, 0.0),
+    };
+    let x_bf = match x_bf {
+        Some(m) => {
+            check_shape(OP, "x_bf", m.shape(), (n, n))?;
+            flags |= 2;
+            m
+        }
+        None => &mut unused.out_bf,
+    };
+    let mut cfg = LaunchConfig::for_elements(n * n, 256)?;
+    cfg.grid.0 = cfg.grid.0.min(4096);
+    let mut args = KernelArgs::new(dev);
+    args.input(OP, src)?
+        .output(OP, x)?
+        .output(OP, x_bf)?
+        .scalar(ni)
+        .scalar(alpha)
+        .scalar(c)
+        .scalar(flags);
+    // SAFETY: newton_init_x(const float* a, float* x, bf16* x_bf, int n, double alpha, float
+    // c, int flags): grid-stride over i < n²; x is n x n, a and x_bf too when flagged
+    // (checked), untouched otherwise.
+    unsafe { launch(&INIT_X, cfg, args) }
+}
+
+/// The device buffers of a power iteration on an `n x n` matrix.
+struct PowerState {
+    v: Matrix,
+    w: Matrix,
+    part: Matrix,
+    scal: Matrix,
+}
+
+impl PowerState {
+    /// Starts from `v0` (`n` values, normalized here in `f64`, uploaded as `f32`).
+    fn new(dev: &Device, a: &Matrix, v0: &[f64]) -> Result<Self> {
+        let n = a.rows();
+        let norm = v0.iter().map(|x| x * x).sum::<f64>().sqrt();
+        let v0: Vec<f32> = v0.iter().map(|x| (x / norm) as f32).collect();
+        Ok(Self {
+            v: dev.upload(n, 1, &v0)?,
+            w: dev.zeros(n, 1)?,
+            part: dev.zeros(4 * n.div_ceil(8).min(MATVEC_MAX_BLOCKS), 1)?,
+            scal: dev.zeros(4, 1)?,
+        })
+    }
+
+    fn step(&mut self, dev: &Device, a: &Matrix) -> Result<(f64, f64)> {
+        power_step(dev, a, &mut self.v, &mut self.w, &mut self.part, &mut self.scal)
+    }
+}
+
+/// The CPU backend's second `λ_max` estimate (`cpu::newton`'s `rayleigh_pseudo_random`): the
+/// Rayleigh quotient after `steps` power steps from a fixed pseudo-random start.
+fn rayleigh_pseudo_random(dev: &Device, a: &Matrix, steps: usize) -> Result<f32> {
+    let mut ps = PowerState::new(dev, a, &pseudo_random_start(a.rows()))?;
+    let mut theta = 0.0;
+    for _ in 0..steps {
+        let (rq, wn) = ps.step(dev, a)?;
+        if wn == 0.0 {
+            return Ok(0.0);
+        }
+        theta = rq;
+    }
+    Ok(theta as f32)
+}
+
+/// `n` deterministic values spread over `[-1, 1)` (xorshift64*); the same sequence as the CPU
+/// backend's start, so both estimate `λ_max` from the same vectors.
+fn pseudo_random_start(n: usize) -> Vec<f64> {
+    let mut state = 0x9e37_79b9_7f4a_7c15u64;
+    (0..n)
+        .map(|_| {
+            state ^= state >> 12;
+            state ^= state << 25;
+            state ^= state >> 27;
+            (state.wrapping_mul(0x2545_f491_4f6c_dd1d) >> 11) as f64 / (1u64 << 52) as f64 - 1.0
+        })
+        .collect()
+}
+
+/// One power-iteration step on the device: `w = A v`, then `v ← w/‖w‖` (when `‖w‖ > 0`);
+/// returns `(vᵀAv, ‖Av‖)` (the `v` before the step), summed in double.
+fn power_step(
+    dev: &Device,
+    a: &Matrix,
+    v: &mut Matrix,
+    w: &mut Matrix,
+    part: &mut Matrix,
+    scal: &mut Matrix,
+) -> Result<(f64, f64)> {
+    const OP: &str = "cuda::newton::power_step";
+    let n = a.rows();
+    let ni = dim(OP, n)?;
+    check_len(OP, "v", v.len(), n)?;
+    check_len(OP, "w", w.len(), n)?;
+    check_len(OP, "scal", scal.len(), 4)?;
+    let blocks = n.div_ceil(8).min(MATVEC_MAX_BLOCKS);
+    check_len(OP, "partial", part.len(), 4 * blocks)?;
+    let cfg = LaunchConfig {
+        grid: (blocks as u32, 1, 1),
+        block: (256, 1, 1),
+        shared_mem: 0,
+    };
+    let mut args = KernelArgs::new(dev);
+    args.input(OP, a)?
+        .input(OP, v)?
+        .output(OP, w)?
+        .output(OP, part)?
+        .scalar(ni);
+    // SAFETY: newton_power_matvec(const float* a, const float* v, float* w, float* partial,
+    // int n): a is n x n, v and w hold n floats (checked); rows r < n only; block b writes
+    // partial[4b..4b+4), inside 4·blocks floats; block 256 = the kernel's 8 warps.
+    unsafe { launch(&POWER_MATVEC, cfg, args) }?;
+    let cfg = LaunchConfig {
+        grid: (1, 1, 1),
+        block: (256, 1, 1),
+        shared_mem: 0,
+    };
+    let mut args = KernelArgs::new(dev);
+    args.input(OP, part)?
+        .scalar(blocks as i32)
+        .input(OP, w)?
+        .output(OP, v)?
+        .output(OP, scal)?
+        .scalar(ni);
+    // SAFETY: newton_power_normalize(const float* partial, int count, const float* w, float*
+    // v, float* scal, int n): partial holds 4·count floats, w and v n, scal 4 (checked).
+    unsafe { launch(&POWER_NORMALIZE, cfg, args) }?;
+    let s = scal.to_vec()?;
+    Ok((
+        s[0] as f64 + s[1] as f64,
+        s[2] as f64 + s[3] as f64,
+    ))
+}
+
+/// The power iteration of [`crate::cpu::norm::spectral_norm`] on the device (same start
+/// vector, stop test and result), finiteness not re-checked. `a` is `n x n`, `n ≥ 1`.
+fn power_iteration(dev: &Device, a: &Matrix, opts: &PowerOptions) -> Result<PowerInfo> {
+    let n = a.rows();
+    // Golden-ratio fractional parts, as on the CPU.
+    let v0: Vec<f64> = (0..n)
+        .map(|i| 1.0 + 0.5 * ((i as f64 * 0.618_033_988_749_895).fract() - 0.5))
+        .collect();
+    let mut ps = PowerState::new(dev, a, &v0)?;
+    let mut prev: Option<f64> = None;
+    for it in 1..=opts.max_iter {
+        let (rq, wn) = ps.step(dev, a)?;
+        if wn == 0.0 {
+            // A v = 0: A = 0 for every practical purpose (see the CPU backend).
+            return Ok(PowerInfo {
+                value: 0.0,
+                iterations: it,
+                converged: true,
+            });
+        }
+        if let Some(p) = prev {
+            if (rq - p).abs() <= opts.tol as f64 * rq.abs() {
+                return Ok(PowerInfo {
+                    value: rq as f32,
+                    iterations: it,
+                    converged: true,
+                });
+            }
+        }
+        prev = Some(rq);
+    }
+    Ok(PowerInfo {
+        value: prev.unwrap_or(0.0) as f32,
+        iterations: opts.max_iter,
+        converged: false,
+    })
+}
+
+/// [`Device::spectral_norm`] on [`Device::Emulated`] / [`Device::Cuda`]: the CPU backend's
+/// power iteration with the matrix-vector products and normalization on the device and the
+/// Rayleigh quotient read back each step. Shapes and options are validated by the caller.
+///
+/// # Errors
+/// [`Error::NonFinite`] for NaN/Inf in `a`, [`Error::Value`] for `n > 46340`, device errors.
+pub(crate) fn spectral_norm(dev: &Device, a: &Matrix, opts: &PowerOptions) -> Result<PowerInfo> {
+    const OP: &str = "Device::spectral_norm";
+    let n = a.rows();
+    if n == 0 {
+        return Ok(PowerInfo {
+            value: 0.0,
+            iterations: 0,
+            converged: true,
+        });
+    }
+    let mut unused = Unused::new(dev)?;
+    let st = sym_stats(dev, a, None, None, &mut unused)?;
+    if let Some((index, value)) = st.non_finite {
+        return Err(Error::NonFinite {
+            op: OP,
+            arg: "a",
+            index,
+            value,
+        });
+    }
+    power_iteration(dev, a, opts)
+}
+
+/// Checks `m` (finite, symmetric to [`SYM_TOL`]) and writes its symmetric part (and bf16
+/// copy) — the CPU's `check_finite_view` + `symmetric_part`.
+fn symmetric_part(
+    dev: &Device,
+    arg: &'static str,
+    m: &Matrix,
+    sym: &mut Matrix,
+    sym_bf: Option<&mut Matrix<bf16>>,
+    unused: &mut Unused,
+) -> Result<()> {
+    const OP: &str = "Device::newton_inverse";
+    let st = sym_stats(dev, m, Some(sym), sym_bf, unused)?;
+    if let Some((index, value)) = st.non_finite {
+        return Err(Error::NonFinite {
+            op: OP,
+            arg,
+            index,
+            value,
+        });
+    }
+    if st.max_asym > SYM_TOL * st.max_abs {
+        return Err(Error::Value {
+            op: OP,
+            arg,
+            value: (st.max_asym / st.max_abs) as f64,
+            expected: "a symmetric matrix (max |a_ij - a_ji| / max |a| <= 1e-5)",
+        });
+    }
+    Ok(())
+}
+
+fn zero_matrix() -> Error {
+    value_err(
+        "Device::newton_inverse",
+        "a",
+        0.0,
+        "a nonzero (positive definite) matrix",
+    )
+}
+
+/// The iteration's device buffers (`n x n` unless noted; bf16 copies are 1x1 placeholders in
+/// `F32` mode, `g` in non-quartic runs).
+struct Work<'d> {
+    dev: &'d Device,
+    n: usize,
+    /// Products in bf16 (tensor cores) now; false in `F32` mode and for the `Bf16` run's
+    /// final f32 check and polish.
+    bf16: bool,
+    a: Matrix,
+    a_bf: Matrix<bf16>,
+    /// Iterates (three, so the current, the best and the next never collide).
+    x: [Matrix; 3],
+    x_bf: [Matrix<bf16>; 3],
+    cur: usize,
+    best: Option<usize>,
+    /// `E = I − AX`.
+    e: Matrix,
+    e_bf: Matrix<bf16>,
+    /// `E²` (quartic).
+    g: Matrix,
+    g_bf: Matrix<bf16>,
+    /// The correction `F` (f32 mode: `f`, bf16 mode: `f_bf`).
+    f: Matrix,
+    f_bf: Matrix<bf16>,
+    /// f32 product scratch.
+    c: Matrix,
+    partial: Matrix,
+    res: Matrix,
+    unused: Unused,
+}
+
+/// `(&v[i], &mut v[j])` for `i ≠ j`.
+fn two<T>(v: &mut [T], i: usize, j: usize) -> (&T, &mut T) {
+    if i < j {
+        let (lo, hi) = v.split_at_mut(j);
+        (&lo[i], &mut hi[0])
+    } else {
+        let (lo, hi) = v.split_at_mut(i);
+        (&hi[0], &mut lo[j])
+    }
+}
+
+impl<'d> Work<'d> {
+    fn new(dev: &'d Device, n: usize, bf16: bool, quartic: bool) -> Result<Self> {
+        let sq = |on: bool| if on { n } else { 1 };
+        let f = |on: bool| dev.zeros::<f32>(sq(on), sq(on));
+        let b = |on: bool| dev.zeros::<bf16>(sq(on), sq(on));
+        Ok(Self {
+            dev,
+            n,
+            bf16,
+            a: f(true)?,
+            a_bf: b(bf16)?,
+            x: [f(true)?, f(true)?, f(true)?],
+            x_bf: [b(bf16)?, b(bf16)?, b(bf16)?],
+            cur: 0,
+            best: None,
+            e: f(true)?,
+            e_bf: b(bf16)?,
+            g: f(quartic)?,
+            g_bf: b(quartic && bf16)?,
+            f: f(true)?,
+            f_bf: b(bf16)?,
+            c: f(true)?,
+            partial: dev.zeros(partials(n), 1)?,
+            res: dev.zeros(1, 1)?,
+            unused: Unused::new(dev)?,
+        })
+    }
+
+    /// `E ← I − A X` (bf16 operands in bf16 mode, with E's bf16 copy) and its residual
+    /// `‖E‖_F/√n`, the one value read back.
+    fn product_t(&mut self) -> Result<f32> {
+        let epi = Epilogue {
+            alpha: -1.0,
+            diag: 1.0,
+            out: Some(&mut self.e),
+            partial: Some(&mut self.partial),
+            ..Epilogue::new()
+        };
+        if self.bf16 {
+            let epi = Epilogue {
+                out_bf: Some(&mut self.e_bf),
+                ..epi
+            };
+            product_tc(
+                self.dev,
+                &self.a_bf,
+                &self.x_bf[self.cur],
+                epi,
+                &mut self.unused,
+            )?;
+        } else {
+            product_f32(
+                self.dev,
+                &self.a,
+                &self.x[self.cur],
+                &mut self.c,
+                epi,
+                &mut self.unused,
+            )?;
+        }
+        residual(self.dev, &self.partial, partials(self.n), self.n, &mut self.res)?;
+        Ok(self.res.to_vec()?[0])
+    }
+
+    /// `X ← X + X·F` (into a buffer other than the current and the best iterate), with
+    /// `F = E`, `E + E²`, `E + E² + E³` formed in fused epilogues from the current `E`.
+    fn step(&mut self, order: NewtonOrder) -> Result<()> {
+        let (dev, bf) = (self.dev, self.bf16);
+        let u = &mut self.unused;
+        match (order, bf) {
+            (NewtonOrder::Quadratic, _) => {}
+            (NewtonOrder::Cubic, true) => {
+                let epi = Epilogue {
+                    add1: Some(&self.e),
+                    out_bf: Some(&mut self.f_bf),
+                    ..Epilogue::new()
+                };
+                product_tc(dev, &self.e_bf, &self.e_bf, epi, u)?;
+            }
+            (NewtonOrder::Cubic, false) => {
+                let epi = Epilogue {
+                    add1: Some(&self.e),
+                    out: Some(&mut self.f),
+                    ..Epilogue::new()
+                };
+                product_f32(dev, &self.e, &self.e, &mut self.c, epi, u)?;
+            }
+            (NewtonOrder::Quartic, true) => {
+                let epi = Epilogue {
+                    out: Some(&mut self.g),
+                    out_bf: Some(&mut self.g_bf),
+                    ..Epilogue::new()
+                };
+                product_tc(dev, &self.e_bf, &self.e_bf, epi, u)?;
+                let epi = Epilogue {
+                    add1: Some(&self.g),
+                    add2: Some(&self.e),
+                    out_bf: Some(&mut self.f_bf),
+                    ..Epilogue::new()
+                };
+                product_tc(dev, &self.g_bf, &self.e_bf, epi, u)?;
+            }
+            (NewtonOrder::Quartic, false) => {
+                let epi = Epilogue {
+                    out: Some(&mut self.g),
+                    ..Epilogue::new()
+                };
+                product_f32(dev, &self.e, &self.e, &mut self.c, epi, u)?;
+                let epi = Epilogue {
+                    add1: Some(&self.g),
+                    add2: Some(&self.e),
+                    out: Some(&mut self.f),
+                    ..Epilogue::new()
+                };
+                product_f32(dev, &self.g, &self.e, &mut self.c, epi, u)?;
+            }
+        }
+        let quad = order == NewtonOrder::Quadratic;
+        let next = (0..3)
+            .find(|&i| i != self.cur && Some(i) != self.best)
+            .unwrap_or((self.cur + 1) % 3);
+        let (x, x_next) = two(&mut self.x, self.cur, next);
+        if bf {
+            let (xb, xb_next) = two(&mut self.x_bf, self.cur, next);
+            let epi = Epilogue {
+                add1: Some(x),
+                out: Some(x_next),
+                out_bf: Some(xb_next),
+                ..Epilogue::new()
+            };
+            let f = if quad { &self.e_bf } else { &self.f_bf };
+            product_tc(dev, xb, f, epi, u)?;
+        } else {
+            let epi = Epilogue {
+                add1: Some(x),
+                out: Some(x_next),
+                ..Epilogue::new()
+            };
+            let f = if quad { &self.e } else { &self.f };
+            product_f32(dev, x, f, &mut self.c, epi, u)?;
+        }
+        self.cur = next;
+        Ok(())
+    }
+
+    /// `X₀ = c I` (SPEC §2 (b)), `c = 2/(λ_hi + min(λ_low, λ_hi))`, with `λ_hi` as in the CPU
+    /// backend: `min(1.1·θ, cap)` (θ the larger Rayleigh quotient of the two power
+    /// iterations) when `estimated`, else the guaranteed `cap = 1.02·min(‖A‖∞, ‖A‖_F)`.
+    fn scaled_identity(&mut self, lambda_low: f32, estimated: bool) -> Result<()> {
+        let (inf, _, fro) = abs_norms(self.dev, &self.a)?;
+        if inf == 0.0 {
+            return Err(zero_matrix());
+        }
+        let cap = GERSHGORIN_MARGIN * inf.min(fro) as f32;
+        let hi = if estimated {
+            let power = power_iteration(
+                self.dev,
+                &self.a,
+                &PowerOptions {
+                    tol: 1e-3,
+                    max_iter: 60,
+                },
+            )?;
+            let theta = power
+                .value
+                .max(rayleigh_pseudo_random(self.dev, &self.a, 20)?);
+            if theta <= 0.0 {
+                return Err(value_err(
+                    "Device::newton_inverse",
+                    "a",
+                    theta as f64,
+                    "a positive definite matrix (power iterations found no positive eigenvalue)",
+                ));
+            }
+            (LAMBDA_MARGIN * theta).min(cap)
+        } else {
+            cap
+        };
+        let c = 2.0 / (hi + lambda_low.min(hi));
+        self.set_x(None, c)
+    }
+
+    /// `X ← f32(alpha·A)` or `c·I` into the current buffer (and its bf16 copy).
+    fn set_x(&mut self, alpha: Option<f64>, c: f32) -> Result<()> {
+        let src = alpha.map(|al| (&self.a, al));
+        let xb = self.bf16.then_some(&mut self.x_bf[self.cur]);
+        init_x(
+            self.dev,
+            src,
+            c,
+            &mut self.x[self.cur],
+            xb,
+            &mut self.unused,
+        )
+    }
+}
+
+/// [`Device::newton_inverse`] on [`Device::Emulated`] / [`Device::Cuda`]; see the module
+/// docs. `a` (and `warm`) are on `dev` with shapes and options already validated.
+///
+/// # Errors
+/// As [`crate::cpu::newton::newton_inverse`], plus [`Error::Value`] for `n > 46340` and
+/// device errors.
+pub(crate) fn newton_inverse(
+    dev: &Device,
+    a: &Matrix,
+    warm: Option<&Matrix>,
+    opts: &NewtonOptions,
+) -> Result<(Matrix, NewtonInfo)> {
+    const OP: &str = "Device::newton_inverse";
+    opts.validate(OP)?;
+    let n = a.rows();
+    check_shape(OP, "a", a.shape(), (n, n))?;
+    if n == 0 {
+        return Err(Error::Shape {
+            op: OP,
+            arg: "a",
+            expected: "n x n with n >= 1".into(),
+            got: "0x0".into(),
+        });
+    }
+    dim(OP, n)?;
+    let bf16 = opts.precision == Precision::Bf16;
+    let mut it = Work::new(dev, n, bf16, opts.order == NewtonOrder::Quartic)?;
+    {
+        let a_bf = bf16.then_some(&mut it.a_bf);
+        symmetric_part(dev, "a", a, &mut it.a, a_bf, &mut it.unused)?;
+    }
+    let warm = match (opts.init, warm) {
+        (InitialGuess::Warm, Some(w)) => {
+            check_shape(OP, "warm", w.shape(), (n, n))?;
+            let xb = bf16.then_some(&mut it.x_bf[0]);
+            symmetric_part(dev, "warm", w, &mut it.x[0], xb, &mut it.unused)?;
+            true
+        }
+        _ => false,
+    };
+
+    // X₀ (in buffer 0) and the residual of its T-product.
+    let mut r0 = None;
+    let init_used = match (opts.init, warm) {
+        (InitialGuess::Paper, _) => {
+            let (inf, one, _) = abs_norms(dev, &it.a)?;
+            let prod = inf * one;
+            if prod == 0.0 {
+                return Err(zero_matrix());
+            }
+            it.set_x(Some(1.0 / prod), 0.0)?;
+            InitialGuess::Paper
+        }
+        (InitialGuess::Warm, true) => {
+            let r = it.product_t()?;
+            // ‖I − AX‖₂ < 1 through the bounds ‖·‖_F and √(‖·‖₁‖·‖∞).
+            let (inf, one, _) = abs_norms(dev, &it.e)?;
+            let fro = r as f64 * (n as f64).sqrt();
+            if fro.min((inf * one).sqrt()) < 1.0 {
+                r0 = Some(r);
+                InitialGuess::Warm
+            } else {
+                it.scaled_identity(opts.lambda_low, true)?;
+                InitialGuess::ScaledIdentity
+            }
+        }
+        (InitialGuess::ScaledIdentity | InitialGuess::Warm, _) => {
+            it.scaled_identity(opts.lambda_low, true)?;
+            InitialGuess::ScaledIdentity
+        }
+    };
+    let r = match r0 {
+        Some(r) => r,
+        None => it.product_t()?,
+    };
+
+    // As on the CPU: a scaled-identity start whose λ_max estimate was too low diverges; it
+    // is retried once from the guaranteed bound (one history, the first run's steps counted).
+    let mut history = Vec::new();
+    let (best_r, best_iter) = match iterate(&mut it, opts, r, &mut history) {
+        Err(Error::Diverged { iterations, .. }) if init_used == InitialGuess::ScaledIdentity => {
+            it.best = None;
+            it.scaled_identity(opts.lambda_low, false)?;
+            let r = it.product_t()?;
+            let (r, k) = iterate(&mut it, opts, r, &mut history)?;
+            (r, iterations + k)
+        }
+        other => other?,
+    };
+
+    let mut info = NewtonInfo {
+        residual: best_r,
+        iterations: best_iter,
+        init_used,
+        residual_history: history,
+        polished: false,
+    };
+    if bf16 {
+        // The honest residual of the best iterate from an f32 product, then the polish.
+        it.bf16 = false;
+        it.cur = it.best.unwrap_or(it.cur);
+        let r_best = it.product_t()?;
+        info.residual = r_best;
+        if opts.polish {
+            let x_best = it.cur;
+            it.step(NewtonOrder::Quadratic)?;
+            let r_pol = it.product_t()?;
+            if r_pol < r_best {
+                info.residual = r_pol;
+                info.polished = true;
+            } else {
+                it.cur = x_best;
+            }
+        }
+        if !info.residual.is_finite() {
+            return Err(Error::Diverged {
+                op: OP,
+                reason: DivergenceReason::NonFinite,
+                iterations: best_iter,
+                residual: info.residual as f64,
+            });
+        }
+    }
+    let cur = it.cur;
+    let Work { x: [x0, x1, x2], .. } = it;
+    let out = match cur {
+        0 => x0,
+        1 => x1,
+        _ => x2,
+    };
+    Ok((out, info))
+}
+
+/// Iterates from the current `X₀` (whose residual is `r`, with `E` formed) under the CPU
+/// backend's stopping rules, step for step (see [`crate::cpu::newton`]), appending each
+/// residual to `history`. Returns the best residual and the step that reached it; the
+/// iterate is left in `it.x[it.cur]` (`F32`) or `it.x[it.best]` (`Bf16`).
+fn iterate(
+    it: &mut Work<'_>,
+    opts: &NewtonOptions,
+    mut r: f32,
+    history: &mut Vec<f32>,
+) -> Result<(f32, usize)> {
+    const OP: &str = "Device::newton_inverse";
+    let bf16 = it.bf16;
+    let mut iterations = 0;
+    let mut best_r = f32::INFINITY;
+    let mut best_iter = 0;
+    let mut prev_r = f32::INFINITY;
+    // The CPU's mirrored-product phase: products are always full here, but its rule (no
+    // improvement there ends the phase instead of the run) is kept.
+    let mut sym_phase = !bf16;
+    let diverged = |reason, iterations, residual: f32| Error::Diverged {
+        op: OP,
+        reason,
+        iterations,
+        residual: residual as f64,
+    };
+    loop {
+        history.push(r);
+        if !r.is_finite() {
+            if bf16 && best_r < ARMED {
+                break;
+            }
+            return Err(diverged(DivergenceReason::NonFinite, iterations, r));
+        }
+        if r <= opts.tol {
+            best_r = r;
+            best_iter = iterations;
+            it.best = Some(it.cur);
+            break;
+        }
+        if r < best_r {
+            best_r = r;
+            best_iter = iterations;
+            it.best = Some(it.cur);
+        } else if sym_phase {
+            sym_phase = false;
+        } else if best_r < ARMED {
+            if bf16 {
+                break;
+            }
+            let reason = if r > 2.0 * best_r {
+                DivergenceReason::Growing
+            } else {
+                DivergenceReason::NotConverged
+            };
+            return Err(diverged(reason, iterations, best_r));
+        } else if r > prev_r * (1.0 + GROWTH_SLACK) {
+            return Err(diverged(DivergenceReason::Growing, iterations, r));
+        }
+        if iterations == opts.max_iter {
+            return Err(diverged(DivergenceReason::NotConverged, iterations, r));
+        }
+        if r <= SYM_SWITCH {
+            sym_phase = false;
+        }
+        prev_r = r;
+        it.step(opts.order)?;
+        iterations += 1;
+        r = it.product_t()?;
+    }
+    Ok((best_r, best_iter))
+}

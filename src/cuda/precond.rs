@@ -1,0 +1,239 @@
+//! Launchers of `kernels/precond.cu`: the tiled fp32 GEMM (all four transpose cases), and
+//! through it the Kronecker preconditioning `P = Γ̃⁻¹ G Λ̃⁻¹` and the damped-inverse update
+//! `X ← X − dλ·X·X`; `A ← A + λI`; the trace.
+//!
+//! Every function runs on [`Device::Emulated`] or [`Device::Cuda`] (on the device's stream,
+//! asynchronously, except [`trace`], which reads its scalar back). Shapes and scalars are
+//! validated here, before any launch; finiteness of the operands is the caller's business
+//! (see [`crate::ops`]).
+
+use super::launch::{kernel, launch, KernelArgs, LaunchConfig};
+use crate::device::{Device, Matrix};
+use crate::error::{check_shape, check_value, Error, Result};
+use crate::mat::Trans;
+
+kernel!(pub GEMM_NN = PRECOND::precond_gemm_nn;);
+kernel!(pub GEMM_NT = PRECOND::precond_gemm_nt;);
+kernel!(pub GEMM_TN = PRECOND::precond_gemm_tn;);
+kernel!(pub GEMM_TT = PRECOND::precond_gemm_tt;);
+kernel!(pub ADD_DIAGONAL = PRECOND::precond_add_diagonal;);
+kernel!(pub TRACE = PRECOND::precond_trace;);
+
+/// Output tile of the GEMM kernels (rows and columns) and its threads per block.
+const GEMM_TILE: usize = 64;
+const GEMM_THREADS: u32 = 256;
+/// Threads of the single-block trace reduction.
+const TRACE_THREADS: u32 = 256;
+
+/// `v` as a kernel `int`, or `Err(Error::Value)` naming `arg`.
+pub(crate) fn to_i32(op: &'static str, arg: &'static str, v: usize) -> Result<i32> {
+    i32::try_from(v).map_err(|_| Error::Value {
+        op,
+        arg,
+        value: v as f64,
+        expected: "a dimension below 2^31",
+    })
+}
+
+fn op_shape(t: Trans, m: &Matrix) -> (usize, usize) {
+    match t {
+        Trans::No => m.shape(),
+        Trans::Yes => (m.cols(), m.rows()),
+    }
+}
+
+/// `C ← α·op(A)·op(B) + β·C` with `op(A)` `m x k`, `op(B)` `k x n` and `C` `m x n`, all
+/// row-major and contiguous. BLAS semantics: `β = 0` never reads `C` (it may hold NaN),
+/// `α = 0` (or `k = 0`) never reads `A` and `B`.
+///
+/// One launch of `precond_gemm_{nn,nt,tn,tt}`: 64x64 output tiles, 256 threads.
+///
+/// # Errors
+/// [`Error::DeviceMismatch`], [`Error::Shape`] for disagreeing dimensions, [`Error::Value`]
+/// for a non-finite `α`/`β` or a dimension ≥ 2^31, launch/driver errors. `c` is unchanged
+/// on error.
+#[allow(clippy::too_many_arguments)]
+pub fn gemm(
+    dev: &Device,
+    ta: Trans,
+    tb: Trans,
+    alpha: f32,
+    a: &Matrix,
+    b: &Matrix,
+    beta: f32,
+    c: &mut Matrix,
+) -> Result<()> {
+    const OP: &str = "cuda::precond::gemm";
+    check_value(OP, "alpha", alpha as f64, true, "a finite number")?;
+    check_value(OP, "beta", beta as f64, true, "a finite number")?;
+    let (m, k) = op_shape(ta, a);
+    let (kb, n) = op_shape(tb, b);
+    if kb != k {
+        return Err(Error::Shape {
+            op: OP,
+            arg: "b",
+            expected: format!("op(b) with {k} rows (the columns of op(a))"),
+            got: format!("op(b) of {kb}x{n}"),
+        });
+    }
+    check_shape(OP, "c", c.shape(), (m, n))?;
+    let (mi, ni) = (to_i32(OP, "m", m)?, to_i32(OP, "n", n)?);
+    let ki = to_i32(OP, "k", k)?;
+    let (lda, ldb, ldc) = (
+        to_i32(OP, "a", a.cols())?,
+        to_i32(OP, "b", b.cols())?,
+        to_i32(OP, "c", c.cols())?,
+    );
+    if m == 0 || n == 0 {
+        return Ok(());
+    }
+    // α = 0: run no k step at all, so A and B are never read (C ← β·C).
+    let k_eff = if alpha == 0.0 { 0 } else { ki };
+    let kernel = match (ta, tb) {
+        (Trans::No, Trans::No) => &GEMM_NN,
+        (Trans::No, Trans::Yes) => &GEMM_NT,
+        (Trans::Yes, Trans::No) => &GEMM_TN,
+        (Trans::Yes, Trans::Yes) => &GEMM_TT,
+    };
+    let cfg = LaunchConfig {
+        grid: (
+            n.div_ceil(GEMM_TILE) as u32,
+            m.div_ceil(GEMM_TILE) as u32,
+            1,
+        ),
+        block: (GEMM_THREADS, 1, 1),
+        shared_mem: 0,
+    };
+    let mut args = KernelArgs::new(dev);
+    args.input(OP, a)?
+        .input(OP, b)?
+        .output(OP, c)?
+        .scalar(mi)
+        .scalar(ni)
+        .scalar(k_eff)
+        .scalar(lda)
+        .scalar(ldb)
+        .scalar(ldc)
+        .scalar(alpha)
+        .scalar(beta);
+    // SAFETY: precond_gemm_{nn,nt,tn,tt}(const float* A, const float* B, float* C, int M,
+    // int N, int K, int lda, int ldb, int ldc, float alpha, float beta). A is stored
+    // (M x K, ld K) or, transposed, (K x M, ld M): a.cols() is its row length either way, and
+    // the kernel reads op(A)(i, kk) only for i < M, kk < K — inside a's rows*cols floats;
+    // likewise B with op(B) K x N, and C (M x N, ld N = c.cols()) only at i < M, j < N.
+    // The grid covers ceil(N/64) x ceil(M/64) tiles; the kernel uses static shared memory.
+    unsafe { launch(kernel, cfg, args) }
+}
+
+/// `a ← a + λ I` for a square `a`.
+///
+/// # Errors
+/// [`Error::DeviceMismatch`], [`Error::Shape`] unless square, [`Error::Value`] for a
+/// non-finite `λ`, launch errors. `a` is unchanged on error.
+pub fn add_diagonal(dev: &Device, a: &mut Matrix, lambda: f32) -> Result<()> {
+    const OP: &str = "cuda::precond::add_diagonal";
+    check_shape(OP, "a", a.shape(), (a.rows(), a.rows()))?;
+    check_value(OP, "lambda", lambda as f64, true, "a finite number")?;
+    let n = a.rows();
+    let ni = to_i32(OP, "a", n)?;
+    if n == 0 {
+        return Ok(());
+    }
+    let cfg = LaunchConfig::for_elements(n, 256)?;
+    let mut args = KernelArgs::new(dev);
+    args.output(OP, a)?.scalar(ni).scalar(ni).scalar(lambda);
+    // SAFETY: precond_add_diagonal(float* a, int n, int ld, float lambda): a is n x n with
+    // ld = n, and the kernel touches a[i * (ld + 1)] for i < n only, the last at n*n − 1.
+    unsafe { launch(&ADD_DIAGONAL, cfg, args) }
+}
+
+/// Trace of a square matrix: finite diagonal entries summed in `f64` on the device, rounded
+/// to `f32`; one 3-float read-back (this call synchronizes with the device's stream).
+///
+/// # Errors
+/// [`Error::DeviceMismatch`], [`Error::Shape`] unless square, [`Error::NonFinite`] for a
+/// NaN/Inf diagonal entry (the first, flat index `i·n + i`), launch/driver errors.
+pub fn trace(dev: &Device, a: &Matrix) -> Result<f32> {
+    const OP: &str = "cuda::precond::trace";
+    check_shape(OP, "a", a.shape(), (a.rows(), a.rows()))?;
+    let n = a.rows();
+    let ni = to_i32(OP, "a", n)?;
+    dev.check_on(OP, a)?;
+    if n == 0 {
+        return Ok(0.0);
+    }
+    let mut out = dev.zeros::<f32>(3, 1)?;
+    let cfg = LaunchConfig {
+        grid: (1, 1, 1),
+        block: (TRACE_THREADS, 1, 1),
+        shared_mem: 0,
+    };
+    let mut args = KernelArgs::new(dev);
+    args.input(OP, a)?
+        .scalar(ni)
+        .scalar(ni)
+        .output(OP, &mut out)?;
+    // SAFETY: precond_trace(const float* a, int n, int ld, float* out): a is n x n with
+    // ld = n and the kernel reads a[i * (ld + 1)] for i < n only; out holds 3 floats and
+    // thread 0 writes out[0..3]. One block of 256 threads (a multiple of 32, ≤ 1024), as the
+    // kernel's warp reduction requires; static shared memory only.
+    unsafe { launch(&TRACE, cfg, args) }?;
+    let r = out.to_vec()?;
+    let bad = r[1].to_bits() as i32;
+    if bad >= 0 {
+        let i = bad as usize;
+        return Err(Error::NonFinite {
+            op: OP,
+            arg: "a",
+            index: i * n + i,
+            value: r[2],
+        });
+    }
+    Ok(r[0])
+}
+
+/// `P = Γ̃⁻¹ (G Λ̃⁻¹)` with `Γ̃⁻¹` `d_out x d_out`, `G` `d_out x d_in`, `Λ̃⁻¹` `d_in x d_in`:
+/// two GEMM launches through a `d_out x d_in` scratch matrix on the same device.
+///
+/// # Errors
+/// [`Error::DeviceMismatch`], [`Error::Shape`], allocation/launch errors. `p` is unchanged
+/// on error (it is written by the last launch only).
+pub fn precondition(
+    dev: &Device,
+    gamma_inv: &Matrix,
+    g: &Matrix,
+    lambda_inv: &Matrix,
+    p: &mut Matrix,
+) -> Result<()> {
+    const OP: &str = "cuda::precond::precondition";
+    let (d_out, d_in) = g.shape();
+    check_shape(OP, "gamma_inv", gamma_inv.shape(), (d_out, d_out))?;
+    check_shape(OP, "lambda_inv", lambda_inv.shape(), (d_in, d_in))?;
+    check_shape(OP, "p", p.shape(), (d_out, d_in))?;
+    for m in [gamma_inv, g, lambda_inv] {
+        dev.check_on(OP, m)?;
+    }
+    dev.check_on(OP, p)?;
+    let mut t = dev.zeros::<f32>(d_out, d_in)?;
+    gemm(dev, Trans::No, Trans::No, 1.0, g, lambda_inv, 0.0, &mut t)?;
+    gemm(dev, Trans::No, Trans::No, 1.0, gamma_inv, &t, 0.0, p)
+}
+
+/// Lazy-Fisher damped-inverse update `X ← X − dλ · X X` for a square `X`: one GEMM
+/// (`α = −dλ`, `β = 1`, the fused epilogue) reading a device-side copy of the old `X`.
+/// `dλ = 0` leaves `X` as it is.
+///
+/// # Errors
+/// [`Error::DeviceMismatch`], [`Error::Shape`] unless square, [`Error::Value`] for a
+/// non-finite `dλ`, allocation/launch errors. `inv` is unchanged on error.
+pub fn damped_inverse_update(dev: &Device, inv: &mut Matrix, dlambda: f32) -> Result<()> {
+    const OP: &str = "cuda::precond::damped_inverse_update";
+    check_shape(OP, "inv", inv.shape(), (inv.rows(), inv.rows()))?;
+    check_value(OP, "dlambda", dlambda as f64, true, "a finite number")?;
+    dev.check_on(OP, inv)?;
+    if dlambda == 0.0 || inv.is_empty() {
+        return Ok(());
+    }
+    let x = inv.try_clone()?;
+    gemm(dev, Trans::No, Trans::No, -dlambda, &x, &x, 1.0, inv)
+}

@@ -1,0 +1,691 @@
+//! The Newton-inversion kernels (`kernels/newton.cu`) run by the emulator (and on a GPU when
+//! one is present) against the CPU backend: the fused-epilogue products against `f64`
+//! references, the whole inversion against `grng::cpu::newton` (same starts, orders,
+//! precisions, stop rules), the power iteration against `grng::cpu::spectral_norm`, and the
+//! typed errors. Outputs are poisoned with NaN before each launch. Sizes stay below ~100:
+//! every emulated thread is a fiber.
+
+use grng::cpu::newton::newton_inverse as cpu_newton;
+use grng::cuda::newton::{self as kn, Epilogue, Unused};
+use grng::cuda::CudaDevice;
+use grng::ops::newton::{InitialGuess, NewtonInfo, NewtonOptions, NewtonOrder, Precision};
+use grng::ops::norm::PowerOptions;
+use grng::{Device, Error, Mat, MatRef, Matrix};
+use half::bf16;
+use proptest::prelude::*;
+use rand::{Rng, SeedableRng};
+use rand_chacha::ChaCha8Rng;
+
+fn devices() -> Vec<Device> {
+    let mut d = vec![Device::Emulated];
+    if let Ok(c) = CudaDevice::new(0) {
+        d.push(Device::Cuda(c));
+    }
+    d
+}
+
+fn config(cases: u32) -> ProptestConfig {
+    ProptestConfig {
+        cases,
+        failure_persistence: None,
+        ..ProptestConfig::default()
+    }
+}
+
+/// Sizes around the 64-wide output tile and the 32/16/8-wide load granules, plus anything.
+fn size() -> impl Strategy<Value = usize> {
+    prop_oneof![
+        1 => Just(1usize),
+        3 => prop::sample::select(vec![2usize, 7, 8, 9, 15, 16, 17, 31, 33, 63, 64, 65, 96]),
+        4 => 1usize..=100,
+    ]
+}
+
+fn random(rng: &mut ChaCha8Rng, len: usize) -> Vec<f32> {
+    (0..len).map(|_| rng.random_range(-1.0f32..1.0)).collect()
+}
+
+fn round_bf16(x: &[f32]) -> Vec<f32> {
+    x.iter().map(|&v| bf16::from_f32(v).to_f32()).collect()
+}
+
+/// `Q D Qᵀ` in `f64` (`Q` three random Householder reflectors), rounded to `f32`: the
+/// generator of `tests/cpu_newton.rs`.
+fn with_spectrum(rng: &mut ChaCha8Rng, d: &[f64]) -> Vec<f32> {
+    let n = d.len();
+    let mut q = vec![0.0f64; n * n];
+    (0..n).for_each(|i| q[i * n + i] = 1.0);
+    for _ in 0..3 {
+        let v: Vec<f64> = (0..n).map(|_| rng.random_range(-1.0..1.0)).collect();
+        let vv: f64 = v.iter().map(|x| x * x).sum::<f64>().max(1e-300);
+        for i in 0..n {
+            let qv: f64 = (0..n).map(|p| q[i * n + p] * v[p]).sum();
+            for j in 0..n {
+                q[i * n + j] -= 2.0 * qv * v[j] / vv;
+            }
+        }
+    }
+    let mut a = vec![0.0f32; n * n];
+    for i in 0..n {
+        for j in 0..=i {
+            let s: f64 = (0..n).map(|p| q[i * n + p] * d[p] * q[j * n + p]).sum();
+            a[i * n + j] = s as f32;
+            a[j * n + i] = s as f32;
+        }
+    }
+    a
+}
+
+/// SPD with eigenvalues log-spaced over `[1/κ, 1]` in random order.
+fn spd(rng: &mut ChaCha8Rng, n: usize, kappa: f64) -> Vec<f32> {
+    let mut d: Vec<f64> = (0..n)
+        .map(|i| {
+            let t = if n == 1 {
+                0.0
+            } else {
+                i as f64 / (n - 1) as f64
+            };
+            kappa.powf(-t)
+        })
+        .collect();
+    for i in (1..n).rev() {
+        d.swap(i, rng.random_range(0..=i));
+    }
+    with_spectrum(rng, &d)
+}
+
+/// `‖I − A X‖_F / √n` in `f64`.
+fn residual64(a: &[f32], x: &[f32], n: usize) -> f64 {
+    let mut s = 0.0;
+    for i in 0..n {
+        for j in 0..n {
+            let ax: f64 = (0..n)
+                .map(|k| a[i * n + k] as f64 * x[k * n + j] as f64)
+                .sum();
+            let e = if i == j { 1.0 - ax } else { -ax };
+            s += e * e;
+        }
+    }
+    (s / n as f64).sqrt()
+}
+
+/// Reference of a fused product: `(v, scale)` per element, `v` in `f64` from the given
+/// (already rounded) operands, `scale` = `Σ|a||b| + |adds| + |diag|` for the error bound.
+#[allow(clippy::too_many_arguments)]
+fn reference(
+    a: &[f32],
+    b: &[f32],
+    n: usize,
+    alpha: f32,
+    diag: f32,
+    add1: Option<&[f32]>,
+    add2: Option<&[f32]>,
+) -> (Vec<f64>, Vec<f64>) {
+    let mut v = vec![0.0; n * n];
+    let mut sc = vec![0.0; n * n];
+    for i in 0..n {
+        for j in 0..n {
+            let (mut s, mut m) = (0.0f64, 0.0f64);
+            for k in 0..n {
+                let p = a[i * n + k] as f64 * b[k * n + j] as f64;
+                s += p;
+                m += p.abs();
+            }
+            let o = i * n + j;
+            let mut x = alpha as f64 * s;
+            let mut y = m;
+            if i == j {
+                x += diag as f64;
+                y += (diag as f64).abs();
+            }
+            for add in [add1, add2].into_iter().flatten() {
+                x += add[o] as f64;
+                y += (add[o] as f64).abs();
+            }
+            v[o] = x;
+            sc[o] = y;
+        }
+    }
+    (v, sc)
+}
+
+#[derive(Debug)]
+struct Flags {
+    alpha: f32,
+    diag: f32,
+    add1: bool,
+    add2: bool,
+    out: bool,
+    out_bf: bool,
+    partial: bool,
+}
+
+fn flags() -> impl Strategy<Value = Flags> {
+    (
+        prop::bool::ANY,
+        -2.0f32..2.0,
+        prop::bool::ANY,
+        prop::bool::ANY,
+        0u8..3,
+        prop::bool::ANY,
+    )
+        .prop_map(|(neg, diag, add1, add2, outs, partial)| Flags {
+            alpha: if neg { -1.0 } else { 1.0 },
+            diag,
+            add1,
+            add2,
+            out: outs != 1,
+            out_bf: outs != 0,
+            partial,
+        })
+}
+
+/// Runs one fused product (`tc`: bf16 operands on tensor cores, else f32) with NaN-poisoned
+/// outputs and checks every output against [`reference`]. `tol_unit` is the relative error
+/// of one accumulated product term.
+fn check_product(dev: &Device, n: usize, f: &Flags, tc: bool, seed: u64) {
+    let mut rng = ChaCha8Rng::seed_from_u64(seed);
+    let a = random(&mut rng, n * n);
+    let b = random(&mut rng, n * n);
+    let add1 = random(&mut rng, n * n);
+    let add2 = random(&mut rng, n * n);
+    let (ar, br) = if tc {
+        (round_bf16(&a), round_bf16(&b))
+    } else {
+        (a.clone(), b.clone())
+    };
+    let (v, sc) = reference(
+        &ar,
+        &br,
+        n,
+        f.alpha,
+        f.diag,
+        f.add1.then_some(&add1[..]),
+        f.add2.then_some(&add2[..]),
+    );
+    let up = |x: &[f32]| dev.upload(n, n, x).unwrap();
+    let (d_add1, d_add2) = (up(&add1), up(&add2));
+    let mut out = up(&vec![f32::NAN; n * n]);
+    let mut out_bf: Matrix<bf16> = dev.upload(n, n, &vec![bf16::NAN; n * n]).unwrap();
+    let np = kn::partials(n);
+    let mut partial = dev.upload(np, 1, &vec![f32::NAN; np]).unwrap();
+    let mut unused = Unused::new(dev).unwrap();
+    let epi = Epilogue {
+        alpha: f.alpha,
+        diag: f.diag,
+        add1: f.add1.then_some(&d_add1),
+        add2: f.add2.then_some(&d_add2),
+        out: f.out.then_some(&mut out),
+        out_bf: f.out_bf.then_some(&mut out_bf),
+        partial: f.partial.then_some(&mut partial),
+    };
+    if tc {
+        let to_bf = |x: &[f32]| -> Matrix<bf16> {
+            let h: Vec<bf16> = x.iter().map(|&v| bf16::from_f32(v)).collect();
+            dev.upload(n, n, &h).unwrap()
+        };
+        kn::product_tc(dev, &to_bf(&a), &to_bf(&b), epi, &mut unused).unwrap();
+    } else {
+        let mut c = up(&vec![f32::NAN; n * n]);
+        kn::product_f32(dev, &up(&a), &up(&b), &mut c, epi, &mut unused).unwrap();
+    }
+    // Products of (bf16-rounded) inputs are exact in f32 and f64; the f32 sums round at most
+    // once per term, plus the epilogue's ≤ 3 additions: (n + 4)·2⁻²⁴ relative to the scale.
+    let eps = f32::EPSILON as f64 / 2.0;
+    let tol = |o: usize| (n as f64 + 4.0) * eps * sc[o] + 1e-30;
+    if f.out {
+        let got = out.to_vec().unwrap();
+        for o in 0..n * n {
+            let g = got[o] as f64;
+            assert!(
+                (g - v[o]).abs() <= tol(o),
+                "out[{o}] = {g} vs {} (n = {n})",
+                v[o]
+            );
+        }
+    }
+    if f.out_bf {
+        // The f32 value rounded once more to bf16: half an ulp, 2⁻⁹ relative.
+        let got = out_bf.to_vec().unwrap();
+        for o in 0..n * n {
+            let g = got[o].to_f32() as f64;
+            assert!(
+                (g - v[o]).abs() <= tol(o) + v[o].abs() / 256.0,
+                "out_bf[{o}] = {g} vs {} (n = {n})",
+                v[o]
+            );
+        }
+    }
+    if f.partial {
+        let got = partial.to_vec().unwrap();
+        let t = n.div_ceil(64);
+        for bi in 0..t {
+            for bj in 0..t {
+                let (mut s, mut e) = (0.0f64, 0.0f64);
+                for i in bi * 64..((bi + 1) * 64).min(n) {
+                    for j in bj * 64..((bj + 1) * 64).min(n) {
+                        s += v[i * n + j] * v[i * n + j];
+                        e += 2.0 * v[i * n + j].abs() * tol(i * n + j);
+                    }
+                }
+                let g = got[bi * t + bj] as f64;
+                // Each v² carries 2·|v|·δv, the f32 sum of ≤ 4096 squares 4096·2⁻²⁴.
+                assert!(
+                    (g - s).abs() <= e + 4096.0 * eps * s + 1e-30,
+                    "partial[{bi},{bj}] = {g} vs {s}"
+                );
+            }
+        }
+    }
+}
+
+proptest! {
+    #![proptest_config(config(32))]
+
+    /// newton_gemm_tc: every epilogue combination, ragged n, against f64 on bf16 inputs.
+    #[test]
+    fn tensor_core_product_and_epilogue(n in size(), f in flags(), seed: u64) {
+        for dev in devices() {
+            check_product(&dev, n, &f, true, seed);
+        }
+    }
+
+    /// The f32 product (precond GEMM) + newton_epilogue_f32, against f64.
+    #[test]
+    fn f32_product_and_epilogue(n in size(), f in flags(), seed: u64) {
+        for dev in devices() {
+            check_product(&dev, n, &f, false, seed);
+        }
+    }
+}
+
+fn order_of(i: u8) -> NewtonOrder {
+    match i % 3 {
+        0 => NewtonOrder::Quadratic,
+        1 => NewtonOrder::Cubic,
+        _ => NewtonOrder::Quartic,
+    }
+}
+
+fn init_of(i: u8) -> InitialGuess {
+    match i % 3 {
+        0 => InitialGuess::Paper,
+        1 => InitialGuess::ScaledIdentity,
+        _ => InitialGuess::Warm,
+    }
+}
+
+fn run_device(
+    dev: &Device,
+    a: &[f32],
+    n: usize,
+    warm: Option<&[f32]>,
+    opts: &NewtonOptions,
+) -> grng::Result<(Vec<f32>, NewtonInfo)> {
+    let da = dev.upload(n, n, a).unwrap();
+    let dw = warm.map(|w| dev.upload(n, n, w).unwrap());
+    let (x, info) = dev.newton_inverse(&da, dw.as_ref(), opts)?;
+    Ok((x.to_vec().unwrap(), info))
+}
+
+fn run_cpu(
+    a: &[f32],
+    n: usize,
+    warm: Option<&[f32]>,
+    opts: &NewtonOptions,
+) -> grng::Result<(Mat, NewtonInfo)> {
+    let w = warm.map(|w| MatRef::new(w, n, n).unwrap());
+    cpu_newton(MatRef::new(a, n, n).unwrap(), w, opts)
+}
+
+/// `‖x − y‖_F / √n`.
+fn rms_diff(x: &[f32], y: &[f32], n: usize) -> f64 {
+    (x.iter()
+        .zip(y)
+        .map(|(&p, &q)| (p as f64 - q as f64).powi(2))
+        .sum::<f64>()
+        / n as f64)
+        .sqrt()
+}
+
+/// The emulated inversion against the CPU backend on one SPD matrix.
+fn compare_newton(n: usize, kappa: f64, opts: &NewtonOptions, warm_kind: u8, seed: u64) {
+    let mut rng = ChaCha8Rng::seed_from_u64(seed);
+    let a = spd(&mut rng, n, kappa);
+    // Warm starts: a perturbed inverse (accepted) or a scaled identity far too large
+    // (rejected: the fallback runs).
+    let warm = (opts.init == InitialGuess::Warm).then(|| {
+        let (x, _) = run_cpu(&a, n, None, &NewtonOptions::default()).unwrap();
+        if warm_kind == 0 {
+            x.as_slice()
+                .iter()
+                .enumerate()
+                .map(|(k, &v)| {
+                    let (i, j) = (k / n, k % n);
+                    let sym = ((i * 7 + j * 7 + i * j) % 13) as f32 / 13.0 - 0.5;
+                    v * (1.0 + 0.05 * sym)
+                })
+                .collect::<Vec<f32>>()
+        } else {
+            (0..n * n)
+                .map(|k| if k / n == k % n { 10.0 * kappa as f32 } else { 0.0 })
+                .collect()
+        }
+    });
+    let cpu = run_cpu(&a, n, warm.as_deref(), opts);
+    for dev in devices() {
+        let got = run_device(&dev, &a, n, warm.as_deref(), opts);
+        match (&cpu, got) {
+            (Ok((x, i)), Ok((xg, ig))) => {
+                check_agreement(&a, n, kappa, opts, x.as_slice(), i, &xg, &ig);
+            }
+            (Err(e), Err(g)) => {
+                assert_eq!(
+                    std::mem::discriminant(e),
+                    std::mem::discriminant(&g),
+                    "cpu {e} vs {} {g}",
+                    dev.name()
+                );
+            }
+            (c, g) => panic!(
+                "n = {n}, κ = {kappa:.1}, {opts:?}: cpu {:?} vs {} {:?}",
+                c.as_ref().map(|r| &r.1),
+                dev.name(),
+                g.map(|r| r.1)
+            ),
+        }
+    }
+}
+
+#[allow(clippy::too_many_arguments)]
+fn check_agreement(
+    a: &[f32],
+    n: usize,
+    kappa: f64,
+    opts: &NewtonOptions,
+    x_cpu: &[f32],
+    i_cpu: &NewtonInfo,
+    x: &[f32],
+    info: &NewtonInfo,
+) {
+    let ctx = format!("n = {n}, κ = {kappa:.1}, {opts:?}\n cpu {i_cpu:?}\n dev {info:?}");
+    assert_eq!(info.init_used, i_cpu.init_used, "{ctx}");
+    // The products round differently, so a residual landing near tol (or near the bf16
+    // plateau) may take one step more or less.
+    assert!(
+        info.iterations.abs_diff(i_cpu.iterations) <= 1,
+        "iterations: {ctx}"
+    );
+    assert!(x.iter().all(|v| v.is_finite()), "{ctx}");
+    // The reported residual is an f32 product's: within its own noise of the f64 one
+    // (f32: (n + 4)·2⁻²⁴·‖A‖‖X‖ per element, ‖X‖ ≤ κ — so 2e-7·κ·√n is a generous bound).
+    let r64 = residual64(a, x, n);
+    let noise = 2e-7 * kappa * (n as f64).sqrt();
+    assert!(
+        (r64 - info.residual as f64).abs() <= noise + 0.05 * r64,
+        "reported {} vs f64 {r64:e}: {ctx}",
+        info.residual
+    );
+    let r_cpu = residual64(a, x_cpu, n);
+    match opts.precision {
+        Precision::F32 => {
+            assert!(r64 <= opts.tol as f64 + noise, "{ctx}");
+        }
+        Precision::Bf16 => {
+            // Both at the bf16 floor, which the rounding noise moves: the documented bound
+            // 4e-3·κ^0.55 (cpu::newton, n ≥ 24; small n reach further, e.g. 0.17 at
+            // κ = 836, n = 16), or within 4x of the CPU's own result.
+            let floor = 4e-3 * kappa.powf(0.55);
+            assert!(r64 <= floor.max(4.0 * r_cpu), "r {r64:e} cpu {r_cpu:e}: {ctx}");
+        }
+    }
+    // X − A⁻¹ = A⁻¹(AX − I), ‖A⁻¹‖₂ = κ: two results each within κ·‖E‖_F of A⁻¹ are within
+    // the sum of both of each other (1% for the f32 rounding of A's spectrum).
+    let diff = rms_diff(x, x_cpu, n);
+    assert!(
+        diff <= 1.01 * kappa * (r64 + r_cpu) + 1e-12,
+        "‖X − X_cpu‖ {diff:e}: {ctx}"
+    );
+}
+
+proptest! {
+    #![proptest_config(config(24))]
+
+    /// All orders, starts and precisions on SPD matrices with κ up to 1e3.
+    #[test]
+    fn newton_matches_cpu(
+        n in prop_oneof![1 => Just(1usize), 1 => Just(65usize), 6 => 2usize..=72],
+        log_kappa in 0.0f64..=3.0,
+        order in 0u8..3,
+        init in 0u8..3,
+        bf in prop::bool::ANY,
+        polish in prop::bool::ANY,
+        low in prop::bool::ANY,
+        warm_kind in 0u8..2,
+        seed: u64,
+    ) {
+        let kappa = 10f64.powf(log_kappa);
+        let opts = NewtonOptions {
+            order: order_of(order),
+            init: init_of(init),
+            precision: if bf { Precision::Bf16 } else { Precision::F32 },
+            polish,
+            lambda_low: if low { (1.0 / kappa) as f32 } else { 0.0 },
+            ..NewtonOptions::default()
+        };
+        compare_newton(n, kappa, &opts, warm_kind, seed);
+    }
+
+    /// Indefinite symmetric input diverges: an error on the device as on the CPU.
+    #[test]
+    fn indefinite_input_is_an_error(n in 4usize..=48, negatives in 1usize..=3, order in 0u8..3, bf in prop::bool::ANY, seed: u64) {
+        let mut rng = ChaCha8Rng::seed_from_u64(seed);
+        let mut d: Vec<f64> = (0..n).map(|i| 10f64.powf(-2.0 * i as f64 / (n - 1) as f64)).collect();
+        for v in d.iter_mut().skip(1).take(negatives) {
+            *v = -0.5;
+        }
+        let a = with_spectrum(&mut rng, &d);
+        let opts = NewtonOptions {
+            order: order_of(order),
+            precision: if bf { Precision::Bf16 } else { Precision::F32 },
+            ..NewtonOptions::default()
+        };
+        prop_assert!(run_cpu(&a, n, None, &opts).is_err());
+        for dev in devices() {
+            let err = run_device(&dev, &a, n, None, &opts).unwrap_err();
+            prop_assert!(matches!(err, Error::Diverged { .. }), "{err}");
+        }
+    }
+
+    /// Power iteration: same iteration count (±1) and value as the CPU backend.
+    #[test]
+    fn spectral_norm_matches_cpu(n in size(), log_kappa in 0.0f64..=3.0, tol_exp in 2i32..=6, seed: u64) {
+        let mut rng = ChaCha8Rng::seed_from_u64(seed);
+        let scale = rng.random_range(0.1f32..10.0);
+        let a: Vec<f32> = spd(&mut rng, n, 10f64.powf(log_kappa)).iter().map(|v| v * scale).collect();
+        let opts = PowerOptions { tol: 10f32.powi(-tol_exp), max_iter: 200 };
+        let cpu = grng::cpu::spectral_norm(MatRef::new(&a, n, n).unwrap(), &opts).unwrap();
+        for dev in devices() {
+            let got = dev.spectral_norm(&dev.upload(n, n, &a).unwrap(), &opts).unwrap();
+            // The device keeps v in f32 (CPU: f64): the Rayleigh quotients differ by ~1e-7
+            // relative, far below the stop tolerances used here (≥ 1e-6), so the same step
+            // stops unless a relative change lands within that of the tolerance.
+            prop_assert!(got.iterations.abs_diff(cpu.iterations) <= 1, "{got:?} vs {cpu:?}");
+            prop_assert_eq!(got.converged, cpu.converged);
+            // Both within their own relative tolerance of the converged value.
+            let rel = (got.value - cpu.value).abs() / cpu.value;
+            prop_assert!(rel <= 4.0 * opts.tol + 1e-6, "{got:?} vs {cpu:?}");
+        }
+    }
+}
+
+#[test]
+fn too_few_iterations_and_tight_tolerance_are_errors() {
+    let mut rng = ChaCha8Rng::seed_from_u64(7);
+    let n = 40;
+    let a = spd(&mut rng, n, 100.0);
+    for opts in [
+        NewtonOptions {
+            max_iter: 2,
+            ..NewtonOptions::default()
+        },
+        // Below the f32 floor (≈ 5e-9·κ): stalls, an error in f32 mode.
+        NewtonOptions {
+            tol: 1e-9,
+            ..NewtonOptions::default()
+        },
+    ] {
+        let e_cpu = run_cpu(&a, n, None, &opts).unwrap_err();
+        for dev in devices() {
+            let e = run_device(&dev, &a, n, None, &opts).unwrap_err();
+            match (&e_cpu, &e) {
+                (
+                    Error::Diverged {
+                        reason: rc,
+                        iterations: kc,
+                        ..
+                    },
+                    Error::Diverged {
+                        reason, iterations, ..
+                    },
+                ) => {
+                    assert_eq!(rc, reason);
+                    assert!(kc.abs_diff(*iterations) <= 1);
+                }
+                _ => panic!("cpu {e_cpu} vs {e}"),
+            }
+        }
+    }
+}
+
+#[test]
+fn bad_inputs_are_typed_errors() {
+    let opts = NewtonOptions::default();
+    for dev in devices() {
+        let up = |x: &[f32], r, c| dev.upload(r, c, x).unwrap();
+        let a = up(&[2.0, 0.5, 0.5, 1.0], 2, 2);
+        // Empty, non-square, bad options, wrong warm shape.
+        let empty = up(&[], 0, 0);
+        assert!(matches!(
+            dev.newton_inverse(&empty, None, &opts),
+            Err(Error::Shape { .. })
+        ));
+        let rect = up(&[1.0; 6], 2, 3);
+        assert!(matches!(
+            dev.newton_inverse(&rect, None, &opts),
+            Err(Error::Shape { .. })
+        ));
+        let bad = NewtonOptions {
+            tol: f32::NAN,
+            ..opts
+        };
+        assert!(matches!(
+            dev.newton_inverse(&a, None, &bad),
+            Err(Error::Value { .. })
+        ));
+        let warm_opts = NewtonOptions {
+            init: InitialGuess::Warm,
+            ..opts
+        };
+        let w3 = up(&[1.0; 9], 3, 3);
+        assert!(matches!(
+            dev.newton_inverse(&a, Some(&w3), &warm_opts),
+            Err(Error::Shape { .. })
+        ));
+        // Non-finite: the first offending index and value, as on the CPU.
+        let mut v = vec![1.0f32; 25];
+        v[13] = f32::INFINITY;
+        v[7] = f32::NAN;
+        let cpu = run_cpu(&v, 5, None, &opts).unwrap_err();
+        let got = dev.newton_inverse(&up(&v, 5, 5), None, &opts).unwrap_err();
+        match (cpu, got) {
+            (
+                Error::NonFinite {
+                    index: ic, arg: ac, ..
+                },
+                Error::NonFinite {
+                    index, arg, value, ..
+                },
+            ) => {
+                assert_eq!((ic, ac), (index, arg));
+                assert!(value.is_nan());
+            }
+            (c, g) => panic!("cpu {c} vs {g}"),
+        }
+        let mut w = vec![0.0f32; 4];
+        w[3] = f32::NEG_INFINITY;
+        match dev.newton_inverse(&a, Some(&up(&w, 2, 2)), &warm_opts) {
+            Err(Error::NonFinite {
+                arg: "warm",
+                index: 3,
+                ..
+            }) => {}
+            other => panic!("{other:?}"),
+        }
+        // Asymmetric, zero, and asymmetric warm.
+        let asym = up(&[2.0, 0.5, 0.4, 1.0], 2, 2);
+        assert!(matches!(
+            dev.newton_inverse(&asym, None, &opts),
+            Err(Error::Value { arg: "a", .. })
+        ));
+        for init in [InitialGuess::Paper, InitialGuess::ScaledIdentity] {
+            let zero = up(&[0.0; 9], 3, 3);
+            let o = NewtonOptions { init, ..opts };
+            assert!(matches!(
+                dev.newton_inverse(&zero, None, &o),
+                Err(Error::Value { arg: "a", .. })
+            ));
+        }
+        assert!(matches!(
+            dev.newton_inverse(&a, Some(&asym), &warm_opts),
+            Err(Error::Value { arg: "warm", .. })
+        ));
+        // Negative definite: no positive eigenvalue.
+        let neg = up(&[-1.0, 0.0, 0.0, -2.0], 2, 2);
+        assert!(dev.newton_inverse(&neg, None, &opts).is_err());
+
+        // Spectral norm: shapes, options, NaN, n = 0.
+        let p = PowerOptions::default();
+        assert!(matches!(
+            dev.spectral_norm(&rect, &p),
+            Err(Error::Shape { .. })
+        ));
+        assert!(matches!(
+            dev.spectral_norm(&a, &PowerOptions { max_iter: 0, ..p }),
+            Err(Error::Value { .. })
+        ));
+        assert!(matches!(
+            dev.spectral_norm(&up(&v, 5, 5), &p),
+            Err(Error::NonFinite { index: 7, .. })
+        ));
+        let z = dev.spectral_norm(&empty, &p).unwrap();
+        assert_eq!((z.value, z.iterations, z.converged), (0.0, 0, true));
+        let zero = dev.spectral_norm(&up(&[0.0; 4], 2, 2), &p).unwrap();
+        assert_eq!(zero.value, 0.0);
+    }
+}
+
+/// The host-side exact inverse behind `Device::cholesky_inverse` on the kernel devices.
+#[test]
+fn cholesky_inverse_matches_cpu() {
+    let mut rng = ChaCha8Rng::seed_from_u64(3);
+    for n in [1usize, 17, 40] {
+        let a = spd(&mut rng, n, 50.0);
+        let cpu = grng::cpu::cholesky_inverse(MatRef::new(&a, n, n).unwrap()).unwrap();
+        for dev in devices() {
+            let got = dev
+                .cholesky_inverse(&dev.upload(n, n, &a).unwrap())
+                .unwrap()
+                .to_vec()
+                .unwrap();
+            assert_eq!(got, cpu.as_slice());
+        }
+    }
+    for dev in devices() {
+        let not_spd = dev.upload(2, 2, &[1.0f32, 2.0, 2.0, 1.0]).unwrap();
+        assert!(matches!(
+            dev.cholesky_inverse(&not_spd),
+            Err(Error::NotSpd { .. })
+        ));
+    }
+}

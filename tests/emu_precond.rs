@@ -1,0 +1,447 @@
+//! The kernels of `kernels/precond.cu` — the tiled fp32 GEMM (four transpose cases), and
+//! through it the preconditioning `P = Γ̃⁻¹ G Λ̃⁻¹` and the damped-inverse update; `A + λI`;
+//! the trace — run by the emulator through the same launch code as on a GPU (and on CUDA
+//! when present), against the CPU backend on random ragged shapes. Outputs are poisoned with
+//! NaN before each launch wherever the operation does not read them.
+
+use grng::cuda::precond;
+use grng::cuda::CudaDevice;
+use grng::{Device, Error, Matrix, Trans};
+use proptest::prelude::*;
+use rand::{Rng, SeedableRng};
+use rand_chacha::ChaCha8Rng;
+
+/// Unit roundoff of f32.
+const U32: f64 = 1.0 / (1u64 << 24) as f64;
+
+fn devices() -> Vec<Device> {
+    let mut d = vec![Device::Emulated];
+    if let Ok(c) = CudaDevice::new(0) {
+        d.push(Device::Cuda(c));
+    }
+    d
+}
+
+fn vals(rng: &mut ChaCha8Rng, len: usize) -> Vec<f32> {
+    (0..len).map(|_| rng.random_range(-1.0f32..1.0)).collect()
+}
+
+/// 1, small, around the 16-deep k slices and the 64-wide tiles (±1), anything up to 140.
+fn dim() -> impl Strategy<Value = usize> {
+    prop_oneof![
+        1 => 1usize..=3,
+        1 => prop::sample::select(vec![15usize, 16, 17, 33]),
+        2 => prop::sample::select(vec![63usize, 64, 65, 127, 128, 129]),
+        2 => 1usize..=140,
+    ]
+}
+
+fn trans() -> impl Strategy<Value = Trans> {
+    prop_oneof![Just(Trans::No), Just(Trans::Yes)]
+}
+
+/// Element (i, j) of op(X) for X stored row-major `rows x cols`.
+fn op_at(x: &[f32], cols: usize, t: Trans, i: usize, j: usize) -> f32 {
+    match t {
+        Trans::No => x[i * cols + j],
+        Trans::Yes => x[j * cols + i],
+    }
+}
+
+/// `|α|·|op(A)|·|op(B)| + |β|·|C|`, the scale of each element's rounding error, in f64.
+#[allow(clippy::too_many_arguments)]
+fn abs_scale(
+    (ta, tb): (Trans, Trans),
+    (m, n, k): (usize, usize, usize),
+    alpha: f32,
+    a: &[f32],
+    b: &[f32],
+    beta: f32,
+    c: &[f32],
+) -> Vec<f64> {
+    let a_cols = if ta == Trans::No { k } else { m };
+    let b_cols = if tb == Trans::No { n } else { k };
+    let mut s = vec![0.0f64; m * n];
+    for i in 0..m {
+        for j in 0..n {
+            let mut t = 0.0f64;
+            for p in 0..k {
+                t += (op_at(a, a_cols, ta, i, p) as f64 * op_at(b, b_cols, tb, p, j) as f64).abs();
+            }
+            s[i * n + j] = (alpha as f64).abs() * t + (beta as f64 * c[i * n + j] as f64).abs();
+        }
+    }
+    s
+}
+
+/// Elementwise `|got − want| ≤ 2·(k + 4)·u·scale`: both the kernel and the CPU GEMM sum k
+/// rounded products in f32 (different orders and blockings), each within (k + 2)·u·scale
+/// of the exact value after the α/β epilogue.
+fn check_close(got: &[f32], want: &[f32], scale: &[f64], k: usize) -> Result<(), TestCaseError> {
+    for (idx, ((g, w), s)) in got.iter().zip(want).zip(scale).enumerate() {
+        let tol = 2.0 * (k as f64 + 4.0) * U32 * s + 1e-30;
+        prop_assert!(
+            ((g - w) as f64).abs() <= tol,
+            "element {}: got {} want {} tol {:e}",
+            idx,
+            g,
+            w,
+            tol
+        );
+    }
+    Ok(())
+}
+
+fn stored_shape(t: Trans, (r, c): (usize, usize)) -> (usize, usize) {
+    match t {
+        Trans::No => (r, c),
+        Trans::Yes => (c, r),
+    }
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig { cases: 40, ..ProptestConfig::default() })]
+
+    /// `Device::gemm` on every transpose case, β = 0 with C all NaN (not read), β ≠ 0 with a
+    /// random C, α = 0 through the launcher with NaN A and B (not read).
+    #[test]
+    fn gemm_matches_cpu(
+        m in dim(), n in dim(), k in prop_oneof![1 => Just(0usize), 8 => dim()],
+        ta in trans(), tb in trans(),
+        alpha in prop_oneof![1 => Just(1.0f32), 3 => -2.0f32..2.0],
+        beta in prop_oneof![2 => Just(0.0f32), 1 => Just(1.0f32), 2 => -2.0f32..2.0],
+        seed in any::<u64>(),
+    ) {
+        let mut rng = ChaCha8Rng::seed_from_u64(seed);
+        let (ar, ac) = stored_shape(ta, (m, k));
+        let (br, bc) = stored_shape(tb, (k, n));
+        let a = vals(&mut rng, m * k);
+        let b = vals(&mut rng, k * n);
+        let c0 = vals(&mut rng, m * n);
+        let cpu = Device::Cpu;
+        let mut cw = cpu.upload(m, n, &c0).unwrap();
+        cpu.gemm(ta, tb, alpha, &cpu.upload(ar, ac, &a).unwrap(), &cpu.upload(br, bc, &b).unwrap(), beta, &mut cw)
+            .unwrap();
+        let want = cw.to_vec().unwrap();
+        let scale = abs_scale((ta, tb), (m, n, k), alpha, &a, &b, beta, &c0);
+        for dev in devices() {
+            let am = dev.upload(ar, ac, &a).unwrap();
+            let bm = dev.upload(br, bc, &b).unwrap();
+            let c_in = if beta == 0.0 { vec![f32::NAN; m * n] } else { c0.clone() };
+            let mut c = dev.upload(m, n, &c_in).unwrap();
+            dev.gemm(ta, tb, alpha, &am, &bm, beta, &mut c).unwrap();
+            check_close(&c.to_vec().unwrap(), &want, &scale, k)?;
+
+            // α = 0: C ← β·C exactly (β = 0 → zeros), A and B never read.
+            let an = dev.upload(ar, ac, &vec![f32::NAN; m * k]).unwrap();
+            let bn = dev.upload(br, bc, &vec![f32::NAN; k * n]).unwrap();
+            let mut c = dev.upload(m, n, &c_in).unwrap();
+            precond::gemm(&dev, ta, tb, 0.0, &an, &bn, beta, &mut c).unwrap();
+            let got = c.to_vec().unwrap();
+            for (x, c) in got.iter().zip(&c0) {
+                let w = if beta == 0.0 { 0.0 } else { beta * c };
+                prop_assert_eq!(x.to_bits(), w.to_bits());
+            }
+        }
+    }
+
+    /// `P = Γ̃⁻¹ G Λ̃⁻¹` (P poisoned). Tolerance: the CPU and the kernels both form
+    /// T = G Λ̃⁻¹ then Γ̃⁻¹ T; each product is within (k + 2)·u of its |·|-scale, and T's
+    /// error propagates through Γ̃⁻¹, so |ΔP| ≤ 2·(d_in + d_out + 4)·u·(|Γ̃⁻¹| |G| |Λ̃⁻¹|).
+    #[test]
+    fn precondition_matches_cpu(d_out in dim(), d_in in dim(), seed in any::<u64>()) {
+        let mut rng = ChaCha8Rng::seed_from_u64(seed);
+        let gi = vals(&mut rng, d_out * d_out);
+        let g = vals(&mut rng, d_out * d_in);
+        let li = vals(&mut rng, d_in * d_in);
+        let cpu = Device::Cpu;
+        let mut pw = cpu.zeros(d_out, d_in).unwrap();
+        cpu.precondition(
+            &cpu.upload(d_out, d_out, &gi).unwrap(),
+            &cpu.upload(d_out, d_in, &g).unwrap(),
+            &cpu.upload(d_in, d_in, &li).unwrap(),
+            &mut pw,
+        )
+        .unwrap();
+        let want = pw.to_vec().unwrap();
+        // |Γ̃⁻¹| (|G| |Λ̃⁻¹|) in f64.
+        let abs = |v: &[f32]| v.iter().map(|x| x.abs()).collect::<Vec<f32>>();
+        let t = abs_scale((Trans::No, Trans::No), (d_out, d_in, d_in), 1.0, &abs(&g), &abs(&li), 0.0, &vec![0.0; d_out * d_in]);
+        let t32: Vec<f32> = t.iter().map(|&x| x as f32).collect();
+        let scale = abs_scale((Trans::No, Trans::No), (d_out, d_in, d_out), 1.0, &abs(&gi), &t32, 0.0, &vec![0.0; d_out * d_in]);
+        for dev in devices() {
+            let mut p = dev.upload(d_out, d_in, &vec![f32::NAN; d_out * d_in]).unwrap();
+            dev.precondition(
+                &dev.upload(d_out, d_out, &gi).unwrap(),
+                &dev.upload(d_out, d_in, &g).unwrap(),
+                &dev.upload(d_in, d_in, &li).unwrap(),
+                &mut p,
+            )
+            .unwrap();
+            check_close(&p.to_vec().unwrap(), &want, &scale, d_in + d_out)?;
+        }
+    }
+
+    /// `X ← X − dλ·X X` (one fused GEMM) against the CPU; `dλ = 0` leaves X bit-identical.
+    #[test]
+    fn damped_inverse_update_matches_cpu(
+        n in dim(),
+        dl in prop_oneof![1 => Just(0.0f32), 4 => -0.3f32..0.3],
+        seed in any::<u64>(),
+    ) {
+        let mut rng = ChaCha8Rng::seed_from_u64(seed);
+        let x = vals(&mut rng, n * n);
+        let cpu = Device::Cpu;
+        let mut xw = cpu.upload(n, n, &x).unwrap();
+        cpu.damped_inverse_update(&mut xw, dl).unwrap();
+        let want = xw.to_vec().unwrap();
+        let scale = abs_scale((Trans::No, Trans::No), (n, n, n), -dl, &x, &x, 1.0, &x);
+        for dev in devices() {
+            let mut xm = dev.upload(n, n, &x).unwrap();
+            dev.damped_inverse_update(&mut xm, dl).unwrap();
+            let got = xm.to_vec().unwrap();
+            if dl == 0.0 {
+                prop_assert_eq!(&got, &x);
+            }
+            check_close(&got, &want, &scale, n)?;
+        }
+    }
+
+    /// `A + λI` is one f32 addition per diagonal element: bit-identical to the CPU.
+    #[test]
+    fn add_diagonal_matches_cpu(n in dim(), lambda in -10.0f32..10.0, seed in any::<u64>()) {
+        let mut rng = ChaCha8Rng::seed_from_u64(seed);
+        let a = vals(&mut rng, n * n);
+        let cpu = Device::Cpu;
+        let mut aw = cpu.upload(n, n, &a).unwrap();
+        cpu.add_diagonal(&mut aw, lambda).unwrap();
+        for dev in devices() {
+            let mut am = dev.upload(n, n, &a).unwrap();
+            dev.add_diagonal(&mut am, lambda).unwrap();
+            prop_assert_eq!(am.to_vec().unwrap(), aw.to_vec().unwrap());
+        }
+    }
+
+    /// Trace: both sum the diagonal in f64 (different orders), then round to f32, so they
+    /// agree to one f32 rounding plus n·2⁻⁵²·Σ|d| of f64 reordering: |Δ| ≤ 2⁻²³·Σ|d|.
+    /// A NaN/Inf on the diagonal is reported at the same (first) index as on the CPU.
+    #[test]
+    fn trace_matches_cpu(n in prop_oneof![dim(), 250usize..=700], bad in prop::option::of(0.0f64..1.0), seed in any::<u64>()) {
+        let mut rng = ChaCha8Rng::seed_from_u64(seed);
+        let mut a = vals(&mut rng, n * n);
+        for (i, v) in a.iter_mut().enumerate() {
+            // Large off-diagonal values must not leak into the sum.
+            if i % (n + 1) != 0 {
+                *v *= 1e30;
+            }
+        }
+        if let Some(f) = bad {
+            let i = ((f * n as f64) as usize).min(n - 1);
+            a[i * n + i] = if i % 2 == 0 { f32::NAN } else { f32::NEG_INFINITY };
+            let j = (i + 1).min(n - 1);
+            a[j * n + j] = f32::INFINITY;
+        }
+        let want = Device::Cpu.trace(&Device::Cpu.upload(n, n, &a).unwrap());
+        let sabs: f64 = (0..n).map(|i| (a[i * n + i] as f64).abs()).sum();
+        for dev in devices() {
+            let got = dev.trace(&dev.upload(n, n, &a).unwrap());
+            match (&got, &want) {
+                (Ok(g), Ok(w)) => prop_assert!(((g - w) as f64).abs() <= sabs / (1u64 << 23) as f64, "{} vs {}", g, w),
+                (Err(Error::NonFinite { index: gi, value: gv, .. }), Err(Error::NonFinite { index: wi, value: wv, .. })) => {
+                    prop_assert_eq!(gi, wi);
+                    prop_assert_eq!(gv.to_bits(), wv.to_bits());
+                }
+                _ => prop_assert!(false, "{:?} vs {:?}", got, want),
+            }
+        }
+    }
+}
+
+/// A 256 x 256 x 200 GEMM (several tiles in every direction) in each transpose case.
+#[test]
+fn larger_gemm_matches_cpu() {
+    let (m, n, k) = (256usize, 200usize, 230usize);
+    let mut rng = ChaCha8Rng::seed_from_u64(3);
+    let a = vals(&mut rng, m * k);
+    let b = vals(&mut rng, k * n);
+    let c0 = vals(&mut rng, m * n);
+    for ta in [Trans::No, Trans::Yes] {
+        for tb in [Trans::No, Trans::Yes] {
+            let (ar, ac) = stored_shape(ta, (m, k));
+            let (br, bc) = stored_shape(tb, (k, n));
+            let cpu = Device::Cpu;
+            let mut cw = cpu.upload(m, n, &c0).unwrap();
+            cpu.gemm(
+                ta,
+                tb,
+                0.7,
+                &cpu.upload(ar, ac, &a).unwrap(),
+                &cpu.upload(br, bc, &b).unwrap(),
+                -0.5,
+                &mut cw,
+            )
+            .unwrap();
+            let scale = abs_scale((ta, tb), (m, n, k), 0.7, &a, &b, -0.5, &c0);
+            for dev in devices() {
+                let mut c = dev.upload(m, n, &c0).unwrap();
+                dev.gemm(
+                    ta,
+                    tb,
+                    0.7,
+                    &dev.upload(ar, ac, &a).unwrap(),
+                    &dev.upload(br, bc, &b).unwrap(),
+                    -0.5,
+                    &mut c,
+                )
+                .unwrap();
+                check_close(&c.to_vec().unwrap(), &cw.to_vec().unwrap(), &scale, k).unwrap();
+            }
+        }
+    }
+}
+
+/// Bad inputs are typed errors on the emulated device and leave the outputs unchanged.
+#[test]
+fn bad_inputs_are_errors() {
+    let dev = Device::Emulated;
+    let fill = vec![3.0f32; 6];
+    let mut c = dev.upload(2, 3, &fill).unwrap();
+    let unchanged = |m: &Matrix, v: &[f32]| assert_eq!(m.to_vec().unwrap(), v);
+    let a = dev.upload(2, 4, &[1.0f32; 8]).unwrap();
+    let b = dev.upload(4, 3, &[1.0f32; 12]).unwrap();
+
+    let r = dev.gemm(Trans::Yes, Trans::No, 1.0, &a, &b, 0.0, &mut c);
+    assert!(matches!(r, Err(Error::Shape { arg: "b", .. })), "{r:?}");
+    let r = dev.gemm(Trans::No, Trans::Yes, 1.0, &a, &b, 0.0, &mut c);
+    assert!(matches!(r, Err(Error::Shape { .. })), "{r:?}");
+    let mut c_wrong = dev.upload(3, 2, &fill).unwrap();
+    let r = precond::gemm(&dev, Trans::No, Trans::No, 1.0, &a, &b, 0.0, &mut c_wrong);
+    assert!(matches!(r, Err(Error::Shape { arg: "c", .. })), "{r:?}");
+    for bad in [f32::NAN, f32::INFINITY] {
+        let r = dev.gemm(Trans::No, Trans::No, bad, &a, &b, 0.0, &mut c);
+        assert!(matches!(r, Err(Error::Value { arg: "alpha", .. })), "{r:?}");
+        let r = precond::gemm(&dev, Trans::No, Trans::No, 1.0, &a, &b, bad, &mut c);
+        assert!(matches!(r, Err(Error::Value { arg: "beta", .. })), "{r:?}");
+    }
+    let mut bv = vec![1.0f32; 12];
+    bv[11] = f32::NAN;
+    let r = dev.gemm(
+        Trans::No,
+        Trans::No,
+        1.0,
+        &a,
+        &dev.upload(4, 3, &bv).unwrap(),
+        0.0,
+        &mut c,
+    );
+    assert!(
+        matches!(
+            r,
+            Err(Error::NonFinite {
+                arg: "b",
+                index: 11,
+                ..
+            })
+        ),
+        "{r:?}"
+    );
+    let mut cn = dev
+        .upload(2, 3, &[1.0, 2.0, f32::NAN, 4.0, 5.0, 6.0])
+        .unwrap();
+    let r = dev.gemm(Trans::No, Trans::No, 1.0, &a, &b, 1.0, &mut cn);
+    assert!(
+        matches!(
+            r,
+            Err(Error::NonFinite {
+                arg: "c",
+                index: 2,
+                ..
+            })
+        ),
+        "{r:?}"
+    );
+    unchanged(&c, &fill);
+
+    let sq = vec![1.0f32; 9];
+    let mut x = dev.upload(3, 3, &sq).unwrap();
+    let mut rect = dev.upload(2, 3, &fill).unwrap();
+    assert!(matches!(
+        dev.add_diagonal(&mut rect, 1.0),
+        Err(Error::Shape { .. })
+    ));
+    assert!(matches!(
+        dev.add_diagonal(&mut x, f32::NAN),
+        Err(Error::Value { .. })
+    ));
+    assert!(matches!(
+        dev.damped_inverse_update(&mut rect, 0.1),
+        Err(Error::Shape { .. })
+    ));
+    assert!(matches!(
+        dev.damped_inverse_update(&mut x, f32::INFINITY),
+        Err(Error::Value { .. })
+    ));
+    assert!(matches!(dev.trace(&rect), Err(Error::Shape { .. })));
+    assert!(matches!(
+        precond::trace(&dev, &rect),
+        Err(Error::Shape { .. })
+    ));
+    unchanged(&x, &sq);
+    unchanged(&rect, &fill);
+
+    let g = dev.upload(2, 3, &fill).unwrap();
+    let gi = dev.upload(2, 2, &[1.0f32; 4]).unwrap();
+    let li = dev.upload(3, 3, &sq).unwrap();
+    let mut p = dev.upload(2, 3, &fill).unwrap();
+    assert!(matches!(
+        dev.precondition(&li, &g, &li, &mut p),
+        Err(Error::Shape {
+            arg: "gamma_inv",
+            ..
+        })
+    ));
+    assert!(matches!(
+        dev.precondition(&gi, &g, &gi, &mut p),
+        Err(Error::Shape {
+            arg: "lambda_inv",
+            ..
+        })
+    ));
+    let mut p_wrong = dev.upload(3, 2, &fill).unwrap();
+    assert!(matches!(
+        dev.precondition(&gi, &g, &li, &mut p_wrong),
+        Err(Error::Shape { arg: "p", .. })
+    ));
+    let mut gv = fill.clone();
+    gv[4] = f32::NEG_INFINITY;
+    let r = dev.precondition(&gi, &dev.upload(2, 3, &gv).unwrap(), &li, &mut p);
+    assert!(
+        matches!(
+            r,
+            Err(Error::NonFinite {
+                arg: "g",
+                index: 4,
+                ..
+            })
+        ),
+        "{r:?}"
+    );
+    unchanged(&p, &fill);
+
+    // Empty operands are fine: nothing to launch (k = 0 still scales C).
+    let e0 = dev.zeros::<f32>(0, 0).unwrap();
+    assert_eq!(dev.trace(&e0).unwrap(), 0.0);
+    let a0 = dev.zeros::<f32>(2, 0).unwrap();
+    let b0 = dev.zeros::<f32>(0, 3).unwrap();
+    let mut c2 = dev.upload(2, 3, &fill).unwrap();
+    dev.gemm(Trans::No, Trans::No, 1.0, &a0, &b0, 0.5, &mut c2)
+        .unwrap();
+    unchanged(&c2, &[1.5; 6]);
+
+    // A CPU device cannot launch kernels.
+    let cpu = Device::Cpu;
+    let mut xc = cpu.upload(3, 3, &sq).unwrap();
+    let r = precond::add_diagonal(&cpu, &mut xc, 1.0);
+    assert!(matches!(r, Err(Error::DeviceUnavailable(_))), "{r:?}");
+    unchanged(&xc, &sq);
+}
