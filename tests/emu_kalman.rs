@@ -135,6 +135,8 @@ fn compare(c: &Case, o: &KalmanOptions, want: &Out, got: &Out) -> Result<(), Tes
             "mu[{}] {} vs {} (tol {})", i, got.mu[i], want.mu[i], tol_mu);
         let tol_s = eta * sp * sp * hn2 / lam_lo + eps * sp;
         let ds = ((got.sigma[i] - want.sigma[i]) as f64).abs();
+        let rm = ((got.mu[i] - want.mu[i]) as f64).abs() / tol_mu; let rs = ds / tol_s;
+        if i == 0 || rm > 0.01 || rs > 0.01 { eprintln!("RATIO n={} d={} i={} mu {:e} sig {:e} dmu {:e} musz {:e}", c.n, c.d_o, i, rm, rs, ((got.mu[i] - want.mu[i]) as f64).abs(), (want.mu[i]-c.mu[i]).abs()); }
         prop_assert!(ds <= tol_s, "sigma[{}] {} vs {} (tol {})", i, got.sigma[i], want.sigma[i], tol_s);
         floored_diff += usize::from((got.sigma[i] == o.sigma_floor.min(sp as f32)) != (want.sigma[i] == o.sigma_floor.min(sp as f32)));
     }
