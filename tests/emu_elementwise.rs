@@ -73,7 +73,7 @@ fn plant(arrays: &mut [Vec<f32>], which: usize, at: usize, kind: u8) {
 }
 
 proptest! {
-    #![proptest_config(ProptestConfig { cases: 24, ..ProptestConfig::default() })]
+    #![proptest_config(ProptestConfig { cases: 48, ..ProptestConfig::default() })]
 
     /// axpy, scale and copy are bit-exact; copy's destination starts as NaN.
     #[test]
@@ -201,18 +201,40 @@ proptest! {
 fn bad_arguments_are_errors() {
     for dev in devices() {
         let (x, mut y) = (up(&dev, &[1.0, 2.0, 3.0]), up(&dev, &[1.0, 2.0]));
-        assert!(matches!(dev.axpy(1.0, &x, &mut y), Err(Error::Shape { .. })));
+        assert!(matches!(
+            dev.axpy(1.0, &x, &mut y),
+            Err(Error::Shape { .. })
+        ));
         let mut y3 = up(&dev, &[1.0, 2.0, 3.0]);
-        assert!(matches!(dev.axpy(f32::NAN, &x, &mut y3), Err(Error::Value { .. })));
-        assert!(matches!(dev.scale(f32::INFINITY, &mut y3), Err(Error::Value { .. })));
+        assert!(matches!(
+            dev.axpy(f32::NAN, &x, &mut y3),
+            Err(Error::Value { .. })
+        ));
+        assert!(matches!(
+            dev.scale(f32::INFINITY, &mut y3),
+            Err(Error::Value { .. })
+        ));
         assert!(matches!(dev.dot(&x, &y), Err(Error::Shape { .. })));
-        let bad = SgdCoeffs { lr: 0.1, momentum: 1.0, weight_decay: 0.0 };
+        let bad = SgdCoeffs {
+            lr: 0.1,
+            momentum: 1.0,
+            weight_decay: 0.0,
+        };
         let g = up(&dev, &[0.0; 3]);
         let mut b = up(&dev, &[0.0; 3]);
-        assert!(matches!(dev.sgd_update(&mut y3, &g, &mut b, &bad), Err(Error::Value { .. })));
+        assert!(matches!(
+            dev.sgd_update(&mut y3, &g, &mut b, &bad),
+            Err(Error::Value { .. })
+        ));
         let mut h = up(&dev, &[0.0; 3]);
-        assert!(matches!(dev.sophia_hessian_ema(&mut h, &g, 0.9, 0), Err(Error::Value { .. })));
-        assert!(matches!(dev.sophia_hessian_ema(&mut h, &g, 1.0, 1), Err(Error::Value { .. })));
+        assert!(matches!(
+            dev.sophia_hessian_ema(&mut h, &g, 0.9, 0),
+            Err(Error::Value { .. })
+        ));
+        assert!(matches!(
+            dev.sophia_hessian_ema(&mut h, &g, 1.0, 1),
+            Err(Error::Value { .. })
+        ));
         assert_eq!(y3.to_vec().unwrap(), vec![1.0, 2.0, 3.0]);
         // Empty vectors are fine.
         let (e, mut f) = (dev.zeros(0, 1).unwrap(), dev.zeros(0, 1).unwrap());

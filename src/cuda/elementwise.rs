@@ -108,7 +108,11 @@ fn status_result(
     sign: SignCheck,
     status: &Matrix,
 ) -> Result<()> {
-    let s: Vec<i32> = status.to_vec()?.iter().map(|v| v.to_bits() as i32).collect();
+    let s: Vec<i32> = status
+        .to_vec()?
+        .iter()
+        .map(|v| v.to_bits() as i32)
+        .collect();
     for (a, &(arg, m)) in arrays.iter().enumerate() {
         if s[a] != NONE {
             let index = s[a] as usize;
@@ -238,10 +242,7 @@ fn reduce(
     if n == 0 {
         return Ok(0.0);
     }
-    let blocks = x
-        .len()
-        .div_ceil(4 * BLOCK as usize)
-        .clamp(1, REDUCE_BLOCKS);
+    let blocks = x.len().div_ceil(4 * BLOCK as usize).clamp(1, REDUCE_BLOCKS);
     // f64 partials in an f32 buffer, one spare float for the kernel's 8-byte alignment; NaN
     // so that a partial the kernel failed to write poisons the result.
     let mut partial = dev.upload(2 * blocks + 1, 1, &vec![f32::NAN; 2 * blocks + 1])?;
@@ -301,7 +302,17 @@ pub(crate) fn sgd_update(
         return Ok(());
     }
     let mut status = new_status(dev)?;
-        queue_check(dev, OP, &[("params", &*params), ("grad", grad), ("momentum_buf", &*momentum_buf)], None, &mut status)?;
+    queue_check(
+        dev,
+        OP,
+        &[
+            ("params", &*params),
+            ("grad", grad),
+            ("momentum_buf", &*momentum_buf),
+        ],
+        None,
+        &mut status,
+    )?;
     let mut args = KernelArgs::new(dev);
     args.output(OP, params)?
         .input(OP, grad)?
@@ -315,7 +326,16 @@ pub(crate) fn sgd_update(
     // lrwd, int n, const int* status): p, g, b hold n floats (checked above), status 5 ints;
     // indices stay below n.
     unsafe { launch(&SGD, stream_config(n)?, args)? };
-    status_result(OP, &[("params", &*params), ("grad", grad), ("momentum_buf", &*momentum_buf)], None, &status)
+    status_result(
+        OP,
+        &[
+            ("params", &*params),
+            ("grad", grad),
+            ("momentum_buf", &*momentum_buf),
+        ],
+        None,
+        &status,
+    )
 }
 
 /// Fused AdamW step (see [`crate::cpu::elementwise::adamw_update`]); nothing written on error.
@@ -340,7 +360,13 @@ pub(crate) fn adamw_update(
     let (bc1, bc2) = c.bias_corrections();
     let sign = Some((3, false));
     let mut status = new_status(dev)?;
-        queue_check(dev, OP, &[("params", &*params), ("grad", grad), ("m", &*m), ("v", &*v)], sign, &mut status)?;
+    queue_check(
+        dev,
+        OP,
+        &[("params", &*params), ("grad", grad), ("m", &*m), ("v", &*v)],
+        sign,
+        &mut status,
+    )?;
     let mut args = KernelArgs::new(dev);
     args.output(OP, params)?
         .input(OP, grad)?
@@ -362,7 +388,12 @@ pub(crate) fn adamw_update(
     // const int* status): p, g, m, v hold n floats (checked above), status 5 ints; indices
     // stay below n.
     unsafe { launch(&ADAMW, stream_config(n)?, args)? };
-    status_result(OP, &[("params", &*params), ("grad", grad), ("m", &*m), ("v", &*v)], sign, &status)
+    status_result(
+        OP,
+        &[("params", &*params), ("grad", grad), ("m", &*m), ("v", &*v)],
+        sign,
+        &status,
+    )
 }
 
 /// Fused Sophia step (see [`crate::cpu::elementwise::sophia_update`]); nothing written on error.
@@ -386,7 +417,13 @@ pub(crate) fn sophia_update(
     }
     let sign = Some((3, false));
     let mut status = new_status(dev)?;
-        queue_check(dev, OP, &[("params", &*params), ("grad", grad), ("m", &*m), ("h", h)], sign, &mut status)?;
+    queue_check(
+        dev,
+        OP,
+        &[("params", &*params), ("grad", grad), ("m", &*m), ("h", h)],
+        sign,
+        &mut status,
+    )?;
     let mut args = KernelArgs::new(dev);
     args.output(OP, params)?
         .input(OP, grad)?
@@ -404,7 +441,12 @@ pub(crate) fn sophia_update(
     // float b1, float omb1, float gamma, float eps, float lrwd, int n, const int* status): p,
     // g, m, h hold n floats (checked above), status 5 ints; indices stay below n.
     unsafe { launch(&SOPHIA, stream_config(n)?, args)? };
-    status_result(OP, &[("params", &*params), ("grad", grad), ("m", &*m), ("h", h)], sign, &status)
+    status_result(
+        OP,
+        &[("params", &*params), ("grad", grad), ("m", &*m), ("h", h)],
+        sign,
+        &status,
+    )
 }
 
 /// Sophia-G's Hessian EMA (see [`crate::cpu::elementwise::sophia_hessian_ema`]); `h`
@@ -426,7 +468,13 @@ pub(crate) fn sophia_hessian_ema(
     }
     let sign = Some((0, false));
     let mut status = new_status(dev)?;
-        queue_check(dev, OP, &[("h", &*h), ("sampled_grad", sampled_grad)], sign, &mut status)?;
+    queue_check(
+        dev,
+        OP,
+        &[("h", &*h), ("sampled_grad", sampled_grad)],
+        sign,
+        &mut status,
+    )?;
     let mut args = KernelArgs::new(dev);
     args.output(OP, h)?
         .input(OP, sampled_grad)?
@@ -439,5 +487,10 @@ pub(crate) fn sophia_hessian_ema(
     // bs, int n, const int* status): h and g hold n floats (checked above), status 5 ints;
     // indices stay below n.
     unsafe { launch(&HESSIAN_EMA, stream_config(n as usize)?, args)? };
-    status_result(OP, &[("h", &*h), ("sampled_grad", sampled_grad)], sign, &status)
+    status_result(
+        OP,
+        &[("h", &*h), ("sampled_grad", sampled_grad)],
+        sign,
+        &status,
+    )
 }

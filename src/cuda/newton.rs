@@ -400,7 +400,11 @@ pub fn sym_stats(
         out.max_abs = out.max_abs.max(s[0]);
         out.max_asym = out.max_asym.max(s[1]);
         let idx = s[2].to_bits() as i32;
-        if idx != i32::MAX && out.non_finite.is_none_or(|(i, _)| (idx as usize) < i) {
+        let first = match out.non_finite {
+            Some((i, _)) => (idx as usize) < i,
+            None => true,
+        };
+        if idx != i32::MAX && first {
             out.non_finite = Some((idx as usize, s[3]));
         }
     }
@@ -513,7 +517,14 @@ impl PowerState {
     }
 
     fn step(&mut self, dev: &Device, a: &Matrix) -> Result<(f64, f64)> {
-        power_step(dev, a, &mut self.v, &mut self.w, &mut self.part, &mut self.scal)
+        power_step(
+            dev,
+            a,
+            &mut self.v,
+            &mut self.w,
+            &mut self.part,
+            &mut self.scal,
+        )
     }
 }
 
@@ -595,10 +606,7 @@ fn power_step(
     // v, float* scal, int n): partial holds 4·count floats, w and v n, scal 4 (checked).
     unsafe { launch(&POWER_NORMALIZE, cfg, args) }?;
     let s = scal.to_vec()?;
-    Ok((
-        s[0] as f64 + s[1] as f64,
-        s[2] as f64 + s[3] as f64,
-    ))
+    Ok((s[0] as f64 + s[1] as f64, s[2] as f64 + s[3] as f64))
 }
 
 /// The power iteration of [`crate::cpu::norm::spectral_norm`] on the device (same start
@@ -810,7 +818,13 @@ impl<'d> Work<'d> {
                 &mut self.unused,
             )?;
         }
-        residual(self.dev, &self.partial, partials(self.n), self.n, &mut self.res)?;
+        residual(
+            self.dev,
+            &self.partial,
+            partials(self.n),
+            self.n,
+            &mut self.res,
+        )?;
         Ok(self.res.to_vec()?[0])
     }
 
@@ -1071,7 +1085,9 @@ pub(crate) fn newton_inverse(
         }
     }
     let cur = it.cur;
-    let Work { x: [x0, x1, x2], .. } = it;
+    let Work {
+        x: [x0, x1, x2], ..
+    } = it;
     let out = match cur {
         0 => x0,
         1 => x1,

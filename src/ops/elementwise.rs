@@ -238,7 +238,9 @@ impl Device {
                 host_mut(momentum_buf)?,
                 c,
             ),
-            Device::Emulated | Device::Cuda(_) => ew::sgd_update(self, params, grad, momentum_buf, c),
+            Device::Emulated | Device::Cuda(_) => {
+                ew::sgd_update(self, params, grad, momentum_buf, c)
+            }
         }
     }
 
@@ -331,7 +333,9 @@ impl Device {
                 beta2,
                 batch,
             ),
-            Device::Emulated | Device::Cuda(_) => ew::sophia_hessian_ema(self, h, sampled_grad, beta2, batch),
+            Device::Emulated | Device::Cuda(_) => {
+                ew::sophia_hessian_ema(self, h, sampled_grad, beta2, batch)
+            }
         }
     }
 }

@@ -2,8 +2,9 @@
 //! methods validate their [`Matrix`] operands (device placement, shapes, scalar ranges, and
 //! finiteness where cheap) before anything is written, then match on the device.
 //!
-//! [`Device::Cpu`] runs the rayon backend of [`crate::cpu`] on the host storage;
-//! [`Device::Emulated`] and [`Device::Cuda`] run the kernels of `kernels/*.cu` through the
+//! [`Device::Cpu`](crate::Device::Cpu) runs the rayon backend of [`crate::cpu`] on the host
+//! storage; [`Device::Emulated`](crate::Device::Emulated) and
+//! [`Device::Cuda`](crate::Device::Cuda) run the kernels of `kernels/*.cu` through the
 //! launchers of [`crate::cuda`].
 
 pub mod cholesky;
@@ -15,7 +16,7 @@ pub mod newton;
 pub mod norm;
 pub mod precond;
 
-use crate::device::{Device, Element, Matrix};
+use crate::device::{Element, Matrix};
 use crate::error::{Error, Result};
 use crate::mat::{MatMut, MatRef};
 
