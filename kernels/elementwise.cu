@@ -247,6 +247,19 @@ EW_UNROLL
 GRNG_EMU_ENTRY(elementwise_check,
                (const float*, const float*, const float*, const float*, int, int, int, int, int*))
 
+// The same validation for one bf16 array of n elements (the Kronecker SYRK's activations):
+// status[0] ← min(status[0], first index of a NaN/Inf, i.e. all 8 exponent bits set).
+extern "C" __global__ void elementwise_check_bf16(const __nv_bfloat16* __restrict__ a, int n,
+                                                  int* __restrict__ status) {
+    int bad = EW_NONE;
+    for (int i = EW_TID; i < n; i += EW_STRIDE) {
+        if (bad == EW_NONE && (__bfloat16_as_ushort(a[i]) & 0x7f80u) == 0x7f80u) bad = i;
+    }
+    const int m = __reduce_min_sync(GRNG_FULL_MASK, bad);
+    if ((threadIdx.x & 31) == 0 && m != EW_NONE) atomicMin(&status[0], m);
+}
+GRNG_EMU_ENTRY(elementwise_check_bf16, (const __nv_bfloat16*, int, int*))
+
 // θ, b ← fused SGD step (EwSgd) over n elements. Skipped unless `status` is clean.
 extern "C" __global__ void elementwise_sgd(float* __restrict__ p, const float* __restrict__ g,
                                            float* __restrict__ b, float lr, float mu, float lrwd,

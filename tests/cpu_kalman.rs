@@ -324,9 +324,14 @@ proptest! {
         };
         for _ in 0..steps {
             let mut p = random_problem(&mut rng, d_o, n);
-            // A few columns 1e3 times larger: those parameters are all but determined.
-            for _ in 0..3 {
-                let c = rng.random_range(0..n);
+            // Up to three distinct columns 1e3 times larger: those parameters are all but
+            // determined. (Larger scales, e.g. 1e9, make R's f32 storage round its small
+            // eigenvalues to ±1e9·6e-8, and I + ρR can then be indefinite: a typed NotSpd.)
+            let mut cols: Vec<usize> = (0..n).collect();
+            for i in (1..n).rev() {
+                cols.swap(i, rng.random_range(0..=i));
+            }
+            for &c in cols.iter().take(3) {
                 (0..d_o).for_each(|j| p.h[j * n + c] *= 1e3);
             }
             let before = state.sigma.to_vec().unwrap();

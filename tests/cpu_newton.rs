@@ -117,10 +117,11 @@ fn config(cases: u32) -> ProptestConfig {
     }
 }
 
-/// The `f32` residual floor of the module docs is `≈ 5e-9·κ`; the residual the iteration
-/// measures with its own `f32` product may differ from the exact one by that much. 4x margin.
+/// The `f32` residual floor of the module docs is `≈ 5e-9·κ`, and ≈ 1.2e-7 at κ ≈ 1..10;
+/// the residual the iteration measures with its own `f32` product may differ from the exact
+/// one by that much. 4x margin on both.
 fn f32_noise(kappa: f64) -> f64 {
-    2e-8 * kappa
+    2e-8 * kappa + 5e-7
 }
 
 /// Exponent of the error map `E ↦ E^p`.
@@ -234,21 +235,18 @@ fn check_f32(
             );
             k
         }
-        // c = 2/(λ_hi + min(λ_low, λ_hi)) with λ_hi = min(1.1·(power estimate), 1.02·‖A‖∞):
-        // between 1.02·λ_max (λ_max = 1; the estimate is converged to 1e-3) and the larger of
-        // 1.1·λ_max and 1.02·‖A‖∞. The worst count over that range.
-        _ => {
-            let top = 1.1f64.max(1.02 * norm_inf(a, n));
-            (0..=40)
-                .map(|i| {
-                    let h = 1.02 + (top - 1.02) * i as f64 / 40.0;
-                    let c = 2.0 / (h + (opts.lambda_low as f64).min(h));
-                    let mu: Vec<f64> = d.iter().map(|l| 1.0 - c * l).collect();
-                    predicted_count(&mu, p, tol)
-                })
-                .max()
-                .unwrap()
-        }
+        // c = 2/(λ_hi + min(λ_low, λ_hi)) with λ_hi = 1.1·(power estimate ≤ λ_max = 1), the
+        // estimate converged to ~1e-3: λ_hi in [1.05, 1.1] with room to spare. The worst count
+        // over that range.
+        _ => (0..=40)
+            .map(|i| {
+                let h = 1.05 + 0.05 * i as f64 / 40.0;
+                let c = 2.0 / (h + (opts.lambda_low as f64).min(h));
+                let mu: Vec<f64> = d.iter().map(|l| 1.0 - c * l).collect();
+                predicted_count(&mu, p, tol)
+            })
+            .max()
+            .unwrap(),
     };
     assert!(
         info.iterations as u32 <= k_pred + 1,
@@ -350,8 +348,14 @@ proptest! {
         prop_assert!((info.residual as f64 - r64).abs() <= f32_noise(kappa) + 1e-3 * r64);
         prop_assert!(!info.polished);
         if !paper {
-            // 3–8 steps measured from the scaled identity (module docs).
-            prop_assert!(info.iterations <= 10, "{} steps", info.iterations);
+            // From the scaled identity ρ(E₀) ≤ max(1 − 2/(1.1κ + 1), 2/1.05 − 1) (the second
+            // from the margin on λ_hi, binding at κ ≈ 1), so reaching a residual r takes about
+            // log_p(ln(1/r)/(1 − ρ)) steps (the cubic: 3–8 measured, module docs); 4 spare for
+            // the slow creep along the floor before the stall test stops it.
+            let p = power(opts.order) as f64;
+            let gap = (2.0 / (1.1 * kappa + 1.0)).min(2.0 - 2.0 / 1.05);
+            let bound = ((1.0 / bf16_floor(kappa)).ln() / gap).ln() / p.ln() + 4.0;
+            prop_assert!(info.iterations as f64 <= bound, "{} steps > {bound:.1}", info.iterations);
         }
 
         let (xp, ip) = run(&a, n, None, &NewtonOptions { polish: true, ..opts }).unwrap();
@@ -571,21 +575,4 @@ fn device_entry_point_matches_cpu_backend() {
         dev.newton_inverse(&am, Some(&small), &warm).unwrap_err(),
         Error::Shape { .. }
     ));
-}
-
-#[test]
-fn debug_search() {
-    for seed in 0..4000u64 {
-        let mut rng = ChaCha8Rng::seed_from_u64(seed);
-        let n = rng.random_range(1..=200usize);
-        let kappa = 10f64.powf(rng.random_range(0.0..=3.0));
-        let paper = rng.random_bool(0.5); let order = [NewtonOrder::Quadratic, NewtonOrder::Cubic, NewtonOrder::Quartic][rng.random_range(0..3usize)];
-        let (a, d) = spd(&mut rng, n, kappa);
-        let opts = NewtonOptions { order, init: if paper { InitialGuess::Paper } else { InitialGuess::ScaledIdentity }, ..NewtonOptions::default() };
-        let (x, info) = run(&a, n, None, &opts).unwrap();
-        let r = std::panic::catch_unwind(|| check_f32(&a, &d, n, kappa, &opts, &x, &info));
-        if r.is_err() {
-            eprintln!("seed {seed} n {n} kappa {kappa} paper {paper} {order:?}: {:?}", info.residual_history);
-        }
-    }
 }

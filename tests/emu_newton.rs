@@ -416,12 +416,31 @@ fn check_agreement(
 ) {
     let ctx = format!("n = {n}, κ = {kappa:.1}, {opts:?}\n cpu {i_cpu:?}\n dev {info:?}");
     assert_eq!(info.init_used, i_cpu.init_used, "{ctx}");
-    // The products round differently, so a residual landing near tol (or near the bf16
-    // plateau) may take one step more or less.
-    assert!(
-        info.iterations.abs_diff(i_cpu.iterations) <= 1,
-        "iterations: {ctx}"
-    );
+    match opts.precision {
+        // The products round differently, so a residual landing near tol may take one step
+        // more or less.
+        Precision::F32 => assert!(
+            info.iterations.abs_diff(i_cpu.iterations) <= 1,
+            "iterations: {ctx}"
+        ),
+        // bf16 returns the best iterate of its noise plateau, and which of the plateau's
+        // iterates is lowest is rounding noise (seen: CPU 13, device 11, residuals within
+        // 10%). What must agree is the step that reaches the plateau (first residual within
+        // 2x of the history's minimum), and the reported step must be the history's argmin.
+        Precision::Bf16 => {
+            let entry = |h: &[f32]| {
+                let min = h.iter().copied().fold(f32::INFINITY, f32::min);
+                h.iter().position(|&r| r <= 2.0 * min).unwrap_or(0)
+            };
+            let (h, hc) = (&info.residual_history, &i_cpu.residual_history);
+            assert!(entry(h).abs_diff(entry(hc)) <= 1, "plateau entry: {ctx}");
+            let argmin = (0..h.len())
+                .filter(|&k| h[k].is_finite())
+                .min_by(|&i, &j| h[i].total_cmp(&h[j]))
+                .unwrap_or(0);
+            assert_eq!(info.iterations, argmin, "{ctx}");
+        }
+    }
     assert!(x.iter().all(|v| v.is_finite()), "{ctx}");
     // The reported residual is an f32 product's: within its own noise of the f64 one
     // (f32: (n + 4)·2⁻²⁴·‖A‖‖X‖ per element, ‖X‖ ≤ κ — so 2e-7·κ·√n is a generous bound).
@@ -508,7 +527,7 @@ proptest! {
 
     /// Power iteration: same iteration count (±1) and value as the CPU backend.
     #[test]
-    fn spectral_norm_matches_cpu(n in size(), log_kappa in 0.0f64..=3.0, tol_exp in 2i32..=6, seed: u64) {
+    fn spectral_norm_matches_cpu(n in size(), log_kappa in 0.0f64..=3.0, tol_exp in 2i32..=4, seed: u64) {
         let mut rng = ChaCha8Rng::seed_from_u64(seed);
         let scale = rng.random_range(0.1f32..10.0);
         let a: Vec<f32> = spd(&mut rng, n, 10f64.powf(log_kappa)).iter().map(|v| v * scale).collect();
@@ -517,8 +536,10 @@ proptest! {
         for dev in devices() {
             let got = dev.spectral_norm(&dev.upload(n, n, &a).unwrap(), &opts).unwrap();
             // The device keeps v in f32 (CPU: f64): the Rayleigh quotients differ by ~1e-7
-            // relative, far below the stop tolerances used here (≥ 1e-6), so the same step
-            // stops unless a relative change lands within that of the tolerance.
+            // relative. The relative change shrinks by (λ₂/λ₁)² per step, so that noise moves
+            // the step where it crosses tol by ≈ (1e-7/tol)/(1 − (λ₂/λ₁)²) steps: negligible
+            // for tol ≥ 1e-4, but several steps at tol = 1e-6 with a tiny eigen-gap (the
+            // spectra here put up to 100 eigenvalues in [1/κ, 1]), hence tol in 1e-4..1e-2.
             prop_assert!(got.iterations.abs_diff(cpu.iterations) <= 1, "{got:?} vs {cpu:?}");
             prop_assert_eq!(got.converged, cpu.converged);
             // Both within their own relative tolerance of the converged value.

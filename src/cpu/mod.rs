@@ -16,33 +16,30 @@ pub use norm::{spectral_norm, trace};
 pub use precond::{add_diagonal, damped_inverse_update, precondition};
 
 use crate::device::Element;
-use crate::error::{Error, Result};
+use crate::error::{first_non_finite, Error, Result};
 use crate::mat::MatRef;
 
-/// `Err(Error::NonFinite)` at the first NaN/Inf of a view (flat index `i * cols + j`).
+/// `Err(Error::NonFinite)` at the first NaN/Inf of a view (flat index `i * cols + j`): the
+/// scan of [`crate::error::first_non_finite`], once over the data when the view is
+/// contiguous, else row by row.
 pub(crate) fn check_finite_view<T: Element>(
     op: &'static str,
     arg: &'static str,
     a: MatRef<'_, T>,
 ) -> Result<()> {
-    for i in 0..a.rows() {
-        let row = a.row(i);
-        // Branch-free exponent test first (vectorizes); locate the culprit only on failure.
-        const EXP: u32 = 0x7f80_0000;
-        if !row
-            .iter()
-            .fold(false, |bad, v| bad | (v.to_f32().to_bits() & EXP == EXP))
-        {
-            continue;
-        }
-        if let Some(j) = row.iter().position(|v| !v.to_f32().is_finite()) {
-            return Err(Error::NonFinite {
-                op,
-                arg,
-                index: i * a.cols() + j,
-                value: a.at(i, j).to_f32(),
-            });
-        }
+    let (rows, cols) = a.shape();
+    let found = if a.ld() == cols || rows <= 1 {
+        first_non_finite(&a.data()[..rows * cols]).map(|k| (k / cols.max(1), k % cols.max(1)))
+    } else {
+        (0..rows).find_map(|i| first_non_finite(a.row(i)).map(|j| (i, j)))
+    };
+    match found {
+        None => Ok(()),
+        Some((i, j)) => Err(Error::NonFinite {
+            op,
+            arg,
+            index: i * cols + j,
+            value: a.at(i, j).to_f32(),
+        }),
     }
-    Ok(())
 }

@@ -8,19 +8,26 @@
 //! step first forms `T = AX` (always a full product), whose residual `‖I − T‖_F/√n` drives
 //! the stop test. All products go through [`crate::cpu::gemm`].
 //!
-//! **Symmetry, and why only early.** For symmetric `X` the update `X + X·F` is a palindrome
-//! (`2X − XAX`, …) and hence symmetric, and from the paper's and the scaled-identity starts
-//! `X` is a polynomial in `A`, so the powers of `E` are symmetric too. Such products are
-//! computed as their upper block triangles and mirrored (about 55–75% of a full product from
-//! n = 512 up). But mirroring is not stable to the last digit: the rounding noise `N` of
-//! `T` enters `X` as `X·N`, whose residual `≈ N` the next step removes; mirrored, it becomes
-//! `Nᵀ X` as well, with residual `A Nᵀ A⁻¹`, amplified by about `κ/(2 ln κ)` (measured: an
-//! `f32` floor of 2.4e-4 instead of 5e-6 at κ = 1e3, n = 24). So the `F32` iteration uses the
-//! mirrored products only while the residual is above [`SYM_SWITCH`] (where that noise is
-//! far below the residual and later steps remove it) and full products afterwards; `Bf16`,
-//! whose noise is 2¹⁵ times larger, and the warm start (not a polynomial in `A`) use full
-//! products throughout for the powers of `E`. The returned `X` is therefore symmetric only to
-//! rounding; symmetrizing it would raise its residual the same way.
+//! **Symmetry, and why so little of it.** From the paper's and the scaled-identity starts `X`
+//! is a polynomial in `A`, so `AX`, `E` and its powers are symmetric, and so is `X + X·F`.
+//! Computing such a product as its upper block triangle and mirroring it saves up to half of
+//! it (about 55–75% of a full product from n = 512 up) — but in floating point `X` is a
+//! polynomial in `A` only up to rounding, and mirroring discards exactly the part of a product
+//! that Newton's self-correction acts on. Measured (`f32`, this module's tests' generator):
+//! - mirroring `T = AX` diverges outright: the error mode that makes `X` non-polynomial grows
+//!   by about `κ/2` per step (f32 "floor" 2.3e-2 at κ = 1e3);
+//! - mirroring `X·F` is stable near convergence but raises the `f32` floor by about
+//!   `κ/(2 ln κ)` (2.4e-4 instead of 5e-6 at κ = 1e3, n = 24), and during the early steps of
+//!   the paper's start (κ² effective) it let that error mode grow visibly (the residual left
+//!   the exact-arithmetic cubic envelope, in ~1 of 1000 random matrices);
+//! - mirroring the powers `E², E³` while the residual is above [`SYM_SWITCH`]: no measurable
+//!   effect (3000 random matrices, all orders and both starts, within the envelope).
+//!
+//! So only the last is done: `F32` mode, polynomial starts, residual above [`SYM_SWITCH`],
+//! and the phase ends for good at the first step that does not improve. `T = AX` and `X·F`
+//! are always full products; `Bf16` (whose noise is 2¹⁵ times larger) and the warm start (not
+//! a polynomial in `A`) use full products throughout. The returned `X` is symmetric only to
+//! rounding; symmetrizing it would raise its residual as mirroring `X·F` does.
 //!
 //! **Stopping.** The iteration returns as soon as the residual is `≤ tol`. In exact arithmetic
 //! the residual never grows from any of the three starts, so a residual that stops falling
@@ -72,17 +79,18 @@ pub const ARMED: f32 = 0.5;
 /// which is far larger in `Bf16` mode) before it counts as divergence.
 pub const GROWTH_SLACK: f32 = 1e-2;
 
-/// Above this residual the `F32` iteration uses symmetric-result products (then never again).
+/// Above this residual the `F32` iteration computes the powers of `E` as symmetric-result
+/// products (then never again).
 pub const SYM_SWITCH: f32 = 0.1;
 
 /// Relative asymmetry accepted in `a` and `warm`: `|a_ij − a_ji| ≤ SYM_TOL · max|a|`.
 pub const SYM_TOL: f32 = 1e-5;
 
-/// Safety factor on the power-iteration estimate of `λ_max` (a lower bound of it).
+/// Safety factor on `λ_max` in the scaled identity: on the power-iteration estimate (a lower
+/// bound of `λ_max`) it guards against a slightly unconverged estimate, on the guaranteed
+/// bounds against equality (a diagonal `A` has `‖A‖∞ = λ_max`, where `c·λ_max = 2` would
+/// stall that eigencomponent). Either way `|1 − cλ_max| ≤ 2/1.1 − 1 ≈ 0.82`.
 const LAMBDA_MARGIN: f32 = 1.1;
-
-/// Safety factor on the bounds `‖A‖∞, ‖A‖_F ≥ λ_max`.
-const GERSHGORIN_MARGIN: f32 = 1.02;
 
 /// Inverse of the symmetric positive definite `n x n` matrix `a` by Newton iteration; see the
 /// module docs for the arithmetic and the stopping rules, and
@@ -187,7 +195,7 @@ pub fn newton_inverse(
     };
     if opts.polish {
         let x_best = it.x.clone();
-        it.step(NewtonOrder::Quadratic, false, false)?;
+        it.step(NewtonOrder::Quadratic, false)?;
         it.product_t()?;
         let r_pol = residual(&it.t, n);
         if r_pol < r_best {
@@ -280,7 +288,7 @@ fn iterate(
             sym_phase = false;
         }
         prev_r = r;
-        it.step(opts.order, sym_phase, sym_phase && commuting)?;
+        it.step(opts.order, sym_phase && commuting)?;
         iterations += 1;
         it.product_t()?;
     }
@@ -342,9 +350,9 @@ impl Iteration {
         product(a, x, &mut self.t, self.n, false)
     }
 
-    /// `X ← X p(T)` for the given order. `sym_x`: compute `X·F` as a symmetric-result
-    /// product; `sym_e`: the same for the powers of `E` (valid only when X commutes with A).
-    fn step(&mut self, order: NewtonOrder, sym_x: bool, sym_e: bool) -> Result<()> {
+    /// `X ← X p(T)` for the given order. `sym_e`: compute the powers of `E` as
+    /// symmetric-result products (valid when X commutes with A; see the module docs).
+    fn step(&mut self, order: NewtonOrder, sym_e: bool) -> Result<()> {
         let n = self.n;
         let bf = self.bf16;
         // E = I − T; the step is X ← X + X·F with F = E, E + E², E + E² + E³
@@ -368,7 +376,7 @@ impl Iteration {
         };
         let fr = operand(f, &mut self.r2, bf);
         let xr = operand(&self.x, &mut self.r1, bf);
-        product(xr, fr, &mut self.w3, n, sym_x)?;
+        product(xr, fr, &mut self.w3, n, false)?;
         add_assign(&mut self.w3, &self.x);
         std::mem::swap(&mut self.x, &mut self.w3);
         Ok(())
@@ -540,16 +548,14 @@ fn paper_start(a: &[f32], n: usize) -> Result<Vec<f32>> {
 /// Where the scaled identity's `λ_hi ≥ λ_max` comes from.
 #[derive(Clone, Copy, PartialEq, Eq)]
 enum Bound {
-    /// `min(1.1·θ, 1.02·min(‖A‖∞, ‖A‖_F))`, θ the larger Rayleigh quotient of two power
-    /// iterations from different starts: tight, but θ can miss λ_max.
+    /// `1.1·θ`, θ the larger Rayleigh quotient of two power iterations from different
+    /// starts (`θ ≤ λ_max ≤ min(‖A‖∞, ‖A‖_F)`): tight, but θ can miss λ_max.
     Estimated,
-    /// `1.02·min(‖A‖∞, ‖A‖_F)`: always `> λ_max`, up to `√n` times too large.
+    /// `1.1·min(‖A‖∞, ‖A‖_F)`: always `> λ_max`, up to `√n` times too large.
     Guaranteed,
 }
 
-/// `X₀ = c I`, `c = 2/(λ_hi + min(λ_low, λ_hi))`. The margins keep `c·λ_max < 2` strictly
-/// even when a bound is attained (a diagonal `A` has `‖A‖∞ = λ_max`), where `c·λ_max = 2`
-/// would stall that eigencomponent.
+/// `X₀ = c I`, `c = 2/(λ_hi + min(λ_low, λ_hi))` with `λ_hi` per [`Bound`].
 fn scaled_identity(a: &[f32], n: usize, lambda_low: f32, bound: Bound) -> Result<Vec<f32>> {
     let inf = a
         .chunks(n)
@@ -559,9 +565,8 @@ fn scaled_identity(a: &[f32], n: usize, lambda_low: f32, bound: Bound) -> Result
     if inf == 0.0 {
         return Err(zero_matrix());
     }
-    let cap = GERSHGORIN_MARGIN * inf.min(fro) as f32;
     let hi = match bound {
-        Bound::Guaranteed => cap,
+        Bound::Guaranteed => LAMBDA_MARGIN * inf.min(fro) as f32,
         Bound::Estimated => {
             let power = super::norm::spectral_norm(
                 MatRef::new(a, n, n)?,
@@ -580,7 +585,7 @@ fn scaled_identity(a: &[f32], n: usize, lambda_low: f32, bound: Bound) -> Result
                         "a positive definite matrix (power iterations found no positive eigenvalue)",
                 });
             }
-            (LAMBDA_MARGIN * theta).min(cap)
+            LAMBDA_MARGIN * theta
         }
     };
     let c = 2.0 / (hi + lambda_low.min(hi));

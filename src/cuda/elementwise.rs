@@ -14,8 +14,11 @@
 
 use super::launch::{kernel, launch, KernelArgs, LaunchConfig};
 use crate::cpu::elementwise::check_beta;
-use crate::device::{Device, Matrix};
+use std::any::Any;
+
+use crate::device::{Device, Element, Matrix};
 use crate::error::{check_len, check_value, Error, Result};
+use half::bf16;
 use crate::ops::elementwise::{AdamWCoeffs, SgdCoeffs, SophiaCoeffs};
 
 kernel!(pub(crate) AXPY = ELEMENTWISE::elementwise_axpy;);
@@ -24,6 +27,7 @@ kernel!(pub(crate) COPY = ELEMENTWISE::elementwise_copy;);
 kernel!(pub(crate) DOT_PARTIAL = ELEMENTWISE::elementwise_dot_partial;);
 kernel!(pub(crate) DOT_FINAL = ELEMENTWISE::elementwise_dot_final;);
 kernel!(pub(crate) CHECK = ELEMENTWISE::elementwise_check;);
+kernel!(pub(crate) CHECK_BF16 = ELEMENTWISE::elementwise_check_bf16;);
 kernel!(pub(crate) SGD = ELEMENTWISE::elementwise_sgd;);
 kernel!(pub(crate) ADAMW = ELEMENTWISE::elementwise_adamw;);
 kernel!(pub(crate) SOPHIA = ELEMENTWISE::elementwise_sophia;);
@@ -153,6 +157,68 @@ pub(crate) fn validate(
     let mut status = new_status(dev)?;
     queue_check(dev, op, arrays, sign, &mut status)?;
     status_result(op, arrays, sign, &status)
+}
+
+/// [`crate::Device::check_finite`] on a kernel device: `Err(Error::NonFinite)` at the first
+/// NaN/Inf of each matrix, in `arrays` order. Consecutive `f32` matrices of one length are
+/// checked by one `elementwise_check` launch (up to 4 at once), a `bf16` matrix by
+/// `elementwise_check_bf16`; each launch costs one 20-byte status read-back (a stream
+/// synchronization on a GPU). Read-only.
+pub(crate) fn check_finite<T: Element>(
+    dev: &Device,
+    op: &'static str,
+    arrays: &[(&'static str, &Matrix<T>)],
+) -> Result<()> {
+    let mut rest = arrays;
+    while let Some(&(arg, first)) = rest.first() {
+        let any: &dyn Any = first;
+        if let Some(m) = any.downcast_ref::<Matrix<f32>>() {
+            let mut group = vec![(arg, m)];
+            for &(arg, next) in rest[1..].iter().take(3) {
+                let any: &dyn Any = next;
+                match any.downcast_ref::<Matrix<f32>>() {
+                    Some(next) if next.len() == m.len() => group.push((arg, next)),
+                    _ => break,
+                }
+            }
+            rest = &rest[group.len()..];
+            validate(dev, op, &group, None)?;
+        } else if let Some(m) = any.downcast_ref::<Matrix<bf16>>() {
+            rest = &rest[1..];
+            check_bf16(dev, op, arg, m)?;
+        } else {
+            return Err(Error::DeviceUnavailable(format!(
+                "{op}: no finiteness check for elements of type {}",
+                std::any::type_name::<T>()
+            )));
+        }
+    }
+    Ok(())
+}
+
+/// `elementwise_check_bf16` over `m` and one status read-back.
+fn check_bf16(dev: &Device, op: &'static str, arg: &'static str, m: &Matrix<bf16>) -> Result<()> {
+    let n = to_i32(op, arg, m.len())?;
+    if n == 0 {
+        return Ok(());
+    }
+    let mut status = new_status(dev)?;
+    let mut args = KernelArgs::new(dev);
+    args.input(op, m)?.scalar(n).output(op, &mut status)?;
+    // SAFETY: elementwise_check_bf16(const __nv_bfloat16* a, int n, int* status): a holds n
+    // bf16 values, status 5 ints (slot 0 written); threads read index i < n only.
+    unsafe { launch(&CHECK_BF16, stream_config(m.len())?, args)? };
+    let first = status.to_vec()?[0].to_bits() as i32;
+    if first == NONE {
+        return Ok(());
+    }
+    let index = first as usize;
+    Err(Error::NonFinite {
+        op,
+        arg,
+        index,
+        value: m.to_vec()?[index].to_f32(),
+    })
 }
 
 /// `y ← α x + y` (same length); `y` unchanged on error (non-finite `α`, `x` or `y`).

@@ -9,6 +9,7 @@ use crate::cpu::elementwise::check_beta;
 use crate::cuda::elementwise as ew;
 use crate::device::{Device, Matrix};
 use crate::error::{check_shape, check_value, Error, Result};
+use crate::ops::{finite_result, OVERFLOW};
 
 /// Scalars of one fused SGD step ([`Device::sgd_update`]).
 #[derive(Clone, Copy, Debug, PartialEq)]
@@ -148,10 +149,10 @@ impl Device {
     pub fn axpy(&self, alpha: f32, x: &Matrix, y: &mut Matrix) -> Result<()> {
         const OP: &str = "Device::axpy";
         self.check_same(OP, &[("y", &*y), ("x", x)])?;
-        match self {
+        self.commit_finite(OP, [(OVERFLOW, y, true)], |[y]| match self {
             Device::Cpu => crate::cpu::elementwise::axpy(alpha, host(x)?, host_mut(y)?),
             Device::Emulated | Device::Cuda(_) => ew::axpy(self, alpha, x, y),
-        }
+        })
     }
 
     /// `x ← α x`.
@@ -162,10 +163,10 @@ impl Device {
     pub fn scale(&self, alpha: f32, x: &mut Matrix) -> Result<()> {
         const OP: &str = "Device::scale";
         self.check_on(OP, x)?;
-        match self {
+        self.commit_finite(OP, [(OVERFLOW, x, true)], |[x]| match self {
             Device::Cpu => crate::cpu::elementwise::scale(alpha, host_mut(x)?),
             Device::Emulated | Device::Cuda(_) => ew::scale(self, alpha, x),
-        }
+        })
     }
 
     /// Dot product `Σ xᵢ yᵢ` of two matrices of one shape (Frobenius inner product),
@@ -176,10 +177,11 @@ impl Device {
     pub fn dot(&self, x: &Matrix, y: &Matrix) -> Result<f32> {
         const OP: &str = "Device::dot";
         self.check_same(OP, &[("x", x), ("y", y)])?;
-        match self {
+        let r = match self {
             Device::Cpu => crate::cpu::elementwise::dot(host(x)?, host(y)?),
             Device::Emulated | Device::Cuda(_) => ew::dot(self, x, y),
-        }
+        }?;
+        finite_result(OP, r)
     }
 
     /// Euclidean (Frobenius) norm `√(Σ xᵢ²)`, accumulated in `f64`.
@@ -189,10 +191,11 @@ impl Device {
     pub fn norm2(&self, x: &Matrix) -> Result<f32> {
         const OP: &str = "Device::norm2";
         self.check_on(OP, x)?;
-        match self {
+        let r = match self {
             Device::Cpu => crate::cpu::elementwise::norm2(host(x)?),
             Device::Emulated | Device::Cuda(_) => ew::norm2(self, x),
-        }
+        }?;
+        finite_result(OP, r)
     }
 
     /// `dst ← src` for two matrices of one shape (non-finite values are copied as they are).
@@ -231,17 +234,16 @@ impl Device {
             ],
         )?;
         c.validate(OP)?;
-        match self {
-            Device::Cpu => crate::cpu::elementwise::sgd_update(
-                host_mut(params)?,
-                host(grad)?,
-                host_mut(momentum_buf)?,
-                c,
-            ),
-            Device::Emulated | Device::Cuda(_) => {
-                ew::sgd_update(self, params, grad, momentum_buf, c)
+        let outs = [
+            ("params (overflow)", params, true),
+            ("momentum_buf (overflow)", momentum_buf, true),
+        ];
+        self.commit_finite(OP, outs, |[p, b]| match self {
+            Device::Cpu => {
+                crate::cpu::elementwise::sgd_update(host_mut(p)?, host(grad)?, host_mut(b)?, c)
             }
-        }
+            Device::Emulated | Device::Cuda(_) => ew::sgd_update(self, p, grad, b, c),
+        })
     }
 
     /// Fused AdamW step: `m ← β₁m + (1−β₁)g`, `v ← β₂v + (1−β₂)g²`,
@@ -265,16 +267,21 @@ impl Device {
             &[("params", &*params), ("grad", grad), ("m", &*m), ("v", &*v)],
         )?;
         c.validate(OP)?;
-        match self {
+        let outs = [
+            ("params (overflow)", params, true),
+            ("m (overflow)", m, true),
+            ("v (overflow)", v, true),
+        ];
+        self.commit_finite(OP, outs, |[p, m, v]| match self {
             Device::Cpu => crate::cpu::elementwise::adamw_update(
-                host_mut(params)?,
+                host_mut(p)?,
                 host(grad)?,
                 host_mut(m)?,
                 host_mut(v)?,
                 c,
             ),
-            Device::Emulated | Device::Cuda(_) => ew::adamw_update(self, params, grad, m, v, c),
-        }
+            Device::Emulated | Device::Cuda(_) => ew::adamw_update(self, p, grad, m, v, c),
+        })
     }
 
     /// Fused Sophia step: `m ← β₁m + (1−β₁)g`,
@@ -298,16 +305,17 @@ impl Device {
             &[("params", &*params), ("grad", grad), ("m", &*m), ("h", h)],
         )?;
         c.validate(OP)?;
-        match self {
+        let outs = [("params (overflow)", params, true), ("m (overflow)", m, true)];
+        self.commit_finite(OP, outs, |[p, m]| match self {
             Device::Cpu => crate::cpu::elementwise::sophia_update(
-                host_mut(params)?,
+                host_mut(p)?,
                 host(grad)?,
                 host_mut(m)?,
                 host(h)?,
                 c,
             ),
-            Device::Emulated | Device::Cuda(_) => ew::sophia_update(self, params, grad, m, h, c),
-        }
+            Device::Emulated | Device::Cuda(_) => ew::sophia_update(self, p, grad, m, h, c),
+        })
     }
 
     /// Sophia-G's Gauss–Newton–Bartlett EMA `h ← β₂h + (1−β₂)·B·ĝ⊙ĝ`, `ĝ` the mean gradient
@@ -326,7 +334,7 @@ impl Device {
     ) -> Result<()> {
         const OP: &str = "Device::sophia_hessian_ema";
         self.check_same(OP, &[("h", &*h), ("sampled_grad", sampled_grad)])?;
-        match self {
+        self.commit_finite(OP, [(OVERFLOW, h, true)], |[h]| match self {
             Device::Cpu => crate::cpu::elementwise::sophia_hessian_ema(
                 host_mut(h)?,
                 host(sampled_grad)?,
@@ -336,6 +344,6 @@ impl Device {
             Device::Emulated | Device::Cuda(_) => {
                 ew::sophia_hessian_ema(self, h, sampled_grad, beta2, batch)
             }
-        }
+        })
     }
 }

@@ -1,24 +1,9 @@
 //! Dense GEMM on a device.
 
-use super::{host_mut, host_ref};
-use crate::cpu::check_finite_view;
-use crate::device::{Device, Element, Matrix};
+use super::{host_mut, host_ref, OVERFLOW};
+use crate::device::{Device, Matrix};
 use crate::error::{check_shape, check_value, Error, Result};
 use crate::mat::Trans;
-
-/// Finiteness check of an operand in host memory (`Device::Emulated`, where it is free next to
-/// the emulation, so errors match the CPU backend's); a no-op for device memory, where it
-/// would cost a device→host round trip per call.
-pub(super) fn check_finite_host<T: Element>(
-    op: &'static str,
-    arg: &'static str,
-    m: &Matrix<T>,
-) -> Result<()> {
-    if m.host().is_some() {
-        check_finite_view(op, arg, host_ref(m)?)?;
-    }
-    Ok(())
-}
 
 fn op_shape(t: Trans, m: &Matrix) -> (usize, usize) {
     match t {
@@ -35,9 +20,10 @@ impl Device {
     /// # Errors
     /// [`Error::DeviceMismatch`] for an operand on another device, [`Error::Shape`] for
     /// disagreeing dimensions, [`Error::Value`] for a non-finite `α`/`β`,
-    /// [`Error::NonFinite`] for NaN/Inf in `A`, `B`, or in `C` when `β ≠ 0` (not checked on
-    /// [`Device::Cuda`], where it would cost a round trip: NaN/Inf propagate there). `c` is
-    /// unchanged on error.
+    /// [`Error::NonFinite`] for NaN/Inf in `A`, `B`, or in `C` when `β ≠ 0` (checked on every
+    /// device by [`Device::check_finite`]: one status read-back each on a GPU), and for a
+    /// result that overflows (`arg` `"result (overflow)"`; computed into scratch, so `c` is
+    /// unchanged on error).
     ///
     /// On the kernel devices this is one launch of the tiled fp32 GEMM of
     /// `kernels/precond.cu` ([`crate::cuda::precond::gemm`]).
@@ -69,25 +55,16 @@ impl Device {
             });
         }
         check_shape(OP, "c", c.shape(), (m, n))?;
-        match self {
-            Device::Cpu => {
-                let (a, b) = (host_ref(a)?, host_ref(b)?);
-                check_finite_view(OP, "a", a)?;
-                check_finite_view(OP, "b", b)?;
-                let c = host_mut(c)?;
-                if beta != 0.0 {
-                    check_finite_view(OP, "c", c.as_ref())?;
-                }
-                crate::cpu::gemm(ta, tb, alpha, a, b, beta, c)
-            }
+        self.check_finite(OP, "a", a)?;
+        self.check_finite(OP, "b", b)?;
+        if beta != 0.0 {
+            self.check_finite(OP, "c", c)?;
+        }
+        self.commit_finite(OP, [(OVERFLOW, c, beta != 0.0)], |[c]| match self {
+            Device::Cpu => crate::cpu::gemm(ta, tb, alpha, host_ref(a)?, host_ref(b)?, beta, host_mut(c)?),
             Device::Emulated | Device::Cuda(_) => {
-                check_finite_host(OP, "a", a)?;
-                check_finite_host(OP, "b", b)?;
-                if beta != 0.0 {
-                    check_finite_host(OP, "c", c)?;
-                }
                 crate::cuda::precond::gemm(self, ta, tb, alpha, a, b, beta, c)
             }
-        }
+        })
     }
 }

@@ -2,8 +2,7 @@
 
 use std::any::Any;
 
-use super::gemm::check_finite_host;
-use super::{host_mut, host_ref};
+use super::{host_mut, host_ref, OVERFLOW};
 use crate::device::{Device, Element, Matrix};
 use crate::error::{check_shape, check_value, Error, Result};
 use half::bf16;
@@ -27,9 +26,10 @@ impl Device {
     ///
     /// # Errors
     /// [`Error::DeviceMismatch`], [`Error::Shape`] (also for `m = 0`), [`Error::Value`] unless
-    /// `0 ≤ ε < 1`, [`Error::NonFinite`] for NaN/Inf in `A` (or in `Λ` when `ε > 0`; neither is
-    /// checked on [`Device::Cuda`], where it would cost a round trip). `factor` is unchanged on
-    /// error.
+    /// `0 ≤ ε < 1`, [`Error::NonFinite`] for NaN/Inf in `A` (or in `Λ` when `ε > 0`; checked on
+    /// every device by [`Device::check_finite`], one status read-back each on a GPU) and for an
+    /// overflowing result (`"result (overflow)"`: computed into scratch, committed only when
+    /// finite). `factor` is unchanged on error.
     ///
     /// On the kernel devices: `f32` `A` runs `kron_syrk_ema_f32`, `bf16` `A` the tensor-core
     /// `kron_syrk_ema_tc` ([`crate::cuda::kron`]); both compute the lower-triangle tiles only
@@ -52,13 +52,13 @@ impl Device {
         )?;
         check_batch(OP, "a", a.rows(), a.cols())?;
         check_shape(OP, "factor", factor.shape(), (a.cols(), a.cols()))?;
-        match self {
+        self.check_finite(OP, "a", a)?;
+        if eps > 0.0 {
+            self.check_finite(OP, "factor", factor)?;
+        }
+        self.commit_finite(OP, [(OVERFLOW, factor, eps > 0.0)], |[factor]| match self {
             Device::Cpu => crate::cpu::syrk_ema(host_ref(a)?, eps, host_mut(factor)?),
             Device::Emulated | Device::Cuda(_) => {
-                check_finite_host(OP, "a", a)?;
-                if eps > 0.0 {
-                    check_finite_host(OP, "factor", factor)?;
-                }
                 // grng implements `Element` for f32 and bf16: pick the kernel of the concrete type.
                 let any: &dyn Any = a;
                 if let Some(a) = any.downcast_ref::<Matrix<f32>>() {
@@ -72,14 +72,15 @@ impl Device {
                     )))
                 }
             }
-        }
+        })
     }
 
     /// Batch gradient `G = (1/m) Eᵀ A` for `E` `m x d_out`, `A` `m x d_in`, `G` `d_out x d_in`.
     ///
     /// # Errors
     /// [`Error::DeviceMismatch`], [`Error::Shape`] (also for `m = 0`), [`Error::NonFinite`] for
-    /// NaN/Inf in `E` or `A` (not checked on [`Device::Cuda`]). `g` is unchanged on error.
+    /// NaN/Inf in `E` or `A` ([`Device::check_finite`]) or an overflowing result
+    /// (`"result (overflow)"`). `g` is unchanged on error.
     ///
     /// On the kernel devices: the GEMM kernel `precond_gemm_tn` with `α = 1/m`.
     pub fn batch_gradient(&self, e: &Matrix, a: &Matrix, g: &mut Matrix) -> Result<()> {
@@ -90,13 +91,11 @@ impl Device {
         check_batch(OP, "e", e.rows(), e.cols())?;
         check_shape(OP, "a", a.shape(), (e.rows(), a.cols()))?;
         check_shape(OP, "g", g.shape(), (e.cols(), a.cols()))?;
-        match self {
+        self.check_finite(OP, "e", e)?;
+        self.check_finite(OP, "a", a)?;
+        self.commit_finite(OP, [(OVERFLOW, g, false)], |[g]| match self {
             Device::Cpu => crate::cpu::batch_gradient(host_ref(e)?, host_ref(a)?, host_mut(g)?),
-            Device::Emulated | Device::Cuda(_) => {
-                check_finite_host(OP, "e", e)?;
-                check_finite_host(OP, "a", a)?;
-                crate::cuda::kron::batch_gradient(self, e, a, g)
-            }
-        }
+            Device::Emulated | Device::Cuda(_) => crate::cuda::kron::batch_gradient(self, e, a, g),
+        })
     }
 }

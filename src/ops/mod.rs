@@ -16,7 +16,7 @@ pub mod newton;
 pub mod norm;
 pub mod precond;
 
-use crate::device::{Element, Matrix};
+use crate::device::{Device, Element, Matrix};
 use crate::error::{Error, Result};
 use crate::mat::{MatMut, MatRef};
 
@@ -35,4 +35,104 @@ pub(crate) fn host_mut<T: Element>(m: &mut Matrix<T>) -> Result<MatMut<'_, T>> {
         .host_mut()
         .ok_or_else(|| Error::DeviceUnavailable("matrix is not in host memory".into()))?;
     MatMut::new(data, rows, cols)
+}
+
+impl Device {
+    /// `Err(Error::NonFinite)` naming `arg` at the first NaN/Inf of `m` (flat row-major index):
+    /// the one finiteness check every op runs on its inputs (and on its results, see
+    /// [`Device::commit_finite`]), so an op accepts and rejects the same inputs on every device.
+    ///
+    /// [`Device::Cpu`]: a host scan ([`crate::error::first_non_finite`]).
+    /// [`Device::Emulated`] / [`Device::Cuda`]: the `elementwise_check` kernel (its `bf16`
+    /// twin for `bf16`) and one 20-byte status read-back — on a GPU that read-back synchronizes
+    /// the stream, the price of rejecting a bad input before anything is written. The emulator
+    /// runs the same launch code, so the GPU path is what the CPU-only tests exercise.
+    ///
+    /// # Errors
+    /// [`Error::DeviceMismatch`], [`Error::NonFinite`], device errors.
+    pub fn check_finite<T: Element>(
+        &self,
+        op: &'static str,
+        arg: &'static str,
+        m: &Matrix<T>,
+    ) -> Result<()> {
+        self.check_all_finite(op, &[(arg, m)])
+    }
+
+    /// [`Device::check_finite`] of several matrices, in order; on the kernel devices
+    /// consecutive `f32` matrices of one length share one launch and one read-back.
+    pub(crate) fn check_all_finite<T: Element>(
+        &self,
+        op: &'static str,
+        arrays: &[(&'static str, &Matrix<T>)],
+    ) -> Result<()> {
+        for &(_, m) in arrays {
+            self.check_on(op, m)?;
+        }
+        match self {
+            Device::Cpu => arrays
+                .iter()
+                .try_for_each(|&(arg, m)| crate::cpu::check_finite_view(op, arg, host_ref(m)?)),
+            Device::Emulated | Device::Cuda(_) => {
+                crate::cuda::elementwise::check_finite(self, op, arrays)
+            }
+        }
+    }
+
+    /// Runs `f` on scratch stand-ins for `outs` and commits them only when `f` succeeded and
+    /// every result is finite: a failed or overflowing op (finite but huge inputs whose result
+    /// is ±Inf/NaN) leaves each output bit-for-bit unchanged and returns
+    /// [`Error::NonFinite`] naming the output's `arg` (e.g. `"result (overflow)"`).
+    ///
+    /// Each entry is `(arg, output, copy)`: `copy` starts the scratch as a copy of the output
+    /// (the op reads it), otherwise as zeros (write-only output). Commit is a move of the
+    /// scratch into place, so the cost is one allocation (plus a copy) per output and one
+    /// finiteness check of the results ([`Device::check_all_finite`]).
+    pub(crate) fn commit_finite<const N: usize>(
+        &self,
+        op: &'static str,
+        outs: [(&'static str, &mut Matrix, bool); N],
+        f: impl FnOnce(&mut [Matrix; N]) -> Result<()>,
+    ) -> Result<()> {
+        let mut scratch = Vec::with_capacity(N);
+        for (_, m, copy) in &outs {
+            scratch.push(if *copy {
+                m.try_clone()?
+            } else {
+                self.zeros(m.rows(), m.cols())?
+            });
+        }
+        let mut scratch: [Matrix; N] = scratch
+            .try_into()
+            .map_err(|_| Error::DeviceUnavailable(format!("{op}: scratch allocation")))?;
+        f(&mut scratch)?;
+        let results: Vec<(&'static str, &Matrix)> = outs
+            .iter()
+            .zip(&scratch)
+            .map(|((arg, ..), m)| (*arg, m))
+            .collect();
+        self.check_all_finite(op, &results)?;
+        for ((_, out, _), m) in outs.into_iter().zip(scratch) {
+            *out = m;
+        }
+        Ok(())
+    }
+}
+
+/// The `arg` of the error an op returns when finite inputs give a non-finite result.
+pub(crate) const OVERFLOW: &str = "result (overflow)";
+
+/// `Ok(v)` for a finite scalar result, else `Err(Error::NonFinite)` naming [`OVERFLOW`]
+/// (the inputs were checked finite, so only overflow is left).
+pub(crate) fn finite_result(op: &'static str, v: f32) -> Result<f32> {
+    if v.is_finite() {
+        Ok(v)
+    } else {
+        Err(Error::NonFinite {
+            op,
+            arg: OVERFLOW,
+            index: 0,
+            value: v,
+        })
+    }
 }

@@ -26,10 +26,10 @@ pub enum InitialGuess {
     /// for the first iterations.
     Paper,
     /// The SPD-aware `X₀ = c I`, `c = 2 / (λ_hi + λ_low)`, with `λ_hi ≈ 1.1 λ_max` from power
-    /// iterations (capped by `1.02·min(‖A‖∞, ‖A‖_F)`) and `λ_low` =
+    /// iterations and `λ_low` =
     /// [`NewtonOptions::lambda_low`]. The eigenvalues of `I − A X₀` then lie in `(−1, 1)`;
     /// should the estimate have missed `λ_max` (the iteration diverges), it restarts once from
-    /// the guaranteed bound `1.02·min(‖A‖∞, ‖A‖_F)` ([`NewtonInfo::residual_history`] then
+    /// the guaranteed bound `1.1·min(‖A‖∞, ‖A‖_F)` ([`NewtonInfo::residual_history`] then
     /// holds both runs).
     #[default]
     ScaledIdentity,

@@ -83,15 +83,18 @@ impl Device {
     ///
     /// # Errors
     /// [`Error::Shape`](crate::Error::Shape) unless `a` is square,
-    /// [`Error::NonFinite`](crate::Error::NonFinite) for a NaN/Inf diagonal, device errors.
+    /// [`Error::NonFinite`](crate::Error::NonFinite) for a NaN/Inf diagonal or a sum that
+    /// overflows `f32` (`"result (overflow)"`), device errors.
     pub fn trace(&self, a: &Matrix) -> Result<f32> {
         const OP: &str = "Device::trace";
         self.check_on(OP, a)?;
         check_shape(OP, "a", a.shape(), (a.rows(), a.rows()))?;
-        match self {
+        let t = match self {
             Device::Cpu => crate::cpu::trace(super::host_ref(a)?),
             // One-block reduction kernel; the scalar (and any non-finite index) comes back.
             Device::Emulated | Device::Cuda(_) => crate::cuda::precond::trace(self, a),
-        }
+        }?;
+        // A finite diagonal whose f64 sum does not fit in f32.
+        super::finite_result(OP, t)
     }
 }

@@ -1,7 +1,6 @@
 //! Kronecker preconditioning and damping on a device.
 
-use super::gemm::check_finite_host;
-use super::{host_mut, host_ref};
+use super::{host_mut, host_ref, OVERFLOW};
 use crate::device::{Device, Matrix};
 use crate::error::{check_shape, check_value, Result};
 
@@ -11,8 +10,9 @@ impl Device {
     /// # Errors
     /// [`Error::DeviceMismatch`](crate::Error::DeviceMismatch),
     /// [`Error::Shape`](crate::Error::Shape), [`Error::NonFinite`](crate::Error::NonFinite) for
-    /// NaN/Inf in an input (not checked on [`Device::Cuda`], where it would cost a round trip).
-    /// `p` is unchanged on error.
+    /// NaN/Inf in an input ([`Device::check_finite`]: one status read-back each on a GPU) or an
+    /// overflowing result (`"result (overflow)"`: computed into scratch, committed only when
+    /// finite). `p` is unchanged on error.
     ///
     /// On the kernel devices: two GEMM launches (`precond_gemm_nn`) through a `d_out x d_in`
     /// scratch matrix, `P = Γ̃⁻¹ (G Λ̃⁻¹)`.
@@ -32,7 +32,10 @@ impl Device {
         check_shape(OP, "gamma_inv", gamma_inv.shape(), (d_out, d_out))?;
         check_shape(OP, "lambda_inv", lambda_inv.shape(), (d_in, d_in))?;
         check_shape(OP, "p", p.shape(), (d_out, d_in))?;
-        match self {
+        self.check_finite(OP, "gamma_inv", gamma_inv)?;
+        self.check_finite(OP, "g", g)?;
+        self.check_finite(OP, "lambda_inv", lambda_inv)?;
+        self.commit_finite(OP, [(OVERFLOW, p, false)], |[p]| match self {
             Device::Cpu => crate::cpu::precondition(
                 host_ref(gamma_inv)?,
                 host_ref(g)?,
@@ -40,12 +43,9 @@ impl Device {
                 host_mut(p)?,
             ),
             Device::Emulated | Device::Cuda(_) => {
-                check_finite_host(OP, "gamma_inv", gamma_inv)?;
-                check_finite_host(OP, "g", g)?;
-                check_finite_host(OP, "lambda_inv", lambda_inv)?;
                 crate::cuda::precond::precondition(self, gamma_inv, g, lambda_inv, p)
             }
-        }
+        })
     }
 
     /// Lazy-Fisher damped-inverse update `X ← X − dλ · X X` (SPEC §2) for a square `X`.
@@ -55,7 +55,7 @@ impl Device {
     /// [`Error::DeviceMismatch`](crate::Error::DeviceMismatch),
     /// [`Error::Shape`](crate::Error::Shape) unless square, [`Error::Value`](crate::Error::Value)
     /// for a non-finite `dλ`, [`Error::NonFinite`](crate::Error::NonFinite) for NaN/Inf in `X`
-    /// (not checked on [`Device::Cuda`]). `inv` is unchanged on error.
+    /// or an overflowing result (`"result (overflow)"`). `inv` is unchanged on error.
     ///
     /// On the kernel devices: one GEMM launch (`α = −dλ`, `β = 1`, the update fused into its
     /// epilogue) reading a device-side copy of the old `X`.
@@ -64,13 +64,13 @@ impl Device {
         self.check_on(OP, inv)?;
         check_shape(OP, "inv", inv.shape(), (inv.rows(), inv.rows()))?;
         check_value(OP, "dlambda", dlambda as f64, true, "a finite number")?;
-        match self {
+        self.check_finite(OP, "inv", inv)?;
+        self.commit_finite(OP, [(OVERFLOW, inv, true)], |[inv]| match self {
             Device::Cpu => crate::cpu::damped_inverse_update(host_mut(inv)?, dlambda),
             Device::Emulated | Device::Cuda(_) => {
-                check_finite_host(OP, "inv", inv)?;
                 crate::cuda::precond::damped_inverse_update(self, inv, dlambda)
             }
-        }
+        })
     }
 
     /// `A ← A + λ I` for a square `A`.
@@ -78,17 +78,19 @@ impl Device {
     /// # Errors
     /// [`Error::DeviceMismatch`](crate::Error::DeviceMismatch),
     /// [`Error::Shape`](crate::Error::Shape) unless square, [`Error::Value`](crate::Error::Value)
-    /// for a non-finite `λ`. `a` is unchanged on error.
+    /// for a non-finite `λ`, [`Error::NonFinite`](crate::Error::NonFinite) for NaN/Inf in `A`
+    /// or an overflowing diagonal (`"result (overflow)"`). `a` is unchanged on error.
     pub fn add_diagonal(&self, a: &mut Matrix, lambda: f32) -> Result<()> {
         const OP: &str = "Device::add_diagonal";
         self.check_on(OP, a)?;
         check_shape(OP, "a", a.shape(), (a.rows(), a.rows()))?;
         check_value(OP, "lambda", lambda as f64, true, "a finite number")?;
-        match self {
+        self.check_finite(OP, "a", a)?;
+        self.commit_finite(OP, [(OVERFLOW, a, true)], |[a]| match self {
             Device::Cpu => crate::cpu::add_diagonal(host_mut(a)?, lambda),
             Device::Emulated | Device::Cuda(_) => {
                 crate::cuda::precond::add_diagonal(self, a, lambda)
             }
-        }
+        })
     }
 }

@@ -243,9 +243,10 @@ mod tests {
             &[vec!["xyz".into(), "1".into()], vec!["q".into(), "—".into()]],
         );
         let lines: Vec<&str> = t.lines().collect();
-        assert_eq!(lines[0], "a     bb");
-        assert_eq!(lines[2], "xyz    1");
-        assert_eq!(lines[3], "q      —");
+        assert_eq!(lines[0], "a    bb");
+        assert_eq!(lines[1], "-------");
+        assert_eq!(lines[2], "xyz   1");
+        assert_eq!(lines[3], "q     —");
     }
 
     #[test]
