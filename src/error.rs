@@ -150,7 +150,13 @@ pub(crate) fn first_non_finite<T: crate::device::Element>(xs: &[T]) -> Option<us
         let bad = blk
             .iter()
             .fold(false, |bad, v| bad | (v.to_f32().to_bits() & EXP == EXP));
-        bad.then(|| b * BLOCK + blk.iter().position(|v| !v.to_f32().is_finite()).unwrap_or(0))
+        bad.then(|| {
+            b * BLOCK
+                + blk
+                    .iter()
+                    .position(|v| !v.to_f32().is_finite())
+                    .unwrap_or(0)
+        })
     })
 }
 

@@ -9,10 +9,11 @@
 //! - on error, every mutable operand / the whole optimizer state is bit-for-bit unchanged
 //!   (optimizers are snapshotted through their checkpoint records, which hold every bit).
 //!
-//! One test runs every family under a proptest runner (fresh random sizes and values per case)
-//! and prints the counts; violations are listed with file, function and input, then fail it.
+//! One test per device (the CPU, and the emulated kernels, whose launch code is the GPU's) runs
+//! every family under a proptest runner (fresh random sizes and values per case) and prints
+//! the counts; violations are listed with file, function and input, then fail it.
 
-use std::cell::RefCell;
+use std::cell::{Cell, RefCell};
 use std::collections::BTreeMap;
 use std::panic::{catch_unwind, AssertUnwindSafe};
 
@@ -28,12 +29,31 @@ use grng::optim::sgd::{Sgd, SgdConfig, SgdState};
 use grng::optim::sophia::{Sophia, SophiaConfig, SophiaHessian, SophiaState};
 use grng::optim::KronStats;
 use grng::{Device, Matrix, Result, Trans};
+use half::bf16;
 use proptest::prelude::*;
 use proptest::test_runner::{Config, TestRunner};
 use rand::{Rng, SeedableRng};
 use rand_chacha::ChaCha8Rng;
 
-const DEV: Device = Device::Cpu;
+/// The device the running test probes: each `#[test]` runs on its own thread and sets it once
+/// ([`on_device`]), so every family below runs unchanged on the CPU and on the emulated kernels.
+const DEV: CurrentDevice = CurrentDevice;
+static CPU: Device = Device::Cpu;
+static EMULATED: Device = Device::Emulated;
+thread_local! {
+    static ON_EMULATED: Cell<bool> = const { Cell::new(false) };
+}
+struct CurrentDevice;
+impl std::ops::Deref for CurrentDevice {
+    type Target = Device;
+    fn deref(&self) -> &Device {
+        if ON_EMULATED.get() {
+            &EMULATED
+        } else {
+            &CPU
+        }
+    }
+}
 /// "Huge but finite": squares and products of two overflow `f32` (max ≈ 3.4e38).
 const HUGE: f32 = 1e30;
 
@@ -933,6 +953,34 @@ fn dense_ops(t: &mut Tally, rng: &mut ChaCha8Rng, m: usize, k: usize, n: usize) 
         &mut f,
         s1,
         |f| DEV.kron_factor_update(&ha, 0.0, f),
+    );
+    // bf16 activations (the tensor-core SYRK on the kernel devices): same checks.
+    let to_bf16 = |m: &Matrix| {
+        let v: Vec<bf16> = m
+            .to_vec()
+            .unwrap()
+            .into_iter()
+            .map(bf16::from_f32)
+            .collect();
+        DEV.upload(m.rows(), m.cols(), &v).unwrap()
+    };
+    let a16_bad = to_bf16(&a_bad);
+    t.probe(
+        tgt,
+        &format!("a (bf16) holds {ad}"),
+        Expect::Err(&["a"]),
+        &mut f,
+        s1,
+        |f| DEV.kron_factor_update(&a16_bad, 0.5, f),
+    );
+    let ha16 = to_bf16(&ha);
+    t.probe(
+        tgt,
+        "a (bf16) = 1e30 (AᵀA overflows)",
+        Expect::ErrOrFinite,
+        &mut f,
+        s1,
+        |f| DEV.kron_factor_update(&ha16, 0.5, f),
     );
 
     // Batch gradient: E is m x n, A is m x k, G is n x k.
@@ -2433,12 +2481,13 @@ fn kron_optimizer(t: &mut Tally, rng: &mut ChaCha8Rng, shapes: &[(usize, usize)]
 // ---------------------------------------------------------------------------------------------
 // The run.
 
-#[test]
-fn bad_inputs_error_without_panic_and_leave_state_unchanged() {
+/// Runs every family `cases` times on `device` (fresh random sizes and values each run), prints
+/// the counts and fails on any panic or violation.
+fn on_device(device: &Device, cases: u32) {
+    ON_EMULATED.set(matches!(device, Device::Emulated));
     let tally = RefCell::new(Tally::default());
-    // 48 cases of every family, fresh random sizes and values each run.
     let mut runner = TestRunner::new(Config {
-        cases: 48,
+        cases,
         failure_persistence: None,
         ..Config::default()
     });
@@ -2462,12 +2511,13 @@ fn bad_inputs_error_without_panic_and_leave_state_unchanged() {
     });
     result.unwrap();
     let t = tally.into_inner();
-    eprintln!("bad input, per target: tried / errors / finite results");
+    let name = device.name();
+    eprintln!("bad input on {name}, per target: tried / errors / finite results");
     for (target, [n, e, f]) in &t.per_target {
         eprintln!("  {target:<32} {n:>6} {e:>6} {f:>6}");
     }
     eprintln!(
-        "bad input total: {} inputs tried, {} errors returned, {} huge inputs with finite results, {} panics, {} violations",
+        "bad input total on {name}: {} inputs tried, {} errors returned, {} huge inputs with finite results, {} panics, {} violations",
         t.tried,
         t.errors,
         t.finite_ok,
@@ -2495,4 +2545,16 @@ fn bad_inputs_error_without_panic_and_leave_state_unchanged() {
     }
     assert_eq!(t.panics, 0);
     assert!(t.violations.is_empty(), "{} violations", t.violations.len());
+}
+
+#[test]
+fn bad_inputs_error_without_panic_and_leave_state_unchanged_on_cpu() {
+    on_device(&Device::Cpu, 48);
+}
+
+/// The kernels run by the emulator (the GPU launch code, status read-backs included) must
+/// reject exactly what the CPU rejects; fewer cases, as emulation is slow.
+#[test]
+fn bad_inputs_error_without_panic_and_leave_state_unchanged_on_emulated() {
+    on_device(&Device::Emulated, 16);
 }

@@ -155,7 +155,6 @@ fn norm_inf(a: &[f32], n: usize) -> f64 {
 
 /// Checks an `F32` result: the residual, the forward error against the `f64` inverse, the
 /// residual history against the order `p`, and the iteration count against the prediction.
-#[allow(clippy::too_many_arguments)]
 fn check_f32(
     a: &[f32],
     d: &[f64],
@@ -350,11 +349,12 @@ proptest! {
         if !paper {
             // From the scaled identity ρ(E₀) ≤ max(1 − 2/(1.1κ + 1), 2/1.05 − 1) (the second
             // from the margin on λ_hi, binding at κ ≈ 1), so reaching a residual r takes about
-            // log_p(ln(1/r)/(1 − ρ)) steps (the cubic: 3–8 measured, module docs); 4 spare for
-            // the slow creep along the floor before the stall test stops it.
+            // log_p(ln(1/r)/(1 − ρ)) steps (the cubic: 3–8 measured, module docs); 6 spare for
+            // the slow creep along the floor (longest for the quadratic order) before the stall
+            // test stops it.
             let p = power(opts.order) as f64;
             let gap = (2.0 / (1.1 * kappa + 1.0)).min(2.0 - 2.0 / 1.05);
-            let bound = ((1.0 / bf16_floor(kappa)).ln() / gap).ln() / p.ln() + 4.0;
+            let bound = ((1.0 / bf16_floor(kappa)).ln() / gap).ln() / p.ln() + 6.0;
             prop_assert!(info.iterations as f64 <= bound, "{} steps > {bound:.1}", info.iterations);
         }
 

@@ -580,7 +580,7 @@ fn too_few_iterations_and_tight_tolerance_are_errors() {
                     },
                 ) => {
                     assert_eq!(rc, reason);
-                    assert!(kc.abs_diff(*iterations) <= 1);
+                    assert!(kc.abs_diff(*iterations) <= 1, "cpu {e_cpu} vs {e}");
                 }
                 _ => panic!("cpu {e_cpu} vs {e}"),
             }

@@ -47,20 +47,19 @@
 //! log-spaced over `[1/κ, 1]`; cubic from the scaled identity; 3 matrices each at
 //! n = 24, 64, 200, 256, 512; the smaller n give the upper ends of the ranges):
 //!
-//! | κ | `F32` floor | `Bf16` best iterate | `Bf16` + polish |
-//! |---|---|---|---|
-//! | 10 | 6e-8 – 1.2e-7 | 2.4e-3 – 4.9e-3 | 8.6e-6 – 3.9e-5 |
-//! | 33 | 1.2e-7 – 2.6e-7 | 3.2e-3 – 1.1e-2 | 1.3e-5 – 1.3e-4 |
-//! | 100 | 3.8e-7 – 9.8e-7 | 5.8e-3 – 2.5e-2 | 3.9e-5 – 9.0e-4 |
-//! | 1000 | 4.0e-6 – 5.5e-6 | 3.3e-2 – 1.3e-1 | 9.8e-4 – 3.1e-2 |
+//! | κ | `F32` floor | `Bf16` best iterate | `Bf16` + polish | `Bf16` steps |
+//! |---|---|---|---|---|
+//! | 10 | 5.7e-8 – 1.1e-7 | 2.6e-3 – 4.6e-3 | 9.4e-6 – 3.0e-5 | 3–7 |
+//! | 33 | 1.3e-7 – 2.8e-7 | 3.3e-3 – 1.0e-2 | 1.4e-5 – 1.5e-4 | 4–6 |
+//! | 100 | 3.8e-7 – 6.8e-7 | 5.6e-3 – 2.7e-2 | 3.5e-5 – 6.7e-4 | 5–7 |
+//! | 1000 | 4.0e-6 – 5.6e-6 | 3.3e-2 – 1.2e-1 | 9.8e-4 – 2.2e-2 | 6–7 |
 //!
 //! The `f32` floor grows about linearly, `≈ 5e-9·κ`, so the default `tol = 1e-4` holds to
 //! κ ≈ 1e4. The `bf16` floor, `≲ 4e-3·κ^0.55` for n ≥ 24 (the bound `tests/cpu_newton.rs`
-//! checks; n = 16 reached 0.17 at κ = 836), is set by the rounding of `A` itself and reached
-//! in 3–8 cubic steps; at n = 256–512 it is
-//! below SPEC's numpy figures (4.5e-3, 9e-3, 1.7e-2, 0.14 at κ = 10, 33, 100, 1000); rounding
-//! the small correction `F` rather than `p(T) ≈ I` to bf16 is the likely difference. The
-//! polish step squares the floor.
+//! checks; n = 16 reached 0.17 at κ = 836), is set by the rounding of `A` itself. At
+//! n = 256–512 it is below SPEC's numpy figures (4.5e-3, 9e-3, 1.7e-2, 0.14 at κ = 10, 33,
+//! 100, 1000); rounding the small correction `F` rather than `p(T) ≈ I` to bf16 is the likely
+//! difference. The polish step squares the floor.
 
 use rayon::prelude::*;
 
@@ -131,7 +130,7 @@ pub fn newton_inverse(
     let bf16 = opts.precision == Precision::Bf16;
     let mut it = Iteration::new(a_sym, n, bf16);
 
-    // X₀, and whether X stays a polynomial in A (then every T-product is symmetric).
+    // X₀, and whether X stays a polynomial in A (then the powers of E are symmetric).
     let (init_used, commuting) = match (opts.init, warm_sym) {
         (InitialGuess::Paper, _) => {
             it.x = paper_start(&it.a, n)?;

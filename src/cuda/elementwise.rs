@@ -18,8 +18,8 @@ use std::any::Any;
 
 use crate::device::{Device, Element, Matrix};
 use crate::error::{check_len, check_value, Error, Result};
-use half::bf16;
 use crate::ops::elementwise::{AdamWCoeffs, SgdCoeffs, SophiaCoeffs};
+use half::bf16;
 
 kernel!(pub(crate) AXPY = ELEMENTWISE::elementwise_axpy;);
 kernel!(pub(crate) SCALE = ELEMENTWISE::elementwise_scale;);

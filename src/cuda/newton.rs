@@ -5,9 +5,8 @@
 //! The iteration is the CPU oracle's ([`crate::cpu::newton`]): the same step form
 //! `X ← X + X·F`, starting guesses, stop/stall/best-iterate rules, `Bf16` polish and
 //! [`NewtonInfo`]. Differences are rounding-level only: the products accumulate in a different
-//! order, and the early `F32` steps use full products where the CPU mirrors symmetric ones
-//! (the CPU does that for speed; here it would only add noise), while the stop rule's phase
-//! logic is kept as is. Per iteration one `f32` (the residual) goes to the host for the stop
+//! order, and the early `F32` steps compute the powers of `E` as full products where the CPU
+//! mirrors symmetric ones (a CPU speed-up; its stop-rule phase logic is kept here as is). Per iteration one `f32` (the residual) goes to the host for the stop
 //! test; per power-iteration step four (the Rayleigh quotient and `‖Av‖` as double-float
 //! pairs). Setup reads back a few per-block partials (input checks, norms) once.
 //!
@@ -52,11 +51,8 @@ const OUT_F32: i32 = 4;
 const OUT_BF16: i32 = 8;
 const RESID: i32 = 16;
 
-// Safety margins of the scaled-identity start; must equal those of `crate::cpu::newton`.
-/// On the power-iteration estimate of `λ_max` (a lower bound of it).
+/// Safety factor on `λ_max` in the scaled-identity start; must equal `crate::cpu::newton`'s.
 const LAMBDA_MARGIN: f32 = 1.1;
-/// On the bounds `‖A‖∞, ‖A‖_F ≥ λ_max`.
-const GERSHGORIN_MARGIN: f32 = 1.02;
 
 /// Number of residual partials a product of `n x n` matrices writes (one per 64x64 tile).
 pub fn partials(n: usize) -> usize {
@@ -910,14 +906,13 @@ impl<'d> Work<'d> {
     }
 
     /// `X₀ = c I` (SPEC §2 (b)), `c = 2/(λ_hi + min(λ_low, λ_hi))`, with `λ_hi` as in the CPU
-    /// backend: `min(1.1·θ, cap)` (θ the larger Rayleigh quotient of the two power
-    /// iterations) when `estimated`, else the guaranteed `cap = 1.02·min(‖A‖∞, ‖A‖_F)`.
+    /// backend: `1.1·θ` (θ the larger Rayleigh quotient of its two power iterations) when
+    /// `estimated`, else the guaranteed `1.1·min(‖A‖∞, ‖A‖_F)`.
     fn scaled_identity(&mut self, lambda_low: f32, estimated: bool) -> Result<()> {
         let (inf, _, fro) = abs_norms(self.dev, &self.a)?;
         if inf == 0.0 {
             return Err(zero_matrix());
         }
-        let cap = GERSHGORIN_MARGIN * inf.min(fro) as f32;
         let hi = if estimated {
             let power = power_iteration(
                 self.dev,
@@ -938,9 +933,9 @@ impl<'d> Work<'d> {
                     "a positive definite matrix (power iterations found no positive eigenvalue)",
                 ));
             }
-            (LAMBDA_MARGIN * theta).min(cap)
+            LAMBDA_MARGIN * theta
         } else {
-            cap
+            LAMBDA_MARGIN * inf.min(fro) as f32
         };
         let c = 2.0 / (hi + lambda_low.min(hi));
         self.set_x(None, c)

@@ -4,6 +4,12 @@
 //! `rows * cols` elements in row-major order. Each fused update states its formula; the CPU
 //! backend ([`crate::cpu::elementwise`]) and the GPU kernels (`kernels/elementwise.cu`)
 //! implement exactly those formulas, in `f32`.
+//!
+//! Every op also fails with [`Error::NonFinite`] when finite inputs give a non-finite result
+//! (`arg` `result (overflow)`, or `<output> (overflow)` for the fused updates, e.g. AdamW's
+//! `v` after `g² > f32::MAX`): the outputs are computed into scratch copies and moved into
+//! place only when finite (`Device::commit_finite`), so they are unchanged on error. On
+//! the kernel devices that check is one more launch and 20-byte read-back per call.
 
 use crate::cpu::elementwise::check_beta;
 use crate::cuda::elementwise as ew;
@@ -305,7 +311,10 @@ impl Device {
             &[("params", &*params), ("grad", grad), ("m", &*m), ("h", h)],
         )?;
         c.validate(OP)?;
-        let outs = [("params (overflow)", params, true), ("m (overflow)", m, true)];
+        let outs = [
+            ("params (overflow)", params, true),
+            ("m (overflow)", m, true),
+        ];
         self.commit_finite(OP, outs, |[p, m]| match self {
             Device::Cpu => crate::cpu::elementwise::sophia_update(
                 host_mut(p)?,

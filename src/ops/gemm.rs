@@ -61,7 +61,15 @@ impl Device {
             self.check_finite(OP, "c", c)?;
         }
         self.commit_finite(OP, [(OVERFLOW, c, beta != 0.0)], |[c]| match self {
-            Device::Cpu => crate::cpu::gemm(ta, tb, alpha, host_ref(a)?, host_ref(b)?, beta, host_mut(c)?),
+            Device::Cpu => crate::cpu::gemm(
+                ta,
+                tb,
+                alpha,
+                host_ref(a)?,
+                host_ref(b)?,
+                beta,
+                host_mut(c)?,
+            ),
             Device::Emulated | Device::Cuda(_) => {
                 crate::cuda::precond::gemm(self, ta, tb, alpha, a, b, beta, c)
             }

@@ -1,10 +1,13 @@
 //! The device-agnostic operations: one file per hot path, each an `impl Device` block whose
 //! methods validate their [`Matrix`] operands (device placement, shapes, scalar ranges, and
-//! finiteness where cheap) before anything is written, then match on the device.
+//! finiteness through [`Device::check_finite`], the same check on every device) before
+//! anything is written, then match on the device. Ops with matrix outputs compute into
+//! scratch and commit only finite results (`Device::commit_finite`); scalar results are
+//! checked too: finite but huge inputs whose result overflows give [`Error::NonFinite`]
+//! naming `result (overflow)` (or `<output> (overflow)`) and leave every output unchanged.
 //!
-//! [`Device::Cpu`](crate::Device::Cpu) runs the rayon backend of [`crate::cpu`] on the host
-//! storage; [`Device::Emulated`](crate::Device::Emulated) and
-//! [`Device::Cuda`](crate::Device::Cuda) run the kernels of `kernels/*.cu` through the
+//! [`Device::Cpu`] runs the rayon backend of [`crate::cpu`] on the host storage;
+//! [`Device::Emulated`] and [`Device::Cuda`] run the kernels of `kernels/*.cu` through the
 //! launchers of [`crate::cuda`].
 
 pub mod cholesky;
@@ -40,9 +43,9 @@ pub(crate) fn host_mut<T: Element>(m: &mut Matrix<T>) -> Result<MatMut<'_, T>> {
 impl Device {
     /// `Err(Error::NonFinite)` naming `arg` at the first NaN/Inf of `m` (flat row-major index):
     /// the one finiteness check every op runs on its inputs (and on its results, see
-    /// [`Device::commit_finite`]), so an op accepts and rejects the same inputs on every device.
+    /// `Device::commit_finite`), so an op accepts and rejects the same inputs on every device.
     ///
-    /// [`Device::Cpu`]: a host scan ([`crate::error::first_non_finite`]).
+    /// [`Device::Cpu`]: a host scan (`crate::error::first_non_finite`).
     /// [`Device::Emulated`] / [`Device::Cuda`]: the `elementwise_check` kernel (its `bf16`
     /// twin for `bf16`) and one 20-byte status read-back — on a GPU that read-back synchronizes
     /// the stream, the price of rejecting a bad input before anything is written. The emulator

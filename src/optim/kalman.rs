@@ -183,7 +183,9 @@ impl RKalman {
     ///
     /// # Errors
     /// [`Error::Shape`] for other sizes, [`Error::NonFinite`], [`Error::Value`] for a
-    /// `σ_i ≤ 0`, device errors; on error the filter is unchanged.
+    /// `σ_i ≤ 0` or an `r` that is not positive semidefinite (a host Cholesky factorization
+    /// of `R + tiny·I`, the crate-private `optim::check_psd`), device errors; on error the filter is
+    /// unchanged.
     pub fn restore(&mut self, state: &RKalmanState) -> Result<()> {
         const OP: &str = "RKalman::restore";
         let (n, d_o) = (self.n(), self.d_o());
@@ -201,6 +203,16 @@ impl RKalman {
                 expected: "every entry > 0",
             });
         }
+        // R is an EMA of outer products (PSD); an indefinite R would let the innovation
+        // matrix lose definiteness.
+        super::check_psd(
+            OP,
+            "r",
+            &state.r,
+            d_o,
+            0.0,
+            "a symmetric positive semidefinite R (Cholesky of R + jitter·I succeeds)",
+        )?;
         let mut fresh = KalmanState::new(&self.device, &state.mu, self.config.sigma0, d_o)?;
         fresh.sigma = self.device.upload(n, 1, &state.sigma)?;
         fresh.r = self.device.upload(d_o, d_o, &state.r)?;

@@ -26,3 +26,38 @@ pub struct KronStats<'a> {
     /// Output gradients, `m' x d_out`.
     pub e: &'a Matrix,
 }
+
+/// `Err(Error::Value)` naming `arg` unless the symmetric `n x n` matrix `a` (row-major host
+/// data; only its lower triangle is read) is positive semidefinite after a shift: the
+/// Cholesky factorization of `a + (shift + tol)·I` must succeed, with
+/// `tol = max(n·ε_f32·max|aᵢᵢ|, f32::MIN_POSITIVE)` — the rounding of an `f32` PSD matrix
+/// (its largest eigenvalue is at least `max aᵢᵢ`), so a singular PSD matrix (zero included)
+/// passes and a matrix with an eigenvalue below `−(shift + tol)` does not. `O(n³/3)` on the
+/// host in `f64`: for checkpoint restores, not steps.
+pub(crate) fn check_psd(
+    op: &'static str,
+    arg: &'static str,
+    a: &[f32],
+    n: usize,
+    shift: f32,
+    expected: &'static str,
+) -> crate::Result<()> {
+    crate::error::check_len(op, arg, a.len(), n * n)?;
+    crate::error::check_finite(op, arg, a)?;
+    let max_diag = (0..n).map(|i| a[i * n + i].abs()).fold(0.0f32, f32::max);
+    let tol = (n as f32 * f32::EPSILON * max_diag).max(f32::MIN_POSITIVE);
+    let mut w = a.to_vec();
+    for i in 0..n {
+        w[i * n + i] += shift + tol;
+    }
+    match crate::cpu::cholesky(crate::mat::MatRef::new(&w, n, n)?) {
+        Ok(_) => Ok(()),
+        Err(crate::Error::NotSpd { pivot, .. }) => Err(crate::Error::Value {
+            op,
+            arg,
+            value: pivot,
+            expected,
+        }),
+        Err(e) => Err(e),
+    }
+}

@@ -13,7 +13,9 @@ use crate::device::Device;
 use crate::error::Result;
 use crate::mlp::Activation;
 use crate::report;
-use crate::train::{self, Method, MethodConfig, RunConfig, Splits, UnknownMethod};
+use crate::train::{
+    self, Checkpointing, Method, MethodConfig, MethodResult, RunConfig, Splits, UnknownMethod,
+};
 
 /// Train an MLP on the UCI handwritten digits (1797 8x8 images, CC BY 4.0, shipped in the
 /// crate) with RING, RENG, NGD, R-Kalman, Kalman, AdamW, SGD and Sophia, and compare them.
@@ -67,9 +69,29 @@ pub struct Cli {
     pub eval_points: usize,
 
     /// Run the hyperparameter sweep (grids in grng::train::hyper) for the chosen optimizers
-    /// and print a table per optimizer, instead of the comparison.
+    /// and print a table per optimizer, instead of the comparison. Writes and reads no
+    /// checkpoints.
     #[arg(long)]
     pub sweep: bool,
+
+    /// Save each optimizer's full training state to <out>/<optimizer>.ckpt every N steps
+    /// (atomically: temporary file, fsync, rename). The file is also written when an
+    /// optimizer's training ends, whenever --checkpoint-every or --resume is given.
+    #[arg(long, value_name = "N")]
+    pub checkpoint_every: Option<u64>,
+
+    /// Continue each optimizer from <out>/<optimizer>.ckpt when it exists (an optimizer
+    /// without one starts from scratch): the batches it already consumed are skipped and
+    /// training continues bit for bit as if uninterrupted (on the CPU). The seed, split, batch
+    /// size, network and hyperparameters must be the ones the checkpoint was made with.
+    /// The curves, times and "to target" columns then report the resumed part only;
+    /// "steps" counts the whole run.
+    #[arg(long)]
+    pub resume: bool,
+
+    /// Stop each optimizer after this many steps in all (counting steps before a resume).
+    #[arg(long, value_name = "N")]
+    pub max_steps: Option<u64>,
 }
 
 /// Hidden nonlinearity on the command line.
@@ -109,6 +131,12 @@ pub fn run(cli: &Cli) -> Result<()> {
         },
         target_acc: cli.target_acc,
         eval_points: cli.eval_points,
+        max_steps: cli.max_steps,
+        checkpoint: (cli.checkpoint_every.is_some() || cli.resume).then(|| Checkpointing {
+            dir: cli.out.clone(),
+            every: cli.checkpoint_every,
+            resume: cli.resume,
+        }),
     };
     run.validate()?;
     let splits = Splits::digits(cli.seed)?;
@@ -138,6 +166,7 @@ pub fn run(cli: &Cli) -> Result<()> {
     }
     println!();
     print!("{}", report::summary_table(&results, run.target_acc));
+    print!("{}", reliability_table(&results));
     let (svg, csv) = report::write_outputs(&cli.out, &results)?;
     println!(
         "\nwall time {:.1} s; figure: {}; curves: {}",
@@ -146,6 +175,62 @@ pub fn run(cli: &Cli) -> Result<()> {
         csv.display()
     );
     Ok(())
+}
+
+/// Skipped steps and numerical fallbacks per method, printed under the summary table (issue
+/// 5: fallbacks are reported, not hidden), plus where a resumed run started.
+pub fn reliability_table(results: &[MethodResult]) -> String {
+    use std::fmt::Write as _;
+    let mut out = String::new();
+    let _ = writeln!(
+        out,
+        "\n{:<9} {:>8} {:>9} {:>8} {:>9} {:>9} {:>8} {:>9} {:>8} {:>9}",
+        "numerics",
+        "skipped",
+        "rejected",
+        "newton",
+        "cholesky",
+        "power",
+        "jitter",
+        "jittered",
+        "sigma",
+        "resumed"
+    );
+    let _ = writeln!(
+        out,
+        "{:<9} {:>8} {:>9} {:>8} {:>9} {:>9} {:>8} {:>9} {:>8} {:>9}",
+        "",
+        "NaN/Inf",
+        "updates",
+        "retries",
+        "fallback",
+        "unconv.",
+        "escal.",
+        "steps",
+        "floored",
+        "at step"
+    );
+    for r in results {
+        let c = &r.counters;
+        let resumed = r
+            .resumed_from
+            .map_or_else(|| "-".to_string(), |s| s.to_string());
+        let _ = writeln!(
+            out,
+            "{:<9} {:>8} {:>9} {:>8} {:>9} {:>9} {:>8} {:>9} {:>8} {:>9}",
+            r.config.method.label(),
+            c.skipped_nonfinite,
+            c.rejected_updates,
+            c.newton_retries,
+            c.cholesky_fallbacks,
+            c.power_unconverged,
+            c.jitter_escalations,
+            c.jittered_steps,
+            c.sigma_floored,
+            resumed
+        );
+    }
+    out
 }
 
 fn sweep(device: &Device, splits: &Splits, run: &RunConfig, methods: &[Method]) -> Result<()> {

@@ -15,9 +15,9 @@ mod trainer;
 
 pub use hyper::{Knob, MethodConfig, OptimizerConfig, DEFAULT_BATCH};
 pub use method::{Method, UnknownMethod};
-pub use run::{train_method, CurvePoint, MethodResult, RunConfig, Splits, SPLIT};
+pub use run::{train_method, Checkpointing, CurvePoint, MethodResult, RunConfig, Splits, SPLIT};
 pub use sweep::{best, sweep, SweepPoint};
-pub use trainer::{Batch, StepReport, Trainer};
+pub use trainer::{Batch, StepReport, Trainer, TrainerCounters};
 
 use crate::device::Device;
 use crate::error::{Error, Result};

@@ -1,15 +1,17 @@
 //! The main job's training loop: one method on a train/validation/test split, with the
 //! curves and summary numbers the report prints and plots.
 
+use std::path::{Path, PathBuf};
 use std::time::Duration;
 
+use crate::checkpoint::{Checkpoint, Reader, Writer};
 use crate::data::Dataset;
 use crate::device::Device;
-use crate::error::{check_value, Result};
+use crate::error::{check_value, Error, Result};
 use crate::mlp::{Activation, Loss, Mlp, MlpConfig, Targets};
 
 use super::hyper::MethodConfig;
-use super::trainer::{norm, Batch, Trainer};
+use super::trainer::{norm, Batch, Trainer, TrainerCounters};
 
 /// Train / validation / test parts of a classification data set.
 #[derive(Clone, Debug)]
@@ -56,6 +58,35 @@ pub struct RunConfig {
     /// About how many evaluation points each curve gets (at least one per epoch end is not
     /// guaranteed; the last step is always evaluated).
     pub eval_points: usize,
+    /// Stop after this many steps in all (counting the steps before a resume); `None` trains
+    /// every epoch.
+    pub max_steps: Option<u64>,
+    /// Periodic checkpoints and resuming ([`Checkpointing`]); `None` reads and writes nothing.
+    pub checkpoint: Option<Checkpointing>,
+}
+
+/// Where and how often [`train_method`] saves its state, and whether it resumes from it.
+///
+/// The file is `<dir>/<method key>.ckpt` (e.g. `out/ring.ckpt`), written atomically
+/// ([`Writer::write_atomic`]): the scope `trainer` holds the [`Trainer`] (network, optimizer,
+/// random stream, counters), the scope `run` the position in the batch schedule (see
+/// [`train_method`]).
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Checkpointing {
+    /// Folder of the checkpoint files (created when missing).
+    pub dir: PathBuf,
+    /// Also write every this many steps (the file is always written when training ends
+    /// without an error); `None` or `Some(0)`: only at the end.
+    pub every: Option<u64>,
+    /// Load the method's file when it exists and continue from there.
+    pub resume: bool,
+}
+
+impl Checkpointing {
+    /// The checkpoint file of `config`'s method: `<dir>/<key>.ckpt`.
+    pub fn path(&self, config: &MethodConfig) -> PathBuf {
+        self.dir.join(format!("{}.ckpt", config.method.key()))
+    }
 }
 
 impl Default for RunConfig {
@@ -68,6 +99,8 @@ impl Default for RunConfig {
             activation: Activation::Tanh,
             target_acc: 0.95,
             eval_points: 200,
+            max_steps: None,
+            checkpoint: None,
         }
     }
 }
@@ -133,8 +166,9 @@ impl RunConfig {
         )
     }
 
-    /// Steps `config` takes over the whole run on `train_len` samples. Kalman methods drop
-    /// an incomplete last batch (their observation size is fixed); the others keep it.
+    /// Steps `config` takes over the whole run on `train_len` samples (at most
+    /// [`RunConfig::max_steps`]). Kalman methods drop an incomplete last batch (their
+    /// observation size is fixed); the others keep it.
     pub fn total_steps(&self, config: &MethodConfig, train_len: usize) -> u64 {
         let b = config.batch_size.max(1);
         let per_epoch = if config.method.is_kalman() {
@@ -142,7 +176,8 @@ impl RunConfig {
         } else {
             train_len.div_ceil(b)
         };
-        (per_epoch * self.epochs) as u64
+        let all = (per_epoch * self.epochs) as u64;
+        self.max_steps.map_or(all, |m| m.min(all))
     }
 }
 
@@ -171,7 +206,7 @@ pub struct MethodResult {
     pub config: MethodConfig,
     /// Evaluation points, step 0 first.
     pub curve: Vec<CurvePoint>,
-    /// Optimizer steps taken.
+    /// Steps taken (batches consumed, skipped steps included; before a resume too).
     pub steps: u64,
     /// Accuracy on the test split at the end (`NaN` when training failed before the end).
     pub test_acc: f32,
@@ -183,8 +218,14 @@ pub struct MethodResult {
     pub median_step_time: f64,
     /// Sum of all step times, seconds.
     pub train_time: f64,
-    /// Why training stopped early (an optimizer error, a non-finite loss), if it did.
+    /// Why training stopped early (an optimizer error), if it did.
     pub failure: Option<String>,
+    /// Skipped steps and numerical fallbacks ([`Trainer::counters`]; over the whole run,
+    /// before a resume too).
+    pub counters: TrainerCounters,
+    /// The step this run resumed from (`None`: it started from scratch). The curve, the
+    /// times and the "to target" numbers cover only the steps after it.
+    pub resumed_from: Option<u64>,
 }
 
 impl MethodResult {
@@ -203,14 +244,124 @@ fn evaluate(mlp: &Mlp, splits: &Splits) -> Result<(f32, f32, f32)> {
     Ok((val_acc, b.loss, norm(&b.grad)))
 }
 
-/// Trains `config` (after [`RunConfig::apply`]) on `splits.train` for `run.epochs` epochs on
-/// `device`, evaluating about `run.eval_points` times; `progress(done, total)` is called after
-/// every step. An optimizer error stops this method's training and is recorded in
-/// [`MethodResult::failure`] (the run goes on with the other methods).
+/// Where a run stands in the deterministic `(seed, epoch)` batch schedule
+/// ([`Dataset::batches`]).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+struct Position {
+    /// Epoch of the next batch.
+    epoch: u64,
+    /// Index of the next batch within that epoch.
+    batch: u64,
+    /// Steps taken (batches consumed; a Kalman method's dropped short batch is not a step).
+    steps: u64,
+    /// Samples consumed.
+    seen: u64,
+}
+
+/// Writes `<trainer, position>` to `path` atomically (creating its folder).
+fn save_checkpoint(
+    path: &Path,
+    trainer: &Trainer,
+    pos: &Position,
+    run: &RunConfig,
+    train_len: usize,
+) -> Result<()> {
+    if let Some(dir) = path.parent().filter(|d| !d.as_os_str().is_empty()) {
+        std::fs::create_dir_all(dir)?;
+    }
+    let mut w = Writer::new();
+    w.scope("trainer", |w| trainer.save(w))?;
+    w.scope("run", |w| {
+        w.str("kind", "run")?;
+        w.u64("seed", run.seed)?;
+        w.u64("train_len", train_len as u64)?;
+        w.u64("batch_size", trainer.config().batch_size as u64)?;
+        w.u64("epoch", pos.epoch)?;
+        w.u64("batch", pos.batch)?;
+        w.u64("steps", pos.steps)?;
+        w.u64("seen", pos.seen)
+    })?;
+    w.write_atomic(path)
+}
+
+/// Loads the checkpoint at `path` into `trainer` after checking that its batch schedule is
+/// this run's; returns the position to continue from. `trainer` is unchanged on error.
+fn load_checkpoint(
+    path: &Path,
+    trainer: &mut Trainer,
+    run: &RunConfig,
+    train_len: usize,
+) -> Result<Position> {
+    let bad = |m: String| Error::Checkpoint(format!("{}: {m}", path.display()));
+    let r = Reader::open(path)?;
+    let rr = r.scope("run");
+    rr.expect_kind("run").map_err(|e| bad(e.to_string()))?;
+    let batch_size = trainer.config().batch_size;
+    for (name, want) in [
+        ("seed", run.seed),
+        ("train_len", train_len as u64),
+        ("batch_size", batch_size as u64),
+    ] {
+        let got = rr.u64(name).map_err(|e| bad(e.to_string()))?;
+        if got != want {
+            return Err(bad(format!(
+                "`run.{name}` = {got}, this run has {want}: the batch schedule differs"
+            )));
+        }
+    }
+    let read = |name: &str| rr.u64(name).map_err(|e| bad(e.to_string()));
+    let pos = Position {
+        epoch: read("epoch")?,
+        batch: read("batch")?,
+        steps: read("steps")?,
+        seen: read("seen")?,
+    };
+    let per_epoch = train_len.div_ceil(batch_size) as u64;
+    if pos.batch > per_epoch {
+        return Err(bad(format!(
+            "`run.batch` = {} is past the {per_epoch} batches of an epoch",
+            pos.batch
+        )));
+    }
+    // Validate the position against the stored trainer before committing anything.
+    let tr = r.scope("trainer");
+    let stored = tr.u64("steps").map_err(|e| bad(e.to_string()))?
+        + tr.scope("counters")
+            .u64("skipped_nonfinite")
+            .map_err(|e| bad(e.to_string()))?;
+    if stored != pos.steps {
+        return Err(bad(format!(
+            "`run.steps` = {} but the trainer took {stored} steps (applied + skipped)",
+            pos.steps
+        )));
+    }
+    trainer.load(&tr).map_err(|e| match e {
+        Error::Checkpoint(m) => bad(m),
+        other => other,
+    })?;
+    Ok(pos)
+}
+
+/// Trains `config` (after [`RunConfig::apply`]) on `splits.train` for `run.epochs` epochs
+/// (at most `run.max_steps` steps) on `device`, evaluating about `run.eval_points` times;
+/// `progress(done, total)` is called after every step. An optimizer error stops this
+/// method's training and is recorded in [`MethodResult::failure`] (the run goes on with the
+/// other methods); a step skipped for a non-finite value is counted in
+/// [`MethodResult::counters`] and training goes on.
+///
+/// Batches come from the schedule fixed by `(run.seed, epoch)` ([`Dataset::batches`]).
+/// With [`RunConfig::checkpoint`], the state is written to [`Checkpointing::path`] every
+/// `every` steps and when training ends without an error; with `resume` and an existing
+/// file, the trainer is loaded from it, the batches it already consumed are skipped, and
+/// training continues — bit for bit as if it had never stopped (on the CPU). The returned
+/// curve, times and "to target" numbers then cover the resumed part only (its first point
+/// is the resumed state); `steps` and `counters` cover the whole run.
 ///
 /// # Errors
-/// A bad `run`, a network that cannot be built, a trainer that cannot be constructed, or an
-/// evaluation failure of the initial network.
+/// A bad `run`, a network that cannot be built, a trainer that cannot be constructed, an
+/// evaluation failure of the initial network, a checkpoint that cannot be read, does not
+/// match this run (method, configuration, network, seed, split, batch size), or cannot be
+/// written.
 pub fn train_method(
     device: &Device,
     splits: &Splits,
@@ -224,28 +375,46 @@ pub fn train_method(
     // A per-method stream: methods do not share sampled labels, yet every run repeats.
     let stream = run.seed ^ (0x9E37_79B9_7F4A_7C15u64.wrapping_mul(config.method as u64 + 1));
     let mut trainer = Trainer::new(device, mlp, config, stream)?;
-    let total = run.total_steps(&config, splits.train.len());
+    let train_len = splits.train.len();
+    let total = run.total_steps(&config, train_len);
+    let ckpt = run.checkpoint.as_ref().map(|c| (c, c.path(&config)));
+    let mut pos = Position::default();
+    let mut resumed_from = None;
+    if let Some((c, path)) = &ckpt {
+        if c.resume && path.exists() {
+            pos = load_checkpoint(path, &mut trainer, run, train_len)?;
+            resumed_from = Some(pos.steps);
+        }
+    }
+    let save_every = ckpt.as_ref().and_then(|(c, _)| c.every).filter(|&n| n > 0);
     let every = (total / run.eval_points as u64).max(1);
-    let train_len = splits.train.len() as f64;
 
     let (acc0, loss0, gn0) = evaluate(trainer.mlp(), splits)?;
     let mut curve = vec![CurvePoint {
-        step: 0,
-        epoch: 0.0,
+        step: pos.steps,
+        epoch: pos.seen as f64 / train_len as f64,
         val_acc: acc0,
         train_loss: loss0,
         grad_norm: gn0,
         train_time: 0.0,
     }];
-    let mut step_times: Vec<f64> = Vec::with_capacity(total as usize);
+    let mut step_times: Vec<f64> = Vec::with_capacity(total.saturating_sub(pos.steps) as usize);
     let mut elapsed = Duration::ZERO;
-    let mut seen = 0usize;
     let mut failure = None;
-    'epochs: for epoch in 0..run.epochs {
-        for idx in splits
+    let first_epoch = pos.epoch;
+    'epochs: for epoch in first_epoch..run.epochs as u64 {
+        let skip = if epoch == first_epoch { pos.batch } else { 0 } as usize;
+        for (j, idx) in splits
             .train
-            .batches(run.seed, epoch as u64, config.batch_size)?
+            .batches(run.seed, epoch, config.batch_size)?
+            .enumerate()
+            .skip(skip)
         {
+            if pos.steps >= total {
+                break 'epochs;
+            }
+            pos.epoch = epoch;
+            pos.batch = j as u64 + 1;
             if config.method.is_kalman() && idx.len() != config.batch_size {
                 continue;
             }
@@ -264,14 +433,15 @@ pub fn train_method(
                     break 'epochs;
                 }
             }
-            seen += idx.len();
-            let step = trainer.steps();
+            pos.steps += 1;
+            pos.seen += idx.len() as u64;
+            let step = pos.steps;
             progress(step, total);
             if step % every == 0 || step == total {
                 match evaluate(trainer.mlp(), splits) {
                     Ok((val_acc, train_loss, grad_norm)) => curve.push(CurvePoint {
                         step,
-                        epoch: seen as f64 / train_len,
+                        epoch: pos.seen as f64 / train_len as f64,
                         val_acc,
                         train_loss,
                         grad_norm,
@@ -283,7 +453,17 @@ pub fn train_method(
                     }
                 }
             }
+            if let (Some(n), Some((_, path))) = (save_every, &ckpt) {
+                if step % n == 0 && step < total {
+                    save_checkpoint(path, &trainer, &pos, run, train_len)?;
+                }
+            }
         }
+        pos.epoch = epoch + 1;
+        pos.batch = 0;
+    }
+    if let (None, Some((_, path))) = (&failure, &ckpt) {
+        save_checkpoint(path, &trainer, &pos, run, train_len)?;
     }
     let test_acc = if failure.is_none() {
         let fwd = trainer.mlp().forward(splits.test.x.as_ref())?;
@@ -294,7 +474,7 @@ pub fn train_method(
     let hit = curve.iter().find(|p| p.val_acc >= run.target_acc);
     Ok(MethodResult {
         config,
-        steps: trainer.steps(),
+        steps: pos.steps,
         test_acc,
         steps_to_target: hit.map(|p| p.step),
         time_to_target: hit.map(|p| p.train_time),
@@ -302,6 +482,8 @@ pub fn train_method(
         train_time: elapsed.as_secs_f64(),
         curve,
         failure,
+        counters: trainer.counters(),
+        resumed_from,
     })
 }
 

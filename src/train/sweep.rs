@@ -61,6 +61,12 @@ pub fn sweep(
             .collect();
     }
     let total = points.len();
+    // Every point is the same method: one checkpoint file would be overwritten and resumed
+    // across points. The sweep neither writes nor reads checkpoints.
+    let run = &RunConfig {
+        checkpoint: None,
+        ..run.clone()
+    };
     let mut out = Vec::with_capacity(total);
     for (i, values) in points.into_iter().enumerate() {
         progress(i, total);

@@ -5,6 +5,7 @@ use std::time::{Duration, Instant};
 use rand::SeedableRng;
 use rand_chacha::ChaCha8Rng;
 
+use crate::checkpoint::{load_all, save_all, Checkpoint, Reader, Writer};
 use crate::device::{Device, Matrix};
 use crate::error::{check_len, Error, Result};
 use crate::mat::MatRef;
@@ -46,11 +47,59 @@ pub struct StepReport {
     /// Whether this step drew curvature statistics: the sampled-label pass of a Fisher
     /// refresh (Kronecker methods), Sophia's Hessian estimate, the Jacobian (Kalman: always).
     pub refreshed: bool,
+    /// Whether the step was skipped for a non-finite value (see [`Trainer::step`]): nothing
+    /// changed (for a rejected Kronecker update, only `ρ` and the optimizer's factors moved).
+    pub skipped: bool,
     /// The damping `ρ` after the step (Kronecker methods).
     pub rho: Option<f32>,
     /// Wall time of the whole step: forward, backward, statistics, transfers, update and the
     /// loss-after evaluation.
     pub time: Duration,
+}
+
+/// Numerical events of a [`Trainer`] (issue 5: fallbacks are reported, never hidden).
+///
+/// `skipped_nonfinite`, `rejected_updates` and the Kalman counts are the trainer's own (saved
+/// in its checkpoint); the Kronecker counts are read from the optimizer's
+/// [`crate::optim::kron::KronCounters`] (saved with the optimizer) and are 0 for the other
+/// methods.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct TrainerCounters {
+    /// Steps skipped for a NaN/Inf in the batch, the loss, the gradient, the curvature
+    /// statistics, the Jacobian or the innovation, plus rejected Kronecker updates.
+    pub skipped_nonfinite: u64,
+    /// Kronecker updates undone because the loss after them was non-finite (`ρ` raised).
+    pub rejected_updates: u64,
+    /// Kronecker: Newton inversions retried with more damping after diverging.
+    pub newton_retries: u64,
+    /// Kronecker: inversions that fell back to Cholesky after the retry diverged too.
+    pub cholesky_fallbacks: u64,
+    /// Kronecker: power iterations stopped at their budget (their estimate was used).
+    pub power_unconverged: u64,
+    /// Kalman: total ×10 escalations of the jitter added to the innovation matrix `S`.
+    pub jitter_escalations: u64,
+    /// Kalman: steps whose `S` needed at least one jitter escalation.
+    pub jittered_steps: u64,
+    /// Kalman: covariance entries `σ_i` raised to the positivity floor.
+    pub sigma_floored: u64,
+}
+
+impl TrainerCounters {
+    /// Newton fallbacks taken (retries with more damping plus Cholesky fallbacks).
+    pub fn fallbacks(&self) -> u64 {
+        self.newton_retries + self.cholesky_fallbacks
+    }
+
+    /// The trainer-owned counts as `(name, value)` pairs (the records of a checkpoint).
+    fn owned(&self) -> [(&'static str, u64); 5] {
+        [
+            ("skipped_nonfinite", self.skipped_nonfinite),
+            ("rejected_updates", self.rejected_updates),
+            ("jitter_escalations", self.jitter_escalations),
+            ("jittered_steps", self.jittered_steps),
+            ("sigma_floored", self.sigma_floored),
+        ]
+    }
 }
 
 /// The optimizer of a method together with the parameters it owns on the device.
@@ -93,6 +142,8 @@ pub struct Trainer {
     engine: Engine,
     rng: ChaCha8Rng,
     steps: u64,
+    /// Trainer-owned counts (the Kronecker fields stay 0 here; see [`Trainer::counters`]).
+    counters: TrainerCounters,
 }
 
 impl Trainer {
@@ -165,6 +216,7 @@ impl Trainer {
             engine,
             rng: ChaCha8Rng::seed_from_u64(seed),
             steps: 0,
+            counters: TrainerCounters::default(),
         })
     }
 
@@ -180,13 +232,26 @@ impl Trainer {
     pub fn mlp(&self) -> &Mlp {
         &self.mlp
     }
-    /// Completed steps.
+    /// Applied steps (skipped ones are counted in [`Trainer::counters`] instead).
     pub fn steps(&self) -> u64 {
         self.steps
     }
     /// The trainer's random stream (sampled labels); part of the state a checkpoint saves.
     pub fn rng(&self) -> &ChaCha8Rng {
         &self.rng
+    }
+
+    /// Numerical events so far: skipped steps (this trainer's), the Kronecker optimizer's
+    /// Newton fallbacks and the Kalman filter's jitter escalations.
+    pub fn counters(&self) -> TrainerCounters {
+        let mut c = self.counters;
+        if let Engine::Kron { opt, .. } = &self.engine {
+            let k = opt.counters();
+            c.newton_retries = k.newton_retries;
+            c.cholesky_fallbacks = k.cholesky_fallbacks;
+            c.power_unconverged = k.power_unconverged;
+        }
+        c
     }
 
     /// One training step on `batch` (forward, backward, the statistics the method needs, the
@@ -203,11 +268,24 @@ impl Trainer {
     /// - R-Kalman, Kalman: output Jacobian `H` and innovation `y − ŷ` (one-hot labels minus
     ///   probabilities for softmax); the batch size must be [`MethodConfig::batch_size`].
     ///
+    /// # Numerical failure
+    /// A batch holding NaN/Inf, or a non-finite loss, gradient, curvature statistic, Jacobian
+    /// or innovation, **skips** the step: it returns `Ok` with [`StepReport::skipped`] set,
+    /// counts it in [`TrainerCounters::skipped_nonfinite`], and changes nothing (network,
+    /// optimizer, device parameters, random stream, step counter). For the Kronecker methods
+    /// an update whose loss after the step is non-finite is **rejected**: the parameters are
+    /// put back, the Levenberg–Marquardt rule sees the non-finite loss and raises `ρ`
+    /// ([`KronOptimizer::observe_loss`]), the step counts as skipped and as
+    /// [`TrainerCounters::rejected_updates`] (the optimizer keeps its refreshed factors and its
+    /// step count: that is the damping controller reacting).
+    ///
     /// # Errors
     /// [`Error::Shape`]/[`Error::Value`] for a batch that does not fit the network (or a
-    /// Kalman batch of the wrong size); [`Error::NonFinite`] when the parameters or the
-    /// loss become non-finite; optimizer and device errors. On error nothing is updated
-    /// unless the optimizer itself already stepped (then the network is re-synchronized).
+    /// Kalman batch of the wrong size); optimizer errors other than non-finite values (e.g.
+    /// [`Error::NotSpd`] when no jitter makes the Kalman innovation matrix factorable) and
+    /// device errors — nothing changes then; [`Error::NonFinite`] when an SGD/AdamW/Sophia or
+    /// Kalman update itself overflows the parameters (the optimizer has stepped then, the
+    /// network keeps the previous parameters: stop training).
     pub fn step(&mut self, batch: Batch<'_>) -> Result<StepReport> {
         const OP: &str = "Trainer::step";
         let start = Instant::now();
@@ -215,13 +293,56 @@ impl Trainer {
         if self.method().is_kalman() {
             check_len(OP, "batch.x rows", m, self.config.batch_size)?;
         }
+        let rng_before = self.rng.clone();
+        let outcome = if batch_is_finite(&self.mlp, batch)? {
+            self.update(batch)?
+        } else {
+            Outcome::skip(f32::NAN, f32::NAN)
+        };
+        if outcome.skipped {
+            // Sampled labels drawn before the skip are given back: a skipped step leaves the
+            // random stream where it was.
+            self.rng = rng_before;
+            self.counters.skipped_nonfinite += 1;
+        } else {
+            self.steps += 1;
+        }
+        let rho = match &self.engine {
+            Engine::Kron { opt, .. } => Some(opt.rho()),
+            _ => None,
+        };
+        Ok(StepReport {
+            step: self.steps,
+            loss: outcome.loss,
+            loss_after: outcome.loss_after,
+            grad_norm: outcome.grad_norm,
+            refreshed: outcome.refreshed,
+            skipped: outcome.skipped,
+            rho,
+            time: start.elapsed(),
+        })
+    }
+
+    /// The update of [`Trainer::step`] on a finite batch.
+    fn update(&mut self, batch: Batch<'_>) -> Result<Outcome> {
+        let m = batch.x.rows();
         let fisher = self.config.fisher;
         let device = &self.device;
         let mlp = &mut self.mlp;
         let rng = &mut self.rng;
-        let mut loss_after = None;
-        let mut rho = None;
-        let (loss, grad_norm, refreshed) = match &mut self.engine {
+        // `skip_nonfinite!(expr)`: the value of a `Result`, or a skipped step for a
+        // non-finite-value error (every input is known finite here, so such an error means an
+        // intermediate overflowed); other errors propagate.
+        macro_rules! skip_nonfinite {
+            ($e:expr, $loss:expr, $gn:expr) => {
+                match $e {
+                    Ok(v) => v,
+                    Err(Error::NonFinite { .. }) => return Ok(Outcome::skip($loss, $gn)),
+                    Err(e) => return Err(e),
+                }
+            };
+        }
+        let outcome = match &mut self.engine {
             Engine::Kron { opt, params } => {
                 let refresh = opt.needs_stats();
                 let (loss, grad) = if self.config.method == Method::Reng {
@@ -229,17 +350,25 @@ impl Trainer {
                         OptimizerConfig::Kron(k) => k.grad_reg,
                         _ => 0.0,
                     };
-                    mlp.regularized_gradient(batch.x, batch.targets, c)?
+                    let r = mlp.regularized_gradient(batch.x, batch.targets, c);
+                    skip_nonfinite!(r, f32::NAN, f32::NAN)
                 } else {
-                    let fwd = mlp.forward(batch.x)?;
-                    let b = mlp.backward(&fwd, batch.targets)?;
-                    (b.loss, b.grad)
+                    skip_nonfinite!(plain_gradient(mlp, batch), f32::NAN, f32::NAN)
                 };
-                check_finite_loss(OP, loss)?;
+                let gn = norm(&grad);
+                if !loss.is_finite() || !gn.is_finite() {
+                    return Ok(Outcome::skip(loss, gn));
+                }
                 let grads = upload_layers(device, mlp, &grad)?;
                 let stats = if refresh {
                     let fwd = mlp.forward(batch.x)?;
                     let layers = mlp.fisher_stats(&fwd, fisher, batch.targets, rng)?;
+                    let finite = layers
+                        .iter()
+                        .all(|s| all_finite(s.a.as_slice()) && all_finite(s.e.as_slice()));
+                    if !finite {
+                        return Ok(Outcome::skip(loss, gn));
+                    }
                     let mats = layers
                         .iter()
                         .map(|s| {
@@ -257,41 +386,77 @@ impl Trainer {
                     .as_ref()
                     .map(|v| v.iter().map(|(a, e)| KronStats { a, e }).collect());
                 let grad_refs: Vec<&Matrix> = grads.iter().collect();
-                opt.step(params, &grad_refs, kron.as_deref())?;
-                sync_layers(mlp, params)?;
+                // The optimizer and `params` are unchanged when it reports a non-finite value.
+                skip_nonfinite!(opt.step(params, &grad_refs, kron.as_deref()), loss, gn);
+                let before = mlp.params().to_vec();
                 // The LM rule compares plain losses, also for RENG (its regularized loss
-                // would need a second backward pass after the step). A non-finite `after`
-                // raises ρ there.
-                let after = mlp.evaluate(batch.x, batch.targets)?;
+                // would need a second backward pass after the step). Parameters that overflow
+                // count as a non-finite loss after the step.
+                let after = match sync_layers(mlp, params) {
+                    Ok(()) => match mlp.evaluate(batch.x, batch.targets) {
+                        Err(Error::NonFinite { .. }) => f32::NAN,
+                        r => r?,
+                    },
+                    Err(Error::NonFinite { .. }) => f32::NAN,
+                    Err(e) => return Err(e),
+                };
+                // A non-finite `after` raises ρ.
                 opt.observe_loss(loss, after)?;
-                loss_after = Some(after);
-                rho = Some(opt.rho());
-                (loss, norm(&grad), refresh)
+                if after.is_finite() {
+                    Outcome {
+                        loss,
+                        loss_after: Some(after),
+                        grad_norm: gn,
+                        refreshed: refresh,
+                        skipped: false,
+                    }
+                } else {
+                    mlp.set_params(&before)?;
+                    *params = upload_layers(device, mlp, &before)?;
+                    self.counters.rejected_updates += 1;
+                    Outcome {
+                        loss_after: Some(after),
+                        refreshed: refresh,
+                        ..Outcome::skip(loss, gn)
+                    }
+                }
             }
             Engine::Sgd { opt, params } => {
-                let (loss, grad) = plain_gradient(mlp, batch)?;
-                check_finite_loss(OP, loss)?;
+                let (loss, grad) = skip_nonfinite!(plain_gradient(mlp, batch), f32::NAN, f32::NAN);
+                let gn = norm(&grad);
+                if !loss.is_finite() || !gn.is_finite() {
+                    return Ok(Outcome::skip(loss, gn));
+                }
                 let g = device.upload(grad.len(), 1, &grad)?;
-                opt.step(params, &g)?;
+                skip_nonfinite!(opt.step(params, &g), loss, gn);
                 sync_flat(mlp, params)?;
-                (loss, norm(&grad), false)
+                Outcome::applied(loss, gn, false)
             }
             Engine::AdamW { opt, params } => {
-                let (loss, grad) = plain_gradient(mlp, batch)?;
-                check_finite_loss(OP, loss)?;
+                let (loss, grad) = skip_nonfinite!(plain_gradient(mlp, batch), f32::NAN, f32::NAN);
+                let gn = norm(&grad);
+                if !loss.is_finite() || !gn.is_finite() {
+                    return Ok(Outcome::skip(loss, gn));
+                }
                 let g = device.upload(grad.len(), 1, &grad)?;
-                opt.step(params, &g)?;
+                skip_nonfinite!(opt.step(params, &g), loss, gn);
                 sync_flat(mlp, params)?;
-                (loss, norm(&grad), false)
+                Outcome::applied(loss, gn, false)
             }
             Engine::Sophia { opt, params } => {
                 let fwd = mlp.forward(batch.x)?;
-                let b = mlp.backward(&fwd, batch.targets)?;
-                check_finite_loss(OP, b.loss)?;
+                let b = skip_nonfinite!(mlp.backward(&fwd, batch.targets), f32::NAN, f32::NAN);
+                let (loss, gn) = (b.loss, norm(&b.grad));
+                if !loss.is_finite() || !gn.is_finite() {
+                    return Ok(Outcome::skip(loss, gn));
+                }
                 let g = device.upload(b.grad.len(), 1, &b.grad)?;
                 let refresh = opt.needs_hessian();
                 let sampled = if refresh {
-                    let s = mlp.backward_sampled(&fwd, rng)?;
+                    let s = skip_nonfinite!(mlp.backward_sampled(&fwd, rng), loss, gn);
+                    if !all_finite(&s.grad) {
+                        return Ok(Outcome::skip(loss, gn));
+                    }
                     Some(device.upload(s.grad.len(), 1, &s.grad)?)
                 } else {
                     None
@@ -300,46 +465,88 @@ impl Trainer {
                     sampled_grad: s,
                     batch: m,
                 });
-                opt.step(params, &g, hess)?;
+                skip_nonfinite!(opt.step(params, &g, hess), loss, gn);
                 sync_flat(mlp, params)?;
-                (b.loss, norm(&b.grad), refresh)
+                Outcome::applied(loss, gn, refresh)
             }
             Engine::Kalman { filter } => {
-                let (loss, grad) = plain_gradient(mlp, batch)?;
-                check_finite_loss(OP, loss)?;
-                let jac = mlp.output_jacobian(batch.x)?;
+                let (loss, grad) = skip_nonfinite!(plain_gradient(mlp, batch), f32::NAN, f32::NAN);
+                let gn = norm(&grad);
+                if !loss.is_finite() || !gn.is_finite() {
+                    return Ok(Outcome::skip(loss, gn));
+                }
+                let jac = skip_nonfinite!(mlp.output_jacobian(batch.x), loss, gn);
                 let innovation = innovation(mlp, batch.targets, jac.y.as_slice())?;
+                if !all_finite(jac.h.as_slice()) || !all_finite(&innovation) {
+                    return Ok(Outcome::skip(loss, gn));
+                }
                 let h = device.upload(jac.h.rows(), jac.h.cols(), jac.h.as_slice())?;
                 let v = device.upload(innovation.len(), 1, &innovation)?;
-                filter.step(&h, &v)?;
+                let info = skip_nonfinite!(filter.step(&h, &v), loss, gn);
+                let c = &mut self.counters;
+                c.jitter_escalations += info.jitter_escalations as u64;
+                c.jittered_steps += u64::from(info.jitter_escalations > 0);
+                c.sigma_floored += info.sigma_floored as u64;
                 sync_flat(mlp, filter.params())?;
-                (loss, norm(&grad), true)
+                Outcome::applied(loss, gn, true)
             }
         };
-        self.steps += 1;
-        Ok(StepReport {
-            step: self.steps,
-            loss,
-            loss_after,
-            grad_norm,
-            refreshed,
-            rho,
-            time: start.elapsed(),
-        })
+        Ok(outcome)
     }
 }
 
-fn check_finite_loss(op: &'static str, loss: f32) -> Result<()> {
-    if loss.is_finite() {
-        Ok(())
-    } else {
-        Err(Error::NonFinite {
-            op,
-            arg: "loss",
-            index: 0,
-            value: loss,
-        })
+/// What [`Trainer::update`] did (the parts of a [`StepReport`] it knows).
+struct Outcome {
+    loss: f32,
+    loss_after: Option<f32>,
+    grad_norm: f32,
+    refreshed: bool,
+    skipped: bool,
+}
+
+impl Outcome {
+    fn skip(loss: f32, grad_norm: f32) -> Self {
+        Self {
+            loss,
+            loss_after: None,
+            grad_norm,
+            refreshed: false,
+            skipped: true,
+        }
     }
+
+    fn applied(loss: f32, grad_norm: f32, refreshed: bool) -> Self {
+        Self {
+            loss,
+            loss_after: None,
+            grad_norm,
+            refreshed,
+            skipped: false,
+        }
+    }
+}
+
+fn all_finite(v: &[f32]) -> bool {
+    v.iter().all(|x| x.is_finite())
+}
+
+/// `Ok(false)` when the batch's inputs or target values hold NaN/Inf (a step to skip);
+/// shape and label errors are errors.
+fn batch_is_finite(mlp: &Mlp, batch: Batch<'_>) -> Result<bool> {
+    const OP: &str = "Trainer::step";
+    let m = batch.x.rows();
+    let mut finite = true;
+    for r in [
+        mlp.check_input(OP, batch.x),
+        mlp.check_targets(OP, batch.targets, m),
+    ] {
+        match r {
+            Ok(()) => {}
+            Err(Error::NonFinite { .. }) => finite = false,
+            Err(e) => return Err(e),
+        }
+    }
+    Ok(finite)
 }
 
 /// Forward and backward pass: `(mean loss, flat gradient)`.
@@ -416,4 +623,157 @@ fn innovation(mlp: &Mlp, targets: Targets<'_>, y_hat: &[f32]) -> Result<Vec<f32>
         }
     }
     Ok(v)
+}
+
+impl Engine {
+    fn optimizer(&self) -> &dyn Checkpoint {
+        match self {
+            Engine::Kron { opt, .. } => opt.as_ref(),
+            Engine::Sgd { opt, .. } => opt,
+            Engine::AdamW { opt, .. } => opt,
+            Engine::Sophia { opt, .. } => opt,
+            Engine::Kalman { filter } => filter.as_ref(),
+        }
+    }
+
+    fn optimizer_mut(&mut self) -> &mut dyn Checkpoint {
+        match self {
+            Engine::Kron { opt, .. } => opt.as_mut(),
+            Engine::Sgd { opt, .. } => opt,
+            Engine::AdamW { opt, .. } => opt,
+            Engine::Sophia { opt, .. } => opt,
+            Engine::Kalman { filter } => filter.as_mut(),
+        }
+    }
+}
+
+/// The engine's device parameters rebuilt from a checkpoint's network, before anything is
+/// committed.
+enum DeviceParams {
+    Layers(Vec<Matrix>),
+    Flat(Matrix),
+    /// The Kalman filter's `μ` is its own state, restored with it.
+    Filter,
+}
+
+fn bits_equal(a: &[f32], b: &[f32]) -> bool {
+    a.len() == b.len() && a.iter().zip(b).all(|(x, y)| x.to_bits() == y.to_bits())
+}
+
+/// Records (see [`crate::checkpoint::impls`] for the parts' own):
+///
+/// | record      | content                                                              |
+/// |-------------|----------------------------------------------------------------------|
+/// | `kind`      | `"trainer"`                                                          |
+/// | `method`    | [`Method::key`]                                                      |
+/// | `config`    | the [`MethodConfig`] (`Debug` form; must equal the loading trainer's) |
+/// | `steps`     | applied steps, u64                                                   |
+/// | `counters.*`| the trainer-owned [`TrainerCounters`] (u64 each)                      |
+/// | `mlp.*`     | the network ([`Mlp`])                                                 |
+/// | `optim.*`   | the method's optimizer                                               |
+/// | `rng.*`     | the sampled-label stream ([`ChaCha8Rng`])                            |
+///
+/// `load` checks the tag, the method and the configuration, rebuilds the device copy of the
+/// parameters from the stored network (per layer for the Kronecker methods, `n x 1` for
+/// SGD/AdamW/Sophia; for the Kalman methods the stored network must equal the filter's `μ`
+/// bit for bit), and only then loads network, optimizer and stream all or nothing
+/// ([`load_all`]) and commits: on any error the trainer is unchanged.
+impl Checkpoint for Trainer {
+    fn save(&self, w: &mut Writer) -> Result<()> {
+        w.str("kind", "trainer")?;
+        w.str("method", self.method().key())?;
+        w.str("config", &format!("{:?}", self.config))?;
+        w.u64("steps", self.steps)?;
+        w.scope("counters", |w| {
+            self.counters
+                .owned()
+                .iter()
+                .try_for_each(|&(name, v)| w.u64(name, v))
+        })?;
+        save_all(
+            w,
+            &[
+                ("mlp", &self.mlp),
+                ("optim", self.engine.optimizer()),
+                ("rng", &self.rng),
+            ],
+        )
+    }
+
+    fn load(&mut self, r: &Reader) -> Result<()> {
+        r.expect_kind("trainer")?;
+        let want = self.method().key();
+        let got = r.str("method")?;
+        if got != want {
+            return Err(Error::Checkpoint(format!(
+                "`method`: the checkpoint holds a {got} trainer, this one is {want}"
+            )));
+        }
+        let want = format!("{:?}", self.config);
+        let got = r.str("config")?;
+        if got != want {
+            return Err(Error::Checkpoint(format!(
+                "`config`: the checkpoint was trained with {got}, this trainer has {want}"
+            )));
+        }
+        let steps = r.u64("steps")?;
+        let c = r.scope("counters");
+        let counters = TrainerCounters {
+            skipped_nonfinite: c.u64("skipped_nonfinite")?,
+            rejected_updates: c.u64("rejected_updates")?,
+            jitter_escalations: c.u64("jitter_escalations")?,
+            jittered_steps: c.u64("jittered_steps")?,
+            sigma_floored: c.u64("sigma_floored")?,
+            ..TrainerCounters::default()
+        };
+        let n = self.mlp.num_params();
+        // Unvalidated here (Mlp::load checks it below); the uploads commit nothing.
+        let mlp_r = r.scope("mlp");
+        let params = mlp_r.tensor("params", &[n])?;
+        let device_params = match &self.engine {
+            Engine::Kron { .. } => {
+                DeviceParams::Layers(upload_layers(&self.device, &self.mlp, params)?)
+            }
+            Engine::Sgd { .. } | Engine::AdamW { .. } | Engine::Sophia { .. } => {
+                DeviceParams::Flat(self.device.upload(n, 1, params)?)
+            }
+            Engine::Kalman { .. } => {
+                let optim_r = r.scope("optim");
+                let mu = optim_r.tensor("mu", &[n])?;
+                if !bits_equal(mu, params) {
+                    return Err(Error::Checkpoint(
+                        "`mlp.params` and `optim.mu` differ: the network and the Kalman \
+                         filter's mean must be the same parameters"
+                            .into(),
+                    ));
+                }
+                DeviceParams::Filter
+            }
+        };
+        let Self {
+            mlp, engine, rng, ..
+        } = self;
+        load_all(
+            r,
+            &mut [
+                ("mlp", mlp),
+                ("optim", engine.optimizer_mut()),
+                ("rng", rng),
+            ],
+        )?;
+        match (engine, device_params) {
+            (Engine::Kron { params, .. }, DeviceParams::Layers(p)) => *params = p,
+            (
+                Engine::Sgd { params, .. }
+                | Engine::AdamW { params, .. }
+                | Engine::Sophia { params, .. },
+                DeviceParams::Flat(p),
+            ) => *params = p,
+            // Built from the same engine above: the variants correspond.
+            _ => {}
+        }
+        self.steps = steps;
+        self.counters = counters;
+        Ok(())
+    }
 }

@@ -319,7 +319,9 @@ impl KronOptimizer {
     /// # Errors
     /// [`Error::Shape`] for a wrong layer count or matrix shape, [`Error::DeviceMismatch`],
     /// [`Error::Value`] for `ρ` outside `[rho_min, rho_max]` or bad scalars,
-    /// [`Error::NonFinite`] for NaN/Inf in a matrix. Unchanged on error.
+    /// [`Error::NonFinite`] for NaN/Inf in a matrix, [`Error::Value`] naming `factor` when
+    /// `factor + damping·I` is not positive definite or `inverse` when the inverse is not
+    /// (both by a host Cholesky factorization, the crate-private `optim::check_psd`). Unchanged on error.
     pub fn restore(&mut self, state: KronState) -> Result<()> {
         const OP: &str = "KronOptimizer::restore";
         let cfg = &self.config;
@@ -365,9 +367,28 @@ impl KronOptimizer {
                     let ok = if arg == "damping" { v > 0.0 } else { v >= 0.0 };
                     check_value(OP, arg, v as f64, ok, "finite, >= 0 (damping > 0)")?;
                 }
-                // norm2 checks the device and rejects NaN/Inf.
-                self.device.norm2(&s.factor)?;
-                self.device.norm2(&s.inverse)?;
+                self.device.check_finite(OP, "factor", &s.factor)?;
+                self.device.check_finite(OP, "inverse", &s.inverse)?;
+                // F is an EMA of Gram matrices (PSD), so F + damping·I and X ≈ (F + damping·I)⁻¹
+                // are SPD; a state that is not (corrupted, or from another run) would make the
+                // next steps' Newton inversions diverge or precondition along negative
+                // curvature. Checked once, on the host, when a state is installed.
+                super::check_psd(
+                    OP,
+                    "factor",
+                    &s.factor.to_vec()?,
+                    n,
+                    s.damping,
+                    "factor + damping·I positive definite (Cholesky succeeds)",
+                )?;
+                super::check_psd(
+                    OP,
+                    "inverse",
+                    &s.inverse.to_vec()?,
+                    n,
+                    0.0,
+                    "a symmetric positive definite inverse (Cholesky succeeds)",
+                )?;
             }
         }
         self.st = state;
