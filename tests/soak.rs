@@ -16,7 +16,8 @@
 //!   shows up here — and this is what the operating system would see.
 //!
 //! `GRNG_SOAK_STEPS` overrides the step count (e.g. `GRNG_SOAK_STEPS=100000` for a longer
-//! soak; see `docs/main-job.md`). CI runs the default 10,000. One test, so no other test of
+//! soak) and `GRNG_SOAK_ONLY` the methods (`ring,sgd`); see `docs/main-job.md`. CI runs the
+//! default: 10,000 steps of all eight. One test, so no other test of
 //! this binary allocates concurrently while memory is measured.
 
 use std::alloc::{GlobalAlloc, Layout, System};
@@ -86,6 +87,14 @@ fn rss_kb() -> i64 {
         .expect("VmRSS line")
 }
 
+/// The methods to soak: `GRNG_SOAK_ONLY` (a list as `--optimizers` takes it), else all.
+fn methods() -> Vec<Method> {
+    match std::env::var("GRNG_SOAK_ONLY") {
+        Ok(v) => Method::parse_list(&v).unwrap_or_else(|e| panic!("GRNG_SOAK_ONLY: {e}")),
+        Err(_) => Method::ALL.to_vec(),
+    }
+}
+
 fn steps() -> u64 {
     match std::env::var("GRNG_SOAK_STEPS") {
         Ok(v) => v
@@ -99,7 +108,7 @@ fn steps() -> u64 {
 fn every_optimizer_survives_a_long_run_without_nan_or_memory_growth() {
     let total = steps();
     let data = synthetic_classification(96, 4, 3, 17).expect("data");
-    for method in Method::ALL {
+    for method in methods() {
         let mut config = MethodConfig::tuned(method);
         if !method.is_kalman() {
             config.batch_size = 8;
