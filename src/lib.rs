@@ -57,3 +57,8 @@ pub mod train;
 pub use device::{Device, Element, Matrix};
 pub use error::{DivergenceReason, Error, Result};
 pub use mat::{Mat, MatMut, MatRef, Trans};
+
+/// Compiles the README's code blocks as doctests so the example there cannot rot.
+#[doc = include_str!("../README.md")]
+#[cfg(doctest)]
+pub struct ReadmeDoctests;
