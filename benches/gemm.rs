@@ -1,29 +1,21 @@
 //! Square f32 GEMM `C = A·B`: grng's CPU GEMM against faer's matmul on the same inputs.
 //! Throughput is in floating-point operations (2n³ per product).
 
-use criterion::{
-    criterion_group, criterion_main, BenchmarkId, Criterion, SamplingMode, Throughput,
-};
+use criterion::{criterion_group, criterion_main, BenchmarkId, Criterion, Throughput};
 use faer::linalg::matmul::matmul;
 use faer::{Accum, Par};
 use grng::{Mat, Trans};
 use rand::{Rng, SeedableRng};
 use rand_chacha::ChaCha8Rng;
-use std::time::Duration;
+
+mod common;
 
 fn random(rng: &mut ChaCha8Rng, n: usize) -> Vec<f32> {
     (0..n * n).map(|_| rng.random_range(-1.0f32..1.0)).collect()
 }
 
 fn bench_gemm(c: &mut Criterion) {
-    let mut group = c.benchmark_group("gemm_f32");
-    // Flat sampling: ten samples of equal iteration counts, so n = 2048 (~0.3 s a product)
-    // fits the short measurement window on a 2-core machine.
-    group
-        .sample_size(10)
-        .measurement_time(Duration::from_secs(3))
-        .warm_up_time(Duration::from_secs(1))
-        .sampling_mode(SamplingMode::Flat);
+    let mut group = common::flat_group(c, "gemm_f32");
     let mut rng = ChaCha8Rng::seed_from_u64(1);
     for n in [256usize, 512, 1024, 2048] {
         group.throughput(Throughput::Elements(2 * (n as u64).pow(3)));

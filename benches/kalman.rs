@@ -3,9 +3,7 @@
 //! (`P = (H diag σ) Hᵀ` as a GEMM, Cholesky of `S`, `S⁻¹H` by a solve, then column sums).
 //! Throughput: bytes of the Jacobian `H` (4·d_o·n) per second — the step is memory-bound.
 
-use criterion::{
-    criterion_group, criterion_main, BenchmarkId, Criterion, SamplingMode, Throughput,
-};
+use criterion::{criterion_group, criterion_main, BenchmarkId, Criterion, Throughput};
 use faer::linalg::matmul::matmul;
 use faer::linalg::solvers::Solve;
 use faer::{Accum, Par};
@@ -13,7 +11,8 @@ use grng::ops::kalman::{KalmanOptions, KalmanState};
 use grng::Device;
 use rand::{Rng, SeedableRng};
 use rand_chacha::ChaCha8Rng;
-use std::time::Duration;
+
+mod common;
 
 const D_O: usize = 10;
 
@@ -80,12 +79,7 @@ impl FaerKalman {
 }
 
 fn bench_kalman(c: &mut Criterion) {
-    let mut group = c.benchmark_group("kalman_step");
-    group
-        .sample_size(10)
-        .measurement_time(Duration::from_secs(3))
-        .warm_up_time(Duration::from_secs(1))
-        .sampling_mode(SamplingMode::Flat);
+    let mut group = common::flat_group(c, "kalman_step");
     let mut rng = ChaCha8Rng::seed_from_u64(1);
     for n in [100_000usize, 1_000_000] {
         group.throughput(Throughput::Bytes((4 * D_O * n) as u64));

@@ -3,24 +3,18 @@
 //! 2·m·n² flops for every contender, so a SYRK that skips the upper triangle can exceed the
 //! GEMM's rate.
 
-use criterion::{
-    criterion_group, criterion_main, BenchmarkId, Criterion, SamplingMode, Throughput,
-};
+use criterion::{criterion_group, criterion_main, BenchmarkId, Criterion, Throughput};
 use faer::linalg::matmul::matmul;
 use faer::{Accum, Par};
 use grng::{Mat, MatRef};
 use half::bf16;
 use rand::{Rng, SeedableRng};
 use rand_chacha::ChaCha8Rng;
-use std::time::Duration;
+
+mod common;
 
 fn bench_kron(c: &mut Criterion) {
-    let mut group = c.benchmark_group("kron_factor");
-    group
-        .sample_size(10)
-        .measurement_time(Duration::from_secs(3))
-        .warm_up_time(Duration::from_secs(1))
-        .sampling_mode(SamplingMode::Flat);
+    let mut group = common::flat_group(c, "kron_factor");
     let mut rng = ChaCha8Rng::seed_from_u64(2);
     for n in [256usize, 512, 1024, 2048] {
         let m = n;

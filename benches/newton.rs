@@ -3,15 +3,14 @@
 //! `f32`, on the same damped Gram matrix `A = GᵀG/n + 0.04 I` (κ ≈ 100, the shape of a
 //! damped Kronecker factor). Throughput: matrix entries of the inverse per second (n²).
 
-use criterion::{
-    criterion_group, criterion_main, BenchmarkId, Criterion, SamplingMode, Throughput,
-};
+use criterion::{criterion_group, criterion_main, BenchmarkId, Criterion, Throughput};
 use faer::linalg::solvers::DenseSolveCore;
 use grng::ops::newton::NewtonOptions;
 use grng::{Mat, Trans};
 use rand::{Rng, SeedableRng};
 use rand_chacha::ChaCha8Rng;
-use std::time::Duration;
+
+mod common;
 
 /// `GᵀG/n + 0.04 I` for a random `n x n` G with entries in [-√3, √3] (unit variance): the
 /// spectrum is Marchenko–Pastur on [0, 4], shifted by the damping.
@@ -40,12 +39,7 @@ fn damped_gram(rng: &mut ChaCha8Rng, n: usize) -> Mat {
 }
 
 fn bench_newton(c: &mut Criterion) {
-    let mut group = c.benchmark_group("spd_inverse_f32");
-    group
-        .sample_size(10)
-        .measurement_time(Duration::from_secs(3))
-        .warm_up_time(Duration::from_secs(1))
-        .sampling_mode(SamplingMode::Flat);
+    let mut group = common::flat_group(c, "spd_inverse_f32");
     let mut rng = ChaCha8Rng::seed_from_u64(1);
     let opts = NewtonOptions {
         lambda_low: 0.04,

@@ -27,6 +27,13 @@
 
 #define GRNG_FULL_MASK 0xffffffffu
 
+// Full unrolling of the constant-trip loops (g++ of the emulator build has no such pragma).
+#ifdef GRNG_EMU
+#define GRNG_UNROLL
+#else
+#define GRNG_UNROLL _Pragma("unroll")
+#endif
+
 // ceil(a / b) for positive b.
 __host__ __device__ __forceinline__ int grng_ceil_div(int a, int b) { return (a + b - 1) / b; }
 
@@ -81,4 +88,23 @@ __device__ __forceinline__ void grng_st_bf16(__nv_bfloat16* p, float v) {
 // Two adjacent bf16 values as floats; `p` must be 4-byte aligned.
 __device__ __forceinline__ float2 grng_ld_bf16x2(const __nv_bfloat16* p) {
     return __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(p));
+}
+
+// One staged k slice of a 4x4 register block (the fp32 GEMM of precond.cu and the SYRK of
+// kron.cu): acc[r][c] += As[kk][ty*4 + r] · Bs[kk][tx*4 + c] for kk < BK, both operands
+// stored k-major in shared memory with rows LDS floats apart (16-byte aligned float4 reads).
+template <int BK, int LDS>
+__device__ __forceinline__ void grng_fma_slice_4x4(const float* As, const float* Bs, int ty,
+                                                   int tx, float (&acc)[4][4]) {
+GRNG_UNROLL
+    for (int kk = 0; kk < BK; ++kk) {
+        const float4 a = *reinterpret_cast<const float4*>(&As[kk * LDS + ty * 4]);
+        const float4 b = *reinterpret_cast<const float4*>(&Bs[kk * LDS + tx * 4]);
+        const float av[4] = {a.x, a.y, a.z, a.w};
+        const float bv[4] = {b.x, b.y, b.z, b.w};
+GRNG_UNROLL
+        for (int r = 0; r < 4; ++r)
+GRNG_UNROLL
+            for (int c = 0; c < 4; ++c) acc[r][c] = fmaf(av[r], bv[c], acc[r][c]);
+    }
 }

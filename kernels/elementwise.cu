@@ -23,13 +23,6 @@
 // scheduling.
 #include "common.cuh"
 
-// Full unrolling of the constant-trip loops (g++ of the emulator build has no such pragma).
-#ifdef GRNG_EMU
-#define EW_UNROLL
-#else
-#define EW_UNROLL _Pragma("unroll")
-#endif
-
 // "No bad index" in a status slot (INT_MAX; NVRTC has no <climits>).
 #define EW_NONE 0x7fffffff
 
@@ -226,7 +219,7 @@ extern "C" __global__ void elementwise_check(const float* __restrict__ a0,
     int sbad = EW_NONE;
     // Indices grow along a thread's grid-stride loop: the first hit is the thread's minimum.
     for (int i = EW_TID; i < n; i += EW_STRIDE) {
-EW_UNROLL
+GRNG_UNROLL
         for (int a = 0; a < 4; ++a) {
             if (a < narr) {
                 const float v = arr[a][i];
@@ -236,7 +229,7 @@ EW_UNROLL
             }
         }
     }
-EW_UNROLL
+GRNG_UNROLL
     for (int a = 0; a < 4; ++a) {
         const int m = __reduce_min_sync(GRNG_FULL_MASK, bad[a]);
         if ((threadIdx.x & 31) == 0 && m != EW_NONE) atomicMin(&status[a], m);

@@ -29,12 +29,6 @@
 // decrease (atomicMin), counters only increase (atomicAdd): order-independent.
 #include "common.cuh"
 
-#ifdef GRNG_EMU
-#define KAL_UNROLL
-#else
-#define KAL_UNROLL _Pragma("unroll")
-#endif
-
 #define KAL_NONE 0x7fffffff
 #define KAL_MAX_DO 64
 #define KAL_THREADS 256
@@ -104,9 +98,9 @@ extern "C" __global__ void kalman_gram_partial(const float* __restrict__ h,
     const int tk = ti + rem;
 
     double accd[4][4];
-    KAL_UNROLL
+    GRNG_UNROLL
     for (int x = 0; x < 4; ++x)
-        KAL_UNROLL
+        GRNG_UNROLL
         for (int y = 0; y < 4; ++y) accd[x][y] = 0.0;
     int bad_nf = KAL_NONE, bad_pos = KAL_NONE;
 
@@ -131,42 +125,42 @@ extern "C" __global__ void kalman_gram_partial(const float* __restrict__ h,
         __syncthreads();
         if (active) {
             float acc[4][4];
-            KAL_UNROLL
+            GRNG_UNROLL
             for (int x = 0; x < 4; ++x)
-                KAL_UNROLL
+                GRNG_UNROLL
                 for (int y = 0; y < 4; ++y) acc[x][y] = 0.0f;
             for (int c = lane; c < tc; c += nlanes) {
                 const float s = sS[c];
                 float a[4], b[4];
-                KAL_UNROLL
+                GRNG_UNROLL
                 for (int x = 0; x < 4; ++x) {
                     a[x] = s * sH[(4 * ti + x) * ld + c];  // g_j = σ⁻ h_j, as the CPU forms it
                     b[x] = sH[(4 * tk + x) * ld + c];
                 }
-                KAL_UNROLL
+                GRNG_UNROLL
                 for (int x = 0; x < 4; ++x)
-                    KAL_UNROLL
+                    GRNG_UNROLL
                     for (int y = 0; y < 4; ++y) acc[x][y] = fmaf(a[x], b[y], acc[x][y]);
             }
-            KAL_UNROLL
+            GRNG_UNROLL
             for (int x = 0; x < 4; ++x)
-                KAL_UNROLL
+                GRNG_UNROLL
                 for (int y = 0; y < 4; ++y) accd[x][y] += static_cast<double>(acc[x][y]);
         }
         __syncthreads();
     }
     // Lanes of one tile are nlanes consecutive threads of one warp: xor tree, fixed order.
     for (int off = nlanes / 2; off > 0; off >>= 1)
-        KAL_UNROLL
+        GRNG_UNROLL
         for (int x = 0; x < 4; ++x)
-            KAL_UNROLL
+            GRNG_UNROLL
             for (int y = 0; y < 4; ++y)
                 accd[x][y] += __shfl_xor_sync(GRNG_FULL_MASK, accd[x][y], off);
     if (active && lane == 0) {
         double* out = kal_f64(partial);
-        KAL_UNROLL
+        GRNG_UNROLL
         for (int x = 0; x < 4; ++x)
-            KAL_UNROLL
+            GRNG_UNROLL
             for (int y = 0; y < 4; ++y) {
                 const int j = 4 * ti + x, k = 4 * tk + y;
                 if (j < d_o && k < d_o && j <= k)
@@ -448,16 +442,16 @@ __device__ __forceinline__ void kal_update(const float* __restrict__ h,
         // loop into registers, which would need D²/2 of them and spill.
         __threadfence_block();
         float hv[D];
-        KAL_UNROLL
+        GRNG_UNROLL
         for (int j = 0; j < D; ++j) hv[j] = j < d_o ? h[static_cast<long long>(j) * n + i] : 0.0f;
         float t = 0.0f, zz = 0.0f;
-        KAL_UNROLL
+        GRNG_UNROLL
         for (int r = 0; r < D; ++r) {
             if (r < d_o) {
                 t = fmaf(sW[r], hv[r], t);
                 float z = 0.0f;
                 const float4* row = &sL4[r * (D / 4)];
-                KAL_UNROLL
+                GRNG_UNROLL
                 for (int jb = 0; jb < D / 4; ++jb) {
                     if (4 * jb <= r) {  // L⁻¹ is zero above the diagonal
                         const float4 l = row[jb];

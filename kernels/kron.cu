@@ -13,13 +13,6 @@
 // Launchers: src/cuda/kron.rs.
 #include "common.cuh"
 
-// Full unrolling of the constant-trip loops (g++ of the emulator build has no such pragma).
-#ifdef GRNG_EMU
-#define KRON_UNROLL
-#else
-#define KRON_UNROLL _Pragma("unroll")
-#endif
-
 #define KRON_T 64  // output tile (rows and columns)
 
 // Lower-triangle tile pair of linear block b: b = bi(bi+1)/2 + bj with 0 ≤ bj ≤ bi.
@@ -72,7 +65,7 @@ __device__ __forceinline__ void kron_ema_mirror_store(float* S, int lds, float* 
 
 __device__ __forceinline__ void kf_load(const float* __restrict__ A, int m, int n, int s0,
                                         int c0, float (&r)[4]) {
-KRON_UNROLL
+GRNG_UNROLL
     for (int l = 0; l < 4; ++l) {
         const int e = threadIdx.x + KF_THREADS * l;
         const int s = s0 + e / KRON_T, c = c0 + e % KRON_T;
@@ -81,7 +74,7 @@ KRON_UNROLL
 }
 
 __device__ __forceinline__ void kf_store(float* T, const float (&r)[4]) {
-KRON_UNROLL
+GRNG_UNROLL
     for (int l = 0; l < 4; ++l) {
         const int e = threadIdx.x + KF_THREADS * l;
         T[(e / KRON_T) * KF_LDS + e % KRON_T] = r[l];
@@ -103,9 +96,9 @@ extern "C" __global__ void __launch_bounds__(KF_THREADS)
     const int tx = threadIdx.x % 16, ty = threadIdx.x / 16;
 
     float acc[4][4];
-KRON_UNROLL
+GRNG_UNROLL
     for (int r = 0; r < 4; ++r)
-KRON_UNROLL
+GRNG_UNROLL
         for (int c = 0; c < 4; ++c) acc[r][c] = 0.0f;
 
     float ra[4], rb[4];
@@ -120,23 +113,13 @@ KRON_UNROLL
             kf_load(A, m, n, s0 + KF_BK, bi * KRON_T, ra);
             if (!diag) kf_load(A, m, n, s0 + KF_BK, bj * KRON_T, rb);
         }
-KRON_UNROLL
-        for (int kk = 0; kk < KF_BK; ++kk) {
-            const float4 a = *reinterpret_cast<const float4*>(&As[kk * KF_LDS + ty * 4]);
-            const float4 b = *reinterpret_cast<const float4*>(&Bt[kk * KF_LDS + tx * 4]);
-            const float av[4] = {a.x, a.y, a.z, a.w};
-            const float bv[4] = {b.x, b.y, b.z, b.w};
-KRON_UNROLL
-            for (int r = 0; r < 4; ++r)
-KRON_UNROLL
-                for (int c = 0; c < 4; ++c) acc[r][c] = fmaf(av[r], bv[c], acc[r][c]);
-        }
+        grng_fma_slice_4x4<KF_BK, KF_LDS>(As, Bt, ty, tx, acc);
     }
 
     __syncthreads();  // the staging tile overlays As/Bs
-KRON_UNROLL
+GRNG_UNROLL
     for (int r = 0; r < 4; ++r)
-KRON_UNROLL
+GRNG_UNROLL
         for (int c = 0; c < 4; ++c) smem[(ty * 4 + r) * KF_SLD + tx * 4 + c] = alpha * acc[r][c];
     __syncthreads();
     kron_ema_mirror_store(smem, KF_SLD, L, n, bi, bj, eps);
@@ -163,7 +146,7 @@ GRNG_EMU_ENTRY(kron_syrk_ema_f32, (const float*, float*, int, int, float, float)
 // Loads the 32x64 slice A[s0.., c0..] as 2 chunks of 8 bf16 per thread (bits, zero padded).
 __device__ __forceinline__ void kt_load(const __nv_bfloat16* __restrict__ A, int m, int n,
                                         int s0, int c0, bool vec, uint4 (&r)[2]) {
-KRON_UNROLL
+GRNG_UNROLL
     for (int l = 0; l < 2; ++l) {
         const int ch = threadIdx.x + KT_THREADS * l;  // 256 chunks: 32 rows x 8 chunks
         const int s = s0 + ch / 8, c = c0 + (ch % 8) * 8;
@@ -172,7 +155,7 @@ KRON_UNROLL
             r[l] = *reinterpret_cast<const uint4*>(p);
         } else {
             unsigned w[4];
-KRON_UNROLL
+GRNG_UNROLL
             for (int q = 0; q < 4; ++q) {
                 const unsigned lo =
                     (s < m && c + 2 * q < n) ? __bfloat16_as_ushort(p[2 * q]) : 0u;
@@ -186,7 +169,7 @@ KRON_UNROLL
 }
 
 __device__ __forceinline__ void kt_store(__nv_bfloat16* T, const uint4 (&r)[2]) {
-KRON_UNROLL
+GRNG_UNROLL
     for (int l = 0; l < 2; ++l) {
         const int ch = threadIdx.x + KT_THREADS * l;
         *reinterpret_cast<uint4*>(T + (ch / 8) * KT_LDA + (ch % 8) * 8) = r[l];
@@ -212,9 +195,9 @@ extern "C" __global__ void __launch_bounds__(KT_THREADS)
     const bool vec = (n % 8 == 0) && (reinterpret_cast<unsigned long long>(A) % 16 == 0);
 
     wmma::fragment<wmma::accumulator, 16, 16, 16, float> acc[2][2];
-KRON_UNROLL
+GRNG_UNROLL
     for (int fi = 0; fi < 2; ++fi)
-KRON_UNROLL
+GRNG_UNROLL
         for (int fj = 0; fj < 2; ++fj) wmma::fill_fragment(acc[fi][fj], 0.0f);
 
     uint4 ra[2], rb[2];
@@ -229,27 +212,27 @@ KRON_UNROLL
             kt_load(A, m, n, s0 + KT_BK, bi * KRON_T, vec, ra);
             if (!diag) kt_load(A, m, n, s0 + KT_BK, bj * KRON_T, vec, rb);
         }
-KRON_UNROLL
+GRNG_UNROLL
         for (int ks = 0; ks < KT_BK; ks += 16) {
             wmma::fragment<wmma::matrix_a, 16, 16, 16, __nv_bfloat16, wmma::col_major> fa[2];
             wmma::fragment<wmma::matrix_b, 16, 16, 16, __nv_bfloat16, wmma::row_major> fb[2];
-KRON_UNROLL
+GRNG_UNROLL
             for (int f = 0; f < 2; ++f) {
                 wmma::load_matrix_sync(fa[f], As + ks * KT_LDA + wm + 16 * f, KT_LDA);
                 wmma::load_matrix_sync(fb[f], Bt + ks * KT_LDA + wn + 16 * f, KT_LDA);
             }
-KRON_UNROLL
+GRNG_UNROLL
             for (int fi = 0; fi < 2; ++fi)
-KRON_UNROLL
+GRNG_UNROLL
                 for (int fj = 0; fj < 2; ++fj)
                     wmma::mma_sync(acc[fi][fj], fa[fi], fb[fj], acc[fi][fj]);
         }
     }
 
     __syncthreads();  // the staging tile overlays As/Bs
-KRON_UNROLL
+GRNG_UNROLL
     for (int fi = 0; fi < 2; ++fi)
-KRON_UNROLL
+GRNG_UNROLL
         for (int fj = 0; fj < 2; ++fj) {
             for (int t = 0; t < acc[fi][fj].num_elements; ++t) acc[fi][fj].x[t] *= alpha;
             wmma::store_matrix_sync(S + (wm + 16 * fi) * KT_SLD + wn + 16 * fj, acc[fi][fj],

@@ -5,13 +5,6 @@
 // Launchers: src/cuda/precond.rs.
 #include "common.cuh"
 
-// Full unrolling of the constant-trip loops (g++ of the emulator build has no such pragma).
-#ifdef GRNG_EMU
-#define PRECOND_UNROLL
-#else
-#define PRECOND_UNROLL _Pragma("unroll")
-#endif
-
 // ---------------------------------------------------------------------------------------
 // fp32 GEMM: C (M x N) ← α·op(A)·op(B) + β·C, op(A) M x K, op(B) K x N, all row-major with
 // leading dimensions lda/ldb/ldc. β = 0 never reads C; the launcher passes K = 0 for α = 0
@@ -37,7 +30,7 @@
 template <bool TA>
 __device__ __forceinline__ void pg_load_a(const float* __restrict__ A, int M, int K, int lda,
                                           int m0, int k0, float (&r)[4]) {
-PRECOND_UNROLL
+GRNG_UNROLL
     for (int l = 0; l < 4; ++l) {
         const int e = threadIdx.x + PG_THREADS * l;
         const int i = TA ? e % PG_BM : e / PG_BK;
@@ -52,7 +45,7 @@ PRECOND_UNROLL
 
 template <bool TA>
 __device__ __forceinline__ void pg_store_a(float* As, const float (&r)[4]) {
-PRECOND_UNROLL
+GRNG_UNROLL
     for (int l = 0; l < 4; ++l) {
         const int e = threadIdx.x + PG_THREADS * l;
         const int i = TA ? e % PG_BM : e / PG_BK;
@@ -65,7 +58,7 @@ PRECOND_UNROLL
 template <bool TB>
 __device__ __forceinline__ void pg_load_b(const float* __restrict__ B, int N, int K, int ldb,
                                           int n0, int k0, float (&r)[4]) {
-PRECOND_UNROLL
+GRNG_UNROLL
     for (int l = 0; l < 4; ++l) {
         const int e = threadIdx.x + PG_THREADS * l;
         const int j = TB ? e / PG_BK : e % PG_BN;
@@ -80,7 +73,7 @@ PRECOND_UNROLL
 
 template <bool TB>
 __device__ __forceinline__ void pg_store_b(float* Bs, const float (&r)[4]) {
-PRECOND_UNROLL
+GRNG_UNROLL
     for (int l = 0; l < 4; ++l) {
         const int e = threadIdx.x + PG_THREADS * l;
         const int j = TB ? e / PG_BK : e % PG_BN;
@@ -101,9 +94,9 @@ __device__ __forceinline__ void precond_gemm_body(const float* __restrict__ A,
     const int m0 = blockIdx.y * PG_BM, n0 = blockIdx.x * PG_BN;
 
     float acc[4][4];
-PRECOND_UNROLL
+GRNG_UNROLL
     for (int r = 0; r < 4; ++r)
-PRECOND_UNROLL
+GRNG_UNROLL
         for (int c = 0; c < 4; ++c) acc[r][c] = 0.0f;
 
     float ra[4], rb[4];
@@ -120,24 +113,14 @@ PRECOND_UNROLL
             pg_load_a<TA>(A, M, K, lda, m0, k0 + PG_BK, ra);
             pg_load_b<TB>(B, N, K, ldb, n0, k0 + PG_BK, rb);
         }
-PRECOND_UNROLL
-        for (int kk = 0; kk < PG_BK; ++kk) {
-            const float4 a = *reinterpret_cast<const float4*>(&As[kk * PG_LDS + ty * 4]);
-            const float4 b = *reinterpret_cast<const float4*>(&Bs[kk * PG_LDS + tx * 4]);
-            const float av[4] = {a.x, a.y, a.z, a.w};
-            const float bv[4] = {b.x, b.y, b.z, b.w};
-PRECOND_UNROLL
-            for (int r = 0; r < 4; ++r)
-PRECOND_UNROLL
-                for (int c = 0; c < 4; ++c) acc[r][c] = fmaf(av[r], bv[c], acc[r][c]);
-        }
+        grng_fma_slice_4x4<PG_BK, PG_LDS>(As, Bs, ty, tx, acc);
     }
 
-PRECOND_UNROLL
+GRNG_UNROLL
     for (int r = 0; r < 4; ++r) {
         const int i = m0 + ty * 4 + r;
         if (i >= M) continue;
-PRECOND_UNROLL
+GRNG_UNROLL
         for (int c = 0; c < 4; ++c) {
             const int j = n0 + tx * 4 + c;
             if (j >= N) continue;
@@ -197,7 +180,7 @@ extern "C" __global__ void __launch_bounds__(1024)
             bad = i;
         }
     }
-PRECOND_UNROLL
+GRNG_UNROLL
     for (int o = 16; o > 0; o >>= 1) {
         s += __shfl_xor_sync(GRNG_FULL_MASK, s, o);
         bad = min(bad, __shfl_xor_sync(GRNG_FULL_MASK, bad, o));
@@ -212,7 +195,7 @@ PRECOND_UNROLL
     if (warp == 0) {
         s = lane < nwarps ? wsum[lane] : 0.0;
         bad = lane < nwarps ? wbad[lane] : 0x7fffffff;
-PRECOND_UNROLL
+GRNG_UNROLL
         for (int o = 16; o > 0; o >>= 1) {
             s += __shfl_xor_sync(GRNG_FULL_MASK, s, o);
             bad = min(bad, __shfl_xor_sync(GRNG_FULL_MASK, bad, o));

@@ -152,16 +152,7 @@ pub struct Matrix<T: Element = f32> {
 }
 
 impl<T: Element> Matrix<T> {
-    pub fn rows(&self) -> usize {
-        self.rows
-    }
-    pub fn cols(&self) -> usize {
-        self.cols
-    }
-    /// `(rows, cols)`.
-    pub fn shape(&self) -> (usize, usize) {
-        (self.rows, self.cols)
-    }
+    crate::mat::shape_accessors!();
     /// Number of elements.
     pub fn len(&self) -> usize {
         self.rows * self.cols

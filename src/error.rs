@@ -97,12 +97,13 @@ impl From<cudarc::driver::DriverError> for Error {
     }
 }
 
-/// Shape check helper: `Err(Error::Shape)` unless `got == expected`.
-pub(crate) fn check_shape(
+/// `Err(Error::Shape)` with both sides written by `show` unless `got == expected`.
+fn check_eq<V: PartialEq>(
     op: &'static str,
     arg: &'static str,
-    got: (usize, usize),
-    expected: (usize, usize),
+    got: V,
+    expected: V,
+    show: impl Fn(&V) -> String,
 ) -> Result<()> {
     if got == expected {
         Ok(())
@@ -110,10 +111,20 @@ pub(crate) fn check_shape(
         Err(Error::Shape {
             op,
             arg,
-            expected: format!("{}x{}", expected.0, expected.1),
-            got: format!("{}x{}", got.0, got.1),
+            expected: show(&expected),
+            got: show(&got),
         })
     }
+}
+
+/// Shape check helper: `Err(Error::Shape)` unless `got == expected`.
+pub(crate) fn check_shape(
+    op: &'static str,
+    arg: &'static str,
+    got: (usize, usize),
+    expected: (usize, usize),
+) -> Result<()> {
+    check_eq(op, arg, got, expected, |s| format!("{}x{}", s.0, s.1))
 }
 
 /// Length check helper for flat vectors.
@@ -123,16 +134,7 @@ pub(crate) fn check_len(
     got: usize,
     expected: usize,
 ) -> Result<()> {
-    if got == expected {
-        Ok(())
-    } else {
-        Err(Error::Shape {
-            op,
-            arg,
-            expected: format!("length {expected}"),
-            got: format!("length {got}"),
-        })
-    }
+    check_eq(op, arg, got, expected, |n| format!("length {n}"))
 }
 
 /// Index of the first NaN/Inf of `xs`: the one host finiteness scan of the crate (slices here,

@@ -47,34 +47,54 @@ fn check_view(rows: usize, cols: usize, ld: usize, len: usize) -> Result<()> {
     Ok(())
 }
 
+/// The `rows`/`cols`/`shape` accessors every matrix type here (and
+/// [`crate::device::Matrix`]) shares; the type needs `rows` and `cols` fields.
+macro_rules! shape_accessors {
+    () => {
+        /// Number of rows.
+        pub fn rows(&self) -> usize {
+            self.rows
+        }
+        /// Number of columns.
+        pub fn cols(&self) -> usize {
+            self.cols
+        }
+        /// `(rows, cols)`.
+        pub fn shape(&self) -> (usize, usize) {
+            (self.rows, self.cols)
+        }
+    };
+}
+pub(crate) use shape_accessors;
+
+/// Constructors and accessors shared by [`MatRef`] and [`MatMut`], which differ only in the
+/// slice they borrow (`$slice`).
+macro_rules! view_common {
+    ($slice:ty) => {
+        /// A contiguous `rows x cols` view (`ld = cols`).
+        pub fn new(data: $slice, rows: usize, cols: usize) -> Result<Self> {
+            Self::with_ld(data, rows, cols, cols)
+        }
+        /// A view with leading dimension `ld` (distance between rows, in elements).
+        pub fn with_ld(data: $slice, rows: usize, cols: usize, ld: usize) -> Result<Self> {
+            check_view(rows, cols, ld, data.len())?;
+            Ok(Self {
+                data,
+                rows,
+                cols,
+                ld,
+            })
+        }
+        shape_accessors!();
+        /// Leading dimension (distance between rows, in elements).
+        pub fn ld(&self) -> usize {
+            self.ld
+        }
+    };
+}
+
 impl<'a, T> MatRef<'a, T> {
-    /// A contiguous `rows x cols` view (`ld = cols`).
-    pub fn new(data: &'a [T], rows: usize, cols: usize) -> Result<Self> {
-        Self::with_ld(data, rows, cols, cols)
-    }
-    /// A view with leading dimension `ld` (distance between rows, in elements).
-    pub fn with_ld(data: &'a [T], rows: usize, cols: usize, ld: usize) -> Result<Self> {
-        check_view(rows, cols, ld, data.len())?;
-        Ok(Self {
-            data,
-            rows,
-            cols,
-            ld,
-        })
-    }
-    pub fn rows(&self) -> usize {
-        self.rows
-    }
-    pub fn cols(&self) -> usize {
-        self.cols
-    }
-    pub fn ld(&self) -> usize {
-        self.ld
-    }
-    /// `(rows, cols)`.
-    pub fn shape(&self) -> (usize, usize) {
-        (self.rows, self.cols)
-    }
+    view_common!(&'a [T]);
     /// The underlying slice (rows `ld` apart).
     pub fn data(&self) -> &'a [T] {
         self.data
@@ -93,32 +113,7 @@ impl<T: Copy> MatRef<'_, T> {
 }
 
 impl<'a, T> MatMut<'a, T> {
-    /// A contiguous `rows x cols` view (`ld = cols`).
-    pub fn new(data: &'a mut [T], rows: usize, cols: usize) -> Result<Self> {
-        Self::with_ld(data, rows, cols, cols)
-    }
-    /// A view with leading dimension `ld`.
-    pub fn with_ld(data: &'a mut [T], rows: usize, cols: usize, ld: usize) -> Result<Self> {
-        check_view(rows, cols, ld, data.len())?;
-        Ok(Self {
-            data,
-            rows,
-            cols,
-            ld,
-        })
-    }
-    pub fn rows(&self) -> usize {
-        self.rows
-    }
-    pub fn cols(&self) -> usize {
-        self.cols
-    }
-    pub fn ld(&self) -> usize {
-        self.ld
-    }
-    pub fn shape(&self) -> (usize, usize) {
-        (self.rows, self.cols)
-    }
+    view_common!(&'a mut [T]);
     /// Reborrow as an immutable view.
     pub fn as_ref(&self) -> MatRef<'_, T> {
         MatRef {
@@ -172,15 +167,7 @@ impl<T> Mat<T> {
         crate::error::check_len("Mat::from_vec", "data", data.len(), rows * cols)?;
         Ok(Self { data, rows, cols })
     }
-    pub fn rows(&self) -> usize {
-        self.rows
-    }
-    pub fn cols(&self) -> usize {
-        self.cols
-    }
-    pub fn shape(&self) -> (usize, usize) {
-        (self.rows, self.cols)
-    }
+    shape_accessors!();
     pub fn as_slice(&self) -> &[T] {
         &self.data
     }

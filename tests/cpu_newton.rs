@@ -543,6 +543,15 @@ fn bad_inputs_are_typed_errors() {
     assert!(val(
         newton_inverse(view(&asym, n, n), None, &ok).unwrap_err()
     ));
+    // A warm start is a hint: an asymmetric one (here the returned inverse perturbed well
+    // beyond the 1e-5 tolerance on `a`) is used through its symmetric part, not rejected.
+    let (x, _) = newton_inverse(view(&a, n, n), None, &ok).unwrap();
+    let mut warm = x.as_slice().to_vec();
+    let max = warm.iter().fold(0.0f32, |m, v| m.max(v.abs()));
+    warm[1] += 1e-3 * max;
+    let (_, info) = newton_inverse(view(&a, n, n), Some(view(&warm, n, n)), &warm_opts).unwrap();
+    assert_eq!(info.init_used, InitialGuess::Warm);
+    assert!(info.residual <= ok.tol, "{info:?}");
     let zero = vec![0.0f32; n * n];
     for init in [InitialGuess::Paper, InitialGuess::ScaledIdentity] {
         let o = NewtonOptions { init, ..ok };

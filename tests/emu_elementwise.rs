@@ -10,20 +10,14 @@
 //! each f64 sum is within (n−1)·2⁻⁵³·Σ|xᵢyᵢ| of the exact one, and each final f32 rounding
 //! adds 2⁻²⁴ relative, so |gpu − cpu| ≤ 2⁻²³|cpu| + n·2⁻⁵²·Σ|xᵢyᵢ| (+ the smallest normal).
 
-use grng::cuda::CudaDevice;
 use grng::ops::elementwise::{AdamWCoeffs, SgdCoeffs, SophiaCoeffs};
 use grng::{Device, Error, Matrix};
 use proptest::prelude::*;
-use rand::{Rng, SeedableRng};
+use rand::SeedableRng;
 use rand_chacha::ChaCha8Rng;
 
-fn devices() -> Vec<Device> {
-    let mut d = vec![Device::Emulated];
-    if let Ok(c) = CudaDevice::new(0) {
-        d.push(Device::Cuda(c));
-    }
-    d
-}
+mod common;
+use common::{devices, uniform as vals};
 
 /// Ragged lengths: 1, the warp and float4 edges, a block edge, and ~20000.
 fn len() -> impl Strategy<Value = usize> {
@@ -37,10 +31,6 @@ fn len() -> impl Strategy<Value = usize> {
         Just(1000),
         19_990usize..20_010,
     ]
-}
-
-fn vals(rng: &mut ChaCha8Rng, n: usize, lo: f32, hi: f32) -> Vec<f32> {
-    (0..n).map(|_| rng.random_range(lo..hi)).collect()
 }
 
 fn up(dev: &Device, v: &[f32]) -> Matrix {

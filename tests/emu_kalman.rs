@@ -16,20 +16,14 @@
 
 use grng::cpu::kalman::{kalman_step as cpu_step, KalmanIo};
 use grng::cuda::kalman::{kalman_step as gpu_step, KalmanBuffers, MAX_D_O};
-use grng::cuda::CudaDevice;
 use grng::ops::kalman::{KalmanInfo, KalmanOptions, KalmanState, RForm};
 use grng::{Device, Error, MatRef, Matrix};
 use proptest::prelude::*;
 use rand::{Rng, SeedableRng};
 use rand_chacha::ChaCha8Rng;
 
-fn devices() -> Vec<Device> {
-    let mut d = vec![Device::Emulated];
-    if let Ok(c) = CudaDevice::new(0) {
-        d.push(Device::Cuda(c));
-    }
-    d
-}
+mod common;
+use common::devices;
 
 /// One step's inputs (host).
 #[derive(Clone, Debug)]

@@ -4,27 +4,14 @@
 //! CPU backend on random ragged shapes. Outputs are poisoned with NaN before each launch.
 
 use grng::cuda::kron::{syrk_ema_f32, syrk_ema_tc};
-use grng::cuda::CudaDevice;
 use grng::{Device, Element, Error, Matrix};
 use half::bf16;
 use proptest::prelude::*;
-use rand::{Rng, SeedableRng};
+use rand::SeedableRng;
 use rand_chacha::ChaCha8Rng;
 
-/// Unit roundoff of f32.
-const U32: f64 = 1.0 / (1u64 << 24) as f64;
-
-fn devices() -> Vec<Device> {
-    let mut d = vec![Device::Emulated];
-    if let Ok(c) = CudaDevice::new(0) {
-        d.push(Device::Cuda(c));
-    }
-    d
-}
-
-fn vals(rng: &mut ChaCha8Rng, len: usize) -> Vec<f32> {
-    (0..len).map(|_| rng.random_range(-1.0f32..1.0)).collect()
-}
+mod common;
+use common::{devices, vals, U32};
 
 /// Sizes around the 64-wide output tiles and the 16/32-deep sample slices: 1, small,
 /// tile edges ±1, and anything up to just past two tiles.

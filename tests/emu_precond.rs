@@ -5,26 +5,13 @@
 //! NaN before each launch wherever the operation does not read them.
 
 use grng::cuda::precond;
-use grng::cuda::CudaDevice;
 use grng::{Device, Error, Matrix, Trans};
 use proptest::prelude::*;
-use rand::{Rng, SeedableRng};
+use rand::SeedableRng;
 use rand_chacha::ChaCha8Rng;
 
-/// Unit roundoff of f32.
-const U32: f64 = 1.0 / (1u64 << 24) as f64;
-
-fn devices() -> Vec<Device> {
-    let mut d = vec![Device::Emulated];
-    if let Ok(c) = CudaDevice::new(0) {
-        d.push(Device::Cuda(c));
-    }
-    d
-}
-
-fn vals(rng: &mut ChaCha8Rng, len: usize) -> Vec<f32> {
-    (0..len).map(|_| rng.random_range(-1.0f32..1.0)).collect()
-}
+mod common;
+use common::{devices, vals, U32};
 
 /// 1, small, around the 16-deep k slices and the 64-wide tiles (±1), anything up to 140.
 fn dim() -> impl Strategy<Value = usize> {

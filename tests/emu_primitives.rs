@@ -6,21 +6,15 @@
 
 use grng::cuda::launch::{launch, KernelArgs, LaunchConfig};
 use grng::cuda::selftest::{self, DimsParams};
-use grng::cuda::CudaDevice;
 use grng::{Device, Error, Matrix};
 use half::bf16;
 use proptest::prelude::*;
 
+mod common;
+use common::devices;
+
 /// A quiet NaN with a payload no test expects as an integer result (0x7fc0dead).
 const POISON_BITS: u32 = 0x7fc0_dead;
-
-fn devices() -> Vec<Device> {
-    let mut d = vec![Device::Emulated];
-    if let Ok(c) = CudaDevice::new(0) {
-        d.push(Device::Cuda(c));
-    }
-    d
-}
 
 fn poison(dev: &Device, len: usize) -> Matrix<f32> {
     dev.upload(len, 1, &vec![f32::from_bits(POISON_BITS); len])

@@ -1162,3 +1162,26 @@ fn lazy_training_lowers_the_loss() {
         assert!(l1 < 0.3 * l0, "{:?}: loss {l0} -> {l1}", cfg.variant);
     }
 }
+
+/// Regression: with S = 1 every step inverts afresh, warm-started from the previous Newton
+/// inverse, which is symmetric only to rounding (~1e-5 relative, beyond the 1e-5 tolerance
+/// on `a`); the warm start is a hint whose symmetric part is used, so 30 steps run through
+/// without an error, a Cholesky fallback or a Newton divergence.
+#[test]
+fn newton_warm_starts_with_skip_one_train() {
+    let t = task();
+    for base in [KronConfig::ring(), KronConfig::ngd()] {
+        let cfg = KronConfig {
+            lr: 0.5,
+            rho: 3e-2,
+            skip: 1,
+            ..base
+        };
+        assert!(matches!(cfg.inverse, InverseMethod::Newton(_)));
+        let (_, l0, l1, c) = train_kron(&t, cfg, 30, false);
+        assert_eq!(c.refreshes, 30, "{c:?}");
+        assert!(c.newton_inversions > 0, "{c:?}");
+        assert_eq!(c.newton_divergences, 0, "{c:?}");
+        assert!(l1 < l0, "{:?}: loss {l0} -> {l1}", cfg.variant);
+    }
+}

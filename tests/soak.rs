@@ -1,7 +1,7 @@
 //! Soak (issue 5, "long runs"): 10,000 steps of every optimizer through [`Trainer::step`] on a
-//! small problem — a 4-8-3 tanh network on 3-class blobs, batch 8 (the Kalman methods: batch
-//! 1) — with no error, no skipped step, no NaN/Inf in any loss or parameter, and no memory
-//! growth.
+//! small problem (a 4-8-3 tanh network on 3-class blobs, batch 8; the Kalman methods take
+//! batch 1) with no error, no skipped step, no NaN/Inf in any loss or parameter, and no
+//! memory growth.
 //!
 //! Memory is measured two ways after a warm-up (buffers, rayon's pool and the allocator's
 //! arenas reach their steady state in the first steps):

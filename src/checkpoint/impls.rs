@@ -14,6 +14,7 @@
 //! | [`KronOptimizer`] | `kron`   | `variant`, `layer_shapes` u64s, `rho`, `steps`, `predicted`, `last_ratio`, `counters.*`, `factored_layers`, `layer{l}.{lambda,gamma}.{factor,inverse}` `[n, n]` and `.{damping,inverse_norm,norm,trace}` |
 //! | [`Mlp`]         | `mlp`      | `sizes` u64s, `activation`, `loss`, `params` `[n]`             |
 //! | [`ChaCha8Rng`]  | `chacha8`  | `seed` 32 bytes, `stream` u64, `word_pos` u64s `[lo, hi]`      |
+//! | [`Trainer`](crate::train::Trainer) | `trainer` | `method`, `config`, `steps`, `counters.*`, then `mlp.*`, `optim.*`, `rng.*` (impl in `src/train/trainer.rs`, next to the private state it saves) |
 
 use rand::SeedableRng;
 use rand_chacha::ChaCha8Rng;

@@ -80,7 +80,8 @@ pub fn copy(src: &[f32], dst: &mut [f32]) -> Result<()> {
 }
 
 /// `Σ xᵢ yᵢ` of one chunk in `f64`, four independent lanes (vectorizes without fast-math).
-fn dot_chunk(x: &[f32], y: &[f32]) -> f64 {
+/// Also the Kalman backend's inner product ([`crate::cpu::kalman`]).
+pub(crate) fn dot_chunk(x: &[f32], y: &[f32]) -> f64 {
     let mut acc = [0.0f64; 4];
     let split = x.len() - x.len() % 4;
     for (xs, ys) in x[..split].chunks_exact(4).zip(y[..split].chunks_exact(4)) {

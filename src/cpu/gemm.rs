@@ -3,7 +3,7 @@
 //! The inner kernel is the `gemm` crate (the micro-kernels faer itself builds on), run with
 //! rayon parallelism; this module only maps grng's views and BLAS conventions onto it.
 
-use crate::error::{check_value, Error, Result};
+use crate::error::{check_shape, check_value, Error, Result};
 use crate::mat::{MatMut, MatRef, Trans};
 
 /// Shape of `op(X)` for a stored `rows x cols` operand.
@@ -12,6 +12,35 @@ fn op_shape(t: Trans, shape: (usize, usize)) -> (usize, usize) {
         Trans::No => shape,
         Trans::Yes => (shape.1, shape.0),
     }
+}
+
+/// The GEMM argument checks every backend shares: finite `α`, `β`, inner dimensions that
+/// agree and `C` of shape `m x n`. Returns `(m, n, k)` for `op(A)` `m x k`, `op(B)` `k x n`.
+#[allow(clippy::too_many_arguments)]
+pub(crate) fn check_gemm(
+    op: &'static str,
+    trans_a: Trans,
+    a: (usize, usize),
+    trans_b: Trans,
+    b: (usize, usize),
+    alpha: f32,
+    beta: f32,
+    c: (usize, usize),
+) -> Result<(usize, usize, usize)> {
+    check_value(op, "alpha", alpha as f64, true, "a finite number")?;
+    check_value(op, "beta", beta as f64, true, "a finite number")?;
+    let (m, k) = op_shape(trans_a, a);
+    let (kb, n) = op_shape(trans_b, b);
+    if kb != k {
+        return Err(Error::Shape {
+            op,
+            arg: "b",
+            expected: format!("op(b) with {k} rows (the columns of op(a))"),
+            got: format!("op(b) of {kb}x{n}"),
+        });
+    }
+    check_shape(op, "c", c, (m, n))?;
+    Ok((m, n, k))
 }
 
 /// `(row stride, column stride)` of `op(X)` for a row-major view with leading dimension `ld`.
@@ -42,26 +71,16 @@ pub fn gemm(
     mut c: MatMut<'_, f32>,
 ) -> Result<()> {
     const OP: &str = "cpu::gemm";
-    check_value(OP, "alpha", alpha as f64, true, "a finite number")?;
-    check_value(OP, "beta", beta as f64, true, "a finite number")?;
-    let (m, k) = op_shape(trans_a, a.shape());
-    let (kb, n) = op_shape(trans_b, b.shape());
-    if kb != k {
-        return Err(Error::Shape {
-            op: OP,
-            arg: "b",
-            expected: format!("op(b) with {k} rows (the columns of op(a))"),
-            got: format!("op(b) of {kb}x{n}"),
-        });
-    }
-    if c.shape() != (m, n) {
-        return Err(Error::Shape {
-            op: OP,
-            arg: "c",
-            expected: format!("{m}x{n}"),
-            got: format!("{}x{}", c.rows(), c.cols()),
-        });
-    }
+    let (m, n, k) = check_gemm(
+        OP,
+        trans_a,
+        a.shape(),
+        trans_b,
+        b.shape(),
+        alpha,
+        beta,
+        c.shape(),
+    )?;
     if m == 0 || n == 0 {
         return Ok(());
     }

@@ -15,6 +15,7 @@
 
 use rayon::prelude::*;
 
+use crate::cpu::elementwise::dot_chunk;
 use crate::error::{check_len, Error, Result};
 use crate::mat::MatRef;
 use crate::ops::kalman::{KalmanInfo, KalmanOptions, RForm};
@@ -40,6 +41,19 @@ pub struct KalmanIo<'a> {
     pub sigma_out: &'a mut [f32],
     /// Updated `R`, `d_o x d_o` (exactly symmetric).
     pub r_out: &'a mut [f32],
+}
+
+/// `Err(Error::Shape)` unless `h` is `d_o x n` with `d_o ≥ 1` and `n ≥ 1`; returns `(d_o, n)`.
+pub(crate) fn check_h_shape(op: &'static str, (d_o, n): (usize, usize)) -> Result<(usize, usize)> {
+    if d_o == 0 || n == 0 {
+        return Err(Error::Shape {
+            op,
+            arg: "h",
+            expected: "d_o x n with d_o >= 1 and n >= 1".into(),
+            got: format!("{d_o}x{n}"),
+        });
+    }
+    Ok((d_o, n))
 }
 
 /// One R-Kalman step: reads `io.mu`, `io.sigma`, `io.r`, the `d_o x n` Jacobian `h`
@@ -72,15 +86,7 @@ pub fn kalman_step(
 ) -> Result<KalmanInfo> {
     const OP: &str = "cpu::kalman_step";
     opts.validate(OP)?;
-    let (d_o, n) = h.shape();
-    if d_o == 0 || n == 0 {
-        return Err(Error::Shape {
-            op: OP,
-            arg: "h",
-            expected: "d_o x n with d_o >= 1 and n >= 1".into(),
-            got: format!("{d_o}x{n}"),
-        });
-    }
+    let (d_o, n) = check_h_shape(OP, h.shape())?;
     check_len(OP, "mu", io.mu.len(), n)?;
     check_len(OP, "sigma", io.sigma.len(), n)?;
     check_len(OP, "r", io.r.len(), d_o * d_o)?;
@@ -218,7 +224,7 @@ fn weighted_gram(h: MatRef<'_, f32>, sigma: &[f32], q: f32) -> Vec<f64> {
                 for j in 0..d_o {
                     let gj = &g[j * CHUNK..j * CHUNK + w];
                     for k in j..d_o {
-                        acc[j * d_o + k] += dot_f64(gj, &g[k * CHUNK..k * CHUNK + w]);
+                        acc[j * d_o + k] += dot_chunk(gj, &g[k * CHUNK..k * CHUNK + w]);
                     }
                 }
                 (acc, g)
@@ -310,23 +316,6 @@ fn posterior_pass(
             floored
         })
         .sum()
-}
-
-/// `Σ xᵢyᵢ` of two `f32` slices in four `f64` lanes (vectorizes without reassociation flags).
-fn dot_f64(x: &[f32], y: &[f32]) -> f64 {
-    let mut acc = [0.0f64; 4];
-    let split = x.len() - x.len() % 4;
-    for (a, b) in x[..split].chunks_exact(4).zip(y[..split].chunks_exact(4)) {
-        for l in 0..4 {
-            acc[l] += a[l] as f64 * b[l] as f64;
-        }
-    }
-    let tail: f64 = x[split..]
-        .iter()
-        .zip(&y[split..])
-        .map(|(&a, &b)| a as f64 * b as f64)
-        .sum();
-    (acc[0] + acc[1]) + (acc[2] + acc[3]) + tail
 }
 
 /// `R̃` from the updated `R` (both `d_o x d_o`, `f64`).

@@ -15,6 +15,55 @@ use crate::mat::{MatMut, MatRef, Trans};
 /// work, `≤ n·BASE·m/2` flops in all, a few percent at n ≥ 1024) instead of being split again.
 const BASE: usize = 192;
 
+/// `Err(Error::Shape)` when the batch `arg` (`m x cols`) has no row.
+pub(crate) fn check_batch(
+    op: &'static str,
+    arg: &'static str,
+    (m, cols): (usize, usize),
+) -> Result<()> {
+    if m == 0 {
+        return Err(Error::Shape {
+            op,
+            arg,
+            expected: "at least one row (sample)".into(),
+            got: format!("0x{cols}"),
+        });
+    }
+    Ok(())
+}
+
+/// The SYRK-EMA argument checks every backend shares: `0 ≤ ε < 1`, `a` `m x n` with
+/// `m ≥ 1`, `factor` `n x n`.
+pub(crate) fn check_syrk_args(
+    op: &'static str,
+    a: (usize, usize),
+    eps: f32,
+    factor: (usize, usize),
+) -> Result<()> {
+    check_value(
+        op,
+        "eps",
+        eps as f64,
+        (0.0..1.0).contains(&eps),
+        "0 <= eps < 1",
+    )?;
+    check_batch(op, "a", a)?;
+    check_shape(op, "factor", factor, (a.1, a.1))
+}
+
+/// The batch-gradient shape checks every backend shares: `e` `m x d_out` with `m ≥ 1`, `a`
+/// `m x d_in`, `g` `d_out x d_in`.
+pub(crate) fn check_batch_gradient_args(
+    op: &'static str,
+    e: (usize, usize),
+    a: (usize, usize),
+    g: (usize, usize),
+) -> Result<()> {
+    check_batch(op, "e", e)?;
+    check_shape(op, "a", a, (e.0, a.1))?;
+    check_shape(op, "g", g, (e.1, a.1))
+}
+
 /// `Λ ← ε Λ + (1−ε)/m · AᵀA` for `A` of shape `m x n` (`T` = `f32` or `bf16`) and `Λ`
 /// (`factor`) of shape `n x n`, both row-major views.
 ///
@@ -31,22 +80,7 @@ const BASE: usize = 192;
 pub fn syrk_ema<T: Element>(a: MatRef<'_, T>, eps: f32, mut factor: MatMut<'_, f32>) -> Result<()> {
     const OP: &str = "cpu::syrk_ema";
     let (m, n) = a.shape();
-    check_value(
-        OP,
-        "eps",
-        eps as f64,
-        (0.0..1.0).contains(&eps),
-        "0 <= eps < 1",
-    )?;
-    if m == 0 {
-        return Err(Error::Shape {
-            op: OP,
-            arg: "a",
-            expected: "at least one row (sample)".into(),
-            got: format!("0x{n}"),
-        });
-    }
-    check_shape(OP, "factor", factor.shape(), (n, n))?;
+    check_syrk_args(OP, a.shape(), eps, factor.shape())?;
     check_finite_view(OP, "a", a)?;
     if eps > 0.0 {
         check_finite_view(OP, "factor", factor.as_ref())?;
@@ -147,17 +181,8 @@ fn mirror_lower(mut c: MatMut<'_, f32>) {
 /// `E` or `A`. `g` is unchanged on error.
 pub fn batch_gradient(e: MatRef<'_, f32>, a: MatRef<'_, f32>, g: MatMut<'_, f32>) -> Result<()> {
     const OP: &str = "cpu::batch_gradient";
-    let (m, d_out) = e.shape();
-    if m == 0 {
-        return Err(Error::Shape {
-            op: OP,
-            arg: "e",
-            expected: "at least one row (sample)".into(),
-            got: format!("0x{d_out}"),
-        });
-    }
-    check_shape(OP, "a", (a.rows(), a.cols()), (m, a.cols()))?;
-    check_shape(OP, "g", g.shape(), (d_out, a.cols()))?;
+    let m = e.rows();
+    check_batch_gradient_args(OP, e.shape(), a.shape(), g.shape())?;
     check_finite_view(OP, "e", e)?;
     check_finite_view(OP, "a", a)?;
     gemm(Trans::Yes, Trans::No, 1.0 / m as f32, e, a, 0.0, g)

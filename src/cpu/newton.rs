@@ -32,15 +32,15 @@
 //! **Stopping.** The iteration returns as soon as the residual is `≤ tol`. In exact arithmetic
 //! the residual never grows from any of the three starts, so a residual that stops falling
 //! means either the rounding floor was reached or the iteration diverges:
-//! - non-finite residual → [`DivergenceReason::NonFinite`] (`Bf16` past its floor: best
+//! - non-finite residual → [`DivergenceReason::NonFinite`](crate::error::DivergenceReason::NonFinite) (`Bf16` past its floor: best
 //!   iterate returned);
 //! - during the mirrored phase, no improvement ends that phase (full products from then on);
 //! - once the best residual is below [`ARMED`], no improvement means the floor: `F32` mode
-//!   errs ([`DivergenceReason::NotConverged`], or [`DivergenceReason::Growing`] for a jump
+//!   errs ([`DivergenceReason::NotConverged`](crate::error::DivergenceReason::NotConverged), or [`DivergenceReason::Growing`](crate::error::DivergenceReason::Growing) for a jump
 //!   above twice the best); `Bf16` mode returns its best iterate;
 //! - above [`ARMED`] (the first steps from the paper's start sit near 1) only a clear growth,
-//!   more than [`GROWTH_SLACK`] relative per step, is divergence ([`DivergenceReason::Growing`]);
-//! - `max_iter` exhausted → [`DivergenceReason::NotConverged`] (both modes).
+//!   more than [`GROWTH_SLACK`] relative per step, is divergence ([`DivergenceReason::Growing`](crate::error::DivergenceReason::Growing));
+//! - `max_iter` exhausted → [`DivergenceReason::NotConverged`](crate::error::DivergenceReason::NotConverged) (both modes).
 //!
 //! **Residual floors** `‖I − AX‖_F/√n` of the returned `X`, measured in `f64` (generator of
 //! `tests/cpu_newton.rs`: `A = QDQᵀ`, `Q` three random Householder reflectors, eigenvalues
@@ -65,240 +65,54 @@ use rayon::prelude::*;
 
 use super::check_finite_view;
 use super::gemm::gemm;
-use crate::error::{check_shape, DivergenceReason, Error, Result};
+use super::norm::HostPower;
+use crate::error::Result;
 use crate::mat::{Mat, MatMut, MatRef, Trans};
+use crate::ops::newton::driver::{self, check_square, check_symmetric, NewtonBackend, Start};
+pub use crate::ops::newton::driver::{ARMED, GROWTH_SLACK, SYM_SWITCH, SYM_TOL};
 use crate::ops::newton::{InitialGuess, NewtonInfo, NewtonOptions, NewtonOrder, Precision};
-use crate::ops::norm::PowerOptions;
-
-/// Below this best residual the iteration is in its fast-convergence regime, where a residual
-/// that stops falling means the rounding floor.
-pub const ARMED: f32 = 0.5;
-
-/// Relative growth per step tolerated above [`ARMED`] (rounding noise on a residual near 1,
-/// which is far larger in `Bf16` mode) before it counts as divergence.
-pub const GROWTH_SLACK: f32 = 1e-2;
-
-/// Above this residual the `F32` iteration computes the powers of `E` as symmetric-result
-/// products (then never again).
-pub const SYM_SWITCH: f32 = 0.1;
-
-/// Relative asymmetry accepted in `a` and `warm`: `|a_ij − a_ji| ≤ SYM_TOL · max|a|`.
-pub const SYM_TOL: f32 = 1e-5;
-
-/// Safety factor on `λ_max` in the scaled identity: on the power-iteration estimate (a lower
-/// bound of `λ_max`) it guards against a slightly unconverged estimate, on the guaranteed
-/// bounds against equality (a diagonal `A` has `‖A‖∞ = λ_max`, where `c·λ_max = 2` would
-/// stall that eigencomponent). Either way `|1 − cλ_max| ≤ 2/1.1 − 1 ≈ 0.82`.
-const LAMBDA_MARGIN: f32 = 1.1;
 
 /// Inverse of the symmetric positive definite `n x n` matrix `a` by Newton iteration; see the
 /// module docs for the arithmetic and the stopping rules, and
 /// [`crate::Device::newton_inverse`] for the contract. `warm` is used only with
-/// [`InitialGuess::Warm`].
+/// [`InitialGuess::Warm`]: a hint, of which the symmetric part is used (no symmetry check).
 ///
 /// # Errors
-/// [`Error::Shape`] (not square, `n = 0`, `warm` not `n x n`), [`Error::NonFinite`],
-/// [`Error::Value`] (bad options; `a` or `warm` asymmetric beyond [`SYM_TOL`]; `a = 0`; no
-/// positive eigenvalue found for the scaled identity), [`Error::Diverged`].
+/// [`Error::Shape`](crate::Error::Shape) (not square, `n = 0`, `warm` not `n x n`),
+/// [`Error::NonFinite`](crate::Error::NonFinite), [`Error::Value`](crate::Error::Value) (bad
+/// options; `a` asymmetric beyond [`SYM_TOL`]; `a = 0`; no positive eigenvalue found for the
+/// scaled identity), [`Error::Diverged`](crate::Error::Diverged).
 pub fn newton_inverse(
     a: MatRef<'_, f32>,
     warm: Option<MatRef<'_, f32>>,
     opts: &NewtonOptions,
 ) -> Result<(Mat, NewtonInfo)> {
-    const OP: &str = "cpu::newton_inverse";
+    const OP: &str = Iteration::OP;
     opts.validate(OP)?;
-    let n = a.rows();
-    check_shape(OP, "a", a.shape(), (n, n))?;
-    if n == 0 {
-        return Err(Error::Shape {
-            op: OP,
-            arg: "a",
-            expected: "n x n with n >= 1".into(),
-            got: "0x0".into(),
-        });
-    }
+    let n = check_square(OP, a.shape())?;
     check_finite_view(OP, "a", a)?;
-    let a_sym = symmetric_part(OP, "a", a)?;
+    let (a_sym, max_asym, max_abs) = symmetric_part(a);
+    check_symmetric(OP, "a", max_asym, max_abs)?;
     let warm_sym = match (opts.init, warm) {
         (InitialGuess::Warm, Some(w)) => {
-            check_shape(OP, "warm", w.shape(), (n, n))?;
+            crate::error::check_shape(OP, "warm", w.shape(), (n, n))?;
             check_finite_view(OP, "warm", w)?;
-            Some(symmetric_part(OP, "warm", w)?)
+            Some(symmetric_part(w).0)
         }
         _ => None,
     };
-    let bf16 = opts.precision == Precision::Bf16;
-    let mut it = Iteration::new(a_sym, n, bf16);
-
-    // X₀, and whether X stays a polynomial in A (then the powers of E are symmetric).
-    let (init_used, commuting) = match (opts.init, warm_sym) {
-        (InitialGuess::Paper, _) => {
-            it.x = paper_start(&it.a, n)?;
-            (InitialGuess::Paper, true)
-        }
-        (InitialGuess::Warm, Some(w)) => {
-            it.x = w;
-            it.product_t()?;
-            if warm_acceptable(&it.t, n) {
-                (InitialGuess::Warm, false)
-            } else {
-                it.x = scaled_identity(&it.a, n, opts.lambda_low, Bound::Estimated)?;
-                (InitialGuess::ScaledIdentity, true)
-            }
-        }
-        (InitialGuess::ScaledIdentity | InitialGuess::Warm, _) => {
-            it.x = scaled_identity(&it.a, n, opts.lambda_low, Bound::Estimated)?;
-            (InitialGuess::ScaledIdentity, true)
-        }
-    };
-    if init_used != InitialGuess::Warm {
-        it.product_t()?;
-    }
-
-    // The scaled identity's λ_hi comes from power iterations, which can underestimate λ_max
-    // (a start vector nearly orthogonal to the top eigenvector); then c·λ_max > 2 and the
-    // iteration diverges. Retry once from a guaranteed bound before calling it divergence;
-    // the history then holds both runs and `iterations` counts the first run's steps too.
-    let mut history = Vec::new();
-    let (best_r, best_iter) = match iterate(&mut it, opts, commuting, &mut history) {
-        Err(Error::Diverged { iterations, .. }) if init_used == InitialGuess::ScaledIdentity => {
-            it.x = scaled_identity(&it.a, n, opts.lambda_low, Bound::Guaranteed)?;
-            it.product_t()?;
-            let (r, k) = iterate(&mut it, opts, true, &mut history)?;
-            (r, iterations + k)
-        }
-        other => other?,
-    };
-
-    if !bf16 {
-        let info = NewtonInfo {
-            residual: best_r,
-            iterations: best_iter,
-            init_used,
-            residual_history: history,
-            polished: false,
-        };
-        return Ok((Mat::from_vec(it.x, n, n)?, info));
-    }
-    // Bf16: the honest residual of the best iterate, in f32, then the optional polish.
-    it.bf16 = false;
-    it.x = std::mem::take(&mut it.best);
-    it.product_t()?;
-    let r_best = residual(&it.t, n);
-    let mut out = NewtonInfo {
-        residual: r_best,
-        iterations: best_iter,
-        init_used,
-        residual_history: history,
-        polished: false,
-    };
-    if opts.polish {
-        let x_best = it.x.clone();
-        it.step(NewtonOrder::Quadratic, false)?;
-        it.product_t()?;
-        let r_pol = residual(&it.t, n);
-        if r_pol < r_best {
-            out.residual = r_pol;
-            out.polished = true;
-        } else {
-            it.x = x_best;
-        }
-    }
-    if !out.residual.is_finite() {
-        return Err(Error::Diverged {
-            op: OP,
-            reason: DivergenceReason::NonFinite,
-            iterations: best_iter,
-            residual: out.residual as f64,
-        });
-    }
-    Ok((Mat::from_vec(it.x, n, n)?, out))
-}
-
-/// Iterates from the `X₀` in `it.x` (with `T = AX₀` in `it.t`) under the stopping rules of
-/// the module docs, appending each residual to `history`. Returns the best residual and the
-/// step that reached it; the iterate is left in `it.x` (`F32`) or `it.best` (`Bf16`).
-fn iterate(
-    it: &mut Iteration,
-    opts: &NewtonOptions,
-    commuting: bool,
-    history: &mut Vec<f32>,
-) -> Result<(f32, usize)> {
-    const OP: &str = "cpu::newton_inverse";
-    let n = it.n;
-    let bf16 = it.bf16;
-    let mut iterations = 0;
-    let mut best_r = f32::INFINITY;
-    let mut best_iter = 0;
-    let mut prev_r = f32::INFINITY;
-    let mut sym_phase = !bf16;
-    let diverged = |reason, iterations, residual: f32| Error::Diverged {
-        op: OP,
-        reason,
-        iterations,
-        residual: residual as f64,
-    };
-    loop {
-        let r = residual(&it.t, n);
-        history.push(r);
-        if !r.is_finite() {
-            if bf16 && best_r < ARMED {
-                break;
-            }
-            return Err(diverged(DivergenceReason::NonFinite, iterations, r));
-        }
-        if r <= opts.tol {
-            best_r = r;
-            best_iter = iterations;
-            if bf16 {
-                it.best.clone_from(&it.x);
-            }
-            break;
-        }
-        if r < best_r {
-            best_r = r;
-            best_iter = iterations;
-            if bf16 {
-                it.best.clone_from(&it.x);
-            }
-        } else if sym_phase {
-            // The noise of the mirrored products (see the module docs) stalled the early
-            // phase: go on with full products, which correct it.
-            sym_phase = false;
-        } else if best_r < ARMED {
-            if bf16 {
-                break;
-            }
-            let reason = if r > 2.0 * best_r {
-                DivergenceReason::Growing
-            } else {
-                DivergenceReason::NotConverged
-            };
-            return Err(diverged(reason, iterations, best_r));
-        } else if r > prev_r * (1.0 + GROWTH_SLACK) {
-            return Err(diverged(DivergenceReason::Growing, iterations, r));
-        }
-        if iterations == opts.max_iter {
-            return Err(diverged(DivergenceReason::NotConverged, iterations, r));
-        }
-        // Symmetric-result products only in the early f32 phase (see the module docs): the
-        // last steps must be full products for Newton's self-correction to hold.
-        if r <= SYM_SWITCH {
-            sym_phase = false;
-        }
-        prev_r = r;
-        it.step(opts.order, sym_phase && commuting)?;
-        iterations += 1;
-        it.product_t()?;
-    }
-
-    Ok((best_r, best_iter))
+    let has_warm = warm_sym.is_some();
+    let it = Iteration::new(a_sym, warm_sym, n, opts.precision == Precision::Bf16);
+    driver::newton_inverse(it, has_warm, opts)
 }
 
 /// The iteration's buffers (all `n x n`, row-major).
 struct Iteration {
     n: usize,
+    /// Products with `bf16`-rounded operands now.
     bf16: bool,
+    /// `Bf16` mode: the best iterate is kept in `best`.
+    keep_best: bool,
     /// `A` (symmetric part), `f32`.
     a: Vec<f32>,
     /// `A` rounded to `bf16` (empty in `F32` mode).
@@ -318,7 +132,7 @@ struct Iteration {
 }
 
 impl Iteration {
-    fn new(a: Vec<f32>, n: usize, bf16: bool) -> Self {
+    fn new(a: Vec<f32>, warm: Option<Vec<f32>>, n: usize, bf16: bool) -> Self {
         let mut a_bf = Vec::new();
         if bf16 {
             a_bf = vec![0.0; n * n];
@@ -328,9 +142,10 @@ impl Iteration {
         Self {
             n,
             bf16,
+            keep_best: bf16,
             a,
             a_bf,
-            x: Vec::new(),
+            x: warm.unwrap_or_default(),
             t: z(),
             best: Vec::new(),
             w1: z(),
@@ -340,13 +155,73 @@ impl Iteration {
             r2: z(),
         }
     }
+}
+
+impl NewtonBackend for Iteration {
+    const OP: &'static str = "cpu::newton_inverse";
+    type Out = Mat;
+    type Power<'p> = HostPower<'p>;
+
+    fn n(&self) -> usize {
+        self.n
+    }
+
+    fn a_norms(&mut self) -> Result<(f64, f64, f64)> {
+        let (a, n) = (&self.a, self.n);
+        let inf = a
+            .chunks(n)
+            .map(|r| r.iter().map(|v| v.abs() as f64).sum::<f64>())
+            .fold(0.0, f64::max);
+        let one = (0..n)
+            .map(|j| (0..n).map(|i| a[i * n + j].abs() as f64).sum::<f64>())
+            .fold(0.0, f64::max);
+        let fro = a.iter().map(|&v| v as f64 * v as f64).sum::<f64>().sqrt();
+        Ok((inf, one, fro))
+    }
+
+    fn power(&mut self) -> Result<HostPower<'_>> {
+        Ok(HostPower::new(MatRef::new(&self.a, self.n, self.n)?))
+    }
+
+    fn set_x(&mut self, start: Start) -> Result<()> {
+        let n = self.n;
+        self.x = match start {
+            Start::ScaledA(alpha) => self.a.iter().map(|&v| (v as f64 * alpha) as f32).collect(),
+            Start::Identity(c) => {
+                let mut x = vec![0.0f32; n * n];
+                (0..n).for_each(|i| x[i * n + i] = c);
+                x
+            }
+        };
+        Ok(())
+    }
 
     /// `T ← A X`, always a full product: its deviation from symmetry is the first-order
     /// information that makes the iteration self-correcting (mirroring it is unstable).
-    fn product_t(&mut self) -> Result<()> {
+    fn product_t(&mut self) -> Result<f32> {
         let a = if self.bf16 { &self.a_bf } else { &self.a };
         let x = operand(&self.x, &mut self.r1, self.bf16);
-        product(a, x, &mut self.t, self.n, false)
+        product(a, x, &mut self.t, self.n, false)?;
+        Ok(residual(&self.t, self.n))
+    }
+
+    fn e_norms(&mut self) -> Result<(f64, f64)> {
+        let (t, n) = (&self.t, self.n);
+        let e = |i: usize, j: usize| {
+            let v = t[i * n + j] as f64;
+            if i == j {
+                1.0 - v
+            } else {
+                -v
+            }
+        };
+        let inf = (0..n)
+            .map(|i| (0..n).map(|j| e(i, j).abs()).sum::<f64>())
+            .fold(0.0, f64::max);
+        let one = (0..n)
+            .map(|j| (0..n).map(|i| e(i, j).abs()).sum::<f64>())
+            .fold(0.0, f64::max);
+        Ok((inf, one))
     }
 
     /// `X ← X p(T)` for the given order. `sym_e`: compute the powers of `E` as
@@ -379,6 +254,28 @@ impl Iteration {
         add_assign(&mut self.w3, &self.x);
         std::mem::swap(&mut self.x, &mut self.w3);
         Ok(())
+    }
+
+    fn mark_best(&mut self) {
+        if self.keep_best {
+            self.best.clone_from(&self.x);
+        }
+    }
+
+    fn clear_best(&mut self) {
+        self.best.clear();
+    }
+
+    fn use_best(&mut self) {
+        self.x.clone_from(&self.best);
+    }
+
+    fn products_f32(&mut self) {
+        self.bf16 = false;
+    }
+
+    fn into_x(self) -> Result<Mat> {
+        Mat::from_vec(self.x, self.n, self.n)
     }
 }
 
@@ -480,28 +377,8 @@ fn residual(t: &[f32], n: usize) -> f32 {
     (s / n as f64).sqrt() as f32
 }
 
-/// Whether `‖I − T‖₂ < 1`, through the upper bounds `‖·‖_F` and `√(‖·‖₁‖·‖∞)`.
-fn warm_acceptable(t: &[f32], n: usize) -> bool {
-    let e = |i: usize, j: usize| {
-        let v = t[i * n + j] as f64;
-        if i == j {
-            1.0 - v
-        } else {
-            -v
-        }
-    };
-    let fro = residual(t, n) as f64 * (n as f64).sqrt();
-    let inf = (0..n)
-        .map(|i| (0..n).map(|j| e(i, j).abs()).sum::<f64>())
-        .fold(0.0, f64::max);
-    let one = (0..n)
-        .map(|j| (0..n).map(|i| e(i, j).abs()).sum::<f64>())
-        .fold(0.0, f64::max);
-    fro.min((inf * one).sqrt()) < 1.0
-}
-
-/// The symmetric part of a square view after checking it is symmetric to [`SYM_TOL`].
-fn symmetric_part(op: &'static str, arg: &'static str, a: MatRef<'_, f32>) -> Result<Vec<f32>> {
+/// The symmetric part of a square view, with `max |a_ij − a_ji|` and `max |a_ij|`.
+fn symmetric_part(a: MatRef<'_, f32>) -> (Vec<f32>, f32, f32) {
     let n = a.rows();
     let max = (0..n)
         .flat_map(|i| a.row(i).iter())
@@ -515,126 +392,7 @@ fn symmetric_part(op: &'static str, arg: &'static str, a: MatRef<'_, f32>) -> Re
             s[i * n + j] = 0.5 * (x + y);
         }
     }
-    if worst > SYM_TOL * max {
-        return Err(Error::Value {
-            op,
-            arg,
-            value: (worst / max) as f64,
-            expected: "a symmetric matrix (max |a_ij - a_ji| / max |a| <= 1e-5)",
-        });
-    }
-    Ok(s)
-}
-
-/// The paper's `X₀ = Aᵀ / (‖A‖₁ ‖A‖∞)` for a symmetric `A`.
-fn paper_start(a: &[f32], n: usize) -> Result<Vec<f32>> {
-    let inf = a
-        .chunks(n)
-        .map(|r| r.iter().map(|v| v.abs() as f64).sum::<f64>())
-        .fold(0.0, f64::max);
-    let one = (0..n)
-        .map(|j| (0..n).map(|i| a[i * n + j].abs() as f64).sum::<f64>())
-        .fold(0.0, f64::max);
-    let prod = inf * one;
-    if prod == 0.0 {
-        return Err(zero_matrix());
-    }
-    let alpha = 1.0 / prod;
-    // Symmetric, so Aᵀ = A.
-    Ok(a.iter().map(|&v| (v as f64 * alpha) as f32).collect())
-}
-
-/// Where the scaled identity's `λ_hi ≥ λ_max` comes from.
-#[derive(Clone, Copy, PartialEq, Eq)]
-enum Bound {
-    /// `1.1·θ`, θ the larger Rayleigh quotient of two power iterations from different
-    /// starts (`θ ≤ λ_max ≤ min(‖A‖∞, ‖A‖_F)`): tight, but θ can miss λ_max.
-    Estimated,
-    /// `1.1·min(‖A‖∞, ‖A‖_F)`: always `> λ_max`, up to `√n` times too large.
-    Guaranteed,
-}
-
-/// `X₀ = c I`, `c = 2/(λ_hi + min(λ_low, λ_hi))` with `λ_hi` per [`Bound`].
-fn scaled_identity(a: &[f32], n: usize, lambda_low: f32, bound: Bound) -> Result<Vec<f32>> {
-    let inf = a
-        .chunks(n)
-        .map(|r| r.iter().map(|v| v.abs() as f64).sum::<f64>())
-        .fold(0.0, f64::max);
-    let fro = a.iter().map(|&v| v as f64 * v as f64).sum::<f64>().sqrt();
-    if inf == 0.0 {
-        return Err(zero_matrix());
-    }
-    let hi = match bound {
-        Bound::Guaranteed => LAMBDA_MARGIN * inf.min(fro) as f32,
-        Bound::Estimated => {
-            let power = super::norm::spectral_norm(
-                MatRef::new(a, n, n)?,
-                &PowerOptions {
-                    tol: 1e-3,
-                    max_iter: 60,
-                },
-            )?;
-            let theta = power.value.max(rayleigh_pseudo_random(a, n, 20));
-            if theta <= 0.0 {
-                return Err(Error::Value {
-                    op: "cpu::newton_inverse",
-                    arg: "a",
-                    value: theta as f64,
-                    expected:
-                        "a positive definite matrix (power iterations found no positive eigenvalue)",
-                });
-            }
-            LAMBDA_MARGIN * theta
-        }
-    };
-    let c = 2.0 / (hi + lambda_low.min(hi));
-    let mut x = vec![0.0f32; n * n];
-    (0..n).for_each(|i| x[i * n + i] = c);
-    Ok(x)
-}
-
-/// Rayleigh quotient after `steps` power steps from a fixed pseudo-random start (a second
-/// start beside [`super::norm::spectral_norm`]'s smooth one, so that one start nearly
-/// orthogonal to the top eigenvector does not decide `λ_hi`).
-fn rayleigh_pseudo_random(a: &[f32], n: usize, steps: usize) -> f32 {
-    let mut v = pseudo_random_start(n);
-    let mut theta = 0.0;
-    for _ in 0..steps {
-        let norm = v.iter().map(|x| x * x).sum::<f64>().sqrt();
-        if norm == 0.0 {
-            return 0.0;
-        }
-        v.iter_mut().for_each(|x| *x /= norm);
-        let w: Vec<f64> = a
-            .par_chunks(n)
-            .map(|row| row.iter().zip(&v).map(|(&r, x)| r as f64 * x).sum())
-            .collect();
-        theta = v.iter().zip(&w).map(|(x, y)| x * y).sum::<f64>();
-        v = w;
-    }
-    theta as f32
-}
-
-/// `n` deterministic values spread over `[-1, 1)` (xorshift64*).
-fn pseudo_random_start(n: usize) -> Vec<f64> {
-    let mut state = 0x9e37_79b9_7f4a_7c15u64;
-    (0..n)
-        .map(|_| {
-            state ^= state >> 12;
-            state ^= state << 25;
-            state ^= state >> 27;
-            (state.wrapping_mul(0x2545_f491_4f6c_dd1d) >> 11) as f64 / (1u64 << 52) as f64 - 1.0
-        })
-        .collect()
-}
-
-fn zero_matrix() -> Error {
-    Error::Value {
-        op: "cpu::newton_inverse",
-        arg: "a",
-        value: 0.0,
-        expected: "a nonzero (positive definite) matrix",
-    }
+    (s, worst, max)
 }
 
 #[cfg(test)]
@@ -651,7 +409,7 @@ mod tests {
         let golden: Vec<f64> = (0..n)
             .map(|i| 1.0 + 0.5 * ((i as f64 * 0.618_033_988_749_895).fract() - 0.5))
             .collect();
-        let starts = [golden, pseudo_random_start(n)];
+        let starts = [golden, crate::ops::newton::driver::pseudo_random_start(n)];
         // v₁: e₀ − its projection on the two starts (Gram–Schmidt), normalized.
         let mut basis: Vec<Vec<f64>> = Vec::new();
         for s in starts {

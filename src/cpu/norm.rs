@@ -3,8 +3,9 @@
 use rayon::prelude::*;
 
 use super::check_finite_view;
-use crate::error::{check_shape, Error, Result};
+use crate::error::{check_len, check_shape, Error, Result};
 use crate::mat::MatRef;
+use crate::ops::newton::driver::PowerStep;
 use crate::ops::norm::{PowerInfo, PowerOptions};
 
 /// Largest eigenvalue of a symmetric PSD `n x n` matrix by power iteration.
@@ -32,46 +33,50 @@ pub fn spectral_norm(a: MatRef<'_, f32>, opts: &PowerOptions) -> Result<PowerInf
             converged: true,
         });
     }
-    // Golden-ratio fractional parts: deterministic, never periodic in i.
-    let mut v: Vec<f64> = (0..n)
-        .map(|i| 1.0 + 0.5 * ((i as f64 * 0.618_033_988_749_895).fract() - 0.5))
-        .collect();
-    let norm = dot(&v, &v).sqrt();
-    v.iter_mut().for_each(|x| *x /= norm);
-    let mut w = vec![0.0f64; n];
-    let mut prev: Option<f64> = None;
-    for it in 1..=opts.max_iter {
-        w.par_iter_mut()
-            .enumerate()
-            .for_each(|(i, wi)| *wi = dot_f32_f64(a.row(i), &v));
-        let rq = dot(&v, &w);
-        let wn = dot(&w, &w).sqrt();
-        if wn == 0.0 {
-            // A v = 0: v lies in the null space; for the start vector above this means A = 0
-            // for every practical purpose.
-            return Ok(PowerInfo {
-                value: 0.0,
-                iterations: it,
-                converged: true,
-            });
+    crate::ops::newton::driver::power_iteration(&mut HostPower::new(a), n, opts)
+}
+
+/// Power steps on a host matrix (`f64` iterate, products accumulated in `f64`).
+pub(crate) struct HostPower<'a> {
+    a: MatRef<'a, f32>,
+    v: Vec<f64>,
+    w: Vec<f64>,
+}
+
+impl<'a> HostPower<'a> {
+    /// Steps on the square `a`.
+    pub(crate) fn new(a: MatRef<'a, f32>) -> Self {
+        Self {
+            a,
+            v: Vec::new(),
+            w: vec![0.0; a.rows()],
         }
-        if let Some(p) = prev {
-            if (rq - p).abs() <= opts.tol as f64 * rq.abs() {
-                return Ok(PowerInfo {
-                    value: rq as f32,
-                    iterations: it,
-                    converged: true,
-                });
-            }
-        }
-        prev = Some(rq);
-        v.iter_mut().zip(&w).for_each(|(x, y)| *x = y / wn);
     }
-    Ok(PowerInfo {
-        value: prev.unwrap_or(0.0) as f32,
-        iterations: opts.max_iter,
-        converged: false,
-    })
+}
+
+impl PowerStep for HostPower<'_> {
+    fn start(&mut self, v0: &[f64]) -> Result<()> {
+        check_len("cpu::power_step", "v0", v0.len(), self.a.rows())?;
+        self.v = v0.to_vec();
+        Ok(())
+    }
+
+    fn step(&mut self) -> Result<(f64, f64)> {
+        let (a, v) = (self.a, &self.v);
+        self.w
+            .par_iter_mut()
+            .enumerate()
+            .for_each(|(i, wi)| *wi = dot_f32_f64(a.row(i), v));
+        let rq = dot(v, &self.w);
+        let wn = dot(&self.w, &self.w).sqrt();
+        if wn > 0.0 {
+            self.v
+                .iter_mut()
+                .zip(&self.w)
+                .for_each(|(x, y)| *x = y / wn);
+        }
+        Ok((rq, wn))
+    }
 }
 
 /// `Σ xᵢyᵢ` in four independent lanes (vectorizes without reassociation flags).

@@ -10,8 +10,9 @@
 
 use super::launch::{kernel, launch, KernelArgs, LaunchConfig};
 use super::precond::to_i32;
+use crate::cpu::kron::{check_batch_gradient_args, check_syrk_args};
 use crate::device::{Device, Element, Matrix};
-use crate::error::{check_shape, check_value, Error, Result};
+use crate::error::{Error, Result};
 use crate::mat::Trans;
 use half::bf16;
 
@@ -32,23 +33,8 @@ fn check_syrk<T: Element>(
 ) -> Result<(i32, i32, f32, u32)> {
     dev.check_on(op, a)?;
     dev.check_on(op, factor)?;
-    check_value(
-        op,
-        "eps",
-        eps as f64,
-        (0.0..1.0).contains(&eps),
-        "0 <= eps < 1",
-    )?;
+    check_syrk_args(op, a.shape(), eps, factor.shape())?;
     let (m, n) = a.shape();
-    if m == 0 {
-        return Err(Error::Shape {
-            op,
-            arg: "a",
-            expected: "at least one row (sample)".into(),
-            got: format!("0x{n}"),
-        });
-    }
-    check_shape(op, "factor", factor.shape(), (n, n))?;
     let (mi, ni) = (to_i32(op, "m", m)?, to_i32(op, "n", n)?);
     // The kernel forms row * n offsets in 64 bits, but the tile-pair index is an int.
     let nt = n.div_ceil(TILE);
@@ -142,15 +128,6 @@ pub fn syrk_ema_tc(dev: &Device, a: &Matrix<bf16>, eps: f32, factor: &mut Matrix
 pub fn batch_gradient(dev: &Device, e: &Matrix, a: &Matrix, g: &mut Matrix) -> Result<()> {
     const OP: &str = "cuda::kron::batch_gradient";
     let m = e.rows();
-    if m == 0 {
-        return Err(Error::Shape {
-            op: OP,
-            arg: "e",
-            expected: "at least one row (sample)".into(),
-            got: format!("0x{}", e.cols()),
-        });
-    }
-    check_shape(OP, "a", a.shape(), (m, a.cols()))?;
-    check_shape(OP, "g", g.shape(), (e.cols(), a.cols()))?;
+    check_batch_gradient_args(OP, e.shape(), a.shape(), g.shape())?;
     super::precond::gemm(dev, Trans::Yes, Trans::No, 1.0 / m as f32, e, a, 0.0, g)
 }

@@ -2,13 +2,17 @@
 //! behind [`Device::newton_inverse`] and [`Device::spectral_norm`] on
 //! [`Device::Emulated`] and [`Device::Cuda`].
 //!
-//! The iteration is the CPU oracle's ([`crate::cpu::newton`]): the same step form
-//! `X ← X + X·F`, starting guesses, stop/stall/best-iterate rules, `Bf16` polish and
-//! [`NewtonInfo`]. Differences are rounding-level only: the products accumulate in a different
-//! order, and the early `F32` steps compute the powers of `E` as full products where the CPU
-//! mirrors symmetric ones (a CPU speed-up; its stop-rule phase logic is kept here as is). Per iteration one `f32` (the residual) goes to the host for the stop
-//! test; per power-iteration step four (the Rayleigh quotient and `‖Av‖` as double-float
-//! pairs). Setup reads back a few per-block partials (input checks, norms) once.
+//! The iteration control (starts, stop/stall/best-iterate rules, restart, `Bf16` polish,
+//! [`NewtonInfo`]) and the power-iteration loop are [`crate::ops::newton::driver`]'s, shared
+//! with the CPU oracle ([`crate::cpu::newton`]); this module supplies the primitives
+//! ([`NewtonBackend`] for the iteration's device buffers, [`PowerStep`] for the power
+//! iteration). Differences from the CPU are rounding-level only: the products accumulate in
+//! a different order, and the early `F32` steps compute the powers of `E` as full products
+//! where the CPU mirrors symmetric ones (a CPU speed-up). Per iteration one `f32` (the
+//! residual) goes to the host for the stop test; per power-iteration step four (the Rayleigh
+//! quotient and `‖Av‖` as double-float pairs). Setup reads back a few per-block partials
+//! (input checks, norms) once. Buffer rotation over three iterates keeps the best one
+//! without copies.
 //!
 //! Products: `Bf16` mode runs [`newton_gemm_tc`](product_tc) (WMMA bf16, f32 accumulate) on the
 //! bf16 copies the previous epilogues wrote; `F32` mode (and the `Bf16` run's final `f32`
@@ -17,10 +21,10 @@
 
 use super::launch::{kernel, launch, KernelArgs, LaunchConfig};
 use super::precond::{gemm, to_i32};
-use crate::cpu::newton::{ARMED, GROWTH_SLACK, SYM_SWITCH, SYM_TOL};
 use crate::device::{Device, Matrix};
-use crate::error::{check_len, check_shape, DivergenceReason, Error, Result};
+use crate::error::{check_len, check_shape, Error, Result};
 use crate::mat::Trans;
+use crate::ops::newton::driver::{self, check_symmetric, NewtonBackend, PowerStep, Start};
 use crate::ops::newton::{InitialGuess, NewtonInfo, NewtonOptions, NewtonOrder, Precision};
 use crate::ops::norm::{PowerInfo, PowerOptions};
 use half::bf16;
@@ -50,9 +54,6 @@ const ADD2: i32 = 2;
 const OUT_F32: i32 = 4;
 const OUT_BF16: i32 = 8;
 const RESID: i32 = 16;
-
-/// Safety factor on `λ_max` in the scaled-identity start; must equal `crate::cpu::newton`'s.
-const LAMBDA_MARGIN: f32 = 1.1;
 
 /// Number of residual partials a product of `n x n` matrices writes (one per 64x64 tile).
 pub fn partials(n: usize) -> usize {
@@ -490,67 +491,47 @@ pub fn init_x(
     unsafe { launch(&INIT_X, cfg, args) }
 }
 
-/// The device buffers of a power iteration on an `n x n` matrix.
-struct PowerState {
+/// Power steps on an `n x n` device matrix (`f32` iterate).
+pub(crate) struct DevicePower<'a> {
+    dev: &'a Device,
+    a: &'a Matrix,
     v: Matrix,
     w: Matrix,
     part: Matrix,
     scal: Matrix,
 }
 
-impl PowerState {
-    /// Starts from `v0` (`n` values, normalized here in `f64`, uploaded as `f32`).
-    fn new(dev: &Device, a: &Matrix, v0: &[f64]) -> Result<Self> {
+impl<'a> DevicePower<'a> {
+    fn new(dev: &'a Device, a: &'a Matrix) -> Result<Self> {
         let n = a.rows();
-        let norm = v0.iter().map(|x| x * x).sum::<f64>().sqrt();
-        let v0: Vec<f32> = v0.iter().map(|x| (x / norm) as f32).collect();
         Ok(Self {
-            v: dev.upload(n, 1, &v0)?,
+            dev,
+            a,
+            v: dev.zeros(n, 1)?,
             w: dev.zeros(n, 1)?,
             part: dev.zeros(4 * n.div_ceil(8).min(MATVEC_MAX_BLOCKS), 1)?,
             scal: dev.zeros(4, 1)?,
         })
     }
+}
 
-    fn step(&mut self, dev: &Device, a: &Matrix) -> Result<(f64, f64)> {
+impl PowerStep for DevicePower<'_> {
+    fn start(&mut self, v0: &[f64]) -> Result<()> {
+        let v0: Vec<f32> = v0.iter().map(|&x| x as f32).collect();
+        self.v = self.dev.upload(self.a.rows(), 1, &v0)?;
+        Ok(())
+    }
+
+    fn step(&mut self) -> Result<(f64, f64)> {
         power_step(
-            dev,
-            a,
+            self.dev,
+            self.a,
             &mut self.v,
             &mut self.w,
             &mut self.part,
             &mut self.scal,
         )
     }
-}
-
-/// The CPU backend's second `λ_max` estimate (`cpu::newton`'s `rayleigh_pseudo_random`): the
-/// Rayleigh quotient after `steps` power steps from a fixed pseudo-random start.
-fn rayleigh_pseudo_random(dev: &Device, a: &Matrix, steps: usize) -> Result<f32> {
-    let mut ps = PowerState::new(dev, a, &pseudo_random_start(a.rows()))?;
-    let mut theta = 0.0;
-    for _ in 0..steps {
-        let (rq, wn) = ps.step(dev, a)?;
-        if wn == 0.0 {
-            return Ok(0.0);
-        }
-        theta = rq;
-    }
-    Ok(theta as f32)
-}
-
-/// `n` deterministic values spread over `[-1, 1)` (xorshift64*); the same sequence as the CPU
-/// backend's start, so both estimate `λ_max` from the same vectors.
-fn pseudo_random_start(n: usize) -> Vec<f64> {
-    let mut state = 0x9e37_79b9_7f4a_7c15u64;
-    (0..n)
-        .map(|_| {
-            state ^= state >> 12;
-            state ^= state << 25;
-            state ^= state >> 27;
-            (state.wrapping_mul(0x2545_f491_4f6c_dd1d) >> 11) as f64 / (1u64 << 52) as f64 - 1.0
-        })
-        .collect()
 }
 
 /// One power-iteration step on the device: `w = A v`, then `v ← w/‖w‖` (when `‖w‖ > 0`);
@@ -605,44 +586,6 @@ fn power_step(
     Ok((s[0] as f64 + s[1] as f64, s[2] as f64 + s[3] as f64))
 }
 
-/// The power iteration of [`crate::cpu::norm::spectral_norm`] on the device (same start
-/// vector, stop test and result), finiteness not re-checked. `a` is `n x n`, `n ≥ 1`.
-fn power_iteration(dev: &Device, a: &Matrix, opts: &PowerOptions) -> Result<PowerInfo> {
-    let n = a.rows();
-    // Golden-ratio fractional parts, as on the CPU.
-    let v0: Vec<f64> = (0..n)
-        .map(|i| 1.0 + 0.5 * ((i as f64 * 0.618_033_988_749_895).fract() - 0.5))
-        .collect();
-    let mut ps = PowerState::new(dev, a, &v0)?;
-    let mut prev: Option<f64> = None;
-    for it in 1..=opts.max_iter {
-        let (rq, wn) = ps.step(dev, a)?;
-        if wn == 0.0 {
-            // A v = 0: A = 0 for every practical purpose (see the CPU backend).
-            return Ok(PowerInfo {
-                value: 0.0,
-                iterations: it,
-                converged: true,
-            });
-        }
-        if let Some(p) = prev {
-            if (rq - p).abs() <= opts.tol as f64 * rq.abs() {
-                return Ok(PowerInfo {
-                    value: rq as f32,
-                    iterations: it,
-                    converged: true,
-                });
-            }
-        }
-        prev = Some(rq);
-    }
-    Ok(PowerInfo {
-        value: prev.unwrap_or(0.0) as f32,
-        iterations: opts.max_iter,
-        converged: false,
-    })
-}
-
 /// [`Device::spectral_norm`] on [`Device::Emulated`] / [`Device::Cuda`]: the CPU backend's
 /// power iteration with the matrix-vector products and normalization on the device and the
 /// Rayleigh quotient read back each step. Shapes and options are validated by the caller.
@@ -669,11 +612,11 @@ pub(crate) fn spectral_norm(dev: &Device, a: &Matrix, opts: &PowerOptions) -> Re
             value,
         });
     }
-    power_iteration(dev, a, opts)
+    driver::power_iteration(&mut DevicePower::new(dev, a)?, n, opts)
 }
 
-/// Checks `m` (finite, symmetric to [`SYM_TOL`]) and writes its symmetric part (and bf16
-/// copy) — the CPU's `check_finite_view` + `symmetric_part`.
+/// Checks `m` finite and writes its symmetric part (and bf16 copy) — the CPU's
+/// `check_finite_view` + `symmetric_part`; returns `(max |m_ij − m_ji|, max |m_ij|)`.
 fn symmetric_part(
     dev: &Device,
     arg: &'static str,
@@ -681,35 +624,17 @@ fn symmetric_part(
     sym: &mut Matrix,
     sym_bf: Option<&mut Matrix<bf16>>,
     unused: &mut Unused,
-) -> Result<()> {
-    const OP: &str = "Device::newton_inverse";
+) -> Result<(f32, f32)> {
     let st = sym_stats(dev, m, Some(sym), sym_bf, unused)?;
     if let Some((index, value)) = st.non_finite {
         return Err(Error::NonFinite {
-            op: OP,
+            op: Work::OP,
             arg,
             index,
             value,
         });
     }
-    if st.max_asym > SYM_TOL * st.max_abs {
-        return Err(Error::Value {
-            op: OP,
-            arg,
-            value: (st.max_asym / st.max_abs) as f64,
-            expected: "a symmetric matrix (max |a_ij - a_ji| / max |a| <= 1e-5)",
-        });
-    }
-    Ok(())
-}
-
-fn zero_matrix() -> Error {
-    value_err(
-        "Device::newton_inverse",
-        "a",
-        0.0,
-        "a nonzero (positive definite) matrix",
-    )
+    Ok((st.max_asym, st.max_abs))
 }
 
 /// The iteration's device buffers (`n x n` unless noted; bf16 copies are 1x1 placeholders in
@@ -781,6 +706,77 @@ impl<'d> Work<'d> {
             unused: Unused::new(dev)?,
         })
     }
+}
+
+impl NewtonBackend for Work<'_> {
+    const OP: &'static str = "Device::newton_inverse";
+    type Out = Matrix;
+    type Power<'p>
+        = DevicePower<'p>
+    where
+        Self: 'p;
+
+    fn n(&self) -> usize {
+        self.n
+    }
+
+    fn a_norms(&mut self) -> Result<(f64, f64, f64)> {
+        abs_norms(self.dev, &self.a)
+    }
+
+    fn power(&mut self) -> Result<DevicePower<'_>> {
+        DevicePower::new(self.dev, &self.a)
+    }
+
+    /// Into the current buffer (and its bf16 copy).
+    fn set_x(&mut self, start: Start) -> Result<()> {
+        let (src, c) = match start {
+            Start::ScaledA(alpha) => (Some((&self.a, alpha)), 0.0),
+            Start::Identity(c) => (None, c),
+        };
+        let xb = self.bf16.then_some(&mut self.x_bf[self.cur]);
+        init_x(
+            self.dev,
+            src,
+            c,
+            &mut self.x[self.cur],
+            xb,
+            &mut self.unused,
+        )
+    }
+
+    fn e_norms(&mut self) -> Result<(f64, f64)> {
+        let (inf, one, _) = abs_norms(self.dev, &self.e)?;
+        Ok((inf, one))
+    }
+
+    fn mark_best(&mut self) {
+        self.best = Some(self.cur);
+    }
+
+    fn clear_best(&mut self) {
+        self.best = None;
+    }
+
+    fn use_best(&mut self) {
+        self.cur = self.best.unwrap_or(self.cur);
+    }
+
+    fn products_f32(&mut self) {
+        self.bf16 = false;
+    }
+
+    fn into_x(self) -> Result<Matrix> {
+        let cur = self.cur;
+        let Work {
+            x: [x0, x1, x2], ..
+        } = self;
+        Ok(match cur {
+            0 => x0,
+            1 => x1,
+            _ => x2,
+        })
+    }
 
     /// `E ← I − A X` (bf16 operands in bf16 mode, with E's bf16 copy) and its residual
     /// `‖E‖_F/√n`, the one value read back.
@@ -825,8 +821,9 @@ impl<'d> Work<'d> {
     }
 
     /// `X ← X + X·F` (into a buffer other than the current and the best iterate), with
-    /// `F = E`, `E + E²`, `E + E² + E³` formed in fused epilogues from the current `E`.
-    fn step(&mut self, order: NewtonOrder) -> Result<()> {
+    /// `F = E`, `E + E²`, `E + E² + E³` formed in fused epilogues from the current `E`; the
+    /// powers of `E` are always full products here (`_sym` is a CPU speed-up).
+    fn step(&mut self, order: NewtonOrder, _sym: bool) -> Result<()> {
         let (dev, bf) = (self.dev, self.bf16);
         let u = &mut self.unused;
         match (order, bf) {
@@ -904,56 +901,6 @@ impl<'d> Work<'d> {
         self.cur = next;
         Ok(())
     }
-
-    /// `X₀ = c I` (SPEC §2 (b)), `c = 2/(λ_hi + min(λ_low, λ_hi))`, with `λ_hi` as in the CPU
-    /// backend: `1.1·θ` (θ the larger Rayleigh quotient of its two power iterations) when
-    /// `estimated`, else the guaranteed `1.1·min(‖A‖∞, ‖A‖_F)`.
-    fn scaled_identity(&mut self, lambda_low: f32, estimated: bool) -> Result<()> {
-        let (inf, _, fro) = abs_norms(self.dev, &self.a)?;
-        if inf == 0.0 {
-            return Err(zero_matrix());
-        }
-        let hi = if estimated {
-            let power = power_iteration(
-                self.dev,
-                &self.a,
-                &PowerOptions {
-                    tol: 1e-3,
-                    max_iter: 60,
-                },
-            )?;
-            let theta = power
-                .value
-                .max(rayleigh_pseudo_random(self.dev, &self.a, 20)?);
-            if theta <= 0.0 {
-                return Err(value_err(
-                    "Device::newton_inverse",
-                    "a",
-                    theta as f64,
-                    "a positive definite matrix (power iterations found no positive eigenvalue)",
-                ));
-            }
-            LAMBDA_MARGIN * theta
-        } else {
-            LAMBDA_MARGIN * inf.min(fro) as f32
-        };
-        let c = 2.0 / (hi + lambda_low.min(hi));
-        self.set_x(None, c)
-    }
-
-    /// `X ← f32(alpha·A)` or `c·I` into the current buffer (and its bf16 copy).
-    fn set_x(&mut self, alpha: Option<f64>, c: f32) -> Result<()> {
-        let src = alpha.map(|al| (&self.a, al));
-        let xb = self.bf16.then_some(&mut self.x_bf[self.cur]);
-        init_x(
-            self.dev,
-            src,
-            c,
-            &mut self.x[self.cur],
-            xb,
-            &mut self.unused,
-        )
-    }
 }
 
 /// [`Device::newton_inverse`] on [`Device::Emulated`] / [`Device::Cuda`]; see the module
@@ -968,197 +915,22 @@ pub(crate) fn newton_inverse(
     warm: Option<&Matrix>,
     opts: &NewtonOptions,
 ) -> Result<(Matrix, NewtonInfo)> {
-    const OP: &str = "Device::newton_inverse";
-    opts.validate(OP)?;
+    const OP: &str = Work::OP;
     let n = a.rows();
-    check_shape(OP, "a", a.shape(), (n, n))?;
-    if n == 0 {
-        return Err(Error::Shape {
-            op: OP,
-            arg: "a",
-            expected: "n x n with n >= 1".into(),
-            got: "0x0".into(),
-        });
-    }
     dim(OP, n)?;
     let bf16 = opts.precision == Precision::Bf16;
     let mut it = Work::new(dev, n, bf16, opts.order == NewtonOrder::Quartic)?;
-    {
-        let a_bf = bf16.then_some(&mut it.a_bf);
-        symmetric_part(dev, "a", a, &mut it.a, a_bf, &mut it.unused)?;
-    }
+    let a_bf = bf16.then_some(&mut it.a_bf);
+    let (max_asym, max_abs) = symmetric_part(dev, "a", a, &mut it.a, a_bf, &mut it.unused)?;
+    check_symmetric(OP, "a", max_asym, max_abs)?;
+    // The warm start (a hint: its symmetric part, unchecked) goes to buffer 0, the current.
     let warm = match (opts.init, warm) {
         (InitialGuess::Warm, Some(w)) => {
-            check_shape(OP, "warm", w.shape(), (n, n))?;
             let xb = bf16.then_some(&mut it.x_bf[0]);
             symmetric_part(dev, "warm", w, &mut it.x[0], xb, &mut it.unused)?;
             true
         }
         _ => false,
     };
-
-    // X₀ (in buffer 0) and the residual of its T-product.
-    let mut r0 = None;
-    let init_used = match (opts.init, warm) {
-        (InitialGuess::Paper, _) => {
-            let (inf, one, _) = abs_norms(dev, &it.a)?;
-            let prod = inf * one;
-            if prod == 0.0 {
-                return Err(zero_matrix());
-            }
-            it.set_x(Some(1.0 / prod), 0.0)?;
-            InitialGuess::Paper
-        }
-        (InitialGuess::Warm, true) => {
-            let r = it.product_t()?;
-            // ‖I − AX‖₂ < 1 through the bounds ‖·‖_F and √(‖·‖₁‖·‖∞).
-            let (inf, one, _) = abs_norms(dev, &it.e)?;
-            let fro = r as f64 * (n as f64).sqrt();
-            if fro.min((inf * one).sqrt()) < 1.0 {
-                r0 = Some(r);
-                InitialGuess::Warm
-            } else {
-                it.scaled_identity(opts.lambda_low, true)?;
-                InitialGuess::ScaledIdentity
-            }
-        }
-        (InitialGuess::ScaledIdentity | InitialGuess::Warm, _) => {
-            it.scaled_identity(opts.lambda_low, true)?;
-            InitialGuess::ScaledIdentity
-        }
-    };
-    let r = match r0 {
-        Some(r) => r,
-        None => it.product_t()?,
-    };
-
-    // As on the CPU: a scaled-identity start whose λ_max estimate was too low diverges; it
-    // is retried once from the guaranteed bound (one history, the first run's steps counted).
-    let mut history = Vec::new();
-    let (best_r, best_iter) = match iterate(&mut it, opts, r, &mut history) {
-        Err(Error::Diverged { iterations, .. }) if init_used == InitialGuess::ScaledIdentity => {
-            it.best = None;
-            it.scaled_identity(opts.lambda_low, false)?;
-            let r = it.product_t()?;
-            let (r, k) = iterate(&mut it, opts, r, &mut history)?;
-            (r, iterations + k)
-        }
-        other => other?,
-    };
-
-    let mut info = NewtonInfo {
-        residual: best_r,
-        iterations: best_iter,
-        init_used,
-        residual_history: history,
-        polished: false,
-    };
-    if bf16 {
-        // The honest residual of the best iterate from an f32 product, then the polish.
-        it.bf16 = false;
-        it.cur = it.best.unwrap_or(it.cur);
-        let r_best = it.product_t()?;
-        info.residual = r_best;
-        if opts.polish {
-            let x_best = it.cur;
-            it.step(NewtonOrder::Quadratic)?;
-            let r_pol = it.product_t()?;
-            if r_pol < r_best {
-                info.residual = r_pol;
-                info.polished = true;
-            } else {
-                it.cur = x_best;
-            }
-        }
-        if !info.residual.is_finite() {
-            return Err(Error::Diverged {
-                op: OP,
-                reason: DivergenceReason::NonFinite,
-                iterations: best_iter,
-                residual: info.residual as f64,
-            });
-        }
-    }
-    let cur = it.cur;
-    let Work {
-        x: [x0, x1, x2], ..
-    } = it;
-    let out = match cur {
-        0 => x0,
-        1 => x1,
-        _ => x2,
-    };
-    Ok((out, info))
-}
-
-/// Iterates from the current `X₀` (whose residual is `r`, with `E` formed) under the CPU
-/// backend's stopping rules, step for step (see [`crate::cpu::newton`]), appending each
-/// residual to `history`. Returns the best residual and the step that reached it; the
-/// iterate is left in `it.x[it.cur]` (`F32`) or `it.x[it.best]` (`Bf16`).
-fn iterate(
-    it: &mut Work<'_>,
-    opts: &NewtonOptions,
-    mut r: f32,
-    history: &mut Vec<f32>,
-) -> Result<(f32, usize)> {
-    const OP: &str = "Device::newton_inverse";
-    let bf16 = it.bf16;
-    let mut iterations = 0;
-    let mut best_r = f32::INFINITY;
-    let mut best_iter = 0;
-    let mut prev_r = f32::INFINITY;
-    // The CPU's mirrored-product phase: products are always full here, but its rule (no
-    // improvement there ends the phase instead of the run) is kept.
-    let mut sym_phase = !bf16;
-    let diverged = |reason, iterations, residual: f32| Error::Diverged {
-        op: OP,
-        reason,
-        iterations,
-        residual: residual as f64,
-    };
-    loop {
-        history.push(r);
-        if !r.is_finite() {
-            if bf16 && best_r < ARMED {
-                break;
-            }
-            return Err(diverged(DivergenceReason::NonFinite, iterations, r));
-        }
-        if r <= opts.tol {
-            best_r = r;
-            best_iter = iterations;
-            it.best = Some(it.cur);
-            break;
-        }
-        if r < best_r {
-            best_r = r;
-            best_iter = iterations;
-            it.best = Some(it.cur);
-        } else if sym_phase {
-            sym_phase = false;
-        } else if best_r < ARMED {
-            if bf16 {
-                break;
-            }
-            let reason = if r > 2.0 * best_r {
-                DivergenceReason::Growing
-            } else {
-                DivergenceReason::NotConverged
-            };
-            return Err(diverged(reason, iterations, best_r));
-        } else if r > prev_r * (1.0 + GROWTH_SLACK) {
-            return Err(diverged(DivergenceReason::Growing, iterations, r));
-        }
-        if iterations == opts.max_iter {
-            return Err(diverged(DivergenceReason::NotConverged, iterations, r));
-        }
-        if r <= SYM_SWITCH {
-            sym_phase = false;
-        }
-        prev_r = r;
-        it.step(opts.order)?;
-        iterations += 1;
-        r = it.product_t()?;
-    }
-    Ok((best_r, best_iter))
+    driver::newton_inverse(it, warm, opts)
 }

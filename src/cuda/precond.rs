@@ -8,6 +8,7 @@
 //! (see [`crate::ops`]).
 
 use super::launch::{kernel, launch, KernelArgs, LaunchConfig};
+use crate::cpu::gemm::check_gemm;
 use crate::device::{Device, Matrix};
 use crate::error::{check_shape, check_value, Error, Result};
 use crate::mat::Trans;
@@ -35,13 +36,6 @@ pub(crate) fn to_i32(op: &'static str, arg: &'static str, v: usize) -> Result<i3
     })
 }
 
-fn op_shape(t: Trans, m: &Matrix) -> (usize, usize) {
-    match t {
-        Trans::No => m.shape(),
-        Trans::Yes => (m.cols(), m.rows()),
-    }
-}
-
 /// `C ← α·op(A)·op(B) + β·C` with `op(A)` `m x k`, `op(B)` `k x n` and `C` `m x n`, all
 /// row-major and contiguous. BLAS semantics: `β = 0` never reads `C` (it may hold NaN),
 /// `α = 0` (or `k = 0`) never reads `A` and `B`.
@@ -64,19 +58,7 @@ pub fn gemm(
     c: &mut Matrix,
 ) -> Result<()> {
     const OP: &str = "cuda::precond::gemm";
-    check_value(OP, "alpha", alpha as f64, true, "a finite number")?;
-    check_value(OP, "beta", beta as f64, true, "a finite number")?;
-    let (m, k) = op_shape(ta, a);
-    let (kb, n) = op_shape(tb, b);
-    if kb != k {
-        return Err(Error::Shape {
-            op: OP,
-            arg: "b",
-            expected: format!("op(b) with {k} rows (the columns of op(a))"),
-            got: format!("op(b) of {kb}x{n}"),
-        });
-    }
-    check_shape(OP, "c", c.shape(), (m, n))?;
+    let (m, n, k) = check_gemm(OP, ta, a.shape(), tb, b.shape(), alpha, beta, c.shape())?;
     let (mi, ni) = (to_i32(OP, "m", m)?, to_i32(OP, "n", n)?);
     let ki = to_i32(OP, "k", k)?;
     let (lda, ldb, ldc) = (

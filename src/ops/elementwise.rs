@@ -17,6 +17,22 @@ use crate::device::{Device, Matrix};
 use crate::error::{check_shape, check_value, Error, Result};
 use crate::ops::{finite_result, OVERFLOW};
 
+/// `Err(Error::Value)` unless the learning rate is finite and `≥ 0`.
+fn check_lr(op: &'static str, lr: f32) -> Result<()> {
+    check_value(op, "lr", lr as f64, lr >= 0.0, "lr >= 0")
+}
+
+/// `Err(Error::Value)` unless the decoupled weight decay is finite and `≥ 0`.
+fn check_weight_decay(op: &'static str, wd: f32) -> Result<()> {
+    check_value(
+        op,
+        "weight_decay",
+        wd as f64,
+        wd >= 0.0,
+        "weight_decay >= 0",
+    )
+}
+
 /// Scalars of one fused SGD step ([`Device::sgd_update`]).
 #[derive(Clone, Copy, Debug, PartialEq)]
 pub struct SgdCoeffs {
@@ -31,15 +47,9 @@ pub struct SgdCoeffs {
 impl SgdCoeffs {
     /// `Err(Error::Value)` naming the first field outside its documented range.
     pub fn validate(&self, op: &'static str) -> Result<()> {
-        check_value(op, "lr", self.lr as f64, self.lr >= 0.0, "lr >= 0")?;
+        check_lr(op, self.lr)?;
         check_beta(op, "momentum", self.momentum)?;
-        check_value(
-            op,
-            "weight_decay",
-            self.weight_decay as f64,
-            self.weight_decay >= 0.0,
-            "weight_decay >= 0",
-        )
+        check_weight_decay(op, self.weight_decay)
     }
 }
 
@@ -63,17 +73,11 @@ pub struct AdamWCoeffs {
 impl AdamWCoeffs {
     /// `Err(Error::Value)` naming the first field outside its documented range.
     pub fn validate(&self, op: &'static str) -> Result<()> {
-        check_value(op, "lr", self.lr as f64, self.lr >= 0.0, "lr >= 0")?;
+        check_lr(op, self.lr)?;
         check_beta(op, "beta1", self.beta1)?;
         check_beta(op, "beta2", self.beta2)?;
         check_value(op, "eps", self.eps as f64, self.eps > 0.0, "eps > 0")?;
-        check_value(
-            op,
-            "weight_decay",
-            self.weight_decay as f64,
-            self.weight_decay >= 0.0,
-            "weight_decay >= 0",
-        )?;
+        check_weight_decay(op, self.weight_decay)?;
         check_value(op, "step", self.step as f64, self.step >= 1, "step >= 1")
     }
 
@@ -104,7 +108,7 @@ pub struct SophiaCoeffs {
 impl SophiaCoeffs {
     /// `Err(Error::Value)` naming the first field outside its documented range.
     pub fn validate(&self, op: &'static str) -> Result<()> {
-        check_value(op, "lr", self.lr as f64, self.lr >= 0.0, "lr >= 0")?;
+        check_lr(op, self.lr)?;
         check_beta(op, "beta1", self.beta1)?;
         check_value(
             op,
@@ -114,13 +118,7 @@ impl SophiaCoeffs {
             "gamma > 0",
         )?;
         check_value(op, "eps", self.eps as f64, self.eps > 0.0, "eps > 0")?;
-        check_value(
-            op,
-            "weight_decay",
-            self.weight_decay as f64,
-            self.weight_decay >= 0.0,
-            "weight_decay >= 0",
-        )
+        check_weight_decay(op, self.weight_decay)
     }
 }
 

@@ -1,16 +1,10 @@
 //! Dense GEMM on a device.
 
 use super::{host_mut, host_ref, OVERFLOW};
+use crate::cpu::gemm::check_gemm;
 use crate::device::{Device, Matrix};
-use crate::error::{check_shape, check_value, Error, Result};
+use crate::error::Result;
 use crate::mat::Trans;
-
-fn op_shape(t: Trans, m: &Matrix) -> (usize, usize) {
-    match t {
-        Trans::No => m.shape(),
-        Trans::Yes => (m.cols(), m.rows()),
-    }
-}
 
 impl Device {
     /// `C ← α·op(A)·op(B) + β·C` with `op(A)` `m x k`, `op(B)` `k x n`, `C` `m x n`.
@@ -18,9 +12,9 @@ impl Device {
     /// `β = 0` never reads `C`; `α = 0` never reads `A`, `B`.
     ///
     /// # Errors
-    /// [`Error::DeviceMismatch`] for an operand on another device, [`Error::Shape`] for
-    /// disagreeing dimensions, [`Error::Value`] for a non-finite `α`/`β`,
-    /// [`Error::NonFinite`] for NaN/Inf in `A`, `B`, or in `C` when `β ≠ 0` (checked on every
+    /// [`Error::DeviceMismatch`](crate::Error::DeviceMismatch) for an operand on another device, [`Error::Shape`](crate::Error::Shape) for
+    /// disagreeing dimensions, [`Error::Value`](crate::Error::Value) for a non-finite `α`/`β`,
+    /// [`Error::NonFinite`](crate::Error::NonFinite) for NaN/Inf in `A`, `B`, or in `C` when `β ≠ 0` (checked on every
     /// device by [`Device::check_finite`]: one status read-back each on a GPU), and for a
     /// result that overflows (`arg` `"result (overflow)"`; computed into scratch, so `c` is
     /// unchanged on error).
@@ -42,19 +36,7 @@ impl Device {
         self.check_on(OP, a)?;
         self.check_on(OP, b)?;
         self.check_on(OP, c)?;
-        check_value(OP, "alpha", alpha as f64, true, "a finite number")?;
-        check_value(OP, "beta", beta as f64, true, "a finite number")?;
-        let (m, k) = op_shape(ta, a);
-        let (kb, n) = op_shape(tb, b);
-        if kb != k {
-            return Err(Error::Shape {
-                op: OP,
-                arg: "b",
-                expected: format!("op(b) with {k} rows (the columns of op(a))"),
-                got: format!("op(b) of {kb}x{n}"),
-            });
-        }
-        check_shape(OP, "c", c.shape(), (m, n))?;
+        check_gemm(OP, ta, a.shape(), tb, b.shape(), alpha, beta, c.shape())?;
         self.check_finite(OP, "a", a)?;
         self.check_finite(OP, "b", b)?;
         if beta != 0.0 {

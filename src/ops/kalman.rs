@@ -187,15 +187,7 @@ impl Device {
         for m in [&state.mu, &state.sigma, &state.r, h, innovation] {
             self.check_on(OP, m)?;
         }
-        let (d_o, n) = h.shape();
-        if d_o == 0 || n == 0 {
-            return Err(Error::Shape {
-                op: OP,
-                arg: "h",
-                expected: "d_o x n with d_o >= 1 and n >= 1".into(),
-                got: format!("{d_o}x{n}"),
-            });
-        }
+        let (d_o, n) = crate::cpu::kalman::check_h_shape(OP, h.shape())?;
         check_shape(OP, "state.mu", state.mu.shape(), (n, 1))?;
         check_shape(OP, "state.sigma", state.sigma.shape(), (n, 1))?;
         check_shape(OP, "state.r", state.r.shape(), (d_o, d_o))?;

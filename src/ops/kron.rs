@@ -3,21 +3,10 @@
 use std::any::Any;
 
 use super::{host_mut, host_ref, OVERFLOW};
+use crate::cpu::kron::{check_batch_gradient_args, check_syrk_args};
 use crate::device::{Device, Element, Matrix};
-use crate::error::{check_shape, check_value, Error, Result};
+use crate::error::{Error, Result};
 use half::bf16;
-
-fn check_batch(op: &'static str, arg: &'static str, m: usize, cols: usize) -> Result<()> {
-    if m == 0 {
-        return Err(Error::Shape {
-            op,
-            arg,
-            expected: "at least one row (sample)".into(),
-            got: format!("0x{cols}"),
-        });
-    }
-    Ok(())
-}
 
 impl Device {
     /// Kronecker-factor EMA `Λ ← ε Λ + (1−ε)/m · AᵀA` for `A` of shape `m x n` (`f32` or `bf16`,
@@ -43,15 +32,7 @@ impl Device {
         const OP: &str = "Device::kron_factor_update";
         self.check_on(OP, a)?;
         self.check_on(OP, factor)?;
-        check_value(
-            OP,
-            "eps",
-            eps as f64,
-            (0.0..1.0).contains(&eps),
-            "0 <= eps < 1",
-        )?;
-        check_batch(OP, "a", a.rows(), a.cols())?;
-        check_shape(OP, "factor", factor.shape(), (a.cols(), a.cols()))?;
+        check_syrk_args(OP, a.shape(), eps, factor.shape())?;
         self.check_finite(OP, "a", a)?;
         if eps > 0.0 {
             self.check_finite(OP, "factor", factor)?;
@@ -88,9 +69,7 @@ impl Device {
         self.check_on(OP, e)?;
         self.check_on(OP, a)?;
         self.check_on(OP, g)?;
-        check_batch(OP, "e", e.rows(), e.cols())?;
-        check_shape(OP, "a", a.shape(), (e.rows(), a.cols()))?;
-        check_shape(OP, "g", g.shape(), (e.cols(), a.cols()))?;
+        check_batch_gradient_args(OP, e.shape(), a.shape(), g.shape())?;
         self.check_finite(OP, "e", e)?;
         self.check_finite(OP, "a", a)?;
         self.commit_finite(OP, [(OVERFLOW, g, false)], |[g]| match self {

@@ -2,6 +2,8 @@
 //! device-agnostic entry point [`Device::newton_inverse`]. The arithmetic, the stopping rules
 //! and the measured residual floors are documented in [`crate::cpu::newton`].
 
+pub mod driver;
+
 use crate::device::{Device, Matrix};
 use crate::error::{check_shape, check_value, Result};
 
@@ -130,8 +132,10 @@ impl Device {
     /// with an optional warm start (`n x n`, used with [`InitialGuess::Warm`], ignored
     /// otherwise). Returns `X ≈ A⁻¹` (exactly symmetric, on this device) and what was achieved.
     ///
-    /// `a` (and `warm`) must be symmetric to `|a_ij − a_ji| ≤ 1e-5·max|a|`; their symmetric
-    /// parts are used.
+    /// `a` must be symmetric to `|a_ij − a_ji| ≤ 1e-5·max|a|`; its symmetric part is used.
+    /// `warm` is only a hint: its symmetric part is used whatever its asymmetry (so an
+    /// inverse returned here, symmetric only to rounding, can be passed back), and the
+    /// residual test of [`InitialGuess::Warm`] decides whether it is used at all.
     ///
     /// On [`Device::Emulated`] / [`Device::Cuda`] the whole iteration runs on the device
     /// (`kernels/newton.cu`, [`crate::cuda::newton`]): `Bf16` products on tensor cores with the
@@ -142,7 +146,7 @@ impl Device {
     /// # Errors
     /// [`Error::DeviceMismatch`](crate::Error::DeviceMismatch);
     /// [`Error::Shape`](crate::Error::Shape) (`a` not square or empty, `warm` not `n x n`);
-    /// [`Error::Value`](crate::Error::Value) (bad options, asymmetric or zero input, no
+    /// [`Error::Value`](crate::Error::Value) (bad options, asymmetric or zero `a`, no
     /// positive eigenvalue); [`Error::NonFinite`](crate::Error::NonFinite);
     /// [`Error::Diverged`](crate::Error::Diverged) when the residual becomes non-finite, grows,
     /// stalls above `tol` in `F32` mode, or the budget runs out — never a silent wrong inverse.
@@ -155,8 +159,7 @@ impl Device {
         const OP: &str = "Device::newton_inverse";
         opts.validate(OP)?;
         self.check_on(OP, a)?;
-        let n = a.rows();
-        check_shape(OP, "a", a.shape(), (n, n))?;
+        let n = driver::check_square(OP, a.shape())?;
         if let Some(w) = warm {
             self.check_on(OP, w)?;
             check_shape(OP, "warm", w.shape(), (n, n))?;

@@ -74,13 +74,13 @@ pub struct Cli {
     #[arg(long)]
     pub sweep: bool,
 
-    /// Save each optimizer's full training state to <out>/<optimizer>.ckpt every N steps
+    /// Save each optimizer's full training state to OUT/OPTIMIZER.ckpt every N steps
     /// (atomically: temporary file, fsync, rename). The file is also written when an
     /// optimizer's training ends, whenever --checkpoint-every or --resume is given.
     #[arg(long, value_name = "N")]
     pub checkpoint_every: Option<u64>,
 
-    /// Continue each optimizer from <out>/<optimizer>.ckpt when it exists (an optimizer
+    /// Continue each optimizer from OUT/OPTIMIZER.ckpt when it exists (an optimizer
     /// without one starts from scratch): the batches it already consumed are skipped and
     /// training continues bit for bit as if uninterrupted (on the CPU). The seed, split, batch
     /// size, network and hyperparameters must be the ones the checkpoint was made with.
