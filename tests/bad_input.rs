@@ -180,6 +180,29 @@ impl Tally {
             },
         }
     }
+
+    /// Probes each rejected config `C` through `set` on the live `obj` (targets `.0`) and
+    /// through `new` from scratch (target `.1`): both must fail naming the config's field.
+    fn probe_configs<O, C: Copy + std::fmt::Debug>(
+        &mut self,
+        (set_target, new_target): (&'static str, &'static str),
+        cases: &[(&'static [&'static str], C)],
+        obj: &mut O,
+        snap: impl Fn(&O) -> Snap,
+        set: impl Fn(&mut O, C) -> Result<()>,
+        new: impl Fn(C) -> Result<()>,
+    ) {
+        for &(args, c) in cases {
+            let input = format!("{c:?}");
+            self.probe(set_target, &input, Expect::Err(args), obj, &snap, |o| {
+                set(o, c)
+            });
+            let s0 = |_: &()| snap_mats(&[]);
+            self.probe(new_target, &input, Expect::Err(args), &mut (), s0, |_| {
+                new(c)
+            });
+        }
+    }
 }
 
 /// The argument names a message quotes: the back-quoted segments, split at `", "`
@@ -1631,41 +1654,30 @@ fn flat_optimizers(t: &mut Tally, rng: &mut ChaCha8Rng, n: usize) {
     );
     let tgt = "Sgd::set_config";
     let cfg = SgdConfig::default();
-    for (args, c) in [
-        (&["lr"][..], SgdConfig { lr: -0.1, ..cfg }),
-        (
-            &["momentum"][..],
-            SgdConfig {
-                momentum: 1.0,
-                ..cfg
-            },
-        ),
-        (
-            &["weight_decay"][..],
-            SgdConfig {
-                weight_decay: f32::NAN,
-                ..cfg
-            },
-        ),
-    ] {
-        let args: &'static [&'static str] = args;
-        t.probe(
-            tgt,
-            &format!("{c:?}"),
-            Expect::Err(args),
-            &mut o,
-            s,
-            |(o, _)| o.set_config(c),
-        );
-        t.probe(
-            "Sgd::new",
-            &format!("{c:?}"),
-            Expect::Err(args),
-            &mut none,
-            s0,
-            |_| Sgd::new(&DEV, n, c).map(|_| ()),
-        );
-    }
+    t.probe_configs(
+        (tgt, "Sgd::new"),
+        &[
+            (&["lr"][..], SgdConfig { lr: -0.1, ..cfg }),
+            (
+                &["momentum"][..],
+                SgdConfig {
+                    momentum: 1.0,
+                    ..cfg
+                },
+            ),
+            (
+                &["weight_decay"][..],
+                SgdConfig {
+                    weight_decay: f32::NAN,
+                    ..cfg
+                },
+            ),
+        ],
+        &mut o,
+        s,
+        |(o, _), c| o.set_config(c),
+        |c| Sgd::new(&DEV, n, c).map(|_| ()),
+    );
     t.probe(
         "Sgd::new",
         "n = 0",
@@ -1748,63 +1760,52 @@ fn flat_optimizers(t: &mut Tally, rng: &mut ChaCha8Rng, n: usize) {
         |(o, p)| o.step(p, &huge),
     );
     let cfg = AdamWConfig::default();
-    for (args, c) in [
-        (
-            &["lr"][..],
-            AdamWConfig {
-                lr: f32::NAN,
-                ..cfg
-            },
-        ),
-        (&["beta1"][..], AdamWConfig { beta1: 1.0, ..cfg }),
-        (&["beta2"][..], AdamWConfig { beta2: 2.0, ..cfg }),
-        (&["eps"][..], AdamWConfig { eps: 0.0, ..cfg }),
-        (
-            &["weight_decay"][..],
-            AdamWConfig {
-                weight_decay: -1.0,
-                ..cfg
-            },
-        ),
-        (
-            &["schedule.total_steps"][..],
-            AdamWConfig {
-                schedule: grng::optim::adamw::LrSchedule::Cosine {
-                    total_steps: 10,
-                    min_lr: 0.0,
+    t.probe_configs(
+        ("AdamW::set_config", "AdamW::new"),
+        &[
+            (
+                &["lr"][..],
+                AdamWConfig {
+                    lr: f32::NAN,
+                    ..cfg
                 },
-                ..cfg
-            },
-        ),
-        (
-            &["schedule.min_lr"][..],
-            AdamWConfig {
-                schedule: grng::optim::adamw::LrSchedule::Cosine {
-                    total_steps: 1000,
-                    min_lr: 1.0,
+            ),
+            (&["beta1"][..], AdamWConfig { beta1: 1.0, ..cfg }),
+            (&["beta2"][..], AdamWConfig { beta2: 2.0, ..cfg }),
+            (&["eps"][..], AdamWConfig { eps: 0.0, ..cfg }),
+            (
+                &["weight_decay"][..],
+                AdamWConfig {
+                    weight_decay: -1.0,
+                    ..cfg
                 },
-                ..cfg
-            },
-        ),
-    ] {
-        let args: &'static [&'static str] = args;
-        t.probe(
-            "AdamW::set_config",
-            &format!("{c:?}"),
-            Expect::Err(args),
-            &mut o,
-            s,
-            |(o, _)| o.set_config(c),
-        );
-        t.probe(
-            "AdamW::new",
-            &format!("{c:?}"),
-            Expect::Err(args),
-            &mut none,
-            s0,
-            |_| AdamW::new(&DEV, n, c).map(|_| ()),
-        );
-    }
+            ),
+            (
+                &["schedule.total_steps"][..],
+                AdamWConfig {
+                    schedule: grng::optim::adamw::LrSchedule::Cosine {
+                        total_steps: 10,
+                        min_lr: 0.0,
+                    },
+                    ..cfg
+                },
+            ),
+            (
+                &["schedule.min_lr"][..],
+                AdamWConfig {
+                    schedule: grng::optim::adamw::LrSchedule::Cosine {
+                        total_steps: 1000,
+                        min_lr: 1.0,
+                    },
+                    ..cfg
+                },
+            ),
+        ],
+        &mut o,
+        s,
+        |(o, _), c| o.set_config(c),
+        |c| AdamW::new(&DEV, n, c).map(|_| ()),
+    );
     let tgt = "AdamW::restore";
     let good = o.0.state().unwrap();
     let mut v = good.v.clone();
@@ -1930,44 +1931,33 @@ fn flat_optimizers(t: &mut Tally, rng: &mut ChaCha8Rng, n: usize) {
         s,
         |(o, p)| o.step(p, &x, hess(&huge)),
     );
-    for (args, c) in [
-        (&["lr"][..], SophiaConfig { lr: -1.0, ..cfg }),
-        (&["beta1"][..], SophiaConfig { beta1: 1.0, ..cfg }),
-        (
-            &["beta2"][..],
-            SophiaConfig {
-                beta2: f32::NAN,
-                ..cfg
-            },
-        ),
-        (&["gamma"][..], SophiaConfig { gamma: 0.0, ..cfg }),
-        (&["eps"][..], SophiaConfig { eps: -1.0, ..cfg }),
-        (
-            &["hessian_every"][..],
-            SophiaConfig {
-                hessian_every: 0,
-                ..cfg
-            },
-        ),
-    ] {
-        let args: &'static [&'static str] = args;
-        t.probe(
-            "Sophia::set_config",
-            &format!("{c:?}"),
-            Expect::Err(args),
-            &mut o,
-            s,
-            |(o, _)| o.set_config(c),
-        );
-        t.probe(
-            "Sophia::new",
-            &format!("{c:?}"),
-            Expect::Err(args),
-            &mut none,
-            s0,
-            |_| Sophia::new(&DEV, n, c).map(|_| ()),
-        );
-    }
+    t.probe_configs(
+        ("Sophia::set_config", "Sophia::new"),
+        &[
+            (&["lr"][..], SophiaConfig { lr: -1.0, ..cfg }),
+            (&["beta1"][..], SophiaConfig { beta1: 1.0, ..cfg }),
+            (
+                &["beta2"][..],
+                SophiaConfig {
+                    beta2: f32::NAN,
+                    ..cfg
+                },
+            ),
+            (&["gamma"][..], SophiaConfig { gamma: 0.0, ..cfg }),
+            (&["eps"][..], SophiaConfig { eps: -1.0, ..cfg }),
+            (
+                &["hessian_every"][..],
+                SophiaConfig {
+                    hessian_every: 0,
+                    ..cfg
+                },
+            ),
+        ],
+        &mut o,
+        s,
+        |(o, _), c| o.set_config(c),
+        |c| Sophia::new(&DEV, n, c).map(|_| ()),
+    );
     let tgt = "Sophia::restore";
     let good = o.0.state().unwrap();
     let mut h = good.h.clone();
@@ -2044,48 +2034,37 @@ fn kalman_optimizer(t: &mut Tally, rng: &mut ChaCha8Rng, n: usize, d_o: usize) {
     let mut none = ();
     let s0 = |_: &()| snap_mats(&[]);
     let k = cfg.kalman;
-    for (args, c) in [
-        (&["sigma0"][..], RKalmanConfig { sigma0: 0.0, ..cfg }),
-        (
-            &["beta"][..],
-            RKalmanConfig {
-                kalman: KalmanOptions { beta: -0.1, ..k },
-                ..cfg
-            },
-        ),
-        (
-            &["rho"][..],
-            RKalmanConfig {
-                kalman: KalmanOptions { rho: f32::NAN, ..k },
-                ..cfg
-            },
-        ),
-        (
-            &["jitter"][..],
-            RKalmanConfig {
-                kalman: KalmanOptions { jitter: 0.0, ..k },
-                ..cfg
-            },
-        ),
-    ] {
-        let args: &'static [&'static str] = args;
-        t.probe(
-            "RKalman::set_config",
-            &format!("{c:?}"),
-            Expect::Err(args),
-            &mut o,
-            s,
-            |o| o.set_config(c),
-        );
-        t.probe(
-            "RKalman::new",
-            &format!("{c:?}"),
-            Expect::Err(args),
-            &mut none,
-            s0,
-            |_| RKalman::new(&DEV, &mu0, d_o, c).map(|_| ()),
-        );
-    }
+    t.probe_configs(
+        ("RKalman::set_config", "RKalman::new"),
+        &[
+            (&["sigma0"][..], RKalmanConfig { sigma0: 0.0, ..cfg }),
+            (
+                &["beta"][..],
+                RKalmanConfig {
+                    kalman: KalmanOptions { beta: -0.1, ..k },
+                    ..cfg
+                },
+            ),
+            (
+                &["rho"][..],
+                RKalmanConfig {
+                    kalman: KalmanOptions { rho: f32::NAN, ..k },
+                    ..cfg
+                },
+            ),
+            (
+                &["jitter"][..],
+                RKalmanConfig {
+                    kalman: KalmanOptions { jitter: 0.0, ..k },
+                    ..cfg
+                },
+            ),
+        ],
+        &mut o,
+        s,
+        |o, c| o.set_config(c),
+        |c| RKalman::new(&DEV, &mu0, d_o, c).map(|_| ()),
+    );
     t.probe(
         "RKalman::new",
         "d_o = 0",

@@ -111,6 +111,30 @@ fn poisoned_old(old: &[f32], n: usize, eps: f32, nan_upper: bool) -> Vec<f32> {
     v
 }
 
+/// SYRK-EMA of `a` (`m x n`, `a32` its values in f32) on every kernel device against the CPU
+/// SYRK: through `Device::kron_factor_update`, where ε = 0 gets an all-NaN factor and ε > 0 a
+/// finite one (the op checks it), and through `launcher` with NaN above the diagonal as well.
+fn syrk_matches_cpu<T: Element>(
+    a: &[T],
+    a32: &[f32],
+    (m, n): (usize, usize),
+    eps: f32,
+    old: &[f32],
+    launcher: fn(&Device, &Matrix<T>, f32, &mut Matrix) -> grng::Result<()>,
+) -> Result<(), TestCaseError> {
+    let want = cpu_factor(a, (m, n), eps, old);
+    for dev in devices() {
+        let am = dev.upload(m, n, a).unwrap();
+        let mut f = dev.upload(n, n, &poisoned_old(old, n, eps, false)).unwrap();
+        dev.kron_factor_update(&am, eps, &mut f).unwrap();
+        check_factor(&f.to_vec().unwrap(), &want, a32, (m, n), eps, old)?;
+        let mut f = dev.upload(n, n, &poisoned_old(old, n, eps, true)).unwrap();
+        launcher(&dev, &am, eps, &mut f).unwrap();
+        check_factor(&f.to_vec().unwrap(), &want, a32, (m, n), eps, old)?;
+    }
+    Ok(())
+}
+
 proptest! {
     #![proptest_config(ProptestConfig { cases: 40, ..ProptestConfig::default() })]
 
@@ -121,18 +145,7 @@ proptest! {
         let mut rng = ChaCha8Rng::seed_from_u64(seed);
         let a = vals(&mut rng, m * n);
         let old = old_factor(&mut rng, n);
-        let want = cpu_factor(&a, (m, n), eps, &old);
-        for dev in devices() {
-            let am = dev.upload(m, n, &a).unwrap();
-            // The op: ε = 0 gets an all-NaN factor; ε > 0 a finite one (the op checks it).
-            let mut f = dev.upload(n, n, &poisoned_old(&old, n, eps, false)).unwrap();
-            dev.kron_factor_update(&am, eps, &mut f).unwrap();
-            check_factor(&f.to_vec().unwrap(), &want, &a, (m, n), eps, &old)?;
-            // The launcher: NaN above the diagonal as well.
-            let mut f = dev.upload(n, n, &poisoned_old(&old, n, eps, true)).unwrap();
-            syrk_ema_f32(&dev, &am, eps, &mut f).unwrap();
-            check_factor(&f.to_vec().unwrap(), &want, &a, (m, n), eps, &old)?;
-        }
+        syrk_matches_cpu(&a, &a, (m, n), eps, &old, syrk_ema_f32)?;
     }
 
     /// bf16 tensor-core SYRK-EMA against the CPU SYRK on the same bf16 inputs: products are
@@ -144,16 +157,7 @@ proptest! {
         let a: Vec<bf16> = vals(&mut rng, m * n).into_iter().map(bf16::from_f32).collect();
         let a32: Vec<f32> = a.iter().map(|v| v.to_f32()).collect();
         let old = old_factor(&mut rng, n);
-        let want = cpu_factor(&a, (m, n), eps, &old);
-        for dev in devices() {
-            let am = dev.upload(m, n, &a).unwrap();
-            let mut f = dev.upload(n, n, &poisoned_old(&old, n, eps, false)).unwrap();
-            dev.kron_factor_update(&am, eps, &mut f).unwrap();
-            check_factor(&f.to_vec().unwrap(), &want, &a32, (m, n), eps, &old)?;
-            let mut f = dev.upload(n, n, &poisoned_old(&old, n, eps, true)).unwrap();
-            syrk_ema_tc(&dev, &am, eps, &mut f).unwrap();
-            check_factor(&f.to_vec().unwrap(), &want, &a32, (m, n), eps, &old)?;
-        }
+        syrk_matches_cpu(&a, &a32, (m, n), eps, &old, syrk_ema_tc)?;
     }
 
     /// G = (1/m) Eᵀ A through the GEMM kernel, G poisoned. Tolerance 2·(m + 4)·u·Σ|e a|/m

@@ -844,6 +844,12 @@ fn optimizers_reject_bad_input_and_keep_state() {
         sophia.step(&mut p, &g, None),
         Err(Error::Value { .. })
     ));
+    let hess = |sampled_grad, batch| {
+        Some(SophiaHessian {
+            sampled_grad,
+            batch,
+        })
+    };
     let hs_ok = SophiaHessian {
         sampled_grad: &g,
         batch: 4,
@@ -857,36 +863,15 @@ fn optimizers_reject_bad_input_and_keep_state() {
         Err(Error::NonFinite { .. })
     ));
     assert!(matches!(
-        sophia.step(
-            &mut p,
-            &g,
-            Some(SophiaHessian {
-                sampled_grad: &nan_g,
-                batch: 4
-            })
-        ),
+        sophia.step(&mut p, &g, hess(&nan_g, 4)),
         Err(Error::NonFinite { .. })
     ));
     assert!(matches!(
-        sophia.step(
-            &mut p,
-            &g,
-            Some(SophiaHessian {
-                sampled_grad: &g,
-                batch: 0
-            })
-        ),
+        sophia.step(&mut p, &g, hess(&g, 0)),
         Err(Error::Value { .. })
     ));
     assert!(matches!(
-        sophia.step(
-            &mut p,
-            &g,
-            Some(SophiaHessian {
-                sampled_grad: &wrong,
-                batch: 4
-            })
-        ),
+        sophia.step(&mut p, &g, hess(&wrong, 4)),
         Err(Error::Shape { .. })
     ));
     assert!(matches!(

@@ -33,7 +33,8 @@ pub struct Batch<'a> {
 /// What one [`Trainer::step`] did.
 #[derive(Clone, Copy, Debug, PartialEq)]
 pub struct StepReport {
-    /// 1-based index of this step.
+    /// 1-based index of this step among the applied ones; for a skipped step, the number of
+    /// steps applied so far.
     pub step: u64,
     /// Mean loss of the batch before the update.
     pub loss: f32,
