@@ -1185,3 +1185,25 @@ fn newton_warm_starts_with_skip_one_train() {
         assert!(l1 < l0, "{:?}: loss {l0} -> {l1}", cfg.variant);
     }
 }
+
+/// An overflowing step (finite but huge gradients) is a `NonFinite` error that changes nothing;
+/// `reject_step` then raises ρ as the LM rule does for `r = −∞`, and counts it.
+#[test]
+fn overflowing_step_is_non_finite_and_reject_step_raises_rho() {
+    let (mut opt, p, mut w) = warmed(17);
+    let before = snapshot(&opt);
+    let w_before: Vec<Vec<f32>> = w.iter().map(host).collect();
+    let huge: Vec<Matrix> = p.grads[0].iter().map(|g| with_value(g, 0, 3e38)).collect();
+    let grads: Vec<&Matrix> = huge.iter().collect();
+    let stats = opt.needs_stats().then(|| stats_of(&p, 0));
+    match opt.step(&mut w, &grads, stats.as_deref()) {
+        Err(grng::Error::NonFinite { .. }) => {}
+        other => panic!("expected NonFinite, got {other:?}"),
+    }
+    assert!(snapshot(&opt) == before, "state changed on error");
+    assert_eq!(w.iter().map(host).collect::<Vec<_>>(), w_before);
+    let (rho, rejected) = (opt.rho(), opt.counters().nonfinite_losses);
+    opt.reject_step();
+    assert!(opt.rho() > rho, "ρ must grow: {} -> {}", rho, opt.rho());
+    assert_eq!(opt.counters().nonfinite_losses, rejected + 1);
+}

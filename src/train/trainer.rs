@@ -387,8 +387,17 @@ impl Trainer {
                     .as_ref()
                     .map(|v| v.iter().map(|(a, e)| KronStats { a, e }).collect());
                 let grad_refs: Vec<&Matrix> = grads.iter().collect();
-                // The optimizer and `params` are unchanged when it reports a non-finite value.
-                skip_nonfinite!(opt.step(params, &grad_refs, kron.as_deref()), loss, gn);
+                // The optimizer and `params` are unchanged when it reports a non-finite value
+                // (an overflowing step): skip the batch and raise the damping.
+                match opt.step(params, &grad_refs, kron.as_deref()) {
+                    Ok(_) => {}
+                    Err(Error::NonFinite { .. }) => {
+                        opt.reject_step();
+                        self.counters.rejected_updates += 1;
+                        return Ok(Outcome::skip(loss, gn));
+                    }
+                    Err(e) => return Err(e),
+                }
                 let before = mlp.params().to_vec();
                 // The LM rule compares plain losses, also for RENG (its regularized loss
                 // would need a second backward pass after the step). Parameters that overflow

@@ -236,13 +236,16 @@ impl KronOptimizer {
             q += self.model_change(&self.view(&plan, l), g, p, eta)?;
         }
         let q = q as f32;
-        check_value(
-            OP,
-            "predicted change",
-            q as f64,
-            true,
-            "a finite quadratic-model value (the step overflows)",
-        )?;
+        if !q.is_finite() {
+            // The step overflows: a numerical failure of this batch (not a bad argument), so
+            // callers can skip it and call `reject_step` to raise the damping.
+            return Err(Error::NonFinite {
+                op: OP,
+                arg: "predicted change (the step overflows)",
+                index: 0,
+                value: q,
+            });
+        }
         let refreshed = matches!(plan, Plan::Refresh(_));
         self.commit(plan, counters);
         self.st.predicted = Some(q);
@@ -304,6 +307,18 @@ impl KronOptimizer {
         self.st.last_ratio = Some(r);
         self.st.rho = levenberg_marquardt(&self.config, self.st.rho, r);
         Ok(())
+    }
+
+    /// Reacts to a step that could not be taken — [`KronOptimizer::step`] reported a
+    /// non-finite value, or the trainer undid it: `ρ` grows as the Levenberg–Marquardt rule
+    /// does for `r = −∞` (more damping, a shorter next step), counted in
+    /// [`KronCounters::nonfinite_losses`]. A pending prediction is dropped.
+    pub fn reject_step(&mut self) {
+        self.st.predicted = None;
+        self.st.counters.nonfinite_losses += 1;
+        self.st.counters.lm_updates += 1;
+        self.st.last_ratio = Some(f32::NEG_INFINITY);
+        self.st.rho = levenberg_marquardt(&self.config, self.st.rho, f32::NEG_INFINITY);
     }
 
     /// A deep copy of the mutable state (factors, inverses, dampings, ρ, counters).
