@@ -45,6 +45,7 @@ fn run_config(max_steps: u64, checkpoint: Option<Checkpointing>) -> RunConfig {
         seed: 3,
         hidden: vec![8],
         activation: Activation::Tanh,
+        fisher: None,
         target_acc: 0.9,
         eval_points: 7,
         max_steps: Some(max_steps),

@@ -6,7 +6,7 @@ use clap::CommandFactory;
 use proptest::prelude::*;
 
 use grng::data::{synthetic_classification, Dataset};
-use grng::mlp::{Activation, Loss, Mlp, MlpConfig, Targets};
+use grng::mlp::{Activation, FisherMode, Loss, Mlp, MlpConfig, Targets};
 use grng::report;
 use grng::train::cli::Cli;
 use grng::train::{
@@ -251,4 +251,45 @@ fn help_parses() {
         .expect("run the binary");
     assert!(!bad.status.success());
     assert!(String::from_utf8_lossy(&bad.stderr).contains("nope"));
+}
+
+/// The three Fisher-statistics modes (sampled, exact, empirical; `--fisher`) all drive the
+/// Kronecker methods down on the synthetic task.
+#[test]
+fn every_fisher_mode_trains_the_kronecker_methods() {
+    let data = synthetic_classification(96, 6, 3, 21).expect("data");
+    let run = RunConfig::default();
+    for fisher in [
+        FisherMode::Sampled,
+        FisherMode::Exact,
+        FisherMode::Empirical,
+    ] {
+        for method in [Method::Ring, Method::Reng, Method::Ngd] {
+            let config = RunConfig {
+                fisher: Some(fisher),
+                ..run.clone()
+            }
+            .apply(MethodConfig::tuned(method));
+            assert_eq!(config.fisher, fisher);
+            let mut trainer =
+                Trainer::new(&Device::Cpu, network(6, 3, 21), config, 21).expect("trainer");
+            let before = full_loss(trainer.mlp(), &data);
+            for epoch in 0..3 {
+                for idx in data.batches(21, epoch, config.batch_size).expect("batches") {
+                    let (x, labels) = data.gather(&idx).expect("gather");
+                    trainer
+                        .step(Batch {
+                            x: x.as_ref(),
+                            targets: Targets::Classes(&labels),
+                        })
+                        .unwrap_or_else(|e| panic!("{method} {fisher:?}: {e}"));
+                }
+            }
+            let after = full_loss(trainer.mlp(), &data);
+            assert!(
+                after < 0.9 * before,
+                "{method} {fisher:?}: {before} -> {after}"
+            );
+        }
+    }
 }

@@ -11,7 +11,7 @@ use indicatif::{ProgressBar, ProgressStyle};
 
 use crate::device::Device;
 use crate::error::Result;
-use crate::mlp::Activation;
+use crate::mlp::{Activation, FisherMode};
 use crate::report;
 use crate::train::{
     self, Checkpointing, Method, MethodConfig, MethodResult, RunConfig, Splits, UnknownMethod,
@@ -64,6 +64,12 @@ pub struct Cli {
     #[arg(long, value_enum, default_value = "tanh")]
     pub activation: Act,
 
+    /// Fisher statistics of the Kronecker methods: sampled (labels drawn from the model's
+    /// predictive distribution, the true Fisher; the default), exact (expectation over the
+    /// predicted class probabilities; C backward passes) or empirical (the data labels).
+    #[arg(long, value_enum)]
+    pub fisher: Option<Fisher>,
+
     /// Evaluation points per curve (validation accuracy and full-batch gradient norm).
     #[arg(long, default_value_t = 200)]
     pub eval_points: usize,
@@ -103,6 +109,17 @@ pub enum Act {
     Relu,
 }
 
+/// Fisher statistics mode on the command line ([`FisherMode`]).
+#[derive(clap::ValueEnum, Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Fisher {
+    /// Labels sampled from the model (true Fisher).
+    Sampled,
+    /// Expectation over the predicted class probabilities.
+    Exact,
+    /// The data labels (empirical Fisher).
+    Empirical,
+}
+
 /// The parsed `--optimizers` list (in order, without duplicates).
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct MethodList(pub Vec<Method>);
@@ -129,6 +146,11 @@ pub fn run(cli: &Cli) -> Result<()> {
             Act::Tanh => Activation::Tanh,
             Act::Relu => Activation::Relu,
         },
+        fisher: cli.fisher.map(|f| match f {
+            Fisher::Sampled => FisherMode::Sampled,
+            Fisher::Exact => FisherMode::Exact,
+            Fisher::Empirical => FisherMode::Empirical,
+        }),
         target_acc: cli.target_acc,
         eval_points: cli.eval_points,
         max_steps: cli.max_steps,

@@ -8,7 +8,7 @@ use crate::checkpoint::{Checkpoint, Reader, Writer};
 use crate::data::Dataset;
 use crate::device::Device;
 use crate::error::{check_value, Error, Result};
-use crate::mlp::{Activation, Loss, Mlp, MlpConfig, Targets};
+use crate::mlp::{Activation, FisherMode, Loss, Mlp, MlpConfig, Targets};
 
 use super::hyper::MethodConfig;
 use super::trainer::{norm, Batch, Trainer, TrainerCounters};
@@ -53,6 +53,9 @@ pub struct RunConfig {
     pub hidden: Vec<usize>,
     /// Hidden nonlinearity.
     pub activation: Activation,
+    /// Which output gradients feed the Fisher statistics (Kronecker methods' `Γ`); `None`
+    /// keeps each method's own ([`MethodConfig::fisher`], sampled labels by default).
+    pub fisher: Option<FisherMode>,
     /// Validation accuracy the "steps / time to target" columns wait for, in `(0, 1]`.
     pub target_acc: f32,
     /// About how many evaluation points each curve gets (at least one per epoch end is not
@@ -97,6 +100,7 @@ impl Default for RunConfig {
             seed: 0,
             hidden: vec![64],
             activation: Activation::Tanh,
+            fisher: None,
             target_acc: 0.95,
             eval_points: 200,
             max_steps: None,
@@ -146,6 +150,9 @@ impl RunConfig {
     pub fn apply(&self, mut config: MethodConfig) -> MethodConfig {
         if let (Some(b), false) = (self.batch_size, config.method.is_kalman()) {
             config.batch_size = b;
+        }
+        if let Some(f) = self.fisher {
+            config.fisher = f;
         }
         config
     }
