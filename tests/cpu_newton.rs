@@ -2,6 +2,9 @@
 //! matrices `Q D Qᵀ` (random Householder `Q`) with prescribed condition numbers up to 1e3,
 //! ragged sizes 1..=200.
 
+mod common;
+use common::with_spectrum;
+
 use grng::cpu::newton::newton_inverse;
 use grng::ops::newton::{InitialGuess, NewtonInfo, NewtonOptions, NewtonOrder, Precision};
 use grng::{Device, DivergenceReason, Error, Mat, MatRef};
@@ -28,31 +31,6 @@ fn spd(rng: &mut ChaCha8Rng, n: usize, kappa: f64) -> (Vec<f32>, Vec<f64>) {
         d.swap(i, rng.random_range(0..=i));
     }
     (with_spectrum(rng, &d), d)
-}
-
-fn with_spectrum(rng: &mut ChaCha8Rng, d: &[f64]) -> Vec<f32> {
-    let n = d.len();
-    let mut q = vec![0.0f64; n * n];
-    (0..n).for_each(|i| q[i * n + i] = 1.0);
-    for _ in 0..3 {
-        let v: Vec<f64> = (0..n).map(|_| rng.random_range(-1.0..1.0)).collect();
-        let vv: f64 = v.iter().map(|x| x * x).sum::<f64>().max(1e-300);
-        for i in 0..n {
-            let qv: f64 = (0..n).map(|p| q[i * n + p] * v[p]).sum();
-            for j in 0..n {
-                q[i * n + j] -= 2.0 * qv * v[j] / vv;
-            }
-        }
-    }
-    let mut a = vec![0.0f32; n * n];
-    for i in 0..n {
-        for j in 0..=i {
-            let s: f64 = (0..n).map(|p| q[i * n + p] * d[p] * q[j * n + p]).sum();
-            a[i * n + j] = s as f32;
-            a[j * n + i] = s as f32;
-        }
-    }
-    a
 }
 
 /// `A⁻¹` of the given `f32` matrix in `f64` (Cholesky, then `L⁻ᵀ L⁻¹`).

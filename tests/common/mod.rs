@@ -28,3 +28,30 @@ pub fn uniform(rng: &mut ChaCha8Rng, n: usize, lo: f32, hi: f32) -> Vec<f32> {
 pub fn vals(rng: &mut ChaCha8Rng, len: usize) -> Vec<f32> {
     uniform(rng, len, -1.0, 1.0)
 }
+
+/// `Q D Qᵀ` in `f64` (`Q` a product of three random Householder reflectors), rounded to `f32`:
+/// a symmetric matrix with the prescribed spectrum `d` (exact up to that rounding).
+pub fn with_spectrum(rng: &mut ChaCha8Rng, d: &[f64]) -> Vec<f32> {
+    let n = d.len();
+    let mut q = vec![0.0f64; n * n];
+    (0..n).for_each(|i| q[i * n + i] = 1.0);
+    for _ in 0..3 {
+        let v: Vec<f64> = (0..n).map(|_| rng.random_range(-1.0..1.0)).collect();
+        let vv: f64 = v.iter().map(|x| x * x).sum::<f64>().max(1e-300);
+        for i in 0..n {
+            let qv: f64 = (0..n).map(|p| q[i * n + p] * v[p]).sum();
+            for j in 0..n {
+                q[i * n + j] -= 2.0 * qv * v[j] / vv;
+            }
+        }
+    }
+    let mut a = vec![0.0f32; n * n];
+    for i in 0..n {
+        for j in 0..=i {
+            let s: f64 = (0..n).map(|p| q[i * n + p] * d[p] * q[j * n + p]).sum();
+            a[i * n + j] = s as f32;
+            a[j * n + i] = s as f32;
+        }
+    }
+    a
+}
