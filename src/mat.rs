@@ -2,7 +2,7 @@
 //!
 //! Element `(i, j)` of a view lives at `data[i * ld + j]`, with `ld >= cols`. Views carry
 //! their shape so every function can check it; constructors validate that the slice is
-//! long enough and return [`Error::Shape`](crate::Error::Shape) otherwise.
+//! long enough and return [`Error::Shape`] otherwise.
 
 use crate::error::{Error, Result};
 

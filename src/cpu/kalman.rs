@@ -10,7 +10,7 @@
 //! 3. One fused pass: with `z_i = L⁻¹h_i` (`h_i` the column `i` of `H`),
 //!    `μ_i ← μ_i + σ⁻_i h_iᵀw` and `σ_i ← σ⁻_i (1 − σ⁻_i ‖z_i‖²)`, floored.
 //!
-//! Both passes read `H` in chunks of [`CHUNK`] columns: every row segment of a chunk is
+//! Both passes read `H` in chunks of `CHUNK` (256) columns: every row segment of a chunk is
 //! contiguous, so the column loop vectorizes and a chunk (`d_o · CHUNK` floats) stays in L1.
 
 use rayon::prelude::*;

@@ -6,7 +6,7 @@
 //! `F` is small near convergence, so forming it, rather than `p(T) ≈ I`, keeps its digits —
 //! which matters most in `Bf16` mode, where `p(T)` rounded to bf16 would lose them. Every
 //! step first forms `T = AX` (always a full product), whose residual `‖I − T‖_F/√n` drives
-//! the stop test. All products go through [`crate::cpu::gemm`].
+//! the stop test. All products go through [`crate::cpu::gemm()`].
 //!
 //! **Symmetry, and why so little of it.** From the paper's and the scaled-identity starts `X`
 //! is a polynomial in `A`, so `AX`, `E` and its powers are symmetric, and so is `X + X·F`.

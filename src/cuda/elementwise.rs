@@ -350,6 +350,40 @@ fn reduce(
     Ok(o[0])
 }
 
+/// The prologue and epilogue the four fused optimizer updates share: in order, the length
+/// checks (every array against the first), the coefficient checks `coeffs`, the kernels'
+/// `int` conversion of `n`, the `n == 0` early return and the validation pass into a fresh
+/// status; then `queue_update(bufs, n, status)` queues the update kernel (which reads that
+/// status and writes nothing unless it is clean); last, the status read-back and the error
+/// the CPU backend would report.
+///
+/// `bufs` holds the launcher's matrices (the written ones by `&mut`); `arrays(bufs)` names
+/// all of them in the CPU backend's check order. `sign` indexes into that list.
+fn fused_update<B, const K: usize>(
+    dev: &Device,
+    op: &'static str,
+    mut bufs: B,
+    arrays: impl for<'b> Fn(&'b B) -> [(&'static str, &'b Matrix); K],
+    coeffs: impl FnOnce() -> Result<()>,
+    sign: SignCheck,
+    queue_update: impl FnOnce(&mut B, i32, &Matrix) -> Result<()>,
+) -> Result<()> {
+    let list = arrays(&bufs);
+    let (first, n) = (list[0].0, list[0].1.len());
+    for &(arg, m) in &list[1..] {
+        check_len(op, arg, m.len(), n)?;
+    }
+    coeffs()?;
+    let ni = to_i32(op, first, n)?;
+    if n == 0 {
+        return Ok(());
+    }
+    let mut status = new_status(dev)?;
+    queue_check(dev, op, &list, sign, &mut status)?;
+    queue_update(&mut bufs, ni, &status)?;
+    status_result(op, &arrays(&bufs), sign, &status)
+}
+
 /// Fused SGD step (see [`crate::cpu::elementwise::sgd_update`]); nothing written on error.
 pub(crate) fn sgd_update(
     dev: &Device,
@@ -359,48 +393,28 @@ pub(crate) fn sgd_update(
     c: &SgdCoeffs,
 ) -> Result<()> {
     const OP: &str = "cuda::sgd_update";
-    let n = params.len();
-    check_len(OP, "grad", grad.len(), n)?;
-    check_len(OP, "momentum_buf", momentum_buf.len(), n)?;
-    c.validate(OP)?;
-    let ni = to_i32(OP, "params", n)?;
-    if n == 0 {
-        return Ok(());
-    }
-    let mut status = new_status(dev)?;
-    queue_check(
+    fused_update(
         dev,
         OP,
-        &[
-            ("params", &*params),
-            ("grad", grad),
-            ("momentum_buf", &*momentum_buf),
-        ],
+        (params, grad, momentum_buf),
+        |(p, g, b)| [("params", &**p), ("grad", *g), ("momentum_buf", &**b)],
+        || c.validate(OP),
         None,
-        &mut status,
-    )?;
-    let mut args = KernelArgs::new(dev);
-    args.output(OP, params)?
-        .input(OP, grad)?
-        .output(OP, momentum_buf)?
-        .scalar(c.lr)
-        .scalar(c.momentum)
-        .scalar(c.lr * c.weight_decay)
-        .scalar(ni)
-        .input(OP, &status)?;
-    // SAFETY: elementwise_sgd(float* p, const float* g, float* b, float lr, float mu, float
-    // lrwd, int n, const int* status): p, g, b hold n floats (checked above), status 5 ints;
-    // indices stay below n.
-    unsafe { launch(&SGD, stream_config(n)?, args)? };
-    status_result(
-        OP,
-        &[
-            ("params", &*params),
-            ("grad", grad),
-            ("momentum_buf", &*momentum_buf),
-        ],
-        None,
-        &status,
+        |(p, g, b), n, status| {
+            let mut args = KernelArgs::new(dev);
+            args.output(OP, p)?
+                .input(OP, g)?
+                .output(OP, b)?
+                .scalar(c.lr)
+                .scalar(c.momentum)
+                .scalar(c.lr * c.weight_decay)
+                .scalar(n)
+                .input(OP, status)?;
+            // SAFETY: elementwise_sgd(float* p, const float* g, float* b, float lr, float mu,
+            // float lrwd, int n, const int* status): p, g, b hold n floats (lengths checked by
+            // `fused_update`), status 5 ints; indices stay below n.
+            unsafe { launch(&SGD, stream_config(n as usize)?, args) }
+        },
     )
 }
 
@@ -414,51 +428,37 @@ pub(crate) fn adamw_update(
     c: &AdamWCoeffs,
 ) -> Result<()> {
     const OP: &str = "cuda::adamw_update";
-    let n = params.len();
-    check_len(OP, "grad", grad.len(), n)?;
-    check_len(OP, "m", m.len(), n)?;
-    check_len(OP, "v", v.len(), n)?;
-    c.validate(OP)?;
-    let ni = to_i32(OP, "params", n)?;
-    if n == 0 {
-        return Ok(());
-    }
-    let (bc1, bc2) = c.bias_corrections();
-    let sign = Some((3, false));
-    let mut status = new_status(dev)?;
-    queue_check(
+    fused_update(
         dev,
         OP,
-        &[("params", &*params), ("grad", grad), ("m", &*m), ("v", &*v)],
-        sign,
-        &mut status,
-    )?;
-    let mut args = KernelArgs::new(dev);
-    args.output(OP, params)?
-        .input(OP, grad)?
-        .output(OP, m)?
-        .output(OP, v)?
-        .scalar(c.lr)
-        .scalar(c.beta1)
-        .scalar(1.0 - c.beta1)
-        .scalar(c.beta2)
-        .scalar(1.0 - c.beta2)
-        .scalar(c.eps)
-        .scalar(c.lr * c.weight_decay)
-        .scalar(bc1)
-        .scalar(bc2)
-        .scalar(ni)
-        .input(OP, &status)?;
-    // SAFETY: elementwise_adamw(float* p, const float* g, float* m, float* v, float lr, float
-    // b1, float omb1, float b2, float omb2, float eps, float lrwd, float bc1, float bc2, int n,
-    // const int* status): p, g, m, v hold n floats (checked above), status 5 ints; indices
-    // stay below n.
-    unsafe { launch(&ADAMW, stream_config(n)?, args)? };
-    status_result(
-        OP,
-        &[("params", &*params), ("grad", grad), ("m", &*m), ("v", &*v)],
-        sign,
-        &status,
+        (params, grad, m, v),
+        |(p, g, m, v)| [("params", &**p), ("grad", *g), ("m", &**m), ("v", &**v)],
+        || c.validate(OP),
+        Some((3, false)),
+        |(p, g, m, v), n, status| {
+            let (bc1, bc2) = c.bias_corrections();
+            let mut args = KernelArgs::new(dev);
+            args.output(OP, p)?
+                .input(OP, g)?
+                .output(OP, m)?
+                .output(OP, v)?
+                .scalar(c.lr)
+                .scalar(c.beta1)
+                .scalar(1.0 - c.beta1)
+                .scalar(c.beta2)
+                .scalar(1.0 - c.beta2)
+                .scalar(c.eps)
+                .scalar(c.lr * c.weight_decay)
+                .scalar(bc1)
+                .scalar(bc2)
+                .scalar(n)
+                .input(OP, status)?;
+            // SAFETY: elementwise_adamw(float* p, const float* g, float* m, float* v, float lr,
+            // float b1, float omb1, float b2, float omb2, float eps, float lrwd, float bc1,
+            // float bc2, int n, const int* status): p, g, m, v hold n floats (lengths checked
+            // by `fused_update`), status 5 ints; indices stay below n.
+            unsafe { launch(&ADAMW, stream_config(n as usize)?, args) }
+        },
     )
 }
 
@@ -472,46 +472,33 @@ pub(crate) fn sophia_update(
     c: &SophiaCoeffs,
 ) -> Result<()> {
     const OP: &str = "cuda::sophia_update";
-    let n = params.len();
-    check_len(OP, "grad", grad.len(), n)?;
-    check_len(OP, "m", m.len(), n)?;
-    check_len(OP, "h", h.len(), n)?;
-    c.validate(OP)?;
-    let ni = to_i32(OP, "params", n)?;
-    if n == 0 {
-        return Ok(());
-    }
-    let sign = Some((3, false));
-    let mut status = new_status(dev)?;
-    queue_check(
+    fused_update(
         dev,
         OP,
-        &[("params", &*params), ("grad", grad), ("m", &*m), ("h", h)],
-        sign,
-        &mut status,
-    )?;
-    let mut args = KernelArgs::new(dev);
-    args.output(OP, params)?
-        .input(OP, grad)?
-        .output(OP, m)?
-        .input(OP, h)?
-        .scalar(c.lr)
-        .scalar(c.beta1)
-        .scalar(1.0 - c.beta1)
-        .scalar(c.gamma)
-        .scalar(c.eps)
-        .scalar(c.lr * c.weight_decay)
-        .scalar(ni)
-        .input(OP, &status)?;
-    // SAFETY: elementwise_sophia(float* p, const float* g, float* m, const float* h, float lr,
-    // float b1, float omb1, float gamma, float eps, float lrwd, int n, const int* status): p,
-    // g, m, h hold n floats (checked above), status 5 ints; indices stay below n.
-    unsafe { launch(&SOPHIA, stream_config(n)?, args)? };
-    status_result(
-        OP,
-        &[("params", &*params), ("grad", grad), ("m", &*m), ("h", h)],
-        sign,
-        &status,
+        (params, grad, m, h),
+        |(p, g, m, h)| [("params", &**p), ("grad", *g), ("m", &**m), ("h", *h)],
+        || c.validate(OP),
+        Some((3, false)),
+        |(p, g, m, h), n, status| {
+            let mut args = KernelArgs::new(dev);
+            args.output(OP, p)?
+                .input(OP, g)?
+                .output(OP, m)?
+                .input(OP, h)?
+                .scalar(c.lr)
+                .scalar(c.beta1)
+                .scalar(1.0 - c.beta1)
+                .scalar(c.gamma)
+                .scalar(c.eps)
+                .scalar(c.lr * c.weight_decay)
+                .scalar(n)
+                .input(OP, status)?;
+            // SAFETY: elementwise_sophia(float* p, const float* g, float* m, const float* h,
+            // float lr, float b1, float omb1, float gamma, float eps, float lrwd, int n,
+            // const int* status): p, g, m, h hold n floats (lengths checked by
+            // `fused_update`), status 5 ints; indices stay below n.
+            unsafe { launch(&SOPHIA, stream_config(n as usize)?, args) }
+        },
     )
 }
 
@@ -525,38 +512,29 @@ pub(crate) fn sophia_hessian_ema(
     batch: usize,
 ) -> Result<()> {
     const OP: &str = "cuda::sophia_hessian_ema";
-    check_len(OP, "sampled_grad", sampled_grad.len(), h.len())?;
-    check_beta(OP, "beta2", beta2)?;
-    check_value(OP, "batch", batch as f64, batch >= 1, "batch >= 1")?;
-    let n = to_i32(OP, "h", h.len())?;
-    if n == 0 {
-        return Ok(());
-    }
-    let sign = Some((0, false));
-    let mut status = new_status(dev)?;
-    queue_check(
+    fused_update(
         dev,
         OP,
-        &[("h", &*h), ("sampled_grad", sampled_grad)],
-        sign,
-        &mut status,
-    )?;
-    let mut args = KernelArgs::new(dev);
-    args.output(OP, h)?
-        .input(OP, sampled_grad)?
-        .scalar(beta2)
-        .scalar(1.0 - beta2)
-        .scalar(batch as f32)
-        .scalar(n)
-        .input(OP, &status)?;
-    // SAFETY: elementwise_hessian_ema(float* h, const float* g, float b2, float omb2, float
-    // bs, int n, const int* status): h and g hold n floats (checked above), status 5 ints;
-    // indices stay below n.
-    unsafe { launch(&HESSIAN_EMA, stream_config(n as usize)?, args)? };
-    status_result(
-        OP,
-        &[("h", &*h), ("sampled_grad", sampled_grad)],
-        sign,
-        &status,
+        (h, sampled_grad),
+        |(h, g)| [("h", &**h), ("sampled_grad", *g)],
+        || {
+            check_beta(OP, "beta2", beta2)?;
+            check_value(OP, "batch", batch as f64, batch >= 1, "batch >= 1")
+        },
+        Some((0, false)),
+        |(h, g), n, status| {
+            let mut args = KernelArgs::new(dev);
+            args.output(OP, h)?
+                .input(OP, g)?
+                .scalar(beta2)
+                .scalar(1.0 - beta2)
+                .scalar(batch as f32)
+                .scalar(n)
+                .input(OP, status)?;
+            // SAFETY: elementwise_hessian_ema(float* h, const float* g, float b2, float omb2,
+            // float bs, int n, const int* status): h and g hold n floats (lengths checked by
+            // `fused_update`), status 5 ints; indices stay below n.
+            unsafe { launch(&HESSIAN_EMA, stream_config(n as usize)?, args) }
+        },
     )
 }

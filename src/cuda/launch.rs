@@ -78,7 +78,8 @@ impl LaunchConfig {
     }
 }
 
-/// One kernel: where its PTX is and its emulator entry point. Declare with [`kernel!`].
+/// One kernel: where its PTX is and its emulator entry point. Declare with the crate-internal
+/// `kernel!` macro.
 #[derive(Clone, Copy, Debug)]
 pub struct Kernel {
     /// Kernel file's PTX constant name (`KRON` for `kernels/kron.cu`).

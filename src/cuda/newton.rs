@@ -4,11 +4,11 @@
 //!
 //! The iteration control (starts, stop/stall/best-iterate rules, restart, `Bf16` polish,
 //! [`NewtonInfo`]) and the power-iteration loop are [`crate::ops::newton::driver`]'s, shared
-//! with the CPU oracle ([`crate::cpu::newton`]); this module supplies the primitives
-//! ([`NewtonBackend`] for the iteration's device buffers, [`PowerStep`] for the power
-//! iteration). Differences from the CPU are rounding-level only: the products accumulate in
-//! a different order, and the early `F32` steps compute the powers of `E` as full products
-//! where the CPU mirrors symmetric ones (a CPU speed-up). Per iteration one `f32` (the
+//! with the CPU oracle ([`crate::cpu::newton`]); this module supplies the primitives (the
+//! crate-internal traits `NewtonBackend` for the iteration's device buffers and `PowerStep`
+//! for the power iteration). Differences from the CPU are rounding-level only: the products
+//! accumulate in a different order, and the early `F32` steps compute the powers of `E` as
+//! full products where the CPU mirrors symmetric ones (a CPU speed-up). Per iteration one `f32` (the
 //! residual) goes to the host for the stop test; per power-iteration step four (the Rayleigh
 //! quotient and `‖Av‖` as double-float pairs). Setup reads back a few per-block partials
 //! (input checks, norms) once. Buffer rotation over three iterates keeps the best one

@@ -1,6 +1,6 @@
 //! The Newton inversion's iteration control and the power iteration, written once over the
-//! primitives of a backend ([`NewtonBackend`], [`PowerStep`]): the CPU oracle
-//! ([`crate::cpu::newton`], [`crate::cpu::norm`]) and the device kernels
+//! primitives of a backend (the crate-internal traits `NewtonBackend` and `PowerStep`): the
+//! CPU oracle ([`crate::cpu::newton`], [`crate::cpu::norm`]) and the device kernels
 //! ([`crate::cuda::newton`]) implement the primitives, this module decides what runs. The
 //! rules themselves are documented in [`crate::cpu::newton`].
 
