@@ -223,7 +223,7 @@ impl KronOptimizer {
         self.check_inputs(OP, grads, stats)?;
         self.check_layers(OP, "params", params.iter())?;
         for p in params.iter() {
-            // norm2 rejects NaN/Inf, so the axpy below cannot fail half-way.
+            // norm2 rejects NaN/Inf in the parameters up front.
             self.device.norm2(p)?;
         }
         let before = self.st.counters;
@@ -246,11 +246,19 @@ impl KronOptimizer {
                 value: q,
             });
         }
+        // The new weights go into copies first: an update that overflows on a later layer
+        // must leave every layer and the optimizer state as they were.
+        let mut updated = Vec::with_capacity(params.len());
+        for (w, p) in params.iter().zip(&ps) {
+            let mut w = w.try_clone()?;
+            self.device.axpy(-eta, p, &mut w)?;
+            updated.push(w);
+        }
         let refreshed = matches!(plan, Plan::Refresh(_));
         self.commit(plan, counters);
         self.st.predicted = Some(q);
-        for (w, p) in params.iter_mut().zip(&ps) {
-            self.device.axpy(-eta, p, w)?;
+        for (w, new) in params.iter_mut().zip(updated) {
+            *w = new;
         }
         let delta = |f: fn(&KronCounters) -> u64| (f(&counters) - f(&before)) as u32;
         Ok(KronStepInfo {
