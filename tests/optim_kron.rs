@@ -467,9 +467,10 @@ fn exact_inverse(f: &Matrix, lambda: f32) -> Vec<f32> {
     host(&DEV.cholesky_inverse(&d).unwrap())
 }
 
-/// One refresh at ρ₀, an LM decrease ρ₀ → φρ₀, one lazy step: returns the lazily updated
-/// inverse of Λ̃ minus the recomputed one (Frobenius norm), `|dλ|·‖X‖₂`, and the optimizer.
-fn lazy_error(phi: f32) -> (f64, f64, KronOptimizer) {
+/// One refresh at ρ₀, an LM move of ρ (a good step: ρ₀ → φρ₀; a bad one with `grow`:
+/// ρ₀ → ρ₀/φ), one lazy step: returns the lazily updated inverse of Λ̃ minus the recomputed
+/// one (Frobenius norm), `|dλ|·‖X‖₂`, and the optimizer.
+fn lazy_error_moving(phi: f32, grow: bool) -> (f64, f64, KronOptimizer) {
     let mut rng = ChaCha8Rng::seed_from_u64(5);
     let (d_out, d_in, m) = (5, 7, 4);
     let mut cfg = KronConfig::reng();
@@ -485,7 +486,13 @@ fn lazy_error(phi: f32) -> (f64, f64, KronOptimizer) {
     let info = opt
         .step(&mut w, &[&g], Some(&[KronStats { a: &a, e: &e }]))
         .unwrap();
-    opt.observe_loss(1.0, 1.0 + info.predicted_change).unwrap(); // r = 1 ⇒ ρ ← φρ
+    // r = 1 ⇒ ρ ← φρ; r = 0 ⇒ ρ ← ρ/φ.
+    let after = if grow {
+        1.0
+    } else {
+        1.0 + info.predicted_change
+    };
+    opt.observe_loss(1.0, after).unwrap();
     let x0 = opt.state().unwrap().layers[0].lambda.inverse_norm as f64;
     let info = opt.step(&mut w, &[&g], None).unwrap();
     assert!(!info.refreshed);
@@ -501,6 +508,10 @@ fn lazy_error(phi: f32) -> (f64, f64, KronOptimizer) {
             .collect::<Vec<_>>(),
     );
     (err, dl.abs() * x0, opt)
+}
+
+fn lazy_error(phi: f32) -> (f64, f64, KronOptimizer) {
+    lazy_error_moving(phi, false)
 }
 
 /// The first-order update `X ← X − dλ·X·X` has error `O(dλ²)`: halving dλ divides the error
@@ -1206,4 +1217,31 @@ fn overflowing_step_is_non_finite_and_reject_step_raises_rho() {
     opt.reject_step();
     assert!(opt.rho() > rho, "ρ must grow: {} -> {}", rho, opt.rho());
     assert_eq!(opt.counters().nonfinite_losses, rejected + 1);
+}
+
+/// The same first-order update when the damping grows (`dλ > 0`, after a bad step): the error
+/// still scales as `dλ²` (the sign of `dλ` in `X ← X − dλ·X·X` is right both ways).
+#[test]
+fn first_order_inverse_update_tracks_a_growing_damping() {
+    // 1/√φ − 1 = 0.25, 0.111, 0.0526 of λ₀: dλ > 0.
+    let phis = [0.8f32 * 0.8, 0.9 * 0.9, 0.95 * 0.95];
+    let runs: Vec<(f64, f64)> = phis
+        .iter()
+        .map(|&phi| {
+            let (err, t, opt) = lazy_error_moving(phi, true);
+            assert!(t <= 0.5, "set-up must stay on the first-order path ({t})");
+            assert_eq!(opt.counters().first_order_updates, 2);
+            (err, t)
+        })
+        .collect();
+    // err ≈ C·dλ² and t ∝ dλ: err/t² is about constant (within the O(dλ³) remainder).
+    let c: Vec<f64> = runs.iter().map(|(e, t)| e / (t * t)).collect();
+    eprintln!("growing damping: (err, |dλ|·‖X‖) {runs:?}, err/t² {c:?}");
+    for w in c.windows(2) {
+        assert!(
+            (0.6..=1.5).contains(&(w[1] / w[0])),
+            "not second order: {c:?}"
+        );
+    }
+    assert!(runs[2].0 > 1e-4, "error far above f32 rounding");
 }
