@@ -3,35 +3,15 @@
 //! ragged sizes 1..=200.
 
 mod common;
-use common::with_spectrum;
+use common::{spd, with_spectrum};
 
 use grng::cpu::newton::newton_inverse;
 use grng::ops::newton::{InitialGuess, NewtonInfo, NewtonOptions, NewtonOrder, Precision};
 use grng::{Device, DivergenceReason, Error, Mat, MatRef};
 
 use proptest::prelude::*;
-use rand::{Rng, SeedableRng};
+use rand::SeedableRng;
 use rand_chacha::ChaCha8Rng;
-
-/// `Q D Qᵀ` in `f64`, `Q` a product of three random Householder reflectors, eigenvalues
-/// log-spaced over `[1/κ, 1]` in random order (both ends present), rounded to `f32`.
-/// Returns the matrix and its spectrum `D`.
-fn spd(rng: &mut ChaCha8Rng, n: usize, kappa: f64) -> (Vec<f32>, Vec<f64>) {
-    let mut d: Vec<f64> = (0..n)
-        .map(|i| {
-            let t = if n == 1 {
-                0.0
-            } else {
-                i as f64 / (n - 1) as f64
-            };
-            kappa.powf(-t)
-        })
-        .collect();
-    for i in (1..n).rev() {
-        d.swap(i, rng.random_range(0..=i));
-    }
-    (with_spectrum(rng, &d), d)
-}
 
 /// `A⁻¹` of the given `f32` matrix in `f64` (Cholesky, then `L⁻ᵀ L⁻¹`).
 fn inverse64(a: &[f32], n: usize) -> Vec<f64> {

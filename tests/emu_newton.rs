@@ -6,7 +6,7 @@
 //! every emulated thread is a fiber.
 
 mod common;
-use common::with_spectrum;
+use common::{spd, with_spectrum};
 
 use grng::cpu::newton::newton_inverse as cpu_newton;
 use grng::cuda::newton::{self as kn, Epilogue, Unused};
@@ -50,24 +50,6 @@ fn random(rng: &mut ChaCha8Rng, len: usize) -> Vec<f32> {
 
 fn round_bf16(x: &[f32]) -> Vec<f32> {
     x.iter().map(|&v| bf16::from_f32(v).to_f32()).collect()
-}
-
-/// SPD with eigenvalues log-spaced over `[1/κ, 1]` in random order.
-fn spd(rng: &mut ChaCha8Rng, n: usize, kappa: f64) -> Vec<f32> {
-    let mut d: Vec<f64> = (0..n)
-        .map(|i| {
-            let t = if n == 1 {
-                0.0
-            } else {
-                i as f64 / (n - 1) as f64
-            };
-            kappa.powf(-t)
-        })
-        .collect();
-    for i in (1..n).rev() {
-        d.swap(i, rng.random_range(0..=i));
-    }
-    with_spectrum(rng, &d)
 }
 
 /// `‖I − A X‖_F / √n` in `f64`.
@@ -327,7 +309,7 @@ fn rms_diff(x: &[f32], y: &[f32], n: usize) -> f64 {
 /// The emulated inversion against the CPU backend on one SPD matrix.
 fn compare_newton(n: usize, kappa: f64, opts: &NewtonOptions, warm_kind: u8, seed: u64) {
     let mut rng = ChaCha8Rng::seed_from_u64(seed);
-    let a = spd(&mut rng, n, kappa);
+    let (a, _) = spd(&mut rng, n, kappa);
     // Warm starts: a perturbed inverse (accepted) or a scaled identity far too large
     // (rejected: the fallback runs).
     let warm = (opts.init == InitialGuess::Warm).then(|| {
@@ -506,7 +488,7 @@ proptest! {
     fn spectral_norm_matches_cpu(n in size(), log_kappa in 0.0f64..=3.0, tol_exp in 2i32..=4, seed: u64) {
         let mut rng = ChaCha8Rng::seed_from_u64(seed);
         let scale = rng.random_range(0.1f32..10.0);
-        let a: Vec<f32> = spd(&mut rng, n, 10f64.powf(log_kappa)).iter().map(|v| v * scale).collect();
+        let a: Vec<f32> = spd(&mut rng, n, 10f64.powf(log_kappa)).0.iter().map(|v| v * scale).collect();
         let opts = PowerOptions { tol: 10f32.powi(-tol_exp), max_iter: 200 };
         let cpu = grng::cpu::spectral_norm(MatRef::new(&a, n, n).unwrap(), &opts).unwrap();
         for dev in devices() {
@@ -529,7 +511,7 @@ proptest! {
 fn too_few_iterations_and_tight_tolerance_are_errors() {
     let mut rng = ChaCha8Rng::seed_from_u64(7);
     let n = 40;
-    let a = spd(&mut rng, n, 100.0);
+    let (a, _) = spd(&mut rng, n, 100.0);
     for opts in [
         NewtonOptions {
             max_iter: 2,
@@ -676,7 +658,7 @@ fn bad_inputs_are_typed_errors() {
 fn cholesky_inverse_matches_cpu() {
     let mut rng = ChaCha8Rng::seed_from_u64(3);
     for n in [1usize, 17, 40] {
-        let a = spd(&mut rng, n, 50.0);
+        let (a, _) = spd(&mut rng, n, 50.0);
         let cpu = grng::cpu::cholesky_inverse(MatRef::new(&a, n, n).unwrap()).unwrap();
         for dev in devices() {
             let got = dev

@@ -55,3 +55,23 @@ pub fn with_spectrum(rng: &mut ChaCha8Rng, d: &[f64]) -> Vec<f32> {
     }
     a
 }
+
+/// `Q D Qᵀ` in `f64`, `Q` a product of three random Householder reflectors, eigenvalues
+/// log-spaced over `[1/κ, 1]` in random order (both ends present), rounded to `f32`.
+/// Returns the matrix and its spectrum `D`.
+pub fn spd(rng: &mut ChaCha8Rng, n: usize, kappa: f64) -> (Vec<f32>, Vec<f64>) {
+    let mut d: Vec<f64> = (0..n)
+        .map(|i| {
+            let t = if n == 1 {
+                0.0
+            } else {
+                i as f64 / (n - 1) as f64
+            };
+            kappa.powf(-t)
+        })
+        .collect();
+    for i in (1..n).rev() {
+        d.swap(i, rng.random_range(0..=i));
+    }
+    (with_spectrum(rng, &d), d)
+}
