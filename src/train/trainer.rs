@@ -147,6 +147,19 @@ pub struct Trainer {
     counters: TrainerCounters,
 }
 
+// `skip_nonfinite!(expr)`: the value of a `Result`, or a skipped step for a
+// non-finite-value error (every input is known finite here, so such an error means an
+// intermediate overflowed); other errors propagate.
+macro_rules! skip_nonfinite {
+    ($e:expr, $loss:expr, $gn:expr) => {
+        match $e {
+            Ok(v) => v,
+            Err(Error::NonFinite { .. }) => return Ok(Outcome::skip($loss, $gn)),
+            Err(e) => return Err(e),
+        }
+    };
+}
+
 impl Trainer {
     /// A trainer for `mlp` with `config` on `device`; `seed` seeds the trainer's own random
     /// stream (the network's initialization is the caller's).
@@ -331,18 +344,6 @@ impl Trainer {
         let device = &self.device;
         let mlp = &mut self.mlp;
         let rng = &mut self.rng;
-        // `skip_nonfinite!(expr)`: the value of a `Result`, or a skipped step for a
-        // non-finite-value error (every input is known finite here, so such an error means an
-        // intermediate overflowed); other errors propagate.
-        macro_rules! skip_nonfinite {
-            ($e:expr, $loss:expr, $gn:expr) => {
-                match $e {
-                    Ok(v) => v,
-                    Err(Error::NonFinite { .. }) => return Ok(Outcome::skip($loss, $gn)),
-                    Err(e) => return Err(e),
-                }
-            };
-        }
         let outcome = match &mut self.engine {
             Engine::Kron { opt, params } => {
                 let refresh = opt.needs_stats();
@@ -432,26 +433,10 @@ impl Trainer {
                 }
             }
             Engine::Sgd { opt, params } => {
-                let (loss, grad) = skip_nonfinite!(plain_gradient(mlp, batch), f32::NAN, f32::NAN);
-                let gn = norm(&grad);
-                if !loss.is_finite() || !gn.is_finite() {
-                    return Ok(Outcome::skip(loss, gn));
-                }
-                let g = device.upload(grad.len(), 1, &grad)?;
-                skip_nonfinite!(opt.step(params, &g), loss, gn);
-                sync_flat(mlp, params)?;
-                Outcome::applied(loss, gn, false)
+                first_order_step(device, mlp, batch, params, |p, g| opt.step(p, g))?
             }
             Engine::AdamW { opt, params } => {
-                let (loss, grad) = skip_nonfinite!(plain_gradient(mlp, batch), f32::NAN, f32::NAN);
-                let gn = norm(&grad);
-                if !loss.is_finite() || !gn.is_finite() {
-                    return Ok(Outcome::skip(loss, gn));
-                }
-                let g = device.upload(grad.len(), 1, &grad)?;
-                skip_nonfinite!(opt.step(params, &g), loss, gn);
-                sync_flat(mlp, params)?;
-                Outcome::applied(loss, gn, false)
+                first_order_step(device, mlp, batch, params, |p, g| opt.step(p, g))?
             }
             Engine::Sophia { opt, params } => {
                 let fwd = mlp.forward(batch.x)?;
@@ -534,6 +519,27 @@ impl Outcome {
             skipped: false,
         }
     }
+}
+
+/// One plain-gradient step of a flat first-order optimizer (SGD, AdamW): the mini-batch
+/// gradient, uploaded as `n x 1`, handed to `step`; skipped (nothing changed) on a non-finite
+/// value.
+fn first_order_step(
+    device: &Device,
+    mlp: &mut Mlp,
+    batch: Batch<'_>,
+    params: &mut Matrix,
+    step: impl FnOnce(&mut Matrix, &Matrix) -> Result<()>,
+) -> Result<Outcome> {
+    let (loss, grad) = skip_nonfinite!(plain_gradient(mlp, batch), f32::NAN, f32::NAN);
+    let gn = norm(&grad);
+    if !loss.is_finite() || !gn.is_finite() {
+        return Ok(Outcome::skip(loss, gn));
+    }
+    let g = device.upload(grad.len(), 1, &grad)?;
+    skip_nonfinite!(step(params, &g), loss, gn);
+    sync_flat(mlp, params)?;
+    Ok(Outcome::applied(loss, gn, false))
 }
 
 fn all_finite(v: &[f32]) -> bool {
