@@ -4,7 +4,7 @@
 
 use grng::data::synthetic_classification;
 use grng::mlp::{Activation, FisherMode, Loss, Mlp, MlpConfig, Targets};
-use grng::ops::newton::NewtonOptions;
+use grng::ops::newton::{InitialGuess, NewtonOptions};
 use grng::optim::kron::{
     levenberg_marquardt, InverseMethod, KronConfig, KronCounters, KronOptimizer, KronState,
     KronVariant,
@@ -1186,15 +1186,48 @@ fn newton_warm_starts_with_skip_one_train() {
             lr: 0.5,
             rho: 3e-2,
             skip: 1,
+            // The GPU default (Auto picks Cholesky on the CPU).
+            inverse: InverseMethod::Auto.resolve(&Device::Emulated),
             ..base
         };
-        assert!(matches!(cfg.inverse, InverseMethod::Newton(_)));
+        assert!(matches!(cfg.inverse, InverseMethod::Newton(o) if o.init == InitialGuess::Warm));
         let (_, l0, l1, c) = train_kron(&t, cfg, 30, false);
         assert_eq!(c.refreshes, 30, "{c:?}");
         assert!(c.newton_inversions > 0, "{c:?}");
         assert_eq!(c.newton_divergences, 0, "{c:?}");
         assert!(l1 < l0, "{:?}: loss {l0} -> {l1}", cfg.variant);
     }
+}
+
+/// The default inverse resolves per device: Cholesky (faer, exact) on the CPU, warm Newton on
+/// the kernel devices; an explicit method is kept as is. Training with the default on the CPU
+/// inverts by Cholesky only, and no inversion is counted as a fallback.
+#[test]
+fn auto_inverse_is_cholesky_on_cpu_newton_on_gpu() {
+    for cfg in [KronConfig::ring(), KronConfig::reng(), KronConfig::ngd()] {
+        assert_eq!(cfg.inverse, InverseMethod::Auto);
+        assert_eq!(cfg.inverse.resolve(&Device::Cpu), InverseMethod::Cholesky);
+        assert!(matches!(
+            cfg.inverse.resolve(&Device::Emulated),
+            InverseMethod::Newton(o) if o == NewtonOptions { init: InitialGuess::Warm, ..NewtonOptions::default() }
+        ));
+        assert_eq!(
+            InverseMethod::Cholesky.resolve(&Device::Emulated),
+            InverseMethod::Cholesky
+        );
+    }
+    let t = task();
+    let cfg = KronConfig {
+        lr: 0.5,
+        rho: 3e-2,
+        skip: 1,
+        ..KronConfig::ngd()
+    };
+    let (_, l0, l1, c) = train_kron(&t, cfg, 10, false);
+    assert_eq!(c.refreshes, 10, "{c:?}");
+    assert!(c.cholesky_inversions >= 10, "{c:?}");
+    assert_eq!((c.newton_inversions, c.cholesky_fallbacks), (0, 0), "{c:?}");
+    assert!(l1 < l0, "loss {l0} -> {l1}");
 }
 
 /// An overflowing step (finite but huge gradients) is a `NonFinite` error that changes nothing;

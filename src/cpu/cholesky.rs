@@ -1,176 +1,25 @@
-//! Cholesky factor, solve and inverse of SPD matrices: the exact reference, computed in `f64`.
+//! Cholesky factor, solve and inverse of SPD matrices: the exact reference, computed in `f64`
+//! by faer (its blocked, rayon-parallel `llt`: ~7x a hand-written blocked factor at n = 1024,
+//! `docs/benchmarks.md` §3).
 //!
-//! The `f32` input is widened to `f64` and factored by a blocked left-looking algorithm whose
-//! bulk (the block updates) runs on the `gemm` crate's `f64` kernel with rayon; only the
-//! small diagonal blocks and panels are scalar code. Results are rounded to `f32` once at the
-//! end, so they carry no `f32` accumulation error.
+//! The `f32` input is widened to `f64`, factored and solved there, and rounded to `f32` once at
+//! the end, so results carry no `f32` accumulation error. Row-major `n x n` buffers are handed
+//! to faer as row-major views (no transposition copy).
 
-use rayon::prelude::*;
+use faer::linalg::solvers::{DenseSolveCore, Solve};
 
 use super::check_finite_view;
 use crate::error::{check_shape, Error, Result};
 use crate::mat::{Mat, MatMut, MatRef};
 
-/// Block width: diagonal blocks and panels of this width are done by scalar code.
-const NB: usize = 64;
-
-/// `dst ← dst − op(L)·op(R)` on raw row-major `f64` storage (`(rs, cs)` strides per operand).
-///
-/// # Safety
-/// Every pointer must address its `m x k`, `k x n` or `m x n` region in bounds for the given
-/// strides, and the `dst` region must not overlap the two read regions.
-#[allow(clippy::too_many_arguments)]
-unsafe fn gemm_sub_f64(
-    (m, n, k): (usize, usize, usize),
-    dst: *mut f64,
-    ld_dst: usize,
-    lhs: *const f64,
-    (lhs_rs, lhs_cs): (usize, usize),
-    rhs: *const f64,
-    (rhs_rs, rhs_cs): (usize, usize),
-) {
-    if m == 0 || n == 0 || k == 0 {
-        return;
+/// Widens rows of a view to a contiguous row-major `f64` buffer.
+fn widen(a: MatRef<'_, f32>) -> Vec<f64> {
+    let (rows, cols) = a.shape();
+    let mut w = Vec::with_capacity(rows * cols);
+    for i in 0..rows {
+        w.extend(a.row(i).iter().map(|&v| v as f64));
     }
-    // The crate computes dst := alpha·dst + beta·lhs·rhs (alpha/beta swapped against BLAS).
-    ::gemm::gemm(
-        m,
-        n,
-        k,
-        dst,
-        1,
-        ld_dst as isize,
-        true,
-        lhs,
-        lhs_cs as isize,
-        lhs_rs as isize,
-        rhs,
-        rhs_cs as isize,
-        rhs_rs as isize,
-        1.0f64,
-        -1.0f64,
-        false,
-        false,
-        false,
-        ::gemm::Parallelism::Rayon(0),
-    );
-}
-
-/// In-place lower Cholesky factor of the `n x n` row-major `w` (only its lower triangle is
-/// read; the strict upper triangle is zeroed on success).
-fn factor_f64(w: &mut [f64], n: usize) -> Result<()> {
-    for jb in (0..n).step_by(NB) {
-        let bw = NB.min(n - jb);
-        // Left-looking update of block column jb: A[jb.., jb..jb+bw] −= L[jb.., ..jb]·L[jb..jb+bw, ..jb]ᵀ.
-        // SAFETY: w is n x n; reads cover columns 0..jb, the write covers columns jb..jb+bw of
-        // rows jb..n: in bounds and disjoint.
-        unsafe {
-            let p = w.as_mut_ptr();
-            gemm_sub_f64(
-                (n - jb, bw, jb),
-                p.add(jb * n + jb),
-                n,
-                p.add(jb * n),
-                (n, 1),
-                p.add(jb * n),
-                (1, n),
-            );
-        }
-        // Unblocked factor of the diagonal block.
-        for j in jb..jb + bw {
-            let d = w[j * n + j] - (jb..j).map(|q| w[j * n + q] * w[j * n + q]).sum::<f64>();
-            if !(d > 0.0 && d.is_finite()) {
-                return Err(Error::NotSpd {
-                    op: "cpu::cholesky",
-                    index: j,
-                    pivot: d,
-                });
-            }
-            let ljj = d.sqrt();
-            w[j * n + j] = ljj;
-            for i in j + 1..jb + bw {
-                let s = (jb..j).map(|q| w[i * n + q] * w[j * n + q]).sum::<f64>();
-                w[i * n + j] = (w[i * n + j] - s) / ljj;
-            }
-        }
-        // Panel below the diagonal block: L[i, jb..jb+bw] = A[i, ..] · L_diag⁻ᵀ, row by row.
-        let (top, bottom) = w.split_at_mut((jb + bw) * n);
-        let top = &*top;
-        bottom.par_chunks_mut(n).for_each(|row| {
-            for j in jb..jb + bw {
-                let s = (jb..j).map(|q| row[q] * top[j * n + q]).sum::<f64>();
-                row[j] = (row[j] - s) / top[j * n + j];
-            }
-        });
-    }
-    for i in 0..n {
-        w[i * n + i + 1..(i + 1) * n].fill(0.0);
-    }
-    Ok(())
-}
-
-/// Solves `L Lᵀ X = B` in place for `B` (`n x k`, contiguous) given the lower factor `l`.
-fn solve_f64(l: &[f64], n: usize, b: &mut [f64], k: usize) {
-    // Forward: L Y = B.
-    for ib in (0..n).step_by(NB) {
-        let end = (ib + NB).min(n);
-        // SAFETY: B rows 0..ib are read, rows ib..end written (disjoint); L[ib..end, 0..ib] is
-        // in bounds of the n x n factor.
-        unsafe {
-            gemm_sub_f64(
-                (end - ib, k, ib),
-                b.as_mut_ptr().add(ib * k),
-                k,
-                l.as_ptr().add(ib * n),
-                (n, 1),
-                b.as_ptr(),
-                (k, 1),
-            );
-        }
-        for i in ib..end {
-            let (done, rest) = b.split_at_mut(i * k);
-            let bi = &mut rest[..k];
-            for q in ib..i {
-                let lq = l[i * n + q];
-                bi.iter_mut()
-                    .zip(&done[q * k..(q + 1) * k])
-                    .for_each(|(x, y)| *x -= lq * y);
-            }
-            let d = l[i * n + i];
-            bi.iter_mut().for_each(|x| *x /= d);
-        }
-    }
-    // Backward: Lᵀ X = Y.
-    let starts: Vec<usize> = (0..n).step_by(NB).collect();
-    for &ib in starts.iter().rev() {
-        let end = (ib + NB).min(n);
-        // SAFETY: B rows end..n are read, rows ib..end written (disjoint); Lᵀ[ib..end, end..n]
-        // = L[end..n, ib..end] is in bounds of the factor.
-        unsafe {
-            gemm_sub_f64(
-                (end - ib, k, n - end),
-                b.as_mut_ptr().add(ib * k),
-                k,
-                l.as_ptr().add(end * n + ib),
-                (1, n),
-                b.as_ptr().add(end * k),
-                (k, 1),
-            );
-        }
-        for i in (ib..end).rev() {
-            let (head, done) = b.split_at_mut((i + 1) * k);
-            let bi = &mut head[i * k..];
-            for q in i + 1..end {
-                let lq = l[q * n + i];
-                let off = (q - i - 1) * k;
-                bi.iter_mut()
-                    .zip(&done[off..off + k])
-                    .for_each(|(x, y)| *x -= lq * y);
-            }
-            let d = l[i * n + i];
-            bi.iter_mut().for_each(|x| *x /= d);
-        }
-    }
+    w
 }
 
 /// Widens a square view to contiguous `f64`, after shape and finiteness checks.
@@ -178,17 +27,49 @@ fn widen_square(op: &'static str, arg: &'static str, a: MatRef<'_, f32>) -> Resu
     let n = a.rows();
     check_shape(op, arg, a.shape(), (n, n))?;
     check_finite_view(op, arg, a)?;
-    let mut w = vec![0.0f64; n * n];
-    for i in 0..n {
-        for (x, v) in w[i * n..(i + 1) * n].iter_mut().zip(a.row(i)) {
-            *x = *v as f64;
-        }
-    }
-    Ok(w)
+    Ok(widen(a))
 }
 
-fn round(w: &[f64], rows: usize, cols: usize) -> Result<Mat> {
-    Mat::from_vec(w.iter().map(|&x| x as f32).collect(), rows, cols)
+/// faer's lower Cholesky factor of the row-major `n x n` `w` (only its lower triangle is read),
+/// or [`Error::NotSpd`] with the first pivot that is not positive.
+fn factor(op: &'static str, w: &[f64], n: usize) -> Result<faer::linalg::solvers::Llt<f64>> {
+    let a = faer::MatRef::from_row_major_slice(w, n, n);
+    a.llt(faer::Side::Lower).map_err(|e| {
+        let faer::linalg::cholesky::llt::factor::LltError::NonPositivePivot { index } = e;
+        Error::NotSpd {
+            op,
+            index,
+            pivot: pivot_at(w, n, index),
+        }
+    })
+}
+
+/// The `j`-th Cholesky pivot `A[j,j] − A[j,..j]·A[..j,..j]⁻¹·A[..j,j]` (the Schur complement of
+/// the leading block, which is SPD when pivot `j` is the first bad one). Error path only: faer
+/// reports the index, the error also carries the value.
+fn pivot_at(w: &[f64], n: usize, j: usize) -> f64 {
+    let lead: Vec<f64> = (0..j).flat_map(|i| w[i * n..i * n + j].to_vec()).collect();
+    let mut y = faer::Mat::<f64>::from_fn(j, 1, |i, _| w[j * n + i]);
+    let a_jj = w[j * n + j];
+    if j == 0 {
+        return a_jj;
+    }
+    match faer::MatRef::from_row_major_slice(&lead, j, j).llt(faer::Side::Lower) {
+        Ok(l) => {
+            let rhs = y.clone();
+            l.solve_in_place(y.as_mut());
+            a_jj - (0..j).map(|i| rhs[(i, 0)] * y[(i, 0)]).sum::<f64>()
+        }
+        // Not reached when `j` is the first bad pivot; NaN still fails every `> 0` test.
+        Err(_) => f64::NAN,
+    }
+}
+
+fn round(rows: usize, cols: usize, at: impl Fn(usize, usize) -> f64) -> Result<Mat> {
+    let data = (0..rows * cols)
+        .map(|idx| at(idx / cols, idx % cols) as f32)
+        .collect();
+    Mat::from_vec(data, rows, cols)
 }
 
 /// Lower Cholesky factor `L` (`L Lᵀ = A`, strict upper triangle zero) of a symmetric positive
@@ -198,10 +79,12 @@ fn round(w: &[f64], rows: usize, cols: usize) -> Result<Mat> {
 /// [`Error::Shape`] unless `a` is square, [`Error::NonFinite`] for NaN/Inf in `a`,
 /// [`Error::NotSpd`] with the index and value of the first pivot that is not positive.
 pub fn cholesky(a: MatRef<'_, f32>) -> Result<Mat> {
+    const OP: &str = "cpu::cholesky";
     let n = a.rows();
-    let mut w = widen_square("cpu::cholesky", "a", a)?;
-    factor_f64(&mut w, n)?;
-    round(&w, n, n)
+    let w = widen_square(OP, "a", a)?;
+    let llt = factor(OP, &w, n)?;
+    let l = llt.L();
+    round(n, n, |i, j| if j <= i { l[(i, j)] } else { 0.0 })
 }
 
 /// Solves `L Lᵀ X = B` in place (`B ← X`) for a lower factor `l` (`n x n`, from [`cholesky`];
@@ -215,29 +98,32 @@ pub fn cholesky_solve(l: MatRef<'_, f32>, mut b: MatMut<'_, f32>) -> Result<()> 
     let n = l.rows();
     let k = b.cols();
     check_shape(OP, "b", b.shape(), (n, k))?;
-    let mut lw = widen_square(OP, "l", l)?;
+    let lw = widen_square(OP, "l", l)?;
     check_finite_view(OP, "b", b.as_ref())?;
-    for i in 0..n {
-        let d = lw[i * n + i];
-        if d <= 0.0 {
-            return Err(Error::NotSpd {
-                op: OP,
-                index: i,
-                pivot: d,
-            });
-        }
-        lw[i * n + i + 1..(i + 1) * n].fill(0.0);
+    if let Some(i) = (0..n).find(|&i| lw[i * n + i] <= 0.0) {
+        return Err(Error::NotSpd {
+            op: OP,
+            index: i,
+            pivot: lw[i * n + i],
+        });
     }
-    let mut bw = vec![0.0f64; n * k];
+    let lf = faer::MatRef::from_row_major_slice(&lw, n, n);
+    let bw = widen(b.as_ref());
+    let mut x = faer::Mat::<f64>::from_fn(n, k, |i, j| bw[i * k + j]);
+    // L Lᵀ X = B: forward then backward substitution, reading only the lower triangle of L.
+    faer::linalg::triangular_solve::solve_lower_triangular_in_place(
+        lf,
+        x.as_mut(),
+        faer::Par::rayon(0),
+    );
+    faer::linalg::triangular_solve::solve_upper_triangular_in_place(
+        lf.transpose(),
+        x.as_mut(),
+        faer::Par::rayon(0),
+    );
     for i in 0..n {
-        for (x, v) in bw[i * k..(i + 1) * k].iter_mut().zip(b.as_ref().row(i)) {
-            *x = *v as f64;
-        }
-    }
-    solve_f64(&lw, n, &mut bw, k);
-    for i in 0..n {
-        for (x, v) in b.row_mut(i).iter_mut().zip(&bw[i * k..(i + 1) * k]) {
-            *x = *v as f32;
+        for (j, v) in b.row_mut(i).iter_mut().enumerate() {
+            *v = x[(i, j)] as f32;
         }
     }
     Ok(())
@@ -249,20 +135,10 @@ pub fn cholesky_solve(l: MatRef<'_, f32>, mut b: MatMut<'_, f32>) -> Result<()> 
 /// # Errors
 /// As [`cholesky`].
 pub fn cholesky_inverse(a: MatRef<'_, f32>) -> Result<Mat> {
+    const OP: &str = "cpu::cholesky_inverse";
     let n = a.rows();
-    let mut w = widen_square("cpu::cholesky_inverse", "a", a)?;
-    factor_f64(&mut w, n)?;
-    let mut x = vec![0.0f64; n * n];
-    for i in 0..n {
-        x[i * n + i] = 1.0;
-    }
-    solve_f64(&w, n, &mut x, n);
-    for i in 0..n {
-        for j in 0..i {
-            let s = 0.5 * (x[i * n + j] + x[j * n + i]);
-            x[i * n + j] = s;
-            x[j * n + i] = s;
-        }
-    }
-    round(&x, n, n)
+    let w = widen_square(OP, "a", a)?;
+    let x = factor(OP, &w, n)?.inverse();
+    // Exact symmetry: both triangles come from the rounded mean of the two f64 entries.
+    round(n, n, |i, j| 0.5 * (x[(i, j)] + x[(j, i)]))
 }

@@ -14,7 +14,8 @@ use crate::error::Result;
 use crate::mlp::{Activation, FisherMode};
 use crate::report;
 use crate::train::{
-    self, Checkpointing, Method, MethodConfig, MethodResult, RunConfig, Splits, UnknownMethod,
+    self, Checkpointing, Method, MethodConfig, MethodResult, OptimizerConfig, RunConfig, Splits,
+    UnknownMethod,
 };
 
 /// Train an MLP on the UCI handwritten digits (1797 8x8 images, CC BY 4.0, shipped in the
@@ -188,7 +189,7 @@ pub fn run(cli: &Cli) -> Result<()> {
     }
     println!();
     print!("{}", report::summary_table(&results, run.target_acc));
-    print!("{}", reliability_table(&results));
+    print!("{}", reliability_table(&results, &device));
     let (svg, csv) = report::write_outputs(&cli.out, &results)?;
     println!(
         "\nwall time {:.1} s; figure: {}; curves: {}",
@@ -200,14 +201,16 @@ pub fn run(cli: &Cli) -> Result<()> {
 }
 
 /// Skipped steps and numerical fallbacks per method, printed under the summary table (issue
-/// 5: fallbacks are reported, not hidden), plus where a resumed run started.
-pub fn reliability_table(results: &[MethodResult]) -> String {
+/// 5: fallbacks are reported, not hidden), the factor inverse the Kronecker methods used on
+/// `device` ([`crate::optim::kron::InverseMethod::resolve`]), plus where a resumed run started.
+pub fn reliability_table(results: &[MethodResult], device: &Device) -> String {
     use std::fmt::Write as _;
     let mut out = String::new();
     let _ = writeln!(
         out,
-        "\n{:<9} {:>8} {:>9} {:>8} {:>9} {:>9} {:>8} {:>9} {:>8} {:>9}",
+        "\n{:<9} {:>8} {:>8} {:>9} {:>8} {:>9} {:>9} {:>8} {:>9} {:>8} {:>9}",
         "numerics",
+        "inverse",
         "skipped",
         "rejected",
         "newton",
@@ -220,7 +223,8 @@ pub fn reliability_table(results: &[MethodResult]) -> String {
     );
     let _ = writeln!(
         out,
-        "{:<9} {:>8} {:>9} {:>8} {:>9} {:>9} {:>8} {:>9} {:>8} {:>9}",
+        "{:<9} {:>8} {:>8} {:>9} {:>8} {:>9} {:>9} {:>8} {:>9} {:>8} {:>9}",
+        "",
         "",
         "NaN/Inf",
         "updates",
@@ -237,10 +241,15 @@ pub fn reliability_table(results: &[MethodResult]) -> String {
         let resumed = r
             .resumed_from
             .map_or_else(|| "-".to_string(), |s| s.to_string());
+        let inverse = match &r.config.optimizer {
+            OptimizerConfig::Kron(k) => k.inverse.resolve(device).label(),
+            _ => "-",
+        };
         let _ = writeln!(
             out,
-            "{:<9} {:>8} {:>9} {:>8} {:>9} {:>9} {:>8} {:>9} {:>8} {:>9}",
+            "{:<9} {:>8} {:>8} {:>9} {:>8} {:>9} {:>9} {:>8} {:>9} {:>8} {:>9}",
             r.config.method.label(),
+            inverse,
             c.skipped_nonfinite,
             c.rejected_updates,
             c.newton_retries,

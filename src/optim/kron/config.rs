@@ -1,5 +1,6 @@
 //! Hyperparameters of the Kronecker-factored optimizers (SPEC §2, defaults from SPEC §6).
 
+use crate::device::Device;
 use crate::error::{check_value, Result};
 use crate::ops::newton::{InitialGuess, NewtonOptions};
 use crate::ops::norm::PowerOptions;
@@ -22,6 +23,13 @@ pub enum KronVariant {
 /// How the damped factors are inverted.
 #[derive(Clone, Copy, Debug, PartialEq)]
 pub enum InverseMethod {
+    /// The fastest exact-enough method of the device (the default), see
+    /// [`InverseMethod::resolve`]: [`InverseMethod::Cholesky`] on [`Device::Cpu`] (faer's
+    /// blocked Cholesky inverse takes about n³ flops, Newton about 18 GEMMs of 2n³: 5–10x
+    /// slower on a CPU, `docs/benchmarks.md` §3), warm-started [`InverseMethod::Newton`] with
+    /// default options on [`Device::Cuda`] and [`Device::Emulated`] (GEMM-only and
+    /// device-resident, no triangular solves or host round trip).
+    Auto,
     /// Newton iteration ([`crate::Device::newton_inverse`]). The optimizer raises
     /// `lambda_low` to the damping in use (a lower bound on the damped factor's spectrum)
     /// and, with [`InitialGuess::Warm`], passes the previous inverse as the warm start.
@@ -31,6 +39,32 @@ pub enum InverseMethod {
     Newton(NewtonOptions),
     /// Exact inverse through a Cholesky factorization ([`crate::Device::cholesky_inverse`]).
     Cholesky,
+}
+
+impl InverseMethod {
+    /// The method used on `device`: [`InverseMethod::Auto`] resolved as documented there,
+    /// any other method as is.
+    pub fn resolve(&self, device: &Device) -> InverseMethod {
+        match (self, device) {
+            (InverseMethod::Auto, Device::Cpu) => InverseMethod::Cholesky,
+            (InverseMethod::Auto, Device::Emulated | Device::Cuda(_)) => {
+                InverseMethod::Newton(NewtonOptions {
+                    init: InitialGuess::Warm,
+                    ..NewtonOptions::default()
+                })
+            }
+            (m, _) => *m,
+        }
+    }
+
+    /// Short name for reports: `"newton"` or `"cholesky"` (`"auto"` unresolved).
+    pub fn label(&self) -> &'static str {
+        match self {
+            InverseMethod::Auto => "auto",
+            InverseMethod::Newton(_) => "newton",
+            InverseMethod::Cholesky => "cholesky",
+        }
+    }
 }
 
 /// Factor by which the damping is multiplied for the single Newton retry after a divergence.
@@ -70,8 +104,8 @@ pub struct KronConfig {
     /// Divide the learning rate by the number of layers `L` (paper eq. grad_weight_update).
     /// Default `true`.
     pub scale_by_layers: bool,
-    /// Inversion method. Default: cubic Newton from the warm start (scaled identity on the
-    /// first refresh), tolerance `1e-4`.
+    /// Inversion method. Default [`InverseMethod::Auto`]: Cholesky on the CPU, cubic Newton
+    /// from the warm start (scaled identity on the first refresh, tolerance `1e-4`) on a GPU.
     pub inverse: InverseMethod,
     /// Power iteration for the spectral norms (RING's damping and the lazy-update test).
     pub power: PowerOptions,
@@ -96,10 +130,7 @@ impl KronConfig {
             skip: 4,
             ema: 0.0,
             scale_by_layers: true,
-            inverse: InverseMethod::Newton(NewtonOptions {
-                init: InitialGuess::Warm,
-                ..NewtonOptions::default()
-            }),
+            inverse: InverseMethod::Auto,
             power: PowerOptions::default(),
             grad_reg: 0.0,
             damping_floor: 1e-6,

@@ -91,12 +91,13 @@ impl Ctx<'_> {
             self.device.add_diagonal(&mut d, lambda)?;
             Ok(d)
         };
-        let opts = match &self.cfg.inverse {
-            InverseMethod::Cholesky => {
+        let opts = match self.cfg.inverse.resolve(self.device) {
+            InverseMethod::Newton(o) => o,
+            // Cholesky (resolve() never returns Auto).
+            _ => {
                 c.cholesky_inversions += 1;
                 return Ok((self.device.cholesky_inverse(&damped(damping)?)?, damping));
             }
-            InverseMethod::Newton(o) => o,
         };
         let warm = if opts.init == InitialGuess::Warm {
             warm
@@ -104,7 +105,7 @@ impl Ctx<'_> {
             None
         };
         for lambda in [damping, NEWTON_RETRY_DAMPING * damping] {
-            let mut o = *opts;
+            let mut o = opts;
             // F is PSD, so λ bounds the spectrum of F + λI from below.
             o.lambda_low = o.lambda_low.max(lambda);
             match self.device.newton_inverse(&damped(lambda)?, warm, &o) {
