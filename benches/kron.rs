@@ -1,12 +1,12 @@
 //! Kronecker-factor accumulation `Λ = (1/m) AᵀA` (m = n): grng's SYRK (f32 and bf16 inputs)
-//! against faer's full matmul `AᵀA` on the same data. Throughput counts the GEMM-equivalent
+//! against grng's own GEMM and faer's matmul computing the full `AᵀA` on the same data. Throughput counts the GEMM-equivalent
 //! 2·m·n² flops for every contender, so a SYRK that skips the upper triangle can exceed the
 //! GEMM's rate.
 
 use criterion::{criterion_group, criterion_main, BenchmarkId, Criterion, Throughput};
 use faer::linalg::matmul::matmul;
 use faer::{Accum, Par};
-use grng::{Mat, MatRef};
+use grng::{Mat, MatRef, Trans};
 use half::bf16;
 use rand::{Rng, SeedableRng};
 use rand_chacha::ChaCha8Rng;
@@ -30,6 +30,22 @@ fn bench_kron(c: &mut Criterion) {
         group.bench_with_input(BenchmarkId::new("grng_syrk_bf16", n), &n, |bch, _| {
             let av = MatRef::new(&abf, m, n).unwrap();
             bch.iter(|| grng::cpu::syrk_ema(av, 0.0, factor.as_mut()).unwrap())
+        });
+
+        group.bench_with_input(BenchmarkId::new("grng_gemm_ata", n), &n, |bch, _| {
+            let av = MatRef::new(&a, m, n).unwrap();
+            bch.iter(|| {
+                grng::cpu::gemm(
+                    Trans::Yes,
+                    Trans::No,
+                    1.0 / m as f32,
+                    av,
+                    av,
+                    0.0,
+                    factor.as_mut(),
+                )
+                .unwrap()
+            })
         });
 
         let fa = faer::Mat::<f32>::from_fn(m, n, |i, j| a[i * n + j]);

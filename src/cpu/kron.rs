@@ -11,10 +11,6 @@ use crate::device::Element;
 use crate::error::{check_shape, check_value, Error, Result};
 use crate::mat::{MatMut, MatRef, Trans};
 
-/// Diagonal blocks at most this wide are computed as one full GEMM (its upper half is wasted
-/// work, `≤ n·BASE·m/2` flops in all, a few percent at n ≥ 1024) instead of being split again.
-const BASE: usize = 192;
-
 /// `Err(Error::Shape)` when the batch `arg` (`m x cols`) has no row.
 pub(crate) fn check_batch(
     op: &'static str,
@@ -68,10 +64,9 @@ pub(crate) fn check_batch_gradient_args(
 /// (`factor`) of shape `n x n`, both row-major views.
 ///
 /// `bf16` inputs are widened to `f32` (exactly); all products accumulate in `f32`. Only the lower
-/// triangle is computed (recursively: the off-diagonal block as one GEMM, the two diagonal
-/// blocks by recursion, small diagonal blocks as full GEMMs) and then mirrored into the upper
-/// one, so the result is exactly symmetric. Only the lower triangle of the old `Λ` is read, and
-/// not at all when `ε = 0` (it may then hold NaN).
+/// triangle is computed (faer's triangular-output matmul) and then mirrored into the upper one,
+/// so the result is exactly symmetric. Only the lower triangle of the old `Λ` is read, and not
+/// at all when `ε = 0` (it may then hold NaN).
 ///
 /// # Errors
 /// [`Error::Shape`] when `m = 0` or `factor` is not `n x n`; [`Error::Value`] unless
@@ -103,74 +98,76 @@ pub fn syrk_ema<T: Element>(a: MatRef<'_, T>, eps: f32, mut factor: MatMut<'_, f
         MatRef::new(&widened, m, n)?
     };
     let alpha = (1.0 - eps) / m as f32;
-    let ld = factor.ld();
-    lower_syrk(a32, (alpha, eps), factor.data_mut(), ld, (0, n))?;
+    lower_syrk(a32, (alpha, eps), factor.rb());
     mirror_lower(factor);
     Ok(())
 }
 
-/// Computes the lower triangle of rows/columns `lo..hi` of `C ← α AᵀA + β C` (plus the upper
-/// half of the smallest diagonal blocks). `c` holds rows `lo..` of `C`, `ld` apart.
-///
-/// The diagonal block above the split and the rows below it touch disjoint rows of `C`, so
-/// they run as two rayon tasks: small GEMMs alone cannot keep both cores busy.
-fn lower_syrk(
-    a: MatRef<'_, f32>,
-    (alpha, beta): (f32, f32),
-    c: &mut [f32],
-    ld: usize,
-    (lo, hi): (usize, usize),
-) -> Result<()> {
-    let w = hi - lo;
-    let m = a.rows();
-    let cols_of_a = |from: usize, to: usize| -> Result<MatRef<'_, f32>> {
-        // A[:, from..to], an m x (to − from) view into the same buffer.
-        MatRef::with_ld(&a.data()[from..], m, to - from, a.ld())
+/// Lower triangle of `C ← α AᵀA + β C` for `A` `m x n`, `C` `n x n` (the strict upper
+/// triangle is left alone), through faer's triangular-output matmul: it recurses on the lower
+/// triangle with its blocked, rayon-parallel GEMM kernels, so no upper tile is computed and
+/// the big off-diagonal blocks keep the GEMM's packing efficiency (`docs/benchmarks.md` §2).
+fn lower_syrk(a: MatRef<'_, f32>, (alpha, beta): (f32, f32), mut c: MatMut<'_, f32>) {
+    use faer::linalg::matmul::triangular::{matmul, BlockStructure};
+    let (m, n) = a.shape();
+    let ld = c.ld();
+    let data = c.data_mut();
+    let accum = if beta == 0.0 {
+        // Replace never reads C (it may hold NaN).
+        faer::Accum::Replace
+    } else {
+        data.par_chunks_mut(ld).enumerate().for_each(|(i, row)| {
+            row[..=i].iter_mut().for_each(|x| *x *= beta);
+        });
+        faer::Accum::Add
     };
-    if w <= BASE {
-        let blk = cols_of_a(lo, hi)?;
-        let dst = MatMut::with_ld(&mut c[lo..], w, w, ld)?;
-        return gemm(Trans::Yes, Trans::No, alpha, blk, blk, beta, dst);
-    }
-    // Split at a multiple of 16 so the GEMM tiles stay aligned with the micro-kernel.
-    let mid = lo + (w / 2).next_multiple_of(16).min(w - 1);
-    let (top, bottom) = c.split_at_mut((mid - lo) * ld);
-    let (r_top, r_bottom) = rayon::join(
-        || lower_syrk(a, (alpha, beta), top, ld, (lo, mid)),
-        || -> Result<()> {
-            // Off-diagonal block C[mid..hi, lo..mid] = α A[:, mid..hi]ᵀ A[:, lo..mid] + β C[…].
-            let dst = MatMut::with_ld(&mut bottom[lo..], hi - mid, mid - lo, ld)?;
-            gemm(
-                Trans::Yes,
-                Trans::No,
-                alpha,
-                cols_of_a(mid, hi)?,
-                cols_of_a(lo, mid)?,
-                beta,
-                dst,
-            )?;
-            lower_syrk(a, (alpha, beta), bottom, ld, (mid, hi))
-        },
+    let fa = faer::MatRef::from_row_major_slice_with_stride(a.data(), m, n, a.ld());
+    // Row-major C as the transpose of a column-major view: faer 0.24.4's
+    // `from_row_major_slice_with_stride_mut` builds a column-major view (strides swapped).
+    let fc = faer::MatMut::from_column_major_slice_with_stride_mut(data, n, n, ld).transpose_mut();
+    matmul(
+        fc,
+        BlockStructure::TriangularLower,
+        accum,
+        fa.transpose(),
+        BlockStructure::Rectangular,
+        fa,
+        BlockStructure::Rectangular,
+        alpha,
+        faer::Par::rayon(0),
     );
-    r_top.and(r_bottom)
 }
 
-/// Copies the strict lower triangle of a square view into its upper triangle.
+/// Raw pointer to the factor's storage, shared by the mirror tasks (see [`mirror_lower`]).
+#[derive(Clone, Copy)]
+struct SharedPtr(*mut f32);
+// SAFETY: only used by `mirror_lower`, whose tasks read and write disjoint elements.
+unsafe impl Send for SharedPtr {}
+unsafe impl Sync for SharedPtr {}
+
+/// Copies the strict lower triangle of a square view into its upper triangle, bands of
+/// `TILE` rows in parallel.
 fn mirror_lower(mut c: MatMut<'_, f32>) {
     // 32 x 32 tiles keep both the row-wise reads and the column-wise writes in cache.
     const TILE: usize = 32;
     let n = c.rows();
     let ld = c.ld();
-    let data = c.data_mut();
-    for ib in (0..n).step_by(TILE) {
+    let base = SharedPtr(c.data_mut().as_mut_ptr());
+    (0..n.div_ceil(TILE)).into_par_iter().for_each(move |band| {
+        let p = base;
+        let (ib, iend) = (band * TILE, ((band + 1) * TILE).min(n));
         for jb in (ib..n).step_by(TILE) {
-            for i in ib..(ib + TILE).min(n) {
+            for i in ib..iend {
                 for j in jb.max(i + 1)..(jb + TILE).min(n) {
-                    data[i * ld + j] = data[j * ld + i];
+                    // SAFETY: i, j < n, so both offsets are inside the n x n view. Each task
+                    // writes only (i, j) with j > i of its own rows and reads only (j, i) with
+                    // j > i, the strict lower triangle, which nobody writes: no element is
+                    // both read and written, no two tasks write the same one.
+                    unsafe { *p.0.add(i * ld + j) = *p.0.add(j * ld + i) };
                 }
             }
         }
-    }
+    });
 }
 
 /// Batch gradient `G = (1/m) Eᵀ A` for `E` of shape `m x d_out` (per-sample output gradients,
