@@ -2,6 +2,9 @@
 //! against grng's own GEMM and faer's matmul computing the full `AᵀA` on the same data. Throughput counts the GEMM-equivalent
 //! 2·m·n² flops for every contender, so a SYRK that skips the upper triangle can exceed the
 //! GEMM's rate.
+//!
+//! `kron_optimizer_step`: one Kronecker optimizer step without the network (see
+//! [`bench_optimizer_step`]).
 
 use criterion::{criterion_group, criterion_main, BenchmarkId, Criterion, Throughput};
 use faer::linalg::matmul::matmul;
@@ -66,5 +69,57 @@ fn bench_kron(c: &mut Criterion) {
     group.finish();
 }
 
-criterion_group!(benches, bench_kron);
+/// One optimizer-only step (no forward/backward: fixed random statistics and gradients) of
+/// the MLP 784-1024-1024-10 with biases, batch 256, on the CPU: RING S = 8 (averaged over the
+/// refresh and the lazy steps) and NGD (refresh and inverse every step), each with the
+/// default inverse (`Auto`, Cholesky on the CPU) and with warm Newton (the GPU default).
+fn bench_optimizer_step(c: &mut Criterion) {
+    use grng::optim::kron::{InverseMethod, KronConfig, KronOptimizer};
+    use grng::optim::KronStats;
+    use grng::{Device, Matrix};
+    let mut group = common::flat_group(c, "kron_optimizer_step");
+    let dev = Device::Cpu;
+    let m = 256;
+    let layers = [(1024usize, 785usize), (1024, 1025), (10, 1025)];
+    let mut rng = ChaCha8Rng::seed_from_u64(3);
+    let mut random = |r: usize, c: usize| -> Matrix {
+        let v: Vec<f32> = (0..r * c).map(|_| rng.random_range(-1.0f32..1.0)).collect();
+        dev.upload(r, c, &v).unwrap()
+    };
+    let a: Vec<Matrix> = layers.iter().map(|&(_, i)| random(m, i)).collect();
+    let e: Vec<Matrix> = layers.iter().map(|&(o, _)| random(m, o)).collect();
+    let grads: Vec<Matrix> = layers.iter().map(|&(o, i)| random(o, i)).collect();
+    let stats: Vec<KronStats<'_>> = a.iter().zip(&e).map(|(a, e)| KronStats { a, e }).collect();
+    let newton = InverseMethod::Auto.resolve(&Device::Emulated);
+    for (name, base) in [
+        (
+            "ring_s8",
+            KronConfig {
+                skip: 8,
+                ..KronConfig::ring()
+            },
+        ),
+        ("ngd", KronConfig::ngd()),
+    ] {
+        for (inv_name, inverse) in [("auto_cholesky", InverseMethod::Auto), ("newton", newton)] {
+            let cfg = KronConfig {
+                lr: 1e-3,
+                inverse,
+                ..base
+            };
+            let mut opt = KronOptimizer::new(&dev, &layers, cfg).unwrap();
+            let mut params: Vec<Matrix> = layers
+                .iter()
+                .map(|&(o, i)| dev.zeros(o, i).unwrap())
+                .collect();
+            let g: Vec<&Matrix> = grads.iter().collect();
+            group.bench_function(BenchmarkId::new(name, inv_name), |b| {
+                b.iter(|| opt.step(&mut params, &g, Some(&stats)).unwrap())
+            });
+        }
+    }
+    group.finish();
+}
+
+criterion_group!(benches, bench_kron, bench_optimizer_step);
 criterion_main!(benches);
