@@ -472,6 +472,16 @@ proptest! {
         let mut x = b.clone();
         cpu::cholesky_solve(l.as_ref(), x.view_mut()).unwrap();
         let xd = x.dense();
+        // The upper triangle of the factor is ignored.
+        let mut l_junk = l.clone();
+        for i in 0..n {
+            for j in i + 1..n {
+                l_junk.as_mut_slice()[i * n + j] = 1e3;
+            }
+        }
+        let mut x_junk = b.clone();
+        cpu::cholesky_solve(l_junk.as_ref(), x_junk.view_mut()).unwrap();
+        prop_assert_eq!(x_junk.dense(), xd.clone());
         let ax = matmul64(&a64, &xd, n, n, k);
         let m: Vec<f64> = (0..n * n).map(|i| 2.0 * llt_abs[i] + a64[i].abs()).collect();
         let bound: Vec<f64> = matmul64(&m, &abs64(&xd), n, n, k).iter().map(|x| 4.0 * EPS * x).collect();

@@ -98,7 +98,7 @@ pub fn cholesky_solve(l: MatRef<'_, f32>, mut b: MatMut<'_, f32>) -> Result<()> 
     let n = l.rows();
     let k = b.cols();
     check_shape(OP, "b", b.shape(), (n, k))?;
-    let lw = widen_square(OP, "l", l)?;
+    let mut lw = widen_square(OP, "l", l)?;
     check_finite_view(OP, "b", b.as_ref())?;
     if let Some(i) = (0..n).find(|&i| lw[i * n + i] <= 0.0) {
         return Err(Error::NotSpd {
@@ -106,6 +106,11 @@ pub fn cholesky_solve(l: MatRef<'_, f32>, mut b: MatMut<'_, f32>) -> Result<()> 
             index: i,
             pivot: lw[i * n + i],
         });
+    }
+    // The upper triangle is documented as ignored: zero it rather than rely on which entries
+    // faer's triangular solves happen to read.
+    for i in 0..n {
+        lw[i * n + i + 1..(i + 1) * n].fill(0.0);
     }
     let lf = faer::MatRef::from_row_major_slice(&lw, n, n);
     let bw = widen(b.as_ref());
