@@ -35,11 +35,12 @@ fn config(cases: u32) -> ProptestConfig {
     }
 }
 
-/// Sizes around the 64-wide output tile and the 32/16/8-wide load granules, plus anything.
+/// Sizes around the 128-wide output tile and the 64/32/16/8-wide warp tiles, K slices and
+/// load granules, plus anything.
 fn size() -> impl Strategy<Value = usize> {
     prop_oneof![
         1 => Just(1usize),
-        3 => prop::sample::select(vec![2usize, 7, 8, 9, 15, 16, 17, 31, 33, 63, 64, 65, 96]),
+        3 => prop::sample::select(vec![2usize, 7, 8, 9, 15, 16, 17, 31, 33, 63, 64, 65, 96, 127, 128, 129, 136]),
         4 => 1usize..=100,
     ]
 }
@@ -216,12 +217,12 @@ fn check_product(dev: &Device, n: usize, f: &Flags, tc: bool, seed: u64) {
     }
     if f.partial {
         let got = partial.to_vec().unwrap();
-        let t = n.div_ceil(64);
+        let (tile, t) = (kn::TILE, n.div_ceil(kn::TILE));
         for bi in 0..t {
             for bj in 0..t {
                 let (mut s, mut e) = (0.0f64, 0.0f64);
-                for i in bi * 64..((bi + 1) * 64).min(n) {
-                    for j in bj * 64..((bj + 1) * 64).min(n) {
+                for i in bi * tile..((bi + 1) * tile).min(n) {
+                    for j in bj * tile..((bj + 1) * tile).min(n) {
                         s += v[i * n + j] * v[i * n + j];
                         e += 2.0 * v[i * n + j].abs() * tol(i * n + j);
                     }

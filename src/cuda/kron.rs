@@ -23,8 +23,8 @@ kernel!(pub SYRK_EMA_TC = KRON::kron_syrk_ema_tc;);
 const TILE_F32: usize = 64;
 /// Output tile of `kron_syrk_ema_tc` (the GEMM engine's block tile, kernels/gemm/engine.cuh).
 const TILE_TC: usize = 128;
-/// Dynamic shared memory of `kron_syrk_ema_tc` (`GRNG_GEMM_SMEM`: 3 stages of two 128x32
-/// bf16 tiles).
+/// Dynamic shared memory of every GEMM-engine kernel (`kron_syrk_ema_tc`, `newton_gemm_tc`):
+/// `GRNG_GEMM_SMEM` of kernels/gemm/engine.cuh, 3 stages of two 128x32 bf16 tiles.
 pub(crate) const GEMM_SMEM: u32 = 3 * 2 * 128 * 32 * 2;
 
 /// Validates a SYRK-EMA call and returns `(m, n, α, grid)`: `a` `m x n` with `m ≥ 1`,

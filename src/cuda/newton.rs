@@ -14,7 +14,7 @@
 //! (input checks, norms) once. Buffer rotation over three iterates keeps the best one
 //! without copies.
 //!
-//! Products: `Bf16` mode runs [`newton_gemm_tc`](product_tc) (WMMA bf16, f32 accumulate) on the
+//! Products: `Bf16` mode runs [`newton_gemm_tc`](product_tc) (mma.sync bf16, f32 accumulate) on the
 //! bf16 copies the previous epilogues wrote; `F32` mode (and the `Bf16` run's final `f32`
 //! residual and polish) runs the fp32 GEMM of [`super::precond::gemm`] followed by
 //! `newton_epilogue_f32` ([`product_f32`]), which applies the same epilogue.
@@ -39,10 +39,8 @@ kernel!(pub POWER_MATVEC = NEWTON::newton_power_matvec;);
 kernel!(pub POWER_NORMALIZE = NEWTON::newton_power_normalize;);
 
 /// Output tile of `newton_gemm_tc` and `newton_epilogue_f32` (rows and columns).
-pub const TILE: usize = 64;
-/// Dynamic shared memory of `newton_gemm_tc`: two stages of the 64x32 A and 32x64 B bf16
-/// tiles with rows padded by 8 (the 64x68 f32 epilogue tile reuses it).
-const TC_SMEM: u32 = (2 * 64 * 40 + 2 * 32 * 72) * 2;
+/// The GEMM engine's block tile (kernels/gemm/engine.cuh).
+pub const TILE: usize = 128;
 /// Largest `n`: the kernels index `n²` elements with `int`.
 const MAX_N: usize = 46_340;
 /// Blocks of `newton_power_matvec` (8 rows each, grid-stride beyond).
@@ -55,7 +53,7 @@ const OUT_F32: i32 = 4;
 const OUT_BF16: i32 = 8;
 const RESID: i32 = 16;
 
-/// Number of residual partials a product of `n x n` matrices writes (one per 64x64 tile).
+/// Number of residual partials a product of `n x n` matrices writes (one per 128x128 tile).
 pub fn partials(n: usize) -> usize {
     n.div_ceil(TILE).pow(2)
 }
@@ -63,7 +61,7 @@ pub fn partials(n: usize) -> usize {
 /// The algebra fused into a Newton product `C = A·B` (`n x n`): per element
 /// `v = α·C[r,c] + diag·[r = c] + add1[r,c] + add2[r,c]` (absent terms skipped), written to
 /// `out` (`f32`) and/or `out_bf` (`bf16`, round-to-nearest-even); with `partial`, element `b`
-/// (row-major over the 64x64 output tiles) receives the tile's `Σ v²`.
+/// (row-major over the 128x128 output tiles) receives the tile's `Σ v²`.
 pub struct Epilogue<'a> {
     pub alpha: f32,
     pub diag: f32,
@@ -217,8 +215,9 @@ fn tile_grid(n: usize) -> (u32, u32, u32) {
     (t, t, 1)
 }
 
-/// `C = A·B` for `n x n` bf16 `a`, `b` on tensor cores (`newton_gemm_tc`: 64x64 tiles, 4 warps
-/// of 2x2 WMMA m16n16k16 accumulators, f32 accumulation), with `epi` fused into the store.
+/// `C = A·B` for `n x n` bf16 `a`, `b` on tensor cores (`newton_gemm_tc`: the GEMM engine of
+/// kernels/gemm/engine.cuh, 128x128 tiles, 8 warps of 4x4 mma.sync m16n8k16 accumulators,
+/// f32 accumulation), with `epi` fused into the store.
 ///
 /// # Errors
 /// [`Error::Shape`] (non-square or mismatched operands, short `partial`), [`Error::Value`]
@@ -237,8 +236,8 @@ pub fn product_tc(
     dim(OP, n)?;
     let cfg = LaunchConfig {
         grid: tile_grid(n),
-        block: (128, 1, 1),
-        shared_mem: TC_SMEM,
+        block: (256, 1, 1),
+        shared_mem: super::kron::GEMM_SMEM,
     };
     let mut args = KernelArgs::new(dev);
     args.input(OP, a)?.input(OP, b)?;
@@ -246,9 +245,10 @@ pub fn product_tc(
     // SAFETY: newton_gemm_tc(const bf16* a, const bf16* b, const float* add1, const float*
     // add2, float* out, bf16* out_bf, float* partial, int n, float alpha, float diag, int
     // flags). a, b and every buffer selected by `flags` are n x n (checked), partial holds
-    // one float per block of the ceil(n/64)² grid; unselected pointers are never touched.
+    // one float per block of the ceil(n/128)² grid; unselected pointers are never touched.
     // The kernel reads and writes only rows/columns < n (zero-filled tile edges) and uses
-    // TC_SMEM bytes of dynamic shared memory (2 stages of [64][40] + [32][72] bf16).
+    // GEMM_SMEM bytes of dynamic shared memory (3 stages of two 128x32 bf16 tiles); 16-byte
+    // cp.async only when n % 8 == 0 and the operand is 16-byte aligned (src-size cut at n).
     unsafe { launch(&GEMM_TC, cfg, args) }
 }
 
@@ -283,7 +283,7 @@ pub fn product_f32(
     // SAFETY: newton_epilogue_f32(const float* c, const float* add1, const float* add2,
     // float* out, bf16* out_bf, float* partial, int n, float alpha, float diag, int flags):
     // c and every buffer selected by `flags` are n x n (checked; c is a distinct buffer, so
-    // it cannot alias the outputs), partial holds one float per block of the ceil(n/64)²
+    // it cannot alias the outputs), partial holds one float per block of the ceil(n/128)²
     // grid; elements are touched only at rows/columns < n; static shared memory only.
     unsafe { launch(&EPILOGUE_F32, cfg, args) }
 }
