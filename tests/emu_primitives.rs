@@ -619,3 +619,48 @@ fn swizzle_is_a_conflict_free_permutation() {
         }
     }
 }
+
+proptest! {
+    #![proptest_config(ProptestConfig { cases: 24, ..ProptestConfig::default() })]
+
+    /// The GEMM engine on ragged shapes (M, N, K off every tile, slice and granule size,
+    /// below 16 included), all four operand layouts, against f64 on the bf16 inputs.
+    #[test]
+    fn gemm_engine_matches_f64(
+        m in prop_oneof![1usize..=20, 120usize..=140, 250usize..=260],
+        n in prop_oneof![1usize..=20, 120usize..=140],
+        k in prop_oneof![1usize..=17, 30usize..=100],
+        a_k_outer in any::<bool>(),
+        b_k_inner in any::<bool>(),
+        seed in any::<u64>(),
+    ) {
+        let mut s = seed | 1;
+        let mut rnd = move || { s ^= s << 13; s ^= s >> 7; s ^= s << 17; (s >> 40) as f32 / (1u64 << 24) as f32 * 2.0 - 1.0 };
+        // Logical A[i][l] (m x k) and B[l][j] (k x n), bf16-rounded.
+        let a: Vec<bf16> = (0..m * k).map(|_| bf16::from_f32(rnd())).collect();
+        let b: Vec<bf16> = (0..k * n).map(|_| bf16::from_f32(rnd())).collect();
+        let a_st: Vec<bf16> = if a_k_outer { (0..m * k).map(|x| a[(x % m) * k + x / m]).collect() } else { a.clone() };
+        let b_st: Vec<bf16> = if b_k_inner { (0..k * n).map(|x| b[(x % k) * n + x / k]).collect() } else { b.clone() };
+        for dev in devices() {
+            let (am, bm) = (dev.upload(m * k, 1, &a_st).unwrap(), dev.upload(k * n, 1, &b_st).unwrap());
+            let mut d = poison(&dev, m * n);
+            selftest::gemm(&dev, &am, &bm, &mut d, (m, n, k), a_k_outer, b_k_inner).unwrap();
+            let got = d.to_vec().unwrap();
+            for i in 0..m {
+                for j in 0..n {
+                    let (mut acc, mut mag) = (0.0f64, 0.0f64);
+                    for l in 0..k {
+                        let p = f64::from(a[i * k + l].to_f32()) * f64::from(b[l * n + j].to_f32());
+                        acc += p;
+                        mag += p.abs();
+                    }
+                    // bf16 products are exact in f32; the k f32 additions each round by
+                    // ≤ 2^-24 of a partial sum ≤ mag. Hardware may truncate: allow 4x.
+                    let tol = 4.0 * (k as f64 + 1.0) * 2f64.powi(-24) * mag + 1e-30;
+                    let g = f64::from(got[i * n + j]);
+                    prop_assert!((g - acc).abs() <= tol, "({}, {}) of {}x{}x{}: {} vs {}", i, j, m, n, k, g, acc);
+                }
+            }
+        }
+    }
+}

@@ -3,7 +3,7 @@
 // hardware). Valid CUDA: build.rs compiles this file to PTX too (ptx::SELFTEST) and the audit
 // covers it (selftest_wmma_tc proves the HMMA check works), but no optimizer uses it.
 #include "common.cuh"
-#include "gemm/mma_sm80.cuh"
+#include "gemm/engine.cuh"
 
 // Tiled transpose through a padded shared tile: out (cols x rows) = in (rows x cols)ᵀ.
 // Block (32, 8), grid (ceil(cols/32), ceil(rows/32)).
@@ -387,3 +387,38 @@ extern "C" __global__ void selftest_swizzle(int* __restrict__ out) {
     o[3 * 64 * 16] = grng_swizzle<16>(row, chunk);
 }
 GRNG_EMU_ENTRY(selftest_swizzle)
+
+// The GEMM engine with a plain store: d (M x N row-major f32) = op(A)·op(B). layouts bit 0:
+// A stored k-outer (element (i, k) at a[k·lda + i]) instead of k-inner (a[i·lda + k]); bit 1:
+// B stored k-inner (element (k, j) at b[j·ldb + k]) instead of k-outer (b[k·ldb + j]).
+// Grid (ceil(N/128), ceil(M/128)), block 256, GRNG_GEMM_SMEM bytes of dynamic shared memory.
+struct SelftestStore {
+    float* d;
+    int ldd;
+    __device__ __forceinline__ void operator()(int i, int j, float v) { d[(long long)i * ldd + j] = v; }
+    __device__ __forceinline__ void finish() {}
+};
+
+extern "C" __global__ void __launch_bounds__(GRNG_GEMM_THREADS)
+    selftest_gemm_tc(const __nv_bfloat16* __restrict__ a, int lda,
+                     const __nv_bfloat16* __restrict__ b, int ldb, float* __restrict__ d, int M,
+                     int N, int K, int layouts) {
+    GRNG_DYN_SHARED(__nv_bfloat16, smem);
+    SelftestStore epi{d, N};
+    const int i0 = blockIdx.y * GRNG_GEMM_BM, j0 = blockIdx.x * GRNG_GEMM_BM;
+    switch (layouts & 3) {
+        case 0:
+            grng_gemm_tile<GrngKInner, GrngKOuter>(a, lda, b, ldb, M, N, K, i0, j0, smem, epi);
+            break;
+        case 1:
+            grng_gemm_tile<GrngKOuter, GrngKOuter>(a, lda, b, ldb, M, N, K, i0, j0, smem, epi);
+            break;
+        case 2:
+            grng_gemm_tile<GrngKInner, GrngKInner>(a, lda, b, ldb, M, N, K, i0, j0, smem, epi);
+            break;
+        default:
+            grng_gemm_tile<GrngKOuter, GrngKInner>(a, lda, b, ldb, M, N, K, i0, j0, smem, epi);
+            break;
+    }
+}
+GRNG_EMU_ENTRY(selftest_gemm_tc)

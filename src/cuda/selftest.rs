@@ -25,6 +25,7 @@ kernel!(pub MMA_TC = SELFTEST::selftest_mma_tc;);
 kernel!(pub LDMATRIX = SELFTEST::selftest_ldmatrix;);
 kernel!(pub CP_ASYNC = SELFTEST::selftest_cp_async;);
 kernel!(pub SWIZZLE = SELFTEST::selftest_swizzle;);
+kernel!(pub GEMM_TC = SELFTEST::selftest_gemm_tc;);
 
 fn value_err(op: &'static str, arg: &'static str, v: usize, expected: &'static str) -> Error {
     Error::Value {
@@ -567,4 +568,53 @@ pub fn swizzle(dev: &Device, out: &mut Matrix<f32>) -> Result<()> {
     // SAFETY: selftest_swizzle(int* out): thread (row, chunk) writes out[(k 64 + row) 16 +
     // chunk] for k < 4, all < 4096; length checked above.
     unsafe { launch(&SWIZZLE, cfg, args) }
+}
+
+/// The GEMM engine (kernels/gemm/engine.cuh) with a plain store: `d` (`m x n` row-major f32)
+/// `= op(A)·op(B)`, `op(A)` `m x k`, `op(B)` `k x n`. `a_k_outer`: `a` holds `A` as `k x m`
+/// (element `(i, l)` at `a[l·m + i]`), else `m x k`; `b_k_inner`: `b` holds `B` as `n x k`
+/// (element `(l, j)` at `b[j·k + l]`), else `k x n`. Leading dimensions are the stored row
+/// lengths; `m, n, k ≥ 1`.
+#[allow(clippy::too_many_arguments)]
+pub fn gemm(
+    dev: &Device,
+    a: &Matrix<bf16>,
+    b: &Matrix<bf16>,
+    d: &mut Matrix<f32>,
+    (m, n, k): (usize, usize, usize),
+    a_k_outer: bool,
+    b_k_inner: bool,
+) -> Result<()> {
+    const OP: &str = "selftest::gemm";
+    for (arg, v) in [("m", m), ("n", n), ("k", k)] {
+        if v == 0 || v > 4096 {
+            return Err(value_err(OP, arg, v, "1..=4096"));
+        }
+    }
+    check_len(OP, "a", a.len(), m * k)?;
+    check_len(OP, "b", b.len(), k * n)?;
+    check_len(OP, "d", d.len(), m * n)?;
+    let lda = if a_k_outer { m } else { k };
+    let ldb = if b_k_inner { k } else { n };
+    let cfg = LaunchConfig {
+        grid: (n.div_ceil(128) as u32, m.div_ceil(128) as u32, 1),
+        block: (256, 1, 1),
+        shared_mem: super::kron::GEMM_SMEM,
+    };
+    let mut args = KernelArgs::new(dev);
+    args.input(OP, a)?
+        .scalar(lda as i32)
+        .input(OP, b)?
+        .scalar(ldb as i32)
+        .output(OP, d)?
+        .scalar(m as i32)
+        .scalar(n as i32)
+        .scalar(k as i32)
+        .scalar(i32::from(a_k_outer) | (i32::from(b_k_inner) << 1));
+    // SAFETY: selftest_gemm_tc(const bf16* a, int lda, const bf16* b, int ldb, float* d, int
+    // M, int N, int K, int layouts): the engine reads a and b only at stored (row, column)
+    // inside the m x k / k x n extents with the leading dimensions above (lengths checked;
+    // cp.async src-size cut at the row end) and writes d (m x n) only at i < m, j < n; block
+    // 256 and GEMM_SMEM bytes of dynamic shared memory as the engine needs.
+    unsafe { launch(&GEMM_TC, cfg, args) }
 }
