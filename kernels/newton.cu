@@ -93,7 +93,10 @@ __device__ __forceinline__ void newton_epilogue(const float* cs, int ldc, int r0
 // bf16 tensor-core GEMM with the fused epilogue: C = A·B for n x n row-major bf16 A, B on
 // the GEMM engine (kernels/gemm/engine.cuh; A k-inner, B k-outer), the epilogue applied
 // from the accumulator registers. Grid (ceil(n/128), ceil(n/128)), block 256,
-// GRNG_GEMM_SMEM bytes of dynamic shared memory.
+// GRNG_GEMM_SMEM bytes of dynamic shared memory. Full products: A·X, E·E and X·F are
+// symmetric only while X is a polynomial in A (αA or cI start, no warm start, exact
+// arithmetic); the driver allows mirrored products only in the early F32 phase (the f32
+// GEMM), because the last steps need full products for Newton's self-correction.
 struct NewtonEpi {
     const float* __restrict__ add1;
     const float* __restrict__ add2;
@@ -112,7 +115,7 @@ struct NewtonEpi {
     __device__ __forceinline__ void finish() { newton_store_partial(sq, partial, flags); }
 };
 
-extern "C" __global__ void __launch_bounds__(GRNG_GEMM_THREADS)
+extern "C" __global__ void __launch_bounds__(GRNG_GEMM_THREADS, 2)
     newton_gemm_tc(const __nv_bfloat16* __restrict__ a, const __nv_bfloat16* __restrict__ b,
                    const float* __restrict__ add1, const float* __restrict__ add2,
                    float* __restrict__ out, __nv_bfloat16* __restrict__ out_bf,
