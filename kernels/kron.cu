@@ -147,7 +147,7 @@ extern "C" __global__ void __launch_bounds__(GRNG_GEMM_THREADS)
     int bi, bj;
     grng_tri_tile(blockIdx.x, bi, bj);
     KronEmaMirror epi{L, n, alpha, eps};
-    grng_gemm_tile<GrngKOuter, GrngKOuter>(A, n, A, n, n, n, m, bi * GRNG_GEMM_BM,
-                                           bj * GRNG_GEMM_BM, smem, epi);
+    grng_gemm_tile<GrngKOuter, GrngKOuter, 1>(A, n, 0, A, n, 0, n, n, m, bi * GRNG_GEMM_BM,
+                                              bj * GRNG_GEMM_BM, smem, epi);
 }
 GRNG_EMU_ENTRY(kron_syrk_ema_tc, (const __nv_bfloat16*, float*, int, int, float, float))

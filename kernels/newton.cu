@@ -122,8 +122,8 @@ extern "C" __global__ void __launch_bounds__(GRNG_GEMM_THREADS, 2)
                    float* __restrict__ partial, int n, float alpha, float diag, int flags) {
     GRNG_DYN_SHARED(__nv_bfloat16, smem);
     NewtonEpi epi{add1, add2, out, out_bf, partial, n, alpha, diag, flags, 0.0f};
-    grng_gemm_tile<GrngKInner, GrngKOuter>(a, n, b, n, n, n, n, blockIdx.y * NEWTON_TILE,
-                                           blockIdx.x * NEWTON_TILE, smem, epi);
+    grng_gemm_tile<GrngKInner, GrngKOuter, 1>(a, n, 0, b, n, 0, n, n, n, blockIdx.y * NEWTON_TILE,
+                                              blockIdx.x * NEWTON_TILE, smem, epi);
 }
 GRNG_EMU_ENTRY(newton_gemm_tc, (const __nv_bfloat16*, const __nv_bfloat16*, const float*,
                                 const float*, float*, __nv_bfloat16*, float*, int, float, float,

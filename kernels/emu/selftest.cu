@@ -405,20 +405,6 @@ extern "C" __global__ void __launch_bounds__(GRNG_GEMM_THREADS)
                      int N, int K, int layouts) {
     GRNG_DYN_SHARED(__nv_bfloat16, smem);
     SelftestStore epi{d, N};
-    const int i0 = blockIdx.y * GRNG_GEMM_BM, j0 = blockIdx.x * GRNG_GEMM_BM;
-    switch (layouts & 3) {
-        case 0:
-            grng_gemm_tile<GrngKInner, GrngKOuter>(a, lda, b, ldb, M, N, K, i0, j0, smem, epi);
-            break;
-        case 1:
-            grng_gemm_tile<GrngKOuter, GrngKOuter>(a, lda, b, ldb, M, N, K, i0, j0, smem, epi);
-            break;
-        case 2:
-            grng_gemm_tile<GrngKInner, GrngKInner>(a, lda, b, ldb, M, N, K, i0, j0, smem, epi);
-            break;
-        default:
-            grng_gemm_tile<GrngKOuter, GrngKInner>(a, lda, b, ldb, M, N, K, i0, j0, smem, epi);
-            break;
-    }
+    grng_gemm_tile_any<1>(a, lda, 0, b, ldb, 0, M, N, K, layouts, smem, epi);
 }
 GRNG_EMU_ENTRY(selftest_gemm_tc)

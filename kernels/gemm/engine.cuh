@@ -100,19 +100,46 @@ __device__ __forceinline__ bool grng_gemm_vec_ok(const __nv_bfloat16* p, int ld)
     return (ld & 7) == 0 && (reinterpret_cast<unsigned long long>(p) & 15) == 0;
 }
 
+// Split products (f32 accuracy on bf16 tensor cores): an f32 operand x is stored as three
+// bf16 planes x = hi + mid + lo (grng_split3; 24 significant bits, exact for normal floats),
+// plane p at base + p·plane. Of the 9 plane products the 6 above 2^-24 relative are summed,
+// the small ones first so their roundings stay ~2^-8 below the final sum's:
+// mid·mid, hi·lo, lo·hi, hi·mid, mid·hi, hi·hi. Term t's planes: 2-bit fields of these masks.
+#define GRNG_SPLIT3_TERMS 6
+#define GRNG_SPLIT3_A_PLANES 0x121  // t = 0..5 → 1, 0, 2, 0, 1, 0
+#define GRNG_SPLIT3_B_PLANES 0x049  // t = 0..5 → 1, 2, 0, 1, 0, 0
+
+// The three bf16 planes of x: hi = bf16(x), mid = bf16(x − hi), lo = bf16(x − hi − mid) (the
+// differences are exact in f32).
+__device__ __forceinline__ void grng_split3(float x, __nv_bfloat16& hi, __nv_bfloat16& mid,
+                                            __nv_bfloat16& lo) {
+    hi = __float2bfloat16_rn(x);
+    const float r = x - __bfloat162float(hi);
+    mid = __float2bfloat16_rn(r);
+    lo = __float2bfloat16_rn(r - __bfloat162float(mid));
+}
+
 // The block's 128x128 tile of C = op(A)·op(B) at rows i0.., columns j0.. (op(A) M x K,
 // op(B) K x N), handed to epi(i, j, value) for every i < M, j < N of the tile; then
-// epi.finish() is called by every thread (block reductions). smem: GRNG_GEMM_SMEM bytes of
-// dynamic shared memory. Every thread of the 256-thread block must call it.
-template <class AL, class BL, class Epi>
+// epi.finish() is called by every thread (block reductions). Terms = 1: plain bf16 operands
+// (a_plane, b_plane unused); Terms = GRNG_SPLIT3_TERMS: A and B are split3 planes a_plane /
+// b_plane elements apart, and the K loop runs over the 6 plane products in turn. smem:
+// GRNG_GEMM_SMEM bytes of dynamic shared memory. Every thread of the 256-thread block must
+// call it.
+template <class AL, class BL, int Terms, class Epi>
 __device__ __forceinline__ void grng_gemm_tile(const __nv_bfloat16* __restrict__ A, int lda,
+                                               long long a_plane,
                                                const __nv_bfloat16* __restrict__ B, int ldb,
-                                               int M, int N, int K, int i0, int j0,
-                                               __nv_bfloat16* smem, Epi& epi) {
+                                               long long b_plane, int M, int N, int K, int i0,
+                                               int j0, __nv_bfloat16* smem, Epi& epi) {
+    static_assert(Terms == 1 || Terms == GRNG_SPLIT3_TERMS, "plain or split3 products");
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
     const int wm = (warp & 1) * 64, wn = (warp >> 1) * 32;
-    const bool vec_a = grng_gemm_vec_ok(A, lda), vec_b = grng_gemm_vec_ok(B, ldb);
+    // Every plane must be 16-byte aligned for cp.async: the plane stride too.
+    const bool vec_a = grng_gemm_vec_ok(A, lda) && (Terms == 1 || (a_plane & 7) == 0);
+    const bool vec_b = grng_gemm_vec_ok(B, ldb) && (Terms == 1 || (b_plane & 7) == 0);
     const int nk = grng_ceil_div(K, GRNG_GEMM_BK);
+    const int nslices = Terms * nk;  // slice v: term v / nk, K slice v % nk
 
     float acc[4][4][4];
 GRNG_UNROLL
@@ -123,15 +150,19 @@ GRNG_UNROLL
             for (int e = 0; e < 4; ++e) acc[mi][nj][e] = 0.0f;
 
     // Stage s: A tile at smem + s·STAGE_ELEMS, B tile right after it.
-    auto load_stage = [&](int s, int kt) {
+    auto load_stage = [&](int s, int v) {
         __nv_bfloat16* st = smem + s * GRNG_GEMM_STAGE_ELEMS;
-        const int k0 = kt * GRNG_GEMM_BK;
-        AL::load(st, A, lda, i0, k0, M, K, vec_a);
-        BL::load(st + GRNG_GEMM_BM * GRNG_GEMM_BK, B, ldb, j0, k0, N, K, vec_b);
+        const int t = v / nk, k0 = (v - t * nk) * GRNG_GEMM_BK;
+        const int pa = (GRNG_SPLIT3_A_PLANES >> (2 * t)) & 3;
+        const int pb = (GRNG_SPLIT3_B_PLANES >> (2 * t)) & 3;
+        const __nv_bfloat16* a = Terms == 1 ? A : A + pa * a_plane;
+        const __nv_bfloat16* b = Terms == 1 ? B : B + pb * b_plane;
+        AL::load(st, a, lda, i0, k0, M, K, vec_a);
+        BL::load(st + GRNG_GEMM_BM * GRNG_GEMM_BK, b, ldb, j0, k0, N, K, vec_b);
     };
 GRNG_UNROLL
     for (int s = 0; s < GRNG_GEMM_STAGES - 1; ++s) {
-        if (s < nk) load_stage(s, s);
+        if (s < nslices) load_stage(s, s);
         grng_cp_async_commit();
     }
 
@@ -140,13 +171,13 @@ GRNG_UNROLL
     const int lrow = lane & 7, lj = lane >> 3;
     const int a_oo = 8 * (lj & 1), a_ko = 8 * (lj >> 1);
     const int b_oo = 8 * (lj >> 1), b_ko = 8 * (lj & 1);
-    for (int kt = 0; kt < nk; ++kt) {
+    for (int kt = 0; kt < nslices; ++kt) {
         // Slice kt's group is complete once at most STAGES-2 younger ones are in flight; the
         // barrier also retires every warp's reads of the stage the next load overwrites.
         grng_cp_async_wait<GRNG_GEMM_STAGES - 2>();
         __syncthreads();
         const int next = kt + GRNG_GEMM_STAGES - 1;
-        if (next < nk) load_stage(next % GRNG_GEMM_STAGES, next);
+        if (next < nslices) load_stage(next % GRNG_GEMM_STAGES, next);
         grng_cp_async_commit();
 
         const __nv_bfloat16* sa = smem + (kt % GRNG_GEMM_STAGES) * GRNG_GEMM_STAGE_ELEMS;
@@ -190,6 +221,36 @@ GRNG_UNROLL
                 }
             }
     epi.finish();
+}
+
+// grng_gemm_tile with the operand layouts chosen at run time: layouts bit 0 → A k-outer
+// (op(A) = Aᵀ of a K x M row-major A), else k-inner; bit 1 → B k-inner (op(B) = Bᵀ of an
+// N x K row-major B), else k-outer. Block (x, y) computes tile (y, x).
+template <int Terms, class Epi>
+__device__ __forceinline__ void grng_gemm_tile_any(const __nv_bfloat16* __restrict__ A, int lda,
+                                                   long long a_plane,
+                                                   const __nv_bfloat16* __restrict__ B, int ldb,
+                                                   long long b_plane, int M, int N, int K,
+                                                   int layouts, __nv_bfloat16* smem, Epi& epi) {
+    const int i0 = blockIdx.y * GRNG_GEMM_BM, j0 = blockIdx.x * GRNG_GEMM_BM;
+    switch (layouts & 3) {
+        case 0:
+            grng_gemm_tile<GrngKInner, GrngKOuter, Terms>(A, lda, a_plane, B, ldb, b_plane, M, N,
+                                                          K, i0, j0, smem, epi);
+            break;
+        case 1:
+            grng_gemm_tile<GrngKOuter, GrngKOuter, Terms>(A, lda, a_plane, B, ldb, b_plane, M, N,
+                                                          K, i0, j0, smem, epi);
+            break;
+        case 2:
+            grng_gemm_tile<GrngKInner, GrngKInner, Terms>(A, lda, a_plane, B, ldb, b_plane, M, N,
+                                                          K, i0, j0, smem, epi);
+            break;
+        default:
+            grng_gemm_tile<GrngKOuter, GrngKInner, Terms>(A, lda, a_plane, B, ldb, b_plane, M, N,
+                                                          K, i0, j0, smem, epi);
+            break;
+    }
 }
 
 // Lower-triangle tile pair of linear block b of a triangular grid: b = bi(bi+1)/2 + bj,
