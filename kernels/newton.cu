@@ -8,13 +8,13 @@
 //   cubic       F  = E·E + E        → F (bf16, or f32 in f32 mode)
 //   quartic     G  = E·E; F = G·E + G + E   (two nested fused epilogues)
 //   update      X' = X·F + X        → X' (f32 + bf16 copy) into another buffer
-// so in bf16 mode no pass over n² elements runs outside the GEMMs: newton_gemm_tc, the
-// tensor-core GEMM engine (kernels/gemm/engine.cuh: mma.sync m16n8k16 on 128x128 tiles) on
-// the bf16 copies the epilogues wrote, f32 accumulation. f32 mode (and the bf16 run's f32 check and polish) multiplies with the fp32
-// GEMM of kernels/precond.cu (precond_gemm_nn, not duplicated here) and applies the same
-// epilogue in newton_epilogue_f32, one extra read of the product. The residual partials are
-// reduced in a fixed order by newton_residual, whose single float is the only per-iteration
-// transfer to the host.
+// so no pass over n² elements runs outside the GEMMs. All products run on the tensor-core
+// GEMM engine (kernels/gemm/engine.cuh: mma.sync m16n8k16 on 128x128 tiles, f32
+// accumulation): newton_gemm_tc on the bf16 copies the epilogues wrote (bf16 mode);
+// newton_gemm3_tc on split3 planes of f32 operands, f32-accurate (f32 mode, and the bf16
+// run's f32 residual and polish) — no SIMT GEMM and no extra pass over the product. The
+// residual partials are reduced in a fixed order by newton_residual, whose single float is
+// the only per-iteration transfer to the host.
 //
 // Setup kernels: newton_sym_stats (symmetric part, bf16 copy, max|a|, asymmetry, first
 // non-finite), newton_abs_norms (‖·‖∞, ‖·‖₁, ‖·‖_F partials), newton_init_x (X₀ = αA or cI);
@@ -23,11 +23,10 @@
 #include "common.cuh"
 #include "gemm/engine.cuh"
 
-// Output tile of the tensor-core GEMM (the engine's) and of the f32 epilogue: one residual
-// partial per tile.
+// Output tile of the tensor-core GEMM (the engine's): one residual partial per tile.
 #define NEWTON_TILE GRNG_GEMM_BM
 
-// Epilogue flags (the `flags` parameter of newton_gemm_tc and newton_epilogue_f32).
+// Epilogue flags (the `flags` parameter of newton_gemm_tc and newton_gemm3_tc).
 #define NEWTON_ADD1 1       // v += add1[r, c]
 #define NEWTON_ADD2 2       // v += add2[r, c]
 #define NEWTON_OUT_F32 4    // out[r, c] = v
@@ -64,39 +63,14 @@ __device__ __forceinline__ void newton_store_partial(float sq, float* __restrict
     }
 }
 
-// The f32 path's epilogue: the block's product tile is at `cs` (leading dimension ldc) for
-// output rows r0.., columns c0..; every thread of the block calls it. Consecutive threads
-// take consecutive columns (coalesced).
-__device__ __forceinline__ void newton_epilogue(const float* cs, int ldc, int r0, int c0, int n,
-                                                float alpha, float diag,
-                                                const float* __restrict__ add1,
-                                                const float* __restrict__ add2,
-                                                float* __restrict__ out,
-                                                __nv_bfloat16* __restrict__ out_bf,
-                                                float* __restrict__ partial, int flags) {
-    const int tid = threadIdx.x, nth = blockDim.x;
-    float acc = 0.0f;
-    for (int idx = tid; idx < NEWTON_TILE * NEWTON_TILE; idx += nth) {
-        const int i = idx / NEWTON_TILE, j = idx % NEWTON_TILE;
-        const int r = r0 + i, c = c0 + j;
-        if (r < n && c < n) {
-            const float v =
-                newton_epi_value(cs[i * ldc + j], r, c, n, alpha, diag, add1, add2, flags);
-            newton_epi_store(out, out_bf, (size_t)r * n + c, v, flags);
-            acc = fmaf(v, v, acc);
-        }
-    }
-    newton_store_partial(acc, partial, flags);
-}
-
 // ---------------------------------------------------------------------------------------
 // bf16 tensor-core GEMM with the fused epilogue: C = A·B for n x n row-major bf16 A, B on
 // the GEMM engine (kernels/gemm/engine.cuh; A k-inner, B k-outer), the epilogue applied
 // from the accumulator registers. Grid (ceil(n/128), ceil(n/128)), block 256,
 // GRNG_GEMM_SMEM bytes of dynamic shared memory. Full products: A·X, E·E and X·F are
 // symmetric only while X is a polynomial in A (αA or cI start, no warm start, exact
-// arithmetic); the driver allows mirrored products only in the early F32 phase (the f32
-// GEMM), because the last steps need full products for Newton's self-correction.
+// arithmetic); the driver allows mirrored products only in the early F32 phase, and the
+// last steps need full products for Newton's self-correction, so all products are full.
 struct NewtonEpi {
     const float* __restrict__ add1;
     const float* __restrict__ add2;
@@ -115,37 +89,44 @@ struct NewtonEpi {
     __device__ __forceinline__ void finish() { newton_store_partial(sq, partial, flags); }
 };
 
+// Both entries share this body: Terms = 1 for bf16 operands, GRNG_SPLIT3_TERMS for f32
+// operands given as split3 planes n² elements apart (f32-accurate, engine.cuh).
+template <int Terms>
+__device__ __forceinline__ void newton_gemm_body(const __nv_bfloat16* __restrict__ a,
+                                                 const __nv_bfloat16* __restrict__ b,
+                                                 long long plane, NewtonEpi& epi) {
+    GRNG_DYN_SHARED(__nv_bfloat16, smem);
+    const int n = epi.n;
+    grng_gemm_tile<GrngKInner, GrngKOuter, Terms>(a, n, plane, b, n, plane, n, n, n,
+                                                  blockIdx.y * NEWTON_TILE,
+                                                  blockIdx.x * NEWTON_TILE, smem, epi);
+}
+
 extern "C" __global__ void __launch_bounds__(GRNG_GEMM_THREADS, 2)
     newton_gemm_tc(const __nv_bfloat16* __restrict__ a, const __nv_bfloat16* __restrict__ b,
                    const float* __restrict__ add1, const float* __restrict__ add2,
                    float* __restrict__ out, __nv_bfloat16* __restrict__ out_bf,
                    float* __restrict__ partial, int n, float alpha, float diag, int flags) {
-    GRNG_DYN_SHARED(__nv_bfloat16, smem);
     NewtonEpi epi{add1, add2, out, out_bf, partial, n, alpha, diag, flags, 0.0f};
-    grng_gemm_tile<GrngKInner, GrngKOuter, 1>(a, n, 0, b, n, 0, n, n, n, blockIdx.y * NEWTON_TILE,
-                                              blockIdx.x * NEWTON_TILE, smem, epi);
+    newton_gemm_body<1>(a, b, 0, epi);
 }
 GRNG_EMU_ENTRY(newton_gemm_tc, (const __nv_bfloat16*, const __nv_bfloat16*, const float*,
                                 const float*, float*, __nv_bfloat16*, float*, int, float, float,
                                 int))
 
-// ---------------------------------------------------------------------------------------
-// The same epilogue for an f32 product C already in global memory (the f32 GEMM is
-// precond_gemm_nn of kernels/precond.cu, shared with the preconditioner rather than
-// duplicated here): one read of C plus the epilogue's own traffic, in place of the fused
-// store. Grid (ceil(n/128), ceil(n/128)) like newton_gemm_tc (one residual partial per
-// tile either way), block 256; c may not alias the outputs.
-extern "C" __global__ void __launch_bounds__(256)
-    newton_epilogue_f32(const float* __restrict__ c, const float* __restrict__ add1,
-                        const float* __restrict__ add2, float* __restrict__ out,
-                        __nv_bfloat16* __restrict__ out_bf, float* __restrict__ partial, int n,
-                        float alpha, float diag, int flags) {
-    const int r0 = blockIdx.y * NEWTON_TILE, c0 = blockIdx.x * NEWTON_TILE;
-    newton_epilogue(c + (size_t)r0 * n + c0, n, r0, c0, n, alpha, diag, add1, add2, out, out_bf,
-                    partial, flags);
+// The f32 products (f32 mode, the bf16 run's f32 residual and polish): a3, b3 hold the three
+// split3 planes of the f32 A and B (plane p at p·n²). Same grid, block and shared memory.
+extern "C" __global__ void __launch_bounds__(GRNG_GEMM_THREADS)
+    newton_gemm3_tc(const __nv_bfloat16* __restrict__ a3, const __nv_bfloat16* __restrict__ b3,
+                    const float* __restrict__ add1, const float* __restrict__ add2,
+                    float* __restrict__ out, __nv_bfloat16* __restrict__ out_bf,
+                    float* __restrict__ partial, int n, float alpha, float diag, int flags) {
+    NewtonEpi epi{add1, add2, out, out_bf, partial, n, alpha, diag, flags, 0.0f};
+    newton_gemm_body<GRNG_SPLIT3_TERMS>(a3, b3, (long long)n * n, epi);
 }
-GRNG_EMU_ENTRY(newton_epilogue_f32, (const float*, const float*, const float*, float*,
-                                     __nv_bfloat16*, float*, int, float, float, int))
+GRNG_EMU_ENTRY(newton_gemm3_tc, (const __nv_bfloat16*, const __nv_bfloat16*, const float*,
+                                 const float*, float*, __nv_bfloat16*, float*, int, float, float,
+                                 int))
 
 // ---------------------------------------------------------------------------------------
 // Reductions in double with a fixed tree (deterministic for a given launch shape).

@@ -185,13 +185,16 @@ fn check_product(dev: &Device, n: usize, f: &Flags, tc: bool, seed: u64) {
         };
         kn::product_tc(dev, &to_bf(&a), &to_bf(&b), epi, &mut unused).unwrap();
     } else {
-        let mut c = up(&vec![f32::NAN; n * n]);
-        kn::product_f32(dev, &up(&a), &up(&b), &mut c, epi, &mut unused).unwrap();
+        let mut planes = kn::Planes::new(dev, n).unwrap();
+        kn::product_f32(dev, &up(&a), &up(&b), &mut planes, epi, &mut unused).unwrap();
     }
     // Products of (bf16-rounded) inputs are exact in f32 and f64; the f32 sums round at most
     // once per term, plus the epilogue's ≤ 3 additions: (n + 4)·2⁻²⁴ relative to the scale.
+    // f32 operands (split3 planes): the dropped plane products add 2·2⁻²⁴ and the small
+    // products' sums a few more 2⁻²⁴ of the scale (see precond's gemm3 test): (n + 8)·2⁻²⁴.
     let eps = f32::EPSILON as f64 / 2.0;
-    let tol = |o: usize| (n as f64 + 4.0) * eps * sc[o] + 1e-30;
+    let slack = if tc { 4.0 } else { 8.0 };
+    let tol = |o: usize| (n as f64 + slack) * eps * sc[o] + 1e-30;
     if f.out {
         let got = out.to_vec().unwrap();
         for o in 0..n * n {
@@ -539,7 +542,10 @@ fn too_few_iterations_and_tight_tolerance_are_errors() {
                     },
                 ) => {
                     assert_eq!(rc, reason);
-                    assert!(kc.abs_diff(*iterations) <= 1, "cpu {e_cpu} vs {e}");
+                    // Where the residual stops falling depends on each side's rounding floor
+                    // (the device's f32 products are split3 tensor-core sums, the CPU's
+                    // SIMD dot products): the stall may come a couple of iterations apart.
+                    assert!(kc.abs_diff(*iterations) <= 2, "cpu {e_cpu} vs {e}");
                 }
                 _ => panic!("cpu {e_cpu} vs {e}"),
             }

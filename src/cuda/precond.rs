@@ -179,23 +179,37 @@ pub fn trace(dev: &Device, a: &Matrix) -> Result<f32> {
 }
 
 /// The three bf16 planes (`hi + mid + lo = x`, see `grng_split3`) of `x` (`r x c`) as one
-/// `3r x c` bf16 matrix, plane `p` at element offset `p·r·c`.
+/// `3r x c` bf16 matrix, plane `p` at element offset `p·r·c`; a 1x1 placeholder for an
+/// empty `x` (a product with `K = 0` or an empty output reads nothing).
 fn split3(dev: &Device, x: &Matrix) -> Result<Matrix<bf16>> {
-    const OP: &str = "cuda::precond::split3";
     if x.is_empty() {
-        return dev.zeros::<bf16>(1, 1); // a placeholder: K = 0 or an empty output reads nothing
+        return dev.zeros::<bf16>(1, 1);
     }
     let mut planes = dev.zeros::<bf16>(3 * x.rows(), x.cols())?;
+    split3_into(dev, x, &mut planes)?;
+    Ok(planes)
+}
+
+/// Writes the three bf16 planes of a non-empty `x` (`r x c`) into `planes` (`3r x c`), plane
+/// `p` at element offset `p·r·c`: one launch of `precond_split3`.
+///
+/// # Errors
+/// [`Error::Shape`] unless `planes` is `3r x c`, device mismatch, launch errors.
+pub(crate) fn split3_into(dev: &Device, x: &Matrix, planes: &mut Matrix<bf16>) -> Result<()> {
+    const OP: &str = "cuda::precond::split3";
+    check_shape(OP, "planes", planes.shape(), (3 * x.rows(), x.cols()))?;
+    if x.is_empty() {
+        return Ok(());
+    }
     let cfg = LaunchConfig::for_elements(x.len().min(1 << 20), 256)?;
     let mut args = KernelArgs::new(dev);
     args.input(OP, x)?
-        .output(OP, &mut planes)?
+        .output(OP, planes)?
         .scalar(x.len() as i64);
     // SAFETY: precond_split3(const float* x, bf16* planes, long long count): grid-stride over
     // i < count = x.len(), reading x[i] and writing planes[p·count + i] for p < 3; planes holds
-    // 3·count bf16.
-    unsafe { launch(&SPLIT3, cfg, args) }?;
-    Ok(planes)
+    // 3·count bf16 (checked).
+    unsafe { launch(&SPLIT3, cfg, args) }
 }
 
 /// `C ← α·op(A)·op(B) + β·C` like [`gemm`], with f32 accuracy on the bf16 tensor cores: `A` and
