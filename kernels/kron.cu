@@ -2,28 +2,19 @@
 // shape m x n (row-major, f32 or bf16) and Λ n x n (row-major f32). The CPU oracle is
 // src/cpu/kron.rs `syrk_ema`. The batch gradient (1/m)EᵀA reuses precond.cu's GEMM.
 //
-// Both kernels share one scheme: a 1-D grid over the nt(nt+1)/2 lower-triangle 64x64 tile
-// pairs (bi ≥ bj, nt = ceil(n/64)), so the upper triangle costs no FLOPs; each block stages
-// its α·AᵀA tile in shared memory and the epilogue writes the EMA result into the lower
-// tile and, transposed through shared memory, into the mirrored upper tile — both with
-// coalesced row writes. The value written at (i, j) and (j, i) is the same float, so Λ is
-// exactly symmetric. Only the lower triangle of the old Λ is read, and only when ε ≠ 0
-// (ε = 0 replaces Λ, which may then hold NaN). Blocks write disjoint tiles: no atomics.
+// Both kernels share one scheme: a 1-D grid over the nt(nt+1)/2 lower-triangle tile pairs
+// (bi ≥ bj; 64x64 tiles for f32, the GEMM engine's 128x128 for bf16), so the upper triangle
+// costs no FLOPs; the epilogue writes the EMA result into the lower tile and the same float
+// into the mirrored upper tile, so Λ is exactly symmetric. Only the lower triangle of the old
+// Λ is read, and only when ε ≠ 0 (ε = 0 replaces Λ, which may then hold NaN). Blocks write
+// disjoint tiles: no atomics. The f32 kernel stages its tile in shared memory and writes
+// both halves with coalesced rows.
 //
 // Launchers: src/cuda/kron.rs.
 #include "common.cuh"
+#include "gemm/engine.cuh"
 
-#define KRON_T 64  // output tile (rows and columns)
-
-// Lower-triangle tile pair of linear block b: b = bi(bi+1)/2 + bj with 0 ≤ bj ≤ bi.
-__device__ __forceinline__ void kron_tri_tile(int b, int& bi, int& bj) {
-    long long i = (long long)((sqrtf(8.0f * (float)b + 1.0f) - 1.0f) * 0.5f);
-    // The float square root can be off by one for large b: correct it exactly.
-    while (i * (i + 1) / 2 > b) --i;
-    while ((i + 1) * (i + 2) / 2 <= b) ++i;
-    bi = (int)i;
-    bj = (int)(b - i * (i + 1) / 2);
-}
+#define KRON_T 64  // output tile of the f32 kernel (rows and columns)
 
 // Epilogue. S holds α·(AᵀA) of tile (bi, bj): S[r*lds + c] for row bi*64 + r, column
 // bj*64 + c. Pass 1 writes the lower tile (for a diagonal tile, c ≤ r) as ε·Λ_old + S, read
@@ -90,7 +81,7 @@ extern "C" __global__ void __launch_bounds__(KF_THREADS)
     float* As = smem;
     float* Bs = smem + KF_BK * KF_LDS;
     int bi, bj;
-    kron_tri_tile(blockIdx.x, bi, bj);
+    grng_tri_tile(blockIdx.x, bi, bj);
     const bool diag = bi == bj;
     const float* Bt = diag ? As : Bs;
     const int tx = threadIdx.x % 16, ty = threadIdx.x / 16;
@@ -127,118 +118,36 @@ GRNG_UNROLL
 GRNG_EMU_ENTRY(kron_syrk_ema_f32, (const float*, float*, int, int, float, float))
 
 // ---------------------------------------------------------------------------------------
-// bf16 tensor-core path (WMMA m16n16k16, bf16 inputs, f32 accumulation). 128 threads =
-// 4 warps in a 2x2 layout, each owning a 32x32 quarter of the tile (2x2 accumulator
-// fragments); 32-deep sample slices. Tiles are staged in shared memory zero-padded, which
-// handles ragged m and n and any alignment of A (WMMA needs 32-byte aligned tiles with
-// 16-byte multiple strides; rows of 72 bf16 = 144 bytes keep every 16x16 fragment aligned
-// and stagger the banks). Global → shared moves 8 bf16 (16 bytes) per access when n % 8 == 0
-// and A is 16-byte aligned, else element by element; the next slice is prefetched into
-// registers during the MMAs. Aᵀ's 16x16 fragment (rows i, depth s) is the column-major view
-// of the staged A[s][i]; A's fragment (depth s, columns j) the row-major view.
-#define KT_BK 32
-#define KT_LDA (KRON_T + 8)  // bf16 elements per staged row
-#define KT_THREADS 128
-#define KT_SLD (KRON_T + 4)  // f32 staging stride: a multiple of 4 as WMMA stores need
-#define KT_STAGE_BYTES (KRON_T * KT_SLD * 4)
-#define KT_TILE_ELEMS (KT_BK * KT_LDA)
-
-// Loads the 32x64 slice A[s0.., c0..] as 2 chunks of 8 bf16 per thread (bits, zero padded).
-__device__ __forceinline__ void kt_load(const __nv_bfloat16* __restrict__ A, int m, int n,
-                                        int s0, int c0, bool vec, uint4 (&r)[2]) {
-GRNG_UNROLL
-    for (int l = 0; l < 2; ++l) {
-        const int ch = threadIdx.x + KT_THREADS * l;  // 256 chunks: 32 rows x 8 chunks
-        const int s = s0 + ch / 8, c = c0 + (ch % 8) * 8;
-        const __nv_bfloat16* p = A + (long long)s * n + c;
-        if (vec && s < m && c + 8 <= n) {
-            r[l] = *reinterpret_cast<const uint4*>(p);
-        } else {
-            unsigned w[4];
-GRNG_UNROLL
-            for (int q = 0; q < 4; ++q) {
-                const unsigned lo =
-                    (s < m && c + 2 * q < n) ? __bfloat16_as_ushort(p[2 * q]) : 0u;
-                const unsigned hi =
-                    (s < m && c + 2 * q + 1 < n) ? __bfloat16_as_ushort(p[2 * q + 1]) : 0u;
-                w[q] = lo | (hi << 16);
-            }
-            r[l] = make_uint4(w[0], w[1], w[2], w[3]);
-        }
+// bf16 tensor-core path: the GEMM engine (kernels/gemm/engine.cuh) on 128x128 lower-triangle
+// tiles, Aᵀ·A with both operands read k-outer from the row-major A (m x n, ld n). The EMA
+// and the mirror are applied from the accumulator registers: element (i, j ≤ i) is read
+// once (ε ≠ 0), written to (i, j) and, off the diagonal, to (j, i) — the same float, so Λ is
+// exactly symmetric. Elements j > i of a diagonal tile are the mirror's business.
+struct KronEmaMirror {
+    float* __restrict__ L;
+    int n;
+    float alpha, eps;
+    __device__ __forceinline__ void operator()(int i, int j, float acc) {
+        if (j > i) return;
+        float v = alpha * acc;
+        float* p = L + (long long)i * n + j;
+        if (eps != 0.0f) v = fmaf(eps, *p, v);
+        *p = v;
+        if (j < i) L[(long long)j * n + i] = v;
     }
-}
+    __device__ __forceinline__ void finish() {}
+};
 
-__device__ __forceinline__ void kt_store(__nv_bfloat16* T, const uint4 (&r)[2]) {
-GRNG_UNROLL
-    for (int l = 0; l < 2; ++l) {
-        const int ch = threadIdx.x + KT_THREADS * l;
-        *reinterpret_cast<uint4*>(T + (ch / 8) * KT_LDA + (ch % 8) * 8) = r[l];
-    }
-}
-
-// Grid (nt(nt+1)/2), block 128, no dynamic shared memory.
-extern "C" __global__ void __launch_bounds__(KT_THREADS)
+// Grid (nt(nt+1)/2) with nt = ceil(n/128), block 256, GRNG_GEMM_SMEM bytes of dynamic
+// shared memory.
+extern "C" __global__ void __launch_bounds__(GRNG_GEMM_THREADS)
     kron_syrk_ema_tc(const __nv_bfloat16* __restrict__ A, float* __restrict__ L, int m, int n,
                      float alpha, float eps) {
-    using namespace nvcuda;
-    // Main loop: As, Bs (2 x 32 x 72 bf16 = 9 KiB); epilogue: the 64 x 68 f32 staging tile.
-    __align__(128) __shared__ unsigned char smem_raw[KT_STAGE_BYTES];
-    __nv_bfloat16* As = reinterpret_cast<__nv_bfloat16*>(smem_raw);
-    __nv_bfloat16* Bs = As + KT_TILE_ELEMS;
-    float* S = reinterpret_cast<float*>(smem_raw);
+    GRNG_DYN_SHARED(__nv_bfloat16, smem);
     int bi, bj;
-    kron_tri_tile(blockIdx.x, bi, bj);
-    const bool diag = bi == bj;
-    const __nv_bfloat16* Bt = diag ? As : Bs;
-    const int warp = threadIdx.x / 32;
-    const int wm = (warp / 2) * 32, wn = (warp % 2) * 32;
-    const bool vec = (n % 8 == 0) && (reinterpret_cast<unsigned long long>(A) % 16 == 0);
-
-    wmma::fragment<wmma::accumulator, 16, 16, 16, float> acc[2][2];
-GRNG_UNROLL
-    for (int fi = 0; fi < 2; ++fi)
-GRNG_UNROLL
-        for (int fj = 0; fj < 2; ++fj) wmma::fill_fragment(acc[fi][fj], 0.0f);
-
-    uint4 ra[2], rb[2];
-    kt_load(A, m, n, 0, bi * KRON_T, vec, ra);
-    if (!diag) kt_load(A, m, n, 0, bj * KRON_T, vec, rb);
-    for (int s0 = 0; s0 < m; s0 += KT_BK) {
-        __syncthreads();
-        kt_store(As, ra);
-        if (!diag) kt_store(Bs, rb);
-        __syncthreads();
-        if (s0 + KT_BK < m) {
-            kt_load(A, m, n, s0 + KT_BK, bi * KRON_T, vec, ra);
-            if (!diag) kt_load(A, m, n, s0 + KT_BK, bj * KRON_T, vec, rb);
-        }
-GRNG_UNROLL
-        for (int ks = 0; ks < KT_BK; ks += 16) {
-            wmma::fragment<wmma::matrix_a, 16, 16, 16, __nv_bfloat16, wmma::col_major> fa[2];
-            wmma::fragment<wmma::matrix_b, 16, 16, 16, __nv_bfloat16, wmma::row_major> fb[2];
-GRNG_UNROLL
-            for (int f = 0; f < 2; ++f) {
-                wmma::load_matrix_sync(fa[f], As + ks * KT_LDA + wm + 16 * f, KT_LDA);
-                wmma::load_matrix_sync(fb[f], Bt + ks * KT_LDA + wn + 16 * f, KT_LDA);
-            }
-GRNG_UNROLL
-            for (int fi = 0; fi < 2; ++fi)
-GRNG_UNROLL
-                for (int fj = 0; fj < 2; ++fj)
-                    wmma::mma_sync(acc[fi][fj], fa[fi], fb[fj], acc[fi][fj]);
-        }
-    }
-
-    __syncthreads();  // the staging tile overlays As/Bs
-GRNG_UNROLL
-    for (int fi = 0; fi < 2; ++fi)
-GRNG_UNROLL
-        for (int fj = 0; fj < 2; ++fj) {
-            for (int t = 0; t < acc[fi][fj].num_elements; ++t) acc[fi][fj].x[t] *= alpha;
-            wmma::store_matrix_sync(S + (wm + 16 * fi) * KT_SLD + wn + 16 * fj, acc[fi][fj],
-                                    KT_SLD, wmma::mem_row_major);
-        }
-    __syncthreads();
-    kron_ema_mirror_store(S, KT_SLD, L, n, bi, bj, eps);
+    grng_tri_tile(blockIdx.x, bi, bj);
+    KronEmaMirror epi{L, n, alpha, eps};
+    grng_gemm_tile<GrngKOuter, GrngKOuter, 1>(A, n, 0, A, n, 0, n, n, m, bi * GRNG_GEMM_BM,
+                                              bj * GRNG_GEMM_BM, smem, epi);
 }
 GRNG_EMU_ENTRY(kron_syrk_ema_tc, (const __nv_bfloat16*, float*, int, int, float, float))

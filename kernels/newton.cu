@@ -8,24 +8,25 @@
 //   cubic       F  = E·E + E        → F (bf16, or f32 in f32 mode)
 //   quartic     G  = E·E; F = G·E + G + E   (two nested fused epilogues)
 //   update      X' = X·F + X        → X' (f32 + bf16 copy) into another buffer
-// so in bf16 mode no pass over n² elements runs outside the GEMMs: newton_gemm_tc, bf16
-// operands (the copies the epilogues wrote) staged in shared memory, WMMA m16n16k16, f32
-// accumulation. f32 mode (and the bf16 run's f32 check and polish) multiplies with the fp32
-// GEMM of kernels/precond.cu (precond_gemm_nn, not duplicated here) and applies the same
-// epilogue in newton_epilogue_f32, one extra read of the product. The residual partials are
-// reduced in a fixed order by newton_residual, whose single float is the only per-iteration
-// transfer to the host.
+// so no pass over n² elements runs outside the GEMMs. All products run on the tensor-core
+// GEMM engine (kernels/gemm/engine.cuh: mma.sync m16n8k16 on 128x128 tiles, f32
+// accumulation): newton_gemm_tc on the bf16 copies the epilogues wrote (bf16 mode);
+// newton_gemm3_tc on split3 planes of f32 operands, f32-accurate (f32 mode, and the bf16
+// run's f32 residual and polish) — no SIMT GEMM and no extra pass over the product. The
+// residual partials are reduced in a fixed order by newton_residual, whose single float is
+// the only per-iteration transfer to the host.
 //
 // Setup kernels: newton_sym_stats (symmetric part, bf16 copy, max|a|, asymmetry, first
 // non-finite), newton_abs_norms (‖·‖∞, ‖·‖₁, ‖·‖_F partials), newton_init_x (X₀ = αA or cI);
 // power iteration: newton_power_matvec + newton_power_normalize (Rayleigh quotient and ‖Av‖ as
 // double-float pairs for the host's stop test).
 #include "common.cuh"
+#include "gemm/engine.cuh"
 
-// Output tile of the tensor-core GEMM and of the epilogue (rows and columns).
-#define NEWTON_TILE 64
+// Output tile of the tensor-core GEMM (the engine's): one residual partial per tile.
+#define NEWTON_TILE GRNG_GEMM_BM
 
-// Epilogue flags (the `flags` parameter of newton_gemm_tc and newton_epilogue_f32).
+// Epilogue flags (the `flags` parameter of newton_gemm_tc and newton_gemm3_tc).
 #define NEWTON_ADD1 1       // v += add1[r, c]
 #define NEWTON_ADD2 2       // v += add2[r, c]
 #define NEWTON_OUT_F32 4    // out[r, c] = v
@@ -51,154 +52,81 @@ __device__ __forceinline__ void newton_epi_store(float* __restrict__ out,
     if (flags & NEWTON_OUT_BF16) grng_st_bf16(&out_bf[o], v);
 }
 
-// The shared epilogue: the block's 64x64 product tile is in shared memory `cs` (leading
-// dimension ldc) for output rows r0.., columns c0..; every thread of the block calls it.
-// Consecutive threads take consecutive columns (coalesced).
-__device__ __forceinline__ void newton_epilogue(const float* cs, int ldc, int r0, int c0, int n,
-                                                float alpha, float diag,
-                                                const float* __restrict__ add1,
-                                                const float* __restrict__ add2,
-                                                float* __restrict__ out,
-                                                __nv_bfloat16* __restrict__ out_bf,
-                                                float* __restrict__ partial, int flags) {
-    const int tid = threadIdx.x, nth = blockDim.x;
-    float acc = 0.0f;
-    for (int idx = tid; idx < NEWTON_TILE * NEWTON_TILE; idx += nth) {
-        const int i = idx / NEWTON_TILE, j = idx % NEWTON_TILE;
-        const int r = r0 + i, c = c0 + j;
-        if (r < n && c < n) {
-            const float v =
-                newton_epi_value(cs[i * ldc + j], r, c, n, alpha, diag, add1, add2, flags);
-            newton_epi_store(out, out_bf, (size_t)r * n + c, v, flags);
-            acc = fmaf(v, v, acc);
-        }
-    }
+// partial[block] = Σ over the block's threads of sq, when flags ask for the residual. Every
+// thread of the block calls it.
+__device__ __forceinline__ void newton_store_partial(float sq, float* __restrict__ partial,
+                                                     int flags) {
     if (flags & NEWTON_RESID) {
         __shared__ float scratch[32];
-        const float s = grng_block_sum(acc, scratch);
-        if (tid == 0) partial[blockIdx.y * gridDim.x + blockIdx.x] = s;
+        const float s = grng_block_sum(sq, scratch);
+        if (threadIdx.x == 0) partial[blockIdx.y * gridDim.x + blockIdx.x] = s;
     }
 }
 
 // ---------------------------------------------------------------------------------------
-// bf16 tensor-core GEMM with the fused epilogue: C = A·B for n x n row-major bf16 A, B.
-// Grid (ceil(n/64), ceil(n/64)), block 128 (4 warps in 2x2, each a 32x32 quadrant = 2x2 WMMA
-// accumulators), dynamic shared memory NEWTON_TC_SMEM bytes. K steps of 32, double-buffered:
-// the next step's global loads go to registers while the tensor cores work on the current
-// shared tiles. 16-byte loads when n % 8 == 0, else bounds-checked scalar loads; ragged
-// edges are zero-filled. Shared rows are padded by 8 bf16 (16 bytes) against bank conflicts;
-// the f32 tile of the epilogue reuses the same memory.
-#define NEWTON_TC_BK 32
-#define NEWTON_TC_LDA (NEWTON_TC_BK + 8)
-#define NEWTON_TC_LDB (NEWTON_TILE + 8)
-#define NEWTON_TC_LDC (NEWTON_TILE + 4)
-#define NEWTON_TC_A_ELEMS (NEWTON_TILE * NEWTON_TC_LDA)  // one stage of A
-#define NEWTON_TC_B_ELEMS (NEWTON_TC_BK * NEWTON_TC_LDB)  // one stage of B
-
-// 8 consecutive bf16 of row `row` from column `col` (zero past n) as 16 bytes.
-__device__ __forceinline__ uint4 newton_ld8(const __nv_bfloat16* __restrict__ m, int n, int row,
-                                            int col, bool vec) {
-    uint4 r = make_uint4(0u, 0u, 0u, 0u);
-    if (row >= n || col >= n) return r;
-    const __nv_bfloat16* p = m + (size_t)row * n + col;
-    if (vec) return *reinterpret_cast<const uint4*>(p);
-    unsigned w[4] = {0u, 0u, 0u, 0u};
-    for (int e = 0; e < 8; ++e) {
-        if (col + e < n) w[e >> 1] |= (unsigned)__bfloat16_as_ushort(p[e]) << (16 * (e & 1));
+// bf16 tensor-core GEMM with the fused epilogue: C = A·B for n x n row-major bf16 A, B on
+// the GEMM engine (kernels/gemm/engine.cuh; A k-inner, B k-outer), the epilogue applied
+// from the accumulator registers. Grid (ceil(n/128), ceil(n/128)), block 256,
+// GRNG_GEMM_SMEM bytes of dynamic shared memory. Full products: A·X, E·E and X·F are
+// symmetric only while X is a polynomial in A (αA or cI start, no warm start, exact
+// arithmetic); the driver allows mirrored products only in the early F32 phase, and the
+// last steps need full products for Newton's self-correction, so all products are full.
+struct NewtonEpi {
+    const float* __restrict__ add1;
+    const float* __restrict__ add2;
+    float* __restrict__ out;
+    __nv_bfloat16* __restrict__ out_bf;
+    float* __restrict__ partial;
+    int n;
+    float alpha, diag;
+    int flags;
+    float sq;  // this thread's Σ v²
+    __device__ __forceinline__ void operator()(int r, int c, float acc) {
+        const float v = newton_epi_value(acc, r, c, n, alpha, diag, add1, add2, flags);
+        newton_epi_store(out, out_bf, (size_t)r * n + c, v, flags);
+        sq = fmaf(v, v, sq);
     }
-    return make_uint4(w[0], w[1], w[2], w[3]);
+    __device__ __forceinline__ void finish() { newton_store_partial(sq, partial, flags); }
+};
+
+// Both entries share this body: Terms = 1 for bf16 operands, GRNG_SPLIT3_TERMS for f32
+// operands given as split3 planes n² elements apart (f32-accurate, engine.cuh).
+template <int Terms>
+__device__ __forceinline__ void newton_gemm_body(const __nv_bfloat16* __restrict__ a,
+                                                 const __nv_bfloat16* __restrict__ b,
+                                                 long long plane, NewtonEpi& epi) {
+    GRNG_DYN_SHARED(__nv_bfloat16, smem);
+    const int n = epi.n;
+    grng_gemm_tile<GrngKInner, GrngKOuter, Terms>(a, n, plane, b, n, plane, n, n, n,
+                                                  blockIdx.y * NEWTON_TILE,
+                                                  blockIdx.x * NEWTON_TILE, smem, epi);
 }
 
-extern "C" __global__ void __launch_bounds__(128)
+extern "C" __global__ void __launch_bounds__(GRNG_GEMM_THREADS, 2)
     newton_gemm_tc(const __nv_bfloat16* __restrict__ a, const __nv_bfloat16* __restrict__ b,
                    const float* __restrict__ add1, const float* __restrict__ add2,
                    float* __restrict__ out, __nv_bfloat16* __restrict__ out_bf,
                    float* __restrict__ partial, int n, float alpha, float diag, int flags) {
-    using namespace nvcuda;
-    GRNG_DYN_SHARED(unsigned char, smem);
-    __nv_bfloat16* as = reinterpret_cast<__nv_bfloat16*>(smem);  // [2][64][40]
-    __nv_bfloat16* bs = as + 2 * NEWTON_TC_A_ELEMS;               // [2][32][72]
-    float* cs = reinterpret_cast<float*>(smem);                   // [64][68], after the K loop
-    const int r0 = blockIdx.y * NEWTON_TILE, c0 = blockIdx.x * NEWTON_TILE;
-    const int tid = threadIdx.x, warp = tid >> 5;
-    const int wm = warp >> 1, wn = warp & 1;
-    const bool vec = (n & 7) == 0;
-
-    wmma::fragment<wmma::accumulator, 16, 16, 16, float> acc[2][2];
-    for (int i = 0; i < 2; ++i)
-        for (int j = 0; j < 2; ++j) wmma::fill_fragment(acc[i][j], 0.0f);
-
-    // Thread tid moves 16-byte chunks tid and tid + 128 of each stage: A is 64 rows x 4
-    // chunks, B is 32 rows x 8 chunks.
-    uint4 ra[2], rb[2];
-    const int nk = grng_ceil_div(n, NEWTON_TC_BK);
-    for (int q = 0; q < 2; ++q) {
-        const int c = tid + 128 * q;
-        ra[q] = newton_ld8(a, n, r0 + (c >> 2), (c & 3) * 8, vec);
-        rb[q] = newton_ld8(b, n, c >> 3, c0 + (c & 7) * 8, vec);
-    }
-    for (int kt = 0; kt < nk; ++kt) {
-        const int buf = kt & 1;
-        __nv_bfloat16* sa = as + buf * NEWTON_TC_A_ELEMS;
-        __nv_bfloat16* sb = bs + buf * NEWTON_TC_B_ELEMS;
-        for (int q = 0; q < 2; ++q) {
-            const int c = tid + 128 * q;
-            *reinterpret_cast<uint4*>(sa + (c >> 2) * NEWTON_TC_LDA + (c & 3) * 8) = ra[q];
-            *reinterpret_cast<uint4*>(sb + (c >> 3) * NEWTON_TC_LDB + (c & 7) * 8) = rb[q];
-        }
-        __syncthreads();
-        if (kt + 1 < nk) {
-            const int k0 = (kt + 1) * NEWTON_TC_BK;
-            for (int q = 0; q < 2; ++q) {
-                const int c = tid + 128 * q;
-                ra[q] = newton_ld8(a, n, r0 + (c >> 2), k0 + (c & 3) * 8, vec);
-                rb[q] = newton_ld8(b, n, k0 + (c >> 3), c0 + (c & 7) * 8, vec);
-            }
-        }
-        for (int kk = 0; kk < NEWTON_TC_BK; kk += 16) {
-            wmma::fragment<wmma::matrix_a, 16, 16, 16, __nv_bfloat16, wmma::row_major> fa[2];
-            wmma::fragment<wmma::matrix_b, 16, 16, 16, __nv_bfloat16, wmma::row_major> fb[2];
-            for (int i = 0; i < 2; ++i)
-                wmma::load_matrix_sync(fa[i], sa + (wm * 32 + 16 * i) * NEWTON_TC_LDA + kk,
-                                       NEWTON_TC_LDA);
-            for (int j = 0; j < 2; ++j)
-                wmma::load_matrix_sync(fb[j], sb + kk * NEWTON_TC_LDB + wn * 32 + 16 * j,
-                                       NEWTON_TC_LDB);
-            for (int i = 0; i < 2; ++i)
-                for (int j = 0; j < 2; ++j) wmma::mma_sync(acc[i][j], fa[i], fb[j], acc[i][j]);
-        }
-        // No second barrier: the next step stores into the other stage, whose last readers
-        // (step kt − 1) all passed this step's barrier.
-    }
-    __syncthreads();  // the epilogue tile overwrites both stages
-    for (int i = 0; i < 2; ++i)
-        for (int j = 0; j < 2; ++j)
-            wmma::store_matrix_sync(cs + (wm * 32 + 16 * i) * NEWTON_TC_LDC + wn * 32 + 16 * j,
-                                    acc[i][j], NEWTON_TC_LDC, wmma::mem_row_major);
-    __syncthreads();
-    newton_epilogue(cs, NEWTON_TC_LDC, r0, c0, n, alpha, diag, add1, add2, out, out_bf, partial,
-                    flags);
+    NewtonEpi epi{add1, add2, out, out_bf, partial, n, alpha, diag, flags, 0.0f};
+    newton_gemm_body<1>(a, b, 0, epi);
 }
 GRNG_EMU_ENTRY(newton_gemm_tc, (const __nv_bfloat16*, const __nv_bfloat16*, const float*,
                                 const float*, float*, __nv_bfloat16*, float*, int, float, float,
                                 int))
 
-// ---------------------------------------------------------------------------------------
-// The same epilogue for an f32 product C already in global memory (the f32 GEMM is
-// precond_gemm_nn of kernels/precond.cu, shared with the preconditioner rather than
-// duplicated here): one read of C plus the epilogue's own traffic, in place of the fused
-// store. Grid (ceil(n/64), ceil(n/64)), block 256; c may not alias the outputs.
-extern "C" __global__ void __launch_bounds__(256)
-    newton_epilogue_f32(const float* __restrict__ c, const float* __restrict__ add1,
-                        const float* __restrict__ add2, float* __restrict__ out,
-                        __nv_bfloat16* __restrict__ out_bf, float* __restrict__ partial, int n,
-                        float alpha, float diag, int flags) {
-    const int r0 = blockIdx.y * NEWTON_TILE, c0 = blockIdx.x * NEWTON_TILE;
-    newton_epilogue(c + (size_t)r0 * n + c0, n, r0, c0, n, alpha, diag, add1, add2, out, out_bf,
-                    partial, flags);
+// The f32 products (f32 mode, the bf16 run's f32 residual and polish): a3, b3 hold the three
+// split3 planes of the f32 A and B (plane p at p·n²). Same grid, block and shared memory.
+extern "C" __global__ void __launch_bounds__(GRNG_GEMM_THREADS)
+    newton_gemm3_tc(const __nv_bfloat16* __restrict__ a3, const __nv_bfloat16* __restrict__ b3,
+                    const float* __restrict__ add1, const float* __restrict__ add2,
+                    float* __restrict__ out, __nv_bfloat16* __restrict__ out_bf,
+                    float* __restrict__ partial, int n, float alpha, float diag, int flags) {
+    NewtonEpi epi{add1, add2, out, out_bf, partial, n, alpha, diag, flags, 0.0f};
+    newton_gemm_body<GRNG_SPLIT3_TERMS>(a3, b3, (long long)n * n, epi);
 }
-GRNG_EMU_ENTRY(newton_epilogue_f32, (const float*, const float*, const float*, float*,
-                                     __nv_bfloat16*, float*, int, float, float, int))
+GRNG_EMU_ENTRY(newton_gemm3_tc, (const __nv_bfloat16*, const __nv_bfloat16*, const float*,
+                                 const float*, float*, __nv_bfloat16*, float*, int, float, float,
+                                 int))
 
 // ---------------------------------------------------------------------------------------
 // Reductions in double with a fixed tree (deterministic for a given launch shape).

@@ -1,9 +1,19 @@
-// Preconditioning kernels (SPEC §1-2, §5 "small kernels"): the fp32 GEMM behind
-// P = Γ̃⁻¹ G Λ̃⁻¹, the damped-inverse update X ← X − dλ·X·X, the batch gradient (1/m)EᵀA,
-// plus the diagonal helpers (A ← A + λI, trace).
+// Preconditioning kernels (SPEC §1-2, §5 "small kernels"): the f32-accurate tensor-core
+// GEMM (split3 planes on the GEMM engine) behind P = Γ̃⁻¹ G Λ̃⁻¹ and the damped-inverse update
+// X ← X − dλ·X·X; the fp32 SIMT GEMM behind the batch gradient (1/m)EᵀA and the f32 Newton
+// products; the diagonal helpers (A ← A + λI, trace).
 //
 // Launchers: src/cuda/precond.rs.
 #include "common.cuh"
+#include "gemm/engine.cuh"
+
+// ---------------------------------------------------------------------------------------
+// *p ← α·acc + β·*p, the GEMM epilogue of both paths (β = 0 never reads *p).
+__device__ __forceinline__ void precond_axpby(float* p, float alpha, float acc, float beta) {
+    float v = alpha * acc;
+    if (beta != 0.0f) v = fmaf(beta, *p, v);
+    *p = v;
+}
 
 // ---------------------------------------------------------------------------------------
 // fp32 GEMM: C (M x N) ← α·op(A)·op(B) + β·C, op(A) M x K, op(B) K x N, all row-major with
@@ -124,10 +134,7 @@ GRNG_UNROLL
         for (int c = 0; c < 4; ++c) {
             const int j = n0 + tx * 4 + c;
             if (j >= N) continue;
-            float* p = C + (long long)i * ldc + j;
-            float v = alpha * acc[r][c];
-            if (beta != 0.0f) v = fmaf(beta, *p, v);
-            *p = v;
+            precond_axpby(C + (long long)i * ldc + j, alpha, acc[r][c], beta);
         }
     }
 }
@@ -147,6 +154,54 @@ PRECOND_GEMM(precond_gemm_nn, false, false)
 PRECOND_GEMM(precond_gemm_nt, false, true)
 PRECOND_GEMM(precond_gemm_tn, true, false)
 PRECOND_GEMM(precond_gemm_tt, true, true)
+
+// ---------------------------------------------------------------------------------------
+// f32-accurate products on the tensor cores (preconditioning, damped-inverse update): each
+// f32 operand is split once into three bf16 planes (precond_split3), then precond_gemm3_tc
+// runs the GEMM engine over the 6 significant plane products (engine.cuh, "Split
+// products"), f32 accumulation, with the same α·C + β·C_old epilogue as the fp32 GEMM.
+
+// planes[p·count + i] = plane p (hi, mid, lo) of x[i], i < count. Grid-stride, block 256.
+extern "C" __global__ void __launch_bounds__(256)
+    precond_split3(const float* __restrict__ x, __nv_bfloat16* __restrict__ planes,
+                   long long count) {
+    for (long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x; i < count;
+         i += (long long)gridDim.x * blockDim.x) {
+        __nv_bfloat16 hi, mid, lo;
+        grng_split3(x[i], hi, mid, lo);
+        planes[i] = hi;
+        planes[count + i] = mid;
+        planes[2 * count + i] = lo;
+    }
+}
+GRNG_EMU_ENTRY(precond_split3, (const float*, __nv_bfloat16*, long long))
+
+// C (M x N, ld ldc) ← α·acc + β·C.
+struct PrecondAxpby {
+    float* __restrict__ C;
+    int ldc;
+    float alpha, beta;
+    __device__ __forceinline__ void operator()(int i, int j, float acc) {
+        precond_axpby(C + (long long)i * ldc + j, alpha, acc, beta);
+    }
+    __device__ __forceinline__ void finish() {}
+};
+
+// C ← α·op(A)·op(B) + β·C with A, B given as split3 planes (a_plane, b_plane elements
+// apart; lda, ldb the stored row lengths). trans bit 0: op(A) = Aᵀ, bit 1: op(B) = Bᵀ. Grid
+// (ceil(N/128), ceil(M/128)), block 256, GRNG_GEMM_SMEM bytes of dynamic shared memory.
+extern "C" __global__ void __launch_bounds__(GRNG_GEMM_THREADS)
+    precond_gemm3_tc(const __nv_bfloat16* __restrict__ a, int lda, long long a_plane,
+                     const __nv_bfloat16* __restrict__ b, int ldb, long long b_plane,
+                     float* __restrict__ c, int ldc, int M, int N, int K, float alpha, float beta,
+                     int trans) {
+    GRNG_DYN_SHARED(__nv_bfloat16, smem);
+    PrecondAxpby epi{c, ldc, alpha, beta};
+    grng_gemm_tile_any<GRNG_SPLIT3_TERMS>(a, lda, a_plane, b, ldb, b_plane, M, N, K, trans,
+                                          smem, epi);
+}
+GRNG_EMU_ENTRY(precond_gemm3_tc, (const __nv_bfloat16*, int, long long, const __nv_bfloat16*, int,
+                                  long long, float*, int, int, int, int, float, float, int))
 
 // ---------------------------------------------------------------------------------------
 // a[i, i] += lambda for i < n (a is n x n with leading dimension ld). Grid-stride over the

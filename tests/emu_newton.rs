@@ -35,11 +35,12 @@ fn config(cases: u32) -> ProptestConfig {
     }
 }
 
-/// Sizes around the 64-wide output tile and the 32/16/8-wide load granules, plus anything.
+/// Sizes around the 128-wide output tile and the 64/32/16/8-wide warp tiles, K slices and
+/// load granules, plus anything.
 fn size() -> impl Strategy<Value = usize> {
     prop_oneof![
         1 => Just(1usize),
-        3 => prop::sample::select(vec![2usize, 7, 8, 9, 15, 16, 17, 31, 33, 63, 64, 65, 96]),
+        3 => prop::sample::select(vec![2usize, 7, 8, 9, 15, 16, 17, 31, 33, 63, 64, 65, 96, 127, 128, 129, 136]),
         4 => 1usize..=100,
     ]
 }
@@ -184,13 +185,16 @@ fn check_product(dev: &Device, n: usize, f: &Flags, tc: bool, seed: u64) {
         };
         kn::product_tc(dev, &to_bf(&a), &to_bf(&b), epi, &mut unused).unwrap();
     } else {
-        let mut c = up(&vec![f32::NAN; n * n]);
-        kn::product_f32(dev, &up(&a), &up(&b), &mut c, epi, &mut unused).unwrap();
+        let mut planes = kn::Planes::new(dev, n).unwrap();
+        kn::product_f32(dev, &up(&a), &up(&b), &mut planes, epi, &mut unused).unwrap();
     }
     // Products of (bf16-rounded) inputs are exact in f32 and f64; the f32 sums round at most
     // once per term, plus the epilogue's ≤ 3 additions: (n + 4)·2⁻²⁴ relative to the scale.
+    // f32 operands (split3 planes): the dropped plane products add 2·2⁻²⁴ and the small
+    // products' sums a few more 2⁻²⁴ of the scale (see precond's gemm3 test): (n + 8)·2⁻²⁴.
     let eps = f32::EPSILON as f64 / 2.0;
-    let tol = |o: usize| (n as f64 + 4.0) * eps * sc[o] + 1e-30;
+    let slack = if tc { 4.0 } else { 8.0 };
+    let tol = |o: usize| (n as f64 + slack) * eps * sc[o] + 1e-30;
     if f.out {
         let got = out.to_vec().unwrap();
         for o in 0..n * n {
@@ -216,12 +220,12 @@ fn check_product(dev: &Device, n: usize, f: &Flags, tc: bool, seed: u64) {
     }
     if f.partial {
         let got = partial.to_vec().unwrap();
-        let t = n.div_ceil(64);
+        let (tile, t) = (kn::TILE, n.div_ceil(kn::TILE));
         for bi in 0..t {
             for bj in 0..t {
                 let (mut s, mut e) = (0.0f64, 0.0f64);
-                for i in bi * 64..((bi + 1) * 64).min(n) {
-                    for j in bj * 64..((bj + 1) * 64).min(n) {
+                for i in bi * tile..((bi + 1) * tile).min(n) {
+                    for j in bj * tile..((bj + 1) * tile).min(n) {
                         s += v[i * n + j] * v[i * n + j];
                         e += 2.0 * v[i * n + j].abs() * tol(i * n + j);
                     }
@@ -538,7 +542,10 @@ fn too_few_iterations_and_tight_tolerance_are_errors() {
                     },
                 ) => {
                     assert_eq!(rc, reason);
-                    assert!(kc.abs_diff(*iterations) <= 1, "cpu {e_cpu} vs {e}");
+                    // Where the residual stops falling depends on each side's rounding floor
+                    // (the device's f32 products are split3 tensor-core sums, the CPU's
+                    // SIMD dot products): the stall may come a couple of iterations apart.
+                    assert!(kc.abs_diff(*iterations) <= 2, "cpu {e_cpu} vs {e}");
                 }
                 _ => panic!("cpu {e_cpu} vs {e}"),
             }

@@ -1,5 +1,6 @@
-//! The kernels of `kernels/precond.cu` — the tiled fp32 GEMM (four transpose cases), and
-//! through it the preconditioning `P = Γ̃⁻¹ G Λ̃⁻¹` and the damped-inverse update; `A + λI`;
+//! The kernels of `kernels/precond.cu` — the tiled fp32 GEMM (four transpose cases), the
+//! f32-accurate tensor-core GEMM (`gemm3`) and through it the preconditioning `P = Γ̃⁻¹ G Λ̃⁻¹`
+//! and the damped-inverse update; `A + λI`;
 //! the trace — run by the emulator through the same launch code as on a GPU (and on CUDA
 //! when present), against the CPU backend on random ragged shapes. Outputs are poisoned with
 //! NaN before each launch wherever the operation does not read them.
@@ -126,6 +127,59 @@ proptest! {
             precond::gemm(&dev, ta, tb, 0.0, &an, &bn, beta, &mut c).unwrap();
             let got = c.to_vec().unwrap();
             for (x, c) in got.iter().zip(&c0) {
+                let w = if beta == 0.0 { 0.0 } else { beta * c };
+                prop_assert_eq!(x.to_bits(), w.to_bits());
+            }
+        }
+    }
+
+    /// `precond::gemm3` (split3 planes on the tensor-core engine) is f32-accurate against an
+    /// f64 reference on every transpose case and ragged shape: the 6 plane products
+    /// represent op(A)·op(B) to within 2·2^-24 of |op(A)||op(B)| (the dropped mid·lo, lo·mid,
+    /// lo·lo terms; the splits are exact), the small products are summed first (their
+    /// roundings ≤ 2^-24 of a sum ~2^-8 of the final one), then k f32 additions of the
+    /// hi·hi products and the α/β epilogue each round by ≤ 2^-24 of the scale: (k + 8)·u
+    /// covers it. β = 0 with C all NaN (never read), α = 0 with NaN A and B (never read).
+    #[test]
+    fn gemm3_is_f32_accurate(
+        m in dim(), n in dim(), k in prop_oneof![1 => Just(0usize), 8 => dim()],
+        ta in trans(), tb in trans(),
+        alpha in prop_oneof![1 => Just(1.0f32), 3 => -2.0f32..2.0],
+        beta in prop_oneof![2 => Just(0.0f32), 1 => Just(1.0f32), 2 => -2.0f32..2.0],
+        seed in any::<u64>(),
+    ) {
+        let mut rng = ChaCha8Rng::seed_from_u64(seed);
+        let (ar, ac) = stored_shape(ta, (m, k));
+        let (br, bc) = stored_shape(tb, (k, n));
+        let a = vals(&mut rng, m * k);
+        let b = vals(&mut rng, k * n);
+        let c0 = vals(&mut rng, m * n);
+        let scale = abs_scale((ta, tb), (m, n, k), alpha, &a, &b, beta, &c0);
+        for dev in devices() {
+            let am = dev.upload(ar, ac, &a).unwrap();
+            let bm = dev.upload(br, bc, &b).unwrap();
+            let c_in = if beta == 0.0 { vec![f32::NAN; m * n] } else { c0.clone() };
+            let mut c = dev.upload(m, n, &c_in).unwrap();
+            precond::gemm3(&dev, ta, tb, alpha, &am, &bm, beta, &mut c).unwrap();
+            let got = c.to_vec().unwrap();
+            for i in 0..m {
+                for j in 0..n {
+                    let mut acc = 0.0f64;
+                    for p in 0..k {
+                        acc += f64::from(op_at(&a, ac, ta, i, p)) * f64::from(op_at(&b, bc, tb, p, j));
+                    }
+                    let want = f64::from(alpha) * acc + if beta == 0.0 { 0.0 } else { f64::from(beta) * f64::from(c0[i * n + j]) };
+                    let tol = (k as f64 + 8.0) * U32 * scale[i * n + j] + 1e-30;
+                    let g = f64::from(got[i * n + j]);
+                    prop_assert!((g - want).abs() <= tol, "({}, {}): {} vs {} (tol {:e})", i, j, g, want, tol);
+                }
+            }
+
+            let an = dev.upload(ar, ac, &vec![f32::NAN; m * k]).unwrap();
+            let bn = dev.upload(br, bc, &vec![f32::NAN; k * n]).unwrap();
+            let mut c = dev.upload(m, n, &c_in).unwrap();
+            precond::gemm3(&dev, ta, tb, 0.0, &an, &bn, beta, &mut c).unwrap();
+            for (x, c) in c.to_vec().unwrap().iter().zip(&c0) {
                 let w = if beta == 0.0 { 0.0 } else { beta * c };
                 prop_assert_eq!(x.to_bits(), w.to_bits());
             }

@@ -483,3 +483,184 @@ fn emulated_launch_overhead() {
         t.elapsed().as_secs_f64() * 1e3
     );
 }
+
+// ---------------------------------------------------------------------------------------
+// sm_80 matrix primitives of the GEMM engine (kernels/gemm/mma_sm80.cuh), each against its
+// PTX ISA definition.
+
+/// Bytes of a matrix of f32 (the test buffers carry raw bytes as f32 bit patterns).
+fn bytes_of(v: &[f32]) -> Vec<u8> {
+    v.iter().flat_map(|x| x.to_le_bytes()).collect()
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig { cases: 16, ..ProptestConfig::default() })]
+
+    /// mma.m16n8k16 with fragments built per lane by the ISA layout equals A·B + C.
+    #[test]
+    fn mma_m16n8k16_fragments_match_isa(count in 1usize..4, scale in -3i32..4, seed in any::<u64>()) {
+        let mut s = seed | 1;
+        let mut rnd = move || { s ^= s << 13; s ^= s >> 7; s ^= s << 17; (s >> 40) as f32 / (1u64 << 24) as f32 * 2.0 - 1.0 };
+        let sc = 2f32.powi(scale);
+        let a: Vec<bf16> = (0..256 * count).map(|_| bf16::from_f32(rnd() * sc)).collect();
+        let b: Vec<bf16> = (0..128 * count).map(|_| bf16::from_f32(rnd())).collect();
+        let c: Vec<f32> = (0..128 * count).map(|_| rnd()).collect();
+        for dev in devices() {
+            let (am, bm, cm) = (dev.upload(256 * count, 1, &a).unwrap(), dev.upload(128 * count, 1, &b).unwrap(), dev.upload(128 * count, 1, &c).unwrap());
+            let mut d = poison(&dev, 128 * count);
+            selftest::mma(&dev, &am, &bm, &cm, &mut d, count).unwrap();
+            let got = d.to_vec().unwrap();
+            for blk in 0..count {
+                for i in 0..16 {
+                    for j in 0..8 {
+                        let mut acc = f64::from(c[128 * blk + 8 * i + j]);
+                        let mut mag = acc.abs();
+                        for k in 0..16 {
+                            let p = f64::from(a[256 * blk + 16 * i + k].to_f32()) * f64::from(b[128 * blk + 8 * k + j].to_f32());
+                            acc += p;
+                            mag += p.abs();
+                        }
+                        // bf16 products are exact in f32; 16 f32 additions round by ≤ 2^-24
+                        // of a partial sum ≤ mag each. Hardware may truncate: allow 4x.
+                        let tol = 4.0 * 18.0 * 2f64.powi(-24) * mag;
+                        let g = f64::from(got[128 * blk + 8 * i + j]);
+                        prop_assert!((g - acc).abs() <= tol, "block {} ({}, {}): {} vs {}", blk, i, j, g, acc);
+                    }
+                }
+            }
+        }
+    }
+
+    /// ldmatrix.x4 (and .trans) hands lane p the ISA's elements of the rows the lanes address.
+    #[test]
+    fn ldmatrix_x4_matches_isa(rows in proptest::array::uniform32(0usize..64), seed in any::<u64>()) {
+        let input: Vec<u16> = (0..512u64).map(|i| ((i.wrapping_mul(0x9e37_79b9_7f4a_7c15) ^ seed) >> 17) as u16 & 0x7f7f).collect();
+        let input_bf: Vec<bf16> = input.iter().map(|&u| bf16::from_bits(u)).collect();
+        for dev in devices() {
+            let im = dev.upload(512, 1, &input_bf).unwrap();
+            let mut out = poison(&dev, 256);
+            selftest::ldmatrix(&dev, &im, &rows, &mut out).unwrap();
+            let got: Vec<u32> = out.to_vec().unwrap().iter().map(|x| x.to_bits()).collect();
+            // Matrix j, row i = the 8 elements at the address of lane 8j + i.
+            let m = |j: usize, i: usize, c: usize| u32::from(input[8 * rows[8 * j + i] + c]);
+            for p in 0..32 {
+                let (r, c) = (p / 4, 2 * (p % 4));
+                for j in 0..4 {
+                    let plain = m(j, r, c) | m(j, r, c + 1) << 16;
+                    let trans = m(j, c, r) | m(j, c + 1, r) << 16;
+                    prop_assert_eq!(got[4 * p + j], plain, "lane {} reg {}", p, j);
+                    prop_assert_eq!(got[128 + 4 * p + j], trans, "lane {} reg {} .trans", p, j);
+                }
+            }
+        }
+    }
+
+    /// cp.async: after wait_group N every older group has landed (src-size bytes copied, the
+    /// rest of the 16 zero); the emulator performs a group only when a wait lets it complete.
+    #[test]
+    fn cp_async_groups_complete_in_order(threads in prop_oneof![Just(1u32), Just(32), Just(96), Just(256)], seed in any::<u64>()) {
+        let t = threads as usize;
+        let mut s = seed | 1;
+        let mut next = move || { s ^= s << 13; s ^= s >> 7; s ^= s << 17; s };
+        let src: Vec<f32> = (0..12 * t).map(|_| f32::from_bits(next() as u32 & 0x3fff_ffff)).collect();
+        let bytes: Vec<i32> = (0..3 * t).map(|_| (next() % 17) as i32).collect();
+        for dev in devices() {
+            let sm = dev.upload(12 * t, 1, &src).unwrap();
+            let mut out = poison(&dev, 12 * t);
+            let mut early = poison(&dev, 4 * t);
+            selftest::cp_async(&dev, &sm, &bytes, &mut out, &mut early, threads).unwrap();
+            let (want_src, got) = (bytes_of(&src), bytes_of(&out.to_vec().unwrap()));
+            for (ch, &nb) in bytes.iter().enumerate() {
+                for byte in 0..16 {
+                    let want = if (byte as i32) < nb { want_src[16 * ch + byte] } else { 0 };
+                    prop_assert_eq!(got[16 * ch + byte], want, "chunk {} byte {}", ch, byte);
+                }
+            }
+            if matches!(dev, Device::Emulated) {
+                // Group 2 was still in flight: the emulator shows the shared-memory poison.
+                prop_assert!(bytes_of(&early.to_vec().unwrap()).iter().all(|&b| b == 0xff));
+            }
+        }
+    }
+}
+
+/// The engine's swizzle permutes the chunks of each row, and the 8 rows an ldmatrix matrix
+/// reads (consecutive rows, same logical chunk) fall in 8 distinct 16-byte slots of the
+/// 128-byte bank window: no bank conflicts.
+#[test]
+fn swizzle_is_a_conflict_free_permutation() {
+    for dev in devices() {
+        let mut out = poison(&dev, 4096);
+        selftest::swizzle(&dev, &mut out).unwrap();
+        let got = download_i32(&out);
+        for k in 0..4 {
+            let chunks = 2usize << k;
+            let off = |row: usize, c: usize| got[(k * 64 + row) * 16 + c] as usize;
+            for row in 0..64 {
+                let mut seen: Vec<usize> = (0..chunks).map(|c| off(row, c)).collect();
+                seen.sort_unstable();
+                let want: Vec<usize> = (0..chunks).map(|c| (row * chunks + c) * 8).collect();
+                assert_eq!(seen, want, "chunks {chunks}, row {row}: not a permutation");
+            }
+            for row0 in (0..64).step_by(8) {
+                for c in 0..chunks {
+                    // Element offset · 2 bytes / 16 bytes, modulo the 8 slots of 128 bytes.
+                    let mut slots: Vec<usize> =
+                        (row0..row0 + 8).map(|r| off(r, c) / 8 % 8).collect();
+                    slots.sort_unstable();
+                    slots.dedup();
+                    assert_eq!(
+                        slots.len(),
+                        8,
+                        "chunks {chunks}, rows {row0}.., chunk {c}: bank conflict"
+                    );
+                }
+            }
+        }
+    }
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig { cases: 24, ..ProptestConfig::default() })]
+
+    /// The GEMM engine on ragged shapes (M, N, K off every tile, slice and granule size,
+    /// below 16 included), all four operand layouts, against f64 on the bf16 inputs.
+    #[test]
+    fn gemm_engine_matches_f64(
+        m in prop_oneof![1usize..=20, 120usize..=140, 250usize..=260],
+        n in prop_oneof![1usize..=20, 120usize..=140],
+        k in prop_oneof![1usize..=17, 30usize..=100],
+        a_k_outer in any::<bool>(),
+        b_k_inner in any::<bool>(),
+        seed in any::<u64>(),
+    ) {
+        let mut s = seed | 1;
+        let mut rnd = move || { s ^= s << 13; s ^= s >> 7; s ^= s << 17; (s >> 40) as f32 / (1u64 << 24) as f32 * 2.0 - 1.0 };
+        // Logical A[i][l] (m x k) and B[l][j] (k x n), bf16-rounded.
+        let a: Vec<bf16> = (0..m * k).map(|_| bf16::from_f32(rnd())).collect();
+        let b: Vec<bf16> = (0..k * n).map(|_| bf16::from_f32(rnd())).collect();
+        let a_st: Vec<bf16> = if a_k_outer { (0..m * k).map(|x| a[(x % m) * k + x / m]).collect() } else { a.clone() };
+        let b_st: Vec<bf16> = if b_k_inner { (0..k * n).map(|x| b[(x % k) * n + x / k]).collect() } else { b.clone() };
+        for dev in devices() {
+            let (am, bm) = (dev.upload(m * k, 1, &a_st).unwrap(), dev.upload(k * n, 1, &b_st).unwrap());
+            let mut d = poison(&dev, m * n);
+            selftest::gemm(&dev, &am, &bm, &mut d, (m, n, k), a_k_outer, b_k_inner).unwrap();
+            let got = d.to_vec().unwrap();
+            for i in 0..m {
+                for j in 0..n {
+                    let (mut acc, mut mag) = (0.0f64, 0.0f64);
+                    for l in 0..k {
+                        let p = f64::from(a[i * k + l].to_f32()) * f64::from(b[l * n + j].to_f32());
+                        acc += p;
+                        mag += p.abs();
+                    }
+                    // bf16 products are exact in f32; the k f32 additions each round by
+                    // ≤ 2^-24 of a partial sum ≤ mag. Hardware may truncate: allow 4x.
+                    let tol = 4.0 * (k as f64 + 1.0) * 2f64.powi(-24) * mag + 1e-30;
+                    let g = f64::from(got[i * n + j]);
+                    prop_assert!((g - acc).abs() <= tol, "({}, {}) of {}x{}x{}: {} vs {}", i, j, m, n, k, g, acc);
+                }
+            }
+        }
+    }
+}

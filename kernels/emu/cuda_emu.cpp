@@ -89,10 +89,20 @@ struct Ctx {
 #endif
 };
 
+// A cp.async issued by a thread, performed when a wait_group completes its group.
+struct PendingCopy {
+    unsigned char* dst;
+    const unsigned char* src;
+    int src_bytes;
+    unsigned group;  // 0 while not committed
+};
+
 struct Fiber : ThreadInfo {
     Ctx ctx;
     State state = DONE;
     int pred = 0;
+    std::vector<PendingCopy> copies;
+    unsigned committed = 0;  // cp.async groups committed so far
 };
 
 struct WarpSlot {
@@ -335,7 +345,28 @@ const char* op_name(WarpOp op) {
 
 // ---- threads and blocks ---------------------------------------------------------------
 
+void perform(const PendingCopy& c) {
+    if (c.src_bytes > 0) std::memcpy(c.dst, c.src, size_t(c.src_bytes));
+    std::memset(c.dst + c.src_bytes, 0, size_t(16 - c.src_bytes));
+}
+
+// Performs the copies whose group is complete once at most `pending` groups are in flight.
+void complete_copies(Fiber& f, unsigned pending) {
+    size_t keep = 0;
+    for (size_t i = 0; i < f.copies.size(); ++i) {
+        const PendingCopy& c = f.copies[i];
+        if (c.group != 0 && c.group + pending <= f.committed)
+            perform(c);
+        else
+            f.copies[keep++] = c;
+    }
+    f.copies.resize(keep);
+}
+
 [[noreturn]] void thread_exit(Runtime& r, Fiber& f) {
+    // Copies still in flight land anyway on a GPU (nothing can read them any more).
+    for (const PendingCopy& c : f.copies) perform(c);
+    f.copies.clear();
     f.state = DONE;
     ++r.ndone;
     if (r.bar_arrived > 0)
@@ -398,6 +429,8 @@ void run_block(Runtime& r) {
         f.warp = t / 32;
         f.xresult = 0;
         f.state = READY;
+        f.copies.clear();
+        f.committed = 0;
         const Stack& s = r.stacks[t];
         const size_t pg = page_size();
         ctx_init(f.ctx, s.map + pg, s.len - pg, &f);
@@ -587,6 +620,150 @@ void run_grid(const grng_emu_launch* cfg, const char* name, void (*body)(void*),
     if (r.smem_map) munmap(r.smem_map, r.smem_map_len);
     r.smem_map = nullptr;
     r.smem = nullptr;
+}
+
+// ---- sm_80 warp-level matrix primitives ------------------------------------------------
+
+namespace {
+struct MmaLane {
+    float* d;
+    const unsigned* a;
+    const unsigned* b;
+    const float* c;
+};
+struct LdmLane {
+    unsigned* r;
+    const unsigned char* row;
+    int trans;
+};
+
+float bf16_bits(unsigned bits) {
+    const uint32_t u = bits << 16;
+    float f;
+    std::memcpy(&f, &u, 4);
+    return f;
+}
+unsigned lo16(unsigned r) { return r & 0xffffu; }
+unsigned hi16(unsigned r) { return r >> 16; }
+
+void require_all_lanes(unsigned participants, const char* what) {
+    if (participants != 0xffffffffu)
+        failf("%s with lanes 0x%08x only: all 32 lanes must take part", what, participants);
+}
+
+// PTX ISA "Matrix Fragments for mma.m16n8k16" (bf16): lane p, groupID g = p / 4, threadID in
+// group t = p % 4. A (16x16, row): a0 = A[g][2t..2t+1], a1 = A[g+8][2t..], a2 = A[g][2t+8..],
+// a3 = A[g+8][2t+8..] (lower half = lower column). B (16x8, col): b0 = B[2t..2t+1][g],
+// b1 = B[2t+8..2t+9][g]. C, D (16x8): c0, c1 = C[g][2t], C[g][2t+1]; c2, c3 = row g+8.
+void mma_all(void* const* ctxs, unsigned participants) {
+    require_all_lanes(participants, "mma.sync");
+    float A[16][16], B[16][8], C[16][8];
+    for (int p = 0; p < 32; ++p) {
+        const MmaLane& l = *static_cast<const MmaLane*>(ctxs[p]);
+        const int g = p / 4, t = p % 4;
+        for (int h = 0; h < 2; ++h) {  // h: rows g / g + 8 of A, C; k 2t / 2t + 8 of B
+            const unsigned lo = h ? l.a[1] : l.a[0], hi = h ? l.a[3] : l.a[2];
+            A[g + 8 * h][2 * t] = bf16_bits(lo16(lo));
+            A[g + 8 * h][2 * t + 1] = bf16_bits(hi16(lo));
+            A[g + 8 * h][2 * t + 8] = bf16_bits(lo16(hi));
+            A[g + 8 * h][2 * t + 9] = bf16_bits(hi16(hi));
+            B[2 * t + 8 * h][g] = bf16_bits(lo16(l.b[h]));
+            B[2 * t + 8 * h + 1][g] = bf16_bits(hi16(l.b[h]));
+            C[g + 8 * h][2 * t] = l.c[2 * h];
+            C[g + 8 * h][2 * t + 1] = l.c[2 * h + 1];
+        }
+    }
+    // Products of bf16 are exact in f32; the sum is f32 in k order (hardware may order and
+    // round differently: tests allow a few ulps per term).
+    float D[16][8];
+    for (int i = 0; i < 16; ++i)
+        for (int j = 0; j < 8; ++j) {
+            float acc = C[i][j];
+            for (int k = 0; k < 16; ++k) acc += A[i][k] * B[k][j];
+            D[i][j] = acc;
+        }
+    for (int p = 0; p < 32; ++p) {
+        const MmaLane& l = *static_cast<const MmaLane*>(ctxs[p]);
+        const int g = p / 4, t = p % 4;
+        for (int h = 0; h < 2; ++h) {
+            l.d[2 * h] = D[g + 8 * h][2 * t];
+            l.d[2 * h + 1] = D[g + 8 * h][2 * t + 1];
+        }
+    }
+}
+
+// PTX ISA "ldmatrix": matrix j's row i is the 16 bytes at lane 8j + i's address. Without
+// .trans lane p receives row p / 4, elements 2(p % 4) and 2(p % 4) + 1 of each matrix; with
+// .trans the same positions of the transposed matrix (elements (2(p % 4) + {0, 1}, p / 4)).
+void ldmatrix_all(void* const* ctxs, unsigned participants) {
+    require_all_lanes(participants, "ldmatrix.x4");
+    const int trans = static_cast<const LdmLane*>(ctxs[0])->trans;
+    uint16_t M[4][8][8];
+    for (int p = 0; p < 32; ++p) {
+        const LdmLane& l = *static_cast<const LdmLane*>(ctxs[p]);
+        if (l.trans != trans) failf("ldmatrix: lanes 0 and %d disagree on .trans", p);
+        std::memcpy(M[p / 8][p % 8], l.row, 16);
+    }
+    for (int p = 0; p < 32; ++p) {
+        const LdmLane& l = *static_cast<const LdmLane*>(ctxs[p]);
+        const int r = p / 4, c = 2 * (p % 4);
+        for (int j = 0; j < 4; ++j) {
+            const unsigned e0 = trans ? M[j][c][r] : M[j][r][c];
+            const unsigned e1 = trans ? M[j][c + 1][r] : M[j][r][c + 1];
+            l.r[j] = e0 | (e1 << 16);
+        }
+    }
+}
+
+// Shared-memory operands must lie in the launch's dynamic shared memory (GRNG_DYN_SHARED).
+void check_smem16(const void* p, const char* what) {
+    const Runtime& r = rt();
+    const unsigned char* a = static_cast<const unsigned char*>(p);
+    if (reinterpret_cast<uintptr_t>(a) % 16 != 0) failf("%s: shared address %p is not 16-byte aligned", what, p);
+    if (!r.smem || a < r.smem || a + 16 > r.smem + r.smem_bytes)
+        failf("%s: address %p is not 16 bytes inside the dynamic shared memory", what, p);
+}
+}  // namespace
+
+void mma_m16n8k16_bf16(float* d, const unsigned* a, const unsigned* b, const float* c) {
+    require_full_warp("mma.sync");
+    MmaLane l{d, a, b, c};
+    warp_op(0xffffffffu, W_FN, 0, 0, 32, &l, &mma_all);
+}
+
+void ldmatrix_x4(unsigned* r, const void* row, bool trans) {
+    require_full_warp("ldmatrix.x4");
+    check_smem16(row, "ldmatrix");
+    LdmLane l{r, static_cast<const unsigned char*>(row), trans ? 1 : 0};
+    warp_op(0xffffffffu, W_FN, 0, 0, 32, &l, &ldmatrix_all);
+}
+
+void cp_async_16(void* dst, const void* src, int src_bytes) {
+    Runtime& r = rt();
+    check_smem16(dst, "cp.async");
+    if (src_bytes < 0 || src_bytes > 16) failf("cp.async: src-size %d outside [0, 16]", src_bytes);
+    const uintptr_t s = reinterpret_cast<uintptr_t>(src);
+    if (s % 16 != 0) failf("cp.async: global address %p is not 16-byte aligned", src);
+    if (src_bytes > 0 && r.nbuffers > 0) {
+        bool inside = false;
+        for (uint32_t i = 0; i < r.nbuffers && !inside; ++i)
+            inside = s >= r.buffers[i].base && s + src_bytes <= r.buffers[i].base + r.buffers[i].bytes;
+        if (!inside) failf("cp.async: %d bytes at %p are not inside a kernel buffer", src_bytes, src);
+    }
+    r.cur->copies.push_back(PendingCopy{static_cast<unsigned char*>(dst),
+                                        static_cast<const unsigned char*>(src), src_bytes, 0});
+}
+
+void cp_async_commit() {
+    Fiber& f = *rt().cur;
+    ++f.committed;
+    for (PendingCopy& c : f.copies)
+        if (c.group == 0) c.group = f.committed;
+}
+
+void cp_async_wait(int pending) {
+    if (pending < 0) failf("cp.async.wait_group %d: N must be non-negative", pending);
+    complete_copies(*rt().cur, unsigned(pending));
 }
 
 }  // namespace grng_emu

@@ -486,6 +486,27 @@ inline unsigned __reduce_max_sync(unsigned mask, unsigned v) {
 }
 
 // ---------------------------------------------------------------------------------------
+// sm_80 warp-level matrix primitives, per lane as the PTX ISA defines them. Kernels use them
+// through kernels/gemm/mma_sm80.cuh (inline PTX on CUDA), never directly.
+// - mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32: a collective of the 32 lanes of a
+//   full warp; each lane passes its own fragment registers (layout in mma_sm80.cuh) and the
+//   last lane to arrive computes every lane's D from all lanes' A, B, C.
+// - ldmatrix.sync.aligned.m8n8.x4{,.trans}.shared.b16: lane l supplies the address of row
+//   l % 8 of matrix l / 8 (16 bytes, 16-byte aligned, inside the dynamic shared memory);
+//   every lane receives its 4 registers as the ISA's fragment layout says.
+// - cp.async.cg.shared.global (16 bytes, src_bytes ≤ 16 read, the rest zero-filled): queued
+//   per thread and performed only when a cp.async.wait_group lets its group complete, so a
+//   kernel that reads the stage before waiting sees the NaN poison, not the data. The queue
+//   is flushed when the thread exits.
+namespace grng_emu {
+void mma_m16n8k16_bf16(float* d, const unsigned* a, const unsigned* b, const float* c);
+void ldmatrix_x4(unsigned* r, const void* row, bool trans);
+void cp_async_16(void* dst, const void* src, int src_bytes);
+void cp_async_commit();
+void cp_async_wait(int pending);
+}  // namespace grng_emu
+
+// ---------------------------------------------------------------------------------------
 // WMMA: bf16 inputs, f32 accumulators, m16n16k16 only (other shapes/types do not compile).
 namespace nvcuda {
 namespace wmma {

@@ -3,6 +3,7 @@
 // hardware). Valid CUDA: build.rs compiles this file to PTX too (ptx::SELFTEST) and the audit
 // covers it (selftest_wmma_tc proves the HMMA check works), but no optimizer uses it.
 #include "common.cuh"
+#include "gemm/engine.cuh"
 
 // Tiled transpose through a padded shared tile: out (cols x rows) = in (rows x cols)ᵀ.
 // Block (32, 8), grid (ceil(cols/32), ceil(rows/32)).
@@ -288,3 +289,122 @@ extern "C" __global__ void selftest_misuse(float* __restrict__ out, int mode) {
     }
 }
 GRNG_EMU_ENTRY(selftest_misuse)
+
+// ---------------------------------------------------------------------------------------
+// sm_80 matrix primitives (kernels/gemm/mma_sm80.cuh).
+
+// One mma.m16n8k16 per block of 32 threads: block b reads A (16x16 row-major bf16) at
+// a + 256 b, B (16x8, stored k-major: B[k][n] at b + 128 b + 8 k + n), C (16x8 row-major
+// f32) at c + 128 b, builds each lane's fragments by the ISA layout (mma_sm80.cuh) and
+// stores its D elements at d + 128 b by the same layout.
+extern "C" __global__ void selftest_mma_tc(const __nv_bfloat16* __restrict__ a,
+                                           const __nv_bfloat16* __restrict__ b,
+                                           const float* __restrict__ c, float* __restrict__ d) {
+    const int p = threadIdx.x, g = p / 4, t = p % 4;
+    const __nv_bfloat16* A = a + 256 * blockIdx.x;
+    const __nv_bfloat16* B = b + 128 * blockIdx.x;
+    const float* C = c + 128 * blockIdx.x;
+    float* D = d + 128 * blockIdx.x;
+    auto pack = [](__nv_bfloat16 lo, __nv_bfloat16 hi) {
+        return (unsigned)__bfloat16_as_ushort(lo) | ((unsigned)__bfloat16_as_ushort(hi) << 16);
+    };
+    unsigned af[4], bf[2];
+    float cf[4], df[4];
+    for (int h = 0; h < 2; ++h) {
+        const int r = g + 8 * h;
+        af[h] = pack(A[r * 16 + 2 * t], A[r * 16 + 2 * t + 1]);
+        af[h + 2] = pack(A[r * 16 + 2 * t + 8], A[r * 16 + 2 * t + 9]);
+        bf[h] = pack(B[(2 * t + 8 * h) * 8 + g], B[(2 * t + 8 * h + 1) * 8 + g]);
+        cf[2 * h] = C[r * 8 + 2 * t];
+        cf[2 * h + 1] = C[r * 8 + 2 * t + 1];
+    }
+    grng_mma_bf16_16816(df, af, bf, cf);
+    for (int h = 0; h < 2; ++h) {
+        D[(g + 8 * h) * 8 + 2 * t] = df[2 * h];
+        D[(g + 8 * h) * 8 + 2 * t + 1] = df[2 * h + 1];
+    }
+}
+GRNG_EMU_ENTRY(selftest_mma_tc)
+
+// ldmatrix.x4 on one warp: the 64 rows of 8 bf16 in `in` are staged in dynamic shared
+// memory (1 KiB), lane l passes the address of row rows[l]; out[4 l + j] = register j
+// without .trans, out[128 + 4 l + j] with .trans (u32 bits).
+extern "C" __global__ void selftest_ldmatrix(const __nv_bfloat16* __restrict__ in,
+                                             const int* __restrict__ rows,
+                                             unsigned* __restrict__ out) {
+    GRNG_DYN_SHARED(__nv_bfloat16, s);
+    const int l = threadIdx.x;
+    for (int i = l; i < 64 * 8; i += 32) s[i] = in[i];
+    __syncwarp();
+    unsigned r[4], rt[4];
+    grng_ldmatrix_x4<false>(r, s + 8 * rows[l]);
+    grng_ldmatrix_x4<true>(rt, s + 8 * rows[l]);
+    for (int j = 0; j < 4; ++j) {
+        out[4 * l + j] = r[j];
+        out[128 + 4 * l + j] = rt[j];
+    }
+}
+GRNG_EMU_ENTRY(selftest_ldmatrix)
+
+// cp.async groups, one block of `blockDim.x` threads, 3 chunks of 16 bytes per thread:
+// thread t copies chunk t + T q (T = blockDim.x) of `src` in group q with bytes[t + T q]
+// source bytes (the rest zero-filled), committing after each q. After wait_group 2, 1, 0
+// (each followed by __syncthreads) it copies group 0, 1, 2 of shared memory to out; right
+// after wait_group 2 it also copies group 2's chunk to early (still in flight: its content is
+// undefined on a GPU, the emulator's NaN poison). Dynamic shared memory: 48 T bytes.
+extern "C" __global__ void selftest_cp_async(const uint4* __restrict__ src,
+                                             const int* __restrict__ bytes,
+                                             uint4* __restrict__ out,
+                                             uint4* __restrict__ early) {
+    GRNG_DYN_SHARED(uint4, s);
+    const int t = threadIdx.x, T = blockDim.x;
+    for (int q = 0; q < 3; ++q) {
+        grng_cp_async_16(s + t + T * q, src + t + T * q, bytes[t + T * q]);
+        grng_cp_async_commit();
+    }
+    grng_cp_async_wait<2>();
+    early[t] = s[t + 2 * T];
+    __syncthreads();
+    out[t] = s[t];
+    grng_cp_async_wait<1>();
+    __syncthreads();
+    out[t + T] = s[t + T];
+    grng_cp_async_wait<0>();
+    __syncthreads();
+    out[t + 2 * T] = s[t + 2 * T];
+}
+GRNG_EMU_ENTRY(selftest_cp_async)
+
+// The engine's shared-memory swizzle: out[(k * 64 + row) * 16 + chunk] = element offset of
+// (row, chunk) in a tile of 2^(k+1) chunks per row (k = 0..3, rows 0..63, chunk < 2^(k+1);
+// other slots untouched). One thread per (row, chunk).
+extern "C" __global__ void selftest_swizzle(int* __restrict__ out) {
+    const int row = threadIdx.x / 16, chunk = threadIdx.x % 16;
+    int* o = out + row * 16 + chunk;
+    if (chunk < 2) o[0] = grng_swizzle<2>(row, chunk);
+    if (chunk < 4) o[64 * 16] = grng_swizzle<4>(row, chunk);
+    if (chunk < 8) o[2 * 64 * 16] = grng_swizzle<8>(row, chunk);
+    o[3 * 64 * 16] = grng_swizzle<16>(row, chunk);
+}
+GRNG_EMU_ENTRY(selftest_swizzle)
+
+// The GEMM engine with a plain store: d (M x N row-major f32) = op(A)·op(B). layouts bit 0:
+// A stored k-outer (element (i, k) at a[k·lda + i]) instead of k-inner (a[i·lda + k]); bit 1:
+// B stored k-inner (element (k, j) at b[j·ldb + k]) instead of k-outer (b[k·ldb + j]).
+// Grid (ceil(N/128), ceil(M/128)), block 256, GRNG_GEMM_SMEM bytes of dynamic shared memory.
+struct SelftestStore {
+    float* d;
+    int ldd;
+    __device__ __forceinline__ void operator()(int i, int j, float v) { d[(long long)i * ldd + j] = v; }
+    __device__ __forceinline__ void finish() {}
+};
+
+extern "C" __global__ void __launch_bounds__(GRNG_GEMM_THREADS)
+    selftest_gemm_tc(const __nv_bfloat16* __restrict__ a, int lda,
+                     const __nv_bfloat16* __restrict__ b, int ldb, float* __restrict__ d, int M,
+                     int N, int K, int layouts) {
+    GRNG_DYN_SHARED(__nv_bfloat16, smem);
+    SelftestStore epi{d, N};
+    grng_gemm_tile_any<1>(a, lda, 0, b, ldb, 0, M, N, K, layouts, smem, epi);
+}
+GRNG_EMU_ENTRY(selftest_gemm_tc)

@@ -3,7 +3,7 @@
 //! (`kron_syrk_ema_tc`), and the batch gradient `G = (1/m) Eᵀ A` (the GEMM of
 //! [`super::precond`] with `α = 1/m`).
 //!
-//! Both SYRK kernels compute only the lower-triangle 64x64 tiles and mirror them, so the
+//! Both SYRK kernels compute only the lower-triangle tiles and mirror them, so the
 //! result is exactly symmetric; only the lower triangle of the old `Λ` is read, and not at all
 //! when `ε = 0`. Shapes and scalars are validated here before any launch; finiteness of the
 //! operands is the caller's business (see [`crate::ops`]).
@@ -19,17 +19,24 @@ use half::bf16;
 kernel!(pub SYRK_EMA_F32 = KRON::kron_syrk_ema_f32;);
 kernel!(pub SYRK_EMA_TC = KRON::kron_syrk_ema_tc;);
 
-/// Output tile of both SYRK kernels.
-const TILE: usize = 64;
+/// Output tile of `kron_syrk_ema_f32`.
+const TILE_F32: usize = 64;
+/// Output tile of `kron_syrk_ema_tc` (the GEMM engine's block tile, kernels/gemm/engine.cuh).
+const TILE_TC: usize = 128;
+/// Dynamic shared memory of every GEMM-engine kernel (`kron_syrk_ema_tc`, `newton_gemm_tc`):
+/// `GRNG_GEMM_SMEM` of kernels/gemm/engine.cuh, 3 stages of two 128x32 bf16 tiles.
+pub(crate) const GEMM_SMEM: u32 = 3 * 2 * 128 * 32 * 2;
 
 /// Validates a SYRK-EMA call and returns `(m, n, α, grid)`: `a` `m x n` with `m ≥ 1`,
-/// `factor` `n x n`, `0 ≤ ε < 1`, and the triangle of tile pairs within one grid dimension.
+/// `factor` `n x n`, `0 ≤ ε < 1`, and the triangle of `tile x tile` pairs within one grid
+/// dimension.
 fn check_syrk<T: Element>(
     op: &'static str,
     dev: &Device,
     a: &Matrix<T>,
     eps: f32,
     factor: &Matrix,
+    tile: usize,
 ) -> Result<(i32, i32, f32, u32)> {
     dev.check_on(op, a)?;
     dev.check_on(op, factor)?;
@@ -37,7 +44,7 @@ fn check_syrk<T: Element>(
     let (m, n) = a.shape();
     let (mi, ni) = (to_i32(op, "m", m)?, to_i32(op, "n", n)?);
     // The kernel forms row * n offsets in 64 bits, but the tile-pair index is an int.
-    let nt = n.div_ceil(TILE);
+    let nt = n.div_ceil(tile);
     let pairs = u32::try_from(nt * (nt + 1) / 2)
         .ok()
         .filter(|&p| p <= i32::MAX as u32)
@@ -45,7 +52,7 @@ fn check_syrk<T: Element>(
             op,
             arg: "a",
             value: n as f64,
-            expected: "at most 2^31 - 1 lower-triangle 64x64 tiles",
+            expected: "at most 2^31 - 1 lower-triangle tiles",
         })?;
     Ok((mi, ni, (1.0 - eps) / m as f32, pairs))
 }
@@ -54,12 +61,13 @@ fn check_syrk<T: Element>(
 ///
 /// # Safety
 /// `kernel` is `kron_syrk_ema_f32` with `T = f32` or `kron_syrk_ema_tc` with `T = bf16`,
-/// `threads` its block size, and the arguments passed `check_syrk`.
+/// `threads` and `shared_mem` its block size and dynamic shared memory, and the arguments
+/// passed `check_syrk` with its tile.
 #[allow(clippy::too_many_arguments)]
 unsafe fn launch_syrk<T: Element>(
     op: &'static str,
     kernel: &super::launch::Kernel,
-    threads: u32,
+    (threads, shared_mem): (u32, u32),
     dev: &Device,
     a: &Matrix<T>,
     factor: &mut Matrix,
@@ -72,7 +80,7 @@ unsafe fn launch_syrk<T: Element>(
     let cfg = LaunchConfig {
         grid: (pairs, 1, 1),
         block: (threads, 1, 1),
-        shared_mem: 0,
+        shared_mem,
     };
     let mut args = KernelArgs::new(dev);
     args.input(op, a)?
@@ -93,30 +101,42 @@ unsafe fn launch_syrk<T: Element>(
 /// `0 ≤ ε < 1` or for dimensions ≥ 2^31, launch errors. `factor` is unchanged on error.
 pub fn syrk_ema_f32(dev: &Device, a: &Matrix<f32>, eps: f32, factor: &mut Matrix) -> Result<()> {
     const OP: &str = "cuda::kron::syrk_ema_f32";
-    let checked = check_syrk(OP, dev, a, eps, factor)?;
+    let checked = check_syrk(OP, dev, a, eps, factor, TILE_F32)?;
     // SAFETY: kron_syrk_ema_f32(const float* A, float* L, int m, int n, float alpha,
     // float eps) with block 256 and one block per tile pair (bi ≥ bj) of ceil(n/64) tiles.
     // A holds m*n floats and is read at (s, c) only for s < m, c < n; L holds n*n floats and
     // is touched at (i, j) only for i, j < n. Static shared memory only.
-    unsafe { launch_syrk(OP, &SYRK_EMA_F32, 256, dev, a, factor, checked, eps) }
+    unsafe { launch_syrk(OP, &SYRK_EMA_F32, (256, 0), dev, a, factor, checked, eps) }
 }
 
 /// `Λ ← ε Λ + (1−ε)/m · AᵀA` for a `bf16` `A` (`m x n`, `m ≥ 1`) and an `f32` `factor`
-/// `n x n`: one launch of `kron_syrk_ema_tc` (bf16 WMMA m16n16k16, f32 accumulation;
-/// 128 threads per lower-triangle 64x64 tile).
+/// `n x n`: one launch of `kron_syrk_ema_tc`, the tensor-core GEMM engine
+/// (kernels/gemm/engine.cuh: mma.sync m16n8k16 bf16, f32 accumulation) on the lower-triangle
+/// 128x128 tiles, 256 threads each.
 ///
 /// # Errors
 /// As [`syrk_ema_f32`]. `factor` is unchanged on error.
 pub fn syrk_ema_tc(dev: &Device, a: &Matrix<bf16>, eps: f32, factor: &mut Matrix) -> Result<()> {
     const OP: &str = "cuda::kron::syrk_ema_tc";
-    let checked = check_syrk(OP, dev, a, eps, factor)?;
+    let checked = check_syrk(OP, dev, a, eps, factor, TILE_TC)?;
     // SAFETY: kron_syrk_ema_tc(const __nv_bfloat16* A, float* L, int m, int n, float alpha,
-    // float eps) with block 128 (4 full warps, as WMMA needs) and one block per tile pair.
-    // A holds m*n bf16 and is read at (s, c) only for s < m, c < n (16-byte vector reads only
-    // when n % 8 == 0 and A is 16-byte aligned, so a vector never crosses row n); L holds
-    // n*n floats, touched at (i, j) only for i, j < n. WMMA tiles live in static shared
-    // memory only.
-    unsafe { launch_syrk(OP, &SYRK_EMA_TC, 128, dev, a, factor, checked, eps) }
+    // float eps) with block 256 (8 full warps, as mma.sync needs), one block per 128x128 tile
+    // pair and GEMM_SMEM bytes of dynamic shared memory (3 stages of two 128x32 bf16 tiles).
+    // A holds m*n bf16 and is read at (s, c) only for s < m, c < n (16-byte cp.async only when
+    // n % 8 == 0 and A is 16-byte aligned, with src-size cut at column n); L holds n*n floats,
+    // touched at (i, j) only for i, j < n.
+    unsafe {
+        launch_syrk(
+            OP,
+            &SYRK_EMA_TC,
+            (256, GEMM_SMEM),
+            dev,
+            a,
+            factor,
+            checked,
+            eps,
+        )
+    }
 }
 
 /// Batch gradient `G = (1/m) Eᵀ A` for `E` `m x d_out` (`m ≥ 1`), `A` `m x d_in`, `G`

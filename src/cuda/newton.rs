@@ -14,23 +14,22 @@
 //! (input checks, norms) once. Buffer rotation over three iterates keeps the best one
 //! without copies.
 //!
-//! Products: `Bf16` mode runs [`newton_gemm_tc`](product_tc) (WMMA bf16, f32 accumulate) on the
-//! bf16 copies the previous epilogues wrote; `F32` mode (and the `Bf16` run's final `f32`
-//! residual and polish) runs the fp32 GEMM of [`super::precond::gemm`] followed by
-//! `newton_epilogue_f32` ([`product_f32`]), which applies the same epilogue.
+//! Products, all on the tensor-core GEMM engine with the epilogue fused: `Bf16` mode runs
+//! [`newton_gemm_tc`](product_tc) on the bf16 copies the previous epilogues wrote; `F32` mode
+//! (and the `Bf16` run's final `f32` residual and polish) runs `newton_gemm3_tc`
+//! ([`product_f32`]) on split3 planes of the f32 operands, f32-accurate.
 
 use super::launch::{kernel, launch, KernelArgs, LaunchConfig};
-use super::precond::{gemm, to_i32};
+use super::precond::{split3_into, to_i32};
 use crate::device::{Device, Matrix};
 use crate::error::{check_len, check_shape, Error, Result};
-use crate::mat::Trans;
 use crate::ops::newton::driver::{self, check_symmetric, NewtonBackend, PowerStep, Start};
 use crate::ops::newton::{InitialGuess, NewtonInfo, NewtonOptions, NewtonOrder, Precision};
 use crate::ops::norm::{PowerInfo, PowerOptions};
 use half::bf16;
 
 kernel!(pub GEMM_TC = NEWTON::newton_gemm_tc;);
-kernel!(pub EPILOGUE_F32 = NEWTON::newton_epilogue_f32;);
+kernel!(pub GEMM3_TC = NEWTON::newton_gemm3_tc;);
 kernel!(pub RESIDUAL = NEWTON::newton_residual;);
 kernel!(pub SYM_STATS = NEWTON::newton_sym_stats;);
 kernel!(pub ABS_NORMS = NEWTON::newton_abs_norms;);
@@ -38,11 +37,9 @@ kernel!(pub INIT_X = NEWTON::newton_init_x;);
 kernel!(pub POWER_MATVEC = NEWTON::newton_power_matvec;);
 kernel!(pub POWER_NORMALIZE = NEWTON::newton_power_normalize;);
 
-/// Output tile of `newton_gemm_tc` and `newton_epilogue_f32` (rows and columns).
-pub const TILE: usize = 64;
-/// Dynamic shared memory of `newton_gemm_tc`: two stages of the 64x32 A and 32x64 B bf16
-/// tiles with rows padded by 8 (the 64x68 f32 epilogue tile reuses it).
-const TC_SMEM: u32 = (2 * 64 * 40 + 2 * 32 * 72) * 2;
+/// Output tile of `newton_gemm_tc` and `newton_gemm3_tc` (rows and columns).
+/// The GEMM engine's block tile (kernels/gemm/engine.cuh).
+pub const TILE: usize = 128;
 /// Largest `n`: the kernels index `n²` elements with `int`.
 const MAX_N: usize = 46_340;
 /// Blocks of `newton_power_matvec` (8 rows each, grid-stride beyond).
@@ -55,7 +52,7 @@ const OUT_F32: i32 = 4;
 const OUT_BF16: i32 = 8;
 const RESID: i32 = 16;
 
-/// Number of residual partials a product of `n x n` matrices writes (one per 64x64 tile).
+/// Number of residual partials a product of `n x n` matrices writes (one per 128x128 tile).
 pub fn partials(n: usize) -> usize {
     n.div_ceil(TILE).pow(2)
 }
@@ -63,7 +60,7 @@ pub fn partials(n: usize) -> usize {
 /// The algebra fused into a Newton product `C = A·B` (`n x n`): per element
 /// `v = α·C[r,c] + diag·[r = c] + add1[r,c] + add2[r,c]` (absent terms skipped), written to
 /// `out` (`f32`) and/or `out_bf` (`bf16`, round-to-nearest-even); with `partial`, element `b`
-/// (row-major over the 64x64 output tiles) receives the tile's `Σ v²`.
+/// (row-major over the 128x128 output tiles) receives the tile's `Σ v²`.
 pub struct Epilogue<'a> {
     pub alpha: f32,
     pub diag: f32,
@@ -217,8 +214,9 @@ fn tile_grid(n: usize) -> (u32, u32, u32) {
     (t, t, 1)
 }
 
-/// `C = A·B` for `n x n` bf16 `a`, `b` on tensor cores (`newton_gemm_tc`: 64x64 tiles, 4 warps
-/// of 2x2 WMMA m16n16k16 accumulators, f32 accumulation), with `epi` fused into the store.
+/// `C = A·B` for `n x n` bf16 `a`, `b` on tensor cores (`newton_gemm_tc`: the GEMM engine of
+/// kernels/gemm/engine.cuh, 128x128 tiles, 8 warps of 4x4 mma.sync m16n8k16 accumulators,
+/// f32 accumulation), with `epi` fused into the store.
 ///
 /// # Errors
 /// [`Error::Shape`] (non-square or mismatched operands, short `partial`), [`Error::Value`]
@@ -237,8 +235,8 @@ pub fn product_tc(
     dim(OP, n)?;
     let cfg = LaunchConfig {
         grid: tile_grid(n),
-        block: (128, 1, 1),
-        shared_mem: TC_SMEM,
+        block: (256, 1, 1),
+        shared_mem: super::kron::GEMM_SMEM,
     };
     let mut args = KernelArgs::new(dev);
     args.input(OP, a)?.input(OP, b)?;
@@ -246,22 +244,40 @@ pub fn product_tc(
     // SAFETY: newton_gemm_tc(const bf16* a, const bf16* b, const float* add1, const float*
     // add2, float* out, bf16* out_bf, float* partial, int n, float alpha, float diag, int
     // flags). a, b and every buffer selected by `flags` are n x n (checked), partial holds
-    // one float per block of the ceil(n/64)² grid; unselected pointers are never touched.
+    // one float per block of the ceil(n/128)² grid; unselected pointers are never touched.
     // The kernel reads and writes only rows/columns < n (zero-filled tile edges) and uses
-    // TC_SMEM bytes of dynamic shared memory (2 stages of [64][40] + [32][72] bf16).
+    // GEMM_SMEM bytes of dynamic shared memory (3 stages of two 128x32 bf16 tiles); 16-byte
+    // cp.async only when n % 8 == 0 and the operand is 16-byte aligned (src-size cut at n).
     unsafe { launch(&GEMM_TC, cfg, args) }
 }
 
-/// `C = A·B` for `n x n` f32 `a`, `b` through the fp32 GEMM of [`super::precond::gemm`] into
-/// the scratch `c`, then `epi` applied by `newton_epilogue_f32` (one read of `c`).
+/// Scratch of [`product_f32`]: the split3 planes of both operands (`3n x n` bf16 each).
+pub struct Planes {
+    a: Matrix<bf16>,
+    b: Matrix<bf16>,
+}
+
+impl Planes {
+    /// Planes for `n x n` operands on `dev` (`12 n²` bytes).
+    pub fn new(dev: &Device, n: usize) -> Result<Self> {
+        Ok(Self {
+            a: dev.zeros(3 * n, n)?,
+            b: dev.zeros(3 * n, n)?,
+        })
+    }
+}
+
+/// `C = A·B` for `n x n` f32 `a`, `b` with f32 accuracy on the tensor cores: both are split
+/// into three bf16 planes (`precond_split3`) in `planes`, then `newton_gemm3_tc` (the GEMM
+/// engine over the 6 significant plane products, see `precond::gemm3`) applies `epi`.
 ///
 /// # Errors
-/// As [`product_tc`]; `c` must be `n x n` too.
+/// As [`product_tc`]; `planes` must be for `n`.
 pub fn product_f32(
     dev: &Device,
     a: &Matrix,
     b: &Matrix,
-    c: &mut Matrix,
+    planes: &mut Planes,
     epi: Epilogue<'_>,
     unused: &mut Unused,
 ) -> Result<()> {
@@ -269,23 +285,29 @@ pub fn product_f32(
     let n = a.rows();
     check_shape(OP, "a", a.shape(), (n, n))?;
     check_shape(OP, "b", b.shape(), (n, n))?;
-    check_shape(OP, "c", c.shape(), (n, n))?;
     dim(OP, n)?;
-    gemm(dev, Trans::No, Trans::No, 1.0, a, b, 0.0, c)?;
+    // A square (E·E) is split once.
+    let same = std::ptr::eq(a, b);
+    split3_into(dev, a, &mut planes.a)?;
+    if !same {
+        split3_into(dev, b, &mut planes.b)?;
+    }
     let cfg = LaunchConfig {
         grid: tile_grid(n),
         block: (256, 1, 1),
-        shared_mem: 0,
+        shared_mem: super::kron::GEMM_SMEM,
     };
     let mut args = KernelArgs::new(dev);
-    args.input(OP, c)?;
+    args.input(OP, &planes.a)?
+        .input(OP, if same { &planes.a } else { &planes.b })?;
     push_epilogue(OP, &mut args, epi, unused, n)?;
-    // SAFETY: newton_epilogue_f32(const float* c, const float* add1, const float* add2,
-    // float* out, bf16* out_bf, float* partial, int n, float alpha, float diag, int flags):
-    // c and every buffer selected by `flags` are n x n (checked; c is a distinct buffer, so
-    // it cannot alias the outputs), partial holds one float per block of the ceil(n/64)²
-    // grid; elements are touched only at rows/columns < n; static shared memory only.
-    unsafe { launch(&EPILOGUE_F32, cfg, args) }
+    // SAFETY: newton_gemm3_tc(const bf16* a3, const bf16* b3, const float* add1, const float*
+    // add2, float* out, bf16* out_bf, float* partial, int n, float alpha, float diag, int
+    // flags). a3, b3 hold 3 planes of n² bf16 each (split3_into checked their 3n x n shape),
+    // read only at rows/columns < n of each plane; every buffer selected by `flags` is n x n
+    // (checked), partial holds one float per block of the ceil(n/128)² grid; unselected
+    // pointers are never touched. GEMM_SMEM bytes of dynamic shared memory.
+    unsafe { launch(&GEMM3_TC, cfg, args) }
 }
 
 /// `res[0] = sqrt(Σ partial[..count] / n)` (one block, fixed-order double sum).
@@ -661,8 +683,8 @@ struct Work<'d> {
     /// The correction `F` (f32 mode: `f`, bf16 mode: `f_bf`).
     f: Matrix,
     f_bf: Matrix<bf16>,
-    /// f32 product scratch.
-    c: Matrix,
+    /// Split planes of the f32 products.
+    planes: Planes,
     partial: Matrix,
     res: Matrix,
     unused: Unused,
@@ -700,7 +722,7 @@ impl<'d> Work<'d> {
             g_bf: b(quartic && bf16)?,
             f: f(true)?,
             f_bf: b(bf16)?,
-            c: f(true)?,
+            planes: Planes::new(dev, n)?,
             partial: dev.zeros(partials(n), 1)?,
             res: dev.zeros(1, 1)?,
             unused: Unused::new(dev)?,
@@ -805,7 +827,7 @@ impl NewtonBackend for Work<'_> {
                 self.dev,
                 &self.a,
                 &self.x[self.cur],
-                &mut self.c,
+                &mut self.planes,
                 epi,
                 &mut self.unused,
             )?;
@@ -842,7 +864,7 @@ impl NewtonBackend for Work<'_> {
                     out: Some(&mut self.f),
                     ..Epilogue::new()
                 };
-                product_f32(dev, &self.e, &self.e, &mut self.c, epi, u)?;
+                product_f32(dev, &self.e, &self.e, &mut self.planes, epi, u)?;
             }
             (NewtonOrder::Quartic, true) => {
                 let epi = Epilogue {
@@ -864,14 +886,14 @@ impl NewtonBackend for Work<'_> {
                     out: Some(&mut self.g),
                     ..Epilogue::new()
                 };
-                product_f32(dev, &self.e, &self.e, &mut self.c, epi, u)?;
+                product_f32(dev, &self.e, &self.e, &mut self.planes, epi, u)?;
                 let epi = Epilogue {
                     add1: Some(&self.g),
                     add2: Some(&self.e),
                     out: Some(&mut self.f),
                     ..Epilogue::new()
                 };
-                product_f32(dev, &self.g, &self.e, &mut self.c, epi, u)?;
+                product_f32(dev, &self.g, &self.e, &mut self.planes, epi, u)?;
             }
         }
         let quad = order == NewtonOrder::Quadratic;
@@ -896,7 +918,7 @@ impl NewtonBackend for Work<'_> {
                 ..Epilogue::new()
             };
             let f = if quad { &self.e } else { &self.f };
-            product_f32(dev, x, f, &mut self.c, epi, u)?;
+            product_f32(dev, x, f, &mut self.planes, epi, u)?;
         }
         self.cur = next;
         Ok(())

@@ -1,5 +1,6 @@
-//! Launchers of `kernels/precond.cu`: the tiled fp32 GEMM (all four transpose cases), and
-//! through it the Kronecker preconditioning `P = Γ̃⁻¹ G Λ̃⁻¹` and the damped-inverse update
+//! Launchers of `kernels/precond.cu`: the tiled fp32 GEMM (all four transpose cases); the
+//! f32-accurate tensor-core GEMM [`gemm3`] (bf16 split planes on the GEMM engine) and through
+//! it the Kronecker preconditioning `P = Γ̃⁻¹ G Λ̃⁻¹` and the damped-inverse update
 //! `X ← X − dλ·X·X`; `A ← A + λI`; the trace.
 //!
 //! Every function runs on [`Device::Emulated`] or [`Device::Cuda`] (on the device's stream,
@@ -12,6 +13,7 @@ use crate::cpu::gemm::check_gemm;
 use crate::device::{Device, Matrix};
 use crate::error::{check_shape, check_value, Error, Result};
 use crate::mat::Trans;
+use half::bf16;
 
 kernel!(pub GEMM_NN = PRECOND::precond_gemm_nn;);
 kernel!(pub GEMM_NT = PRECOND::precond_gemm_nt;);
@@ -19,6 +21,8 @@ kernel!(pub GEMM_TN = PRECOND::precond_gemm_tn;);
 kernel!(pub GEMM_TT = PRECOND::precond_gemm_tt;);
 kernel!(pub ADD_DIAGONAL = PRECOND::precond_add_diagonal;);
 kernel!(pub TRACE = PRECOND::precond_trace;);
+kernel!(pub SPLIT3 = PRECOND::precond_split3;);
+kernel!(pub GEMM3_TC = PRECOND::precond_gemm3_tc;);
 
 /// Output tile of the GEMM kernels (rows and columns) and its threads per block.
 const GEMM_TILE: usize = 64;
@@ -174,8 +178,165 @@ pub fn trace(dev: &Device, a: &Matrix) -> Result<f32> {
     Ok(r[0])
 }
 
+/// The three bf16 planes (`hi + mid + lo = x`, see `grng_split3`) of `x` (`r x c`) as one
+/// `3r x c` bf16 matrix, plane `p` at element offset `p·r·c`; a 1x1 placeholder for an
+/// empty `x` (a product with `K = 0` or an empty output reads nothing).
+fn split3(dev: &Device, x: &Matrix) -> Result<Matrix<bf16>> {
+    if x.is_empty() {
+        return dev.zeros::<bf16>(1, 1);
+    }
+    let mut planes = dev.zeros::<bf16>(3 * x.rows(), x.cols())?;
+    split3_into(dev, x, &mut planes)?;
+    Ok(planes)
+}
+
+/// Writes the three bf16 planes of a non-empty `x` (`r x c`) into `planes` (`3r x c`), plane
+/// `p` at element offset `p·r·c`: one launch of `precond_split3`.
+///
+/// # Errors
+/// [`Error::Shape`] unless `planes` is `3r x c`, device mismatch, launch errors.
+pub(crate) fn split3_into(dev: &Device, x: &Matrix, planes: &mut Matrix<bf16>) -> Result<()> {
+    const OP: &str = "cuda::precond::split3";
+    check_shape(OP, "planes", planes.shape(), (3 * x.rows(), x.cols()))?;
+    if x.is_empty() {
+        return Ok(());
+    }
+    let cfg = LaunchConfig::for_elements(x.len().min(1 << 20), 256)?;
+    let mut args = KernelArgs::new(dev);
+    args.input(OP, x)?
+        .output(OP, planes)?
+        .scalar(x.len() as i64);
+    // SAFETY: precond_split3(const float* x, bf16* planes, long long count): grid-stride over
+    // i < count = x.len(), reading x[i] and writing planes[p·count + i] for p < 3; planes holds
+    // 3·count bf16 (checked).
+    unsafe { launch(&SPLIT3, cfg, args) }
+}
+
+/// `C ← α·op(A)·op(B) + β·C` like [`gemm`], with f32 accuracy on the bf16 tensor cores: `A` and
+/// `B` are split into three bf16 planes each (`precond_split3`, exact for normal floats) and
+/// `precond_gemm3_tc` sums the 6 plane products above `2^-24` relative on the GEMM engine
+/// (kernels/gemm/engine.cuh, 128x128 tiles, f32 accumulation, small products first). Same
+/// BLAS semantics as [`gemm`] (`β = 0` never reads `C`, `α = 0` never reads `A`, `B`). `C` may
+/// be `A` or `B`'s source: the product reads only the planes.
+///
+/// # Errors
+/// As [`gemm`], plus allocation errors (the planes: 6 bytes per element of `A` and `B`). `c`
+/// is unchanged on error.
+#[allow(clippy::too_many_arguments)]
+pub fn gemm3(
+    dev: &Device,
+    ta: Trans,
+    tb: Trans,
+    alpha: f32,
+    a: &Matrix,
+    b: &Matrix,
+    beta: f32,
+    c: &mut Matrix,
+) -> Result<()> {
+    const OP: &str = "cuda::precond::gemm3";
+    check_gemm(OP, ta, a.shape(), tb, b.shape(), alpha, beta, c.shape())?;
+    dev.check_on(OP, a)?;
+    dev.check_on(OP, b)?;
+    dev.check_on(OP, c)?;
+    // α = 0: no K slice at all, so the planes (a placeholder element) are never read.
+    let split = |x: &Matrix| {
+        if alpha == 0.0 {
+            dev.zeros::<bf16>(1, 1)
+        } else {
+            split3(dev, x)
+        }
+    };
+    let (ap, bp) = (split(a)?, split(b)?);
+    launch_gemm3(
+        dev,
+        OP,
+        (ta, a.shape(), &ap),
+        (tb, b.shape(), &bp),
+        alpha,
+        beta,
+        c,
+    )
+}
+
+/// An operand of [`launch_gemm3`]: its transpose, the shape of the f32 matrix it was split
+/// from, and its [`split3`] planes (a placeholder when `α = 0`).
+type Planes<'a> = (Trans, (usize, usize), &'a Matrix<bf16>);
+
+/// Launches `precond_gemm3_tc` on split operands whose shapes passed `check_gemm`.
+fn launch_gemm3(
+    dev: &Device,
+    op: &'static str,
+    (ta, a_shape, ap): Planes<'_>,
+    (tb, b_shape, bp): Planes<'_>,
+    alpha: f32,
+    beta: f32,
+    c: &mut Matrix,
+) -> Result<()> {
+    let (m, n) = c.shape();
+    let k = if ta == Trans::Yes {
+        a_shape.0
+    } else {
+        a_shape.1
+    };
+    let (mi, ni, ki) = (
+        to_i32(op, "m", m)?,
+        to_i32(op, "n", n)?,
+        to_i32(op, "k", k)?,
+    );
+    let (lda, ldb, ldc) = (
+        to_i32(op, "a", a_shape.1)?,
+        to_i32(op, "b", b_shape.1)?,
+        to_i32(op, "c", n)?,
+    );
+    if m == 0 || n == 0 {
+        return Ok(());
+    }
+    let k_eff = if alpha == 0.0 { 0 } else { ki };
+    let grid_y = u32::try_from(m.div_ceil(128))
+        .ok()
+        .filter(|&y| y <= 65_535)
+        .ok_or(Error::Value {
+            op,
+            arg: "m",
+            value: m as f64,
+            expected: "at most 65535 128-row tiles",
+        })?;
+    let cfg = LaunchConfig {
+        grid: (n.div_ceil(128) as u32, grid_y, 1),
+        block: (256, 1, 1),
+        shared_mem: super::kron::GEMM_SMEM,
+    };
+    let trans = i32::from(ta == Trans::Yes) | (i32::from(tb == Trans::Yes) << 1);
+    let plane = |s: (usize, usize)| (s.0 * s.1) as i64;
+    let mut args = KernelArgs::new(dev);
+    args.input(op, ap)?
+        .scalar(lda)
+        .scalar(plane(a_shape))
+        .input(op, bp)?
+        .scalar(ldb)
+        .scalar(plane(b_shape))
+        .output(op, c)?
+        .scalar(ldc)
+        .scalar(mi)
+        .scalar(ni)
+        .scalar(k_eff)
+        .scalar(alpha)
+        .scalar(beta)
+        .scalar(trans);
+    // SAFETY: precond_gemm3_tc(const bf16* a, int lda, long long a_plane, const bf16* b, int
+    // ldb, long long b_plane, float* c, int ldc, int M, int N, int K, float alpha, float beta,
+    // int trans). When K > 0 (α ≠ 0) ap holds the 3 planes of an a_shape matrix a_plane
+    // elements apart (split3), each stored like A: (M x K, ld K) or transposed (K x M, ld M),
+    // so lda = a_shape.1 and the engine's reads of op(A)(i, kk), i < M, kk < K stay inside
+    // each plane (cp.async src-size cut at the row end); likewise bp. With K = 0 nothing is
+    // read. C (M x N, ld N) is touched only at i < M, j < N. Grid ceil(N/128) x ceil(M/128),
+    // block 256, GEMM_SMEM bytes of dynamic shared memory.
+    unsafe { launch(&GEMM3_TC, cfg, args) }
+}
+
 /// `P = Γ̃⁻¹ (G Λ̃⁻¹)` with `Γ̃⁻¹` `d_out x d_out`, `G` `d_out x d_in`, `Λ̃⁻¹` `d_in x d_in`:
-/// two GEMM launches through a `d_out x d_in` scratch matrix on the same device.
+/// two f32-accurate tensor-core products ([`gemm3`]) through a `d_out x d_in` scratch matrix
+/// on the same device.
 ///
 /// # Errors
 /// [`Error::DeviceMismatch`], [`Error::Shape`], allocation/launch errors. `p` is unchanged
@@ -197,12 +358,13 @@ pub fn precondition(
     }
     dev.check_on(OP, p)?;
     let mut t = dev.zeros::<f32>(d_out, d_in)?;
-    gemm(dev, Trans::No, Trans::No, 1.0, g, lambda_inv, 0.0, &mut t)?;
-    gemm(dev, Trans::No, Trans::No, 1.0, gamma_inv, &t, 0.0, p)
+    gemm3(dev, Trans::No, Trans::No, 1.0, g, lambda_inv, 0.0, &mut t)?;
+    gemm3(dev, Trans::No, Trans::No, 1.0, gamma_inv, &t, 0.0, p)
 }
 
-/// Lazy-Fisher damped-inverse update `X ← X − dλ · X X` for a square `X`: one GEMM
-/// (`α = −dλ`, `β = 1`, the fused epilogue) reading a device-side copy of the old `X`.
+/// Lazy-Fisher damped-inverse update `X ← X − dλ · X X` for a square `X`: one f32-accurate
+/// tensor-core product ([`gemm3`], `α = −dλ`, `β = 1`, the fused epilogue) reading the split
+/// planes of the old `X`, so it can update `X` in place.
 /// `dλ = 0` leaves `X` as it is.
 ///
 /// # Errors
@@ -216,6 +378,7 @@ pub fn damped_inverse_update(dev: &Device, inv: &mut Matrix, dlambda: f32) -> Re
     if dlambda == 0.0 || inv.is_empty() {
         return Ok(());
     }
-    let x = inv.try_clone()?;
-    gemm(dev, Trans::No, Trans::No, -dlambda, &x, &x, 1.0, inv)
+    let planes = split3(dev, inv)?;
+    let x = (Trans::No, inv.shape(), &planes);
+    launch_gemm3(dev, OP, x, x, -dlambda, 1.0, inv)
 }

@@ -21,6 +21,11 @@ kernel!(pub BARRIERS = SELFTEST::selftest_barriers;);
 kernel!(pub DIMS = SELFTEST::selftest_dims;);
 kernel!(pub OVERHEAD = SELFTEST::selftest_overhead;);
 kernel!(pub MISUSE = SELFTEST::selftest_misuse;);
+kernel!(pub MMA_TC = SELFTEST::selftest_mma_tc;);
+kernel!(pub LDMATRIX = SELFTEST::selftest_ldmatrix;);
+kernel!(pub CP_ASYNC = SELFTEST::selftest_cp_async;);
+kernel!(pub SWIZZLE = SELFTEST::selftest_swizzle;);
+kernel!(pub GEMM_TC = SELFTEST::selftest_gemm_tc;);
 
 fn value_err(op: &'static str, arg: &'static str, v: usize, expected: &'static str) -> Error {
     Error::Value {
@@ -438,4 +443,178 @@ pub fn misuse(dev: &Device, out: &mut Matrix<f32>, mode: i32) -> Result<()> {
     // one 16x16 store, out[0..256); length checked above. The misuse itself is caught by the
     // emulator, which aborts before anything undefined happens.
     unsafe { launch(&MISUSE, cfg, args) }
+}
+
+/// `count` independent `mma.m16n8k16` (bf16, f32 accumulate), one warp each, fragments built
+/// per lane by the PTX ISA layout: `d_b = a_b · b_b + c_b` with `a_b` 16x16 row-major (`a`
+/// holds `256 count` bf16), `b_b` 16x8 stored `B[k][n]` at `8k + n` (`128 count`), `c_b`, `d_b`
+/// 16x8 row-major f32 (`128 count`).
+pub fn mma(
+    dev: &Device,
+    a: &Matrix<bf16>,
+    b: &Matrix<bf16>,
+    c: &Matrix<f32>,
+    d: &mut Matrix<f32>,
+    count: usize,
+) -> Result<()> {
+    const OP: &str = "selftest::mma";
+    if count == 0 || count > 65_535 {
+        return Err(value_err(OP, "count", count, "1..=65535"));
+    }
+    check_len(OP, "a", a.len(), 256 * count)?;
+    check_len(OP, "b", b.len(), 128 * count)?;
+    check_len(OP, "c", c.len(), 128 * count)?;
+    check_len(OP, "d", d.len(), 128 * count)?;
+    let cfg = LaunchConfig {
+        grid: (count as u32, 1, 1),
+        block: (32, 1, 1),
+        shared_mem: 0,
+    };
+    let mut args = KernelArgs::new(dev);
+    args.input(OP, a)?
+        .input(OP, b)?
+        .input(OP, c)?
+        .output(OP, d)?;
+    // SAFETY: selftest_mma_tc(const bf16* a, const bf16* b, const float* c, float* d): block
+    // b touches a[256b..256b+256), b, c, d [128b..128b+128); lengths checked above.
+    unsafe { launch(&MMA_TC, cfg, args) }
+}
+
+/// `ldmatrix.x4` without and with `.trans` on one warp: `input` (512 bf16) is 64 rows of 8,
+/// lane `l` reads row `rows[l]` (< 64); `out` (256 u32 as f32 bits) gets register `j` of lane
+/// `l` at `4l + j` (plain) and `128 + 4l + j` (`.trans`).
+pub fn ldmatrix(
+    dev: &Device,
+    input: &Matrix<bf16>,
+    rows: &[usize; 32],
+    out: &mut Matrix<f32>,
+) -> Result<()> {
+    const OP: &str = "selftest::ldmatrix";
+    check_len(OP, "input", input.len(), 512)?;
+    check_len(OP, "out", out.len(), 256)?;
+    if let Some(&r) = rows.iter().find(|&&r| r >= 64) {
+        return Err(value_err(OP, "rows", r, "row indices below 64"));
+    }
+    let bits: Vec<f32> = rows.iter().map(|&r| f32::from_bits(r as u32)).collect();
+    let rows_m = dev.upload(32, 1, &bits)?;
+    let cfg = LaunchConfig {
+        grid: (1, 1, 1),
+        block: (32, 1, 1),
+        shared_mem: 1024,
+    };
+    let mut args = KernelArgs::new(dev);
+    args.input(OP, input)?.input(OP, &rows_m)?.output(OP, out)?;
+    // SAFETY: selftest_ldmatrix(const bf16* in, const int* rows, unsigned* out): 32 threads
+    // read in[0..512), rows[0..32) (each < 64, so row addresses stay in the 1024 bytes of
+    // shared memory) and write out[0..256); lengths checked above.
+    unsafe { launch(&LDMATRIX, cfg, args) }
+}
+
+/// `cp.async` groups on one block of `threads` (1..=1024): `src` holds `12 threads` f32
+/// (`3 threads` chunks of 16 bytes), chunk `i` copies `bytes[i]` (0..=16) source bytes and
+/// zero-fills the rest; `out` (`12 threads` f32) gets the shared copy after the waits,
+/// `early` (`4 threads` f32) group 2 read while still in flight (see `selftest_cp_async`).
+pub fn cp_async(
+    dev: &Device,
+    src: &Matrix<f32>,
+    bytes: &[i32],
+    out: &mut Matrix<f32>,
+    early: &mut Matrix<f32>,
+    threads: u32,
+) -> Result<()> {
+    const OP: &str = "selftest::cp_async";
+    if !(1..=1024).contains(&threads) {
+        return Err(value_err(OP, "threads", threads as usize, "1..=1024"));
+    }
+    let t = threads as usize;
+    check_len(OP, "src", src.len(), 12 * t)?;
+    check_len(OP, "bytes", bytes.len(), 3 * t)?;
+    check_len(OP, "out", out.len(), 12 * t)?;
+    check_len(OP, "early", early.len(), 4 * t)?;
+    if let Some(&b) = bytes.iter().find(|&&b| !(0..=16).contains(&b)) {
+        return Err(value_err(OP, "bytes", b as usize, "0..=16 per chunk"));
+    }
+    let bits: Vec<f32> = bytes.iter().map(|&b| f32::from_bits(b as u32)).collect();
+    let bytes_m = dev.upload(3 * t, 1, &bits)?;
+    let cfg = LaunchConfig {
+        grid: (1, 1, 1),
+        block: (threads, 1, 1),
+        shared_mem: 48 * threads,
+    };
+    let mut args = KernelArgs::new(dev);
+    args.input(OP, src)?
+        .input(OP, &bytes_m)?
+        .output(OP, out)?
+        .output(OP, early)?;
+    // SAFETY: selftest_cp_async(const uint4* src, const int* bytes, uint4* out, uint4* early):
+    // thread t touches chunks t + T q (q < 3) of src/out (3T chunks = 12T floats), bytes[0..3T)
+    // (each ≤ 16), early chunk t, and shared chunks < 3T (48T bytes); lengths checked above.
+    unsafe { launch(&CP_ASYNC, cfg, args) }
+}
+
+/// The engine's shared-memory swizzle: `out` (4096 i32 as f32 bits) gets, at
+/// `(k 64 + row) 16 + chunk`, the element offset of `(row, chunk)` in a tile of `2^(k+1)`
+/// chunks per row (`k < 4`, `row < 64`, `chunk < 2^(k+1)`; other slots are not written).
+pub fn swizzle(dev: &Device, out: &mut Matrix<f32>) -> Result<()> {
+    const OP: &str = "selftest::swizzle";
+    check_len(OP, "out", out.len(), 4096)?;
+    let cfg = LaunchConfig {
+        grid: (1, 1, 1),
+        block: (1024, 1, 1),
+        shared_mem: 0,
+    };
+    let mut args = KernelArgs::new(dev);
+    args.output(OP, out)?;
+    // SAFETY: selftest_swizzle(int* out): thread (row, chunk) writes out[(k 64 + row) 16 +
+    // chunk] for k < 4, all < 4096; length checked above.
+    unsafe { launch(&SWIZZLE, cfg, args) }
+}
+
+/// The GEMM engine (kernels/gemm/engine.cuh) with a plain store: `d` (`m x n` row-major f32)
+/// `= op(A)·op(B)`, `op(A)` `m x k`, `op(B)` `k x n`. `a_k_outer`: `a` holds `A` as `k x m`
+/// (element `(i, l)` at `a[l·m + i]`), else `m x k`; `b_k_inner`: `b` holds `B` as `n x k`
+/// (element `(l, j)` at `b[j·k + l]`), else `k x n`. Leading dimensions are the stored row
+/// lengths; `m, n, k ≥ 1`.
+#[allow(clippy::too_many_arguments)]
+pub fn gemm(
+    dev: &Device,
+    a: &Matrix<bf16>,
+    b: &Matrix<bf16>,
+    d: &mut Matrix<f32>,
+    (m, n, k): (usize, usize, usize),
+    a_k_outer: bool,
+    b_k_inner: bool,
+) -> Result<()> {
+    const OP: &str = "selftest::gemm";
+    for (arg, v) in [("m", m), ("n", n), ("k", k)] {
+        if v == 0 || v > 4096 {
+            return Err(value_err(OP, arg, v, "1..=4096"));
+        }
+    }
+    check_len(OP, "a", a.len(), m * k)?;
+    check_len(OP, "b", b.len(), k * n)?;
+    check_len(OP, "d", d.len(), m * n)?;
+    let lda = if a_k_outer { m } else { k };
+    let ldb = if b_k_inner { k } else { n };
+    let cfg = LaunchConfig {
+        grid: (n.div_ceil(128) as u32, m.div_ceil(128) as u32, 1),
+        block: (256, 1, 1),
+        shared_mem: super::kron::GEMM_SMEM,
+    };
+    let mut args = KernelArgs::new(dev);
+    args.input(OP, a)?
+        .scalar(lda as i32)
+        .input(OP, b)?
+        .scalar(ldb as i32)
+        .output(OP, d)?
+        .scalar(m as i32)
+        .scalar(n as i32)
+        .scalar(k as i32)
+        .scalar(i32::from(a_k_outer) | (i32::from(b_k_inner) << 1));
+    // SAFETY: selftest_gemm_tc(const bf16* a, int lda, const bf16* b, int ldb, float* d, int
+    // M, int N, int K, int layouts): the engine reads a and b only at stored (row, column)
+    // inside the m x k / k x n extents with the leading dimensions above (lengths checked;
+    // cp.async src-size cut at the row end) and writes d (m x n) only at i < m, j < n; block
+    // 256 and GEMM_SMEM bytes of dynamic shared memory as the engine needs.
+    unsafe { launch(&GEMM_TC, cfg, args) }
 }
