@@ -1,10 +1,10 @@
 //! grng inside [candle](https://github.com/huggingface/candle) (cargo feature `candle`).
 //!
 //! - [`with_matrices`]: zero-copy views of candle tensors as grng [`Matrix`](crate::Matrix)es.
-//! - `KronLinear`: a linear layer `y = W̄ x̄` (`W̄ = [W b]`, `x̄ = [x; 1]`, SPEC §1) that
+//! - [`KronLinear`]: a linear layer `y = W̄ x̄` (`W̄ = [W b]`, `x̄ = [x; 1]`, SPEC §1) that
 //!   records its inputs `A` and output gradients `E` for the Kronecker factors;
-//!   `capture_fisher` forms them in the reference trainer's three [`FisherMode`]s.
-//! - `GrngOptimizer`: a `candle_nn::Optimizer` running RING, RENG, NGD, AdamW, SGD or
+//!   [`capture_fisher`] forms them in the reference trainer's three [`FisherMode`]s.
+//! - [`GrngOptimizer`]: a `candle_nn::Optimizer` running RING, RENG, NGD, AdamW, SGD or
 //!   Sophia, with `KronLinear` weights Kronecker-preconditioned and every other variable
 //!   updated by AdamW.
 //!
@@ -16,6 +16,10 @@
 //!
 //! [`FisherMode`]: crate::mlp::FisherMode
 
+mod layer;
+mod optim;
 mod view;
 
+pub use layer::{capture_fisher, KronLinear};
+pub use optim::{GrngConfig, GrngOptimizer};
 pub use view::{grng_device, with_matrices, with_matrix, ViewAs};

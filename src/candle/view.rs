@@ -107,6 +107,16 @@ fn check_tensor(op: &'static str, arg: &str, t: &Tensor, how: ViewAs) -> Result<
     Ok(shape)
 }
 
+/// `t` itself when it can be viewed in place, else a copy that can (a strided or offset
+/// gradient, a view into a larger storage): for statistics and gradients, which grng only reads.
+pub(crate) fn owned(t: &Tensor) -> Result<Tensor> {
+    if check_tensor("grng::candle::owned", "t", t, ViewAs::Column).is_ok() {
+        return Ok(t.clone());
+    }
+    (|| Tensor::from_vec(t.flatten_all()?.to_vec1::<f32>()?, t.shape(), t.device()))()
+        .map_err(from_candle)
+}
+
 /// Address of the buffer of a checked CPU f32 tensor (to refuse lending one storage twice,
 /// which would deadlock on its lock).
 fn buffer_addr(t: &Tensor) -> usize {
