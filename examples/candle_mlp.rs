@@ -11,10 +11,10 @@
 
 use candle_core::{Device as CDevice, Tensor};
 use clap::Parser;
-use grng::candle::{capture_fisher, GrngConfig, GrngOptimizer, KronLinear};
+use grng::candle::{capture_fisher, GrngConfig, GrngOptimizer, KronLinear, Observed};
 use grng::mlp::{sample_class, Activation, Loss, Mlp, MlpConfig};
 use grng::optim::adamw::AdamWConfig;
-use grng::train::{Method, MethodConfig, OptimizerConfig, Splits};
+use grng::train::{Method, MethodConfig, Splits};
 use grng::{Error, Result};
 use indicatif::{ProgressBar, ProgressStyle};
 use rand::{Rng, SeedableRng};
@@ -124,7 +124,6 @@ fn train(method: Method, splits: &Splits, args: &Args, dev: &CDevice) -> Result<
             layers: layers.clone(),
         },
     )?;
-    let kron = matches!(config.optimizer, OptimizerConfig::Kron(_));
     // The main job's per-method random stream (src/train/run.rs), for the same sampled labels.
     let stream = args.seed ^ 0x9E37_79B9_7F4A_7C15u64.wrapping_mul(method as u64 + 1);
     let mut rng = ChaCha8Rng::seed_from_u64(stream);
@@ -159,33 +158,10 @@ fn train(method: Method, splits: &Splits, args: &Args, dev: &CDevice) -> Result<
                 let gs = c(loss(&logits, &labels(&ys, dev)?)?.backward())?;
                 opt.set_sophia_sample(&gs, y.len());
             }
-            // Kronecker steps are undone when the loss after them is not finite.
-            let saved = if kron {
-                c(layers.iter().map(|l| l.weight().copy()).collect())?
-            } else {
-                Vec::new()
-            };
-            match opt.try_step(&grads) {
-                Ok(_) => {}
-                // An overflowing Kronecker step changes nothing: raise the damping, go on.
-                Err(Error::NonFinite { .. }) if kron => {
-                    opt.reject_step();
-                    rejected += 1;
-                    continue;
-                }
-                Err(e) => return Err(e),
-            }
-            if kron {
-                // Levenberg–Marquardt: the loss on the same batch after the step.
-                let after = scalar(&loss(&forward(&layers, &x, false)?, &yt)?)?;
-                opt.observe_loss(before, after)?;
-                if !after.is_finite() {
-                    for (l, w) in layers.iter().zip(&saved) {
-                        c(l.weight().set(w))?;
-                    }
-                    rejected += 1;
-                    continue;
-                }
+            let eval_after = || scalar(&loss(&forward(&layers, &x, false)?, &yt)?);
+            if opt.step_observed(&grads, before, eval_after)? == Observed::Rejected {
+                rejected += 1;
+                continue;
             }
             step_times.push(t0.elapsed());
             last_loss = before;

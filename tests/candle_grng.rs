@@ -488,3 +488,41 @@ fn bad_optimizer_input_is_a_typed_error_and_changes_nothing() {
     assert!(matches!(opt.try_step(&grads), Err(Error::Shape { .. })));
     unchanged(&opt);
 }
+
+/// `step_observed` for a Kronecker method: a step whose loss afterwards is not finite is
+/// undone (every variable as before) and raises ρ; a finite one stands and is observed.
+#[test]
+fn step_observed_undoes_a_step_with_a_non_finite_loss() {
+    let Case {
+        layers, x, labels, ..
+    } = case(vec![5, 4, 3], 8, 5);
+    let vars: Vec<Var> = layers.iter().map(|l| l.weight().clone()).collect();
+    let config = GrngConfig {
+        method: OptimizerConfig::Kron(KronConfig::ring()),
+        rest: AdamWConfig::default(),
+        layers: layers.clone(),
+    };
+    let mut opt = GrngOptimizer::try_new(vars.clone(), config).unwrap();
+    let mut rng = ChaCha8Rng::seed_from_u64(2);
+    let mut step = |after: f32| {
+        let z = logits(&layers, &x, None);
+        let loss = candle_nn::loss::cross_entropy(&z, &labels_tensor(&labels)).unwrap();
+        let before = loss.to_scalar::<f32>().unwrap();
+        let grads = loss.backward().unwrap();
+        if opt.needs_fisher() {
+            capture_fisher(&layers, &z, FisherMode::Sampled, &u32s(&labels), &mut rng).unwrap();
+        }
+        let w0: Vec<Vec<f32>> = vars.iter().map(|v| host(v)).collect();
+        let rho0 = opt.rho().unwrap();
+        let r = opt.step_observed(&grads, before, || Ok(after)).unwrap();
+        let w1: Vec<Vec<f32>> = vars.iter().map(|v| host(v)).collect();
+        (r, w0 == w1, opt.rho().unwrap() > rho0)
+    };
+    assert_eq!(
+        step(f32::NAN),
+        (grng::candle::Observed::Rejected, true, true)
+    );
+    let (r, same, _) = step(0.0);
+    assert_eq!(r, grng::candle::Observed::Applied { after: Some(0.0) });
+    assert!(!same);
+}

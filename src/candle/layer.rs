@@ -307,10 +307,11 @@ pub fn capture_fisher<R: Rng + ?Sized>(
             let grads = logits.mul(&v)?.sum_all()?.backward()?;
             recorded
                 .iter()
-                .map(|(_, probe)| {
+                .enumerate()
+                .map(|(l, (_, probe))| {
                     grads.get(probe.as_tensor()).cloned().ok_or_else(|| {
                         candle_core::Error::Msg(format!(
-                            "{OP}: a layer's output does not reach `logits`"
+                            "{OP}: the output of layers[{l}] does not reach `logits`"
                         ))
                     })
                 })

@@ -21,5 +21,5 @@ mod optim;
 mod view;
 
 pub use layer::{capture_fisher, KronLinear};
-pub use optim::{GrngConfig, GrngOptimizer};
+pub use optim::{GrngConfig, GrngOptimizer, Observed};
 pub use view::{grng_device, with_matrices, with_matrix, ViewAs};

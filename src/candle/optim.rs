@@ -1,7 +1,7 @@
 //! [`GrngOptimizer`]: grng's optimizers behind `candle_nn::Optimizer`, with parameter groups.
 
 use super::layer::KronLinear;
-use super::view::{grng_device, owned, to_candle, with_matrices, ViewAs};
+use super::view::{from_candle, grng_device, owned, to_candle, with_matrices, ViewAs};
 use crate::error::{Error, Result};
 use crate::optim::adamw::{AdamW, AdamWConfig};
 use crate::optim::kron::{KronOptimizer, KronStepInfo};
@@ -28,6 +28,19 @@ pub struct GrngConfig {
     /// The Kronecker-preconditioned layers (clones of the model's). With a first-order method
     /// their weights are plain variables.
     pub layers: Vec<KronLinear>,
+}
+
+/// What [`GrngOptimizer::step_observed`] did.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub enum Observed {
+    /// The step stands; `after` is the loss after it (Kronecker methods).
+    Applied {
+        /// Loss on the batch after the step, when it was evaluated.
+        after: Option<f32>,
+    },
+    /// The step overflowed or made the loss non-finite: nothing changed but the damping,
+    /// which rose.
+    Rejected,
 }
 
 /// One flat (`n x 1`) optimizer per variable.
@@ -309,6 +322,59 @@ impl GrngOptimizer {
             self.sophia_sample = None;
         }
         Ok(info)
+    }
+
+    /// [`GrngOptimizer::try_step`] as the reference trainer takes it: for a Kronecker method,
+    /// an overflowing step is rejected (damping raised, nothing changed), the loss on the same
+    /// batch after the step (`loss_after`, called once) feeds the Levenberg–Marquardt rule
+    /// with `before`, and a step after which that loss is not finite is undone (every variable
+    /// restored; AdamW's moments keep the step) and counted as rejected. First-order methods
+    /// just step (`loss_after` is not called).
+    ///
+    /// # Errors
+    /// As [`GrngOptimizer::try_step`] other than overflow, and those of `loss_after`.
+    pub fn step_observed(
+        &mut self,
+        grads: &GradStore,
+        before: f32,
+        loss_after: impl FnOnce() -> Result<f32>,
+    ) -> Result<Observed> {
+        if self.kron.is_none() {
+            self.try_step(grads)?;
+            return Ok(Observed::Applied { after: None });
+        }
+        let vars: Vec<Var> = self.vars().cloned().collect();
+        let saved = vars
+            .iter()
+            .map(|v| v.as_tensor().copy())
+            .collect::<candle_core::Result<Vec<_>>>()
+            .map_err(from_candle)?;
+        match self.try_step(grads) {
+            Ok(_) => {}
+            Err(Error::NonFinite { .. }) => {
+                self.reject_step();
+                return Ok(Observed::Rejected);
+            }
+            Err(e) => return Err(e),
+        }
+        let after = loss_after()?;
+        self.observe_loss(before, after)?;
+        if after.is_finite() {
+            return Ok(Observed::Applied { after: Some(after) });
+        }
+        for (v, t) in vars.iter().zip(&saved) {
+            v.set(t).map_err(from_candle)?;
+        }
+        Ok(Observed::Rejected)
+    }
+
+    /// Every variable this optimizer updates.
+    fn vars(&self) -> impl Iterator<Item = &Var> {
+        let kron = self
+            .kron
+            .iter()
+            .flat_map(|(_, l)| l.iter().map(KronLinear::weight));
+        kron.chain(self.flat.iter().map(|(v, _)| v))
     }
 
     /// The learning rate of the method (Kronecker methods: `α` before the `1/L` scaling).

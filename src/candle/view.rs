@@ -47,6 +47,13 @@ pub(crate) fn from_candle(e: candle_core::Error) -> Error {
     Error::Candle(e.to_string())
 }
 
+/// So that `?` carries candle's errors in code returning [`crate::Result`].
+impl From<candle_core::Error> for Error {
+    fn from(e: candle_core::Error) -> Self {
+        from_candle(e)
+    }
+}
+
 /// The `rows x cols` shape `t` is viewed with, after checking dtype, rank, layout and device.
 fn check_tensor(op: &'static str, arg: &str, t: &Tensor, how: ViewAs) -> Result<(usize, usize)> {
     let bad = |expected: &'static str, got: String| Error::Tensor {
