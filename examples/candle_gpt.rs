@@ -434,7 +434,11 @@ fn train(method: Method, corpus: &Corpus, args: &Args, dev: &CDevice) -> Result<
         let logits = model.forward(&x, true)?;
         let l = loss(&logits, &y)?;
         let before = scalar(&l)?;
-        let grads = c(l.backward())?;
+        let mut grads = c(l.backward())?;
+        // RENG: g + 2c·H g (a no-op for the other methods).
+        opt.regularize(&mut grads, || {
+            Ok(loss(&model.forward(&x, false)?, &y)?.backward()?)
+        })?;
         if opt.needs_fisher() {
             capture_fisher(
                 &model.kron_layers(),

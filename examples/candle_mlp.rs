@@ -143,7 +143,11 @@ fn train(method: Method, splits: &Splits, args: &Args, dev: &CDevice) -> Result<
             let logits = forward(&layers, &x, true)?;
             let l = loss(&logits, &yt)?;
             let before = scalar(&l)?;
-            let grads = c(l.backward())?;
+            let mut grads = c(l.backward())?;
+            // RENG: g + 2c·H g (a no-op for the other methods).
+            opt.regularize(&mut grads, || {
+                Ok(loss(&forward(&layers, &x, false)?, &yt)?.backward()?)
+            })?;
             if opt.needs_fisher() {
                 capture_fisher(&layers, &logits, config.fisher, &y, &mut rng)?;
             }

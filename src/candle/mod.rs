@@ -6,13 +6,18 @@
 //!   [`capture_fisher`] forms them in the reference trainer's three [`FisherMode`]s.
 //! - [`GrngOptimizer`]: a `candle_nn::Optimizer` running RING, RENG, NGD, AdamW, SGD or
 //!   Sophia, with `KronLinear` weights Kronecker-preconditioned and every other variable
-//!   updated by AdamW.
+//!   updated by AdamW; [`GrngOptimizer::regularize`] forms RENG's `g + 2c·H_L g` and
+//!   [`GrngOptimizer::step_observed`] adds the reference trainer's rejection and damping rule.
 //!
 //! Scope: candle's CPU tensors (grng's [`Device::Cpu`](crate::Device::Cpu)). CUDA tensors are
 //! refused with [`Error::DeviceUnavailable`](crate::Error::DeviceUnavailable): candle's `cuda`
 //! feature compiles its kernels with `nvcc` at build time, which the machine this was written on
 //! lacks, so that path could not be built. grng's cudarc is already configured to link with
 //! candle's (`fallback-dynamic-loading`).
+//!
+//! Where things are: `view.rs` (views), `layer.rs` (layer, statistics), `optim.rs`
+//! (optimizer); tests `tests/candle_grng.rs`; examples `examples/candle_{mlp,gpt}.rs`; bench
+//! `benches/candle_step.rs`.
 //!
 //! [`FisherMode`]: crate::mlp::FisherMode
 

@@ -57,9 +57,8 @@ enum Flat {
 /// update every variable. Variables are updated in place (see [`with_matrices`]).
 ///
 /// Gradients come from candle's [`GradStore`] (the mean loss's, as grng expects). RENG: the
-/// gradient passed is used as is — its `g + 2c·H_L g` needs a Hessian-vector product that
-/// candle's autodiff does not give; pass the regularized gradient through
-/// [`GrngOptimizer::try_step`] to apply it. The Levenberg–Marquardt damping moves only when the
+/// gradient passed is used as is: form `g + 2c·H_L g` first with
+/// [`GrngOptimizer::regularize`] (central differences: candle has no Hessian-vector product). The Levenberg–Marquardt damping moves only when the
 /// loss after a step is reported ([`GrngOptimizer::observe_loss`]).
 pub struct GrngOptimizer {
     device: Device,
@@ -322,6 +321,84 @@ impl GrngOptimizer {
             self.sophia_sample = None;
         }
         Ok(info)
+    }
+
+    /// RENG's coefficient `c` ([`KronConfig::grad_reg`](crate::optim::kron::KronConfig)); 0
+    /// for every other method.
+    pub fn grad_reg(&self) -> f32 {
+        match self.method {
+            OptimizerConfig::Kron(k) => k.grad_reg,
+            _ => 0.0,
+        }
+    }
+
+    /// RENG's gradient (SPEC §2): replaces each variable's gradient `g` in `grads` by
+    /// `g + 2c·H_L g` with `c =` [`GrngOptimizer::grad_reg`] (nothing to do when it is 0).
+    /// candle has no Hessian-vector product, so `H_L g` is a central difference of gradients,
+    /// `(∇L(θ + εg) − ∇L(θ − εg)) / 2ε` with `ε = 10⁻²/‖g‖` (a parameter move of norm 10⁻²):
+    /// `grads_at` must return the gradients of the same batch's loss at the variables' current
+    /// values; it is called twice, and the variables are restored exactly afterwards.
+    ///
+    /// # Errors
+    /// [`Error::NonFinite`] for a non-finite gradient norm; [`Error::Value`] when `grads_at`
+    /// leaves out a variable; those of `grads_at`. The variables are restored in every case;
+    /// `grads` changes only on success.
+    pub fn regularize(
+        &self,
+        grads: &mut GradStore,
+        mut grads_at: impl FnMut() -> Result<GradStore>,
+    ) -> Result<()> {
+        const OP: &str = "GrngOptimizer::regularize";
+        let c = self.grad_reg();
+        if c == 0.0 {
+            return Ok(());
+        }
+        let with_grad: Vec<(Var, Tensor)> = self
+            .vars()
+            .filter_map(|v| grads.get(v.as_tensor()).map(|g| (v.clone(), g.clone())))
+            .collect();
+        let mut sq = 0.0f64;
+        for (_, g) in &with_grad {
+            sq += g.sqr()?.sum_all()?.to_scalar::<f32>()? as f64;
+        }
+        let norm = sq.sqrt();
+        crate::error::check_finite(OP, "‖g‖", &[norm as f32])?;
+        if norm == 0.0 {
+            return Ok(());
+        }
+        let eps = 1e-2 / norm;
+        let saved = with_grad
+            .iter()
+            .map(|(v, _)| v.as_tensor().copy())
+            .collect::<candle_core::Result<Vec<_>>>()?;
+        let mut shifted = |sign: f64| -> Result<GradStore> {
+            for ((v, g), w) in with_grad.iter().zip(&saved) {
+                v.set(&(w + (g * (sign * eps))?)?)?;
+            }
+            grads_at()
+        };
+        let pair = shifted(1.0).and_then(|plus| Ok((plus, shifted(-1.0)?)));
+        for ((v, _), w) in with_grad.iter().zip(&saved) {
+            v.set(w)?;
+        }
+        let (plus, minus) = pair?;
+        let mut updated = Vec::with_capacity(with_grad.len());
+        for (v, g) in &with_grad {
+            let (Some(p), Some(m)) = (plus.get(v.as_tensor()), minus.get(v.as_tensor())) else {
+                return Err(Error::Value {
+                    op: OP,
+                    arg: "grads_at",
+                    value: 0.0,
+                    expected: "gradients for every variable that has one in `grads`",
+                });
+            };
+            // g + 2c·(p − m)/(2ε) = g + (c/ε)·(p − m)
+            updated.push((v, (g + ((p - m)? * (c as f64 / eps))?)?));
+        }
+        for (v, g) in updated {
+            grads.insert(v.as_tensor(), g);
+        }
+        Ok(())
     }
 
     /// [`GrngOptimizer::try_step`] as the reference trainer takes it: for a Kronecker method,
