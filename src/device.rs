@@ -188,6 +188,27 @@ impl<T: Element> Matrix<T> {
             Storage::Cuda(_) => None,
         }
     }
+    /// Wraps a row-major `rows x cols` host buffer without copying it (a matrix of the Cpu or
+    /// Emulated device): how `grng::candle` views a candle tensor's storage in place.
+    ///
+    /// # Errors
+    /// [`Error::Shape`] when `data.len() != rows * cols`.
+    pub fn from_host_vec(rows: usize, cols: usize, data: Vec<T>) -> Result<Self> {
+        crate::error::check_len("Matrix::from_host_vec", "data", data.len(), rows * cols)?;
+        Ok(Self {
+            rows,
+            cols,
+            storage: Storage::Host(data),
+        })
+    }
+    /// The elements as a host buffer: the matrix's own buffer (no copy) for host storage, a
+    /// download for GPU storage.
+    pub fn into_host_vec(self) -> Result<Vec<T>> {
+        match self.storage {
+            Storage::Host(v) => Ok(v),
+            Storage::Cuda(s) => Ok(s.stream().clone_dtoh(&s)?),
+        }
+    }
     /// A device-side copy.
     pub fn try_clone(&self) -> Result<Self> {
         let storage = match &self.storage {

@@ -65,6 +65,20 @@ pub enum Error {
     /// A checkpoint could not be read or written.
     #[error("checkpoint: {0}")]
     Checkpoint(String),
+    /// A candle tensor grng cannot view in place: wrong dtype, strided or offset layout, or
+    /// one storage lent twice (feature `candle`).
+    #[cfg(feature = "candle")]
+    #[error("{op}: tensor `{arg}` is {got}, expected {expected}")]
+    Tensor {
+        op: &'static str,
+        arg: String,
+        expected: &'static str,
+        got: String,
+    },
+    /// An error raised by candle itself (feature `candle`).
+    #[cfg(feature = "candle")]
+    #[error("candle: {0}")]
+    Candle(String),
     /// File-system error.
     #[error(transparent)]
     Io(#[from] std::io::Error),

@@ -41,6 +41,8 @@
 //! }
 //! ```
 
+#[cfg(feature = "candle")]
+pub mod candle;
 pub mod checkpoint;
 pub mod cpu;
 pub mod cuda;

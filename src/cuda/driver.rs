@@ -27,6 +27,17 @@ struct Cache {
     functions: HashMap<&'static str, Loaded>,
 }
 
+/// Whether libcuda can be loaded: with dynamic loading the first real driver call would panic
+/// if it could not. cudarc's own probe exists only under its `dynamic-loading` feature, which
+/// candle's CUDA build (`dynamic-linking`, libcuda linked, so always present) turns off.
+fn culib_present() -> bool {
+    // The driver's names: Linux (the unversioned one comes only with a toolkit), Windows.
+    ["libcuda.so.1", "libcuda.so", "nvcuda.dll"]
+        .iter()
+        // SAFETY: loading libcuda runs only its initialisers, as cudarc's own probe does.
+        .any(|name| unsafe { libloading::Library::new(*name) }.is_ok())
+}
+
 /// A CUDA GPU with its default stream.
 #[derive(Clone)]
 pub struct CudaDevice {
@@ -54,9 +65,7 @@ impl CudaDevice {
                     .into(),
             ));
         }
-        // SAFETY: only probes whether the shared library can be loaded; with dynamic loading
-        // the first real driver call would panic if it could not.
-        if !unsafe { cudarc::driver::sys::is_culib_present() } {
+        if !culib_present() {
             return Err(Error::DeviceUnavailable(
                 "no CUDA driver (libcuda) found on this machine".into(),
             ));

@@ -220,7 +220,7 @@ fn repeat_rows(a: &Mat, r: usize) -> Mat {
 
 /// Inverse-CDF draw from the probabilities `p` with a uniform `u ∈ [0, 1)`; rounding that
 /// leaves the cumulative sum below `u` falls back to the last class with positive probability.
-fn sample_class(p: &[f32], u: f64) -> usize {
+pub fn sample_class(p: &[f32], u: f64) -> usize {
     let mut cum = 0.0f64;
     let mut last = 0;
     for (j, &pj) in p.iter().enumerate() {

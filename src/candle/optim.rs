@@ -1,0 +1,510 @@
+//! [`GrngOptimizer`]: grng's optimizers behind `candle_nn::Optimizer`, with parameter groups.
+
+use super::layer::KronLinear;
+use super::view::{from_candle, grng_device, owned, to_candle, with_matrices, ViewAs};
+use crate::error::{Error, Result};
+use crate::optim::adamw::{AdamW, AdamWConfig};
+use crate::optim::kron::{KronOptimizer, KronStepInfo};
+use crate::optim::sgd::Sgd;
+use crate::optim::sophia::{Sophia, SophiaHessian};
+use crate::optim::KronStats;
+use crate::train::OptimizerConfig;
+use crate::{Device, Matrix};
+use candle_core::backprop::GradStore;
+use candle_core::{Tensor, Var};
+
+/// What [`GrngOptimizer`] runs, and on what.
+#[derive(Clone, Debug)]
+pub struct GrngConfig {
+    /// The method: [`OptimizerConfig::Kron`] (RING, RENG, NGD by its variant),
+    /// [`OptimizerConfig::AdamW`], [`OptimizerConfig::Sgd`] or [`OptimizerConfig::Sophia`].
+    /// [`OptimizerConfig::Kalman`] is refused: the Kalman filters update from the output
+    /// Jacobian `H = ∂ŷ/∂θ` (`d_o·m x n`), which candle's reverse mode gives only one output
+    /// row per backward pass.
+    pub method: OptimizerConfig,
+    /// AdamW for the variables that are not [`KronLinear`] weights (Kronecker methods only:
+    /// norms, embeddings, free biases).
+    pub rest: AdamWConfig,
+    /// The Kronecker-preconditioned layers (clones of the model's). With a first-order method
+    /// their weights are plain variables.
+    pub layers: Vec<KronLinear>,
+}
+
+/// What [`GrngOptimizer::step_observed`] did.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub enum Observed {
+    /// The step stands; `after` is the loss after it (Kronecker methods).
+    Applied {
+        /// Loss on the batch after the step, when it was evaluated.
+        after: Option<f32>,
+    },
+    /// The step overflowed or made the loss non-finite: nothing changed but the damping,
+    /// which rose.
+    Rejected,
+}
+
+/// One flat (`n x 1`) optimizer per variable.
+enum Flat {
+    AdamW(AdamW),
+    Sgd(Sgd),
+    Sophia(Sophia),
+}
+
+/// grng's optimizers on candle variables (CPU tensors): with a Kronecker method the
+/// [`KronLinear`] weights `W̄_l` are updated by one [`KronOptimizer`] (statistics from
+/// [`capture_fisher`](super::capture_fisher) on refresh steps, see
+/// [`GrngOptimizer::needs_fisher`]) and every other variable by AdamW; first-order methods
+/// update every variable. Variables are updated in place (see [`with_matrices`]).
+///
+/// Gradients come from candle's [`GradStore`] (the mean loss's, as grng expects). RENG: the
+/// gradient passed is used as is: form `g + 2c·H_L g` first with
+/// [`GrngOptimizer::regularize`] (central differences: candle has no Hessian-vector product). The Levenberg–Marquardt damping moves only when the
+/// loss after a step is reported ([`GrngOptimizer::observe_loss`]).
+pub struct GrngOptimizer {
+    device: Device,
+    kron: Option<(KronOptimizer, Vec<KronLinear>)>,
+    flat: Vec<(Var, Flat)>,
+    rest: AdamWConfig,
+    method: OptimizerConfig,
+    /// Sophia's Hessian sample: per variable, the sampled-label gradient, and the batch size.
+    sophia_sample: Option<(Vec<Option<Tensor>>, usize)>,
+}
+
+impl std::fmt::Debug for GrngOptimizer {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("GrngOptimizer")
+            .field("method", &self.method)
+            .field("kron_layers", &self.kron.as_ref().map(|(_, l)| l.len()))
+            .field("flat_vars", &self.flat.len())
+            .finish()
+    }
+}
+
+impl GrngOptimizer {
+    /// The optimizer for `vars` (the model's trainable variables; `KronLinear` weights among
+    /// them are recognised by identity).
+    ///
+    /// # Errors
+    /// [`Error::Value`] for a Kalman method or an invalid hyperparameter;
+    /// [`Error::DeviceUnavailable`] for non-CPU variables; [`Error::Tensor`] / [`Error::Shape`]
+    /// for variables grng cannot view (non-f32, empty).
+    pub fn try_new(vars: Vec<Var>, config: GrngConfig) -> Result<Self> {
+        const OP: &str = "GrngOptimizer::new";
+        let device = match vars.first().or(config.layers.first().map(|l| l.weight())) {
+            Some(v) => grng_device(v.device())?,
+            None => Device::Cpu,
+        };
+        let kron_ids: Vec<_> = config.layers.iter().map(|l| l.weight().id()).collect();
+        let (kron, flat_vars): (_, Vec<Var>) = match config.method {
+            OptimizerConfig::Kron(k) => {
+                let shapes: Vec<_> = config.layers.iter().map(KronLinear::shape).collect();
+                let kron = (!shapes.is_empty())
+                    .then(|| KronOptimizer::new(&device, &shapes, k))
+                    .transpose()?
+                    .map(|o| (o, config.layers.clone()));
+                let rest = vars.into_iter().filter(|v| !kron_ids.contains(&v.id()));
+                (kron, rest.collect())
+            }
+            OptimizerConfig::Kalman(_) => {
+                return Err(Error::Value {
+                    op: OP,
+                    arg: "config.method",
+                    value: 0.0,
+                    expected:
+                        "a Kronecker or first-order method (Kalman needs the output Jacobian)",
+                })
+            }
+            _ => (None, vars),
+        };
+        let flat = flat_vars
+            .into_iter()
+            .map(|v| {
+                // Refuse now what could not be viewed at the first step.
+                super::view::with_matrix(&v, ViewAs::Column, |_| Ok(()))?;
+                let n = v.elem_count();
+                let opt = match config.method {
+                    OptimizerConfig::Sgd(c) => Flat::Sgd(Sgd::new(&device, n, c)?),
+                    OptimizerConfig::Sophia(c) => Flat::Sophia(Sophia::new(&device, n, c)?),
+                    OptimizerConfig::AdamW(c) => Flat::AdamW(AdamW::new(&device, n, c)?),
+                    _ => Flat::AdamW(AdamW::new(&device, n, config.rest)?),
+                };
+                Ok((v, opt))
+            })
+            .collect::<Result<_>>()?;
+        Ok(Self {
+            device,
+            kron,
+            flat,
+            rest: config.rest,
+            method: config.method,
+            sophia_sample: None,
+        })
+    }
+
+    /// True when the coming step refreshes the Kronecker factors: run
+    /// [`capture_fisher`](super::capture_fisher) on this batch before [`GrngOptimizer::try_step`].
+    pub fn needs_fisher(&self) -> bool {
+        self.kron.as_ref().is_some_and(|(o, _)| o.needs_stats())
+    }
+
+    /// True when the coming step refreshes Sophia's Hessian estimate: pass the gradients of
+    /// the loss on labels sampled from the model with [`GrngOptimizer::set_sophia_sample`].
+    pub fn needs_sophia_sample(&self) -> bool {
+        self.flat.iter().any(|(_, f)| match f {
+            Flat::Sophia(s) => s.needs_hessian(),
+            _ => false,
+        })
+    }
+
+    /// Sophia-G's Hessian sample for the next step: `grads` of the mean loss over `batch`
+    /// samples with labels drawn from the model's predictive distribution.
+    pub fn set_sophia_sample(&mut self, grads: &GradStore, batch: usize) {
+        let per_var = self
+            .flat
+            .iter()
+            .map(|(v, _)| grads.get(v.as_tensor()).cloned())
+            .collect();
+        self.sophia_sample = Some((per_var, batch));
+    }
+
+    /// The damping `ρ` of the Kronecker optimizer.
+    pub fn rho(&self) -> Option<f32> {
+        self.kron.as_ref().map(|(o, _)| o.rho())
+    }
+
+    /// The Kronecker optimizer, for its counters and state.
+    pub fn kron(&self) -> Option<&KronOptimizer> {
+        self.kron.as_ref().map(|(o, _)| o)
+    }
+
+    /// Levenberg–Marquardt update from the loss on the step's batch before and after it
+    /// ([`KronOptimizer::observe_loss`]); a no-op for first-order methods.
+    ///
+    /// # Errors
+    /// As [`KronOptimizer::observe_loss`].
+    pub fn observe_loss(&mut self, before: f32, after: f32) -> Result<()> {
+        match &mut self.kron {
+            Some((o, _)) => o.observe_loss(before, after),
+            None => Ok(()),
+        }
+    }
+
+    /// Raises the damping after a step that had to be rejected ([`KronOptimizer::reject_step`]).
+    pub fn reject_step(&mut self) {
+        if let Some((o, _)) = &mut self.kron {
+            o.reject_step();
+        }
+    }
+
+    /// One step from the gradients in `grads` (variables without a gradient are left alone,
+    /// as candle's optimizers do; a `KronLinear` without one is an error). Returns the
+    /// Kronecker step's report for Kronecker methods.
+    ///
+    /// # Errors
+    /// [`Error::Value`] for a missing `KronLinear` gradient, missing Fisher statistics when
+    /// [`GrngOptimizer::needs_fisher`], or a missing Sophia sample; [`Error::NonFinite`] for
+    /// NaN/Inf gradients or parameters; [`Error::Tensor`] / [`Error::Shape`] for tensors grng
+    /// cannot view; the errors of the grng optimizers. Every gradient is checked before any
+    /// variable changes, so on these errors nothing changes (an update that overflows a later
+    /// variable after an earlier one stepped is reported as [`Error::NonFinite`]).
+    pub fn try_step(&mut self, grads: &GradStore) -> Result<Option<KronStepInfo>> {
+        const OP: &str = "GrngOptimizer::step";
+        let dev = self.device.clone();
+        let finite = |arg: &'static str, t: &Tensor| -> Result<Tensor> {
+            let t = owned(t)?;
+            super::view::with_matrix(&t, ViewAs::Column, |m| dev.check_finite(OP, arg, m))?;
+            Ok(t)
+        };
+        let missing = |arg: &'static str, what: &'static str| Error::Value {
+            op: OP,
+            arg,
+            value: 0.0,
+            expected: what,
+        };
+        // Gather and check everything first.
+        let kron_in = match &self.kron {
+            Some((opt, layers)) => {
+                let gs = layers
+                    .iter()
+                    .map(|l| match grads.get(l.weight().as_tensor()) {
+                        Some(g) => finite("KronLinear gradient", g),
+                        None => Err(missing("grads", "a gradient for every KronLinear")),
+                    })
+                    .collect::<Result<Vec<_>>>()?;
+                let stats = if opt.needs_stats() {
+                    let s = layers
+                        .iter()
+                        .map(KronLinear::fisher_stats)
+                        .collect::<Option<Vec<_>>>()
+                        .ok_or_else(|| {
+                            missing("fisher", "capture_fisher on this batch (needs_fisher())")
+                        })?;
+                    Some(s)
+                } else {
+                    None
+                };
+                Some((gs, stats))
+            }
+            None => None,
+        };
+        let flat_in = self
+            .flat
+            .iter()
+            .map(|(v, _)| {
+                grads
+                    .get(v.as_tensor())
+                    .map(|g| finite("gradient", g))
+                    .transpose()
+            })
+            .collect::<Result<Vec<_>>>()?;
+        let sample = if self.needs_sophia_sample() {
+            let (per_var, batch) = self.sophia_sample.as_ref().ok_or_else(|| {
+                missing("sophia sample", "set_sophia_sample (needs_sophia_sample())")
+            })?;
+            let s = per_var
+                .iter()
+                .map(|g| g.as_ref().map(|g| finite("Sophia sample", g)).transpose())
+                .collect::<Result<Vec<_>>>()?;
+            Some((s, *batch))
+        } else {
+            None
+        };
+
+        let mut info = None;
+        if let (Some((opt, layers)), Some((gs, stats))) = (&mut self.kron, kron_in) {
+            let l = layers.len();
+            let mut ts: Vec<&Tensor> = layers.iter().map(|k| k.weight().as_tensor()).collect();
+            ts.extend(gs.iter());
+            if let Some(s) = &stats {
+                ts.extend(s.iter().map(|(a, _)| a));
+                ts.extend(s.iter().map(|(_, e)| e));
+            }
+            info = Some(with_matrices(&ts, ViewAs::Matrix, |ms| {
+                let (w, rest) = ms.split_at_mut(l);
+                let (g, st) = rest.split_at(l);
+                let g: Vec<&Matrix> = g.iter().collect();
+                let st: Option<Vec<KronStats<'_>>> = (!st.is_empty()).then(|| {
+                    (0..l)
+                        .map(|i| KronStats {
+                            a: &st[i],
+                            e: &st[l + i],
+                        })
+                        .collect()
+                });
+                opt.step(w, &g, st.as_deref())
+            })?);
+            layers.iter().for_each(KronLinear::clear_stats);
+        }
+        for (i, ((v, opt), g)) in self.flat.iter_mut().zip(&flat_in).enumerate() {
+            let Some(g) = g else { continue };
+            let s = sample
+                .as_ref()
+                .and_then(|(s, b)| s[i].as_ref().map(|t| (t, *b)));
+            let mut ts = vec![v.as_tensor(), g];
+            ts.extend(s.map(|(t, _)| t));
+            with_matrices(&ts, ViewAs::Column, |ms| {
+                let (p, rest) = ms.split_at_mut(1);
+                match opt {
+                    Flat::AdamW(o) => o.step(&mut p[0], &rest[0]),
+                    Flat::Sgd(o) => o.step(&mut p[0], &rest[0]),
+                    Flat::Sophia(o) => {
+                        let hess = s.map(|(_, batch)| SophiaHessian {
+                            sampled_grad: &rest[1],
+                            batch,
+                        });
+                        o.step(&mut p[0], &rest[0], hess)
+                    }
+                }
+            })?;
+        }
+        if sample.is_some() {
+            self.sophia_sample = None;
+        }
+        Ok(info)
+    }
+
+    /// RENG's coefficient `c` ([`KronConfig::grad_reg`](crate::optim::kron::KronConfig)); 0
+    /// for every other method.
+    pub fn grad_reg(&self) -> f32 {
+        match self.method {
+            OptimizerConfig::Kron(k) => k.grad_reg,
+            _ => 0.0,
+        }
+    }
+
+    /// RENG's gradient (SPEC §2): replaces each variable's gradient `g` in `grads` by
+    /// `g + 2c·H_L g` with `c =` [`GrngOptimizer::grad_reg`] (nothing to do when it is 0).
+    /// candle has no Hessian-vector product, so `H_L g` is a central difference of gradients,
+    /// `(∇L(θ + εg) − ∇L(θ − εg)) / 2ε` with `ε = 10⁻²/‖g‖` (a parameter move of norm 10⁻²):
+    /// `grads_at` must return the gradients of the same batch's loss at the variables' current
+    /// values; it is called twice, and the variables are restored exactly afterwards.
+    ///
+    /// # Errors
+    /// [`Error::NonFinite`] for a non-finite gradient norm; [`Error::Value`] when `grads_at`
+    /// leaves out a variable; those of `grads_at`. The variables are restored in every case;
+    /// `grads` changes only on success.
+    pub fn regularize(
+        &self,
+        grads: &mut GradStore,
+        mut grads_at: impl FnMut() -> Result<GradStore>,
+    ) -> Result<()> {
+        const OP: &str = "GrngOptimizer::regularize";
+        let c = self.grad_reg();
+        if c == 0.0 {
+            return Ok(());
+        }
+        let with_grad: Vec<(Var, Tensor)> = self
+            .vars()
+            .filter_map(|v| grads.get(v.as_tensor()).map(|g| (v.clone(), g.clone())))
+            .collect();
+        let mut sq = 0.0f64;
+        for (_, g) in &with_grad {
+            sq += g.sqr()?.sum_all()?.to_scalar::<f32>()? as f64;
+        }
+        let norm = sq.sqrt();
+        crate::error::check_finite(OP, "‖g‖", &[norm as f32])?;
+        if norm == 0.0 {
+            return Ok(());
+        }
+        let eps = 1e-2 / norm;
+        let saved = with_grad
+            .iter()
+            .map(|(v, _)| v.as_tensor().copy())
+            .collect::<candle_core::Result<Vec<_>>>()?;
+        let mut shifted = |sign: f64| -> Result<GradStore> {
+            for ((v, g), w) in with_grad.iter().zip(&saved) {
+                v.set(&(w + (g * (sign * eps))?)?)?;
+            }
+            grads_at()
+        };
+        let pair = shifted(1.0).and_then(|plus| Ok((plus, shifted(-1.0)?)));
+        for ((v, _), w) in with_grad.iter().zip(&saved) {
+            v.set(w)?;
+        }
+        let (plus, minus) = pair?;
+        let mut updated = Vec::with_capacity(with_grad.len());
+        for (v, g) in &with_grad {
+            let (Some(p), Some(m)) = (plus.get(v.as_tensor()), minus.get(v.as_tensor())) else {
+                return Err(Error::Value {
+                    op: OP,
+                    arg: "grads_at",
+                    value: 0.0,
+                    expected: "gradients for every variable that has one in `grads`",
+                });
+            };
+            // g + 2c·(p − m)/(2ε) = g + (c/ε)·(p − m)
+            updated.push((v, (g + ((p - m)? * (c as f64 / eps))?)?));
+        }
+        for (v, g) in updated {
+            grads.insert(v.as_tensor(), g);
+        }
+        Ok(())
+    }
+
+    /// [`GrngOptimizer::try_step`] as the reference trainer takes it: for a Kronecker method,
+    /// an overflowing step is rejected (damping raised, nothing changed), the loss on the same
+    /// batch after the step (`loss_after`, called once) feeds the Levenberg–Marquardt rule
+    /// with `before`, and a step after which that loss is not finite is undone (every variable
+    /// restored; AdamW's moments keep the step) and counted as rejected. First-order methods
+    /// just step (`loss_after` is not called).
+    ///
+    /// # Errors
+    /// As [`GrngOptimizer::try_step`] other than overflow, and those of `loss_after`.
+    pub fn step_observed(
+        &mut self,
+        grads: &GradStore,
+        before: f32,
+        loss_after: impl FnOnce() -> Result<f32>,
+    ) -> Result<Observed> {
+        if self.kron.is_none() {
+            self.try_step(grads)?;
+            return Ok(Observed::Applied { after: None });
+        }
+        let vars: Vec<Var> = self.vars().cloned().collect();
+        let saved = vars
+            .iter()
+            .map(|v| v.as_tensor().copy())
+            .collect::<candle_core::Result<Vec<_>>>()
+            .map_err(from_candle)?;
+        match self.try_step(grads) {
+            Ok(_) => {}
+            Err(Error::NonFinite { .. }) => {
+                self.reject_step();
+                return Ok(Observed::Rejected);
+            }
+            Err(e) => return Err(e),
+        }
+        let after = loss_after()?;
+        self.observe_loss(before, after)?;
+        if after.is_finite() {
+            return Ok(Observed::Applied { after: Some(after) });
+        }
+        for (v, t) in vars.iter().zip(&saved) {
+            v.set(t).map_err(from_candle)?;
+        }
+        Ok(Observed::Rejected)
+    }
+
+    /// Every variable this optimizer updates.
+    fn vars(&self) -> impl Iterator<Item = &Var> {
+        let kron = self
+            .kron
+            .iter()
+            .flat_map(|(_, l)| l.iter().map(KronLinear::weight));
+        kron.chain(self.flat.iter().map(|(v, _)| v))
+    }
+
+    /// The learning rate of the method (Kronecker methods: `α` before the `1/L` scaling).
+    fn lr(&self) -> f64 {
+        match self.method {
+            OptimizerConfig::Kron(k) => k.lr as f64,
+            OptimizerConfig::AdamW(c) => c.lr as f64,
+            OptimizerConfig::Sgd(c) => c.lr as f64,
+            OptimizerConfig::Sophia(c) => c.lr as f64,
+            OptimizerConfig::Kalman(_) => self.rest.lr as f64,
+        }
+    }
+}
+
+impl candle_nn::Optimizer for GrngOptimizer {
+    type Config = GrngConfig;
+
+    fn new(vars: Vec<Var>, config: GrngConfig) -> candle_core::Result<Self> {
+        Self::try_new(vars, config).map_err(to_candle)
+    }
+
+    fn step(&mut self, grads: &GradStore) -> candle_core::Result<()> {
+        self.try_step(grads).map(|_| ()).map_err(to_candle)
+    }
+
+    fn learning_rate(&self) -> f64 {
+        self.lr()
+    }
+
+    /// Sets the first-order optimizers' rate (out-of-range values are ignored, the trait
+    /// cannot report them). A Kronecker optimizer's `α` is fixed at construction.
+    fn set_learning_rate(&mut self, lr: f64) {
+        for (_, f) in &mut self.flat {
+            let _ = match f {
+                Flat::AdamW(o) => o.set_config(AdamWConfig {
+                    lr: lr as f32,
+                    ..*o.config()
+                }),
+                Flat::Sgd(o) => {
+                    let c = *o.config();
+                    o.set_config(crate::optim::sgd::SgdConfig { lr: lr as f32, ..c })
+                }
+                Flat::Sophia(o) => {
+                    let c = *o.config();
+                    o.set_config(crate::optim::sophia::SophiaConfig { lr: lr as f32, ..c })
+                }
+            };
+        }
+        match &mut self.method {
+            OptimizerConfig::AdamW(c) => c.lr = lr as f32,
+            OptimizerConfig::Sgd(c) => c.lr = lr as f32,
+            OptimizerConfig::Sophia(c) => c.lr = lr as f32,
+            _ => self.rest.lr = lr as f32,
+        }
+    }
+}
