@@ -474,15 +474,7 @@ fn train(method: Method, corpus: &Corpus, args: &Args, dev: &CDevice) -> Result<
 
 fn main() -> std::result::Result<(), Box<dyn std::error::Error>> {
     let args = Args::parse();
-    let dev = match args.device.as_str() {
-        "cpu" => CDevice::Cpu,
-        other => {
-            return Err(Error::DeviceUnavailable(format!(
-                "--device {other}: grng::candle supports candle's CPU tensors only"
-            ))
-            .into())
-        }
-    };
+    let dev = grng::candle::candle_device(&args.device)?;
     let corpus = Corpus::new();
     println!(
         "{} characters ({} distinct), {} blocks of width {}, context {}, batch {}",

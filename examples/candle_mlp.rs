@@ -191,15 +191,7 @@ fn train(method: Method, splits: &Splits, args: &Args, dev: &CDevice) -> Result<
 
 fn main() -> std::result::Result<(), Box<dyn std::error::Error>> {
     let args = Args::parse();
-    let dev = match args.device.as_str() {
-        "cpu" => CDevice::Cpu,
-        other => {
-            return Err(Error::DeviceUnavailable(format!(
-                "--device {other}: grng::candle supports candle's CPU tensors only"
-            ))
-            .into())
-        }
-    };
+    let dev = grng::candle::candle_device(&args.device)?;
     let methods = Method::parse_list(&args.methods)?;
     let splits = Splits::digits(args.seed)?;
     let mut rows = Vec::new();

@@ -110,6 +110,12 @@ fn bad_views_are_typed_errors_and_change_nothing() {
     });
     assert!(matches!(r, Err(Error::Shape { .. })), "{r:?}");
     assert_eq!(host(&t).len(), 12);
+    // Devices: only candle's CPU is viewed (no GPU here to build a mismatching tensor).
+    assert!(grng::candle::candle_device("cpu").unwrap().is_cpu());
+    for name in ["cuda", "metal", ""] {
+        let r = grng::candle::candle_device(name);
+        assert!(matches!(r, Err(Error::DeviceUnavailable(_))), "{name}");
+    }
 }
 
 // ---- Layers and captured statistics against the reference MLP ----

@@ -27,4 +27,4 @@ mod view;
 
 pub use layer::{capture_fisher, KronLinear};
 pub use optim::{GrngConfig, GrngOptimizer, Observed};
-pub use view::{grng_device, with_matrices, with_matrix, ViewAs};
+pub use view::{candle_device, grng_device, with_matrices, with_matrix, ViewAs};

@@ -37,6 +37,21 @@ pub fn grng_device(device: &candle_core::Device) -> Result<Device> {
     }
 }
 
+/// The candle device named `name` that grng can work with (the examples' `--device`):
+/// `cpu`.
+///
+/// # Errors
+/// [`Error::DeviceUnavailable`] for `cuda` (candle's CUDA tensors are not viewed yet) and any
+/// other name.
+pub fn candle_device(name: &str) -> Result<candle_core::Device> {
+    match name {
+        "cpu" => Ok(candle_core::Device::Cpu),
+        other => Err(Error::DeviceUnavailable(format!(
+            "device {other:?}: grng::candle works on candle's CPU tensors only"
+        ))),
+    }
+}
+
 /// The candle error of a grng one, for the `candle_nn::Optimizer` interface.
 pub(crate) fn to_candle(e: Error) -> candle_core::Error {
     candle_core::Error::wrap(e)
