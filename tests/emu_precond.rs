@@ -87,6 +87,65 @@ fn stored_shape(t: Trans, (r, c): (usize, usize)) -> (usize, usize) {
     }
 }
 
+/// A GEMM launcher with `precond::gemm`'s signature.
+type GemmFn =
+    fn(&Device, Trans, Trans, f32, &Matrix, &Matrix, f32, &mut Matrix) -> grng::Result<()>;
+
+/// Random `A`, `B`, `C` for `op(A)` `m x k`, `op(B)` `k x n`: the values and the stored shapes.
+struct GemmCase {
+    a: Vec<f32>,
+    b: Vec<f32>,
+    c0: Vec<f32>,
+    a_shape: (usize, usize),
+    b_shape: (usize, usize),
+}
+
+fn gemm_case(seed: u64, (m, n, k): (usize, usize, usize), ta: Trans, tb: Trans) -> GemmCase {
+    let mut rng = ChaCha8Rng::seed_from_u64(seed);
+    GemmCase {
+        a: vals(&mut rng, m * k),
+        b: vals(&mut rng, k * n),
+        c0: vals(&mut rng, m * n),
+        a_shape: stored_shape(ta, (m, k)),
+        b_shape: stored_shape(tb, (k, n)),
+    }
+}
+
+/// α = 0 through `gemm`: C ← β·C exactly (β = 0 → zeros, C all NaN never read), NaN A and B
+/// never read.
+fn check_alpha_zero(
+    dev: &Device,
+    gemm: GemmFn,
+    t: &GemmCase,
+    (ta, tb): (Trans, Trans),
+    beta: f32,
+) -> Result<(), TestCaseError> {
+    let nan = |(r, c): (usize, usize)| dev.upload(r, c, &vec![f32::NAN; r * c]).unwrap();
+    let (an, bn) = (nan(t.a_shape), nan(t.b_shape));
+    let rows = if ta == Trans::No {
+        t.a_shape.0
+    } else {
+        t.a_shape.1
+    };
+    let cols = if tb == Trans::No {
+        t.b_shape.1
+    } else {
+        t.b_shape.0
+    };
+    let c_in = if beta == 0.0 {
+        vec![f32::NAN; rows * cols]
+    } else {
+        t.c0.clone()
+    };
+    let mut c = dev.upload(rows, cols, &c_in).unwrap();
+    gemm(dev, ta, tb, 0.0, &an, &bn, beta, &mut c).unwrap();
+    for (x, c) in c.to_vec().unwrap().iter().zip(&t.c0) {
+        let w = if beta == 0.0 { 0.0 } else { beta * c };
+        prop_assert_eq!(x.to_bits(), w.to_bits());
+    }
+    Ok(())
+}
+
 proptest! {
     #![proptest_config(ProptestConfig { cases: 40, ..ProptestConfig::default() })]
 
@@ -100,12 +159,9 @@ proptest! {
         beta in prop_oneof![2 => Just(0.0f32), 1 => Just(1.0f32), 2 => -2.0f32..2.0],
         seed in any::<u64>(),
     ) {
-        let mut rng = ChaCha8Rng::seed_from_u64(seed);
-        let (ar, ac) = stored_shape(ta, (m, k));
-        let (br, bc) = stored_shape(tb, (k, n));
-        let a = vals(&mut rng, m * k);
-        let b = vals(&mut rng, k * n);
-        let c0 = vals(&mut rng, m * n);
+        let t = gemm_case(seed, (m, n, k), ta, tb);
+        let (a, b, c0) = (t.a.clone(), t.b.clone(), t.c0.clone());
+        let ((ar, ac), (br, bc)) = (t.a_shape, t.b_shape);
         let cpu = Device::Cpu;
         let mut cw = cpu.upload(m, n, &c0).unwrap();
         cpu.gemm(ta, tb, alpha, &cpu.upload(ar, ac, &a).unwrap(), &cpu.upload(br, bc, &b).unwrap(), beta, &mut cw)
@@ -119,17 +175,7 @@ proptest! {
             let mut c = dev.upload(m, n, &c_in).unwrap();
             dev.gemm(ta, tb, alpha, &am, &bm, beta, &mut c).unwrap();
             check_close(&c.to_vec().unwrap(), &want, &scale, k)?;
-
-            // α = 0: C ← β·C exactly (β = 0 → zeros), A and B never read.
-            let an = dev.upload(ar, ac, &vec![f32::NAN; m * k]).unwrap();
-            let bn = dev.upload(br, bc, &vec![f32::NAN; k * n]).unwrap();
-            let mut c = dev.upload(m, n, &c_in).unwrap();
-            precond::gemm(&dev, ta, tb, 0.0, &an, &bn, beta, &mut c).unwrap();
-            let got = c.to_vec().unwrap();
-            for (x, c) in got.iter().zip(&c0) {
-                let w = if beta == 0.0 { 0.0 } else { beta * c };
-                prop_assert_eq!(x.to_bits(), w.to_bits());
-            }
+            check_alpha_zero(&dev, precond::gemm, &t, (ta, tb), beta)?;
         }
     }
 
@@ -148,12 +194,9 @@ proptest! {
         beta in prop_oneof![2 => Just(0.0f32), 1 => Just(1.0f32), 2 => -2.0f32..2.0],
         seed in any::<u64>(),
     ) {
-        let mut rng = ChaCha8Rng::seed_from_u64(seed);
-        let (ar, ac) = stored_shape(ta, (m, k));
-        let (br, bc) = stored_shape(tb, (k, n));
-        let a = vals(&mut rng, m * k);
-        let b = vals(&mut rng, k * n);
-        let c0 = vals(&mut rng, m * n);
+        let t = gemm_case(seed, (m, n, k), ta, tb);
+        let (a, b, c0) = (t.a.clone(), t.b.clone(), t.c0.clone());
+        let ((ar, ac), (br, bc)) = (t.a_shape, t.b_shape);
         let scale = abs_scale((ta, tb), (m, n, k), alpha, &a, &b, beta, &c0);
         for dev in devices() {
             let am = dev.upload(ar, ac, &a).unwrap();
@@ -174,15 +217,7 @@ proptest! {
                     prop_assert!((g - want).abs() <= tol, "({}, {}): {} vs {} (tol {:e})", i, j, g, want, tol);
                 }
             }
-
-            let an = dev.upload(ar, ac, &vec![f32::NAN; m * k]).unwrap();
-            let bn = dev.upload(br, bc, &vec![f32::NAN; k * n]).unwrap();
-            let mut c = dev.upload(m, n, &c_in).unwrap();
-            precond::gemm3(&dev, ta, tb, 0.0, &an, &bn, beta, &mut c).unwrap();
-            for (x, c) in c.to_vec().unwrap().iter().zip(&c0) {
-                let w = if beta == 0.0 { 0.0 } else { beta * c };
-                prop_assert_eq!(x.to_bits(), w.to_bits());
-            }
+            check_alpha_zero(&dev, precond::gemm3, &t, (ta, tb), beta)?;
         }
     }
 

@@ -135,6 +135,7 @@ __device__ __forceinline__ void grng_gemm_tile(const __nv_bfloat16* __restrict__
     static_assert(Terms == 1 || Terms == GRNG_SPLIT3_TERMS, "plain or split3 products");
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
     const int wm = (warp & 1) * 64, wn = (warp >> 1) * 32;
+    const int rows_left = M - i0 - wm, cols_left = N - j0 - wn;  // of this warp's tile
     // Every plane must be 16-byte aligned for cp.async: the plane stride too.
     const bool vec_a = grng_gemm_vec_ok(A, lda) && (Terms == 1 || (a_plane & 7) == 0);
     const bool vec_b = grng_gemm_vec_ok(B, ldb) && (Terms == 1 || (b_plane & 7) == 0);
@@ -182,13 +183,19 @@ GRNG_UNROLL
 
         const __nv_bfloat16* sa = smem + (kt % GRNG_GEMM_STAGES) * GRNG_GEMM_STAGE_ELEMS;
         const __nv_bfloat16* sb = sa + GRNG_GEMM_BM * GRNG_GEMM_BK;
+        const int k_left = K - (kt % nk) * GRNG_GEMM_BK;
 GRNG_UNROLL
         for (int kk = 0; kk < GRNG_GEMM_BK; kk += 16) {
-            unsigned af[4][4], bf[4][2];
+            // Warp-uniform skips of all-zero work past the M, N, K edges (ragged and small
+            // shapes): 16-row A fragments, 16-column B pairs, 16-deep steps.
+            if (kk >= k_left) break;
+            unsigned af[4][4] = {}, bf[4][2] = {};
 GRNG_UNROLL
-            for (int mi = 0; mi < 4; ++mi) AL::frag(af[mi], sa, wm + 16 * mi, kk, a_oo, a_ko, lrow);
+            for (int mi = 0; mi < 4; ++mi)
+                if (16 * mi < rows_left) AL::frag(af[mi], sa, wm + 16 * mi, kk, a_oo, a_ko, lrow);
 GRNG_UNROLL
             for (int np = 0; np < 2; ++np) {
+                if (16 * np >= cols_left) continue;
                 unsigned r[4];
                 BL::frag(r, sb, wn + 16 * np, kk, b_oo, b_ko, lrow);
                 bf[2 * np][0] = r[0];
@@ -200,7 +207,8 @@ GRNG_UNROLL
             for (int mi = 0; mi < 4; ++mi)
 GRNG_UNROLL
                 for (int nj = 0; nj < 4; ++nj)
-                    grng_mma_bf16_16816(acc[mi][nj], af[mi], bf[nj], acc[mi][nj]);
+                    if (16 * mi < rows_left && 8 * nj < cols_left)
+                        grng_mma_bf16_16816(acc[mi][nj], af[mi], bf[nj], acc[mi][nj]);
         }
     }
     grng_cp_async_wait<0>();  // only empty groups remain; leaves nothing in flight

@@ -212,15 +212,15 @@ pub(crate) fn split3_into(dev: &Device, x: &Matrix, planes: &mut Matrix<bf16>) -
     unsafe { launch(&SPLIT3, cfg, args) }
 }
 
-/// `C ← α·op(A)·op(B) + β·C` like [`gemm`], with f32 accuracy on the bf16 tensor cores: `A` and
+/// `C ← α·op(A)·op(B) + β·C` like [`gemm()`], with f32 accuracy on the bf16 tensor cores: `A` and
 /// `B` are split into three bf16 planes each (`precond_split3`, exact for normal floats) and
 /// `precond_gemm3_tc` sums the 6 plane products above `2^-24` relative on the GEMM engine
 /// (kernels/gemm/engine.cuh, 128x128 tiles, f32 accumulation, small products first). Same
-/// BLAS semantics as [`gemm`] (`β = 0` never reads `C`, `α = 0` never reads `A`, `B`). `C` may
+/// BLAS semantics as [`gemm()`] (`β = 0` never reads `C`, `α = 0` never reads `A`, `B`). `C` may
 /// be `A` or `B`'s source: the product reads only the planes.
 ///
 /// # Errors
-/// As [`gemm`], plus allocation errors (the planes: 6 bytes per element of `A` and `B`). `c`
+/// As [`gemm()`], plus allocation errors (the planes: 6 bytes per element of `A` and `B`). `c`
 /// is unchanged on error.
 #[allow(clippy::too_many_arguments)]
 pub fn gemm3(

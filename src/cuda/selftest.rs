@@ -248,6 +248,27 @@ pub fn bf16_convert(
     unsafe { launch(&BF16, cfg, args) }
 }
 
+/// The tensor-core self-tests' shape checks: `m, n, k` positive multiples of `step`, at most
+/// 4096 (else `expected`), `a` holding `m k`, `b` `k n` and `d` `m n` elements.
+fn check_mnk(
+    op: &'static str,
+    (m, n, k): (usize, usize, usize),
+    step: usize,
+    expected: &'static str,
+    a: &Matrix<bf16>,
+    b: &Matrix<bf16>,
+    d: &Matrix<f32>,
+) -> Result<()> {
+    for (arg, v) in [("m", m), ("n", n), ("k", k)] {
+        if v == 0 || v % step != 0 || v > 4096 {
+            return Err(value_err(op, arg, v, expected));
+        }
+    }
+    check_len(op, "a", a.len(), m * k)?;
+    check_len(op, "b", b.len(), k * n)?;
+    check_len(op, "d", d.len(), m * n)
+}
+
 /// D = alpha (A B + C) on tensor cores, M, N, K multiples of 16. `layouts` bits: 1 A
 /// col-major (A stored K x M), 2 B col-major (stored N x K), 4 C col-major, 8 D col-major
 /// (stored N x M); row-major otherwise. Lengths: a M K, b K N, c and d M N.
@@ -263,23 +284,19 @@ pub fn wmma(
     alpha: f32,
 ) -> Result<()> {
     const OP: &str = "selftest::wmma";
-    for (arg, v) in [("m", m), ("n", n), ("k", k)] {
-        if v == 0 || v % 16 != 0 || v > 4096 {
-            return Err(value_err(
-                OP,
-                arg,
-                v,
-                "a positive multiple of 16, at most 4096",
-            ));
-        }
-    }
+    check_mnk(
+        OP,
+        (m, n, k),
+        16,
+        "a positive multiple of 16, at most 4096",
+        a,
+        b,
+        d,
+    )?;
     if layouts > 15 {
         return Err(value_err(OP, "layouts", layouts as usize, "0..=15"));
     }
-    check_len(OP, "a", a.len(), m * k)?;
-    check_len(OP, "b", b.len(), k * n)?;
     check_len(OP, "c", c.len(), m * n)?;
-    check_len(OP, "d", d.len(), m * n)?;
     let cfg = LaunchConfig {
         grid: ((n / 16) as u32, (m / 16) as u32, 1),
         block: (32, 1, 1),
@@ -586,14 +603,7 @@ pub fn gemm(
     b_k_inner: bool,
 ) -> Result<()> {
     const OP: &str = "selftest::gemm";
-    for (arg, v) in [("m", m), ("n", n), ("k", k)] {
-        if v == 0 || v > 4096 {
-            return Err(value_err(OP, arg, v, "1..=4096"));
-        }
-    }
-    check_len(OP, "a", a.len(), m * k)?;
-    check_len(OP, "b", b.len(), k * n)?;
-    check_len(OP, "d", d.len(), m * n)?;
+    check_mnk(OP, (m, n, k), 1, "1..=4096", a, b, d)?;
     let lda = if a_k_outer { m } else { k };
     let ldb = if b_k_inner { k } else { n };
     let cfg = LaunchConfig {
