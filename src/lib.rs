@@ -40,6 +40,17 @@
 //!     Ok(())
 //! }
 //! ```
+//!
+//! # Threads
+//!
+//! Every public type is `Send + Sync`: [`Device`] (a [`cuda::CudaDevice`] is reference-counted
+//! handles to the CUDA context, its one stream and a mutex-guarded kernel cache, all shareable),
+//! [`Matrix`], [`Error`], the optimizers in [`optim`], [`mlp::Mlp`] and [`train::Trainer`]. A
+//! step takes `&mut self`, so one optimizer is driven by one thread at a time; different
+//! optimizers may run on different threads against one device at once and get bit-for-bit what
+//! running them one after the other gets (each owns its buffers; on a GPU all clones of a
+//! device share its stream, so their launches are serialized). Checked by
+//! `tests/concurrency.rs`.
 
 #[cfg(feature = "candle")]
 pub mod candle;

@@ -13,6 +13,8 @@
 //! every family under a proptest runner (fresh random sizes and values per case) and prints
 //! the counts; violations are listed with file, function and input, then fail it.
 
+mod common;
+
 use std::cell::{Cell, RefCell};
 use std::collections::BTreeMap;
 use std::panic::{catch_unwind, AssertUnwindSafe};
@@ -31,27 +33,23 @@ use grng::optim::KronStats;
 use grng::{Device, Matrix, Result, Trans};
 use half::bf16;
 use proptest::prelude::*;
-use proptest::test_runner::{Config, TestRunner};
+use proptest::test_runner::TestRunner;
 use rand::{Rng, SeedableRng};
 use rand_chacha::ChaCha8Rng;
 
-/// The device the running test probes: each `#[test]` runs on its own thread and sets it once
-/// ([`on_device`]), so every family below runs unchanged on the CPU and on the emulated kernels.
+/// The device the running test probes: each `#[test]` runs on its own thread and sets it
+/// ([`on_device`]), so every family below runs unchanged on the CPU, the emulated kernels and
+/// a GPU when present.
 const DEV: CurrentDevice = CurrentDevice;
 static CPU: Device = Device::Cpu;
-static EMULATED: Device = Device::Emulated;
 thread_local! {
-    static ON_EMULATED: Cell<bool> = const { Cell::new(false) };
+    static CURRENT: Cell<Option<&'static Device>> = const { Cell::new(None) };
 }
 struct CurrentDevice;
 impl std::ops::Deref for CurrentDevice {
     type Target = Device;
     fn deref(&self) -> &Device {
-        if ON_EMULATED.get() {
-            &EMULATED
-        } else {
-            &CPU
-        }
+        CURRENT.get().unwrap_or(&CPU)
     }
 }
 /// "Huge but finite": squares and products of two overflow `f32` (max ≈ 3.4e38).
@@ -2462,14 +2460,12 @@ fn kron_optimizer(t: &mut Tally, rng: &mut ChaCha8Rng, shapes: &[(usize, usize)]
 
 /// Runs every family `cases` times on `device` (fresh random sizes and values each run), prints
 /// the counts and fails on any panic or violation.
-fn on_device(device: &Device, cases: u32) {
-    ON_EMULATED.set(matches!(device, Device::Emulated));
+fn on_device(device: Device, cases: u32) {
+    // Leaked once per test (a few bytes) so `DEV` can hand out a `'static` reference.
+    let device: &'static Device = Box::leak(Box::new(device));
+    CURRENT.set(Some(device));
     let tally = RefCell::new(Tally::default());
-    let mut runner = TestRunner::new(Config {
-        cases,
-        failure_persistence: None,
-        ..Config::default()
-    });
+    let mut runner = TestRunner::new(common::proptest_config(cases));
     let sizes = (any::<u64>(), 1usize..9, 1usize..9, 1usize..9, 0usize..3);
     let result = runner.run(&sizes, |(seed, a, b, c, v)| {
         let mut rng = ChaCha8Rng::seed_from_u64(seed);
@@ -2528,12 +2524,15 @@ fn on_device(device: &Device, cases: u32) {
 
 #[test]
 fn bad_inputs_error_without_panic_and_leave_state_unchanged_on_cpu() {
-    on_device(&Device::Cpu, 48);
+    on_device(Device::Cpu, 48);
 }
 
-/// The kernels run by the emulator (the GPU launch code, status read-backs included) must
-/// reject exactly what the CPU rejects; fewer cases, as emulation is slow.
+/// The kernels run by the emulator (the GPU launch code, status read-backs included), and by a
+/// GPU when one is present, must reject exactly what the CPU rejects; fewer cases, as emulation
+/// is slow.
 #[test]
-fn bad_inputs_error_without_panic_and_leave_state_unchanged_on_emulated() {
-    on_device(&Device::Emulated, 16);
+fn bad_inputs_error_without_panic_and_leave_state_unchanged_on_kernel_devices() {
+    for device in common::devices() {
+        on_device(device, 16);
+    }
 }

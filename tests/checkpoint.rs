@@ -7,6 +7,8 @@
 //! No tolerance appears here: every comparison is bitwise (the CPU backend is deterministic
 //! and a checkpoint stores every bit of the state).
 
+mod common;
+
 use std::panic::{catch_unwind, AssertUnwindSafe};
 use std::path::PathBuf;
 
@@ -430,7 +432,7 @@ fn same(a: &Value, b: &Value) -> bool {
 }
 
 proptest! {
-    #![proptest_config(ProptestConfig::with_cases(64))]
+    #![proptest_config(common::proptest_config(64))]
 
     #[test]
     fn format_round_trips_every_value_bit_for_bit(

@@ -6,6 +6,8 @@
 //! `(k + 4)·f32::EPSILON` times the matching absolute sum, i.e. a 2x margin over γ_{k+2} that
 //! also covers the α·(…) + β·c epilogue and the rounding of the inputs where they are rounded.
 
+mod common;
+
 use grng::cpu;
 use grng::ops::norm::{PowerInfo, PowerOptions};
 use grng::{Device, Error, Mat, MatMut, MatRef, Matrix, Trans};
@@ -128,20 +130,13 @@ fn trans(b: bool) -> Trans {
     }
 }
 
-fn config(cases: u32) -> ProptestConfig {
-    ProptestConfig {
-        cases,
-        ..ProptestConfig::default()
-    }
-}
-
 /// Sizes 1..=300 with a bias towards small and "ragged" (non-multiple-of-8) ones.
 fn dim() -> impl Strategy<Value = usize> {
     prop_oneof![1usize..=17, 18usize..=300]
 }
 
 proptest! {
-    #![proptest_config(config(40))]
+    #![proptest_config(common::proptest_config(40))]
 
     #[test]
     fn gemm_matches_reference(
@@ -419,7 +414,7 @@ fn abs64(x: &[f64]) -> Vec<f64> {
 }
 
 proptest! {
-    #![proptest_config(config(16))]
+    #![proptest_config(common::proptest_config(16))]
 
     #[test]
     fn spectral_norm_finds_known_top_eigenvalue(n in 2usize..=200, top in 0.5f64..50.0, seed: u64) {

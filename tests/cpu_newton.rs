@@ -67,14 +67,6 @@ fn run(
     newton_inverse(MatRef::new(a, n, n).unwrap(), warm, opts)
 }
 
-fn config(cases: u32) -> ProptestConfig {
-    ProptestConfig {
-        cases,
-        failure_persistence: None,
-        ..ProptestConfig::default()
-    }
-}
-
 /// The `f32` residual floor of the module docs is `≈ 5e-9·κ`, and ≈ 1.2e-7 at κ ≈ 1..10;
 /// the residual the iteration measures with its own `f32` product may differ from the exact
 /// one by that much. 4x margin on both.
@@ -227,7 +219,7 @@ fn order_of(i: u8) -> NewtonOrder {
 }
 
 proptest! {
-    #![proptest_config(config(40))]
+    #![proptest_config(common::proptest_config(40))]
 
     /// Cubic f32 (the default) from both polynomial starts, κ up to 1e3, n up to 200.
     #[test]
@@ -253,7 +245,7 @@ proptest! {
 }
 
 proptest! {
-    #![proptest_config(config(24))]
+    #![proptest_config(common::proptest_config(24))]
 
     /// Quadratic and quartic f32 obey the same checks with their own exponents.
     #[test]

@@ -63,7 +63,7 @@ fn plant(arrays: &mut [Vec<f32>], which: usize, at: usize, kind: u8) {
 }
 
 proptest! {
-    #![proptest_config(ProptestConfig { cases: 48, ..ProptestConfig::default() })]
+    #![proptest_config(common::proptest_config(48))]
 
     /// axpy, scale and copy are bit-exact; copy's destination starts as NaN.
     #[test]

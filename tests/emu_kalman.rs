@@ -240,7 +240,7 @@ fn opts_strategy() -> impl Strategy<Value = KalmanOptions> {
 }
 
 proptest! {
-    #![proptest_config(ProptestConfig { cases: 48, ..ProptestConfig::default() })]
+    #![proptest_config(common::proptest_config(48))]
 
     /// Kernels vs CPU over ragged n and d_o 1..=12, every option combination.
     #[test]

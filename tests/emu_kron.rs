@@ -136,7 +136,7 @@ fn syrk_matches_cpu<T: Element>(
 }
 
 proptest! {
-    #![proptest_config(ProptestConfig { cases: 40, ..ProptestConfig::default() })]
+    #![proptest_config(common::proptest_config(40))]
 
     /// fp32 SYRK-EMA through `Device::kron_factor_update` (f32 `A`) and through the launcher
     /// with NaN in every element it must not read.

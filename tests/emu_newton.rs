@@ -27,14 +27,6 @@ fn devices() -> Vec<Device> {
     d
 }
 
-fn config(cases: u32) -> ProptestConfig {
-    ProptestConfig {
-        cases,
-        failure_persistence: None,
-        ..ProptestConfig::default()
-    }
-}
-
 /// Sizes around the 128-wide output tile and the 64/32/16/8-wide warp tiles, K slices and
 /// load granules, plus anything.
 fn size() -> impl Strategy<Value = usize> {
@@ -242,7 +234,7 @@ fn check_product(dev: &Device, n: usize, f: &Flags, tc: bool, seed: u64) {
 }
 
 proptest! {
-    #![proptest_config(config(48))]
+    #![proptest_config(common::proptest_config(48))]
 
     /// newton_gemm_tc: every epilogue combination, ragged n, against f64 on bf16 inputs.
     #[test]
@@ -439,7 +431,7 @@ fn check_agreement(
 }
 
 proptest! {
-    #![proptest_config(config(40))]
+    #![proptest_config(common::proptest_config(40))]
 
     /// All orders, starts and precisions on SPD matrices with κ up to 1e3.
     #[test]

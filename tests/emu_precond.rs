@@ -147,7 +147,7 @@ fn check_alpha_zero(
 }
 
 proptest! {
-    #![proptest_config(ProptestConfig { cases: 40, ..ProptestConfig::default() })]
+    #![proptest_config(common::proptest_config(40))]
 
     /// `Device::gemm` on every transpose case, β = 0 with C all NaN (not read), β ≠ 0 with a
     /// random C, α = 0 through the launcher with NaN A and B (not read).

@@ -44,7 +44,7 @@ fn small_or_any_i32() -> impl Strategy<Value = i32> {
 }
 
 proptest! {
-    #![proptest_config(ProptestConfig { cases: 24, ..ProptestConfig::default() })]
+    #![proptest_config(common::proptest_config(24))]
 
     /// __syncthreads + static shared memory: a padded-tile transpose is exact.
     #[test]

@@ -9,6 +9,8 @@
 //! `|fd − exact| ≤ 2e-3 + 2e-2·|exact|` leaves a margin of more than 10x while catching any
 //! wrong term (those are O(|exact|)).
 
+mod common;
+
 use grng::data::{digits, linear_regression, synthetic_classification, Dataset};
 use grng::mlp::{Activation, FisherMode, Loss, Mlp, MlpConfig, Targets, TargetsBuf};
 use grng::{Error, Mat, MatRef};
@@ -182,7 +184,7 @@ fn check_gradient(c: &mut Case, h: f32) -> Result<(), TestCaseError> {
 }
 
 proptest! {
-    #![proptest_config(ProptestConfig::with_cases(48))]
+    #![proptest_config(common::proptest_config(48))]
 
     /// Flat gradient of tanh networks, every coordinate, both losses.
     #[test]
@@ -394,7 +396,7 @@ proptest! {
 }
 
 proptest! {
-    #![proptest_config(ProptestConfig::with_cases(12))]
+    #![proptest_config(common::proptest_config(12))]
 
     /// Sampled mode is an unbiased one-sample estimate of the exact Γ: the mean of T draws of
     /// `(1/m) EᵀE` must lie within 6 standard errors (estimated from the same draws) of the

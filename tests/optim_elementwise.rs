@@ -5,6 +5,8 @@
 //! optimizers must lower the loss of a small MLP; bad input must give a typed error and leave
 //! parameters and optimizer state bit-for-bit unchanged.
 
+mod common;
+
 use grng::cpu::elementwise::PAR_MIN;
 use grng::data::synthetic_classification;
 use grng::mlp::{Activation, Loss, Mlp, MlpConfig, Targets};
@@ -201,7 +203,7 @@ fn abs(v: &[f32]) -> Vec<f32> {
 // ---- fused ops vs f64 ------------------------------------------------------------------
 
 proptest! {
-    #![proptest_config(ProptestConfig::with_cases(48))]
+    #![proptest_config(common::proptest_config(48))]
 
     #[test]
     fn axpy_scale_copy_match_f64(v in vecs(2, 300), alpha in -4.0f32..4.0) {

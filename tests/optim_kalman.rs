@@ -5,6 +5,8 @@
 //! with `q = 0` no `σ_i` may ever grow; bad input gives a typed error and leaves the filter
 //! bit-for-bit unchanged.
 
+mod common;
+
 use grng::data::linear_regression;
 use grng::ops::kalman::KalmanOptions;
 use grng::optim::kalman::{RKalman, RKalmanConfig, RKalmanState};
@@ -232,7 +234,7 @@ fn batched_kalman_converges_to_least_squares() {
 }
 
 proptest! {
-    #![proptest_config(ProptestConfig::with_cases(32))]
+    #![proptest_config(common::proptest_config(32))]
 
     /// On random Jacobians and innovations (not a model at all), with q = 0 every σ_i is
     /// non-increasing and positive, and μ, R stay finite, for both ρ = 0 and ρ > 0.

@@ -2,6 +2,8 @@
 //! `f64` Kronecker solve, the quadratic model, lazy Fisher, the first-order inverse update,
 //! the Levenberg–Marquardt rule, fallbacks, state snapshots, bad input, and training an MLP.
 
+mod common;
+
 use grng::data::synthetic_classification;
 use grng::mlp::{Activation, FisherMode, Loss, Mlp, MlpConfig, Targets};
 use grng::ops::newton::{InitialGuess, NewtonOptions};
@@ -183,7 +185,7 @@ fn variant_config(v: KronVariant) -> KronConfig {
 // ---------- preconditioning and the quadratic model vs dense f64 ----------
 
 proptest! {
-    #![proptest_config(ProptestConfig::with_cases(48))]
+    #![proptest_config(common::proptest_config(48))]
 
     /// `P = Γ̃⁻¹GΛ̃⁻¹` equals `(Λ̃⊗Γ̃)⁻¹vec(G)` solved densely in f64, the dampings follow the
     /// variant's rule (f64 spectral norms / traces), and the stored predicted change equals
@@ -696,7 +698,7 @@ fn with_value(m: &Matrix, idx: usize, v: f32) -> Matrix {
 }
 
 proptest! {
-    #![proptest_config(ProptestConfig::with_cases(40))]
+    #![proptest_config(common::proptest_config(40))]
 
     /// Each kind of bad input gets a typed error; the optimizer state and the parameters are
     /// bit-for-bit unchanged.

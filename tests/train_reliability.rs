@@ -6,6 +6,8 @@
 //! No tolerance appears here: every comparison is bitwise (the CPU backend is deterministic
 //! and a checkpoint stores every bit of the state).
 
+mod common;
+
 use std::path::{Path, PathBuf};
 
 use clap::CommandFactory;
@@ -393,7 +395,7 @@ fn same_state(a: &[(String, Value)], b: &[(String, Value)]) -> bool {
 
 proptest! {
     // Each case runs all eight methods for a handful of steps on a 5-8-3 network.
-    #![proptest_config(ProptestConfig { cases: 12, ..ProptestConfig::default() })]
+    #![proptest_config(common::proptest_config(12))]
 
     /// A NaN/±Inf anywhere in a batch skips the step: state unchanged (every checkpoint
     /// record but the counter), counted once, and the run then continues exactly like one

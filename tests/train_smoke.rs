@@ -2,6 +2,8 @@
 //! repeat bit for bit from a seed, bad input is a typed error that changes nothing, and the
 //! main job's command line is consistent.
 
+mod common;
+
 use clap::CommandFactory;
 use proptest::prelude::*;
 
@@ -82,7 +84,7 @@ fn steps_for(method: Method) -> usize {
 
 proptest! {
     // Each case trains all eight methods on a tiny network (milliseconds each).
-    #![proptest_config(ProptestConfig { cases: 4, ..ProptestConfig::default() })]
+    #![proptest_config(common::proptest_config(4))]
 
     #[test]
     fn every_method_lowers_the_training_loss(seed in 0u64..1_000_000, d in 4usize..9) {

@@ -116,7 +116,14 @@ impl CudaDevice {
                             kernel.file
                         ))
                     })?;
-                    let m = self.ctx.load_module(Ptx::from_src(ptx))?;
+                    // A rejected PTX (e.g. built for a newer PTX ISA than the driver knows)
+                    // means these kernels cannot run here at all: say which file and why.
+                    let m = self.ctx.load_module(Ptx::from_src(ptx)).map_err(|e| {
+                        Error::DeviceUnavailable(format!(
+                            "the CUDA driver rejected the PTX of kernel file {}: {e}",
+                            kernel.file
+                        ))
+                    })?;
                     cache.modules.insert(kernel.file, m.clone());
                     m
                 }

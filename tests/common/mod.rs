@@ -2,10 +2,65 @@
 // Each test crate compiles its own copy and uses only some of these.
 #![allow(dead_code)]
 
+use std::sync::OnceLock;
+
 use grng::cuda::CudaDevice;
 use grng::Device;
-use rand::Rng;
+use proptest::test_runner::{Config, RngSeed};
+use rand::{Rng, SeedableRng};
 use rand_chacha::ChaCha8Rng;
+
+/// The run's master seed: `GRNG_TEST_SEED` when set (decimal `u64`), else a fresh random one,
+/// so every run draws new inputs and any failure can be replayed exactly.
+pub fn master_seed() -> u64 {
+    static SEED: OnceLock<u64> = OnceLock::new();
+    *SEED.get_or_init(|| match std::env::var("GRNG_TEST_SEED") {
+        Ok(s) => s
+            .trim()
+            .parse()
+            .unwrap_or_else(|_| panic!("GRNG_TEST_SEED={s:?} is not a decimal u64")),
+        Err(_) => rand::random(),
+    })
+}
+
+/// The seed of one test: the master seed mixed with the test's name, so tests draw independent
+/// streams and each replays alone. Prints the master seed; libtest shows it only on failure.
+pub fn test_seed(name: &str) -> u64 {
+    let master = master_seed();
+    eprintln!("replay with GRNG_TEST_SEED={master} ({name})");
+    // FNV-1a of the name, then a SplitMix64 finalizer: stable across Rust versions, unlike
+    // `DefaultHasher`.
+    let mut h = 0xcbf2_9ce4_8422_2325u64 ^ master;
+    for b in name.bytes() {
+        h = (h ^ b as u64).wrapping_mul(0x0100_0000_01b3);
+    }
+    h = (h ^ (h >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
+    h = (h ^ (h >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
+    h ^ (h >> 31)
+}
+
+/// The name of the running test: libtest runs each test on a thread named after it.
+fn current_test() -> String {
+    std::thread::current()
+        .name()
+        .unwrap_or("unnamed")
+        .to_string()
+}
+
+/// A proptest config of `cases` cases whose generator is seeded by [`test_seed`] of the
+/// running test (checked-in regression files still replay first).
+pub fn proptest_config(cases: u32) -> Config {
+    Config {
+        cases,
+        rng_seed: RngSeed::Fixed(test_seed(&current_test())),
+        ..Config::default()
+    }
+}
+
+/// A ChaCha8 generator seeded by [`test_seed`] of the running test, for hand-rolled random tests.
+pub fn seeded_rng() -> ChaCha8Rng {
+    ChaCha8Rng::seed_from_u64(test_seed(&current_test()))
+}
 
 /// Unit roundoff of f32.
 pub const U32: f64 = 1.0 / (1u64 << 24) as f64;
