@@ -73,7 +73,7 @@ fn loss_at(mlp: &mut Mlp, params: &[f32], x: &Mat, t: Targets<'_>) -> f64 {
 fn grad_at(mlp: &mut Mlp, params: &[f32], x: &Mat, t: Targets<'_>) -> Vec<f32> {
     mlp.set_params(params).unwrap();
     let fwd = mlp.forward(x.as_ref()).unwrap();
-    mlp.backward(&fwd, t).unwrap().grad
+    mlp.gradient(&fwd, t).unwrap().0
 }
 
 /// A random direction of unit Euclidean norm, so a step `h` along it moves θ by exactly `h`.
@@ -204,7 +204,8 @@ proptest! {
         check_gradient(&mut c, h)?;
     }
 
-    /// `G_l = (1/m) E_lᵀ A_l` (in f64) equals each layer's slice of the flat gradient, the
+    /// `G_l = (1/m) E_lᵀ A_l` (in f64) equals each layer's slice of the flat gradient (which
+    /// [`Mlp::gradient`] returns bit for bit), the
     /// augmented inputs end in 1, and row k of `E_l` is sample k's own gradient w.r.t. the
     /// layer's bias (a one-sample batch): `E` is per sample and not divided by `m`.
     /// f32 sums of ≤ 6 O(1) terms: 1e-5 relative is ~10x their rounding.
@@ -214,6 +215,10 @@ proptest! {
         let c = case(seed, sizes.clone(), act, loss_of(softmax), m);
         let fwd = c.mlp.forward(c.x.as_ref()).unwrap();
         let b = c.mlp.backward(&fwd, c.targets.as_targets()).unwrap();
+        // The statistics-free path the first-order trainers take is the same computation.
+        let (grad, loss) = c.mlp.gradient(&fwd, c.targets.as_targets()).unwrap();
+        prop_assert_eq!(&grad, &b.grad);
+        prop_assert_eq!(loss.to_bits(), b.loss.to_bits());
         prop_assert_eq!(b.layers.len(), sizes.len() - 1);
         for (l, s) in b.layers.iter().enumerate() {
             let (rows, cols) = c.mlp.layer_shape(l).unwrap();
@@ -485,6 +490,10 @@ fn bad_input_gets_typed_errors_and_changes_nothing() {
     ));
     assert!(matches!(
         c.mlp.backward(&fwd, Targets::Classes(&[0, 1])),
+        Err(Error::Shape { .. })
+    ));
+    assert!(matches!(
+        c.mlp.gradient(&fwd, Targets::Classes(&[0, 1])),
         Err(Error::Shape { .. })
     ));
     let vals = Mat::zeros(4, 3);

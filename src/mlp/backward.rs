@@ -51,13 +51,13 @@ impl Mlp {
         Ok(es)
     }
 
-    /// Per-layer statistics, the flat mean-loss gradient (empty unless `with_grad`) and the loss.
-    fn backward_stats(
+    /// Per-layer `E_l`, the flat mean-loss gradient (empty unless `with_grad`) and the loss.
+    fn errors_and_grad(
         &self,
         fwd: &Forward,
         targets: Targets<'_>,
         with_grad: bool,
-    ) -> Result<Backward> {
+    ) -> Result<(Vec<Mat>, Vec<f32>, f32)> {
         let m = fwd.batch_size();
         let (e, loss) = self.output_grad(fwd, targets);
         let es = self.backprop(fwd, e, 1)?;
@@ -79,6 +79,17 @@ impl Mlp {
                 )?;
             }
         }
+        Ok((es, grad, loss))
+    }
+
+    /// Per-layer statistics, the flat mean-loss gradient (empty unless `with_grad`) and the loss.
+    fn backward_stats(
+        &self,
+        fwd: &Forward,
+        targets: Targets<'_>,
+        with_grad: bool,
+    ) -> Result<Backward> {
+        let (es, grad, loss) = self.errors_and_grad(fwd, targets, with_grad)?;
         let layers = fwd
             .a
             .iter()
@@ -86,6 +97,20 @@ impl Mlp {
             .map(|(a, e)| LayerStats { a: a.clone(), e })
             .collect();
         Ok(Backward { layers, grad, loss })
+    }
+
+    /// The flat gradient of the mean loss and the mean loss, as [`Mlp::backward`] returns them,
+    /// without the per-layer statistics: for first-order methods, which would only copy `A_l`
+    /// to drop it.
+    ///
+    /// # Errors
+    /// As [`Mlp::backward`].
+    pub fn gradient(&self, fwd: &Forward, targets: Targets<'_>) -> Result<(Vec<f32>, f32)> {
+        const OP: &str = "Mlp::gradient";
+        self.check_forward(OP, fwd)?;
+        self.check_targets(OP, targets, fwd.batch_size())?;
+        let (_, grad, loss) = self.errors_and_grad(fwd, targets, true)?;
+        Ok((grad, loss))
     }
 
     /// Backward pass for the data `targets`: per layer `A_l` (`m x (d_l+1)`) and `E_l`

@@ -250,7 +250,11 @@ impl Mlp {
         let mut logits = Mat::zeros(0, 0);
         for l in 0..nl {
             let d_out = self.config.sizes[l + 1];
-            let mut z = Mat::zeros(m, d_out);
+            // A hidden layer's z_l lands straight in the first d_out columns of the augmented
+            // x̄_{l+1} and φ runs in place there: no separate z, no copy.
+            let hidden = l + 1 < nl;
+            let width = d_out + usize::from(hidden);
+            let mut out = Mat::zeros(m, width);
             gemm(
                 Trans::No,
                 Trans::Yes,
@@ -258,27 +262,25 @@ impl Mlp {
                 a[l].as_ref(),
                 self.layer(l)?,
                 0.0,
-                z.as_mut(),
+                MatMut::with_ld(out.as_mut_slice(), m, d_out, width)?,
             )?;
-            if l + 1 < nl {
+            if hidden {
                 let act = self.config.activation;
-                let mut next = Mat::zeros(m, d_out + 1);
-                next.as_mut_slice()
-                    .par_chunks_mut(d_out + 1)
-                    .zip(z.as_slice().par_chunks(d_out))
+                out.as_mut_slice()
+                    .par_chunks_mut(width)
                     .with_min_len(min_rows(d_out))
-                    .for_each(|(dst, src)| {
-                        for (d, &s) in dst.iter_mut().zip(src) {
-                            *d = match act {
-                                Activation::Tanh => s.tanh(),
-                                Activation::Relu => s.max(0.0),
+                    .for_each(|row| {
+                        for v in &mut row[..d_out] {
+                            *v = match act {
+                                Activation::Tanh => v.tanh(),
+                                Activation::Relu => v.max(0.0),
                             };
                         }
-                        dst[d_out] = 1.0;
+                        row[d_out] = 1.0;
                     });
-                a.push(next);
+                a.push(out);
             } else {
-                logits = z;
+                logits = out;
             }
         }
         let y = match self.config.loss {

@@ -568,8 +568,8 @@ fn batch_is_finite(mlp: &Mlp, batch: Batch<'_>) -> Result<bool> {
 /// Forward and backward pass: `(mean loss, flat gradient)`.
 fn plain_gradient(mlp: &Mlp, batch: Batch<'_>) -> Result<(f32, Vec<f32>)> {
     let fwd = mlp.forward(batch.x)?;
-    let b = mlp.backward(&fwd, batch.targets)?;
-    Ok((b.loss, b.grad))
+    let (grad, loss) = mlp.gradient(&fwd, batch.targets)?;
+    Ok((loss, grad))
 }
 
 /// Euclidean norm, accumulated in f64.
