@@ -203,6 +203,40 @@ extern "C" __global__ void elementwise_dot_final(const float* __restrict__ parti
 }
 GRNG_EMU_ENTRY(elementwise_dot_final, (const float*, int, int, float*))
 
+// Per-thread first bad indices (elementwise_check and the fused updates). A thread's indices
+// grow along its float4 loop and then its scalar tail (every tail index exceeds every float4
+// index), so its first hit is its minimum.
+struct EwBad {
+    int a[4] = {EW_NONE, EW_NONE, EW_NONE, EW_NONE};
+    int sign = EW_NONE;
+    __device__ __forceinline__ void note(int slot, float v, int i) {
+        if (!isfinite(v) && a[slot] == EW_NONE) a[slot] = i;
+    }
+    __device__ __forceinline__ void note_negative(float v, int i) {
+        if (v < 0.0f && sign == EW_NONE) sign = i;
+    }
+    // The four inputs of AdamW / Sophia at index i (slots 0..3), the last one also >= 0.
+    __device__ __forceinline__ void note4_last_nonneg(float a0, float a1, float a2, float a3,
+                                                      int i) {
+        note(0, a0, i);
+        note(1, a1, i);
+        note(2, a2, i);
+        note(3, a3, i);
+        note_negative(a3, i);
+    }
+    // Warp minimum, then one atomicMin per warp and slot that saw a bad value. Every lane of
+    // the warp must call it.
+    __device__ __forceinline__ void flush(int* status) const {
+GRNG_UNROLL
+        for (int k = 0; k < 4; ++k) {
+            const int m = __reduce_min_sync(GRNG_FULL_MASK, a[k]);
+            if ((threadIdx.x & 31) == 0 && m != EW_NONE) atomicMin(&status[k], m);
+        }
+        const int m = __reduce_min_sync(GRNG_FULL_MASK, sign);
+        if ((threadIdx.x & 31) == 0 && m != EW_NONE) atomicMin(&status[4], m);
+    }
+};
+
 // Validation pass over `narr` (1..4) arrays of n floats: status[a] ← min(status[a], first
 // index of a NaN/Inf in array a); status[4] ← min(status[4], first index i with
 // a[sign_arr][i] < 0 (strict = 0) or ≤ 0 (strict = 1)); sign_arr < 0 checks no sign. Unused
@@ -215,27 +249,19 @@ extern "C" __global__ void elementwise_check(const float* __restrict__ a0,
                                              int sign_arr, int strict, int n,
                                              int* __restrict__ status) {
     const float* arr[4] = {a0, a1, a2, a3};
-    int bad[4] = {EW_NONE, EW_NONE, EW_NONE, EW_NONE};
-    int sbad = EW_NONE;
-    // Indices grow along a thread's grid-stride loop: the first hit is the thread's minimum.
+    EwBad bad;
     for (int i = EW_TID; i < n; i += EW_STRIDE) {
 GRNG_UNROLL
         for (int a = 0; a < 4; ++a) {
             if (a < narr) {
                 const float v = arr[a][i];
-                if (!isfinite(v) && bad[a] == EW_NONE) bad[a] = i;
-                if (a == sign_arr && sbad == EW_NONE && (strict ? v <= 0.0f : v < 0.0f))
-                    sbad = i;
+                bad.note(a, v, i);
+                if (a == sign_arr && bad.sign == EW_NONE && (strict ? v <= 0.0f : v < 0.0f))
+                    bad.sign = i;
             }
         }
     }
-GRNG_UNROLL
-    for (int a = 0; a < 4; ++a) {
-        const int m = __reduce_min_sync(GRNG_FULL_MASK, bad[a]);
-        if ((threadIdx.x & 31) == 0 && m != EW_NONE) atomicMin(&status[a], m);
-    }
-    const int m = __reduce_min_sync(GRNG_FULL_MASK, sbad);
-    if ((threadIdx.x & 31) == 0 && m != EW_NONE) atomicMin(&status[4], m);
+    bad.flush(status);
 }
 GRNG_EMU_ENTRY(elementwise_check,
                (const float*, const float*, const float*, const float*, int, int, int, int, int*))
@@ -260,30 +286,6 @@ GRNG_EMU_ENTRY(elementwise_check_bf16, (const __nv_bfloat16*, int, int*))
 // of 5 ints (preset to EW_NONE) the first index of a NaN/Inf per input array (slots 0..3, in
 // argument order) and the first sign violation (slot 4), exactly as elementwise_check does:
 // integer atomicMin, issued only by warps that saw a bad value.
-
-// Per-thread first bad indices. A thread's indices grow along its float4 loop and then its
-// scalar tail (every tail index exceeds every float4 index), so its first hit is its minimum.
-struct EwBad {
-    int a[4] = {EW_NONE, EW_NONE, EW_NONE, EW_NONE};
-    int sign = EW_NONE;
-    __device__ __forceinline__ void note(int slot, float v, int i) {
-        if (!isfinite(v) && a[slot] == EW_NONE) a[slot] = i;
-    }
-    __device__ __forceinline__ void note_negative(float v, int i) {
-        if (v < 0.0f && sign == EW_NONE) sign = i;
-    }
-    // Warp minimum, then one atomicMin per warp and slot that saw a bad value. Every lane of
-    // the warp must call it.
-    __device__ __forceinline__ void flush(int* status) const {
-GRNG_UNROLL
-        for (int k = 0; k < 4; ++k) {
-            const int m = __reduce_min_sync(GRNG_FULL_MASK, a[k]);
-            if ((threadIdx.x & 31) == 0 && m != EW_NONE) atomicMin(&status[k], m);
-        }
-        const int m = __reduce_min_sync(GRNG_FULL_MASK, sign);
-        if ((threadIdx.x & 31) == 0 && m != EW_NONE) atomicMin(&status[4], m);
-    }
-};
 
 // Element k of a float4 (0..3).
 __device__ __forceinline__ float ew_lane(const float4& x, int k) {
@@ -350,11 +352,8 @@ extern "C" __global__ void elementwise_adamw(const float* __restrict__ p,
         float4 V = reinterpret_cast<const float4*>(v)[k];
 GRNG_UNROLL
         for (int e = 0; e < 4; ++e) {
-            bad.note(0, ew_lane(P, e), 4 * k + e);
-            bad.note(1, ew_lane(G, e), 4 * k + e);
-            bad.note(2, ew_lane(M, e), 4 * k + e);
-            bad.note(3, ew_lane(V, e), 4 * k + e);
-            bad.note_negative(ew_lane(V, e), 4 * k + e);
+            bad.note4_last_nonneg(ew_lane(P, e), ew_lane(G, e), ew_lane(M, e), ew_lane(V, e),
+                                  4 * k + e);
         }
         op(P.x, G.x, M.x, V.x);
         op(P.y, G.y, M.y, V.y);
@@ -367,11 +366,7 @@ GRNG_UNROLL
     for (int i = 4 * n4 + EW_TID; i < n; i += EW_STRIDE) {
         float P = p[i], M = m[i], V = v[i];
         const float G = g[i];
-        bad.note(0, P, i);
-        bad.note(1, G, i);
-        bad.note(2, M, i);
-        bad.note(3, V, i);
-        bad.note_negative(V, i);
+        bad.note4_last_nonneg(P, G, M, V, i);
         op(P, G, M, V);
         po[i] = P;
         mo[i] = M;
@@ -402,11 +397,8 @@ extern "C" __global__ void elementwise_sophia(const float* __restrict__ p,
         const float4 H = reinterpret_cast<const float4*>(h)[k];
 GRNG_UNROLL
         for (int e = 0; e < 4; ++e) {
-            bad.note(0, ew_lane(P, e), 4 * k + e);
-            bad.note(1, ew_lane(G, e), 4 * k + e);
-            bad.note(2, ew_lane(M, e), 4 * k + e);
-            bad.note(3, ew_lane(H, e), 4 * k + e);
-            bad.note_negative(ew_lane(H, e), 4 * k + e);
+            bad.note4_last_nonneg(ew_lane(P, e), ew_lane(G, e), ew_lane(M, e), ew_lane(H, e),
+                                  4 * k + e);
         }
         op(P.x, G.x, M.x, H.x);
         op(P.y, G.y, M.y, H.y);
@@ -418,11 +410,7 @@ GRNG_UNROLL
     for (int i = 4 * n4 + EW_TID; i < n; i += EW_STRIDE) {
         float P = p[i], M = m[i];
         const float G = g[i], H = h[i];
-        bad.note(0, P, i);
-        bad.note(1, G, i);
-        bad.note(2, M, i);
-        bad.note(3, H, i);
-        bad.note_negative(H, i);
+        bad.note4_last_nonneg(P, G, M, H, i);
         op(P, G, M, H);
         po[i] = P;
         mo[i] = M;
