@@ -9,12 +9,12 @@
 // contract them into FMAs: every result is the correctly rounded f32 of the same sequence of
 // operations as the CPU, i.e. bit-identical to it.
 //
-// Validation without touching the state: `elementwise_check` records, per input array, the
-// first index holding NaN/Inf (and the first sign violation of one array) with integer
-// atomicMin (order-independent, hence deterministic) into a status of 5 ints the host set to
-// EW_NONE. Each update kernel reads that status first and writes nothing unless it is clean;
-// the host reads the status once, after the update, to report the error — so a failed call
-// leaves every buffer unchanged and costs no extra round trip.
+// Validation without touching the state: the fused optimizer updates read the old state,
+// write new buffers and record, while they stream, the first index holding NaN/Inf per input
+// array (and the first sign violation of one array) with integer atomicMin (order-independent,
+// hence deterministic) into a status of 5 ints the host set to EW_NONE; the host reads it once
+// and swaps the new buffers in only when it is clean. axpy and scale instead run the
+// read-only `elementwise_check` pass first and write nothing unless its status is clean.
 //
 // Reductions (dot, norm2) are deterministic two-pass reductions: pass 1 gives one f64 partial
 // per block (products of f32 inputs are exact in f64; grid-stride sums in f64, warp-shuffle
@@ -203,6 +203,40 @@ extern "C" __global__ void elementwise_dot_final(const float* __restrict__ parti
 }
 GRNG_EMU_ENTRY(elementwise_dot_final, (const float*, int, int, float*))
 
+// Per-thread first bad indices (elementwise_check and the fused updates). A thread's indices
+// grow along its float4 loop and then its scalar tail (every tail index exceeds every float4
+// index), so its first hit is its minimum.
+struct EwBad {
+    int a[4] = {EW_NONE, EW_NONE, EW_NONE, EW_NONE};
+    int sign = EW_NONE;
+    __device__ __forceinline__ void note(int slot, float v, int i) {
+        if (!isfinite(v) && a[slot] == EW_NONE) a[slot] = i;
+    }
+    __device__ __forceinline__ void note_negative(float v, int i) {
+        if (v < 0.0f && sign == EW_NONE) sign = i;
+    }
+    // The four inputs of AdamW / Sophia at index i (slots 0..3), the last one also >= 0.
+    __device__ __forceinline__ void note4_last_nonneg(float a0, float a1, float a2, float a3,
+                                                      int i) {
+        note(0, a0, i);
+        note(1, a1, i);
+        note(2, a2, i);
+        note(3, a3, i);
+        note_negative(a3, i);
+    }
+    // Warp minimum, then one atomicMin per warp and slot that saw a bad value. Every lane of
+    // the warp must call it.
+    __device__ __forceinline__ void flush(int* status) const {
+GRNG_UNROLL
+        for (int k = 0; k < 4; ++k) {
+            const int m = __reduce_min_sync(GRNG_FULL_MASK, a[k]);
+            if ((threadIdx.x & 31) == 0 && m != EW_NONE) atomicMin(&status[k], m);
+        }
+        const int m = __reduce_min_sync(GRNG_FULL_MASK, sign);
+        if ((threadIdx.x & 31) == 0 && m != EW_NONE) atomicMin(&status[4], m);
+    }
+};
+
 // Validation pass over `narr` (1..4) arrays of n floats: status[a] ← min(status[a], first
 // index of a NaN/Inf in array a); status[4] ← min(status[4], first index i with
 // a[sign_arr][i] < 0 (strict = 0) or ≤ 0 (strict = 1)); sign_arr < 0 checks no sign. Unused
@@ -215,27 +249,19 @@ extern "C" __global__ void elementwise_check(const float* __restrict__ a0,
                                              int sign_arr, int strict, int n,
                                              int* __restrict__ status) {
     const float* arr[4] = {a0, a1, a2, a3};
-    int bad[4] = {EW_NONE, EW_NONE, EW_NONE, EW_NONE};
-    int sbad = EW_NONE;
-    // Indices grow along a thread's grid-stride loop: the first hit is the thread's minimum.
+    EwBad bad;
     for (int i = EW_TID; i < n; i += EW_STRIDE) {
 GRNG_UNROLL
         for (int a = 0; a < 4; ++a) {
             if (a < narr) {
                 const float v = arr[a][i];
-                if (!isfinite(v) && bad[a] == EW_NONE) bad[a] = i;
-                if (a == sign_arr && sbad == EW_NONE && (strict ? v <= 0.0f : v < 0.0f))
-                    sbad = i;
+                bad.note(a, v, i);
+                if (a == sign_arr && bad.sign == EW_NONE && (strict ? v <= 0.0f : v < 0.0f))
+                    bad.sign = i;
             }
         }
     }
-GRNG_UNROLL
-    for (int a = 0; a < 4; ++a) {
-        const int m = __reduce_min_sync(GRNG_FULL_MASK, bad[a]);
-        if ((threadIdx.x & 31) == 0 && m != EW_NONE) atomicMin(&status[a], m);
-    }
-    const int m = __reduce_min_sync(GRNG_FULL_MASK, sbad);
-    if ((threadIdx.x & 31) == 0 && m != EW_NONE) atomicMin(&status[4], m);
+    bad.flush(status);
 }
 GRNG_EMU_ENTRY(elementwise_check,
                (const float*, const float*, const float*, const float*, int, int, int, int, int*))
@@ -253,99 +279,181 @@ extern "C" __global__ void elementwise_check_bf16(const __nv_bfloat16* __restric
 }
 GRNG_EMU_ENTRY(elementwise_check_bf16, (const __nv_bfloat16*, int, int*))
 
-// θ, b ← fused SGD step (EwSgd) over n elements. Skipped unless `status` is clean.
-extern "C" __global__ void elementwise_sgd(float* __restrict__ p, const float* __restrict__ g,
-                                           float* __restrict__ b, float lr, float mu, float lrwd,
-                                           int n, const int* __restrict__ status) {
-    if (!ew_clean(status)) return;
+// ---------------------------------------------------------------------------------------
+// The fused updates validate while they stream: no separate check pass. Each reads the old
+// state and writes NEW buffers (out-of-place; the host swaps them in only when the status is
+// clean, so a failed call leaves the state bit-for-bit unchanged), and records into a status
+// of 5 ints (preset to EW_NONE) the first index of a NaN/Inf per input array (slots 0..3, in
+// argument order) and the first sign violation (slot 4), exactly as elementwise_check does:
+// integer atomicMin, issued only by warps that saw a bad value.
+
+// Element k of a float4 (0..3).
+__device__ __forceinline__ float ew_lane(const float4& x, int k) {
+    return k == 0 ? x.x : k == 1 ? x.y : k == 2 ? x.z : x.w;
+}
+
+// θ', b' ← fused SGD step (EwSgd) of θ, g, b over n elements; status slots 0..2 = p, g, b.
+extern "C" __global__ void elementwise_sgd(const float* __restrict__ p, const float* __restrict__ g,
+                                           const float* __restrict__ b, float* __restrict__ po,
+                                           float* __restrict__ bo, float lr, float mu, float lrwd,
+                                           int n, int* __restrict__ status) {
     const EwSgd op{lr, mu, lrwd};
-    const int n4 = ew_aligned16(p, g, b) ? n / 4 : 0;
+    EwBad bad;
+    const int n4 = ew_aligned16(p, g, b) && ew_aligned16(po, bo) ? n / 4 : 0;
     for (int k = EW_TID; k < n4; k += EW_STRIDE) {
-        float4 P = reinterpret_cast<float4*>(p)[k];
+        float4 P = reinterpret_cast<const float4*>(p)[k];
         const float4 G = reinterpret_cast<const float4*>(g)[k];
-        float4 B = reinterpret_cast<float4*>(b)[k];
+        float4 B = reinterpret_cast<const float4*>(b)[k];
+GRNG_UNROLL
+        for (int e = 0; e < 4; ++e) {
+            bad.note(0, ew_lane(P, e), 4 * k + e);
+            bad.note(1, ew_lane(G, e), 4 * k + e);
+            bad.note(2, ew_lane(B, e), 4 * k + e);
+        }
         op(P.x, G.x, B.x);
         op(P.y, G.y, B.y);
         op(P.z, G.z, B.z);
         op(P.w, G.w, B.w);
-        reinterpret_cast<float4*>(p)[k] = P;
-        reinterpret_cast<float4*>(b)[k] = B;
+        reinterpret_cast<float4*>(po)[k] = P;
+        reinterpret_cast<float4*>(bo)[k] = B;
     }
-    for (int i = 4 * n4 + EW_TID; i < n; i += EW_STRIDE) op(p[i], g[i], b[i]);
+    for (int i = 4 * n4 + EW_TID; i < n; i += EW_STRIDE) {
+        float P = p[i], B = b[i];
+        const float G = g[i];
+        bad.note(0, P, i);
+        bad.note(1, G, i);
+        bad.note(2, B, i);
+        op(P, G, B);
+        po[i] = P;
+        bo[i] = B;
+    }
+    bad.flush(status);
 }
-GRNG_EMU_ENTRY(elementwise_sgd,
-               (float*, const float*, float*, float, float, float, int, const int*))
+GRNG_EMU_ENTRY(elementwise_sgd, (const float*, const float*, const float*, float*, float*, float,
+                                 float, float, int, int*))
 
-// θ, m, v ← fused AdamW step (EwAdamW) over n elements. Skipped unless `status` is clean.
-extern "C" __global__ void elementwise_adamw(float* __restrict__ p, const float* __restrict__ g,
-                                             float* __restrict__ m, float* __restrict__ v,
+// θ', m', v' ← fused AdamW step (EwAdamW) of θ, g, m, v over n elements; status slots 0..3 =
+// p, g, m, v, slot 4 = first v < 0.
+extern "C" __global__ void elementwise_adamw(const float* __restrict__ p,
+                                             const float* __restrict__ g,
+                                             const float* __restrict__ m,
+                                             const float* __restrict__ v, float* __restrict__ po,
+                                             float* __restrict__ mo, float* __restrict__ vo,
                                              float lr, float b1, float omb1, float b2, float omb2,
                                              float eps, float lrwd, float bc1, float bc2, int n,
-                                             const int* __restrict__ status) {
-    if (!ew_clean(status)) return;
+                                             int* __restrict__ status) {
     const EwAdamW op{lr, b1, omb1, b2, omb2, eps, lrwd, bc1, bc2};
-    const int n4 = ew_aligned16(p, g, m, v) ? n / 4 : 0;
+    EwBad bad;
+    const int n4 = ew_aligned16(p, g, m, v) && ew_aligned16(po, mo, vo) ? n / 4 : 0;
     for (int k = EW_TID; k < n4; k += EW_STRIDE) {
-        float4 P = reinterpret_cast<float4*>(p)[k];
+        float4 P = reinterpret_cast<const float4*>(p)[k];
         const float4 G = reinterpret_cast<const float4*>(g)[k];
-        float4 M = reinterpret_cast<float4*>(m)[k];
-        float4 V = reinterpret_cast<float4*>(v)[k];
+        float4 M = reinterpret_cast<const float4*>(m)[k];
+        float4 V = reinterpret_cast<const float4*>(v)[k];
+GRNG_UNROLL
+        for (int e = 0; e < 4; ++e) {
+            bad.note4_last_nonneg(ew_lane(P, e), ew_lane(G, e), ew_lane(M, e), ew_lane(V, e),
+                                  4 * k + e);
+        }
         op(P.x, G.x, M.x, V.x);
         op(P.y, G.y, M.y, V.y);
         op(P.z, G.z, M.z, V.z);
         op(P.w, G.w, M.w, V.w);
-        reinterpret_cast<float4*>(p)[k] = P;
-        reinterpret_cast<float4*>(m)[k] = M;
-        reinterpret_cast<float4*>(v)[k] = V;
+        reinterpret_cast<float4*>(po)[k] = P;
+        reinterpret_cast<float4*>(mo)[k] = M;
+        reinterpret_cast<float4*>(vo)[k] = V;
     }
-    for (int i = 4 * n4 + EW_TID; i < n; i += EW_STRIDE) op(p[i], g[i], m[i], v[i]);
+    for (int i = 4 * n4 + EW_TID; i < n; i += EW_STRIDE) {
+        float P = p[i], M = m[i], V = v[i];
+        const float G = g[i];
+        bad.note4_last_nonneg(P, G, M, V, i);
+        op(P, G, M, V);
+        po[i] = P;
+        mo[i] = M;
+        vo[i] = V;
+    }
+    bad.flush(status);
 }
-GRNG_EMU_ENTRY(elementwise_adamw, (float*, const float*, float*, float*, float, float, float,
-                                   float, float, float, float, float, float, int, const int*))
+GRNG_EMU_ENTRY(elementwise_adamw, (const float*, const float*, const float*, const float*, float*,
+                                   float*, float*, float, float, float, float, float, float, float,
+                                   float, float, int, int*))
 
-// θ, m ← fused Sophia step (EwSophia) with h read only. Skipped unless `status` is clean.
-extern "C" __global__ void elementwise_sophia(float* __restrict__ p, const float* __restrict__ g,
-                                              float* __restrict__ m, const float* __restrict__ h,
-                                              float lr, float b1, float omb1, float gamma,
-                                              float eps, float lrwd, int n,
-                                              const int* __restrict__ status) {
-    if (!ew_clean(status)) return;
+// θ', m' ← fused Sophia step (EwSophia) of θ, g, m, h over n elements (h read only); status
+// slots 0..3 = p, g, m, h, slot 4 = first h < 0.
+extern "C" __global__ void elementwise_sophia(const float* __restrict__ p,
+                                              const float* __restrict__ g,
+                                              const float* __restrict__ m,
+                                              const float* __restrict__ h, float* __restrict__ po,
+                                              float* __restrict__ mo, float lr, float b1,
+                                              float omb1, float gamma, float eps, float lrwd, int n,
+                                              int* __restrict__ status) {
     const EwSophia op{lr, b1, omb1, gamma, eps, lrwd};
-    const int n4 = ew_aligned16(p, g, m, h) ? n / 4 : 0;
+    EwBad bad;
+    const int n4 = ew_aligned16(p, g, m, h) && ew_aligned16(po, mo) ? n / 4 : 0;
     for (int k = EW_TID; k < n4; k += EW_STRIDE) {
-        float4 P = reinterpret_cast<float4*>(p)[k];
+        float4 P = reinterpret_cast<const float4*>(p)[k];
         const float4 G = reinterpret_cast<const float4*>(g)[k];
-        float4 M = reinterpret_cast<float4*>(m)[k];
+        float4 M = reinterpret_cast<const float4*>(m)[k];
         const float4 H = reinterpret_cast<const float4*>(h)[k];
+GRNG_UNROLL
+        for (int e = 0; e < 4; ++e) {
+            bad.note4_last_nonneg(ew_lane(P, e), ew_lane(G, e), ew_lane(M, e), ew_lane(H, e),
+                                  4 * k + e);
+        }
         op(P.x, G.x, M.x, H.x);
         op(P.y, G.y, M.y, H.y);
         op(P.z, G.z, M.z, H.z);
         op(P.w, G.w, M.w, H.w);
-        reinterpret_cast<float4*>(p)[k] = P;
-        reinterpret_cast<float4*>(m)[k] = M;
+        reinterpret_cast<float4*>(po)[k] = P;
+        reinterpret_cast<float4*>(mo)[k] = M;
     }
-    for (int i = 4 * n4 + EW_TID; i < n; i += EW_STRIDE) op(p[i], g[i], m[i], h[i]);
+    for (int i = 4 * n4 + EW_TID; i < n; i += EW_STRIDE) {
+        float P = p[i], M = m[i];
+        const float G = g[i], H = h[i];
+        bad.note4_last_nonneg(P, G, M, H, i);
+        op(P, G, M, H);
+        po[i] = P;
+        mo[i] = M;
+    }
+    bad.flush(status);
 }
-GRNG_EMU_ENTRY(elementwise_sophia, (float*, const float*, float*, const float*, float, float,
-                                    float, float, float, float, int, const int*))
+GRNG_EMU_ENTRY(elementwise_sophia, (const float*, const float*, const float*, const float*, float*,
+                                    float*, float, float, float, float, float, float, int, int*))
 
-// h ← Sophia-G's Hessian EMA (EwHessianEma) over n elements. Skipped unless `status` is clean.
-extern "C" __global__ void elementwise_hessian_ema(float* __restrict__ h,
-                                                   const float* __restrict__ g, float b2,
-                                                   float omb2, float bs, int n,
-                                                   const int* __restrict__ status) {
-    if (!ew_clean(status)) return;
+// h' ← Sophia-G's Hessian EMA (EwHessianEma) of h, g over n elements; status slots 0, 1 = h,
+// g, slot 4 = first h < 0.
+extern "C" __global__ void elementwise_hessian_ema(const float* __restrict__ h,
+                                                   const float* __restrict__ g,
+                                                   float* __restrict__ ho, float b2, float omb2,
+                                                   float bs, int n, int* __restrict__ status) {
     const EwHessianEma op{b2, omb2, bs};
-    const int n4 = ew_aligned16(h, g) ? n / 4 : 0;
+    EwBad bad;
+    const int n4 = ew_aligned16(h, g, ho) ? n / 4 : 0;
     for (int k = EW_TID; k < n4; k += EW_STRIDE) {
-        float4 H = reinterpret_cast<float4*>(h)[k];
+        float4 H = reinterpret_cast<const float4*>(h)[k];
         const float4 G = reinterpret_cast<const float4*>(g)[k];
+GRNG_UNROLL
+        for (int e = 0; e < 4; ++e) {
+            bad.note(0, ew_lane(H, e), 4 * k + e);
+            bad.note(1, ew_lane(G, e), 4 * k + e);
+            bad.note_negative(ew_lane(H, e), 4 * k + e);
+        }
         op(H.x, G.x);
         op(H.y, G.y);
         op(H.z, G.z);
         op(H.w, G.w);
-        reinterpret_cast<float4*>(h)[k] = H;
+        reinterpret_cast<float4*>(ho)[k] = H;
     }
-    for (int i = 4 * n4 + EW_TID; i < n; i += EW_STRIDE) op(h[i], g[i]);
+    for (int i = 4 * n4 + EW_TID; i < n; i += EW_STRIDE) {
+        float H = h[i];
+        const float G = g[i];
+        bad.note(0, H, i);
+        bad.note(1, G, i);
+        bad.note_negative(H, i);
+        op(H, G);
+        ho[i] = H;
+    }
+    bad.flush(status);
 }
-GRNG_EMU_ENTRY(elementwise_hessian_ema, (float*, const float*, float, float, float, int, const int*))
+GRNG_EMU_ENTRY(elementwise_hessian_ema, (const float*, const float*, float*, float, float, float,
+                                         int, int*))

@@ -2,13 +2,14 @@
 //! updates and the deterministic two-pass reductions, for [`Device::Emulated`] and
 //! [`Device::Cuda`] (called by the GPU arms of [`crate::ops::elementwise`]).
 //!
-//! Semantics are those of [`crate::cpu::elementwise`], errors included: every input is
-//! validated before anything is written. On the device that is one read-only pass
-//! (`elementwise_check`, first NaN/Inf per array and first sign violation, by integer
-//! `atomicMin`) into a 5-int status the update kernel reads first — it writes nothing unless
-//! the status is clean — and the host reads once, after the update, to report the error the
-//! CPU backend would report. A clean call thus costs one check pass, one update pass and one
-//! 20-byte read-back (the only synchronization).
+//! Semantics are those of [`crate::cpu::elementwise`], errors included: a failed call
+//! changes nothing. The fused optimizer updates validate while they stream: the kernel reads
+//! the old state, writes new buffers and records the first NaN/Inf per input array and the
+//! first sign violation (integer `atomicMin`, only where a bad value is seen) into a 5-int
+//! status; the host reads it once (the only synchronization) and swaps the new buffers in
+//! when it is clean, else reports the error the CPU backend would report. A clean update
+//! thus costs one pass and one 20-byte read-back. `axpy` and `scale` still run the read-only
+//! `elementwise_check` pass first, into the status their kernel reads before writing.
 //!
 //! Matrices hold `f32`; integer slots of the status live in an `f32` matrix as bit patterns.
 
@@ -352,21 +353,28 @@ fn reduce(
 
 /// The prologue and epilogue the four fused optimizer updates share: in order, the length
 /// checks (every array against the first), the coefficient checks `coeffs`, the kernels'
-/// `int` conversion of `n`, the `n == 0` early return and the validation pass into a fresh
-/// status; then `queue_update(bufs, n, status)` queues the update kernel (which reads that
-/// status and writes nothing unless it is clean); last, the status read-back and the error
-/// the CPU backend would report.
+/// `int` conversion of `n`, the `n == 0` early return; then fresh output buffers shaped like
+/// the written arrays (`written` indexes into `arrays(bufs)`) and a fresh status, and
+/// `queue_update(bufs, outs, n, status)` queues the update kernel, which reads the old state,
+/// writes `outs` and flags NaN/Inf and sign violations of its inputs into the status while it
+/// streams (no separate check pass); last, the status read-back (the only synchronization)
+/// and either the error the CPU backend would report — the old state untouched, the outputs
+/// dropped — or `commit(bufs, outs)`, which swaps the outputs in (no copy pass).
 ///
 /// `bufs` holds the launcher's matrices (the written ones by `&mut`); `arrays(bufs)` names
-/// all of them in the CPU backend's check order. `sign` indexes into that list.
-fn fused_update<B, const K: usize>(
+/// all of them in the CPU backend's check order, which is the kernel's status-slot order.
+/// `sign` indexes into that list.
+#[allow(clippy::too_many_arguments)]
+fn fused_update<B, const K: usize, const W: usize>(
     dev: &Device,
     op: &'static str,
     mut bufs: B,
     arrays: impl for<'b> Fn(&'b B) -> [(&'static str, &'b Matrix); K],
+    written: [usize; W],
     coeffs: impl FnOnce() -> Result<()>,
     sign: SignCheck,
-    queue_update: impl FnOnce(&mut B, i32, &Matrix) -> Result<()>,
+    queue_update: impl FnOnce(&B, &mut [Matrix; W], i32, &mut Matrix) -> Result<()>,
+    commit: impl FnOnce(&mut B, &mut [Matrix; W]),
 ) -> Result<()> {
     let list = arrays(&bufs);
     let (first, n) = (list[0].0, list[0].1.len());
@@ -378,10 +386,18 @@ fn fused_update<B, const K: usize>(
     if n == 0 {
         return Ok(());
     }
+    let outs = written
+        .iter()
+        .map(|&a| dev.zeros(list[a].1.rows(), list[a].1.cols()))
+        .collect::<Result<Vec<Matrix>>>()?;
+    let Ok(mut outs) = <[Matrix; W]>::try_from(outs) else {
+        unreachable!("one output per entry of `written`")
+    };
     let mut status = new_status(dev)?;
-    queue_check(dev, op, &list, sign, &mut status)?;
-    queue_update(&mut bufs, ni, &status)?;
-    status_result(op, &arrays(&bufs), sign, &status)
+    queue_update(&bufs, &mut outs, ni, &mut status)?;
+    status_result(op, &arrays(&bufs), sign, &status)?;
+    commit(&mut bufs, &mut outs);
+    Ok(())
 }
 
 /// Fused SGD step (see [`crate::cpu::elementwise::sgd_update`]); nothing written on error.
@@ -398,22 +414,31 @@ pub(crate) fn sgd_update(
         OP,
         (params, grad, momentum_buf),
         |(p, g, b)| [("params", &**p), ("grad", *g), ("momentum_buf", &**b)],
+        [0, 2],
         || c.validate(OP),
         None,
-        |(p, g, b), n, status| {
+        |(p, g, b), outs, n, status| {
+            let [po, bo] = outs;
             let mut args = KernelArgs::new(dev);
-            args.output(OP, p)?
+            args.input(OP, p)?
                 .input(OP, g)?
-                .output(OP, b)?
+                .input(OP, b)?
+                .output(OP, po)?
+                .output(OP, bo)?
                 .scalar(c.lr)
                 .scalar(c.momentum)
                 .scalar(c.lr * c.weight_decay)
                 .scalar(n)
-                .input(OP, status)?;
-            // SAFETY: elementwise_sgd(float* p, const float* g, float* b, float lr, float mu,
-            // float lrwd, int n, const int* status): p, g, b hold n floats (lengths checked by
-            // `fused_update`), status 5 ints; indices stay below n.
+                .output(OP, status)?;
+            // SAFETY: elementwise_sgd(const float* p, const float* g, const float* b, float*
+            // po, float* bo, float lr, float mu, float lrwd, int n, int* status): p, g, b, po,
+            // bo hold n floats (lengths checked and outputs shaped by `fused_update`), status
+            // 5 ints; indices stay below n.
             unsafe { launch(&SGD, stream_config(n as usize)?, args) }
+        },
+        |(p, _, b), [po, bo]| {
+            std::mem::swap(*p, po);
+            std::mem::swap(*b, bo);
         },
     )
 }
@@ -433,15 +458,20 @@ pub(crate) fn adamw_update(
         OP,
         (params, grad, m, v),
         |(p, g, m, v)| [("params", &**p), ("grad", *g), ("m", &**m), ("v", &**v)],
+        [0, 2, 3],
         || c.validate(OP),
         Some((3, false)),
-        |(p, g, m, v), n, status| {
+        |(p, g, m, v), outs, n, status| {
+            let [po, mo, vo] = outs;
             let (bc1, bc2) = c.bias_corrections();
             let mut args = KernelArgs::new(dev);
-            args.output(OP, p)?
+            args.input(OP, p)?
                 .input(OP, g)?
-                .output(OP, m)?
-                .output(OP, v)?
+                .input(OP, m)?
+                .input(OP, v)?
+                .output(OP, po)?
+                .output(OP, mo)?
+                .output(OP, vo)?
                 .scalar(c.lr)
                 .scalar(c.beta1)
                 .scalar(1.0 - c.beta1)
@@ -452,12 +482,18 @@ pub(crate) fn adamw_update(
                 .scalar(bc1)
                 .scalar(bc2)
                 .scalar(n)
-                .input(OP, status)?;
-            // SAFETY: elementwise_adamw(float* p, const float* g, float* m, float* v, float lr,
-            // float b1, float omb1, float b2, float omb2, float eps, float lrwd, float bc1,
-            // float bc2, int n, const int* status): p, g, m, v hold n floats (lengths checked
-            // by `fused_update`), status 5 ints; indices stay below n.
+                .output(OP, status)?;
+            // SAFETY: elementwise_adamw(const float* p, const float* g, const float* m, const
+            // float* v, float* po, float* mo, float* vo, float lr, float b1, float omb1, float
+            // b2, float omb2, float eps, float lrwd, float bc1, float bc2, int n, int* status):
+            // the seven arrays hold n floats (lengths checked and outputs shaped by
+            // `fused_update`), status 5 ints; indices stay below n.
             unsafe { launch(&ADAMW, stream_config(n as usize)?, args) }
+        },
+        |(p, _, m, v), [po, mo, vo]| {
+            std::mem::swap(*p, po);
+            std::mem::swap(*m, mo);
+            std::mem::swap(*v, vo);
         },
     )
 }
@@ -477,14 +513,18 @@ pub(crate) fn sophia_update(
         OP,
         (params, grad, m, h),
         |(p, g, m, h)| [("params", &**p), ("grad", *g), ("m", &**m), ("h", *h)],
+        [0, 2],
         || c.validate(OP),
         Some((3, false)),
-        |(p, g, m, h), n, status| {
+        |(p, g, m, h), outs, n, status| {
+            let [po, mo] = outs;
             let mut args = KernelArgs::new(dev);
-            args.output(OP, p)?
+            args.input(OP, p)?
                 .input(OP, g)?
-                .output(OP, m)?
+                .input(OP, m)?
                 .input(OP, h)?
+                .output(OP, po)?
+                .output(OP, mo)?
                 .scalar(c.lr)
                 .scalar(c.beta1)
                 .scalar(1.0 - c.beta1)
@@ -492,12 +532,17 @@ pub(crate) fn sophia_update(
                 .scalar(c.eps)
                 .scalar(c.lr * c.weight_decay)
                 .scalar(n)
-                .input(OP, status)?;
-            // SAFETY: elementwise_sophia(float* p, const float* g, float* m, const float* h,
-            // float lr, float b1, float omb1, float gamma, float eps, float lrwd, int n,
-            // const int* status): p, g, m, h hold n floats (lengths checked by
-            // `fused_update`), status 5 ints; indices stay below n.
+                .output(OP, status)?;
+            // SAFETY: elementwise_sophia(const float* p, const float* g, const float* m, const
+            // float* h, float* po, float* mo, float lr, float b1, float omb1, float gamma,
+            // float eps, float lrwd, int n, int* status): the six arrays hold n floats
+            // (lengths checked and outputs shaped by `fused_update`), status 5 ints; indices
+            // stay below n.
             unsafe { launch(&SOPHIA, stream_config(n as usize)?, args) }
+        },
+        |(p, _, m, _), [po, mo]| {
+            std::mem::swap(*p, po);
+            std::mem::swap(*m, mo);
         },
     )
 }
@@ -517,24 +562,28 @@ pub(crate) fn sophia_hessian_ema(
         OP,
         (h, sampled_grad),
         |(h, g)| [("h", &**h), ("sampled_grad", *g)],
+        [0],
         || {
             check_beta(OP, "beta2", beta2)?;
             check_value(OP, "batch", batch as f64, batch >= 1, "batch >= 1")
         },
         Some((0, false)),
-        |(h, g), n, status| {
+        |(h, g), outs, n, status| {
             let mut args = KernelArgs::new(dev);
-            args.output(OP, h)?
+            args.input(OP, h)?
                 .input(OP, g)?
+                .output(OP, &mut outs[0])?
                 .scalar(beta2)
                 .scalar(1.0 - beta2)
                 .scalar(batch as f32)
                 .scalar(n)
-                .input(OP, status)?;
-            // SAFETY: elementwise_hessian_ema(float* h, const float* g, float b2, float omb2,
-            // float bs, int n, const int* status): h and g hold n floats (lengths checked by
-            // `fused_update`), status 5 ints; indices stay below n.
+                .output(OP, status)?;
+            // SAFETY: elementwise_hessian_ema(const float* h, const float* g, float* ho, float
+            // b2, float omb2, float bs, int n, int* status): h, g, ho hold n floats (lengths
+            // checked and the output shaped by `fused_update`), status 5 ints; indices stay
+            // below n.
             unsafe { launch(&HESSIAN_EMA, stream_config(n as usize)?, args) }
         },
+        |(h, _), [ho]| std::mem::swap(*h, ho),
     )
 }
