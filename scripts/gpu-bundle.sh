@@ -1,0 +1,67 @@
+#!/usr/bin/env bash
+# Builds everything a GPU machine needs to test and time grng — such a machine has the NVIDIA
+# driver, the CUDA toolkit and PyTorch but no Rust toolchain and no network — into DIR:
+#   tests/*     every integration-test binary (the emu_* ones also run their Device::Cuda arms)
+#   bench/gpu   the GPU benchmark (benches/gpu.rs), when the project has one
+#   bin/grng    the main job
+#   run-all.sh  runs them all there: `DIR/run-all.sh OUT [--ncu] [--bench-args "ARGS"]`
+# The kernels are embedded as PTX (the pip CUDA tools are installed first if needed); the
+# binaries are stripped and the bundle must stay within 60 MiB.
+#
+# Usage: scripts/gpu-bundle.sh DIR
+set -euo pipefail
+if [[ $# -ne 1 ]]; then
+    echo "usage: scripts/gpu-bundle.sh DIR" >&2
+    exit 2
+fi
+dest="$1"
+cd "$(dirname "$0")/.."
+eval "$(scripts/install-cuda-tools.sh --quiet)"
+
+# Executables of a cargo build, from its JSON messages (one path a line).
+executables() {
+    python3 -c '
+import json, sys
+for line in sys.stdin:
+    try:
+        m = json.loads(line)
+    except ValueError:
+        continue
+    if m.get("reason") == "compiler-artifact" and m.get("executable"):
+        print(m["target"]["name"], m["executable"])
+'
+}
+
+echo "gpu-bundle: building (release, kernels embedded)" >&2
+cargo build --release --bin grng
+tests="$(cargo test --release --no-run --tests --message-format=json | executables)"
+bench=""
+if [[ -f benches/gpu.rs ]]; then
+    bench="$(cargo bench --no-run --bench gpu --message-format=json | executables)"
+fi
+main="${CARGO_TARGET_DIR:-target}/release/grng"
+# A build without the compiler silently runs CPU-only: refuse to ship that.
+if ! grep -aq '\.target sm_90' "$main"; then
+    echo "gpu-bundle: $main has no embedded sm_90 PTX (kernels not built)" >&2
+    exit 1
+fi
+
+rm -rf "$dest"
+mkdir -p "$dest/tests" "$dest/bench" "$dest/bin"
+strip -o "$dest/bin/grng" "$main"
+while read -r name exe; do
+    [[ -n "$name" ]] && strip -o "$dest/tests/$name" "$exe"
+done <<<"$tests"
+while read -r name exe; do
+    [[ -n "$name" ]] && strip -o "$dest/bench/$name" "$exe"
+done <<<"$bench"
+cp scripts/gpu-run-all.sh "$dest/run-all.sh"
+chmod +x "$dest/run-all.sh"
+git rev-parse HEAD >"$dest/COMMIT" 2>/dev/null || echo unknown >"$dest/COMMIT"
+
+size_mib=$(($(du -sb "$dest" | cut -f1) / 1048576))
+echo "gpu-bundle: $dest: $(ls "$dest/tests" | wc -l) test binaries, bench: ${bench:+gpu}${bench:-none}, ${size_mib} MiB" >&2
+if ((size_mib > 60)); then
+    echo "gpu-bundle: $dest is ${size_mib} MiB, over the 60 MiB limit" >&2
+    exit 1
+fi
