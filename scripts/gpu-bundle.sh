@@ -18,7 +18,7 @@ dest="$1"
 cd "$(dirname "$0")/.."
 eval "$(scripts/install-cuda-tools.sh --quiet)"
 
-# Executables of a cargo build, from its JSON messages (one path a line).
+# "NAME PATH" of each executable of target kind $1 in a cargo build's JSON messages.
 executables() {
     python3 -c '
 import json, sys
@@ -27,17 +27,17 @@ for line in sys.stdin:
         m = json.loads(line)
     except ValueError:
         continue
-    if m.get("reason") == "compiler-artifact" and m.get("executable"):
+    if m.get("reason") == "compiler-artifact" and m.get("executable") and sys.argv[1] in m["target"]["kind"]:
         print(m["target"]["name"], m["executable"])
-'
+' "$1"
 }
 
 echo "gpu-bundle: building (release, kernels embedded)" >&2
 cargo build --release --bin grng
-tests="$(cargo test --release --no-run --tests --message-format=json | executables)"
+tests="$(cargo test --release --no-run --tests --message-format=json | executables test)"
 bench=""
 if [[ -f benches/gpu.rs ]]; then
-    bench="$(cargo bench --no-run --bench gpu --message-format=json | executables)"
+    bench="$(cargo bench --no-run --bench gpu --message-format=json | executables bench)"
 fi
 main="${CARGO_TARGET_DIR:-target}/release/grng"
 # A build without the compiler silently runs CPU-only: refuse to ship that.
@@ -60,7 +60,7 @@ chmod +x "$dest/run-all.sh"
 git rev-parse HEAD >"$dest/COMMIT" 2>/dev/null || echo unknown >"$dest/COMMIT"
 
 size_mib=$(($(du -sb "$dest" | cut -f1) / 1048576))
-echo "gpu-bundle: $dest: $(ls "$dest/tests" | wc -l) test binaries, bench: ${bench:+gpu}${bench:-none}, ${size_mib} MiB" >&2
+echo "gpu-bundle: $dest: $(ls "$dest/tests" | wc -l) test binaries, bench: $(ls "$dest/bench" | tr "\n" " "), ${size_mib} MiB" >&2
 if ((size_mib > 60)); then
     echo "gpu-bundle: $dest is ${size_mib} MiB, over the 60 MiB limit" >&2
     exit 1
