@@ -101,8 +101,10 @@ run() {
     fi
 }
 
-mkdir -p "$out/tests"
-for t in "$here"/tests/*; do
+mkdir -p "$out/tests" "$out/bin"
+for z in "$here"/tests/*.gz; do
+    t="$out/bin/$(basename "$z" .gz)"
+    gunzip -c "$z" >"$t" && chmod +x "$t"
     run "test $(basename "$t")" "$out/tests/$(basename "$t").log" "$t"
 done
 if [[ -x "$here/bench/gpu" ]]; then
@@ -119,7 +121,7 @@ fi
 # shellcheck disable=SC2086 # GRNG_MAIN_ARGS is a word list by design
 run "main job --device cuda" "$out/main.log" \
     "$here/bin/grng" --device cuda --out "$out/main" ${GRNG_MAIN_ARGS:---epochs 2}
-small="$here/tests/emu_elementwise"
+small="$out/bin/emu_elementwise"
 if command -v compute-sanitizer >/dev/null 2>&1; then
     for tool in memcheck racecheck; do
         run "compute-sanitizer $tool emu_elementwise" "$out/sanitizer-$tool.log" \
