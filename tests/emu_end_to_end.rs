@@ -1,7 +1,7 @@
-//! End to end on the emulated device (issue 4): a few training steps of the reference MLP with
-//! RING, RENG, NGD, R-Kalman, Kalman, AdamW, SGD and Sophia, where every optimizer operation
-//! runs through the CUDA kernels (executed by the CPU emulator), match the same steps on the
-//! CPU backend.
+//! End to end on the emulated device, and on CUDA when present (issue 4): a few training
+//! steps of the reference MLP with RING, RENG, NGD, R-Kalman, Kalman, AdamW, SGD and Sophia,
+//! where every optimizer operation runs through the CUDA kernels (executed by the CPU emulator
+//! or the GPU), match the same steps on the CPU backend.
 //!
 //! Tolerance: the kernels sum in a different order than the CPU backend (tiled GEMMs, block
 //! reductions), so each operation differs by a few f32 ulps relative to its operands' scale;
@@ -15,6 +15,8 @@ use grng::data::synthetic_classification;
 use grng::mlp::{Activation, Loss, Mlp, MlpConfig, Targets};
 use grng::train::{Batch, Method, MethodConfig, Trainer};
 use grng::Device;
+
+mod common;
 
 const STEPS: usize = 6;
 
@@ -56,39 +58,50 @@ fn run(device: &Device, method: Method) -> (Vec<f32>, Vec<f32>) {
 fn every_method_on_the_emulated_kernels_matches_the_cpu_backend() {
     for method in Method::ALL {
         let (loss_cpu, theta_cpu) = run(&Device::Cpu, method);
-        let (loss_emu, theta_emu) = run(&Device::Emulated, method);
-        let scale = theta_cpu.iter().fold(0f32, |m, v| m.max(v.abs()));
-        let worst = theta_cpu
-            .iter()
-            .zip(&theta_emu)
-            .map(|(a, b)| (a - b).abs())
-            .fold(0f32, f32::max);
-        eprintln!(
-            "{method:?}: max |θ_cpu − θ_emu| = {worst:.3e} (scale {scale:.3}), losses cpu {:?} emu {:?}",
-            loss_cpu, loss_emu
-        );
-        assert!(
-            worst <= 1e-4 * (1.0 + scale),
-            "{method:?}: emulated parameters differ from the CPU backend by {worst:e}"
-        );
-        for (a, b) in loss_cpu.iter().zip(&loss_emu) {
-            assert!(
-                (a - b).abs() <= 1e-4 * (1.0 + a.abs()),
-                "{method:?}: losses {a} vs {b}"
-            );
+        for dev in common::devices() {
+            compare(method, &loss_cpu, &theta_cpu, &dev);
         }
-        // The run trained: a kernel that did nothing would leave the loss flat.
-        assert_ne!(theta_emu, {
-            let mlp = Mlp::new(
-                MlpConfig {
-                    sizes: vec![6, 12, 4],
-                    activation: Activation::Tanh,
-                    loss: Loss::SoftmaxCrossEntropy,
-                },
-                3,
-            )
-            .expect("network");
-            mlp.params().to_vec()
-        });
     }
+}
+
+/// The run of `method` on the kernel device `dev` matches the CPU run (`loss_cpu`,
+/// `theta_cpu`) within the tolerance above, and trained.
+fn compare(method: Method, loss_cpu: &[f32], theta_cpu: &[f32], dev: &Device) {
+    let (loss_dev, theta_dev) = run(dev, method);
+    let scale = theta_cpu.iter().fold(0f32, |m, v| m.max(v.abs()));
+    let worst = theta_cpu
+        .iter()
+        .zip(&theta_dev)
+        .map(|(a, b)| (a - b).abs())
+        .fold(0f32, f32::max);
+    eprintln!(
+        "{method:?} on {}: max |θ_cpu − θ_dev| = {worst:.3e} (scale {scale:.3}), losses cpu {:?} dev {:?}",
+        dev.name(),
+        loss_cpu,
+        loss_dev
+    );
+    assert!(
+        worst <= 1e-4 * (1.0 + scale),
+        "{method:?}: parameters on {} differ from the CPU backend by {worst:e}",
+        dev.name()
+    );
+    for (a, b) in loss_cpu.iter().zip(&loss_dev) {
+        assert!(
+            (a - b).abs() <= 1e-4 * (1.0 + a.abs()),
+            "{method:?}: losses {a} vs {b}"
+        );
+    }
+    // The run trained: a kernel that did nothing would leave the loss flat.
+    assert_ne!(theta_dev, {
+        let mlp = Mlp::new(
+            MlpConfig {
+                sizes: vec![6, 12, 4],
+                activation: Activation::Tanh,
+                loss: Loss::SoftmaxCrossEntropy,
+            },
+            3,
+        )
+        .expect("network");
+        mlp.params().to_vec()
+    });
 }

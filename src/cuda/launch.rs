@@ -12,10 +12,43 @@ use crate::error::{Error, Result};
 use cudarc::driver::{DevicePtr, DevicePtrMut, SyncOnDrop};
 use std::ffi::c_void;
 use std::marker::PhantomData;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Mutex, PoisonError};
 
 /// Largest dynamic shared memory of one block (sm_90's opt-in limit, 227 KiB). Above 48 KiB
 /// the driver path raises the kernel's limit before launching; sm_80 stops at 163 KiB.
 pub const MAX_SHARED_MEM: u32 = 232_448;
+
+/// Whether [`launch`] records kernel names (off by default: one relaxed load per launch).
+static RECORDING: AtomicBool = AtomicBool::new(false);
+/// Kernels launched since recording was last switched on or drained, in launch order.
+static LAUNCHED: Mutex<Vec<&'static str>> = Mutex::new(Vec::new());
+
+fn record(name: &'static str) {
+    LAUNCHED
+        .lock()
+        .unwrap_or_else(PoisonError::into_inner)
+        .push(name);
+}
+
+/// Switches the launch record on (clearing it) or off. For benchmarks, which must name the
+/// kernels that produced a timing and refuse to time a path that fell back to the host or to
+/// another kernel (`benches/gpu.rs`). Process-wide: every thread's launches are recorded.
+#[doc(hidden)]
+pub fn record_launches(on: bool) {
+    LAUNCHED
+        .lock()
+        .unwrap_or_else(PoisonError::into_inner)
+        .clear();
+    RECORDING.store(on, Ordering::Relaxed);
+}
+
+/// The kernels launched (emulated or on a GPU) since the last call or
+/// [`record_launches`]`(true)`, in order, and clears the record.
+#[doc(hidden)]
+pub fn take_launches() -> Vec<&'static str> {
+    std::mem::take(&mut *LAUNCHED.lock().unwrap_or_else(PoisonError::into_inner))
+}
 
 /// `<<<grid, block, shared_mem>>>` of a launch.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -266,6 +299,9 @@ pub unsafe fn launch(kernel: &Kernel, cfg: LaunchConfig, args: KernelArgs<'_>) -
         .iter_mut()
         .map(|s| (s as *mut u64).cast::<c_void>())
         .collect();
+    if RECORDING.load(Ordering::Relaxed) {
+        record(kernel.name);
+    }
     let result = match device {
         Device::Cpu => Err(Error::DeviceUnavailable(format!(
             "kernel {} runs on the Emulated or Cuda device, not on the CPU backend",

@@ -1,0 +1,337 @@
+//! GPU benchmark: grng's device ops beside the vendor library (cuBLAS) or the bandwidth
+//! ceiling (a device-to-device copy), on the same GPU, sizes and run.
+//!
+//! `cargo bench --bench gpu -- [SECTION] [--quick]`; sections: `launch`, `copy`, `adamw`,
+//! `gemm-f32`. Every timing is the median of samples taken after warm-up, each sample a batch
+//! of calls closed by a device synchronization. A grng row names the kernels the op launched
+//! (`grng::cuda::launch::take_launches`) and prints no number when it launched none (a host
+//! fallback). Without a GPU it says so and exits 0. Results: `docs/gpu-benchmarks.md`.
+//!
+//! cuBLAS is loaded dynamically through cudarc's `cublas` feature, enabled for the benches
+//! only (a dev-dependency feature): the library never needs it.
+
+use cudarc::cublas::sys::{cublasMath_t, cublasOperation_t, cublasSetMathMode, cublasStatus_t};
+use cudarc::cublas::{CudaBlas, Gemm, GemmConfig};
+use cudarc::driver::CudaSlice;
+use grng::cuda::launch::{record_launches, take_launches};
+use grng::cuda::CudaDevice;
+use grng::ops::elementwise::AdamWCoeffs;
+use grng::{Device, Trans};
+use std::time::Instant;
+
+type Res<T> = Result<T, Box<dyn std::error::Error>>;
+
+struct Opts {
+    filter: Option<String>,
+    quick: bool,
+}
+
+impl Opts {
+    fn parse() -> Self {
+        let mut o = Self {
+            filter: None,
+            quick: false,
+        };
+        // `cargo bench` appends `--bench`; other flags are ignored for the same reason.
+        for a in std::env::args().skip(1) {
+            match a.as_str() {
+                "--quick" => o.quick = true,
+                s if s.starts_with('-') => {}
+                s => o.filter = Some(s.to_owned()),
+            }
+        }
+        o
+    }
+
+    fn runs(&self, section: &str) -> bool {
+        self.filter.as_deref().map_or(true, |f| section.contains(f))
+    }
+
+    fn samples(&self) -> usize {
+        if self.quick {
+            5
+        } else {
+            15
+        }
+    }
+}
+
+/// Median seconds per call of `f`: warm-up, then samples of `reps` calls each, the batch size
+/// chosen so a sample lasts about 2 ms; the device is synchronized around every sample.
+fn median_secs(cuda: &CudaDevice, samples: usize, mut f: impl FnMut() -> Res<()>) -> Res<f64> {
+    for _ in 0..3 {
+        f()?;
+    }
+    cuda.synchronize()?;
+    let t = Instant::now();
+    f()?;
+    cuda.synchronize()?;
+    let once = t.elapsed().as_secs_f64();
+    let reps = (2e-3 / once.max(1e-9)).ceil().clamp(1.0, 1000.0) as usize;
+    let mut times = Vec::with_capacity(samples);
+    for _ in 0..samples {
+        cuda.synchronize()?;
+        let t = Instant::now();
+        for _ in 0..reps {
+            f()?;
+        }
+        cuda.synchronize()?;
+        times.push(t.elapsed().as_secs_f64() / reps as f64);
+    }
+    times.sort_by(f64::total_cmp);
+    Ok(times[times.len() / 2])
+}
+
+/// The kernels one call of `f` launches (deduplicated, in order), or `None` when it launched
+/// none: then the op ran on the host and must not be reported as a GPU timing.
+fn kernels_of(cuda: &CudaDevice, mut f: impl FnMut() -> Res<()>) -> Res<Option<String>> {
+    record_launches(true);
+    let r = f().and_then(|()| Ok(cuda.synchronize()?));
+    let mut names = take_launches();
+    record_launches(false);
+    r?;
+    let mut seen = Vec::new();
+    names.retain(|n| {
+        let new = !seen.contains(n);
+        seen.push(*n);
+        new
+    });
+    Ok((!names.is_empty()).then(|| names.join("+")))
+}
+
+/// One grng timing, or the reason there is none; `work` is the op's FLOPs or bytes.
+fn grng_row(cuda: &CudaDevice, samples: usize, mut f: impl FnMut() -> Res<()>) -> Res<Timed> {
+    match kernels_of(cuda, &mut f)? {
+        Some(kernels) => Ok(Timed {
+            label: kernels,
+            secs: Some(median_secs(cuda, samples, f)?),
+        }),
+        None => Ok(Timed {
+            label: "no kernel launched (host fallback): not timed".into(),
+            secs: None,
+        }),
+    }
+}
+
+struct Timed {
+    label: String,
+    secs: Option<f64>,
+}
+
+/// Prints `section | case | grng kernel | rate | peer | rate | ratio`; `work` is in the unit's
+/// base (FLOP or byte), `scale` turns a per-second rate into the printed unit.
+fn print_row(section: &str, case: &str, ours: &Timed, peer: &Timed, work: f64, unit: &str) {
+    let scale = 1e-12;
+    let rate = |t: &Timed| {
+        t.secs
+            .map_or("-".into(), |s| format!("{:.3} {unit}", work / s * scale))
+    };
+    let ratio = match (ours.secs, peer.secs) {
+        (Some(a), Some(b)) => format!("{:.2}", a / b),
+        _ => "-".into(),
+    };
+    println!(
+        "| {section} | {case} | {} | {} | {} | {} | {ratio} |",
+        ours.label,
+        rate(ours),
+        peer.label,
+        rate(peer)
+    );
+}
+
+/// Deterministic values in [-1, 1) (a hash of the index: no RNG state to thread through).
+fn values(n: usize, salt: u64) -> Vec<f32> {
+    (0..n as u64)
+        .map(|i| {
+            let x = (i ^ salt.rotate_left(17))
+                .wrapping_mul(0x9E37_79B9_7F4A_7C15)
+                .rotate_right(29);
+            (x >> 40) as f32 / (1u64 << 23) as f32 - 1.0
+        })
+        .collect()
+}
+
+/// A device-to-device copy of `n` f32 (read + write: `8n` bytes), the bandwidth ceiling.
+fn copy_row(cuda: &CudaDevice, samples: usize, n: usize) -> Res<Timed> {
+    let s = cuda.stream();
+    let src: CudaSlice<f32> = s.alloc_zeros(n)?;
+    let mut dst: CudaSlice<f32> = s.alloc_zeros(n)?;
+    let secs = median_secs(cuda, samples, || Ok(s.memcpy_dtod(&src, &mut dst)?))?;
+    Ok(Timed {
+        label: "cuMemcpyDtoD".into(),
+        secs: Some(secs),
+    })
+}
+
+fn launch_section(dev: &Device, cuda: &CudaDevice, o: &Opts) -> Res<()> {
+    // A one-element op: the per-call cost without CUDA graphs (launch, checks, read-backs).
+    let mut x = dev.upload(1, 1, &[1.0f32])?;
+    let ours = grng_row(cuda, o.samples(), || Ok(dev.scale(1.0, &mut x)?))?;
+    let peer = copy_row(cuda, o.samples(), 1)?;
+    let us = |t: &Timed| t.secs.map_or("-".into(), |s| format!("{:.1} us", s * 1e6));
+    println!(
+        "| launch | scale of 1 element | {} | {} | {} (4 bytes) | {} | - |",
+        ours.label,
+        us(&ours),
+        peer.label,
+        us(&peer)
+    );
+    Ok(())
+}
+
+fn copy_section(cuda: &CudaDevice, o: &Opts) -> Res<()> {
+    for n in sizes(o, &[10_000_000, 100_000_000]) {
+        let peer = copy_row(cuda, o.samples(), n)?;
+        let none = Timed {
+            label: "-".into(),
+            secs: None,
+        };
+        print_row(
+            "copy",
+            &format!("n = {n}"),
+            &peer,
+            &none,
+            8.0 * n as f64,
+            "TB/s",
+        );
+    }
+    Ok(())
+}
+
+fn adamw_section(dev: &Device, cuda: &CudaDevice, o: &Opts) -> Res<()> {
+    let c = AdamWCoeffs {
+        lr: 1e-6,
+        beta1: 0.9,
+        beta2: 0.999,
+        eps: 1e-8,
+        weight_decay: 0.0,
+        step: 1,
+    };
+    for n in sizes(o, &[10_000_000, 100_000_000]) {
+        let mut p = dev.upload(1, n, &values(n, 1))?;
+        let g = dev.upload(1, n, &values(n, 2))?;
+        let mut m = dev.zeros(1, n)?;
+        let mut v = dev.zeros(1, n)?;
+        let ours = grng_row(cuda, o.samples(), || {
+            Ok(dev.adamw_update(&mut p, &g, &mut m, &mut v, &c)?)
+        })?;
+        // Reads θ, g, m, v and writes θ, m, v: 7 f32 per element. The copy moves 8 bytes per
+        // element, so it is timed on 7n/2 elements to move the same bytes.
+        let peer = copy_row(cuda, o.samples(), 7 * n / 2)?;
+        print_row(
+            "adamw",
+            &format!("n = {n}"),
+            &ours,
+            &peer,
+            28.0 * n as f64,
+            "TB/s",
+        );
+    }
+    Ok(())
+}
+
+fn gemm_f32_section(dev: &Device, cuda: &CudaDevice, o: &Opts) -> Res<()> {
+    // SAFETY: only probes whether libcublas can be loaded (calls would panic otherwise).
+    let blas = if unsafe { cudarc::cublas::sys::is_culib_present() } {
+        Some(CudaBlas::new(cuda.stream().clone())?)
+    } else {
+        println!("| gemm-f32 | - | - | - | cuBLAS not found (LD_LIBRARY_PATH) | - | - |");
+        None
+    };
+    for n in sizes(o, &[1024, 2048, 4096, 8192]) {
+        let (ha, hb) = (values(n * n, 3), values(n * n, 4));
+        let a = dev.upload(n, n, &ha)?;
+        let b = dev.upload(n, n, &hb)?;
+        let mut c = dev.zeros(n, n)?;
+        let ours = grng_row(cuda, o.samples(), || {
+            Ok(dev.gemm(Trans::No, Trans::No, 1.0, &a, &b, 0.0, &mut c)?)
+        })?;
+        let flop = 2.0 * (n as f64).powi(3);
+        let case = format!("m = n = k = {n}");
+        let Some(blas) = &blas else {
+            print_row("gemm-f32", &case, &ours, &none_peer(), flop, "TFLOP/s");
+            continue;
+        };
+        let s = cuda.stream();
+        let da: CudaSlice<f32> = s.clone_htod(&ha)?;
+        let db: CudaSlice<f32> = s.clone_htod(&hb)?;
+        let mut dc: CudaSlice<f32> = s.alloc_zeros(n * n)?;
+        let ni = i32::try_from(n)?;
+        // Row-major C = A B is column-major Cᵀ = Bᵀ Aᵀ: swap the operands.
+        let cfg = GemmConfig {
+            transa: cublasOperation_t::CUBLAS_OP_N,
+            transb: cublasOperation_t::CUBLAS_OP_N,
+            m: ni,
+            n: ni,
+            k: ni,
+            alpha: 1.0f32,
+            lda: ni,
+            ldb: ni,
+            beta: 0.0,
+            ldc: ni,
+        };
+        for (name, mode) in [
+            ("cublasSgemm", cublasMath_t::CUBLAS_DEFAULT_MATH),
+            ("cublasSgemm TF32", cublasMath_t::CUBLAS_TF32_TENSOR_OP_MATH),
+        ] {
+            // SAFETY: a valid handle; the mode only selects the algorithm family.
+            let st = unsafe { cublasSetMathMode(*blas.handle(), mode) };
+            if st != cublasStatus_t::CUBLAS_STATUS_SUCCESS {
+                return Err(format!("cublasSetMathMode: {st:?}").into());
+            }
+            // SAFETY: the three buffers hold n² f32 each, the leading dimensions are n.
+            let secs = median_secs(cuda, o.samples(), || {
+                Ok(unsafe { blas.gemm(cfg, &db, &da, &mut dc) }?)
+            })?;
+            let peer = Timed {
+                label: name.into(),
+                secs: Some(secs),
+            };
+            print_row("gemm-f32", &case, &ours, &peer, flop, "TFLOP/s");
+        }
+    }
+    Ok(())
+}
+
+fn none_peer() -> Timed {
+    Timed {
+        label: "-".into(),
+        secs: None,
+    }
+}
+
+/// The sizes of a section: all, or the first and the one before last with `--quick`.
+fn sizes(o: &Opts, all: &[usize]) -> Vec<usize> {
+    if o.quick && all.len() > 1 {
+        vec![all[0], all[all.len() - 2]]
+    } else {
+        all.to_vec()
+    }
+}
+
+fn main() -> Res<()> {
+    let o = Opts::parse();
+    let cuda = match CudaDevice::new(0) {
+        Ok(c) => c,
+        Err(e) => {
+            println!("gpu bench: no GPU ({e}); nothing measured");
+            return Ok(());
+        }
+    };
+    let dev = Device::Cuda(cuda.clone());
+    println!("| section | case | grng kernel | grng | peer | peer | ratio (time, grng / peer) |");
+    println!("|---|---|---|---|---|---|---|");
+    if o.runs("launch") {
+        launch_section(&dev, &cuda, &o)?;
+    }
+    if o.runs("copy") {
+        copy_section(&cuda, &o)?;
+    }
+    if o.runs("adamw") {
+        adamw_section(&dev, &cuda, &o)?;
+    }
+    if o.runs("gemm-f32") {
+        gemm_f32_section(&dev, &cuda, &o)?;
+    }
+    Ok(())
+}

@@ -1,0 +1,136 @@
+#!/usr/bin/env bash
+# run-all.sh of a GPU bundle (built by scripts/gpu-bundle.sh; do not run it from the source tree).
+# Runs every test binary, the GPU bench, the main job on CUDA and compute-sanitizer (memcheck,
+# racecheck) over one small test binary; writes one log each and summary.txt into OUT; exits
+# non-zero when anything failed, and with status 3 when there is no usable GPU.
+#
+# Usage: run-all.sh OUT [--ncu] [--bench-args "ARGS"]
+#   --ncu               also run `ncu --print-summary per-kernel` over the bench (--quick)
+#   --bench-args ARGS   arguments of the bench (a section filter, --quick), e.g. "gemm --quick"
+#   GRNG_MAIN_ARGS      arguments of the main job (default: --epochs 2)
+set -uo pipefail
+here="$(cd "$(dirname "$0")" && pwd)"
+if [[ $# -lt 1 ]]; then
+    echo "usage: run-all.sh OUT [--ncu] [--bench-args \"ARGS\"]" >&2
+    exit 2
+fi
+out="$1"
+shift
+ncu_on=0
+bench_args=""
+while [[ $# -gt 0 ]]; do
+    case "$1" in
+    --ncu) ncu_on=1 ;;
+    --bench-args)
+        bench_args="${2:-}"
+        shift
+        ;;
+    *)
+        echo "run-all.sh: unknown option $1" >&2
+        exit 2
+        ;;
+    esac
+    shift
+done
+mkdir -p "$out"
+out="$(cd "$out" && pwd)"
+summary="$out/summary.txt"
+: >"$summary"
+say() { echo "$*" | tee -a "$summary"; }
+
+say "grng GPU bundle, commit $(cat "$here/COMMIT" 2>/dev/null || echo unknown), $(date -u +%FT%TZ)"
+
+# No GPU: say so plainly and stop (nothing here can be measured on the CPU).
+if ! command -v nvidia-smi >/dev/null 2>&1 || ! nvidia-smi -L >"$out/nvidia-smi.log" 2>&1 ||
+    ! grep -q '^GPU ' "$out/nvidia-smi.log"; then
+    say "NO GPU: nvidia-smi is missing or lists no device; nothing was run."
+    exit 3
+fi
+say "device: $(grep '^GPU 0' "$out/nvidia-smi.log")"
+nvidia-smi >>"$out/nvidia-smi.log" 2>&1
+
+# Vendor libraries (loaded dynamically by cudarc): the CUDA toolkit's lib64, then PyTorch's
+# nvidia/*/lib wheels.
+libdirs=()
+for d in "${CUDA_HOME:-}/lib64" /usr/local/cuda/lib64 /usr/local/cuda/targets/x86_64-linux/lib \
+    /usr/local/cuda-*/lib64; do
+    [[ -d "$d" ]] && libdirs+=("$d")
+done
+if command -v python3 >/dev/null 2>&1; then
+    while IFS= read -r d; do
+        [[ -d "$d" ]] && libdirs+=("$d")
+    done < <(python3 -c '
+import os
+try:
+    import nvidia
+except ImportError:
+    raise SystemExit
+for p in nvidia.__path__:
+    for d in sorted(os.listdir(p)):
+        print(os.path.join(p, d, "lib"))
+' 2>/dev/null)
+fi
+for d in "${libdirs[@]}"; do
+    LD_LIBRARY_PATH="$d${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
+done
+export LD_LIBRARY_PATH="${LD_LIBRARY_PATH:-}"
+for lib in libcuda.so.1 libnvrtc.so libcublas.so libcublasLt.so libcusolver.so; do
+    found=""
+    IFS=: read -ra dirs <<<"$LD_LIBRARY_PATH"
+    for d in "${dirs[@]}"; do
+        f="$(compgen -G "$d/$lib*" | head -n1)"
+        [[ -n "$f" ]] && found="$f" && break
+    done
+    [[ -z "$found" ]] && found="$(ldconfig -p 2>/dev/null | awk -v l="$lib" 'index($1, l) == 1 { print $NF; exit }')"
+    say "library $lib: ${found:-NOT FOUND}"
+done
+
+failed=0
+# run NAME LOG CMD...: runs CMD with its output in LOG, one PASS/FAIL line in the summary.
+run() {
+    local name="$1" log="$2"
+    shift 2
+    local t0=$SECONDS
+    "$@" >"$log" 2>&1
+    local rc=$?
+    if [[ $rc -eq 0 ]]; then
+        say "PASS $name ($((SECONDS - t0)) s)"
+    else
+        say "FAIL $name (exit $rc, $((SECONDS - t0)) s; log: $log)"
+        failed=1
+    fi
+}
+
+mkdir -p "$out/tests" "$out/bin"
+for z in "$here"/tests/*.gz; do
+    t="$out/bin/$(basename "$z" .gz)"
+    gunzip -c "$z" >"$t" && chmod +x "$t"
+    run "test $(basename "$t")" "$out/tests/$(basename "$t").log" "$t"
+done
+if [[ -x "$here/bench/gpu" ]]; then
+    # shellcheck disable=SC2086 # bench_args is a word list by design
+    run "bench gpu $bench_args" "$out/bench-gpu.log" "$here/bench/gpu" $bench_args
+    if [[ $ncu_on == 1 ]]; then
+        # shellcheck disable=SC2086
+        run "ncu bench gpu" "$out/ncu-bench-gpu.log" \
+            ncu --print-summary per-kernel "$here/bench/gpu" --quick $bench_args
+    fi
+else
+    say "SKIP bench gpu (not in this bundle)"
+fi
+# shellcheck disable=SC2086 # GRNG_MAIN_ARGS is a word list by design
+run "main job --device cuda" "$out/main.log" \
+    "$here/bin/grng" --device cuda --out "$out/main" ${GRNG_MAIN_ARGS:---epochs 2}
+small="$out/bin/emu_elementwise"
+if command -v compute-sanitizer >/dev/null 2>&1; then
+    for tool in memcheck racecheck; do
+        run "compute-sanitizer $tool emu_elementwise" "$out/sanitizer-$tool.log" \
+            compute-sanitizer --tool "$tool" --error-exitcode 1 "$small"
+    done
+else
+    say "FAIL compute-sanitizer not found (CUDA toolkit bin not on PATH)"
+    failed=1
+fi
+
+if [[ $failed == 0 ]]; then say "ALL PASSED"; else say "SOME FAILED"; fi
+exit "$failed"
