@@ -93,10 +93,14 @@ impl Device {
 
     /// Copies a row-major `rows x cols` host array onto this device.
     pub fn upload<T: Element>(&self, rows: usize, cols: usize, host: &[T]) -> Result<Matrix<T>> {
-        crate::error::check_len("Device::upload", "host", host.len(), rows * cols)?;
+        let len = self.alloc_len::<T>(rows, cols)?;
+        crate::error::check_len("Device::upload", "host", host.len(), len)?;
         let storage = match self {
             Device::Cpu | Device::Emulated => Storage::Host(host.to_vec()),
-            Device::Cuda(d) => Storage::Cuda(d.upload(host)?),
+            Device::Cuda(d) => Storage::Cuda(
+                d.upload(host)
+                    .map_err(|e| self.driver_alloc_error::<T>(rows, cols, e))?,
+            ),
         };
         Ok(Matrix {
             rows,
@@ -106,16 +110,61 @@ impl Device {
     }
 
     /// A `rows x cols` matrix of zeros on this device.
+    ///
+    /// # Errors
+    /// [`Error::OutOfMemory`] when `rows * cols` overflows or the memory cannot be had (the host
+    /// allocator's refusal is returned, not an abort); the device stays usable.
     pub fn zeros<T: Element>(&self, rows: usize, cols: usize) -> Result<Matrix<T>> {
+        let len = self.alloc_len::<T>(rows, cols)?;
         let storage = match self {
-            Device::Cpu | Device::Emulated => Storage::Host(vec![T::default(); rows * cols]),
-            Device::Cuda(d) => Storage::Cuda(d.zeros(rows * cols)?),
+            Device::Cpu | Device::Emulated => {
+                let mut v = Vec::new();
+                v.try_reserve_exact(len)
+                    .map_err(|e| self.out_of_memory::<T>(rows, cols, e.to_string()))?;
+                v.resize(len, T::default());
+                Storage::Host(v)
+            }
+            Device::Cuda(d) => Storage::Cuda(
+                d.zeros(len)
+                    .map_err(|e| self.driver_alloc_error::<T>(rows, cols, e))?,
+            ),
         };
         Ok(Matrix {
             rows,
             cols,
             storage,
         })
+    }
+
+    /// `rows * cols`, or [`Error::OutOfMemory`] when it (or its size in bytes) overflows.
+    fn alloc_len<T: Element>(&self, rows: usize, cols: usize) -> Result<usize> {
+        rows.checked_mul(cols)
+            .filter(|n| n.checked_mul(std::mem::size_of::<T>()).is_some())
+            .ok_or_else(|| self.out_of_memory::<T>(rows, cols, "size overflows usize".into()))
+    }
+
+    /// The driver's out-of-memory refusal as [`Error::OutOfMemory`]; any other error as is.
+    fn driver_alloc_error<T: Element>(
+        &self,
+        rows: usize,
+        cols: usize,
+        e: cudarc::driver::DriverError,
+    ) -> Error {
+        if e.0 == cudarc::driver::sys::CUresult::CUDA_ERROR_OUT_OF_MEMORY {
+            self.out_of_memory::<T>(rows, cols, e.to_string())
+        } else {
+            e.into()
+        }
+    }
+
+    fn out_of_memory<T: Element>(&self, rows: usize, cols: usize, reason: String) -> Error {
+        Error::OutOfMemory {
+            device: self.name(),
+            rows,
+            cols,
+            bytes: rows as u128 * cols as u128 * std::mem::size_of::<T>() as u128,
+            reason,
+        }
     }
 
     /// Checks that `m` lives on this device (host storage for Cpu/Emulated).

@@ -59,6 +59,17 @@ pub enum Error {
         a: &'static str,
         b: &'static str,
     },
+    /// A matrix could not be allocated on its device: the element count overflows, or the host
+    /// allocator or the CUDA driver refused the memory. Nothing was allocated and the device stays
+    /// usable.
+    #[error("out of {device} memory allocating a {rows}x{cols} matrix ({bytes} bytes): {reason}")]
+    OutOfMemory {
+        device: &'static str,
+        rows: usize,
+        cols: usize,
+        bytes: u128,
+        reason: String,
+    },
     /// An error from the CUDA driver or NVRTC.
     #[error("CUDA: {0}")]
     Cuda(String),

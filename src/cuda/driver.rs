@@ -5,7 +5,7 @@ use super::launch::{Kernel, LaunchConfig};
 use crate::error::{Error, Result};
 use crate::Element;
 use cudarc::driver::sys::CUfunction_attribute;
-use cudarc::driver::{CudaContext, CudaFunction, CudaModule, CudaSlice, CudaStream};
+use cudarc::driver::{CudaContext, CudaFunction, CudaModule, CudaSlice, CudaStream, DriverError};
 use cudarc::nvrtc::Ptx;
 use std::collections::HashMap;
 use std::ffi::c_void;
@@ -94,12 +94,19 @@ impl CudaDevice {
         Ok(self.stream.synchronize()?)
     }
 
-    pub(crate) fn upload<T: Element>(&self, host: &[T]) -> Result<CudaSlice<T>> {
-        Ok(self.stream.clone_htod(host)?)
+    // The raw driver error, so that `Device` can tell an out-of-memory refusal from the rest.
+    pub(crate) fn upload<T: Element>(
+        &self,
+        host: &[T],
+    ) -> std::result::Result<CudaSlice<T>, DriverError> {
+        self.stream.clone_htod(host)
     }
 
-    pub(crate) fn zeros<T: Element>(&self, len: usize) -> Result<CudaSlice<T>> {
-        Ok(self.stream.alloc_zeros(len)?)
+    pub(crate) fn zeros<T: Element>(
+        &self,
+        len: usize,
+    ) -> std::result::Result<CudaSlice<T>, DriverError> {
+        self.stream.alloc_zeros(len)
     }
 
     /// The function of `kernel`, loading its file's module on first use, with its dynamic
