@@ -2,7 +2,7 @@
 //! ceiling (a device-to-device copy), on the same GPU, sizes and run.
 //!
 //! `cargo bench --bench gpu -- [SECTION] [--quick]`; sections: `launch`, `copy`, `adamw`,
-//! `gemm-f32`. Every timing is the median of samples taken after warm-up, each sample a batch
+//! `gemm-f32`, `gemm-bf16`, `syrk`. Every timing is the median of samples taken after warm-up, each sample a batch
 //! of calls closed by a device synchronization. A grng row names the kernels the op launched
 //! (`grng::cuda::launch::take_launches`) and prints no number when it launched none (a host
 //! fallback). Without a GPU it says so and exits 0. Results: `docs/gpu-benchmarks.md`.
@@ -10,13 +10,18 @@
 //! cuBLAS is loaded dynamically through cudarc's `cublas` feature, enabled for the benches
 //! only (a dev-dependency feature): the library never needs it.
 
-use cudarc::cublas::sys::{cublasMath_t, cublasOperation_t, cublasSetMathMode, cublasStatus_t};
+use cudarc::cublas::sys::{
+    cublasComputeType_t, cublasGemmAlgo_t, cublasMath_t, cublasOperation_t, cublasSetMathMode,
+    cublasStatus_t, cudaDataType_t,
+};
 use cudarc::cublas::{CudaBlas, Gemm, GemmConfig};
-use cudarc::driver::CudaSlice;
+use cudarc::driver::{CudaSlice, DevicePtr, DevicePtrMut};
 use grng::cuda::launch::{record_launches, take_launches};
+use grng::cuda::newton::{product_tc, Epilogue, Unused};
 use grng::cuda::CudaDevice;
 use grng::ops::elementwise::AdamWCoeffs;
 use grng::{Device, Trans};
+use half::bf16;
 use std::time::Instant;
 
 type Res<T> = Result<T, Box<dyn std::error::Error>>;
@@ -231,13 +236,7 @@ fn adamw_section(dev: &Device, cuda: &CudaDevice, o: &Opts) -> Res<()> {
 }
 
 fn gemm_f32_section(dev: &Device, cuda: &CudaDevice, o: &Opts) -> Res<()> {
-    // SAFETY: only probes whether libcublas can be loaded (calls would panic otherwise).
-    let blas = if unsafe { cudarc::cublas::sys::is_culib_present() } {
-        Some(CudaBlas::new(cuda.stream().clone())?)
-    } else {
-        println!("| gemm-f32 | - | - | - | cuBLAS not found (LD_LIBRARY_PATH) | - | - |");
-        None
-    };
+    let blas = cublas(cuda, "gemm-f32")?;
     for n in sizes(o, &[1024, 2048, 4096, 8192]) {
         let (ha, hb) = (values(n * n, 3), values(n * n, 4));
         let a = dev.upload(n, n, &ha)?;
@@ -293,6 +292,148 @@ fn gemm_f32_section(dev: &Device, cuda: &CudaDevice, o: &Opts) -> Res<()> {
     Ok(())
 }
 
+/// A cuBLAS handle on grng's stream, or `None` (said in a row) when libcublas cannot be loaded.
+fn cublas(cuda: &CudaDevice, section: &str) -> Res<Option<CudaBlas>> {
+    // SAFETY: only probes whether libcublas can be loaded (calls would panic otherwise).
+    if unsafe { cudarc::cublas::sys::is_culib_present() } {
+        Ok(Some(CudaBlas::new(cuda.stream().clone())?))
+    } else {
+        println!("| {section} | - | - | - | cuBLAS not found (LD_LIBRARY_PATH) | - | - |");
+        Ok(None)
+    }
+}
+
+/// Column-major `C = op(A)·op(B)` (`m x n`, inner `k`) by `cublasGemmEx`: bf16 `A`, `B`,
+/// f32 `C`, f32 compute (`CUBLAS_COMPUTE_32F`, tensor cores on bf16).
+#[allow(clippy::too_many_arguments)]
+fn gemm_ex_bf16(
+    cuda: &CudaDevice,
+    blas: &CudaBlas,
+    (ta, tb): (cublasOperation_t, cublasOperation_t),
+    (m, n, k): (usize, usize, usize),
+    a: &CudaSlice<bf16>,
+    lda: usize,
+    b: &CudaSlice<bf16>,
+    ldb: usize,
+    c: &mut CudaSlice<f32>,
+) -> Res<()> {
+    let s = cuda.stream();
+    let (alpha, beta) = (1.0f32, 0.0f32);
+    let (pa, _ra) = a.device_ptr(s);
+    let (pb, _rb) = b.device_ptr(s);
+    let (pc, _rc) = c.device_ptr_mut(s);
+    // SAFETY: a valid handle; the caller's buffers hold the op(A) m x k, op(B) k x n and
+    // C m x n column-major matrices with the given leading dimensions (C's is m); alpha and
+    // beta are f32 as CUBLAS_COMPUTE_32F requires.
+    unsafe {
+        cudarc::cublas::result::gemm_ex(
+            *blas.handle(),
+            ta,
+            tb,
+            i32::try_from(m)?,
+            i32::try_from(n)?,
+            i32::try_from(k)?,
+            (&alpha as *const f32).cast(),
+            pa as *const std::ffi::c_void,
+            cudaDataType_t::CUDA_R_16BF,
+            i32::try_from(lda)?,
+            pb as *const std::ffi::c_void,
+            cudaDataType_t::CUDA_R_16BF,
+            i32::try_from(ldb)?,
+            (&beta as *const f32).cast(),
+            pc as *mut std::ffi::c_void,
+            cudaDataType_t::CUDA_R_32F,
+            i32::try_from(m)?,
+            cublasComputeType_t::CUBLAS_COMPUTE_32F,
+            cublasGemmAlgo_t::CUBLAS_GEMM_DEFAULT,
+        )
+    }?;
+    Ok(())
+}
+
+fn to_bf16(v: &[f32]) -> Vec<bf16> {
+    v.iter().map(|&x| bf16::from_f32(x)).collect()
+}
+
+fn gemm_bf16_section(dev: &Device, cuda: &CudaDevice, o: &Opts) -> Res<()> {
+    // grng's bf16 product is square (the Newton iteration's `newton_gemm_tc`, f32 out).
+    let blas = cublas(cuda, "gemm-bf16")?;
+    let mut unused = Unused::new(dev)?;
+    for n in sizes(o, &[1024, 2048, 4096, 8192]) {
+        let (ha, hb) = (to_bf16(&values(n * n, 5)), to_bf16(&values(n * n, 6)));
+        let a = dev.upload(n, n, &ha)?;
+        let b = dev.upload(n, n, &hb)?;
+        let mut c = dev.zeros(n, n)?;
+        let ours = grng_row(cuda, o.samples(), || {
+            let epi = Epilogue {
+                out: Some(&mut c),
+                ..Epilogue::new()
+            };
+            Ok(product_tc(dev, &a, &b, epi, &mut unused)?)
+        })?;
+        let flop = 2.0 * (n as f64).powi(3);
+        let case = format!("m = n = k = {n}, f32 out");
+        let Some(blas) = &blas else {
+            print_row("gemm-bf16", &case, &ours, &none_peer(), flop, "TFLOP/s");
+            continue;
+        };
+        let s = cuda.stream();
+        let da: CudaSlice<bf16> = s.clone_htod(&ha)?;
+        let db: CudaSlice<bf16> = s.clone_htod(&hb)?;
+        let mut dc: CudaSlice<f32> = s.alloc_zeros(n * n)?;
+        let nn = cublasOperation_t::CUBLAS_OP_N;
+        // Row-major C = A B is column-major Cᵀ = Bᵀ Aᵀ: swap the operands.
+        let secs = median_secs(cuda, o.samples(), || {
+            gemm_ex_bf16(cuda, blas, (nn, nn), (n, n, n), &db, n, &da, n, &mut dc)
+        })?;
+        let peer = Timed {
+            label: "cublasGemmEx bf16 → f32".into(),
+            secs: Some(secs),
+        };
+        print_row("gemm-bf16", &case, &ours, &peer, flop, "TFLOP/s");
+    }
+    Ok(())
+}
+
+fn syrk_section(dev: &Device, cuda: &CudaDevice, o: &Opts) -> Res<()> {
+    // grng computes the lower triangle only; the peer is the full AᵀA GEMM, and both rates
+    // count the full product's 2·m·n² FLOPs (so the ratio is the time ratio).
+    let blas = cublas(cuda, "syrk")?;
+    let m = 4096;
+    for n in sizes(o, &[1024, 2048, 4096, 8192]) {
+        let ha = to_bf16(&values(m * n, 7));
+        let a = dev.upload(m, n, &ha)?;
+        let mut factor = dev.zeros(n, n)?;
+        // ε = 0 replaces the factor (Device::kron_factor_update: finiteness checks included).
+        let ours = grng_row(cuda, o.samples(), || {
+            Ok(dev.kron_factor_update(&a, 0.0, &mut factor)?)
+        })?;
+        let flop = 2.0 * m as f64 * (n as f64).powi(2);
+        let case = format!("bf16 A m = {m}, n = {n}");
+        let Some(blas) = &blas else {
+            print_row("syrk", &case, &ours, &none_peer(), flop, "TFLOP/s");
+            continue;
+        };
+        let s = cuda.stream();
+        let da: CudaSlice<bf16> = s.clone_htod(&ha)?;
+        let mut dc: CudaSlice<f32> = s.alloc_zeros(n * n)?;
+        // Row-major A (m x n) is column-major X = Aᵀ (n x m, ld n): AᵀA = X·Xᵀ.
+        let ops = (
+            cublasOperation_t::CUBLAS_OP_N,
+            cublasOperation_t::CUBLAS_OP_T,
+        );
+        let secs = median_secs(cuda, o.samples(), || {
+            gemm_ex_bf16(cuda, blas, ops, (n, n, m), &da, n, &da, n, &mut dc)
+        })?;
+        let peer = Timed {
+            label: "cublasGemmEx bf16 → f32, full AᵀA".into(),
+            secs: Some(secs),
+        };
+        print_row("syrk", &case, &ours, &peer, flop, "TFLOP/s");
+    }
+    Ok(())
+}
+
 fn none_peer() -> Timed {
     Timed {
         label: "-".into(),
@@ -332,6 +473,12 @@ fn main() -> Res<()> {
     }
     if o.runs("gemm-f32") {
         gemm_f32_section(&dev, &cuda, &o)?;
+    }
+    if o.runs("gemm-bf16") {
+        gemm_bf16_section(&dev, &cuda, &o)?;
+    }
+    if o.runs("syrk") {
+        syrk_section(&dev, &cuda, &o)?;
     }
     Ok(())
 }
