@@ -2,13 +2,14 @@
 //! ceiling (a device-to-device copy), on the same GPU, sizes and run.
 //!
 //! `cargo bench --bench gpu -- [SECTION] [--quick]`; sections: `launch`, `copy`, `adamw`,
-//! `gemm-f32`, `gemm-bf16`, `syrk`. Every timing is the median of samples taken after warm-up, each sample a batch
+//! `gemm-f32`, `gemm-bf16`, `syrk`, `newton`. Every timing is the median of samples taken after warm-up, each sample a batch
 //! of calls closed by a device synchronization. A grng row names the kernels the op launched
 //! (`grng::cuda::launch::take_launches`) and prints no number when it launched none (a host
 //! fallback). Without a GPU it says so and exits 0. Results: `docs/gpu-benchmarks.md`.
 //!
-//! cuBLAS is loaded dynamically through cudarc's `cublas` feature, enabled for the benches
-//! only (a dev-dependency feature): the library never needs it.
+//! cuBLAS and cuSOLVER are loaded dynamically through cudarc's `cublas` and `cusolver`
+//! features, enabled for the benches only (dev-dependency features): the library never needs
+//! them.
 
 use cudarc::cublas::sys::{
     cublasComputeType_t, cublasGemmAlgo_t, cublasMath_t, cublasOperation_t, cublasSetMathMode,
@@ -20,6 +21,7 @@ use grng::cuda::launch::{record_launches, take_launches};
 use grng::cuda::newton::{product_tc, Epilogue, Unused};
 use grng::cuda::CudaDevice;
 use grng::ops::elementwise::AdamWCoeffs;
+use grng::ops::newton::{NewtonOptions, Precision};
 use grng::{Device, Trans};
 use half::bf16;
 use std::time::Instant;
@@ -131,17 +133,22 @@ fn print_row(section: &str, case: &str, ours: &Timed, peer: &Timed, work: f64, u
         t.secs
             .map_or("-".into(), |s| format!("{:.3} {unit}", work / s * scale))
     };
-    let ratio = match (ours.secs, peer.secs) {
-        (Some(a), Some(b)) => format!("{:.2}", a / b),
-        _ => "-".into(),
-    };
     println!(
-        "| {section} | {case} | {} | {} | {} | {} | {ratio} |",
+        "| {section} | {case} | {} | {} | {} | {} | {} |",
         ours.label,
         rate(ours),
         peer.label,
-        rate(peer)
+        rate(peer),
+        ratio(ours, peer)
     );
+}
+
+/// grng's time over the peer's, or `-` when either has none.
+fn ratio(ours: &Timed, peer: &Timed) -> String {
+    match (ours.secs, peer.secs) {
+        (Some(a), Some(b)) => format!("{:.2}", a / b),
+        _ => "-".into(),
+    }
 }
 
 /// Deterministic values in [-1, 1) (a hash of the index: no RNG state to thread through).
@@ -434,6 +441,235 @@ fn syrk_section(dev: &Device, cuda: &CudaDevice, o: &Opts) -> Res<()> {
     Ok(())
 }
 
+/// Row-major `n x n` SPD matrix `Q diag(λ) Qᵀ`, `λ` geometric from 1 to `kappa` (so its
+/// condition number is `kappa`), `Q` the product of three Householder reflectors.
+fn spd(n: usize, kappa: f64, salt: u64) -> Vec<f32> {
+    let mut a = vec![0f64; n * n];
+    for i in 0..n {
+        a[i * n + i] = kappa.powf(i as f64 / (n - 1).max(1) as f64);
+    }
+    for r in 0..3 {
+        // A ← H A H with H = I − β v vᵀ, β = 2/(vᵀv): A − v qᵀ − q vᵀ for p = β A v,
+        // q = p − (β/2)(vᵀp) v.
+        let v: Vec<f64> = values(n, salt + r).iter().map(|&x| x as f64).collect();
+        let beta = 2.0 / v.iter().map(|x| x * x).sum::<f64>();
+        let p: Vec<f64> = (0..n)
+            .map(|i| beta * (0..n).map(|j| a[i * n + j] * v[j]).sum::<f64>())
+            .collect();
+        let k = beta / 2.0 * v.iter().zip(&p).map(|(x, y)| x * y).sum::<f64>();
+        let q: Vec<f64> = p.iter().zip(&v).map(|(p, v)| p - k * v).collect();
+        for i in 0..n {
+            for j in 0..n {
+                a[i * n + j] -= v[i] * q[j] + q[i] * v[j];
+            }
+        }
+    }
+    a.iter().map(|&x| x as f32).collect()
+}
+
+/// `‖I − AX‖_F / √n` (the measure of `NewtonInfo::residual`) with the product `A·X` formed by
+/// grng's f32 GEMM, the same for every row.
+fn residual(dev: &Device, a: &grng::Matrix, x: &grng::Matrix) -> Res<f64> {
+    let n = a.rows();
+    let mut ax = dev.zeros(n, n)?;
+    dev.gemm(Trans::No, Trans::No, 1.0, a, x, 0.0, &mut ax)?;
+    let ax = ax.to_vec()?;
+    let mut sum = 0f64;
+    for i in 0..n {
+        for j in 0..n {
+            let e = f64::from(i == j) - ax[i * n + j] as f64;
+            sum += e * e;
+        }
+    }
+    Ok((sum / n as f64).sqrt())
+}
+
+/// cuSOLVER's Cholesky inverse `potrf` + `potri` of an SPD `n x n` matrix, or the reason
+/// there is none (library not found).
+struct Solver {
+    handle: cudarc::cusolver::safe::DnHandle,
+}
+
+impl Solver {
+    fn new(cuda: &CudaDevice) -> Res<Option<Self>> {
+        // SAFETY: only probes whether libcusolver can be loaded (calls would panic otherwise).
+        if !unsafe { cudarc::cusolver::sys::is_culib_present() } {
+            println!("| newton | - | - | - | cuSOLVER not found (LD_LIBRARY_PATH) | - | - |");
+            return Ok(None);
+        }
+        Ok(Some(Self {
+            handle: cudarc::cusolver::safe::DnHandle::new(cuda.stream().clone())?,
+        }))
+    }
+
+    /// Copies `a` into `w` and overwrites `w` with the lower triangle (column-major; the
+    /// upper one row-major) of `a⁻¹`; `work` is resized as cuSOLVER asks.
+    fn inverse(
+        &self,
+        cuda: &CudaDevice,
+        n: usize,
+        a: &CudaSlice<f32>,
+        w: &mut CudaSlice<f32>,
+        work: &mut CudaSlice<f32>,
+        info: &mut CudaSlice<i32>,
+    ) -> Res<()> {
+        use cudarc::cusolver::sys::{self as cs, cublasFillMode_t, cusolverStatus_t};
+        let s = cuda.stream();
+        s.memcpy_dtod(a, w)?;
+        let ni = i32::try_from(n)?;
+        let lower = cublasFillMode_t::CUBLAS_FILL_MODE_LOWER;
+        let check = |st: cusolverStatus_t, what: &str| -> Res<()> {
+            if st == cusolverStatus_t::CUSOLVER_STATUS_SUCCESS {
+                Ok(())
+            } else {
+                Err(format!("{what}: {st:?}").into())
+            }
+        };
+        let h = self.handle.cu();
+        let (mut l1, mut l2) = (0i32, 0i32);
+        {
+            let (pw, _rw) = w.device_ptr_mut(s);
+            // SAFETY: a valid handle; w holds n x n f32 with leading dimension n.
+            check(
+                unsafe {
+                    cs::cusolverDnSpotrf_bufferSize(h, lower, ni, pw as *mut f32, ni, &mut l1)
+                },
+                "cusolverDnSpotrf_bufferSize",
+            )?;
+            // SAFETY: as above.
+            check(
+                unsafe {
+                    cs::cusolverDnSpotri_bufferSize(h, lower, ni, pw as *mut f32, ni, &mut l2)
+                },
+                "cusolverDnSpotri_bufferSize",
+            )?;
+        }
+        let need = usize::try_from(l1.max(l2).max(1))?;
+        if work.len() < need {
+            *work = s.alloc_zeros(need)?;
+        }
+        let lwork = i32::try_from(work.len())?;
+        let (pw, _rw) = w.device_ptr_mut(s);
+        let (pk, _rk) = work.device_ptr_mut(s);
+        let (pi, _ri) = info.device_ptr_mut(s);
+        // SAFETY: w is n x n (ld n), work holds lwork f32 (at least what cuSOLVER asked for),
+        // info one int; all on the handle's stream.
+        check(
+            unsafe {
+                cs::cusolverDnSpotrf(
+                    h,
+                    lower,
+                    ni,
+                    pw as *mut f32,
+                    ni,
+                    pk as *mut f32,
+                    lwork,
+                    pi as *mut i32,
+                )
+            },
+            "cusolverDnSpotrf",
+        )?;
+        // SAFETY: as above, on potrf's factor.
+        check(
+            unsafe {
+                cs::cusolverDnSpotri(
+                    h,
+                    lower,
+                    ni,
+                    pw as *mut f32,
+                    ni,
+                    pk as *mut f32,
+                    lwork,
+                    pi as *mut i32,
+                )
+            },
+            "cusolverDnSpotri",
+        )?;
+        Ok(())
+    }
+}
+
+fn newton_section(dev: &Device, cuda: &CudaDevice, o: &Opts) -> Res<()> {
+    let solver = Solver::new(cuda)?;
+    let ms = |t: &Timed| t.secs.map_or("-".into(), |s| format!("{:.3} ms", s * 1e3));
+    for n in sizes(o, &[512, 1024, 2048, 4096]) {
+        for kappa in [33.0, 1000.0] {
+            let ha = spd(n, kappa, 8);
+            let a = dev.upload(n, n, &ha)?;
+            // The cuSOLVER peer and its residual, once per matrix.
+            let peer = match &solver {
+                None => (none_peer(), "-".to_owned()),
+                Some(solver) => {
+                    let s = cuda.stream();
+                    let da: CudaSlice<f32> = s.clone_htod(&ha)?;
+                    let mut w: CudaSlice<f32> = s.alloc_zeros(n * n)?;
+                    let mut work: CudaSlice<f32> = s.alloc_zeros(1)?;
+                    let mut info: CudaSlice<i32> = s.alloc_zeros(1)?;
+                    let secs = median_secs(cuda, o.samples(), || {
+                        solver.inverse(cuda, n, &da, &mut w, &mut work, &mut info)
+                    })?;
+                    let code = s.clone_dtoh(&info)?[0];
+                    let mut x = s.clone_dtoh(&w)?;
+                    // Row-major upper triangle holds a⁻¹: mirror it into the lower one.
+                    for i in 0..n {
+                        for j in 0..i {
+                            x[i * n + j] = x[j * n + i];
+                        }
+                    }
+                    let res = if code == 0 {
+                        format!("{:.1e}", residual(dev, &a, &dev.upload(n, n, &x)?)?)
+                    } else {
+                        format!("devInfo {code}")
+                    };
+                    let t = Timed {
+                        label: "cusolverDnSpotrf+Spotri (+ copy of A)".into(),
+                        secs: Some(secs),
+                    };
+                    (t, res)
+                }
+            };
+            for (name, precision) in [("f32", Precision::F32), ("bf16", Precision::Bf16)] {
+                // The smallest eigenvalue is known (1): given as λ_low, as a damping would be.
+                let opts = NewtonOptions {
+                    precision,
+                    lambda_low: 1.0,
+                    ..NewtonOptions::default()
+                };
+                let mut last = None;
+                // An error (e.g. `Error::Diverged` at a bf16 floor above `tol`) is a result
+                // of the row, not the end of the bench.
+                let ours = grng_row(cuda, o.samples(), || {
+                    last = Some(dev.newton_inverse(&a, None, &opts)?);
+                    Ok(())
+                })
+                .unwrap_or_else(|e| Timed {
+                    label: format!("error: {e}"),
+                    secs: None,
+                });
+                let res = match &last {
+                    Some((x, info)) => format!(
+                        "{:.1e} ({} it, own {:.1e})",
+                        residual(dev, &a, x)?,
+                        info.iterations,
+                        info.residual
+                    ),
+                    None => "-".into(),
+                };
+                println!(
+                    "| newton | {name}, n = {n}, κ = {kappa} | {} | {} res {res} | {} | {} res {} | {} |",
+                    ours.label,
+                    ms(&ours),
+                    peer.0.label,
+                    ms(&peer.0),
+                    peer.1,
+                    ratio(&ours, &peer.0)
+                );
+            }
+        }
+    }
+    Ok(())
+}
+
 fn none_peer() -> Timed {
     Timed {
         label: "-".into(),
@@ -479,6 +715,9 @@ fn main() -> Res<()> {
     }
     if o.runs("syrk") {
         syrk_section(&dev, &cuda, &o)?;
+    }
+    if o.runs("newton") {
+        newton_section(&dev, &cuda, &o)?;
     }
     Ok(())
 }
