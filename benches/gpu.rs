@@ -2,7 +2,7 @@
 //! ceiling (a device-to-device copy), on the same GPU, sizes and run.
 //!
 //! `cargo bench --bench gpu -- [SECTION] [--quick]`; sections: `launch`, `copy`, `adamw`,
-//! `gemm-f32`, `gemm-bf16`, `syrk`, `newton`. Every timing is the median of samples taken after warm-up, each sample a batch
+//! `gemm-f32`, `gemm-bf16`, `syrk`, `newton`, `kalman`. Every timing is the median of samples taken after warm-up, each sample a batch
 //! of calls closed by a device synchronization. A grng row names the kernels the op launched
 //! (`grng::cuda::launch::take_launches`) and prints no number when it launched none (a host
 //! fallback). Without a GPU it says so and exits 0. Results: `docs/gpu-benchmarks.md`.
@@ -21,6 +21,7 @@ use grng::cuda::launch::{record_launches, take_launches};
 use grng::cuda::newton::{product_tc, Epilogue, Unused};
 use grng::cuda::CudaDevice;
 use grng::ops::elementwise::AdamWCoeffs;
+use grng::ops::kalman::{KalmanOptions, KalmanState};
 use grng::ops::newton::{NewtonOptions, Precision};
 use grng::{Device, Trans};
 use half::bf16;
@@ -670,6 +671,40 @@ fn newton_section(dev: &Device, cuda: &CudaDevice, o: &Opts) -> Res<()> {
     Ok(())
 }
 
+fn kalman_section(dev: &Device, cuda: &CudaDevice, o: &Opts) -> Res<()> {
+    let opts = KalmanOptions::default();
+    for n in sizes(o, &[1_000_000, 10_000_000, 50_000_000]) {
+        for d_o in [10, 64] {
+            let mut state = KalmanState::new(dev, &values(n, 9), 0.1, d_o)?;
+            let h = dev.upload(d_o, n, &values(d_o * n, 10))?;
+            let v = dev.upload(d_o, 1, &values(d_o, 11))?;
+            // Each call is a further step of the same filter (σ shrinks, R follows its EMA).
+            let ours = grng_row(cuda, o.samples(), || {
+                dev.kalman_step(&mut state, &h, &v, &opts)?;
+                Ok(())
+            })
+            .unwrap_or_else(|e| Timed {
+                label: format!("error: {e}"),
+                secs: None,
+            });
+            // The bytes the step must move: H twice (the Gram pass, then the update once the
+            // d_o x d_o solve has S), σ twice, μ once, μ and σ written: 4n(2 d_o + 5) bytes.
+            // The copy moves 8 bytes per element: timed on half that many elements.
+            let bytes = 4 * n * (2 * d_o + 5);
+            let peer = copy_row(cuda, o.samples(), bytes / 8)?;
+            print_row(
+                "kalman",
+                &format!("n = {n}, d_o = {d_o}"),
+                &ours,
+                &peer,
+                bytes as f64,
+                "TB/s",
+            );
+        }
+    }
+    Ok(())
+}
+
 fn none_peer() -> Timed {
     Timed {
         label: "-".into(),
@@ -718,6 +753,9 @@ fn main() -> Res<()> {
     }
     if o.runs("newton") {
         newton_section(&dev, &cuda, &o)?;
+    }
+    if o.runs("kalman") {
+        kalman_section(&dev, &cuda, &o)?;
     }
     Ok(())
 }
