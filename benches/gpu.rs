@@ -2,7 +2,7 @@
 //! ceiling (a device-to-device copy), on the same GPU, sizes and run.
 //!
 //! `cargo bench --bench gpu -- [SECTION] [--quick]`; sections: `launch`, `copy`, `adamw`,
-//! `gemm-f32`, `gemm-bf16`, `syrk`, `newton`, `kalman`. Every timing is the median of samples taken after warm-up, each sample a batch
+//! `gemm-f32`, `gemm-bf16`, `syrk`, `newton`, `kalman`, `step`. Every timing is the median of samples taken after warm-up, each sample a batch
 //! of calls closed by a device synchronization. A grng row names the kernels the op launched
 //! (`grng::cuda::launch::take_launches`) and prints no number when it launched none (a host
 //! fallback). Without a GPU it says so and exits 0. Results: `docs/gpu-benchmarks.md`.
@@ -23,6 +23,8 @@ use grng::cuda::CudaDevice;
 use grng::ops::elementwise::AdamWCoeffs;
 use grng::ops::kalman::{KalmanOptions, KalmanState};
 use grng::ops::newton::{NewtonOptions, Precision};
+use grng::optim::kron::{KronConfig, KronOptimizer};
+use grng::optim::KronStats;
 use grng::{Device, Trans};
 use half::bf16;
 use std::time::Instant;
@@ -705,6 +707,73 @@ fn kalman_section(dev: &Device, cuda: &CudaDevice, o: &Opts) -> Res<()> {
     Ok(())
 }
 
+fn step_section(dev: &Device, cuda: &CudaDevice, o: &Opts) -> Res<()> {
+    // (name, batch m, [(d_out, d_in)] of the weights, bias column included).
+    let models = [
+        (
+            "MLP 784-1024-1024-10",
+            256usize,
+            vec![(1024, 785), (1024, 1025), (10, 1025)],
+        ),
+        ("3 x 4096x4096", 1024, vec![(4096, 4096); 3]),
+    ];
+    let ms = |t: &Timed| t.secs.map_or("-".into(), |s| format!("{:.3} ms", s * 1e3));
+    for (model, m, shapes) in &models {
+        // Statistics and gradients already on the device, as after a forward/backward pass.
+        let mut mats = Vec::new();
+        for (l, &(d_out, d_in)) in shapes.iter().enumerate() {
+            let salt = 100 + 4 * l as u64;
+            let a = dev.upload(*m, d_in, &values(m * d_in, salt))?;
+            let e = dev.upload(*m, d_out, &values(m * d_out, salt + 1))?;
+            let g = dev.upload(d_out, d_in, &values(d_out * d_in, salt + 2))?;
+            let w = dev.upload(d_out, d_in, &values(d_out * d_in, salt + 3))?;
+            mats.push((a, e, g, w));
+        }
+        let stats: Vec<KronStats<'_>> =
+            mats.iter().map(|(a, e, _, _)| KronStats { a, e }).collect();
+        let grads: Vec<&grng::Matrix> = mats.iter().map(|(_, _, g, _)| g).collect();
+        for (variant, base) in [
+            ("RING", KronConfig::ring()),
+            ("RENG", KronConfig::reng()),
+            ("NGD", KronConfig::ngd()),
+        ] {
+            for skip in [1, 8] {
+                let cfg = KronConfig { skip, ..base };
+                let mut opt = KronOptimizer::new(dev, shapes, cfg)?;
+                let mut params: Vec<grng::Matrix> = mats
+                    .iter()
+                    .map(|(_, _, _, w)| w.try_clone())
+                    .collect::<Result<_, _>>()?;
+                // One call is S steps (one refresh, S − 1 reuses): the time is per call / S,
+                // the amortized cost of a step.
+                let row = grng_row(cuda, o.samples(), || {
+                    for _ in 0..skip {
+                        let st = opt.needs_stats().then_some(&stats[..]);
+                        opt.step(&mut params, &grads, st)?;
+                    }
+                    Ok(())
+                });
+                let ours = match row {
+                    Ok(t) => Timed {
+                        secs: t.secs.map(|s| s / skip as f64),
+                        ..t
+                    },
+                    Err(e) => Timed {
+                        label: format!("error: {e}"),
+                        secs: None,
+                    },
+                };
+                println!(
+                    "| step | {variant}, S = {skip}, {model}, m = {m} | {} | {} per step | - | - | - |",
+                    ours.label,
+                    ms(&ours)
+                );
+            }
+        }
+    }
+    Ok(())
+}
+
 fn none_peer() -> Timed {
     Timed {
         label: "-".into(),
@@ -756,6 +825,9 @@ fn main() -> Res<()> {
     }
     if o.runs("kalman") {
         kalman_section(&dev, &cuda, &o)?;
+    }
+    if o.runs("step") {
+        step_section(&dev, &cuda, &o)?;
     }
     Ok(())
 }
