@@ -60,10 +60,12 @@ pub mod cuda;
 pub mod data;
 pub mod device;
 pub mod error;
+mod iteration;
 pub mod mat;
 pub mod mlp;
 pub mod ops;
 pub mod optim;
+mod params;
 pub mod report;
 pub mod train;
 

@@ -13,7 +13,7 @@
 use rayon::prelude::*;
 
 use crate::error::{check_finite, check_len, check_value, Result};
-use crate::ops::elementwise::{AdamWCoeffs, SgdCoeffs, SophiaCoeffs};
+use crate::params::elementwise::{check_beta, AdamWCoeffs, SgdCoeffs, SophiaCoeffs};
 
 /// Elements per rayon work item (64 KiB of `f32`: large enough to amortize scheduling).
 pub const CHUNK: usize = 1 << 14;
@@ -334,17 +334,6 @@ pub fn sophia_hessian_ema(
         }
     });
     Ok(())
-}
-
-/// `Err(Error::Value)` unless `0 ≤ β < 1`.
-pub(crate) fn check_beta(op: &'static str, arg: &'static str, beta: f32) -> Result<()> {
-    check_value(
-        op,
-        arg,
-        beta as f64,
-        (0.0..1.0).contains(&beta),
-        "0 <= beta < 1",
-    )
 }
 
 /// `Err(Error::Value)` naming the first negative entry of a quantity that must be `≥ 0`.

@@ -18,7 +18,7 @@ use rayon::prelude::*;
 use crate::cpu::elementwise::dot_chunk;
 use crate::error::{check_len, Error, Result};
 use crate::mat::MatRef;
-use crate::ops::kalman::{KalmanInfo, KalmanOptions, RForm};
+use crate::params::kalman::{KalmanInfo, KalmanOptions, RForm};
 
 /// Columns of `H` per work item (a row segment of 1 KiB).
 const CHUNK: usize = 256;

@@ -67,10 +67,10 @@ use super::check_finite_view;
 use super::gemm::gemm;
 use super::norm::HostPower;
 use crate::error::Result;
+use crate::iteration::{self as driver, check_square, check_symmetric, NewtonBackend, Start};
+pub use crate::iteration::{ARMED, GROWTH_SLACK, SYM_SWITCH, SYM_TOL};
 use crate::mat::{Mat, MatMut, MatRef, Trans};
-use crate::ops::newton::driver::{self, check_square, check_symmetric, NewtonBackend, Start};
-pub use crate::ops::newton::driver::{ARMED, GROWTH_SLACK, SYM_SWITCH, SYM_TOL};
-use crate::ops::newton::{InitialGuess, NewtonInfo, NewtonOptions, NewtonOrder, Precision};
+use crate::params::newton::{InitialGuess, NewtonInfo, NewtonOptions, NewtonOrder, Precision};
 
 /// Inverse of the symmetric positive definite `n x n` matrix `a` by Newton iteration; see the
 /// module docs for the arithmetic and the stopping rules, and
@@ -409,7 +409,7 @@ mod tests {
         let golden: Vec<f64> = (0..n)
             .map(|i| 1.0 + 0.5 * ((i as f64 * 0.618_033_988_749_895).fract() - 0.5))
             .collect();
-        let starts = [golden, crate::ops::newton::driver::pseudo_random_start(n)];
+        let starts = [golden, driver::pseudo_random_start(n)];
         // v₁: e₀ − its projection on the two starts (Gram–Schmidt), normalized.
         let mut basis: Vec<Vec<f64>> = Vec::new();
         for s in starts {

@@ -4,9 +4,9 @@ use rayon::prelude::*;
 
 use super::check_finite_view;
 use crate::error::{check_len, check_shape, Error, Result};
+use crate::iteration::PowerStep;
 use crate::mat::MatRef;
-use crate::ops::newton::driver::PowerStep;
-use crate::ops::norm::{PowerInfo, PowerOptions};
+use crate::params::power::{PowerInfo, PowerOptions};
 
 /// Largest eigenvalue of a symmetric PSD `n x n` matrix by power iteration.
 ///
@@ -33,7 +33,7 @@ pub fn spectral_norm(a: MatRef<'_, f32>, opts: &PowerOptions) -> Result<PowerInf
             converged: true,
         });
     }
-    crate::ops::newton::driver::power_iteration(&mut HostPower::new(a), n, opts)
+    crate::iteration::power_iteration(&mut HostPower::new(a), n, opts)
 }
 
 /// Power steps on a host matrix (`f64` iterate, products accumulated in `f64`).

@@ -14,12 +14,12 @@
 //! Matrices hold `f32`; integer slots of the status live in an `f32` matrix as bit patterns.
 
 use super::launch::{kernel, launch, KernelArgs, LaunchConfig};
-use crate::cpu::elementwise::check_beta;
+use crate::params::elementwise::check_beta;
 use std::any::Any;
 
 use crate::device::{Device, Element, Matrix};
 use crate::error::{check_len, check_value, Error, Result};
-use crate::ops::elementwise::{AdamWCoeffs, SgdCoeffs, SophiaCoeffs};
+use crate::params::elementwise::{AdamWCoeffs, SgdCoeffs, SophiaCoeffs};
 use half::bf16;
 
 kernel!(pub(crate) AXPY = ELEMENTWISE::elementwise_axpy;);

@@ -19,7 +19,7 @@ use super::elementwise::to_i32;
 use super::launch::{kernel, launch, KernelArgs, LaunchConfig};
 use crate::device::{Device, Matrix};
 use crate::error::{check_len, check_shape, Error, Result};
-use crate::ops::kalman::{KalmanInfo, KalmanOptions, RForm};
+use crate::params::kalman::{KalmanInfo, KalmanOptions, RForm};
 
 kernel!(pub(crate) GRAM_PARTIAL = KALMAN::kalman_gram_partial;);
 kernel!(pub(crate) GRAM_REDUCE = KALMAN::kalman_gram_reduce;);

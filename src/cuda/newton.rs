@@ -3,7 +3,7 @@
 //! [`Device::Emulated`] and [`Device::Cuda`].
 //!
 //! The iteration control (starts, stop/stall/best-iterate rules, restart, `Bf16` polish,
-//! [`NewtonInfo`]) and the power-iteration loop are [`crate::ops::newton::driver`]'s, shared
+//! [`NewtonInfo`]) and the power-iteration loop are `crate::iteration`'s, shared
 //! with the CPU oracle ([`crate::cpu::newton`]); this module supplies the primitives (the
 //! crate-internal traits `NewtonBackend` for the iteration's device buffers and `PowerStep`
 //! for the power iteration). Differences from the CPU are rounding-level only: the products
@@ -23,9 +23,9 @@ use super::launch::{kernel, launch, KernelArgs, LaunchConfig};
 use super::precond::{split3_into, to_i32};
 use crate::device::{Device, Matrix};
 use crate::error::{check_len, check_shape, Error, Result};
-use crate::ops::newton::driver::{self, check_symmetric, NewtonBackend, PowerStep, Start};
-use crate::ops::newton::{InitialGuess, NewtonInfo, NewtonOptions, NewtonOrder, Precision};
-use crate::ops::norm::{PowerInfo, PowerOptions};
+use crate::iteration::{self as driver, check_symmetric, NewtonBackend, PowerStep, Start};
+use crate::params::newton::{InitialGuess, NewtonInfo, NewtonOptions, NewtonOrder, Precision};
+use crate::params::power::{PowerInfo, PowerOptions};
 use half::bf16;
 
 kernel!(pub GEMM_TC = NEWTON::newton_gemm_tc;);

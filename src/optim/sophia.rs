@@ -12,10 +12,11 @@
 //! be plain sign momentum).
 
 use super::sgd::check_n;
-use crate::cpu::elementwise::{check_beta, check_nonnegative};
+use crate::cpu::elementwise::check_nonnegative;
 use crate::device::{Device, Matrix};
 use crate::error::{check_finite, check_len, check_shape, check_value, Result};
 use crate::ops::elementwise::SophiaCoeffs;
+use crate::params::elementwise::check_beta;
 
 /// Hyperparameters of [`Sophia`]. `β₁, β₂` follow SPEC §6; the rest Liu et al.'s released
 /// SophiaG defaults.

@@ -1,12 +1,13 @@
 //! The Newton inversion's iteration control and the power iteration, written once over the
-//! primitives of a backend (the crate-internal traits `NewtonBackend` and `PowerStep`): the
-//! CPU oracle ([`crate::cpu::newton`], [`crate::cpu::norm`]) and the device kernels
+//! primitives of a backend (the traits [`NewtonBackend`] and [`PowerStep`]): the CPU oracle
+//! ([`crate::cpu::newton`], [`crate::cpu::norm`]) and the device kernels
 //! ([`crate::cuda::newton`]) implement the primitives, this module decides what runs. The
-//! rules themselves are documented in [`crate::cpu::newton`].
+//! rules themselves are documented in [`crate::cpu::newton`]. It sits below both backends
+//! (they call it with their primitives; it names neither), beside [`crate::params`].
 
 use crate::error::{check_shape, DivergenceReason, Error, Result};
-use crate::ops::newton::{InitialGuess, NewtonInfo, NewtonOptions, NewtonOrder, Precision};
-use crate::ops::norm::{PowerInfo, PowerOptions};
+use crate::params::newton::{InitialGuess, NewtonInfo, NewtonOptions, NewtonOrder, Precision};
+use crate::params::power::{PowerInfo, PowerOptions};
 
 /// Below this best residual the iteration is in its fast-convergence regime, where a residual
 /// that stops falling means the rounding floor.
