@@ -2,7 +2,8 @@
 //! the self-test kernels (`kernels/emu/selftest.cu`), launched by the same Rust launch code
 //! as on a GPU. Runs on `Device::Emulated`, and also on CUDA when a GPU and the kernels are
 //! present. Every output buffer is poisoned with NaN before the launch, so an element the
-//! kernel fails to write cannot pass.
+//! kernel fails to write cannot pass. The launchers (`grng::cuda::selftest`) exist only with
+//! the feature `emu-selftest`, which the crate's dev-dependency on itself turns on here.
 
 use grng::cuda::launch::{launch, KernelArgs, LaunchConfig};
 use grng::cuda::selftest::{self, DimsParams};

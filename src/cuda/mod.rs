@@ -17,6 +17,7 @@ pub mod launch;
 pub mod newton;
 pub mod precond;
 pub mod ptx;
+#[cfg(feature = "emu-selftest")]
 pub mod selftest;
 
 pub use driver::CudaDevice;

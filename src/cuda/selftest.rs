@@ -1,6 +1,7 @@
 //! Launchers of the self-test kernels (`kernels/emu/selftest.cu`): each exercises one CUDA
 //! primitive so `tests/emu_primitives.rs` can check the emulator (and, on a GPU, the
-//! hardware) against the primitive's definition. Not used by the optimizers.
+//! hardware) against the primitive's definition. Not used by the optimizers, so compiled
+//! only with the cargo feature `emu-selftest`, which the tests turn on (see `Cargo.toml`).
 //!
 //! Buffers documented as holding `i32` keep 32-bit integer bit patterns in an `f32` matrix
 //! (`f32::from_bits` / `to_bits`): matrices hold `f32` or `bf16` only.
