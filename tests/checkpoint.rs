@@ -547,7 +547,7 @@ fn every_truncation_is_an_error_without_panic() {
 #[test]
 fn every_flipped_byte_is_an_error_without_panic() {
     let (_, bytes) = real_checkpoint();
-    let mut rng = ChaCha8Rng::seed_from_u64(17);
+    let mut rng = common::seeded_rng();
     let (mut panics, mut accepted, mut tried) = (0, 0, 0);
     // Every position, two random non-zero XOR masks each (one of them a single bit).
     for pos in 0..bytes.len() {

@@ -505,7 +505,7 @@ proptest! {
 
 #[test]
 fn too_few_iterations_and_tight_tolerance_are_errors() {
-    let mut rng = ChaCha8Rng::seed_from_u64(7);
+    let mut rng = common::seeded_rng();
     let n = 40;
     let (a, _) = spd(&mut rng, n, 100.0);
     for opts in [
@@ -655,7 +655,7 @@ fn bad_inputs_are_typed_errors() {
 /// The host-side exact inverse behind `Device::cholesky_inverse` on the kernel devices.
 #[test]
 fn cholesky_inverse_matches_cpu() {
-    let mut rng = ChaCha8Rng::seed_from_u64(3);
+    let mut rng = common::seeded_rng();
     for n in [1usize, 17, 40] {
         let (a, _) = spd(&mut rng, n, 50.0);
         let cpu = grng::cpu::cholesky_inverse(MatRef::new(&a, n, n).unwrap()).unwrap();

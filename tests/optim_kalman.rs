@@ -310,7 +310,7 @@ fn bad_input_is_an_error_and_leaves_the_filter_unchanged() {
 
     // One good step so that σ and R are non-trivial, then bad steps.
     let mut rk = RKalman::new(&dev, &mu0, d_o, RKalmanConfig::default()).unwrap();
-    let mut rng = ChaCha8Rng::seed_from_u64(1);
+    let mut rng = common::seeded_rng();
     let h: Vec<f32> = (0..d_o * n)
         .map(|_| rng.random_range(-1.0f32..1.0))
         .collect();
