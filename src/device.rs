@@ -61,18 +61,21 @@ pub enum Device {
 impl Device {
     /// The device named by `GRNG_DEVICE` (`cpu`, `cuda`, `emulated`) if set, else CUDA when a
     /// driver, a GPU and the compiled kernels are all present, else the CPU (printing one line
-    /// to stderr saying why there is no GPU, so a fallback is never silent).
+    /// to stderr saying why there is no GPU, so a fallback is never silent). The kernel modules
+    /// are loaded here, so a driver that rejects their PTX also means the CPU.
     ///
     /// Asking for `cuda` where there is none is an error, never a CPU fallback.
     pub fn auto() -> Result<Self> {
         match std::env::var("GRNG_DEVICE").ok().as_deref().map(str::trim) {
-            None | Some("") | Some("auto") => Ok(match crate::cuda::CudaDevice::new(0) {
-                Ok(d) => Device::Cuda(d),
-                Err(e) => {
-                    eprintln!("grng: using the CPU: {e}");
-                    Device::Cpu
-                }
-            }),
+            None | Some("") | Some("auto") => Ok(
+                match crate::cuda::CudaDevice::new(0).and_then(|d| d.load_modules().map(|()| d)) {
+                    Ok(d) => Device::Cuda(d),
+                    Err(e) => {
+                        eprintln!("grng: using the CPU: {e}");
+                        Device::Cpu
+                    }
+                },
+            ),
             Some("cpu") => Ok(Device::Cpu),
             Some("emulated") => Ok(Device::Emulated),
             Some("cuda") => crate::cuda::CudaDevice::new(0).map(Device::Cuda),
