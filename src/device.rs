@@ -99,7 +99,11 @@ impl Device {
         let len = self.alloc_len::<T>(rows, cols)?;
         crate::error::check_len("Device::upload", "host", host.len(), len)?;
         let storage = match self {
-            Device::Cpu | Device::Emulated => Storage::Host(host.to_vec()),
+            Device::Cpu | Device::Emulated => {
+                let mut v = crate::error::try_with_capacity(self.name(), rows, cols)?;
+                v.extend_from_slice(host);
+                Storage::Host(v)
+            }
             Device::Cuda(d) => Storage::Cuda(
                 d.upload(host)
                     .map_err(|e| self.driver_alloc_error::<T>(rows, cols, e))?,
@@ -121,9 +125,7 @@ impl Device {
         let len = self.alloc_len::<T>(rows, cols)?;
         let storage = match self {
             Device::Cpu | Device::Emulated => {
-                let mut v = Vec::new();
-                v.try_reserve_exact(len)
-                    .map_err(|e| self.out_of_memory::<T>(rows, cols, e.to_string()))?;
+                let mut v = crate::error::try_with_capacity(self.name(), rows, cols)?;
                 v.resize(len, T::default());
                 Storage::Host(v)
             }
@@ -161,13 +163,7 @@ impl Device {
     }
 
     fn out_of_memory<T: Element>(&self, rows: usize, cols: usize, reason: String) -> Error {
-        Error::OutOfMemory {
-            device: self.name(),
-            rows,
-            cols,
-            bytes: rows as u128 * cols as u128 * std::mem::size_of::<T>() as u128,
-            reason,
-        }
+        crate::error::out_of_memory::<T>(self.name(), rows, cols, reason)
     }
 
     /// Checks that `m` lives on this device (host storage for Cpu/Emulated).
@@ -227,7 +223,7 @@ impl<T: Element> Matrix<T> {
     /// Copies the elements back to the host (row-major).
     pub fn to_vec(&self) -> Result<Vec<T>> {
         match &self.storage {
-            Storage::Host(v) => Ok(v.clone()),
+            Storage::Host(v) => crate::error::try_to_vec(v),
             Storage::Cuda(s) => Ok(s.stream().clone_dtoh(s)?),
         }
     }
@@ -269,7 +265,7 @@ impl<T: Element> Matrix<T> {
     /// A device-side copy.
     pub fn try_clone(&self) -> Result<Self> {
         let storage = match &self.storage {
-            Storage::Host(v) => Storage::Host(v.clone()),
+            Storage::Host(v) => Storage::Host(crate::error::try_to_vec(v)?),
             Storage::Cuda(s) => Storage::Cuda(s.stream().clone_dtod(s)?),
         };
         Ok(Self {
