@@ -61,18 +61,21 @@ pub enum Device {
 impl Device {
     /// The device named by `GRNG_DEVICE` (`cpu`, `cuda`, `emulated`) if set, else CUDA when a
     /// driver, a GPU and the compiled kernels are all present, else the CPU (printing one line
-    /// to stderr saying why there is no GPU, so a fallback is never silent).
+    /// to stderr saying why there is no GPU, so a fallback is never silent). The kernel modules
+    /// are loaded here, so a driver that rejects their PTX also means the CPU.
     ///
     /// Asking for `cuda` where there is none is an error, never a CPU fallback.
     pub fn auto() -> Result<Self> {
         match std::env::var("GRNG_DEVICE").ok().as_deref().map(str::trim) {
-            None | Some("") | Some("auto") => Ok(match crate::cuda::CudaDevice::new(0) {
-                Ok(d) => Device::Cuda(d),
-                Err(e) => {
-                    eprintln!("grng: using the CPU: {e}");
-                    Device::Cpu
-                }
-            }),
+            None | Some("") | Some("auto") => Ok(
+                match crate::cuda::CudaDevice::new(0).and_then(|d| d.load_modules().map(|()| d)) {
+                    Ok(d) => Device::Cuda(d),
+                    Err(e) => {
+                        eprintln!("grng: using the CPU: {e}");
+                        Device::Cpu
+                    }
+                },
+            ),
             Some("cpu") => Ok(Device::Cpu),
             Some("emulated") => Ok(Device::Emulated),
             Some("cuda") => crate::cuda::CudaDevice::new(0).map(Device::Cuda),
@@ -96,7 +99,11 @@ impl Device {
         let len = self.alloc_len::<T>(rows, cols)?;
         crate::error::check_len("Device::upload", "host", host.len(), len)?;
         let storage = match self {
-            Device::Cpu | Device::Emulated => Storage::Host(host.to_vec()),
+            Device::Cpu | Device::Emulated => {
+                let mut v = crate::error::try_with_capacity(self.name(), rows, cols)?;
+                v.extend_from_slice(host);
+                Storage::Host(v)
+            }
             Device::Cuda(d) => Storage::Cuda(
                 d.upload(host)
                     .map_err(|e| self.driver_alloc_error::<T>(rows, cols, e))?,
@@ -118,9 +125,7 @@ impl Device {
         let len = self.alloc_len::<T>(rows, cols)?;
         let storage = match self {
             Device::Cpu | Device::Emulated => {
-                let mut v = Vec::new();
-                v.try_reserve_exact(len)
-                    .map_err(|e| self.out_of_memory::<T>(rows, cols, e.to_string()))?;
+                let mut v = crate::error::try_with_capacity(self.name(), rows, cols)?;
                 v.resize(len, T::default());
                 Storage::Host(v)
             }
@@ -158,13 +163,7 @@ impl Device {
     }
 
     fn out_of_memory<T: Element>(&self, rows: usize, cols: usize, reason: String) -> Error {
-        Error::OutOfMemory {
-            device: self.name(),
-            rows,
-            cols,
-            bytes: rows as u128 * cols as u128 * std::mem::size_of::<T>() as u128,
-            reason,
-        }
+        crate::error::out_of_memory::<T>(self.name(), rows, cols, reason)
     }
 
     /// Checks that `m` lives on this device (host storage for Cpu/Emulated).
@@ -224,7 +223,7 @@ impl<T: Element> Matrix<T> {
     /// Copies the elements back to the host (row-major).
     pub fn to_vec(&self) -> Result<Vec<T>> {
         match &self.storage {
-            Storage::Host(v) => Ok(v.clone()),
+            Storage::Host(v) => crate::error::try_to_vec(v),
             Storage::Cuda(s) => Ok(s.stream().clone_dtoh(s)?),
         }
     }
@@ -266,7 +265,7 @@ impl<T: Element> Matrix<T> {
     /// A device-side copy.
     pub fn try_clone(&self) -> Result<Self> {
         let storage = match &self.storage {
-            Storage::Host(v) => Storage::Host(v.clone()),
+            Storage::Host(v) => Storage::Host(crate::error::try_to_vec(v)?),
             Storage::Cuda(s) => Storage::Cuda(s.stream().clone_dtod(s)?),
         };
         Ok(Self {

@@ -122,6 +122,64 @@ impl From<cudarc::driver::DriverError> for Error {
     }
 }
 
+/// [`Error::OutOfMemory`] for a `rows x cols` matrix of `T` on `device`.
+pub(crate) fn out_of_memory<T>(
+    device: &'static str,
+    rows: usize,
+    cols: usize,
+    reason: String,
+) -> Error {
+    Error::OutOfMemory {
+        device,
+        rows,
+        cols,
+        bytes: rows as u128 * cols as u128 * std::mem::size_of::<T>() as u128,
+        reason,
+    }
+}
+
+/// An empty host vector with room for `rows * cols` elements, or [`Error::OutOfMemory`] (on
+/// `device`) when the count overflows or the allocator refuses: the refusal is returned, not
+/// an abort, so a data-sized host allocation fails like a device one and changes nothing.
+///
+/// Host allocations of a size fixed by the code or bounded by a validated small dimension
+/// (a few scalars, per-layer lists, `d_o x d_o` Kalman matrices with `d_o` ≤ its limit,
+/// checkpoint record names) are left to `Vec`: they cannot grow with the data.
+pub(crate) fn try_with_capacity<T>(
+    device: &'static str,
+    rows: usize,
+    cols: usize,
+) -> Result<Vec<T>> {
+    let len = rows
+        .checked_mul(cols)
+        .filter(|n| n.checked_mul(std::mem::size_of::<T>()).is_some())
+        .ok_or_else(|| out_of_memory::<T>(device, rows, cols, "size overflows usize".into()))?;
+    let mut v = Vec::new();
+    v.try_reserve_exact(len)
+        .map_err(|e| out_of_memory::<T>(device, rows, cols, e.to_string()))?;
+    Ok(v)
+}
+
+/// `vec![fill; rows * cols]` on the host, or [`Error::OutOfMemory`] ([`try_with_capacity`]).
+pub(crate) fn try_vec<T: Clone>(rows: usize, cols: usize, fill: T) -> Result<Vec<T>> {
+    let mut v = try_with_capacity("host", rows, cols)?;
+    v.resize(rows * cols, fill);
+    Ok(v)
+}
+
+/// `xs.to_vec()`, or [`Error::OutOfMemory`] ([`try_with_capacity`]).
+pub(crate) fn try_to_vec<T: Clone>(xs: &[T]) -> Result<Vec<T>> {
+    try_collect(xs.iter().cloned())
+}
+
+/// Collects an iterator of known length into a host vector, or [`Error::OutOfMemory`]
+/// ([`try_with_capacity`]).
+pub(crate) fn try_collect<T>(it: impl ExactSizeIterator<Item = T>) -> Result<Vec<T>> {
+    let mut v = try_with_capacity("host", it.len(), 1)?;
+    v.extend(it);
+    Ok(v)
+}
+
 /// `Err(Error::Shape)` with both sides written by `show` unless `got == expected`.
 fn check_eq<V: PartialEq>(
     op: &'static str,

@@ -2,6 +2,8 @@
 //! against the reference MLP, optimizer steps against grng's own API, and bad input.
 #![cfg(feature = "candle")]
 
+mod common;
+
 use candle_core::{DType, Device as CDevice, Tensor};
 use grng::candle::{with_matrices, with_matrix, ViewAs};
 use grng::{Device, Error};
@@ -25,7 +27,7 @@ fn tensor(vals: &[f32], rows: usize, cols: usize) -> Tensor {
 }
 
 proptest! {
-    #![proptest_config(ProptestConfig::with_cases(24))]
+    #![proptest_config(common::proptest_config(24))]
 
     /// A view is the tensor's own buffer (same pointer), shaped as the tensor; what grng writes
     /// is what the tensor holds afterwards, and the buffer a matrix ends with is moved (same
@@ -206,7 +208,7 @@ fn max_diff(a: &[f32], b: &[f32]) -> f32 {
 }
 
 proptest! {
-    #![proptest_config(ProptestConfig::with_cases(12))]
+    #![proptest_config(common::proptest_config(12))]
 
     /// `A`, `E` in every Fisher mode and the gradient `G` of `W̄` equal the reference MLP's on
     /// the same weights and batch (sampled labels drawn from the same seed). Values are O(1)
@@ -254,7 +256,7 @@ fn mat(t: &Tensor, rows: usize, cols: usize) -> grng::Matrix {
 fn step_matches_grng(method: OptimizerConfig) {
     let Case {
         layers, x, labels, ..
-    } = case(vec![6, 5, 4], 12, 7);
+    } = case(vec![6, 5, 4], 12, common::seed());
     let scale = Var::from_slice(&[1.0f32], 1, &CDevice::Cpu).unwrap();
     let rest = AdamWConfig {
         lr: 1e-2,
@@ -297,7 +299,7 @@ fn step_matches_grng(method: OptimizerConfig) {
             }
         })
         .collect();
-    let mut rng = ChaCha8Rng::seed_from_u64(3);
+    let mut rng = common::seeded_rng();
     for _ in 0..2 {
         let z = logits(&layers, &x, Some(&scale));
         let loss = candle_nn::loss::cross_entropy(&z, &labels_tensor(&labels)).unwrap();
@@ -408,7 +410,7 @@ fn first_order_steps_match_grng() {
 fn bad_optimizer_input_is_a_typed_error_and_changes_nothing() {
     let Case {
         layers, x, labels, ..
-    } = case(vec![5, 4, 3], 8, 11);
+    } = case(vec![5, 4, 3], 8, common::seed());
     let scale = Var::from_slice(&[1.0f32], 1, &CDevice::Cpu).unwrap();
     let mut vars: Vec<Var> = layers.iter().map(|l| l.weight().clone()).collect();
     vars.push(scale.clone());
@@ -453,7 +455,7 @@ fn bad_optimizer_input_is_a_typed_error_and_changes_nothing() {
     assert!(matches!(opt.try_step(&grads), Err(Error::Value { .. })));
     unchanged(&opt);
     // Labels of the wrong length or range, logits of the wrong rank: nothing captured.
-    let mut rng = ChaCha8Rng::seed_from_u64(1);
+    let mut rng = common::seeded_rng();
     let short = &u32s(&labels)[1..];
     assert!(matches!(
         capture_fisher(&layers, &z, FisherMode::Sampled, short, &mut rng),
@@ -501,7 +503,7 @@ fn bad_optimizer_input_is_a_typed_error_and_changes_nothing() {
 fn step_observed_undoes_a_step_with_a_non_finite_loss() {
     let Case {
         layers, x, labels, ..
-    } = case(vec![5, 4, 3], 8, 5);
+    } = case(vec![5, 4, 3], 8, common::seed());
     let vars: Vec<Var> = layers.iter().map(|l| l.weight().clone()).collect();
     let config = GrngConfig {
         method: OptimizerConfig::Kron(KronConfig::ring()),
@@ -509,7 +511,7 @@ fn step_observed_undoes_a_step_with_a_non_finite_loss() {
         layers: layers.clone(),
     };
     let mut opt = GrngOptimizer::try_new(vars.clone(), config).unwrap();
-    let mut rng = ChaCha8Rng::seed_from_u64(2);
+    let mut rng = common::seeded_rng();
     let mut step = |after: f32| {
         let z = logits(&layers, &x, None);
         let loss = candle_nn::loss::cross_entropy(&z, &labels_tensor(&labels)).unwrap();
@@ -534,7 +536,7 @@ fn step_observed_undoes_a_step_with_a_non_finite_loss() {
 }
 
 proptest! {
-    #![proptest_config(ProptestConfig::with_cases(8))]
+    #![proptest_config(common::proptest_config(8))]
 
     /// RENG's `g + 2c·H_L g` by central differences against the reference MLP's exact
     /// R-operator product. The difference quotient's error is O(ε²) truncation plus f32

@@ -338,13 +338,14 @@ fn is_checkpoint_err<T>(r: &Result<T>) -> bool {
 /// bit of network, optimizer and RNG) agree.
 fn resume_contract(method: Method, n: u64, k: u64) {
     let data = data();
-    let mut straight = Run::new(method, 1).unwrap();
+    let seed = common::seed();
+    let mut straight = Run::new(method, seed).unwrap();
     let mut losses = Vec::new();
     for _ in 0..n {
         losses.push(straight.step(&data).unwrap().to_bits());
     }
 
-    let mut first = Run::new(method, 1).unwrap();
+    let mut first = Run::new(method, seed).unwrap();
     for _ in 0..k {
         first.step(&data).unwrap();
     }
@@ -355,7 +356,7 @@ fn resume_contract(method: Method, n: u64, k: u64) {
     w.write_atomic(&path).unwrap();
     drop(first);
 
-    let mut resumed = Run::new(method, 99).unwrap();
+    let mut resumed = Run::new(method, seed.wrapping_add(1)).unwrap();
     assert_ne!(
         resumed.bytes(),
         straight.bytes(),
@@ -504,7 +505,7 @@ proptest! {
 /// plus the network and the RNG.
 fn real_checkpoint() -> (Run, Vec<u8>) {
     let data = data();
-    let mut run = Run::new(Method::Ring, 3).unwrap();
+    let mut run = Run::new(Method::Ring, common::seed()).unwrap();
     for _ in 0..6 {
         run.step(&data).unwrap();
     }
@@ -515,6 +516,8 @@ fn real_checkpoint() -> (Run, Vec<u8>) {
 /// Decodes and loads `bytes` into a fresh RING run: must be an error, must not panic, must
 /// leave the run unchanged.
 fn rejected(bytes: &[u8]) -> std::result::Result<bool, ()> {
+    // Any network will do (it only has to stay unchanged); a fixed one keeps this per-byte
+    // probe from drawing a seed each call.
     let mut target = Run::new(Method::Ring, 5).unwrap();
     let before = target.bytes();
     let outcome = catch_unwind(AssertUnwindSafe(|| {
@@ -547,7 +550,7 @@ fn every_truncation_is_an_error_without_panic() {
 #[test]
 fn every_flipped_byte_is_an_error_without_panic() {
     let (_, bytes) = real_checkpoint();
-    let mut rng = ChaCha8Rng::seed_from_u64(17);
+    let mut rng = common::seeded_rng();
     let (mut panics, mut accepted, mut tried) = (0, 0, 0);
     // Every position, two random non-zero XOR masks each (one of them a single bit).
     for pos in 0..bytes.len() {

@@ -391,7 +391,7 @@ proptest! {
 /// the full (unprojected) textbook filter must be matched.
 #[test]
 fn decoupled_problem_matches_full_kalman_over_many_steps() {
-    let mut rng = ChaCha8Rng::seed_from_u64(11);
+    let mut rng = common::seeded_rng();
     for case in 0..20 {
         let d_o = rng.random_range(1..=12usize);
         let n = rng.random_range(1..=d_o);
@@ -477,7 +477,7 @@ fn jitter_escalates_and_is_reported() {
 
 #[test]
 fn bad_inputs_are_typed_errors_and_leave_the_state_unchanged() {
-    let mut rng = ChaCha8Rng::seed_from_u64(5);
+    let mut rng = common::seeded_rng();
     let (n, d_o) = (50, 4);
     let mut state =
         KalmanState::new(&Device::Cpu, &uniform(&mut rng, n, -1.0, 1.0), 0.1, d_o).unwrap();

@@ -384,7 +384,7 @@ proptest! {
 
 #[test]
 fn too_few_iterations_is_an_error() {
-    let mut rng = ChaCha8Rng::seed_from_u64(1);
+    let mut rng = common::seeded_rng();
     let (a, _) = spd(&mut rng, 50, 1e3);
     for precision in [Precision::F32, Precision::Bf16] {
         let opts = NewtonOptions {
@@ -406,7 +406,7 @@ fn too_few_iterations_is_an_error() {
 #[test]
 fn f32_tolerance_below_its_floor_is_an_error() {
     // The f32 floor at κ = 1e3 is ≈ 5e-6 (module docs): 1e-9 cannot be met.
-    let mut rng = ChaCha8Rng::seed_from_u64(2);
+    let mut rng = common::seeded_rng();
     let (a, _) = spd(&mut rng, 60, 1e3);
     let opts = NewtonOptions {
         tol: 1e-9,
@@ -441,7 +441,7 @@ fn view(s: &[f32], rows: usize, cols: usize) -> MatRef<'_, f32> {
 
 #[test]
 fn bad_inputs_are_typed_errors() {
-    let mut rng = ChaCha8Rng::seed_from_u64(3);
+    let mut rng = common::seeded_rng();
     let n = 9;
     let (a, _) = spd(&mut rng, n, 10.0);
     let ok = NewtonOptions::default();
@@ -511,7 +511,7 @@ fn bad_inputs_are_typed_errors() {
 
 #[test]
 fn device_entry_point_matches_cpu_backend() {
-    let mut rng = ChaCha8Rng::seed_from_u64(4);
+    let mut rng = common::seeded_rng();
     let n = 70;
     let (a, _) = spd(&mut rng, n, 100.0);
     let dev = Device::Cpu;

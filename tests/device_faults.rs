@@ -72,3 +72,19 @@ fn out_of_memory_is_a_typed_error_and_the_device_stays_usable() {
         );
     }
 }
+
+/// The library's own data-sized host buffers (here a network's parameter vector, 2^56 f32) are
+/// typed `OutOfMemory` errors too, not allocator aborts.
+#[test]
+fn data_sized_host_buffers_are_typed_out_of_memory() {
+    use grng::mlp::{Activation, Loss, Mlp, MlpConfig};
+    let config = MlpConfig {
+        sizes: vec![1 << 28, 1 << 28],
+        activation: Activation::Tanh,
+        loss: Loss::SoftmaxCrossEntropy,
+    };
+    match Mlp::new(config, 0) {
+        Err(Error::OutOfMemory { device, .. }) => assert_eq!(device, "host"),
+        other => panic!("Mlp::new of 2^56 parameters gave {:?}", other.map(|_| ())),
+    }
+}

@@ -193,7 +193,7 @@ proptest! {
 /// and the element path without), one case each.
 #[test]
 fn larger_factors_match_cpu() {
-    let mut rng = ChaCha8Rng::seed_from_u64(7);
+    let mut rng = common::seeded_rng();
     for &(m, n, eps) in &[
         (150usize, 200usize, 0.95f32),
         (97, 256, 0.0),
@@ -221,7 +221,7 @@ fn larger_factors_match_cpu() {
 #[test]
 fn eps_zero_ignores_nan_factor() {
     let (m, n) = (9, 70);
-    let mut rng = ChaCha8Rng::seed_from_u64(11);
+    let mut rng = common::seeded_rng();
     let a = vals(&mut rng, m * n);
     let want = cpu_factor(&a, (m, n), 0.0, &vec![0.0; n * n]);
     let dev = Device::Emulated;

@@ -495,7 +495,7 @@ fn bytes_of(v: &[f32]) -> Vec<u8> {
 }
 
 proptest! {
-    #![proptest_config(ProptestConfig { cases: 16, ..ProptestConfig::default() })]
+    #![proptest_config(common::proptest_config(16))]
 
     /// mma.m16n8k16 with fragments built per lane by the ISA layout equals A·B + C.
     #[test]
@@ -622,7 +622,7 @@ fn swizzle_is_a_conflict_free_permutation() {
 }
 
 proptest! {
-    #![proptest_config(ProptestConfig { cases: 24, ..ProptestConfig::default() })]
+    #![proptest_config(common::proptest_config(24))]
 
     /// The GEMM engine on ragged shapes (M, N, K off every tile, slice and granule size,
     /// below 16 included), all four operand layouts, against f64 on the bf16 inputs.

@@ -16,7 +16,7 @@ use grng::optim::sgd::{Sgd, SgdConfig};
 use grng::optim::sophia::{Sophia, SophiaConfig, SophiaHessian};
 use grng::{Device, Error, Matrix};
 use proptest::prelude::*;
-use rand::{Rng, SeedableRng};
+use rand::Rng;
 use rand_chacha::ChaCha8Rng;
 
 /// Unit roundoff of `f32`. The fused ops chain at most ~6 roundings per element, each with
@@ -280,7 +280,7 @@ proptest! {
 #[test]
 fn parallel_path_matches_f64() {
     let n = PAR_MIN + 4321;
-    let mut rng = ChaCha8Rng::seed_from_u64(7);
+    let mut rng = common::seeded_rng();
     let mut rv = || -> Vec<f32> { (0..n).map(|_| rng.random_range(-3.0f32..3.0)).collect() };
     let (p0, g, m0, w0) = (rv(), rv(), rv(), abs(&rv()));
     let dev = Device::Cpu;
@@ -572,7 +572,7 @@ fn sophia_lowers_the_loss() {
         ..SophiaConfig::default()
     };
     let mut opt = Sophia::new(&Device::Cpu, pb.n(), cfg).unwrap();
-    let mut rng = ChaCha8Rng::seed_from_u64(3);
+    let mut rng = common::seeded_rng();
     let batch = pb.labels.len();
     let mut refreshes = 0;
     for _ in 0..STEPS {
@@ -646,7 +646,7 @@ fn adamw_schedule_and_first_step() {
 #[test]
 fn state_restore_round_trip() {
     let dev = Device::Cpu;
-    let mut rng = ChaCha8Rng::seed_from_u64(9);
+    let mut rng = common::seeded_rng();
     let n = 37;
     let grads: Vec<Matrix> = (0..6)
         .map(|_| {

@@ -179,9 +179,9 @@ fn fit(rho: Option<f32>, batch: usize, epochs: usize, seed: u64) -> Fit {
     }
 }
 
-/// `rho = None` builds the plain filter with [`RKalman::plain`].
-fn check_converges(name: &str, rho: Option<f32>, batch: usize) {
-    let f = fit(rho, batch, 30, 21);
+/// `rho = None` builds the plain filter with [`RKalman::plain`]; `seed` draws the problem.
+fn check_converges(name: &str, rho: Option<f32>, batch: usize, seed: u64) {
+    let f = fit(rho, batch, 30, seed);
     let dist = |a: &[f64], b: &[f64]| {
         a.iter()
             .zip(b)
@@ -214,23 +214,30 @@ fn check_converges(name: &str, rho: Option<f32>, batch: usize) {
     );
 }
 
+/// The problem on which the (almost) unregularized filters are checked. Over 61 fresh problems
+/// ρ = 30 always met the bounds (error ≤ 2.3e-3, ≤ 0.18 of the noise gap, MSE ≤ 1.0005x), but
+/// ρ = 0 and ρ = 1e-4 missed on about 1 in 20 (error up to 0.16, MSE up to 5.7x): with R
+/// barely regularized the gain can stall within 30 epochs. So those claims are about this
+/// named problem only, and ρ = 30 runs on the replayable seed.
+const NAMED_PROBLEM: u64 = 21;
+
 #[test]
 fn r_kalman_converges_to_least_squares() {
     // The default ρ = 1e-4 barely moves R̃ (R ≈ noise² = 1e-2 here); ρ = 30 shrinks it
     // by ~25%, a regime where the regularization matters.
-    check_converges("r-kalman", Some(1e-4), 1);
-    check_converges("r-kalman", Some(30.0), 1);
+    check_converges("r-kalman", Some(1e-4), 1, NAMED_PROBLEM);
+    check_converges("r-kalman", Some(30.0), 1, common::seed());
 }
 
 #[test]
 fn kalman_converges_to_least_squares() {
-    check_converges("kalman", None, 1);
+    check_converges("kalman", None, 1, NAMED_PROBLEM);
 }
 
 #[test]
 fn batched_kalman_converges_to_least_squares() {
-    check_converges("r-kalman", Some(30.0), 4);
-    check_converges("kalman", None, 4);
+    check_converges("r-kalman", Some(30.0), 4, common::seed());
+    check_converges("kalman", None, 4, NAMED_PROBLEM);
 }
 
 proptest! {
@@ -310,7 +317,7 @@ fn bad_input_is_an_error_and_leaves_the_filter_unchanged() {
 
     // One good step so that σ and R are non-trivial, then bad steps.
     let mut rk = RKalman::new(&dev, &mu0, d_o, RKalmanConfig::default()).unwrap();
-    let mut rng = ChaCha8Rng::seed_from_u64(1);
+    let mut rng = common::seeded_rng();
     let h: Vec<f32> = (0..d_o * n)
         .map(|_| rng.random_range(-1.0f32..1.0))
         .collect();

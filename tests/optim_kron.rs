@@ -473,7 +473,7 @@ fn exact_inverse(f: &Matrix, lambda: f32) -> Vec<f32> {
 /// ρ₀ → ρ₀/φ), one lazy step: returns the lazily updated inverse of Λ̃ minus the recomputed
 /// one (Frobenius norm), `|dλ|·‖X‖₂`, and the optimizer.
 fn lazy_error_moving(phi: f32, grow: bool) -> (f64, f64, KronOptimizer) {
-    let mut rng = ChaCha8Rng::seed_from_u64(5);
+    let mut rng = common::seeded_rng();
     let (d_out, d_in, m) = (5, 7, 4);
     let mut cfg = KronConfig::reng();
     cfg.rho = 1e-2;
@@ -904,7 +904,7 @@ fn bad_configs_are_rejected() {
 /// state() / restore() round-trip: a restored optimizer continues bit for bit.
 #[test]
 fn state_restore_round_trip() {
-    let (mut a, p, mut wa) = warmed(21);
+    let (mut a, p, mut wa) = warmed(common::seed());
     let saved = a.state().unwrap();
     let mut b = KronOptimizer::new(&DEV, &p.shapes, *a.config()).unwrap();
     b.restore(saved).unwrap();
@@ -1010,11 +1010,12 @@ const MAX_STEPS: usize = 300;
 fn train_kron(
     t: &Task,
     cfg: KronConfig,
+    fisher: FisherMode,
     steps: usize,
     stop: bool,
 ) -> (Option<usize>, f32, f32, KronCounters) {
     let mut net = mlp(t);
-    let mut rng = ChaCha8Rng::seed_from_u64(99);
+    let mut rng = common::seeded_rng();
     let shapes = net.layer_shapes();
     let mut opt = KronOptimizer::new(&DEV, &shapes, cfg).unwrap();
     let mut ws = layer_mats(&net);
@@ -1040,7 +1041,7 @@ fn train_kron(
             .collect();
         let gref: Vec<&Matrix> = grads.iter().collect();
         let stats_dev: Option<Vec<(Matrix, Matrix)>> = opt.needs_stats().then(|| {
-            net.fisher_stats(&fwd, FisherMode::Sampled, targets, &mut rng)
+            net.fisher_stats(&fwd, fisher, targets, &mut rng)
                 .unwrap()
                 .into_iter()
                 .map(|s| {
@@ -1106,6 +1107,10 @@ fn train_sgd(t: &Task, lr: f32) -> Option<usize> {
 /// ρ 1e-2, S 1), NGD 3 (lr 1, ρ 1e-2, S 1); SGD lr ∈ {0.3, 1, 2, 3, 5, 10} → 20, 10, 8, 6,
 /// 5, 6 steps. The paper defaults (lr 1, ρ 1e-3) diverge here for RING and NGD: RING's
 /// relative damping √ρ‖Γ‖₂ is tiny once the softmax is confident.
+///
+/// The Fisher is the exact expectation, not a draw: a step count compared with a threshold
+/// must not depend on sampled labels (with them RING took 3–7 steps over 8 seeds, SGD's best
+/// is 5). Data and network are fixed (library seeds), so the run is deterministic.
 #[test]
 fn kron_optimizers_beat_sgd_on_a_well_conditioned_task() {
     let t = task();
@@ -1140,7 +1145,7 @@ fn kron_optimizers_beat_sgd_on_a_well_conditioned_task() {
         },
     ];
     for cfg in tuned {
-        let (steps, l0, l1, _) = train_kron(&t, cfg, MAX_STEPS, true);
+        let (steps, l0, l1, _) = train_kron(&t, cfg, FisherMode::Exact, MAX_STEPS, true);
         eprintln!(
             "{:?}: steps to {TARGET} = {steps:?}, loss {l0:.4} -> {l1:.4}",
             cfg.variant
@@ -1168,7 +1173,9 @@ fn lazy_training_lowers_the_loss() {
             phi: 0.95,
             ..base
         };
-        let (_, l0, l1, c) = train_kron(&t, cfg, 40, false);
+        // The exact Fisher: with sampled labels RING ended at 1.09 (threshold 0.91) or
+        // diverged (3.0 → 3e4, GRNG_TEST_SEED=2527721849149027881) for ~1 seed in 15.
+        let (_, l0, l1, c) = train_kron(&t, cfg, FisherMode::Exact, 40, false);
         eprintln!("{:?} S = 4: loss {l0:.4} -> {l1:.4}, {c:?}", cfg.variant);
         assert_eq!(c.refreshes, 10);
         assert!(c.first_order_updates > 0, "{c:?}");
@@ -1193,7 +1200,7 @@ fn newton_warm_starts_with_skip_one_train() {
             ..base
         };
         assert!(matches!(cfg.inverse, InverseMethod::Newton(o) if o.init == InitialGuess::Warm));
-        let (_, l0, l1, c) = train_kron(&t, cfg, 30, false);
+        let (_, l0, l1, c) = train_kron(&t, cfg, FisherMode::Sampled, 30, false);
         assert_eq!(c.refreshes, 30, "{c:?}");
         assert!(c.newton_inversions > 0, "{c:?}");
         assert_eq!(c.newton_divergences, 0, "{c:?}");
@@ -1225,7 +1232,7 @@ fn auto_inverse_is_cholesky_on_cpu_newton_on_gpu() {
         skip: 1,
         ..KronConfig::ngd()
     };
-    let (_, l0, l1, c) = train_kron(&t, cfg, 10, false);
+    let (_, l0, l1, c) = train_kron(&t, cfg, FisherMode::Sampled, 10, false);
     assert_eq!(c.refreshes, 10, "{c:?}");
     assert!(c.cholesky_inversions >= 10, "{c:?}");
     assert_eq!((c.newton_inversions, c.cholesky_fallbacks), (0, 0), "{c:?}");
@@ -1236,7 +1243,7 @@ fn auto_inverse_is_cholesky_on_cpu_newton_on_gpu() {
 /// `reject_step` then raises ρ as the LM rule does for `r = −∞`, and counts it.
 #[test]
 fn overflowing_step_is_non_finite_and_reject_step_raises_rho() {
-    let (mut opt, p, mut w) = warmed(17);
+    let (mut opt, p, mut w) = warmed(common::seed());
     let before = snapshot(&opt);
     let w_before: Vec<Vec<f32>> = w.iter().map(host).collect();
     let huge: Vec<Matrix> = p.grads[0].iter().map(|g| with_value(g, 0, 3e38)).collect();

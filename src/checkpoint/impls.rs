@@ -53,7 +53,7 @@ impl Checkpoint for Sgd {
         r.expect_kind("sgd")?;
         let state = SgdState {
             steps: r.u64("steps")?,
-            momentum: r.tensor("momentum", &[self.n()])?.to_vec(),
+            momentum: crate::error::try_to_vec(r.tensor("momentum", &[self.n()])?)?,
         };
         self.restore(&state).map_err(|e| wrap(r, e))
     }
@@ -73,8 +73,8 @@ impl Checkpoint for AdamW {
         let n = self.n();
         let state = AdamWState {
             steps: r.u64("steps")?,
-            m: r.tensor("m", &[n])?.to_vec(),
-            v: r.tensor("v", &[n])?.to_vec(),
+            m: crate::error::try_to_vec(r.tensor("m", &[n])?)?,
+            v: crate::error::try_to_vec(r.tensor("v", &[n])?)?,
         };
         self.restore(&state).map_err(|e| wrap(r, e))
     }
@@ -94,8 +94,8 @@ impl Checkpoint for Sophia {
         let n = self.n();
         let state = SophiaState {
             steps: r.u64("steps")?,
-            m: r.tensor("m", &[n])?.to_vec(),
-            h: r.tensor("h", &[n])?.to_vec(),
+            m: crate::error::try_to_vec(r.tensor("m", &[n])?)?,
+            h: crate::error::try_to_vec(r.tensor("h", &[n])?)?,
         };
         self.restore(&state).map_err(|e| wrap(r, e))
     }
@@ -117,9 +117,9 @@ impl Checkpoint for RKalman {
         let (n, d_o) = (self.n(), self.d_o());
         let state = RKalmanState {
             steps: r.u64("steps")?,
-            mu: r.tensor("mu", &[n])?.to_vec(),
-            sigma: r.tensor("sigma", &[n])?.to_vec(),
-            r: r.tensor("r", &[d_o, d_o])?.to_vec(),
+            mu: crate::error::try_to_vec(r.tensor("mu", &[n])?)?,
+            sigma: crate::error::try_to_vec(r.tensor("sigma", &[n])?)?,
+            r: crate::error::try_to_vec(r.tensor("r", &[d_o, d_o])?)?,
         };
         self.restore(&state).map_err(|e| wrap(r, e))
     }

@@ -170,7 +170,7 @@ impl Writer {
             name,
             Value::F32 {
                 shape: shape.to_vec(),
-                data: data.to_vec(),
+                data: crate::error::try_to_vec(data)?,
             },
         )
     }

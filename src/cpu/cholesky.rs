@@ -9,17 +9,17 @@
 use faer::linalg::solvers::{DenseSolveCore, Solve};
 
 use super::check_finite_view;
-use crate::error::{check_shape, Error, Result};
+use crate::error::{check_shape, try_collect, try_with_capacity, Error, Result};
 use crate::mat::{Mat, MatMut, MatRef};
 
 /// Widens rows of a view to a contiguous row-major `f64` buffer.
-fn widen(a: MatRef<'_, f32>) -> Vec<f64> {
+fn widen(a: MatRef<'_, f32>) -> Result<Vec<f64>> {
     let (rows, cols) = a.shape();
-    let mut w = Vec::with_capacity(rows * cols);
+    let mut w = try_with_capacity("host", rows, cols)?;
     for i in 0..rows {
         w.extend(a.row(i).iter().map(|&v| v as f64));
     }
-    w
+    Ok(w)
 }
 
 /// Widens a square view to contiguous `f64`, after shape and finiteness checks.
@@ -27,7 +27,7 @@ fn widen_square(op: &'static str, arg: &'static str, a: MatRef<'_, f32>) -> Resu
     let n = a.rows();
     check_shape(op, arg, a.shape(), (n, n))?;
     check_finite_view(op, arg, a)?;
-    Ok(widen(a))
+    widen(a)
 }
 
 /// faer's lower Cholesky factor of the row-major `n x n` `w` (only its lower triangle is read),
@@ -66,9 +66,7 @@ fn pivot_at(w: &[f64], n: usize, j: usize) -> f64 {
 }
 
 fn round(rows: usize, cols: usize, at: impl Fn(usize, usize) -> f64) -> Result<Mat> {
-    let data = (0..rows * cols)
-        .map(|idx| at(idx / cols, idx % cols) as f32)
-        .collect();
+    let data = try_collect((0..rows * cols).map(|idx| at(idx / cols, idx % cols) as f32))?;
     Mat::from_vec(data, rows, cols)
 }
 
@@ -113,7 +111,7 @@ pub fn cholesky_solve(l: MatRef<'_, f32>, mut b: MatMut<'_, f32>) -> Result<()> 
         lw[i * n + i + 1..(i + 1) * n].fill(0.0);
     }
     let lf = faer::MatRef::from_row_major_slice(&lw, n, n);
-    let bw = widen(b.as_ref());
+    let bw = widen(b.as_ref())?;
     let mut x = faer::Mat::<f64>::from_fn(n, k, |i, j| bw[i * k + j]);
     // L Lᵀ X = B: forward then backward substitution, reading only the lower triangle of L.
     faer::linalg::triangular_solve::solve_lower_triangular_in_place(

@@ -88,7 +88,7 @@ pub fn syrk_ema<T: Element>(a: MatRef<'_, T>, eps: f32, mut factor: MatMut<'_, f
         // T is f32: same layout, reinterpret in place.
         MatRef::with_ld(bytemuck::cast_slice(a.data()), m, n, a.ld())?
     } else {
-        let mut w = vec![0.0f32; m * n];
+        let mut w = crate::error::try_vec(m, n, 0.0f32)?;
         w.par_chunks_mut(n).enumerate().for_each(|(i, row)| {
             for (x, v) in row.iter_mut().zip(a.row(i)) {
                 *x = v.to_f32();

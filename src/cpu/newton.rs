@@ -66,7 +66,7 @@ use rayon::prelude::*;
 use super::check_finite_view;
 use super::gemm::gemm;
 use super::norm::HostPower;
-use crate::error::Result;
+use crate::error::{try_collect, try_vec, Result};
 use crate::iteration::{self as driver, check_square, check_symmetric, NewtonBackend, Start};
 pub use crate::iteration::{ARMED, GROWTH_SLACK, SYM_SWITCH, SYM_TOL};
 use crate::mat::{Mat, MatMut, MatRef, Trans};
@@ -91,18 +91,18 @@ pub fn newton_inverse(
     opts.validate(OP)?;
     let n = check_square(OP, a.shape())?;
     check_finite_view(OP, "a", a)?;
-    let (a_sym, max_asym, max_abs) = symmetric_part(a);
+    let (a_sym, max_asym, max_abs) = symmetric_part(a)?;
     check_symmetric(OP, "a", max_asym, max_abs)?;
     let warm_sym = match (opts.init, warm) {
         (InitialGuess::Warm, Some(w)) => {
             crate::error::check_shape(OP, "warm", w.shape(), (n, n))?;
             check_finite_view(OP, "warm", w)?;
-            Some(symmetric_part(w).0)
+            Some(symmetric_part(w)?.0)
         }
         _ => None,
     };
     let has_warm = warm_sym.is_some();
-    let it = Iteration::new(a_sym, warm_sym, n, opts.precision == Precision::Bf16);
+    let it = Iteration::new(a_sym, warm_sym, n, opts.precision == Precision::Bf16)?;
     driver::newton_inverse(it, has_warm, opts)
 }
 
@@ -132,28 +132,28 @@ struct Iteration {
 }
 
 impl Iteration {
-    fn new(a: Vec<f32>, warm: Option<Vec<f32>>, n: usize, bf16: bool) -> Self {
+    fn new(a: Vec<f32>, warm: Option<Vec<f32>>, n: usize, bf16: bool) -> Result<Self> {
         let mut a_bf = Vec::new();
         if bf16 {
-            a_bf = vec![0.0; n * n];
+            a_bf = try_vec(n, n, 0.0)?;
             round_bf16(&a, &mut a_bf);
         }
-        let z = || vec![0.0f32; n * n];
-        Self {
+        let z = || try_vec(n, n, 0.0f32);
+        Ok(Self {
             n,
             bf16,
             keep_best: bf16,
             a,
             a_bf,
             x: warm.unwrap_or_default(),
-            t: z(),
+            t: z()?,
             best: Vec::new(),
-            w1: z(),
-            w2: z(),
-            w3: z(),
-            r1: z(),
-            r2: z(),
-        }
+            w1: z()?,
+            w2: z()?,
+            w3: z()?,
+            r1: z()?,
+            r2: z()?,
+        })
     }
 }
 
@@ -186,9 +186,11 @@ impl NewtonBackend for Iteration {
     fn set_x(&mut self, start: Start) -> Result<()> {
         let n = self.n;
         self.x = match start {
-            Start::ScaledA(alpha) => self.a.iter().map(|&v| (v as f64 * alpha) as f32).collect(),
+            Start::ScaledA(alpha) => {
+                try_collect(self.a.iter().map(|&v| (v as f64 * alpha) as f32))?
+            }
             Start::Identity(c) => {
-                let mut x = vec![0.0f32; n * n];
+                let mut x = try_vec(n, n, 0.0f32)?;
                 (0..n).for_each(|i| x[i * n + i] = c);
                 x
             }
@@ -378,13 +380,13 @@ fn residual(t: &[f32], n: usize) -> f32 {
 }
 
 /// The symmetric part of a square view, with `max |a_ij − a_ji|` and `max |a_ij|`.
-fn symmetric_part(a: MatRef<'_, f32>) -> (Vec<f32>, f32, f32) {
+fn symmetric_part(a: MatRef<'_, f32>) -> Result<(Vec<f32>, f32, f32)> {
     let n = a.rows();
     let max = (0..n)
         .flat_map(|i| a.row(i).iter())
         .fold(0.0f32, |m, v| m.max(v.abs()));
     let mut worst = 0.0f32;
-    let mut s = vec![0.0f32; n * n];
+    let mut s = try_vec(n, n, 0.0f32)?;
     for i in 0..n {
         for j in 0..n {
             let (x, y) = (a.at(i, j), a.at(j, i));
@@ -392,7 +394,7 @@ fn symmetric_part(a: MatRef<'_, f32>) -> (Vec<f32>, f32, f32) {
             s[i * n + j] = 0.5 * (x + y);
         }
     }
-    (s, worst, max)
+    Ok((s, worst, max))
 }
 
 #[cfg(test)]

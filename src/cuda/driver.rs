@@ -1,7 +1,7 @@
 //! The GPU path: a CUDA device, its default stream, and kernel launches through the driver
 //! API (modules loaded lazily from the embedded PTX, functions cached by name).
 
-use super::launch::{Kernel, LaunchConfig};
+use super::launch::{check_module_load, ptx_rejected, Kernel, LaunchConfig};
 use crate::error::{Error, Result};
 use crate::Element;
 use cudarc::driver::sys::CUfunction_attribute;
@@ -109,6 +109,23 @@ impl CudaDevice {
         self.stream.alloc_zeros(len)
     }
 
+    /// Loads the module of every kernel file the ops use (through one kernel of each), so
+    /// that a driver rejecting the PTX is found when [`crate::Device::auto`] picks a device,
+    /// not at the first step.
+    pub(crate) fn load_modules(&self) -> Result<()> {
+        use super::{elementwise, kalman, kron, newton, precond};
+        for k in [
+            elementwise::AXPY,
+            kalman::SOLVE,
+            kron::SYRK_EMA_F32,
+            newton::RESIDUAL,
+            precond::GEMM_NN,
+        ] {
+            self.function(&k, 0)?;
+        }
+        Ok(())
+    }
+
     /// The function of `kernel`, loading its file's module on first use, with its dynamic
     /// shared memory limit raised to at least `shared_mem`.
     fn function(&self, kernel: &Kernel, shared_mem: u32) -> Result<CudaFunction> {
@@ -123,14 +140,13 @@ impl CudaDevice {
                             kernel.file
                         ))
                     })?;
+                    check_module_load(kernel)?;
                     // A rejected PTX (e.g. built for a newer PTX ISA than the driver knows)
                     // means these kernels cannot run here at all: say which file and why.
-                    let m = self.ctx.load_module(Ptx::from_src(ptx)).map_err(|e| {
-                        Error::DeviceUnavailable(format!(
-                            "the CUDA driver rejected the PTX of kernel file {}: {e}",
-                            kernel.file
-                        ))
-                    })?;
+                    let m = self
+                        .ctx
+                        .load_module(Ptx::from_src(ptx))
+                        .map_err(|e| ptx_rejected(kernel.file, &e))?;
                     cache.modules.insert(kernel.file, m.clone());
                     m
                 }

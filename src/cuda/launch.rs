@@ -50,6 +50,44 @@ pub fn take_launches() -> Vec<&'static str> {
     std::mem::take(&mut *LAUNCHED.lock().unwrap_or_else(PoisonError::into_inner))
 }
 
+/// Whether a PTX rejection is being injected ([`inject_ptx_reject`]): one relaxed load per
+/// emulated launch, and per module load on a GPU, when off.
+static INJECTING: AtomicBool = AtomicBool::new(false);
+/// The kernel file whose module load fails while [`INJECTING`] (`"*"`: every file).
+static REJECTED_FILE: Mutex<Option<&'static str>> = Mutex::new(None);
+
+/// Fault injection for tests: from now on, loading the module of kernel file `file` (its PTX
+/// constant name, `"KALMAN"` for `kernels/kalman.cu`; `"*"` for every file) fails as a driver
+/// that rejects its PTX would, on [`Device::Emulated`] (each launch stands for a module load)
+/// and on [`Device::Cuda`] (before the driver is asked); `None` stops it. Process-wide: use it
+/// in a test binary whose other tests launch no kernel meanwhile.
+#[doc(hidden)]
+pub fn inject_ptx_reject(file: Option<&'static str>) {
+    *REJECTED_FILE.lock().unwrap_or_else(PoisonError::into_inner) = file;
+    INJECTING.store(file.is_some(), Ordering::Relaxed);
+}
+
+/// The error of a module the driver would not load: these kernels cannot run on this device.
+pub(crate) fn ptx_rejected(file: &str, why: &dyn std::fmt::Display) -> Error {
+    Error::DeviceUnavailable(format!(
+        "the CUDA driver rejected the PTX of kernel file {file}: {why}"
+    ))
+}
+
+/// Loading `kernel`'s module: `Err` only under [`inject_ptx_reject`] of its file.
+pub(crate) fn check_module_load(kernel: &Kernel) -> Result<()> {
+    if !INJECTING.load(Ordering::Relaxed) {
+        return Ok(());
+    }
+    match *REJECTED_FILE.lock().unwrap_or_else(PoisonError::into_inner) {
+        Some(f) if f == "*" || f == kernel.file => Err(ptx_rejected(
+            kernel.file,
+            &"injected by grng::cuda::launch::inject_ptx_reject",
+        )),
+        _ => Ok(()),
+    }
+}
+
 /// `<<<grid, block, shared_mem>>>` of a launch.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct LaunchConfig {
@@ -308,6 +346,7 @@ pub unsafe fn launch(kernel: &Kernel, cfg: LaunchConfig, args: KernelArgs<'_>) -
             kernel.name
         ))),
         Device::Emulated => {
+            check_module_load(kernel)?;
             // SAFETY: the caller guarantees 1-3; `params` points into `slots`, alive here, and
             // host buffers are borrowed by `args` for the whole (synchronous) call.
             unsafe { super::emu::launch(kernel, &cfg, &mut params, &host) };

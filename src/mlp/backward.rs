@@ -63,7 +63,7 @@ impl Mlp {
         let es = self.backprop(fwd, e, 1)?;
         let mut grad = Vec::new();
         if with_grad {
-            grad = vec![0.0f32; self.num_params()];
+            grad = crate::error::try_vec(self.num_params(), 1, 0.0f32)?;
             for (l, e_l) in es.iter().enumerate() {
                 let (rows, cols) = self.layer_shape(l)?;
                 let range = self.layer_range(l)?;

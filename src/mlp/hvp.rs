@@ -141,7 +141,7 @@ impl Mlp {
         }
 
         // Backward R-pass.
-        let mut hv = vec![0.0f32; self.num_params()];
+        let mut hv = crate::error::try_vec(self.num_params(), 1, 0.0f32)?;
         let inv_m = 1.0 / m as f32;
         for l in (0..nl).rev() {
             let (rows, cols) = self.layer_shape(l)?;

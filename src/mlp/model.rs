@@ -113,7 +113,7 @@ impl Mlp {
             offsets.push(offsets.last().copied().unwrap_or(0) + w[1] * (w[0] + 1));
         }
         let n = offsets.last().copied().unwrap_or(0);
-        let mut params = vec![0.0f32; n];
+        let mut params = crate::error::try_vec(n, 1, 0.0f32)?;
         let mut rng = ChaCha8Rng::seed_from_u64(seed);
         for (l, w) in config.sizes.windows(2).enumerate() {
             let (d_in, d_out) = (w[0], w[1]);

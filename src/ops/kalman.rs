@@ -41,7 +41,7 @@ impl KalmanState {
         let n = mu0.len();
         Ok(Self {
             mu: device.upload(n, 1, mu0)?,
-            sigma: device.upload(n, 1, &vec![sigma0; n])?,
+            sigma: device.upload(n, 1, &crate::error::try_vec(n, 1, sigma0)?)?,
             r: device.zeros(d_o, d_o)?,
             spare: None,
         })

@@ -46,7 +46,7 @@ pub(crate) fn check_psd(
     crate::error::check_finite(op, arg, a)?;
     let max_diag = (0..n).map(|i| a[i * n + i].abs()).fold(0.0f32, f32::max);
     let tol = (n as f32 * f32::EPSILON * max_diag).max(f32::MIN_POSITIVE);
-    let mut w = a.to_vec();
+    let mut w = crate::error::try_to_vec(a)?;
     for i in 0..n {
         w[i * n + i] += shift + tol;
     }

@@ -57,9 +57,14 @@ pub fn proptest_config(cases: u32) -> Config {
     }
 }
 
+/// [`test_seed`] of the running test: for helpers that take a seed.
+pub fn seed() -> u64 {
+    test_seed(&current_test())
+}
+
 /// A ChaCha8 generator seeded by [`test_seed`] of the running test, for hand-rolled random tests.
 pub fn seeded_rng() -> ChaCha8Rng {
-    ChaCha8Rng::seed_from_u64(test_seed(&current_test()))
+    ChaCha8Rng::seed_from_u64(seed())
 }
 
 /// Unit roundoff of f32.
