@@ -4,12 +4,13 @@
 //!
 //! Semantics are those of [`crate::cpu::elementwise`], errors included: a failed call
 //! changes nothing. Shapes and scalars are validated once, by the ops; the launchers check
-//! only buffer lengths against the `n` they pass to a kernel (memory safety). The fused optimizer updates validate while they stream: the kernel reads
-//! the old state, writes new buffers and records the first NaN/Inf per input array and the
-//! first sign violation (integer `atomicMin`, only where a bad value is seen) into a 5-int
-//! status; the host reads it once (the only synchronization) and swaps the new buffers in
-//! when it is clean, else reports the error the CPU backend would report. A clean update
-//! thus costs one pass and one 20-byte read-back. `axpy` and `scale` still run the read-only
+//! only buffer lengths against the `n` they pass to a kernel (memory safety). The fused
+//! optimizer updates check values while they stream: the kernel reads the old state, writes
+//! new buffers and records the first NaN/Inf per input array and the first sign violation
+//! (integer `atomicMin`, only where a bad value is seen) into a 5-int status; the host
+//! reads it once (the only synchronization) and swaps the new buffers in when it is clean,
+//! else reports the error the CPU backend would report. A clean update thus costs one pass
+//! and one 20-byte read-back. `axpy` and `scale` still run the read-only
 //! `elementwise_check` pass first, into the status their kernel reads before writing.
 //!
 //! Matrices hold `f32`; integer slots of the status live in an `f32` matrix as bit patterns.
@@ -354,15 +355,16 @@ fn reduce(
 }
 
 /// The prologue and epilogue the four fused optimizer updates share: in order, the length
-/// checks (every array against the first: memory safety, the kernel indexes all of them up to
-/// `n`; shapes and coefficients are the op's to check, [`crate::ops::elementwise`]), the
-/// kernels' `int` conversion of `n`, the `n == 0` early return; then fresh output buffers shaped like
-/// the written arrays (`written` indexes into `arrays(bufs)`) and a fresh status, and
-/// `queue_update(bufs, outs, n, status)` queues the update kernel, which reads the old state,
-/// writes `outs` and flags NaN/Inf and sign violations of its inputs into the status while it
-/// streams (no separate check pass); last, the status read-back (the only synchronization)
-/// and either the error the CPU backend would report — the old state untouched, the outputs
-/// dropped — or `commit(bufs, outs)`, which swaps the outputs in (no copy pass).
+/// checks (every array against the first: memory safety, the kernel indexes all of them up
+/// to `n`; shapes and coefficients are the op's to check, [`crate::ops::elementwise`]), the
+/// kernels' `int` conversion of `n`, the `n == 0` early return; then fresh output buffers
+/// shaped like the written arrays (`written` indexes into `arrays(bufs)`) and a fresh
+/// status, and `queue_update(bufs, outs, n, status)` queues the update kernel, which reads
+/// the old state, writes `outs` and flags NaN/Inf and sign violations of its inputs into
+/// the status while it streams (no separate check pass); last, the status read-back (the
+/// only synchronization) and either the error the CPU backend would report — the old state
+/// untouched, the outputs dropped — or `commit(bufs, outs)`, which swaps the outputs in (no
+/// copy pass).
 ///
 /// `bufs` holds the launcher's matrices (the written ones by `&mut`); `arrays(bufs)` names
 /// all of them in the CPU backend's check order, which is the kernel's status-slot order.
