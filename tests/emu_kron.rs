@@ -255,25 +255,15 @@ fn bad_inputs_are_errors() {
     let mut f = dev.upload(3, 3, &fill).unwrap();
     let unchanged = |f: &Matrix| assert_eq!(f.to_vec().unwrap(), fill);
 
+    // ε and m ≥ 1 are validated once, by the op; the launchers check only the shapes their
+    // kernels' memory safety rests on (the factor below).
     for eps in [-0.1f32, 1.0, f32::NAN, f32::INFINITY] {
         let r = dev.kron_factor_update(&a, eps, &mut f);
         assert!(matches!(r, Err(Error::Value { arg: "eps", .. })), "{r:?}");
-        assert!(matches!(
-            syrk_ema_f32(&dev, &a, eps, &mut f),
-            Err(Error::Value { .. })
-        ));
-        assert!(matches!(
-            syrk_ema_tc(&dev, &ab, eps, &mut f),
-            Err(Error::Value { .. })
-        ));
     }
     let empty = dev.zeros::<f32>(0, 3).unwrap();
     assert!(matches!(
         dev.kron_factor_update(&empty, 0.0, &mut f),
-        Err(Error::Shape { .. })
-    ));
-    assert!(matches!(
-        syrk_ema_f32(&dev, &empty, 0.0, &mut f),
         Err(Error::Shape { .. })
     ));
     let mut wrong = dev.upload(4, 4, &[0.0f32; 16]).unwrap();

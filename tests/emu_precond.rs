@@ -396,7 +396,7 @@ fn bad_inputs_are_errors() {
     for bad in [f32::NAN, f32::INFINITY] {
         let r = dev.gemm(Trans::No, Trans::No, bad, &a, &b, 0.0, &mut c);
         assert!(matches!(r, Err(Error::Value { arg: "alpha", .. })), "{r:?}");
-        let r = precond::gemm(&dev, Trans::No, Trans::No, 1.0, &a, &b, bad, &mut c);
+        let r = dev.gemm(Trans::No, Trans::No, 1.0, &a, &b, bad, &mut c);
         assert!(matches!(r, Err(Error::Value { arg: "beta", .. })), "{r:?}");
     }
     let mut bv = vec![1.0f32; 12];

@@ -14,8 +14,8 @@ fn op_shape(t: Trans, shape: (usize, usize)) -> (usize, usize) {
     }
 }
 
-/// The GEMM argument checks every backend shares: finite `α`, `β`, inner dimensions that
-/// agree and `C` of shape `m x n`. Returns `(m, n, k)` for `op(A)` `m x k`, `op(B)` `k x n`.
+/// The GEMM argument checks of [`crate::Device::gemm`] and this backend: finite `α`, `β`,
+/// then [`gemm_dims`]. Returns `(m, n, k)` for `op(A)` `m x k`, `op(B)` `k x n`.
 #[allow(clippy::too_many_arguments)]
 pub(crate) fn check_gemm(
     op: &'static str,
@@ -29,6 +29,20 @@ pub(crate) fn check_gemm(
 ) -> Result<(usize, usize, usize)> {
     check_value(op, "alpha", alpha as f64, true, "a finite number")?;
     check_value(op, "beta", beta as f64, true, "a finite number")?;
+    gemm_dims(op, trans_a, a, trans_b, b, c)
+}
+
+/// `(m, n, k)` for `op(A)` `m x k`, `op(B)` `k x n`, or [`Error::Shape`] unless the inner
+/// dimensions agree and `C` is `m x n`: the part of [`check_gemm`] a GEMM kernel's memory
+/// safety rests on (it indexes every operand by these dimensions).
+pub(crate) fn gemm_dims(
+    op: &'static str,
+    trans_a: Trans,
+    a: (usize, usize),
+    trans_b: Trans,
+    b: (usize, usize),
+    c: (usize, usize),
+) -> Result<(usize, usize, usize)> {
     let (m, k) = op_shape(trans_a, a);
     let (kb, n) = op_shape(trans_b, b);
     if kb != k {

@@ -3,18 +3,19 @@
 //! [`Device::Cuda`] (called by the GPU arms of [`crate::ops::elementwise`]).
 //!
 //! Semantics are those of [`crate::cpu::elementwise`], errors included: a failed call
-//! changes nothing. The fused optimizer updates validate while they stream: the kernel reads
-//! the old state, writes new buffers and records the first NaN/Inf per input array and the
-//! first sign violation (integer `atomicMin`, only where a bad value is seen) into a 5-int
-//! status; the host reads it once (the only synchronization) and swaps the new buffers in
-//! when it is clean, else reports the error the CPU backend would report. A clean update
-//! thus costs one pass and one 20-byte read-back. `axpy` and `scale` still run the read-only
+//! changes nothing. Shapes and scalars are validated once, by the ops; the launchers check
+//! only buffer lengths against the `n` they pass to a kernel (memory safety). The fused
+//! optimizer updates check values while they stream: the kernel reads the old state, writes
+//! new buffers and records the first NaN/Inf per input array and the first sign violation
+//! (integer `atomicMin`, only where a bad value is seen) into a 5-int status; the host
+//! reads it once (the only synchronization) and swaps the new buffers in when it is clean,
+//! else reports the error the CPU backend would report. A clean update thus costs one pass
+//! and one 20-byte read-back. `axpy` and `scale` still run the read-only
 //! `elementwise_check` pass first, into the status their kernel reads before writing.
 //!
 //! Matrices hold `f32`; integer slots of the status live in an `f32` matrix as bit patterns.
 
 use super::launch::{kernel, launch, KernelArgs, LaunchConfig};
-use crate::params::elementwise::check_beta;
 use std::any::Any;
 
 use crate::device::{Device, Element, Matrix};
@@ -222,11 +223,12 @@ fn check_bf16(dev: &Device, op: &'static str, arg: &'static str, m: &Matrix<bf16
     })
 }
 
-/// `y ← α x + y` (same length); `y` unchanged on error (non-finite `α`, `x` or `y`).
+/// `y ← α x + y` (same length); `y` unchanged on error (non-finite `x` or `y`). `α` is
+/// checked by [`Device::axpy`].
 pub(crate) fn axpy(dev: &Device, alpha: f32, x: &Matrix, y: &mut Matrix) -> Result<()> {
     const OP: &str = "cuda::axpy";
+    // Memory safety: the kernel reads and writes n = len(y) elements of both.
     check_len(OP, "x", x.len(), y.len())?;
-    check_value(OP, "alpha", alpha as f64, true, "a finite number")?;
     let n = to_i32(OP, "y", y.len())?;
     if n == 0 {
         return Ok(());
@@ -246,10 +248,9 @@ pub(crate) fn axpy(dev: &Device, alpha: f32, x: &Matrix, y: &mut Matrix) -> Resu
     status_result(OP, &[("x", x), ("y", &*y)], None, &status)
 }
 
-/// `x ← α x`; `x` unchanged on error (non-finite `α` or `x`).
+/// `x ← α x`; `x` unchanged on error (non-finite `x`). `α` is checked by [`Device::scale`].
 pub(crate) fn scale(dev: &Device, alpha: f32, x: &mut Matrix) -> Result<()> {
     const OP: &str = "cuda::scale";
-    check_value(OP, "alpha", alpha as f64, true, "a finite number")?;
     let n = to_i32(OP, "x", x.len())?;
     if n == 0 {
         return Ok(());
@@ -271,6 +272,7 @@ pub(crate) fn scale(dev: &Device, alpha: f32, x: &mut Matrix) -> Result<()> {
 /// `dst ← src` (same length; non-finite values copied as they are). Asynchronous on CUDA.
 pub(crate) fn copy(dev: &Device, src: &Matrix, dst: &mut Matrix) -> Result<()> {
     const OP: &str = "cuda::copy";
+    // Memory safety: the kernel reads and writes n = len(dst) elements of both.
     check_len(OP, "src", src.len(), dst.len())?;
     let n = to_i32(OP, "dst", dst.len())?;
     if n == 0 {
@@ -288,6 +290,7 @@ pub(crate) fn copy(dev: &Device, src: &Matrix, dst: &mut Matrix) -> Result<()> {
 /// for the error bound, which holds here too (only the f64 summation order differs).
 pub(crate) fn dot(dev: &Device, x: &Matrix, y: &Matrix) -> Result<f32> {
     const OP: &str = "cuda::dot";
+    // Memory safety: the kernel reads n = len(x) elements of both.
     check_len(OP, "y", y.len(), x.len())?;
     reduce(dev, OP, &[("x", x), ("y", y)], false)
 }
@@ -352,14 +355,16 @@ fn reduce(
 }
 
 /// The prologue and epilogue the four fused optimizer updates share: in order, the length
-/// checks (every array against the first), the coefficient checks `coeffs`, the kernels'
-/// `int` conversion of `n`, the `n == 0` early return; then fresh output buffers shaped like
-/// the written arrays (`written` indexes into `arrays(bufs)`) and a fresh status, and
-/// `queue_update(bufs, outs, n, status)` queues the update kernel, which reads the old state,
-/// writes `outs` and flags NaN/Inf and sign violations of its inputs into the status while it
-/// streams (no separate check pass); last, the status read-back (the only synchronization)
-/// and either the error the CPU backend would report — the old state untouched, the outputs
-/// dropped — or `commit(bufs, outs)`, which swaps the outputs in (no copy pass).
+/// checks (every array against the first: memory safety, the kernel indexes all of them up
+/// to `n`; shapes and coefficients are the op's to check, [`crate::ops::elementwise`]), the
+/// kernels' `int` conversion of `n`, the `n == 0` early return; then fresh output buffers
+/// shaped like the written arrays (`written` indexes into `arrays(bufs)`) and a fresh
+/// status, and `queue_update(bufs, outs, n, status)` queues the update kernel, which reads
+/// the old state, writes `outs` and flags NaN/Inf and sign violations of its inputs into
+/// the status while it streams (no separate check pass); last, the status read-back (the
+/// only synchronization) and either the error the CPU backend would report — the old state
+/// untouched, the outputs dropped — or `commit(bufs, outs)`, which swaps the outputs in (no
+/// copy pass).
 ///
 /// `bufs` holds the launcher's matrices (the written ones by `&mut`); `arrays(bufs)` names
 /// all of them in the CPU backend's check order, which is the kernel's status-slot order.
@@ -371,7 +376,6 @@ fn fused_update<B, const K: usize, const W: usize>(
     mut bufs: B,
     arrays: impl for<'b> Fn(&'b B) -> [(&'static str, &'b Matrix); K],
     written: [usize; W],
-    coeffs: impl FnOnce() -> Result<()>,
     sign: SignCheck,
     queue_update: impl FnOnce(&B, &mut [Matrix; W], i32, &mut Matrix) -> Result<()>,
     commit: impl FnOnce(&mut B, &mut [Matrix; W]),
@@ -381,7 +385,6 @@ fn fused_update<B, const K: usize, const W: usize>(
     for &(arg, m) in &list[1..] {
         check_len(op, arg, m.len(), n)?;
     }
-    coeffs()?;
     let ni = to_i32(op, first, n)?;
     if n == 0 {
         return Ok(());
@@ -415,7 +418,6 @@ pub(crate) fn sgd_update(
         (params, grad, momentum_buf),
         |(p, g, b)| [("params", &**p), ("grad", *g), ("momentum_buf", &**b)],
         [0, 2],
-        || c.validate(OP),
         None,
         |(p, g, b), outs, n, status| {
             let [po, bo] = outs;
@@ -459,7 +461,6 @@ pub(crate) fn adamw_update(
         (params, grad, m, v),
         |(p, g, m, v)| [("params", &**p), ("grad", *g), ("m", &**m), ("v", &**v)],
         [0, 2, 3],
-        || c.validate(OP),
         Some((3, false)),
         |(p, g, m, v), outs, n, status| {
             let [po, mo, vo] = outs;
@@ -514,7 +515,6 @@ pub(crate) fn sophia_update(
         (params, grad, m, h),
         |(p, g, m, h)| [("params", &**p), ("grad", *g), ("m", &**m), ("h", *h)],
         [0, 2],
-        || c.validate(OP),
         Some((3, false)),
         |(p, g, m, h), outs, n, status| {
             let [po, mo] = outs;
@@ -563,10 +563,6 @@ pub(crate) fn sophia_hessian_ema(
         (h, sampled_grad),
         |(h, g)| [("h", &**h), ("sampled_grad", *g)],
         [0],
-        || {
-            check_beta(OP, "beta2", beta2)?;
-            check_value(OP, "batch", batch as f64, batch >= 1, "batch >= 1")
-        },
         Some((0, false)),
         |(h, g), outs, n, status| {
             let mut args = KernelArgs::new(dev);

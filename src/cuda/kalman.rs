@@ -82,7 +82,8 @@ pub struct KalmanBuffers<'a> {
 /// `v = y − ŷ` (`d_o x 1`): reads `io.mu`, `io.sigma`, `io.r`, writes the posterior into
 /// `io.mu_out`, `io.sigma_out`, `io.r_out`. Arithmetic, options and errors are those of
 /// [`crate::cpu::kalman::kalman_step`]; the inputs are never modified, and on error the
-/// outputs hold unspecified values.
+/// outputs hold unspecified values. `opts` are not validated here
+/// ([`crate::Device::kalman_step`] does).
 ///
 /// # Errors
 /// As the CPU step ([`Error::Shape`], [`Error::Value`], [`Error::NonFinite`],
@@ -96,7 +97,9 @@ pub fn kalman_step(
     opts: &KalmanOptions,
 ) -> Result<KalmanInfo> {
     const OP: &str = "cuda::kalman_step";
-    opts.validate(OP)?;
+    // Memory safety only (the options, shapes and finiteness are the op's,
+    // `Device::kalman_step`): every buffer against the d_o, n the kernels index by, d_o within
+    // their fixed-size solve, d_o·n within their ints.
     let (d_o, n) = h.shape();
     if d_o == 0 || n == 0 || d_o > MAX_D_O {
         return Err(Error::Shape {

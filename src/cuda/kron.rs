@@ -5,14 +5,15 @@
 //!
 //! Both SYRK kernels compute only the lower-triangle tiles and mirror them, so the
 //! result is exactly symmetric; only the lower triangle of the old `Λ` is read, and not at all
-//! when `ε = 0`. Shapes and scalars are validated here before any launch; finiteness of the
-//! operands is the caller's business (see [`crate::ops`]).
+//! when `ε = 0`. Arguments are validated once, by [`crate::Device::kron_factor_update`] and
+//! [`crate::Device::batch_gradient`] (shapes, `ε`, `m ≥ 1`, finiteness); the launchers check
+//! only what the kernels' memory safety needs (shapes against the dimensions passed, `int`
+//! ranges; device placement is checked by [`KernelArgs`]).
 
 use super::launch::{kernel, launch, KernelArgs, LaunchConfig};
 use super::precond::to_i32;
-use crate::cpu::kron::{check_batch_gradient_args, check_syrk_args};
 use crate::device::{Device, Element, Matrix};
-use crate::error::{Error, Result};
+use crate::error::{check_shape, Error, Result};
 use crate::mat::Trans;
 use half::bf16;
 
@@ -27,21 +28,18 @@ const TILE_TC: usize = 128;
 /// `GRNG_GEMM_SMEM` of kernels/gemm/engine.cuh, 3 stages of two 128x32 bf16 tiles.
 pub(crate) const GEMM_SMEM: u32 = 3 * 2 * 128 * 32 * 2;
 
-/// Validates a SYRK-EMA call and returns `(m, n, α, grid)`: `a` `m x n` with `m ≥ 1`,
-/// `factor` `n x n`, `0 ≤ ε < 1`, and the triangle of `tile x tile` pairs within one grid
-/// dimension.
+/// The memory-safety checks of a SYRK-EMA call (`factor` `n x n` for `a` `m x n`, the
+/// dimensions and the triangle of `tile x tile` pairs within the kernel's `int`s); returns
+/// `(m, n, α, grid)`. `ε` and `m ≥ 1` are the op's to check.
 fn check_syrk<T: Element>(
     op: &'static str,
-    dev: &Device,
     a: &Matrix<T>,
     eps: f32,
     factor: &Matrix,
     tile: usize,
 ) -> Result<(i32, i32, f32, u32)> {
-    dev.check_on(op, a)?;
-    dev.check_on(op, factor)?;
-    check_syrk_args(op, a.shape(), eps, factor.shape())?;
     let (m, n) = a.shape();
+    check_shape(op, "factor", factor.shape(), (n, n))?;
     let (mi, ni) = (to_i32(op, "m", m)?, to_i32(op, "n", n)?);
     // The kernel forms row * n offsets in 64 bits, but the tile-pair index is an int.
     let nt = n.div_ceil(tile);
@@ -101,7 +99,7 @@ unsafe fn launch_syrk<T: Element>(
 /// `0 ≤ ε < 1` or for dimensions ≥ 2^31, launch errors. `factor` is unchanged on error.
 pub fn syrk_ema_f32(dev: &Device, a: &Matrix<f32>, eps: f32, factor: &mut Matrix) -> Result<()> {
     const OP: &str = "cuda::kron::syrk_ema_f32";
-    let checked = check_syrk(OP, dev, a, eps, factor, TILE_F32)?;
+    let checked = check_syrk(OP, a, eps, factor, TILE_F32)?;
     // SAFETY: kron_syrk_ema_f32(const float* A, float* L, int m, int n, float alpha,
     // float eps) with block 256 and one block per tile pair (bi ≥ bj) of ceil(n/64) tiles.
     // A holds m*n floats and is read at (s, c) only for s < m, c < n; L holds n*n floats and
@@ -118,7 +116,7 @@ pub fn syrk_ema_f32(dev: &Device, a: &Matrix<f32>, eps: f32, factor: &mut Matrix
 /// As [`syrk_ema_f32`]. `factor` is unchanged on error.
 pub fn syrk_ema_tc(dev: &Device, a: &Matrix<bf16>, eps: f32, factor: &mut Matrix) -> Result<()> {
     const OP: &str = "cuda::kron::syrk_ema_tc";
-    let checked = check_syrk(OP, dev, a, eps, factor, TILE_TC)?;
+    let checked = check_syrk(OP, a, eps, factor, TILE_TC)?;
     // SAFETY: kron_syrk_ema_tc(const __nv_bfloat16* A, float* L, int m, int n, float alpha,
     // float eps) with block 256 (8 full warps, as mma.sync needs), one block per 128x128 tile
     // pair and GEMM_SMEM bytes of dynamic shared memory (3 stages of two 128x32 bf16 tiles).
@@ -143,11 +141,9 @@ pub fn syrk_ema_tc(dev: &Device, a: &Matrix<bf16>, eps: f32, factor: &mut Matrix
 /// `d_out x d_in`: the `precond_gemm_tn` kernel with `α = 1/m`, `β = 0` (`G` is not read).
 ///
 /// # Errors
-/// [`Error::DeviceMismatch`], [`Error::Shape`] (also `m = 0`), launch errors. `g` is
-/// unchanged on error.
+/// [`Error::DeviceMismatch`], [`Error::Shape`] (the GEMM's own checks), launch errors. `g`
+/// is unchanged on error.
 pub fn batch_gradient(dev: &Device, e: &Matrix, a: &Matrix, g: &mut Matrix) -> Result<()> {
-    const OP: &str = "cuda::kron::batch_gradient";
     let m = e.rows();
-    check_batch_gradient_args(OP, e.shape(), a.shape(), g.shape())?;
     super::precond::gemm(dev, Trans::Yes, Trans::No, 1.0 / m as f32, e, a, 0.0, g)
 }

@@ -1,6 +1,7 @@
 //! One launch path for every kernel, on a GPU or in the emulator.
 //!
-//! A launcher (one per kernel, in `src/cuda/<file>.rs`) validates its inputs, computes a
+//! A launcher (one per kernel, in `src/cuda/<file>.rs`) checks what its kernel's memory
+//! safety needs (the arguments themselves are validated once, by [`crate::ops`]), computes a
 //! [`LaunchConfig`], pushes the arguments in the kernel's parameter order into
 //! [`KernelArgs`] and calls [`launch`]. Everything up to the final dispatch is shared by
 //! [`Device::Emulated`] and [`Device::Cuda`]: the only difference is where the kernel body

@@ -4,14 +4,15 @@
 //! `X ← X − dλ·X·X`; `A ← A + λI`; the trace.
 //!
 //! Every function runs on [`Device::Emulated`] or [`Device::Cuda`] (on the device's stream,
-//! asynchronously, except [`trace`], which reads its scalar back). Shapes and scalars are
-//! validated here, before any launch; finiteness of the operands is the caller's business
-//! (see [`crate::ops`]).
+//! asynchronously, except [`trace`], which reads its scalar back). Arguments are validated
+//! once, by the ops ([`crate::ops`]: shapes, scalars, finiteness); a launcher checks only what
+//! its kernel's memory safety needs (shapes against the dimensions it passes, the kernels'
+//! `int` ranges; device placement is checked by [`KernelArgs`]).
 
 use super::launch::{kernel, launch, KernelArgs, LaunchConfig};
-use crate::cpu::gemm::check_gemm;
+use crate::cpu::gemm::gemm_dims;
 use crate::device::{Device, Matrix};
-use crate::error::{check_shape, check_value, Error, Result};
+use crate::error::{check_shape, Error, Result};
 use crate::mat::Trans;
 use half::bf16;
 
@@ -48,8 +49,8 @@ pub(crate) fn to_i32(op: &'static str, arg: &'static str, v: usize) -> Result<i3
 ///
 /// # Errors
 /// [`Error::DeviceMismatch`], [`Error::Shape`] for disagreeing dimensions, [`Error::Value`]
-/// for a non-finite `α`/`β` or a dimension ≥ 2^31, launch/driver errors. `c` is unchanged
-/// on error.
+/// for a dimension ≥ 2^31, launch/driver errors. `c` is unchanged on error. `α`, `β` are
+/// not checked ([`crate::Device::gemm`] does).
 #[allow(clippy::too_many_arguments)]
 pub fn gemm(
     dev: &Device,
@@ -62,7 +63,8 @@ pub fn gemm(
     c: &mut Matrix,
 ) -> Result<()> {
     const OP: &str = "cuda::precond::gemm";
-    let (m, n, k) = check_gemm(OP, ta, a.shape(), tb, b.shape(), alpha, beta, c.shape())?;
+    // Memory safety: the kernel indexes a, b, c by these dimensions.
+    let (m, n, k) = gemm_dims(OP, ta, a.shape(), tb, b.shape(), c.shape())?;
     let (mi, ni) = (to_i32(OP, "m", m)?, to_i32(OP, "n", n)?);
     let ki = to_i32(OP, "k", k)?;
     let (lda, ldb, ldc) = (
@@ -114,12 +116,12 @@ pub fn gemm(
 /// `a ← a + λ I` for a square `a`.
 ///
 /// # Errors
-/// [`Error::DeviceMismatch`], [`Error::Shape`] unless square, [`Error::Value`] for a
-/// non-finite `λ`, launch errors. `a` is unchanged on error.
+/// [`Error::DeviceMismatch`], [`Error::Shape`] unless square, launch errors. `a` is unchanged
+/// on error. `λ` is not checked ([`crate::Device::add_diagonal`] does).
 pub fn add_diagonal(dev: &Device, a: &mut Matrix, lambda: f32) -> Result<()> {
     const OP: &str = "cuda::precond::add_diagonal";
+    // Memory safety: the kernel writes the n = rows diagonal entries of an n x n matrix.
     check_shape(OP, "a", a.shape(), (a.rows(), a.rows()))?;
-    check_value(OP, "lambda", lambda as f64, true, "a finite number")?;
     let n = a.rows();
     let ni = to_i32(OP, "a", n)?;
     if n == 0 {
@@ -141,10 +143,10 @@ pub fn add_diagonal(dev: &Device, a: &mut Matrix, lambda: f32) -> Result<()> {
 /// NaN/Inf diagonal entry (the first, flat index `i·n + i`), launch/driver errors.
 pub fn trace(dev: &Device, a: &Matrix) -> Result<f32> {
     const OP: &str = "cuda::precond::trace";
+    // Memory safety: the kernel reads the n = rows diagonal entries of an n x n matrix.
     check_shape(OP, "a", a.shape(), (a.rows(), a.rows()))?;
     let n = a.rows();
     let ni = to_i32(OP, "a", n)?;
-    dev.check_on(OP, a)?;
     if n == 0 {
         return Ok(0.0);
     }
@@ -197,6 +199,7 @@ fn split3(dev: &Device, x: &Matrix) -> Result<Matrix<bf16>> {
 /// [`Error::Shape`] unless `planes` is `3r x c`, device mismatch, launch errors.
 pub(crate) fn split3_into(dev: &Device, x: &Matrix, planes: &mut Matrix<bf16>) -> Result<()> {
     const OP: &str = "cuda::precond::split3";
+    // Memory safety: the kernel writes 3·len(x) planes elements.
     check_shape(OP, "planes", planes.shape(), (3 * x.rows(), x.cols()))?;
     if x.is_empty() {
         return Ok(());
@@ -234,10 +237,8 @@ pub fn gemm3(
     c: &mut Matrix,
 ) -> Result<()> {
     const OP: &str = "cuda::precond::gemm3";
-    check_gemm(OP, ta, a.shape(), tb, b.shape(), alpha, beta, c.shape())?;
-    dev.check_on(OP, a)?;
-    dev.check_on(OP, b)?;
-    dev.check_on(OP, c)?;
+    // Memory safety: the kernel indexes the planes and c by these dimensions.
+    gemm_dims(OP, ta, a.shape(), tb, b.shape(), c.shape())?;
     // α = 0: no K slice at all, so the planes (a placeholder element) are never read.
     let split = |x: &Matrix| {
         if alpha == 0.0 {
@@ -262,7 +263,7 @@ pub fn gemm3(
 /// from, and its [`split3`] planes (a placeholder when `α = 0`).
 type Planes<'a> = (Trans, (usize, usize), &'a Matrix<bf16>);
 
-/// Launches `precond_gemm3_tc` on split operands whose shapes passed `check_gemm`.
+/// Launches `precond_gemm3_tc` on split operands whose shapes passed [`gemm_dims`].
 fn launch_gemm3(
     dev: &Device,
     op: &'static str,
@@ -339,8 +340,9 @@ fn launch_gemm3(
 /// on the same device.
 ///
 /// # Errors
-/// [`Error::DeviceMismatch`], [`Error::Shape`], allocation/launch errors. `p` is unchanged
-/// on error (it is written by the last launch only).
+/// [`Error::DeviceMismatch`], [`Error::Shape`] (from the products' own checks, so before `p`
+/// is written), allocation/launch errors. `p` is unchanged on error (it is written by the
+/// last launch only).
 pub fn precondition(
     dev: &Device,
     gamma_inv: &Matrix,
@@ -348,15 +350,7 @@ pub fn precondition(
     lambda_inv: &Matrix,
     p: &mut Matrix,
 ) -> Result<()> {
-    const OP: &str = "cuda::precond::precondition";
     let (d_out, d_in) = g.shape();
-    check_shape(OP, "gamma_inv", gamma_inv.shape(), (d_out, d_out))?;
-    check_shape(OP, "lambda_inv", lambda_inv.shape(), (d_in, d_in))?;
-    check_shape(OP, "p", p.shape(), (d_out, d_in))?;
-    for m in [gamma_inv, g, lambda_inv] {
-        dev.check_on(OP, m)?;
-    }
-    dev.check_on(OP, p)?;
     let mut t = dev.zeros::<f32>(d_out, d_in)?;
     gemm3(dev, Trans::No, Trans::No, 1.0, g, lambda_inv, 0.0, &mut t)?;
     gemm3(dev, Trans::No, Trans::No, 1.0, gamma_inv, &t, 0.0, p)
@@ -368,13 +362,13 @@ pub fn precondition(
 /// `dλ = 0` leaves `X` as it is.
 ///
 /// # Errors
-/// [`Error::DeviceMismatch`], [`Error::Shape`] unless square, [`Error::Value`] for a
-/// non-finite `dλ`, allocation/launch errors. `inv` is unchanged on error.
+/// [`Error::DeviceMismatch`], [`Error::Shape`] unless square, allocation/launch errors. `inv`
+/// is unchanged on error. `dλ` is not checked ([`crate::Device::damped_inverse_update`]
+/// does).
 pub fn damped_inverse_update(dev: &Device, inv: &mut Matrix, dlambda: f32) -> Result<()> {
     const OP: &str = "cuda::precond::damped_inverse_update";
+    // Memory safety: the product reads and writes inv as n x n.
     check_shape(OP, "inv", inv.shape(), (inv.rows(), inv.rows()))?;
-    check_value(OP, "dlambda", dlambda as f64, true, "a finite number")?;
-    dev.check_on(OP, inv)?;
     if dlambda == 0.0 || inv.is_empty() {
         return Ok(());
     }

@@ -13,8 +13,9 @@
 
 use crate::cuda::elementwise as ew;
 use crate::device::{Device, Matrix};
-use crate::error::{check_shape, Error, Result};
-use crate::ops::{finite_result, OVERFLOW};
+use crate::error::{check_shape, check_value, Error, Result};
+use crate::ops::{check_finite_scalar, finite_result, OVERFLOW};
+use crate::params::elementwise::check_beta;
 pub use crate::params::elementwise::{AdamWCoeffs, SgdCoeffs, SophiaCoeffs};
 
 /// Host elements of a matrix already checked to live on a host device.
@@ -48,6 +49,7 @@ impl Device {
     pub fn axpy(&self, alpha: f32, x: &Matrix, y: &mut Matrix) -> Result<()> {
         const OP: &str = "Device::axpy";
         self.check_same(OP, &[("y", &*y), ("x", x)])?;
+        check_finite_scalar(OP, "alpha", alpha)?;
         self.commit_finite(OP, [(OVERFLOW, y, true)], |[y]| match self {
             Device::Cpu => crate::cpu::elementwise::axpy(alpha, host(x)?, host_mut(y)?),
             Device::Emulated | Device::Cuda(_) => ew::axpy(self, alpha, x, y),
@@ -62,6 +64,7 @@ impl Device {
     pub fn scale(&self, alpha: f32, x: &mut Matrix) -> Result<()> {
         const OP: &str = "Device::scale";
         self.check_on(OP, x)?;
+        check_finite_scalar(OP, "alpha", alpha)?;
         self.commit_finite(OP, [(OVERFLOW, x, true)], |[x]| match self {
             Device::Cpu => crate::cpu::elementwise::scale(alpha, host_mut(x)?),
             Device::Emulated | Device::Cuda(_) => ew::scale(self, alpha, x),
@@ -236,6 +239,8 @@ impl Device {
     ) -> Result<()> {
         const OP: &str = "Device::sophia_hessian_ema";
         self.check_same(OP, &[("h", &*h), ("sampled_grad", sampled_grad)])?;
+        check_beta(OP, "beta2", beta2)?;
+        check_value(OP, "batch", batch as f64, batch >= 1, "batch >= 1")?;
         self.commit_finite(OP, [(OVERFLOW, h, true)], |[h]| match self {
             Device::Cpu => crate::cpu::elementwise::sophia_hessian_ema(
                 host_mut(h)?,

@@ -9,6 +9,13 @@
 //! [`Device::Cpu`] runs the rayon backend of [`crate::cpu`] on the host storage;
 //! [`Device::Emulated`] and [`Device::Cuda`] run the kernels of `kernels/*.cu` through the
 //! launchers of [`crate::cuda`].
+//!
+//! This is where arguments are validated, once: the kernel launchers of [`crate::cuda`]
+//! keep only the checks memory safety needs (buffer lengths and shapes against the sizes
+//! they pass to a kernel, each marked as such), and the backends take their option and
+//! coefficient types from below both (the crate-internal `params` module, whose docs give the
+//! layering; `tests/layering.rs` keeps it). The CPU backend's functions are public on their
+//! own (slices in, no [`Matrix`]), so they keep the checks of their own arguments.
 
 pub mod cholesky;
 pub mod elementwise;
@@ -120,6 +127,11 @@ impl Device {
         }
         Ok(())
     }
+}
+
+/// `Err(Error::Value)` unless the scalar argument `v` is finite.
+pub(crate) fn check_finite_scalar(op: &'static str, arg: &'static str, v: f32) -> Result<()> {
+    crate::error::check_value(op, arg, v as f64, true, "a finite number")
 }
 
 /// The `arg` of the error an op returns when finite inputs give a non-finite result.

@@ -2,7 +2,7 @@
 
 use super::{host_mut, host_ref, OVERFLOW};
 use crate::device::{Device, Matrix};
-use crate::error::{check_shape, check_value, Result};
+use crate::error::{check_shape, Result};
 
 impl Device {
     /// `P = Γ̃⁻¹ G Λ̃⁻¹` with `Γ̃⁻¹` `d_out x d_out`, `G` `d_out x d_in`, `Λ̃⁻¹` `d_in x d_in`.
@@ -63,7 +63,7 @@ impl Device {
         const OP: &str = "Device::damped_inverse_update";
         self.check_on(OP, inv)?;
         check_shape(OP, "inv", inv.shape(), (inv.rows(), inv.rows()))?;
-        check_value(OP, "dlambda", dlambda as f64, true, "a finite number")?;
+        super::check_finite_scalar(OP, "dlambda", dlambda)?;
         self.check_finite(OP, "inv", inv)?;
         self.commit_finite(OP, [(OVERFLOW, inv, true)], |[inv]| match self {
             Device::Cpu => crate::cpu::damped_inverse_update(host_mut(inv)?, dlambda),
@@ -84,7 +84,7 @@ impl Device {
         const OP: &str = "Device::add_diagonal";
         self.check_on(OP, a)?;
         check_shape(OP, "a", a.shape(), (a.rows(), a.rows()))?;
-        check_value(OP, "lambda", lambda as f64, true, "a finite number")?;
+        super::check_finite_scalar(OP, "lambda", lambda)?;
         self.check_finite(OP, "a", a)?;
         self.commit_finite(OP, [(OVERFLOW, a, true)], |[a]| match self {
             Device::Cpu => crate::cpu::add_diagonal(host_mut(a)?, lambda),
