@@ -6,11 +6,10 @@
 //! every emulated thread is a fiber.
 
 mod common;
-use common::{spd, with_spectrum};
+use common::{devices, spd, with_spectrum};
 
 use grng::cpu::newton::newton_inverse as cpu_newton;
 use grng::cuda::newton::{self as kn, Epilogue, Unused};
-use grng::cuda::CudaDevice;
 use grng::ops::newton::{InitialGuess, NewtonInfo, NewtonOptions, NewtonOrder, Precision};
 use grng::ops::norm::PowerOptions;
 use grng::{Device, Error, Mat, MatRef, Matrix};
@@ -18,14 +17,6 @@ use half::bf16;
 use proptest::prelude::*;
 use rand::{Rng, SeedableRng};
 use rand_chacha::ChaCha8Rng;
-
-fn devices() -> Vec<Device> {
-    let mut d = vec![Device::Emulated];
-    if let Ok(c) = CudaDevice::new(0) {
-        d.push(Device::Cuda(c));
-    }
-    d
-}
 
 /// Sizes around the 128-wide output tile and the 64/32/16/8-wide warp tiles, K slices and
 /// load granules, plus anything.

@@ -6,7 +6,8 @@
 //! NaN before each launch wherever the operation does not read them.
 
 use grng::cuda::precond;
-use grng::{Device, Error, Matrix, Trans};
+use grng::{Device, Element, Error, Matrix, Trans};
+use half::bf16;
 use proptest::prelude::*;
 use rand::SeedableRng;
 use rand_chacha::ChaCha8Rng;
@@ -80,6 +81,14 @@ fn check_close(got: &[f32], want: &[f32], scale: &[f64], k: usize) -> Result<(),
     Ok(())
 }
 
+fn to_bf16(x: &[f32]) -> Vec<bf16> {
+    x.iter().map(|&v| bf16::from_f32(v)).collect()
+}
+
+fn widen(x: &[bf16]) -> Vec<f32> {
+    x.iter().map(|v| v.to_f32()).collect()
+}
+
 fn stored_shape(t: Trans, (r, c): (usize, usize)) -> (usize, usize) {
     match t {
         Trans::No => (r, c),
@@ -87,9 +96,9 @@ fn stored_shape(t: Trans, (r, c): (usize, usize)) -> (usize, usize) {
     }
 }
 
-/// A GEMM launcher with `precond::gemm`'s signature.
-type GemmFn =
-    fn(&Device, Trans, Trans, f32, &Matrix, &Matrix, f32, &mut Matrix) -> grng::Result<()>;
+/// A GEMM launcher with `precond::gemm`'s signature (`precond::gemm_tc`'s for `T = bf16`).
+type GemmFn<T> =
+    fn(&Device, Trans, Trans, f32, &Matrix<T>, &Matrix<T>, f32, &mut Matrix) -> grng::Result<()>;
 
 /// Random `A`, `B`, `C` for `op(A)` `m x k`, `op(B)` `k x n`: the values and the stored shapes.
 struct GemmCase {
@@ -113,14 +122,17 @@ fn gemm_case(seed: u64, (m, n, k): (usize, usize, usize), ta: Trans, tb: Trans) 
 
 /// α = 0 through `gemm`: C ← β·C exactly (β = 0 → zeros, C all NaN never read), NaN A and B
 /// never read.
-fn check_alpha_zero(
+fn check_alpha_zero<T: Element>(
     dev: &Device,
-    gemm: GemmFn,
+    gemm: GemmFn<T>,
     t: &GemmCase,
     (ta, tb): (Trans, Trans),
     beta: f32,
 ) -> Result<(), TestCaseError> {
-    let nan = |(r, c): (usize, usize)| dev.upload(r, c, &vec![f32::NAN; r * c]).unwrap();
+    let nan = |(r, c): (usize, usize)| {
+        dev.upload(r, c, &vec![T::from_f32(f32::NAN); r * c])
+            .unwrap()
+    };
     let (an, bn) = (nan(t.a_shape), nan(t.b_shape));
     let rows = if ta == Trans::No {
         t.a_shape.0
@@ -176,6 +188,38 @@ proptest! {
             dev.gemm(ta, tb, alpha, &am, &bm, beta, &mut c).unwrap();
             check_close(&c.to_vec().unwrap(), &want, &scale, k)?;
             check_alpha_zero(&dev, precond::gemm, &t, (ta, tb), beta)?;
+        }
+    }
+
+    /// `Device::gemm` on bf16 operands (the tensor-core `precond_gemm_tc` on the kernel
+    /// devices, the widened f32 GEMM on the CPU) on every transpose case and ragged shape:
+    /// bf16 products are exact in f32, so both sides are f32 GEMMs of the same values and
+    /// `check_close`'s bound holds. β = 0 with C all NaN, α = 0 with NaN A and B (not read).
+    #[test]
+    fn gemm_bf16_matches_cpu(
+        m in dim(), n in dim(), k in prop_oneof![1 => Just(0usize), 8 => dim()],
+        ta in trans(), tb in trans(),
+        alpha in prop_oneof![1 => Just(1.0f32), 3 => -2.0f32..2.0],
+        beta in prop_oneof![2 => Just(0.0f32), 1 => Just(1.0f32), 2 => -2.0f32..2.0],
+        seed in any::<u64>(),
+    ) {
+        let t = gemm_case(seed, (m, n, k), ta, tb);
+        let (a, b) = (to_bf16(&t.a), to_bf16(&t.b));
+        let (af, bf) = (widen(&a), widen(&b));
+        let ((ar, ac), (br, bc)) = (t.a_shape, t.b_shape);
+        let scale = abs_scale((ta, tb), (m, n, k), alpha, &af, &bf, beta, &t.c0);
+        let cpu = Device::Cpu;
+        let mut cw = cpu.upload(m, n, &t.c0).unwrap();
+        cpu.gemm(ta, tb, alpha, &cpu.upload(ar, ac, &a).unwrap(), &cpu.upload(br, bc, &b).unwrap(), beta, &mut cw)
+            .unwrap();
+        let want = cw.to_vec().unwrap();
+        for dev in devices() {
+            let c_in = if beta == 0.0 { vec![f32::NAN; m * n] } else { t.c0.clone() };
+            let mut c = dev.upload(m, n, &c_in).unwrap();
+            dev.gemm(ta, tb, alpha, &dev.upload(ar, ac, &a).unwrap(), &dev.upload(br, bc, &b).unwrap(), beta, &mut c)
+                .unwrap();
+            check_close(&c.to_vec().unwrap(), &want, &scale, k)?;
+            check_alpha_zero(&dev, precond::gemm_tc, &t, (ta, tb), beta)?;
         }
     }
 
@@ -416,6 +460,29 @@ fn bad_inputs_are_errors() {
             Err(Error::NonFinite {
                 arg: "b",
                 index: 11,
+                ..
+            })
+        ),
+        "{r:?}"
+    );
+    // bf16 operands go through the same checks.
+    let mut bh = vec![bf16::ONE; 12];
+    bh[7] = bf16::INFINITY;
+    let r = dev.gemm(
+        Trans::No,
+        Trans::No,
+        1.0,
+        &dev.upload(2, 4, &[bf16::ONE; 8]).unwrap(),
+        &dev.upload(4, 3, &bh).unwrap(),
+        0.0,
+        &mut c,
+    );
+    assert!(
+        matches!(
+            r,
+            Err(Error::NonFinite {
+                arg: "b",
+                index: 7,
                 ..
             })
         ),

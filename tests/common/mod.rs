@@ -65,13 +65,35 @@ pub fn seeded_rng() -> ChaCha8Rng {
 /// Unit roundoff of f32.
 pub const U32: f64 = 1.0 / (1u64 << 24) as f64;
 
-/// The kernel devices to check: always the emulator, plus CUDA when a GPU is present.
+/// The kernel devices to check: always the emulator, plus CUDA when a GPU is present
+/// ([`cuda`]).
 pub fn devices() -> Vec<Device> {
     let mut d = vec![Device::Emulated];
-    if let Ok(c) = CudaDevice::new(0) {
-        d.push(Device::Cuda(c));
-    }
+    d.extend(cuda());
     d
+}
+
+/// The GPU of the CUDA arms, or `None` without one: then it says once per test binary, on
+/// stderr past libtest's capture, that the CUDA arms were skipped and why, so a run shows it.
+/// With `GRNG_REQUIRE_CUDA=1` (the GPU bundle's run-all.sh sets it) a missing GPU fails the
+/// test instead: there a skipped arm would pass for a tested kernel.
+pub fn cuda() -> Option<Device> {
+    static SKIPPED: OnceLock<()> = OnceLock::new();
+    match CudaDevice::new(0) {
+        Ok(c) => Some(Device::Cuda(c)),
+        Err(e) => {
+            let required = std::env::var("GRNG_REQUIRE_CUDA").is_ok_and(|v| v == "1");
+            assert!(!required, "GRNG_REQUIRE_CUDA=1 but no usable GPU: {e}");
+            SKIPPED.get_or_init(|| {
+                use std::io::Write;
+                let exe = std::env::args().next().unwrap_or_default();
+                let msg = format!("note: {exe}: CUDA arms skipped (no GPU: {e})\n");
+                // `eprintln!` would be captured (and shown only on failure).
+                let _ = std::io::stderr().write_all(msg.as_bytes());
+            });
+            None
+        }
+    }
 }
 
 /// `n` values drawn uniformly from `[lo, hi)`.
