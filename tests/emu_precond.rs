@@ -9,7 +9,7 @@ use grng::cuda::precond;
 use grng::{Device, Element, Error, Matrix, Trans};
 use half::bf16;
 use proptest::prelude::*;
-use rand::SeedableRng;
+use rand::{Rng, SeedableRng};
 use rand_chacha::ChaCha8Rng;
 
 mod common;
@@ -418,6 +418,122 @@ fn larger_gemm_matches_cpu() {
             }
         }
     }
+}
+
+/// The CUDA arm at the GPU's sizes (m, n, k up to 4096, ragged): `Device::gemm` on f32 and
+/// on bf16 operands and `precond::gemm3`, each transpose case, C all NaN when β = 0, against
+/// the CPU GEMM within `check_close`'s bound (its scale from [`common::abs_gemm`]; for gemm3
+/// one k more, covering its (k + 8)·u bound plus the CPU's (k + 2)·u); then preconditioning
+/// and the damped-inverse update at those sizes.
+#[test]
+fn cuda_large_products_match_cpu() {
+    let Some(dev) = common::cuda() else {
+        return;
+    };
+    let mut rng = common::seeded_rng();
+    let cpu = Device::Cpu;
+    for (ta, tb) in [
+        (Trans::No, Trans::No),
+        (Trans::No, Trans::Yes),
+        (Trans::Yes, Trans::No),
+        (Trans::Yes, Trans::Yes),
+    ] {
+        let (m, n, k) = (
+            common::large_dim(&mut rng),
+            common::large_dim(&mut rng),
+            common::large_dim(&mut rng),
+        );
+        let t = gemm_case(rng.random(), (m, n, k), ta, tb);
+        let (alpha, beta) = (
+            rng.random_range(-2.0f32..2.0),
+            [0.0, 0.7][rng.random_range(0..2)],
+        );
+        let ((ar, ac), (br, bc)) = (t.a_shape, t.b_shape);
+        let c_in = if beta == 0.0 {
+            vec![f32::NAN; m * n]
+        } else {
+            t.c0.clone()
+        };
+        // The CPU's product of f32 values and its error scale.
+        let reference = |a: &[f32], b: &[f32]| {
+            let mut cw = cpu.upload(m, n, &t.c0).unwrap();
+            let (ac_, bc_) = (
+                cpu.upload(ar, ac, a).unwrap(),
+                cpu.upload(br, bc, b).unwrap(),
+            );
+            cpu.gemm(ta, tb, alpha, &ac_, &bc_, beta, &mut cw).unwrap();
+            let scale = common::abs_gemm((ta, tb), (m, n, k), alpha, a, b, beta, &t.c0);
+            (cw.to_vec().unwrap(), scale)
+        };
+        let (want, scale) = reference(&t.a, &t.b);
+        let (am, bm) = (
+            dev.upload(ar, ac, &t.a).unwrap(),
+            dev.upload(br, bc, &t.b).unwrap(),
+        );
+        let mut c = dev.upload(m, n, &c_in).unwrap();
+        dev.gemm(ta, tb, alpha, &am, &bm, beta, &mut c).unwrap();
+        check_close(&c.to_vec().unwrap(), &want, &scale, k).unwrap();
+        let mut c = dev.upload(m, n, &c_in).unwrap();
+        precond::gemm3(&dev, ta, tb, alpha, &am, &bm, beta, &mut c).unwrap();
+        check_close(&c.to_vec().unwrap(), &want, &scale, k + 1).unwrap();
+        // The same values rounded to bf16: the tensor-core engine's plain product.
+        let (a16, b16) = (to_bf16(&t.a), to_bf16(&t.b));
+        let (want, scale) = reference(&widen(&a16), &widen(&b16));
+        let (am, bm) = (
+            dev.upload(ar, ac, &a16).unwrap(),
+            dev.upload(br, bc, &b16).unwrap(),
+        );
+        let mut c = dev.upload(m, n, &c_in).unwrap();
+        dev.gemm(ta, tb, alpha, &am, &bm, beta, &mut c).unwrap();
+        check_close(&c.to_vec().unwrap(), &want, &scale, k).unwrap();
+    }
+
+    // P = Γ̃⁻¹ G Λ̃⁻¹ (P poisoned) and X ← X − dλ·X X, bounds as in the proptests above.
+    let (d_out, d_in) = (common::large_dim(&mut rng), common::large_dim(&mut rng));
+    let gi = vals(&mut rng, d_out * d_out);
+    let g = vals(&mut rng, d_out * d_in);
+    let li = vals(&mut rng, d_in * d_in);
+    let mut pw = cpu.zeros(d_out, d_in).unwrap();
+    let up = |d: &Device, r, c, v: &[f32]| d.upload(r, c, v).unwrap();
+    cpu.precondition(
+        &up(&cpu, d_out, d_out, &gi),
+        &up(&cpu, d_out, d_in, &g),
+        &up(&cpu, d_in, d_in, &li),
+        &mut pw,
+    )
+    .unwrap();
+    let nn = (Trans::No, Trans::No);
+    let zeros = vec![0.0; d_out * d_in];
+    let t: Vec<f32> = common::abs_gemm(nn, (d_out, d_in, d_in), 1.0, &g, &li, 0.0, &zeros)
+        .into_iter()
+        .map(|x| x as f32)
+        .collect();
+    let scale = common::abs_gemm(nn, (d_out, d_in, d_out), 1.0, &gi, &t, 0.0, &zeros);
+    let mut p = up(&dev, d_out, d_in, &vec![f32::NAN; d_out * d_in]);
+    dev.precondition(
+        &up(&dev, d_out, d_out, &gi),
+        &up(&dev, d_out, d_in, &g),
+        &up(&dev, d_in, d_in, &li),
+        &mut p,
+    )
+    .unwrap();
+    check_close(
+        &p.to_vec().unwrap(),
+        &pw.to_vec().unwrap(),
+        &scale,
+        d_in + d_out,
+    )
+    .unwrap();
+
+    let n = common::large_dim(&mut rng);
+    let x = vals(&mut rng, n * n);
+    let dl = rng.random_range(-0.3f32..0.3);
+    let mut xw = up(&cpu, n, n, &x);
+    cpu.damped_inverse_update(&mut xw, dl).unwrap();
+    let scale = common::abs_gemm(nn, (n, n, n), -dl, &x, &x, 1.0, &x);
+    let mut xm = up(&dev, n, n, &x);
+    dev.damped_inverse_update(&mut xm, dl).unwrap();
+    check_close(&xm.to_vec().unwrap(), &xw.to_vec().unwrap(), &scale, n).unwrap();
 }
 
 /// Bad inputs are typed errors on the emulated device and leave the outputs unchanged.

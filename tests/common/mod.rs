@@ -5,7 +5,7 @@
 use std::sync::OnceLock;
 
 use grng::cuda::CudaDevice;
-use grng::Device;
+use grng::{Device, Trans};
 use proptest::test_runner::{Config, RngSeed};
 use rand::{Rng, SeedableRng};
 use rand_chacha::ChaCha8Rng;
@@ -94,6 +94,48 @@ pub fn cuda() -> Option<Device> {
             None
         }
     }
+}
+
+/// A dimension of the CUDA arms: 4096 (whole 128-wide tiles) one time in four, else ragged in
+/// `2049..=4096`.
+pub fn large_dim(rng: &mut ChaCha8Rng) -> usize {
+    if rng.random_range(0..4) == 0 {
+        4096
+    } else {
+        rng.random_range(2049..=4096)
+    }
+}
+
+/// `|α|·|op(A)|·|op(B)| + |β|·|C|` (row-major; `op(A)` `m x k`, `op(B)` `k x n`), the scale of
+/// each element's rounding error in a GEMM, by the CPU backend's GEMM on absolute values: at
+/// the CUDA arms' sizes an f64 triple loop is too slow. Its own rounding (≤ (k + 2)·2⁻²⁴
+/// relative: all terms are nonnegative) only tightens the bounds built on it by that much.
+#[allow(clippy::too_many_arguments)]
+pub fn abs_gemm(
+    (ta, tb): (Trans, Trans),
+    (m, n, k): (usize, usize, usize),
+    alpha: f32,
+    a: &[f32],
+    b: &[f32],
+    beta: f32,
+    c: &[f32],
+) -> Vec<f64> {
+    let cpu = Device::Cpu;
+    let abs = |v: &[f32]| v.iter().map(|x| x.abs()).collect::<Vec<f32>>();
+    let stored = |t: Trans, r: usize, c: usize| if t == Trans::No { (r, c) } else { (c, r) };
+    let ((ar, ac), (br, bc)) = (stored(ta, m, k), stored(tb, k, n));
+    let mut s = cpu.upload(m, n, &abs(c)).unwrap();
+    cpu.gemm(
+        ta,
+        tb,
+        alpha.abs(),
+        &cpu.upload(ar, ac, &abs(a)).unwrap(),
+        &cpu.upload(br, bc, &abs(b)).unwrap(),
+        beta.abs(),
+        &mut s,
+    )
+    .unwrap();
+    s.to_vec().unwrap().into_iter().map(f64::from).collect()
 }
 
 /// `n` values drawn uniformly from `[lo, hi)`.
