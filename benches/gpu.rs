@@ -2,7 +2,7 @@
 //! the bandwidth ceiling (a device-to-device copy), on the same GPU, sizes and run.
 //!
 //! `cargo bench --bench gpu -- [SECTION] [--quick]`; sections: `launch`, `copy`, `adamw`,
-//! `gemm-f32`, `gemm-bf16`, `syrk`, `newton`, `kalman`, `step`. Every timing is the median of
+//! `gemm-f32`, `gemm-bf16`, `precond`, `syrk`, `newton`, `kalman`, `step`. Every timing is the median of
 //! samples taken after warm-up, each sample a batch of calls closed by a device
 //! synchronization ([`median_secs`]). A grng row names the kernels the op launched
 //! (`grng::cuda::launch::take_launches`) and prints no number when it launched none (a host
@@ -78,6 +78,9 @@ impl Opts {
         }
     }
 }
+
+/// A section of the bench: its rows for every size.
+type Section = fn(&Bench) -> Res<()>;
 
 /// The GPU, grng's device on it and the options: what every timing needs.
 struct Bench {
@@ -334,34 +337,86 @@ fn gemm_f32_section(b: &Bench) -> Res<()> {
         let da: CudaSlice<f32> = s.clone_htod(&ha)?;
         let db: CudaSlice<f32> = s.clone_htod(&hb)?;
         let mut dc: CudaSlice<f32> = s.alloc_zeros(n * n)?;
-        let ni = i32::try_from(n)?;
         // Row-major C = A B is column-major Cᵀ = Bᵀ Aᵀ: swap the operands.
-        let cfg = GemmConfig {
-            transa: cublasOperation_t::CUBLAS_OP_N,
-            transb: cublasOperation_t::CUBLAS_OP_N,
-            m: ni,
-            n: ni,
-            k: ni,
-            alpha: 1.0f32,
-            lda: ni,
-            ldb: ni,
-            beta: 0.0,
-            ldc: ni,
-        };
-        // SGEMM and TF32 differ in precision: each is its own row, not a choice of peer.
-        for (name, mode) in [
-            ("cublasSgemm", cublasMath_t::CUBLAS_DEFAULT_MATH),
-            ("cublasSgemm TF32", cublasMath_t::CUBLAS_TF32_TENSOR_OP_MATH),
-        ] {
-            // SAFETY: a valid handle; the mode only selects the algorithm family.
-            let st = unsafe { cublasSetMathMode(*blas.handle(), mode) };
-            if st != cublasStatus_t::CUBLAS_STATUS_SUCCESS {
-                return Err(format!("cublasSetMathMode: {st:?}").into());
-            }
+        let cfg = square_sgemm(n)?;
+        for (name, mode) in sgemm_modes() {
+            set_math_mode(blas, mode)?;
             // SAFETY: the three buffers hold n² f32 each, the leading dimensions are n.
             let peer = b.peer(name, || Ok(unsafe { blas.gemm(cfg, &db, &da, &mut dc) }?))?;
             row("gemm-f32", &case, &ours, &[peer], work);
         }
+    }
+    Ok(())
+}
+
+fn precond_section(b: &Bench) -> Res<()> {
+    // P = Γ̃⁻¹ (G Λ̃⁻¹), all n x n: grng's two f32-accurate tensor-core products (split3)
+    // beside two SGEMMs, and beside two TF32 GEMMs; 4n³ FLOPs.
+    let blas = cublas(b, "precond")?;
+    for n in b.o.sizes(&[1024, 2048, 4096, 8192]) {
+        let (hg, hl, hx) = (values(n * n, 12), values(n * n, 13), values(n * n, 14));
+        let (gi, g, li) = (
+            b.dev.upload(n, n, &hg)?,
+            b.dev.upload(n, n, &hx)?,
+            b.dev.upload(n, n, &hl)?,
+        );
+        let mut p = b.dev.zeros(n, n)?;
+        let ours = b.grng(|| Ok(b.dev.precondition(&gi, &g, &li, &mut p)?));
+        let work = Work::Flop(4.0 * (n as f64).powi(3));
+        let case = format!("d_out = d_in = {n}");
+        let Some(blas) = &blas else {
+            row("precond", &case, &ours, &[], work);
+            continue;
+        };
+        let s = b.cuda.stream();
+        let (dg, dx, dl) = (s.clone_htod(&hg)?, s.clone_htod(&hx)?, s.clone_htod(&hl)?);
+        let mut dt: CudaSlice<f32> = s.alloc_zeros(n * n)?;
+        let mut dp: CudaSlice<f32> = s.alloc_zeros(n * n)?;
+        let cfg = square_sgemm(n)?;
+        for (name, mode) in sgemm_modes() {
+            set_math_mode(blas, mode)?;
+            // Column-major: Tᵀ = Λ̃⁻ᵀ Gᵀ, Pᵀ = Tᵀ Γ̃⁻ᵀ (row-major T = G Λ̃⁻¹, P = Γ̃⁻¹ T).
+            // SAFETY: every buffer holds n² f32, the leading dimensions are n.
+            let peer = b.peer(format!("2 x {name}"), || unsafe {
+                blas.gemm(cfg, &dl, &dx, &mut dt)?;
+                Ok(blas.gemm(cfg, &dt, &dg, &mut dp)?)
+            })?;
+            row("precond", &case, &ours, &[peer], work);
+        }
+    }
+    Ok(())
+}
+
+/// Column-major `n x n` SGEMM `C = A B`, α = 1, β = 0.
+fn square_sgemm(n: usize) -> Res<GemmConfig<f32>> {
+    let ni = i32::try_from(n)?;
+    Ok(GemmConfig {
+        transa: cublasOperation_t::CUBLAS_OP_N,
+        transb: cublasOperation_t::CUBLAS_OP_N,
+        m: ni,
+        n: ni,
+        k: ni,
+        alpha: 1.0f32,
+        lda: ni,
+        ldb: ni,
+        beta: 0.0,
+        ldc: ni,
+    })
+}
+
+/// SGEMM and TF32 differ in precision: each is its own row, not a choice of peer.
+fn sgemm_modes() -> [(&'static str, cublasMath_t); 2] {
+    [
+        ("cublasSgemm", cublasMath_t::CUBLAS_DEFAULT_MATH),
+        ("cublasSgemm TF32", cublasMath_t::CUBLAS_TF32_TENSOR_OP_MATH),
+    ]
+}
+
+fn set_math_mode(blas: &CudaBlas, mode: cublasMath_t) -> Res<()> {
+    // SAFETY: a valid handle; the mode only selects the algorithm family.
+    let st = unsafe { cublasSetMathMode(*blas.handle(), mode) };
+    if st != cublasStatus_t::CUBLAS_STATUS_SUCCESS {
+        return Err(format!("cublasSetMathMode: {st:?}").into());
     }
     Ok(())
 }
@@ -1031,12 +1086,13 @@ fn main() -> Res<()> {
     };
     println!("| section | case | grng kernel | grng | peer | peer | ratio (time, grng / peer) |");
     println!("|---|---|---|---|---|---|---|");
-    let sections: [(&str, fn(&Bench) -> Res<()>); 9] = [
+    let sections: [(&str, Section); 10] = [
         ("launch", launch_section),
         ("copy", copy_section),
         ("adamw", adamw_section),
         ("gemm-f32", gemm_f32_section),
         ("gemm-bf16", gemm_bf16_section),
+        ("precond", precond_section),
         ("syrk", syrk_section),
         ("newton", newton_section),
         ("kalman", kalman_section),
@@ -1047,5 +1103,23 @@ fn main() -> Res<()> {
             section(&b)?;
         }
     }
+    print_loaded_libraries();
     Ok(())
+}
+
+/// One `loaded: PATH` line per NVIDIA library this process mapped (the real files, so the
+/// version is in the name): which cuBLAS, cublasLt and cuSOLVER the peers' numbers came from.
+fn print_loaded_libraries() {
+    let maps = std::fs::read_to_string("/proc/self/maps").unwrap_or_default();
+    let mut seen: Vec<&str> = Vec::new();
+    for path in maps.lines().filter_map(|l| l.split_whitespace().nth(5)) {
+        let file = path.rsplit('/').next().unwrap_or(path);
+        let ours = ["libcuda.", "libnvrtc", "libcublas", "libcusolver"]
+            .iter()
+            .any(|p| file.starts_with(p));
+        if ours && !seen.contains(&path) {
+            seen.push(path);
+            println!("loaded: {path}");
+        }
+    }
 }
