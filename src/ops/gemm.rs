@@ -5,7 +5,7 @@ use std::any::Any;
 use super::{host_mut, host_ref, OVERFLOW};
 use crate::cpu::gemm::check_gemm;
 use crate::device::{Device, Element, Matrix};
-use crate::error::{Error, Result};
+use crate::error::Result;
 use crate::mat::Trans;
 use half::bf16;
 
@@ -82,7 +82,7 @@ impl Device {
                 (_, _, Some((a, b))) => {
                     crate::cuda::precond::gemm_tc(self, ta, tb, alpha, a, b, beta, c)
                 }
-                _ => Err(Error::DeviceUnavailable(format!(
+                _ => Err(crate::Error::DeviceUnavailable(format!(
                     "{OP}: no kernel for elements of type {}",
                     std::any::type_name::<T>()
                 ))),
