@@ -1,5 +1,6 @@
 //! The kernels of `kernels/precond.cu` — the tiled fp32 GEMM (four transpose cases), the
-//! f32-accurate tensor-core GEMM (`gemm3`) and through it the preconditioning `P = Γ̃⁻¹ G Λ̃⁻¹`
+//! plain bf16 tensor-core GEMM (`Device::gemm` on bf16), the f32-accurate one (`gemm3`) and
+//! through it the preconditioning `P = Γ̃⁻¹ G Λ̃⁻¹`
 //! and the damped-inverse update; `A + λI`;
 //! the trace — run by the emulator through the same launch code as on a GPU (and on CUDA
 //! when present), against the CPU backend on random ragged shapes. Outputs are poisoned with

@@ -53,40 +53,34 @@ impl Device {
         let bf16s = a
             .downcast_ref::<Matrix<bf16>>()
             .zip(b.downcast_ref::<Matrix<bf16>>());
-        self.commit_finite(OP, [(OVERFLOW, c, beta != 0.0)], |[c]| {
-            match (self, f32s, bf16s) {
-                (Device::Cpu, Some((a, b)), _) => crate::cpu::gemm(
-                    ta,
-                    tb,
-                    alpha,
-                    host_ref(a)?,
-                    host_ref(b)?,
-                    beta,
-                    host_mut(c)?,
-                ),
-                (Device::Cpu, _, Some((a, b))) => {
-                    let (a, b) = (widen(a)?, widen(b)?);
-                    crate::cpu::gemm(
-                        ta,
-                        tb,
-                        alpha,
-                        host_ref(&a)?,
-                        host_ref(&b)?,
-                        beta,
-                        host_mut(c)?,
-                    )
-                }
-                (_, Some((a, b)), _) => {
-                    crate::cuda::precond::gemm(self, ta, tb, alpha, a, b, beta, c)
-                }
-                (_, _, Some((a, b))) => {
+        let unsupported = || {
+            crate::Error::DeviceUnavailable(format!(
+                "{OP}: no kernel for elements of type {}",
+                std::any::type_name::<T>()
+            ))
+        };
+        self.commit_finite(OP, [(OVERFLOW, c, beta != 0.0)], |[c]| match self {
+            Device::Cpu => {
+                // The CPU reference: bf16 operands widened (exact) to f32 first.
+                let widened;
+                let (a, b) = match (f32s, bf16s) {
+                    (Some(ab), _) => ab,
+                    (_, Some((a, b))) => {
+                        widened = (widen(a)?, widen(b)?);
+                        (&widened.0, &widened.1)
+                    }
+                    _ => return Err(unsupported()),
+                };
+                let (a, b) = (host_ref(a)?, host_ref(b)?);
+                crate::cpu::gemm(ta, tb, alpha, a, b, beta, host_mut(c)?)
+            }
+            Device::Emulated | Device::Cuda(_) => match (f32s, bf16s) {
+                (Some((a, b)), _) => crate::cuda::precond::gemm(self, ta, tb, alpha, a, b, beta, c),
+                (_, Some((a, b))) => {
                     crate::cuda::precond::gemm_tc(self, ta, tb, alpha, a, b, beta, c)
                 }
-                _ => Err(crate::Error::DeviceUnavailable(format!(
-                    "{OP}: no kernel for elements of type {}",
-                    std::any::type_name::<T>()
-                ))),
-            }
+                _ => Err(unsupported()),
+            },
         })
     }
 }
