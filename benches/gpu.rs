@@ -1,24 +1,28 @@
-//! GPU benchmark: grng's device ops beside the vendor library (cuBLAS) or the bandwidth
-//! ceiling (a device-to-device copy), on the same GPU, sizes and run.
+//! GPU benchmark: grng's device ops beside the vendor library (cuBLAS, cublasLt, cuSOLVER) or
+//! the bandwidth ceiling (a device-to-device copy), on the same GPU, sizes and run.
 //!
 //! `cargo bench --bench gpu -- [SECTION] [--quick]`; sections: `launch`, `copy`, `adamw`,
-//! `gemm-f32`, `gemm-bf16`, `syrk`, `newton`, `kalman`, `step`. Every timing is the median of samples taken after warm-up, each sample a batch
-//! of calls closed by a device synchronization. A grng row names the kernels the op launched
+//! `gemm-f32`, `gemm-bf16`, `precond`, `syrk`, `newton`, `kalman`, `step`. Every timing is the median of
+//! samples taken after warm-up, each sample a batch of calls closed by a device
+//! synchronization ([`median_secs`]). A grng row names the kernels the op launched
 //! (`grng::cuda::launch::take_launches`) and prints no number when it launched none (a host
-//! fallback). Without a GPU it says so and exits 0. Results: `docs/gpu-benchmarks.md`.
+//! fallback). Where two vendor routines do the same product (`cublasGemmEx`, cublasLt) both
+//! are timed and the faster is the peer of the ratio; the row names it. Without a GPU the
+//! bench says so and exits 0. Results: `docs/gpu-benchmarks.md`.
 //!
-//! cuBLAS and cuSOLVER are loaded dynamically through cudarc's `cublas` and `cusolver`
-//! features, enabled for the benches only (dev-dependency features): the library never needs
-//! them.
+//! cuBLAS, cublasLt and cuSOLVER are loaded dynamically through cudarc's `cublas`,
+//! `cublaslt` and `cusolver` features, enabled for the benches only (dev-dependency
+//! features): the library never needs them.
 
 use cudarc::cublas::sys::{
     cublasComputeType_t, cublasGemmAlgo_t, cublasMath_t, cublasOperation_t, cublasSetMathMode,
     cublasStatus_t, cudaDataType_t,
 };
 use cudarc::cublas::{CudaBlas, Gemm, GemmConfig};
+use cudarc::cublaslt::{result as lt, sys as lts};
 use cudarc::driver::{CudaSlice, DevicePtr, DevicePtrMut};
 use grng::cuda::launch::{record_launches, take_launches};
-use grng::cuda::newton::{product_tc, Epilogue, Unused};
+use grng::cuda::precond::gemm_tc;
 use grng::cuda::CudaDevice;
 use grng::ops::elementwise::AdamWCoeffs;
 use grng::ops::kalman::{KalmanOptions, KalmanState};
@@ -64,94 +68,188 @@ impl Opts {
             15
         }
     }
-}
 
-/// Median seconds per call of `f`: warm-up, then samples of `reps` calls each, the batch size
-/// chosen so a sample lasts about 2 ms; the device is synchronized around every sample.
-fn median_secs(cuda: &CudaDevice, samples: usize, mut f: impl FnMut() -> Res<()>) -> Res<f64> {
-    for _ in 0..3 {
-        f()?;
-    }
-    cuda.synchronize()?;
-    let t = Instant::now();
-    f()?;
-    cuda.synchronize()?;
-    let once = t.elapsed().as_secs_f64();
-    let reps = (2e-3 / once.max(1e-9)).ceil().clamp(1.0, 1000.0) as usize;
-    let mut times = Vec::with_capacity(samples);
-    for _ in 0..samples {
-        cuda.synchronize()?;
-        let t = Instant::now();
-        for _ in 0..reps {
-            f()?;
+    /// The sizes of a section: all, or the first and the one before last with `--quick`.
+    fn sizes(&self, all: &[usize]) -> Vec<usize> {
+        if self.quick && all.len() > 1 {
+            vec![all[0], all[all.len() - 2]]
+        } else {
+            all.to_vec()
         }
-        cuda.synchronize()?;
-        times.push(t.elapsed().as_secs_f64() / reps as f64);
-    }
-    times.sort_by(f64::total_cmp);
-    Ok(times[times.len() / 2])
-}
-
-/// The kernels one call of `f` launches (deduplicated, in order), or `None` when it launched
-/// none: then the op ran on the host and must not be reported as a GPU timing.
-fn kernels_of(cuda: &CudaDevice, mut f: impl FnMut() -> Res<()>) -> Res<Option<String>> {
-    record_launches(true);
-    let r = f().and_then(|()| Ok(cuda.synchronize()?));
-    let mut names = take_launches();
-    record_launches(false);
-    r?;
-    let mut seen = Vec::new();
-    names.retain(|n| {
-        let new = !seen.contains(n);
-        seen.push(*n);
-        new
-    });
-    Ok((!names.is_empty()).then(|| names.join("+")))
-}
-
-/// One grng timing, or the reason there is none; `work` is the op's FLOPs or bytes.
-fn grng_row(cuda: &CudaDevice, samples: usize, mut f: impl FnMut() -> Res<()>) -> Res<Timed> {
-    match kernels_of(cuda, &mut f)? {
-        Some(kernels) => Ok(Timed {
-            label: kernels,
-            secs: Some(median_secs(cuda, samples, f)?),
-        }),
-        None => Ok(Timed {
-            label: "no kernel launched (host fallback): not timed".into(),
-            secs: None,
-        }),
     }
 }
 
+/// A section of the bench: its rows for every size.
+type Section = fn(&Bench) -> Res<()>;
+
+/// The GPU, grng's device on it and the options: what every timing needs.
+struct Bench {
+    cuda: CudaDevice,
+    dev: Device,
+    o: Opts,
+}
+
+/// One side of a row: who ran (grng's kernels or the peer routine), its median seconds per
+/// call or `None` (not timed, the label says why), and a note printed after the rate.
 struct Timed {
     label: String,
     secs: Option<f64>,
+    note: String,
 }
 
-/// Prints `section | case | grng kernel | rate | peer | rate | ratio`; `work` is in the unit's
-/// base (FLOP or byte), `scale` turns a per-second rate into the printed unit.
-fn print_row(section: &str, case: &str, ours: &Timed, peer: &Timed, work: f64, unit: &str) {
-    let scale = 1e-12;
-    let rate = |t: &Timed| {
-        t.secs
-            .map_or("-".into(), |s| format!("{:.3} {unit}", work / s * scale))
+impl Timed {
+    fn none(label: impl Into<String>) -> Self {
+        Self {
+            label: label.into(),
+            secs: None,
+            note: String::new(),
+        }
+    }
+}
+
+/// What a row's rate counts: FLOPs (printed as TFLOP/s), bytes moved (TB/s), or a plain time.
+#[derive(Clone, Copy)]
+enum Work {
+    Flop(f64),
+    Bytes(f64),
+    Millis,
+    Micros,
+}
+
+impl Work {
+    fn rate(self, t: &Timed) -> String {
+        let Some(s) = t.secs else {
+            return "-".into();
+        };
+        let r = match self {
+            Work::Flop(f) => format!("{:.1} TFLOP/s", f / s * 1e-12),
+            Work::Bytes(b) => format!("{:.3} TB/s", b / s * 1e-12),
+            Work::Millis => format!("{:.3} ms", s * 1e3),
+            Work::Micros => format!("{:.1} us", s * 1e6),
+        };
+        if t.note.is_empty() {
+            r
+        } else {
+            format!("{r} {}", t.note)
+        }
+    }
+}
+
+impl Bench {
+    /// Median seconds per call of `f`: warm-up, then samples of `reps` calls each, the batch
+    /// size chosen so a sample lasts about 2 ms; the device is synchronized around every
+    /// sample.
+    fn median_secs(&self, mut f: impl FnMut() -> Res<()>) -> Res<f64> {
+        for _ in 0..3 {
+            f()?;
+        }
+        self.cuda.synchronize()?;
+        let t = Instant::now();
+        f()?;
+        self.cuda.synchronize()?;
+        let once = t.elapsed().as_secs_f64();
+        let reps = (2e-3 / once.max(1e-9)).ceil().clamp(1.0, 1000.0) as usize;
+        let mut times = Vec::with_capacity(self.o.samples());
+        for _ in 0..self.o.samples() {
+            self.cuda.synchronize()?;
+            let t = Instant::now();
+            for _ in 0..reps {
+                f()?;
+            }
+            self.cuda.synchronize()?;
+            times.push(t.elapsed().as_secs_f64() / reps as f64);
+        }
+        times.sort_by(f64::total_cmp);
+        Ok(times[times.len() / 2])
+    }
+
+    /// A peer's timing under `label`.
+    fn peer(&self, label: impl Into<String>, f: impl FnMut() -> Res<()>) -> Res<Timed> {
+        Ok(Timed {
+            label: label.into(),
+            secs: Some(self.median_secs(f)?),
+            note: String::new(),
+        })
+    }
+
+    /// grng's timing labelled with the kernels one call launches (deduplicated, in order).
+    /// No timing when it launched none (the op ran on the host) or failed (the error is the
+    /// row's result, not the end of the bench).
+    fn grng(&self, mut f: impl FnMut() -> Res<()>) -> Timed {
+        record_launches(true);
+        let r = f().and_then(|()| Ok(self.cuda.synchronize()?));
+        let mut names = take_launches();
+        record_launches(false);
+        if let Err(e) = r {
+            return Timed::none(format!("error: {e}"));
+        }
+        let mut seen = Vec::new();
+        names.retain(|n| {
+            let new = !seen.contains(n);
+            seen.push(*n);
+            new
+        });
+        if names.is_empty() {
+            return Timed::none("no kernel launched (host fallback): not timed");
+        }
+        match self.median_secs(f) {
+            Ok(secs) => Timed {
+                label: names.join("+"),
+                secs: Some(secs),
+                note: String::new(),
+            },
+            Err(e) => Timed::none(format!("{}: error: {e}", names.join("+"))),
+        }
+    }
+
+    /// A device-to-device copy of `n` f32 (read + write: `8n` bytes), the bandwidth ceiling.
+    fn copy(&self, n: usize) -> Res<Timed> {
+        let s = self.cuda.stream();
+        let src: CudaSlice<f32> = s.alloc_zeros(n)?;
+        let mut dst: CudaSlice<f32> = s.alloc_zeros(n)?;
+        self.peer("cuMemcpyDtoD", || Ok(s.memcpy_dtod(&src, &mut dst)?))
+    }
+}
+
+/// Prints `| section | case | grng kernel | grng | peer | peer | ratio |`. The peer is the
+/// fastest of `peers` (named, with the others' rates beside it); the ratio is grng's time over
+/// its time, `-` when either has none.
+fn row(section: &str, case: &str, ours: &Timed, peers: &[Timed], work: Work) {
+    let best = peers
+        .iter()
+        .filter(|p| p.secs.is_some())
+        .min_by(|a, b| a.secs.unwrap_or(0.0).total_cmp(&b.secs.unwrap_or(0.0)))
+        .or(peers.first());
+    let (peer_label, peer_rate, ratio) = match best {
+        None => ("-".to_owned(), "-".to_owned(), "-".to_owned()),
+        Some(b) => {
+            let others: Vec<String> = peers
+                .iter()
+                .filter(|p| !std::ptr::eq(*p, b))
+                .map(|p| format!("{} {}", p.label, work.rate(p)))
+                .collect();
+            let label = if others.is_empty() {
+                b.label.clone()
+            } else {
+                format!("{} (fastest; also {})", b.label, others.join(", "))
+            };
+            let ratio = match (ours.secs, b.secs) {
+                (Some(a), Some(p)) => format!("{:.2}", a / p),
+                _ => "-".into(),
+            };
+            (label, work.rate(b), ratio)
+        }
     };
     println!(
-        "| {section} | {case} | {} | {} | {} | {} | {} |",
+        "| {section} | {case} | {} | {} | {peer_label} | {peer_rate} | {ratio} |",
         ours.label,
-        rate(ours),
-        peer.label,
-        rate(peer),
-        ratio(ours, peer)
+        work.rate(ours)
     );
 }
 
-/// grng's time over the peer's, or `-` when either has none.
-fn ratio(ours: &Timed, peer: &Timed) -> String {
-    match (ours.secs, peer.secs) {
-        (Some(a), Some(b)) => format!("{:.2}", a / b),
-        _ => "-".into(),
-    }
+/// The row said in place of a peer whose library is not installed.
+fn missing(section: &str, lib: &str) {
+    println!("| {section} | - | - | - | {lib} not found (LD_LIBRARY_PATH) | - | - |");
 }
 
 /// Deterministic values in [-1, 1) (a hash of the index: no RNG state to thread through).
@@ -166,54 +264,35 @@ fn values(n: usize, salt: u64) -> Vec<f32> {
         .collect()
 }
 
-/// A device-to-device copy of `n` f32 (read + write: `8n` bytes), the bandwidth ceiling.
-fn copy_row(cuda: &CudaDevice, samples: usize, n: usize) -> Res<Timed> {
-    let s = cuda.stream();
-    let src: CudaSlice<f32> = s.alloc_zeros(n)?;
-    let mut dst: CudaSlice<f32> = s.alloc_zeros(n)?;
-    let secs = median_secs(cuda, samples, || Ok(s.memcpy_dtod(&src, &mut dst)?))?;
-    Ok(Timed {
-        label: "cuMemcpyDtoD".into(),
-        secs: Some(secs),
-    })
+fn to_bf16(v: &[f32]) -> Vec<bf16> {
+    v.iter().map(|&x| bf16::from_f32(x)).collect()
 }
 
-fn launch_section(dev: &Device, cuda: &CudaDevice, o: &Opts) -> Res<()> {
+fn launch_section(b: &Bench) -> Res<()> {
     // A one-element op: the per-call cost without CUDA graphs (launch, checks, read-backs).
-    let mut x = dev.upload(1, 1, &[1.0f32])?;
-    let ours = grng_row(cuda, o.samples(), || Ok(dev.scale(1.0, &mut x)?))?;
-    let peer = copy_row(cuda, o.samples(), 1)?;
-    let us = |t: &Timed| t.secs.map_or("-".into(), |s| format!("{:.1} us", s * 1e6));
-    println!(
-        "| launch | scale of 1 element | {} | {} | {} (4 bytes) | {} | - |",
-        ours.label,
-        us(&ours),
-        peer.label,
-        us(&peer)
-    );
+    let mut x = b.dev.upload(1, 1, &[1.0f32])?;
+    let ours = b.grng(|| Ok(b.dev.scale(1.0, &mut x)?));
+    let peer = b.copy(1)?;
+    row("launch", "scale of 1 element", &ours, &[peer], Work::Micros);
     Ok(())
 }
 
-fn copy_section(cuda: &CudaDevice, o: &Opts) -> Res<()> {
-    for n in sizes(o, &[10_000_000, 100_000_000]) {
-        let peer = copy_row(cuda, o.samples(), n)?;
-        let none = Timed {
-            label: "-".into(),
-            secs: None,
-        };
-        print_row(
+fn copy_section(b: &Bench) -> Res<()> {
+    for n in b.o.sizes(&[10_000_000, 100_000_000]) {
+        let ours = b.copy(n)?;
+        row(
             "copy",
             &format!("n = {n}"),
-            &peer,
-            &none,
-            8.0 * n as f64,
-            "TB/s",
+            &ours,
+            &[],
+            Work::Bytes(8.0 * n as f64),
         );
     }
     Ok(())
 }
 
-fn adamw_section(dev: &Device, cuda: &CudaDevice, o: &Opts) -> Res<()> {
+fn adamw_section(b: &Bench) -> Res<()> {
+    let dev = &b.dev;
     let c = AdamWCoeffs {
         lr: 1e-6,
         beta1: 0.9,
@@ -222,224 +301,481 @@ fn adamw_section(dev: &Device, cuda: &CudaDevice, o: &Opts) -> Res<()> {
         weight_decay: 0.0,
         step: 1,
     };
-    for n in sizes(o, &[10_000_000, 100_000_000]) {
+    for n in b.o.sizes(&[10_000_000, 100_000_000]) {
         let mut p = dev.upload(1, n, &values(n, 1))?;
         let g = dev.upload(1, n, &values(n, 2))?;
         let mut m = dev.zeros(1, n)?;
         let mut v = dev.zeros(1, n)?;
-        let ours = grng_row(cuda, o.samples(), || {
-            Ok(dev.adamw_update(&mut p, &g, &mut m, &mut v, &c)?)
-        })?;
+        let ours = b.grng(|| Ok(dev.adamw_update(&mut p, &g, &mut m, &mut v, &c)?));
         // Reads θ, g, m, v and writes θ, m, v: 7 f32 per element. The copy moves 8 bytes per
         // element, so it is timed on 7n/2 elements to move the same bytes.
-        let peer = copy_row(cuda, o.samples(), 7 * n / 2)?;
-        print_row(
-            "adamw",
-            &format!("n = {n}"),
-            &ours,
-            &peer,
-            28.0 * n as f64,
-            "TB/s",
-        );
+        let peer = b.copy(7 * n / 2)?;
+        let work = Work::Bytes(28.0 * n as f64);
+        row("adamw", &format!("n = {n}"), &ours, &[peer], work);
     }
     Ok(())
 }
 
-fn gemm_f32_section(dev: &Device, cuda: &CudaDevice, o: &Opts) -> Res<()> {
-    let blas = cublas(cuda, "gemm-f32")?;
-    for n in sizes(o, &[1024, 2048, 4096, 8192]) {
+fn gemm_f32_section(b: &Bench) -> Res<()> {
+    let blas = cublas(b, "gemm-f32")?;
+    for n in b.o.sizes(&[1024, 2048, 4096, 8192]) {
         let (ha, hb) = (values(n * n, 3), values(n * n, 4));
-        let a = dev.upload(n, n, &ha)?;
-        let b = dev.upload(n, n, &hb)?;
-        let mut c = dev.zeros(n, n)?;
-        let ours = grng_row(cuda, o.samples(), || {
-            Ok(dev.gemm(Trans::No, Trans::No, 1.0, &a, &b, 0.0, &mut c)?)
-        })?;
-        let flop = 2.0 * (n as f64).powi(3);
+        let a = b.dev.upload(n, n, &ha)?;
+        let bm = b.dev.upload(n, n, &hb)?;
+        let mut c = b.dev.zeros(n, n)?;
+        let ours = b.grng(|| {
+            Ok(b.dev
+                .gemm(Trans::No, Trans::No, 1.0, &a, &bm, 0.0, &mut c)?)
+        });
+        let work = Work::Flop(2.0 * (n as f64).powi(3));
         let case = format!("m = n = k = {n}");
         let Some(blas) = &blas else {
-            print_row("gemm-f32", &case, &ours, &none_peer(), flop, "TFLOP/s");
+            row("gemm-f32", &case, &ours, &[], work);
             continue;
         };
-        let s = cuda.stream();
+        let s = b.cuda.stream();
         let da: CudaSlice<f32> = s.clone_htod(&ha)?;
         let db: CudaSlice<f32> = s.clone_htod(&hb)?;
         let mut dc: CudaSlice<f32> = s.alloc_zeros(n * n)?;
-        let ni = i32::try_from(n)?;
         // Row-major C = A B is column-major Cᵀ = Bᵀ Aᵀ: swap the operands.
-        let cfg = GemmConfig {
-            transa: cublasOperation_t::CUBLAS_OP_N,
-            transb: cublasOperation_t::CUBLAS_OP_N,
-            m: ni,
-            n: ni,
-            k: ni,
-            alpha: 1.0f32,
-            lda: ni,
-            ldb: ni,
-            beta: 0.0,
-            ldc: ni,
-        };
-        for (name, mode) in [
-            ("cublasSgemm", cublasMath_t::CUBLAS_DEFAULT_MATH),
-            ("cublasSgemm TF32", cublasMath_t::CUBLAS_TF32_TENSOR_OP_MATH),
-        ] {
-            // SAFETY: a valid handle; the mode only selects the algorithm family.
-            let st = unsafe { cublasSetMathMode(*blas.handle(), mode) };
-            if st != cublasStatus_t::CUBLAS_STATUS_SUCCESS {
-                return Err(format!("cublasSetMathMode: {st:?}").into());
-            }
+        let cfg = square_sgemm(n)?;
+        for (name, mode) in sgemm_modes() {
+            set_math_mode(blas, mode)?;
             // SAFETY: the three buffers hold n² f32 each, the leading dimensions are n.
-            let secs = median_secs(cuda, o.samples(), || {
-                Ok(unsafe { blas.gemm(cfg, &db, &da, &mut dc) }?)
-            })?;
-            let peer = Timed {
-                label: name.into(),
-                secs: Some(secs),
-            };
-            print_row("gemm-f32", &case, &ours, &peer, flop, "TFLOP/s");
+            let peer = b.peer(name, || Ok(unsafe { blas.gemm(cfg, &db, &da, &mut dc) }?))?;
+            row("gemm-f32", &case, &ours, &[peer], work);
         }
     }
     Ok(())
 }
 
+fn precond_section(b: &Bench) -> Res<()> {
+    // P = Γ̃⁻¹ (G Λ̃⁻¹), all n x n: grng's two f32-accurate tensor-core products (split3)
+    // beside two SGEMMs, and beside two TF32 GEMMs; 4n³ FLOPs.
+    let blas = cublas(b, "precond")?;
+    for n in b.o.sizes(&[1024, 2048, 4096, 8192]) {
+        let (hg, hl, hx) = (values(n * n, 12), values(n * n, 13), values(n * n, 14));
+        let (gi, g, li) = (
+            b.dev.upload(n, n, &hg)?,
+            b.dev.upload(n, n, &hx)?,
+            b.dev.upload(n, n, &hl)?,
+        );
+        let mut p = b.dev.zeros(n, n)?;
+        let ours = b.grng(|| Ok(b.dev.precondition(&gi, &g, &li, &mut p)?));
+        let work = Work::Flop(4.0 * (n as f64).powi(3));
+        let case = format!("d_out = d_in = {n}");
+        let Some(blas) = &blas else {
+            row("precond", &case, &ours, &[], work);
+            continue;
+        };
+        let s = b.cuda.stream();
+        let (dg, dx, dl) = (s.clone_htod(&hg)?, s.clone_htod(&hx)?, s.clone_htod(&hl)?);
+        let mut dt: CudaSlice<f32> = s.alloc_zeros(n * n)?;
+        let mut dp: CudaSlice<f32> = s.alloc_zeros(n * n)?;
+        let cfg = square_sgemm(n)?;
+        for (name, mode) in sgemm_modes() {
+            set_math_mode(blas, mode)?;
+            // Column-major: Tᵀ = Λ̃⁻ᵀ Gᵀ, Pᵀ = Tᵀ Γ̃⁻ᵀ (row-major T = G Λ̃⁻¹, P = Γ̃⁻¹ T).
+            // SAFETY: every buffer holds n² f32, the leading dimensions are n.
+            let peer = b.peer(format!("2 x {name}"), || unsafe {
+                blas.gemm(cfg, &dl, &dx, &mut dt)?;
+                Ok(blas.gemm(cfg, &dt, &dg, &mut dp)?)
+            })?;
+            row("precond", &case, &ours, &[peer], work);
+        }
+    }
+    Ok(())
+}
+
+/// Column-major `n x n` SGEMM `C = A B`, α = 1, β = 0.
+fn square_sgemm(n: usize) -> Res<GemmConfig<f32>> {
+    let ni = i32::try_from(n)?;
+    Ok(GemmConfig {
+        transa: cublasOperation_t::CUBLAS_OP_N,
+        transb: cublasOperation_t::CUBLAS_OP_N,
+        m: ni,
+        n: ni,
+        k: ni,
+        alpha: 1.0f32,
+        lda: ni,
+        ldb: ni,
+        beta: 0.0,
+        ldc: ni,
+    })
+}
+
+/// SGEMM and TF32 differ in precision: each is its own row, not a choice of peer.
+fn sgemm_modes() -> [(&'static str, cublasMath_t); 2] {
+    [
+        ("cublasSgemm", cublasMath_t::CUBLAS_DEFAULT_MATH),
+        ("cublasSgemm TF32", cublasMath_t::CUBLAS_TF32_TENSOR_OP_MATH),
+    ]
+}
+
+fn set_math_mode(blas: &CudaBlas, mode: cublasMath_t) -> Res<()> {
+    // SAFETY: a valid handle; the mode only selects the algorithm family.
+    let st = unsafe { cublasSetMathMode(*blas.handle(), mode) };
+    if st != cublasStatus_t::CUBLAS_STATUS_SUCCESS {
+        return Err(format!("cublasSetMathMode: {st:?}").into());
+    }
+    Ok(())
+}
+
 /// A cuBLAS handle on grng's stream, or `None` (said in a row) when libcublas cannot be loaded.
-fn cublas(cuda: &CudaDevice, section: &str) -> Res<Option<CudaBlas>> {
+fn cublas(b: &Bench, section: &str) -> Res<Option<CudaBlas>> {
     // SAFETY: only probes whether libcublas can be loaded (calls would panic otherwise).
     if unsafe { cudarc::cublas::sys::is_culib_present() } {
-        Ok(Some(CudaBlas::new(cuda.stream().clone())?))
+        Ok(Some(CudaBlas::new(b.cuda.stream().clone())?))
     } else {
-        println!("| {section} | - | - | - | cuBLAS not found (LD_LIBRARY_PATH) | - | - |");
+        missing(section, "cuBLAS");
         Ok(None)
     }
 }
 
-/// Column-major `C = op(A)·op(B)` (`m x n`, inner `k`) by `cublasGemmEx`: bf16 `A`, `B`,
-/// f32 `C`, f32 compute (`CUBLAS_COMPUTE_32F`, tensor cores on bf16).
-#[allow(clippy::too_many_arguments)]
-fn gemm_ex_bf16(
-    cuda: &CudaDevice,
-    blas: &CudaBlas,
-    (ta, tb): (cublasOperation_t, cublasOperation_t),
-    (m, n, k): (usize, usize, usize),
-    a: &CudaSlice<bf16>,
+/// A column-major product `C = op(A)·op(B)` (`m x n`, inner `k`): bf16 `A`, `B` with leading
+/// dimensions `lda`, `ldb`, f32 `C` with leading dimension `m`, f32 accumulation.
+#[derive(Clone, Copy)]
+struct Bf16Gemm {
+    ops: (cublasOperation_t, cublasOperation_t),
+    mnk: (usize, usize, usize),
     lda: usize,
-    b: &CudaSlice<bf16>,
     ldb: usize,
-    c: &mut CudaSlice<f32>,
-) -> Res<()> {
-    let s = cuda.stream();
-    let (alpha, beta) = (1.0f32, 0.0f32);
-    let (pa, _ra) = a.device_ptr(s);
-    let (pb, _rb) = b.device_ptr(s);
-    let (pc, _rc) = c.device_ptr_mut(s);
-    // SAFETY: a valid handle; the caller's buffers hold the op(A) m x k, op(B) k x n and
-    // C m x n column-major matrices with the given leading dimensions (C's is m); alpha and
-    // beta are f32 as CUBLAS_COMPUTE_32F requires.
-    unsafe {
-        cudarc::cublas::result::gemm_ex(
-            *blas.handle(),
-            ta,
-            tb,
-            i32::try_from(m)?,
-            i32::try_from(n)?,
-            i32::try_from(k)?,
-            (&alpha as *const f32).cast(),
-            pa as *const std::ffi::c_void,
-            cudaDataType_t::CUDA_R_16BF,
-            i32::try_from(lda)?,
-            pb as *const std::ffi::c_void,
-            cudaDataType_t::CUDA_R_16BF,
-            i32::try_from(ldb)?,
-            (&beta as *const f32).cast(),
-            pc as *mut std::ffi::c_void,
-            cudaDataType_t::CUDA_R_32F,
-            i32::try_from(m)?,
-            cublasComputeType_t::CUBLAS_COMPUTE_32F,
-            cublasGemmAlgo_t::CUBLAS_GEMM_DEFAULT,
-        )
-    }?;
-    Ok(())
 }
 
-fn to_bf16(v: &[f32]) -> Vec<bf16> {
-    v.iter().map(|&x| bf16::from_f32(x)).collect()
-}
-
-fn gemm_bf16_section(dev: &Device, cuda: &CudaDevice, o: &Opts) -> Res<()> {
-    // grng's bf16 product is square (the Newton iteration's `newton_gemm_tc`, f32 out).
-    let blas = cublas(cuda, "gemm-bf16")?;
-    let mut unused = Unused::new(dev)?;
-    for n in sizes(o, &[1024, 2048, 4096, 8192]) {
-        let (ha, hb) = (to_bf16(&values(n * n, 5)), to_bf16(&values(n * n, 6)));
-        let a = dev.upload(n, n, &ha)?;
-        let b = dev.upload(n, n, &hb)?;
-        let mut c = dev.zeros(n, n)?;
-        let ours = grng_row(cuda, o.samples(), || {
-            let epi = Epilogue {
-                out: Some(&mut c),
-                ..Epilogue::new()
-            };
-            Ok(product_tc(dev, &a, &b, epi, &mut unused)?)
-        })?;
-        let flop = 2.0 * (n as f64).powi(3);
-        let case = format!("m = n = k = {n}, f32 out");
-        let Some(blas) = &blas else {
-            print_row("gemm-bf16", &case, &ours, &none_peer(), flop, "TFLOP/s");
-            continue;
+impl Bf16Gemm {
+    /// Stored rows (column-major: the leading dimension's extent) and columns of operand `A`
+    /// (`first`) or `B`.
+    fn stored(&self, first: bool) -> (u64, u64) {
+        let (m, n, k) = self.mnk;
+        let (op, rows, cols) = if first {
+            (self.ops.0, m, k)
+        } else {
+            (self.ops.1, k, n)
         };
-        let s = cuda.stream();
+        if op == cublasOperation_t::CUBLAS_OP_N {
+            (rows as u64, cols as u64)
+        } else {
+            (cols as u64, rows as u64)
+        }
+    }
+
+    /// The product by `cublasGemmEx` (`CUBLAS_COMPUTE_32F`: tensor cores on bf16).
+    fn gemm_ex(
+        &self,
+        b: &Bench,
+        blas: &CudaBlas,
+        x: &CudaSlice<bf16>,
+        y: &CudaSlice<bf16>,
+        c: &mut CudaSlice<f32>,
+    ) -> Res<()> {
+        let s = b.cuda.stream();
+        let (m, n, k) = self.mnk;
+        let (alpha, beta) = (1.0f32, 0.0f32);
+        let (pa, _ra) = x.device_ptr(s);
+        let (pb, _rb) = y.device_ptr(s);
+        let (pc, _rc) = c.device_ptr_mut(s);
+        // SAFETY: a valid handle; the caller's buffers hold the stored A, B (see `stored`) and
+        // C m x n column-major with the given leading dimensions (C's is m); alpha and beta
+        // are f32 as CUBLAS_COMPUTE_32F requires.
+        unsafe {
+            cudarc::cublas::result::gemm_ex(
+                *blas.handle(),
+                self.ops.0,
+                self.ops.1,
+                i32::try_from(m)?,
+                i32::try_from(n)?,
+                i32::try_from(k)?,
+                (&alpha as *const f32).cast(),
+                pa as *const std::ffi::c_void,
+                cudaDataType_t::CUDA_R_16BF,
+                i32::try_from(self.lda)?,
+                pb as *const std::ffi::c_void,
+                cudaDataType_t::CUDA_R_16BF,
+                i32::try_from(self.ldb)?,
+                (&beta as *const f32).cast(),
+                pc as *mut std::ffi::c_void,
+                cudaDataType_t::CUDA_R_32F,
+                i32::try_from(m)?,
+                cublasComputeType_t::CUBLAS_COMPUTE_32F,
+                cublasGemmAlgo_t::CUBLAS_GEMM_DEFAULT,
+            )
+        }?;
+        Ok(())
+    }
+}
+
+/// A cublasLt handle with its workspace (the size cudarc's own wrapper uses: 32 MiB on
+/// Hopper, 4 MiB before).
+struct Lt {
+    handle: lts::cublasLtHandle_t,
+    work: CudaSlice<u8>,
+}
+
+impl Lt {
+    /// `None` (said in a row) when libcublasLt cannot be loaded.
+    fn new(b: &Bench, section: &str) -> Res<Option<Self>> {
+        // SAFETY: only probes whether libcublasLt can be loaded (calls would panic otherwise).
+        if !unsafe { lts::is_culib_present() } {
+            missing(section, "cublasLt");
+            return Ok(None);
+        }
+        let major = b.cuda.stream().context().attribute(
+            cudarc::driver::sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MAJOR,
+        )?;
+        let bytes = if major >= 9 { 32 << 20 } else { 4 << 20 };
+        Ok(Some(Self {
+            handle: lt::create_handle()?,
+            work: b.cuda.stream().alloc_zeros(bytes)?,
+        }))
+    }
+}
+
+impl Drop for Lt {
+    fn drop(&mut self) {
+        // SAFETY: created by `new`, destroyed once; a failure here has nothing left to undo.
+        let _ = unsafe { lt::destroy_handle(self.handle) };
+    }
+}
+
+/// A [`Bf16Gemm`] planned for cublasLt: its descriptors and the heuristic's first algorithm,
+/// chosen once (outside the timing, as a caller would cache it).
+struct LtPlan<'a> {
+    lt: &'a Lt,
+    desc: lts::cublasLtMatmulDesc_t,
+    layouts: [lts::cublasLtMatrixLayout_t; 3],
+    algo: lts::cublasLtMatmulAlgo_t,
+}
+
+impl<'a> LtPlan<'a> {
+    fn new(lt: &'a Lt, g: &Bf16Gemm) -> Res<Self> {
+        use lts::cublasLtMatmulDescAttributes_t as Attr;
+        let desc = lt::create_matmul_desc(
+            lts::cublasComputeType_t::CUBLAS_COMPUTE_32F,
+            lts::cudaDataType_t::CUDA_R_32F,
+        )?;
+        // The descriptors are owned by `plan` from here on: its Drop frees them on any error.
+        let mut plan = Self {
+            lt,
+            desc,
+            layouts: [std::ptr::null_mut(); 3],
+            // SAFETY: a plain C struct of integers, overwritten by the heuristic below.
+            algo: unsafe { std::mem::zeroed() },
+        };
+        for (attr, op) in [
+            (Attr::CUBLASLT_MATMUL_DESC_TRANSA, g.ops.0),
+            (Attr::CUBLASLT_MATMUL_DESC_TRANSB, g.ops.1),
+        ] {
+            let op = op as i32;
+            // SAFETY: a live descriptor; TRANSA/TRANSB take a cublasOperation_t (an int).
+            unsafe {
+                lt::set_matmul_desc_attribute(
+                    desc,
+                    attr,
+                    (&op as *const i32).cast(),
+                    std::mem::size_of::<i32>(),
+                )
+            }?;
+        }
+        let (m, n, _) = g.mnk;
+        let ((ar, ac), (br, bc)) = (g.stored(true), g.stored(false));
+        let bf = lts::cudaDataType_t::CUDA_R_16BF;
+        plan.layouts[0] = lt::create_matrix_layout(bf, ar, ac, i64::try_from(g.lda)?)?;
+        plan.layouts[1] = lt::create_matrix_layout(bf, br, bc, i64::try_from(g.ldb)?)?;
+        plan.layouts[2] = lt::create_matrix_layout(
+            lts::cudaDataType_t::CUDA_R_32F,
+            m as u64,
+            n as u64,
+            i64::try_from(m)?,
+        )?;
+        let pref = lt::create_matmul_pref()?;
+        let size = lt.work.len();
+        // SAFETY: a live preference; the attribute is a size_t.
+        let r = unsafe {
+            lt::set_matmul_pref_attribute(
+                pref,
+                lts::cublasLtMatmulPreferenceAttributes_t::CUBLASLT_MATMUL_PREF_MAX_WORKSPACE_BYTES,
+                (&size as *const usize).cast(),
+                std::mem::size_of::<usize>(),
+            )
+        }
+        // SAFETY: live descriptors of this handle, D laid out as C.
+        .and_then(|()| unsafe {
+            lt::get_matmul_algo_heuristic(
+                lt.handle,
+                desc,
+                plan.layouts[0],
+                plan.layouts[1],
+                plan.layouts[2],
+                plan.layouts[2],
+                pref,
+            )
+        });
+        // SAFETY: created above, destroyed once.
+        let _ = unsafe { lt::destroy_matmul_pref(pref) };
+        plan.algo = r?.algo;
+        Ok(plan)
+    }
+
+    fn run(
+        &self,
+        b: &Bench,
+        x: &CudaSlice<bf16>,
+        y: &CudaSlice<bf16>,
+        c: &mut CudaSlice<f32>,
+    ) -> Res<()> {
+        let s = b.cuda.stream();
+        let (alpha, beta) = (1.0f32, 0.0f32);
+        let (pa, _ra) = x.device_ptr(s);
+        let (pb, _rb) = y.device_ptr(s);
+        let (pc, _rc) = c.device_ptr_mut(s);
+        let (pw, _rw) = self.lt.work.device_ptr(s);
+        // SAFETY: the plan's layouts describe the caller's buffers (as for gemm_ex), C is
+        // also D (β = 0), the workspace holds the bytes the heuristic was allowed, all on
+        // grng's stream.
+        unsafe {
+            lt::matmul(
+                self.lt.handle,
+                self.desc,
+                (&alpha as *const f32).cast(),
+                (&beta as *const f32).cast(),
+                pa as *const _,
+                self.layouts[0],
+                pb as *const _,
+                self.layouts[1],
+                pc as *const _,
+                self.layouts[2],
+                pc as *mut _,
+                self.layouts[2],
+                &self.algo,
+                pw as *mut _,
+                self.lt.work.len(),
+                s.cu_stream() as *mut _,
+            )
+        }?;
+        Ok(())
+    }
+}
+
+impl Drop for LtPlan<'_> {
+    fn drop(&mut self) {
+        // SAFETY: created in `new` (null ones skipped), destroyed once; nothing to undo on
+        // failure.
+        unsafe {
+            for l in self.layouts {
+                if !l.is_null() {
+                    let _ = lt::destroy_matrix_layout(l);
+                }
+            }
+            let _ = lt::destroy_matmul_desc(self.desc);
+        }
+    }
+}
+
+/// The vendor peers of one bf16 product on device buffers `x` (its `A`) and `y` (its `B`):
+/// `cublasGemmEx` and cublasLt, whichever libraries are present.
+fn bf16_peers(
+    b: &Bench,
+    libs: &(Option<CudaBlas>, Option<Lt>),
+    g: Bf16Gemm,
+    (x, y): (&CudaSlice<bf16>, &CudaSlice<bf16>),
+    what: &str,
+) -> Res<Vec<Timed>> {
+    let mut c: CudaSlice<f32> = b.cuda.stream().alloc_zeros(g.mnk.0 * g.mnk.1)?;
+    let mut peers = Vec::new();
+    if let Some(blas) = &libs.0 {
+        let label = format!("cublasGemmEx bf16 → f32{what}");
+        peers.push(b.peer(label, || g.gemm_ex(b, blas, x, y, &mut c))?);
+    }
+    if let Some(lt) = &libs.1 {
+        let plan = LtPlan::new(lt, &g)?;
+        let label = format!("cublasLtMatmul bf16 → f32{what}");
+        peers.push(b.peer(label, || plan.run(b, x, y, &mut c))?);
+    }
+    Ok(peers)
+}
+
+fn gemm_bf16_section(b: &Bench) -> Res<()> {
+    // C = AᵀB for bf16 A, B of m x n, f32 C of n x n: the batch gradient's shape (EᵀA, inner
+    // dimension the batch) and the full product SYRK halves, through Device::gemm (finiteness
+    // checks and the overflow-safe commit included) and through the bare launcher.
+    let libs = (cublas(b, "gemm-bf16")?, Lt::new(b, "gemm-bf16")?);
+    let m = 4096;
+    for n in b.o.sizes(&[1024, 2048, 4096, 8192]) {
+        let (ha, hb) = (to_bf16(&values(m * n, 5)), to_bf16(&values(m * n, 6)));
+        let a = b.dev.upload(m, n, &ha)?;
+        let bm = b.dev.upload(m, n, &hb)?;
+        let mut c = b.dev.zeros(n, n)?;
+        let op = b.grng(|| {
+            Ok(b.dev
+                .gemm(Trans::Yes, Trans::No, 1.0, &a, &bm, 0.0, &mut c)?)
+        });
+        let bare = b.grng(|| {
+            Ok(gemm_tc(
+                &b.dev,
+                Trans::Yes,
+                Trans::No,
+                1.0,
+                &a,
+                &bm,
+                0.0,
+                &mut c,
+            )?)
+        });
+        let s = b.cuda.stream();
         let da: CudaSlice<bf16> = s.clone_htod(&ha)?;
         let db: CudaSlice<bf16> = s.clone_htod(&hb)?;
-        let mut dc: CudaSlice<f32> = s.alloc_zeros(n * n)?;
-        let nn = cublasOperation_t::CUBLAS_OP_N;
-        // Row-major C = A B is column-major Cᵀ = Bᵀ Aᵀ: swap the operands.
-        let secs = median_secs(cuda, o.samples(), || {
-            gemm_ex_bf16(cuda, blas, (nn, nn), (n, n, n), &db, n, &da, n, &mut dc)
-        })?;
-        let peer = Timed {
-            label: "cublasGemmEx bf16 → f32".into(),
-            secs: Some(secs),
+        // Row-major A (m x n) is column-major Aᵀ (n x m, ld n), so row-major C = AᵀB is
+        // column-major Cᵀ = BᵀA = op_N(B_cm)·op_T(A_cm).
+        let g = Bf16Gemm {
+            ops: (
+                cublasOperation_t::CUBLAS_OP_N,
+                cublasOperation_t::CUBLAS_OP_T,
+            ),
+            mnk: (n, n, m),
+            lda: n,
+            ldb: n,
         };
-        print_row("gemm-bf16", &case, &ours, &peer, flop, "TFLOP/s");
+        let peers = bf16_peers(b, &libs, g, (&db, &da), "")?;
+        let work = Work::Flop(2.0 * m as f64 * (n as f64).powi(2));
+        for (ours, how) in [(&op, "Device::gemm"), (&bare, "cuda::precond::gemm_tc")] {
+            let case = format!("AᵀB, bf16 A, B m = {m} x n = {n}, f32 out ({how})");
+            row("gemm-bf16", &case, ours, &peers, work);
+        }
     }
     Ok(())
 }
 
-fn syrk_section(dev: &Device, cuda: &CudaDevice, o: &Opts) -> Res<()> {
+fn syrk_section(b: &Bench) -> Res<()> {
     // grng computes the lower triangle only; the peer is the full AᵀA GEMM, and both rates
     // count the full product's 2·m·n² FLOPs (so the ratio is the time ratio).
-    let blas = cublas(cuda, "syrk")?;
+    let libs = (cublas(b, "syrk")?, Lt::new(b, "syrk")?);
     let m = 4096;
-    for n in sizes(o, &[1024, 2048, 4096, 8192]) {
+    for n in b.o.sizes(&[1024, 2048, 4096, 8192]) {
         let ha = to_bf16(&values(m * n, 7));
-        let a = dev.upload(m, n, &ha)?;
-        let mut factor = dev.zeros(n, n)?;
+        let a = b.dev.upload(m, n, &ha)?;
+        let mut factor = b.dev.zeros(n, n)?;
         // ε = 0 replaces the factor (Device::kron_factor_update: finiteness checks included).
-        let ours = grng_row(cuda, o.samples(), || {
-            Ok(dev.kron_factor_update(&a, 0.0, &mut factor)?)
-        })?;
-        let flop = 2.0 * m as f64 * (n as f64).powi(2);
-        let case = format!("bf16 A m = {m}, n = {n}");
-        let Some(blas) = &blas else {
-            print_row("syrk", &case, &ours, &none_peer(), flop, "TFLOP/s");
-            continue;
-        };
-        let s = cuda.stream();
-        let da: CudaSlice<bf16> = s.clone_htod(&ha)?;
-        let mut dc: CudaSlice<f32> = s.alloc_zeros(n * n)?;
+        let ours = b.grng(|| Ok(b.dev.kron_factor_update(&a, 0.0, &mut factor)?));
+        let da: CudaSlice<bf16> = b.cuda.stream().clone_htod(&ha)?;
         // Row-major A (m x n) is column-major X = Aᵀ (n x m, ld n): AᵀA = X·Xᵀ.
-        let ops = (
-            cublasOperation_t::CUBLAS_OP_N,
-            cublasOperation_t::CUBLAS_OP_T,
-        );
-        let secs = median_secs(cuda, o.samples(), || {
-            gemm_ex_bf16(cuda, blas, ops, (n, n, m), &da, n, &da, n, &mut dc)
-        })?;
-        let peer = Timed {
-            label: "cublasGemmEx bf16 → f32, full AᵀA".into(),
-            secs: Some(secs),
+        let g = Bf16Gemm {
+            ops: (
+                cublasOperation_t::CUBLAS_OP_N,
+                cublasOperation_t::CUBLAS_OP_T,
+            ),
+            mnk: (n, n, m),
+            lda: n,
+            ldb: n,
         };
-        print_row("syrk", &case, &ours, &peer, flop, "TFLOP/s");
+        let peers = bf16_peers(b, &libs, g, (&da, &da), ", full AᵀA")?;
+        let work = Work::Flop(2.0 * m as f64 * (n as f64).powi(2));
+        row(
+            "syrk",
+            &format!("bf16 A m = {m}, n = {n}"),
+            &ours,
+            &peers,
+            work,
+        );
     }
     Ok(())
 }
@@ -497,7 +833,7 @@ impl Solver {
     fn new(cuda: &CudaDevice) -> Res<Option<Self>> {
         // SAFETY: only probes whether libcusolver can be loaded (calls would panic otherwise).
         if !unsafe { cudarc::cusolver::sys::is_culib_present() } {
-            println!("| newton | - | - | - | cuSOLVER not found (LD_LIBRARY_PATH) | - | - |");
+            missing("newton", "cuSOLVER");
             return Ok(None);
         }
         Ok(Some(Self {
@@ -592,45 +928,39 @@ impl Solver {
     }
 }
 
-fn newton_section(dev: &Device, cuda: &CudaDevice, o: &Opts) -> Res<()> {
+fn newton_section(b: &Bench) -> Res<()> {
+    let (dev, cuda) = (&b.dev, &b.cuda);
     let solver = Solver::new(cuda)?;
-    let ms = |t: &Timed| t.secs.map_or("-".into(), |s| format!("{:.3} ms", s * 1e3));
-    for n in sizes(o, &[512, 1024, 2048, 4096]) {
+    for n in b.o.sizes(&[512, 1024, 2048, 4096]) {
         for kappa in [33.0, 1000.0] {
             let ha = spd(n, kappa, 8);
             let a = dev.upload(n, n, &ha)?;
             // The cuSOLVER peer and its residual, once per matrix.
-            let peer = match &solver {
-                None => (none_peer(), "-".to_owned()),
-                Some(solver) => {
-                    let s = cuda.stream();
-                    let da: CudaSlice<f32> = s.clone_htod(&ha)?;
-                    let mut w: CudaSlice<f32> = s.alloc_zeros(n * n)?;
-                    let mut work: CudaSlice<f32> = s.alloc_zeros(1)?;
-                    let mut info: CudaSlice<i32> = s.alloc_zeros(1)?;
-                    let secs = median_secs(cuda, o.samples(), || {
-                        solver.inverse(cuda, n, &da, &mut w, &mut work, &mut info)
-                    })?;
-                    let code = s.clone_dtoh(&info)?[0];
-                    let mut x = s.clone_dtoh(&w)?;
-                    // Row-major upper triangle holds a⁻¹: mirror it into the lower one.
-                    for i in 0..n {
-                        for j in 0..i {
-                            x[i * n + j] = x[j * n + i];
-                        }
+            let mut peers = Vec::new();
+            if let Some(solver) = &solver {
+                let s = cuda.stream();
+                let da: CudaSlice<f32> = s.clone_htod(&ha)?;
+                let mut w: CudaSlice<f32> = s.alloc_zeros(n * n)?;
+                let mut work: CudaSlice<f32> = s.alloc_zeros(1)?;
+                let mut info: CudaSlice<i32> = s.alloc_zeros(1)?;
+                let mut t = b.peer("cusolverDnSpotrf+Spotri (+ copy of A)", || {
+                    solver.inverse(cuda, n, &da, &mut w, &mut work, &mut info)
+                })?;
+                let code = s.clone_dtoh(&info)?[0];
+                let mut x = s.clone_dtoh(&w)?;
+                // Row-major upper triangle holds a⁻¹: mirror it into the lower one.
+                for i in 0..n {
+                    for j in 0..i {
+                        x[i * n + j] = x[j * n + i];
                     }
-                    let res = if code == 0 {
-                        format!("{:.1e}", residual(dev, &a, &dev.upload(n, n, &x)?)?)
-                    } else {
-                        format!("devInfo {code}")
-                    };
-                    let t = Timed {
-                        label: "cusolverDnSpotrf+Spotri (+ copy of A)".into(),
-                        secs: Some(secs),
-                    };
-                    (t, res)
                 }
-            };
+                t.note = if code == 0 {
+                    format!("res {:.1e}", residual(dev, &a, &dev.upload(n, n, &x)?)?)
+                } else {
+                    format!("devInfo {code}")
+                };
+                peers.push(t);
+            }
             for (name, precision) in [("f32", Precision::F32), ("bf16", Precision::Bf16)] {
                 // The smallest eigenvalue is known (1): given as λ_low, as a damping would be.
                 let opts = NewtonOptions {
@@ -639,75 +969,53 @@ fn newton_section(dev: &Device, cuda: &CudaDevice, o: &Opts) -> Res<()> {
                     ..NewtonOptions::default()
                 };
                 let mut last = None;
-                // An error (e.g. `Error::Diverged` at a bf16 floor above `tol`) is a result
-                // of the row, not the end of the bench.
-                let ours = grng_row(cuda, o.samples(), || {
+                let mut ours = b.grng(|| {
                     last = Some(dev.newton_inverse(&a, None, &opts)?);
                     Ok(())
-                })
-                .unwrap_or_else(|e| Timed {
-                    label: format!("error: {e}"),
-                    secs: None,
                 });
-                let res = match &last {
-                    Some((x, info)) => format!(
-                        "{:.1e} ({} it, own {:.1e})",
+                if let Some((x, info)) = &last {
+                    ours.note = format!(
+                        "res {:.1e} ({} it, own {:.1e})",
                         residual(dev, &a, x)?,
                         info.iterations,
                         info.residual
-                    ),
-                    None => "-".into(),
-                };
-                println!(
-                    "| newton | {name}, n = {n}, κ = {kappa} | {} | {} res {res} | {} | {} res {} | {} |",
-                    ours.label,
-                    ms(&ours),
-                    peer.0.label,
-                    ms(&peer.0),
-                    peer.1,
-                    ratio(&ours, &peer.0)
-                );
+                    );
+                }
+                let case = format!("{name}, n = {n}, κ = {kappa}");
+                row("newton", &case, &ours, &peers, Work::Millis);
             }
         }
     }
     Ok(())
 }
 
-fn kalman_section(dev: &Device, cuda: &CudaDevice, o: &Opts) -> Res<()> {
+fn kalman_section(b: &Bench) -> Res<()> {
+    let dev = &b.dev;
     let opts = KalmanOptions::default();
-    for n in sizes(o, &[1_000_000, 10_000_000, 50_000_000]) {
+    for n in b.o.sizes(&[1_000_000, 10_000_000, 50_000_000]) {
         for d_o in [10, 64] {
             let mut state = KalmanState::new(dev, &values(n, 9), 0.1, d_o)?;
             let h = dev.upload(d_o, n, &values(d_o * n, 10))?;
             let v = dev.upload(d_o, 1, &values(d_o, 11))?;
             // Each call is a further step of the same filter (σ shrinks, R follows its EMA).
-            let ours = grng_row(cuda, o.samples(), || {
+            let ours = b.grng(|| {
                 dev.kalman_step(&mut state, &h, &v, &opts)?;
                 Ok(())
-            })
-            .unwrap_or_else(|e| Timed {
-                label: format!("error: {e}"),
-                secs: None,
             });
             // The bytes the step must move: H twice (the Gram pass, then the update once the
             // d_o x d_o solve has S), σ twice, μ once, μ and σ written: 4n(2 d_o + 5) bytes.
             // The copy moves 8 bytes per element: timed on half that many elements.
             let bytes = 4 * n * (2 * d_o + 5);
-            let peer = copy_row(cuda, o.samples(), bytes / 8)?;
-            print_row(
-                "kalman",
-                &format!("n = {n}, d_o = {d_o}"),
-                &ours,
-                &peer,
-                bytes as f64,
-                "TB/s",
-            );
+            let peer = b.copy(bytes / 8)?;
+            let case = format!("n = {n}, d_o = {d_o}");
+            row("kalman", &case, &ours, &[peer], Work::Bytes(bytes as f64));
         }
     }
     Ok(())
 }
 
-fn step_section(dev: &Device, cuda: &CudaDevice, o: &Opts) -> Res<()> {
+fn step_section(b: &Bench) -> Res<()> {
+    let dev = &b.dev;
     // (name, batch m, [(d_out, d_in)] of the weights, bias column included).
     let models = [
         (
@@ -717,7 +1025,6 @@ fn step_section(dev: &Device, cuda: &CudaDevice, o: &Opts) -> Res<()> {
         ),
         ("3 x 4096x4096", 1024, vec![(4096, 4096); 3]),
     ];
-    let ms = |t: &Timed| t.secs.map_or("-".into(), |s| format!("{:.3} ms", s * 1e3));
     for (model, m, shapes) in &models {
         // Statistics and gradients already on the device, as after a forward/backward pass.
         let mut mats = Vec::new();
@@ -746,48 +1053,21 @@ fn step_section(dev: &Device, cuda: &CudaDevice, o: &Opts) -> Res<()> {
                     .collect::<Result<_, _>>()?;
                 // One call is S steps (one refresh, S − 1 reuses): the time is per call / S,
                 // the amortized cost of a step.
-                let row = grng_row(cuda, o.samples(), || {
+                let mut ours = b.grng(|| {
                     for _ in 0..skip {
                         let st = opt.needs_stats().then_some(&stats[..]);
                         opt.step(&mut params, &grads, st)?;
                     }
                     Ok(())
                 });
-                let ours = match row {
-                    Ok(t) => Timed {
-                        secs: t.secs.map(|s| s / skip as f64),
-                        ..t
-                    },
-                    Err(e) => Timed {
-                        label: format!("error: {e}"),
-                        secs: None,
-                    },
-                };
-                println!(
-                    "| step | {variant}, S = {skip}, {model}, m = {m} | {} | {} per step | - | - | - |",
-                    ours.label,
-                    ms(&ours)
-                );
+                ours.secs = ours.secs.map(|s| s / skip as f64);
+                ours.note = "per step".into();
+                let case = format!("{variant}, S = {skip}, {model}, m = {m}");
+                row("step", &case, &ours, &[], Work::Millis);
             }
         }
     }
     Ok(())
-}
-
-fn none_peer() -> Timed {
-    Timed {
-        label: "-".into(),
-        secs: None,
-    }
-}
-
-/// The sizes of a section: all, or the first and the one before last with `--quick`.
-fn sizes(o: &Opts, all: &[usize]) -> Vec<usize> {
-    if o.quick && all.len() > 1 {
-        vec![all[0], all[all.len() - 2]]
-    } else {
-        all.to_vec()
-    }
 }
 
 fn main() -> Res<()> {
@@ -799,35 +1079,47 @@ fn main() -> Res<()> {
             return Ok(());
         }
     };
-    let dev = Device::Cuda(cuda.clone());
+    let b = Bench {
+        dev: Device::Cuda(cuda.clone()),
+        cuda,
+        o,
+    };
     println!("| section | case | grng kernel | grng | peer | peer | ratio (time, grng / peer) |");
     println!("|---|---|---|---|---|---|---|");
-    if o.runs("launch") {
-        launch_section(&dev, &cuda, &o)?;
+    let sections: [(&str, Section); 10] = [
+        ("launch", launch_section),
+        ("copy", copy_section),
+        ("adamw", adamw_section),
+        ("gemm-f32", gemm_f32_section),
+        ("gemm-bf16", gemm_bf16_section),
+        ("precond", precond_section),
+        ("syrk", syrk_section),
+        ("newton", newton_section),
+        ("kalman", kalman_section),
+        ("step", step_section),
+    ];
+    for (name, section) in sections {
+        if b.o.runs(name) {
+            section(&b)?;
+        }
     }
-    if o.runs("copy") {
-        copy_section(&cuda, &o)?;
-    }
-    if o.runs("adamw") {
-        adamw_section(&dev, &cuda, &o)?;
-    }
-    if o.runs("gemm-f32") {
-        gemm_f32_section(&dev, &cuda, &o)?;
-    }
-    if o.runs("gemm-bf16") {
-        gemm_bf16_section(&dev, &cuda, &o)?;
-    }
-    if o.runs("syrk") {
-        syrk_section(&dev, &cuda, &o)?;
-    }
-    if o.runs("newton") {
-        newton_section(&dev, &cuda, &o)?;
-    }
-    if o.runs("kalman") {
-        kalman_section(&dev, &cuda, &o)?;
-    }
-    if o.runs("step") {
-        step_section(&dev, &cuda, &o)?;
-    }
+    print_loaded_libraries();
     Ok(())
+}
+
+/// One `loaded: PATH` line per NVIDIA library this process mapped (the real files, so the
+/// version is in the name): which cuBLAS, cublasLt and cuSOLVER the peers' numbers came from.
+fn print_loaded_libraries() {
+    let maps = std::fs::read_to_string("/proc/self/maps").unwrap_or_default();
+    let mut seen: Vec<&str> = Vec::new();
+    for path in maps.lines().filter_map(|l| l.split_whitespace().nth(5)) {
+        let file = path.rsplit('/').next().unwrap_or(path);
+        let ours = ["libcuda.", "libnvrtc", "libcublas", "libcusolver"]
+            .iter()
+            .any(|p| file.starts_with(p));
+        if ours && !seen.contains(&path) {
+            seen.push(path);
+            println!("loaded: {path}");
+        }
+    }
 }

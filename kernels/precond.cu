@@ -1,7 +1,8 @@
 // Preconditioning kernels (SPEC §1-2, §5 "small kernels"): the f32-accurate tensor-core
 // GEMM (split3 planes on the GEMM engine) behind P = Γ̃⁻¹ G Λ̃⁻¹ and the damped-inverse update
-// X ← X − dλ·X·X; the fp32 SIMT GEMM behind the batch gradient (1/m)EᵀA and the f32 Newton
-// products; the diagonal helpers (A ← A + λI, trace).
+// X ← X − dλ·X·X, and the plain bf16 one (Device::gemm on bf16 operands); the fp32 SIMT
+// GEMM behind the batch gradient (1/m)EᵀA and the f32 Newton products; the diagonal helpers
+// (A ← A + λI, trace).
 //
 // Launchers: src/cuda/precond.rs.
 #include "common.cuh"
@@ -202,6 +203,20 @@ extern "C" __global__ void __launch_bounds__(GRNG_GEMM_THREADS)
 }
 GRNG_EMU_ENTRY(precond_gemm3_tc, (const __nv_bfloat16*, int, long long, const __nv_bfloat16*, int,
                                   long long, float*, int, int, int, int, float, float, int))
+
+// The plain bf16 product (Device::gemm on bf16 operands): precond_gemm3_tc's parameters,
+// layouts, grid, block and shared memory with one term, so a_plane and b_plane are unused.
+extern "C" __global__ void __launch_bounds__(GRNG_GEMM_THREADS)
+    precond_gemm_tc(const __nv_bfloat16* __restrict__ a, int lda, long long a_plane,
+                    const __nv_bfloat16* __restrict__ b, int ldb, long long b_plane,
+                    float* __restrict__ c, int ldc, int M, int N, int K, float alpha, float beta,
+                    int trans) {
+    GRNG_DYN_SHARED(__nv_bfloat16, smem);
+    PrecondAxpby epi{c, ldc, alpha, beta};
+    grng_gemm_tile_any<1>(a, lda, a_plane, b, ldb, b_plane, M, N, K, trans, smem, epi);
+}
+GRNG_EMU_ENTRY(precond_gemm_tc, (const __nv_bfloat16*, int, long long, const __nv_bfloat16*, int,
+                                 long long, float*, int, int, int, int, float, float, int))
 
 // ---------------------------------------------------------------------------------------
 // a[i, i] += lambda for i < n (a is n x n with leading dimension ld). Grid-stride over the

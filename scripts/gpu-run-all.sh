@@ -74,6 +74,9 @@ for d in "${libdirs[@]}"; do
     LD_LIBRARY_PATH="$d${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
 done
 export LD_LIBRARY_PATH="${LD_LIBRARY_PATH:-}"
+# What the dynamic loader will pick for each name cudarc opens (first LD_LIBRARY_PATH hit,
+# else ldconfig), with its real file and the version in that file's name. The bench prints
+# the ones it actually mapped ("loaded:" lines, copied into the summary below).
 for lib in libcuda.so.1 libnvrtc.so libcublas.so libcublasLt.so libcusolver.so; do
     found=""
     IFS=: read -ra dirs <<<"$LD_LIBRARY_PATH"
@@ -82,8 +85,15 @@ for lib in libcuda.so.1 libnvrtc.so libcublas.so libcublasLt.so libcusolver.so; 
         [[ -n "$f" ]] && found="$f" && break
     done
     [[ -z "$found" ]] && found="$(ldconfig -p 2>/dev/null | awk -v l="$lib" 'index($1, l) == 1 { print $NF; exit }')"
-    say "library $lib: ${found:-NOT FOUND}"
+    if [[ -n "$found" ]]; then
+        real="$(readlink -f "$found")"
+        say "library $lib: $found -> $real (version ${real##*.so.})"
+    else
+        say "library $lib: NOT FOUND"
+    fi
 done
+# The tests' CUDA arms must run here: a missing GPU fails them instead of skipping them.
+export GRNG_REQUIRE_CUDA=1
 
 failed=0
 # run NAME LOG CMD...: runs CMD with its output in LOG, one PASS/FAIL line in the summary.
@@ -110,6 +120,7 @@ done
 if [[ -x "$here/bench/gpu" ]]; then
     # shellcheck disable=SC2086 # bench_args is a word list by design
     run "bench gpu $bench_args" "$out/bench-gpu.log" "$here/bench/gpu" $bench_args
+    grep '^loaded: ' "$out/bench-gpu.log" | sed 's/^/bench /' | tee -a "$summary"
     if [[ $ncu_on == 1 ]]; then
         # shellcheck disable=SC2086
         run "ncu bench gpu" "$out/ncu-bench-gpu.log" \

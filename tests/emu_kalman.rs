@@ -1,7 +1,7 @@
 //! The R-Kalman kernels (`kernels/kalman.cu`: Gram partials + reduction, single-block
 //! solve, fused update) on `Device::Emulated` (and CUDA when present) against the CPU step
-//! `grng::cpu::kalman::kalman_step`: ragged n (1, 31, 32, 33, 1000, ~20000), d_o 1..=12 (and
-//! the register buckets' edges up to 64), fresh random inputs, NaN-poisoned outputs, the
+//! `grng::cpu::kalman::kalman_step`: ragged n (1, 31, 32, 33, 1000, ~20000; on CUDA also up
+//! to 2e6), d_o 1..=12 (and the register buckets' edges up to 64), fresh random inputs, NaN-poisoned outputs, the
 //! jitter escalation path, every error path, and the state-unchanged discipline of
 //! `Device::kalman_step`.
 //!
@@ -312,6 +312,25 @@ proptest! {
             let g = got.res.as_ref().expect_err("the device rejects it too");
             prop_assert_eq!(key(w), key(g));
         }
+    }
+}
+
+/// The CUDA arm at the GPU's sizes: n ragged in 1e5..=2e6 with d_o = 10, the largest one
+/// (`MAX_D_O`) and one drawn, options drawn as in `step_matches_cpu`, outputs NaN-poisoned,
+/// `compare`'s bounds (independent of n: sums of at most 64 f32 terms, f64 above).
+#[test]
+fn cuda_large_steps_match_cpu() {
+    let Some(dev) = common::cuda() else {
+        return;
+    };
+    let mut rng = common::seeded_rng();
+    use proptest::strategy::ValueTree;
+    let mut runner = proptest::test_runner::TestRunner::new(common::proptest_config(1));
+    for d_o in [10, MAX_D_O, rng.random_range(1..=MAX_D_O)] {
+        let c = case(d_o, rng.random_range(100_000..=2_000_000), rng.random());
+        let o = opts_strategy().new_tree(&mut runner).unwrap().current();
+        let want = run_cpu(&c, &o);
+        compare(&c, &o, &want, &run_dev(&dev, &c, &o)).unwrap();
     }
 }
 

@@ -4,10 +4,10 @@
 //! CPU backend on random ragged shapes. Outputs are poisoned with NaN before each launch.
 
 use grng::cuda::kron::{syrk_ema_f32, syrk_ema_tc};
-use grng::{Device, Element, Error, Matrix};
+use grng::{Device, Element, Error, Matrix, Trans};
 use half::bf16;
 use proptest::prelude::*;
-use rand::SeedableRng;
+use rand::{Rng, SeedableRng};
 use rand_chacha::ChaCha8Rng;
 
 mod common;
@@ -50,6 +50,7 @@ fn check_factor(
     old: &[f32],
 ) -> Result<(), TestCaseError> {
     let alpha = (1.0 - eps as f64) / m as f64;
+    let mut scale = vec![0.0f64; n * n];
     for i in 0..n {
         for j in 0..=i {
             let mut s = 0.0f64;
@@ -61,17 +62,31 @@ fn check_factor(
             } else {
                 0.0
             };
-            let tol = 2.0 * (m as f64 + 4.0) * U32 * (alpha * s + ema) + 1e-30;
+            scale[i * n + j] = alpha * s + ema;
+        }
+    }
+    check_factor_scaled(got, want, &scale, (m, n))
+}
+
+/// [`check_factor`] given the scale `α·Σ|a a| + ε|Λ|` of the lower triangle.
+fn check_factor_scaled(
+    got: &[f32],
+    want: &[f32],
+    scale: &[f64],
+    (m, n): (usize, usize),
+) -> Result<(), TestCaseError> {
+    for i in 0..n {
+        for j in 0..=i {
+            let tol = 2.0 * (m as f64 + 4.0) * U32 * scale[i * n + j] + 1e-30;
             let (g, w) = (got[i * n + j], want[i * n + j]);
             prop_assert!(
                 ((g - w) as f64).abs() <= tol,
-                "({}, {}) of {}x{} (m {}, eps {}): got {} want {} tol {:e}",
+                "({}, {}) of {}x{} (m {}): got {} want {} tol {:e}",
                 i,
                 j,
                 n,
                 n,
                 m,
-                eps,
                 g,
                 w,
                 tol
@@ -213,6 +228,93 @@ fn larger_factors_match_cpu() {
             syrk_ema_tc(&dev, &dev.upload(m, n, &ab).unwrap(), eps, &mut f).unwrap();
             check_factor(&f.to_vec().unwrap(), &want_b, &ab32, (m, n), eps, &old).unwrap();
         }
+    }
+}
+
+/// The CUDA arm at the GPU's sizes: m = 4096 samples (the batch), n up to 4096
+/// ragged, both SYRK kernels through `Device::kron_factor_update` (ε = 0 with an all-NaN
+/// factor, ε > 0 with NaN above the diagonal through the launchers), `check_factor`'s bound
+/// with its scale from [`common::abs_gemm`]; the batch gradient at those sizes.
+#[test]
+fn cuda_large_factors_match_cpu() {
+    let Some(dev) = common::cuda() else {
+        return;
+    };
+    let mut rng = common::seeded_rng();
+    let m = 4096;
+    for eps in [0.0f32, rng.random_range(0.01..0.99)] {
+        let n = common::large_dim(&mut rng);
+        let a = vals(&mut rng, m * n);
+        let ab: Vec<bf16> = a.iter().copied().map(bf16::from_f32).collect();
+        let ab32: Vec<f32> = ab.iter().map(|v| v.to_f32()).collect();
+        let old = old_factor(&mut rng, n);
+        let tn = (Trans::Yes, Trans::No);
+        let alpha = (1.0 - eps) / m as f32;
+        for bf in [false, true] {
+            let (a32, want) = if bf {
+                (&ab32, cpu_factor(&ab, (m, n), eps, &old))
+            } else {
+                (&a, cpu_factor(&a, (m, n), eps, &old))
+            };
+            let scale = common::abs_gemm(tn, (n, n, m), alpha, a32, a32, eps, &old);
+            for nan_upper in [false, true] {
+                let mut f = dev
+                    .upload(n, n, &poisoned_old(&old, n, eps, nan_upper))
+                    .unwrap();
+                match (bf, nan_upper) {
+                    (false, false) => {
+                        dev.kron_factor_update(&dev.upload(m, n, &a).unwrap(), eps, &mut f)
+                    }
+                    (true, false) => {
+                        dev.kron_factor_update(&dev.upload(m, n, &ab).unwrap(), eps, &mut f)
+                    }
+                    (false, true) => {
+                        syrk_ema_f32(&dev, &dev.upload(m, n, &a).unwrap(), eps, &mut f)
+                    }
+                    (true, true) => syrk_ema_tc(&dev, &dev.upload(m, n, &ab).unwrap(), eps, &mut f),
+                }
+                .unwrap();
+                check_factor_scaled(&f.to_vec().unwrap(), &want, &scale, (m, n)).unwrap();
+            }
+        }
+    }
+
+    // G = (1/m) Eᵀ A, G poisoned; tolerance as in `batch_gradient_matches_cpu`.
+    let (d_out, d_in) = (common::large_dim(&mut rng), common::large_dim(&mut rng));
+    let e = vals(&mut rng, m * d_out);
+    let a = vals(&mut rng, m * d_in);
+    let cpu = Device::Cpu;
+    let mut gw = cpu.zeros(d_out, d_in).unwrap();
+    cpu.batch_gradient(
+        &cpu.upload(m, d_out, &e).unwrap(),
+        &cpu.upload(m, d_in, &a).unwrap(),
+        &mut gw,
+    )
+    .unwrap();
+    let zeros = vec![0.0; d_out * d_in];
+    let tn = (Trans::Yes, Trans::No);
+    let scale = common::abs_gemm(tn, (d_out, d_in, m), 1.0 / m as f32, &e, &a, 0.0, &zeros);
+    let mut g = dev
+        .upload(d_out, d_in, &vec![f32::NAN; d_out * d_in])
+        .unwrap();
+    dev.batch_gradient(
+        &dev.upload(m, d_out, &e).unwrap(),
+        &dev.upload(m, d_in, &a).unwrap(),
+        &mut g,
+    )
+    .unwrap();
+    for (i, (x, w)) in g
+        .to_vec()
+        .unwrap()
+        .iter()
+        .zip(gw.to_vec().unwrap())
+        .enumerate()
+    {
+        let tol = 2.0 * (m as f64 + 4.0) * U32 * scale[i] + 1e-30;
+        assert!(
+            ((x - w) as f64).abs() <= tol,
+            "element {i}: got {x} want {w}"
+        );
     }
 }
 

@@ -3,14 +3,13 @@
 //! references, the whole inversion against `grng::cpu::newton` (same starts, orders,
 //! precisions, stop rules), the power iteration against `grng::cpu::spectral_norm`, and the
 //! typed errors. Outputs are poisoned with NaN before each launch. Sizes stay below ~100:
-//! every emulated thread is a fiber.
+//! every emulated thread is a fiber (the CUDA arm's products go up to 4096).
 
 mod common;
-use common::{spd, with_spectrum};
+use common::{devices, spd, with_spectrum};
 
 use grng::cpu::newton::newton_inverse as cpu_newton;
 use grng::cuda::newton::{self as kn, Epilogue, Unused};
-use grng::cuda::CudaDevice;
 use grng::ops::newton::{InitialGuess, NewtonInfo, NewtonOptions, NewtonOrder, Precision};
 use grng::ops::norm::PowerOptions;
 use grng::{Device, Error, Mat, MatRef, Matrix};
@@ -18,14 +17,6 @@ use half::bf16;
 use proptest::prelude::*;
 use rand::{Rng, SeedableRng};
 use rand_chacha::ChaCha8Rng;
-
-fn devices() -> Vec<Device> {
-    let mut d = vec![Device::Emulated];
-    if let Ok(c) = CudaDevice::new(0) {
-        d.push(Device::Cuda(c));
-    }
-    d
-}
 
 /// Sizes around the 128-wide output tile and the 64/32/16/8-wide warp tiles, K slices and
 /// load granules, plus anything.
@@ -72,31 +63,36 @@ fn reference(
     add1: Option<&[f32]>,
     add2: Option<&[f32]>,
 ) -> (Vec<f64>, Vec<f64>) {
+    use rayon::prelude::*;
     let mut v = vec![0.0; n * n];
     let mut sc = vec![0.0; n * n];
-    for i in 0..n {
-        for j in 0..n {
-            let (mut s, mut m) = (0.0f64, 0.0f64);
+    // Row by row in parallel, k outer (the same k order per element): the CUDA arm's n = 4096
+    // takes seconds, not minutes.
+    v.par_chunks_mut(n)
+        .zip(sc.par_chunks_mut(n))
+        .enumerate()
+        .for_each(|(i, (vr, sr))| {
             for k in 0..n {
-                let p = a[i * n + k] as f64 * b[k * n + j] as f64;
-                s += p;
-                m += p.abs();
+                let aik = a[i * n + k] as f64;
+                for (j, (x, y)) in vr.iter_mut().zip(sr.iter_mut()).enumerate() {
+                    let p = aik * b[k * n + j] as f64;
+                    *x += p;
+                    *y += p.abs();
+                }
             }
-            let o = i * n + j;
-            let mut x = alpha as f64 * s;
-            let mut y = m;
-            if i == j {
-                x += diag as f64;
-                y += (diag as f64).abs();
+            for j in 0..n {
+                let o = i * n + j;
+                vr[j] *= alpha as f64;
+                if i == j {
+                    vr[j] += diag as f64;
+                    sr[j] += (diag as f64).abs();
+                }
+                for add in [add1, add2].into_iter().flatten() {
+                    vr[j] += add[o] as f64;
+                    sr[j] += (add[o] as f64).abs();
+                }
             }
-            for add in [add1, add2].into_iter().flatten() {
-                x += add[o] as f64;
-                y += (add[o] as f64).abs();
-            }
-            v[o] = x;
-            sc[o] = y;
-        }
-    }
+        });
     (v, sc)
 }
 
@@ -230,6 +226,29 @@ fn check_product(dev: &Device, n: usize, f: &Flags, tc: bool, seed: u64) {
                 );
             }
         }
+    }
+}
+
+/// The CUDA arm at the GPU's sizes: both fused products (bf16 `newton_gemm_tc`, f32
+/// `newton_gemm3_tc`) at n up to 4096, ragged, every output on and NaN-poisoned, against the
+/// f64 reference with [`check_product`]'s bounds (which grow with n as the f32 sums do).
+#[test]
+fn cuda_large_products() {
+    let Some(dev) = common::cuda() else {
+        return;
+    };
+    let mut rng = common::seeded_rng();
+    for tc in [true, false] {
+        let f = Flags {
+            alpha: if rng.random() { -1.0 } else { 1.0 },
+            diag: rng.random_range(-2.0..2.0),
+            add1: true,
+            add2: rng.random(),
+            out: true,
+            out_bf: true,
+            partial: true,
+        };
+        check_product(&dev, common::large_dim(&mut rng), &f, tc, rng.random());
     }
 }
 

@@ -1,14 +1,16 @@
 //! The kernels of `kernels/precond.cu` — the tiled fp32 GEMM (four transpose cases), the
-//! f32-accurate tensor-core GEMM (`gemm3`) and through it the preconditioning `P = Γ̃⁻¹ G Λ̃⁻¹`
+//! plain bf16 tensor-core GEMM (`Device::gemm` on bf16), the f32-accurate one (`gemm3`) and
+//! through it the preconditioning `P = Γ̃⁻¹ G Λ̃⁻¹`
 //! and the damped-inverse update; `A + λI`;
 //! the trace — run by the emulator through the same launch code as on a GPU (and on CUDA
 //! when present), against the CPU backend on random ragged shapes. Outputs are poisoned with
 //! NaN before each launch wherever the operation does not read them.
 
 use grng::cuda::precond;
-use grng::{Device, Error, Matrix, Trans};
+use grng::{Device, Element, Error, Matrix, Trans};
+use half::bf16;
 use proptest::prelude::*;
-use rand::SeedableRng;
+use rand::{Rng, SeedableRng};
 use rand_chacha::ChaCha8Rng;
 
 mod common;
@@ -80,6 +82,14 @@ fn check_close(got: &[f32], want: &[f32], scale: &[f64], k: usize) -> Result<(),
     Ok(())
 }
 
+fn to_bf16(x: &[f32]) -> Vec<bf16> {
+    x.iter().map(|&v| bf16::from_f32(v)).collect()
+}
+
+fn widen(x: &[bf16]) -> Vec<f32> {
+    x.iter().map(|v| v.to_f32()).collect()
+}
+
 fn stored_shape(t: Trans, (r, c): (usize, usize)) -> (usize, usize) {
     match t {
         Trans::No => (r, c),
@@ -87,9 +97,9 @@ fn stored_shape(t: Trans, (r, c): (usize, usize)) -> (usize, usize) {
     }
 }
 
-/// A GEMM launcher with `precond::gemm`'s signature.
-type GemmFn =
-    fn(&Device, Trans, Trans, f32, &Matrix, &Matrix, f32, &mut Matrix) -> grng::Result<()>;
+/// A GEMM launcher with `precond::gemm`'s signature (`precond::gemm_tc`'s for `T = bf16`).
+type GemmFn<T> =
+    fn(&Device, Trans, Trans, f32, &Matrix<T>, &Matrix<T>, f32, &mut Matrix) -> grng::Result<()>;
 
 /// Random `A`, `B`, `C` for `op(A)` `m x k`, `op(B)` `k x n`: the values and the stored shapes.
 struct GemmCase {
@@ -113,14 +123,17 @@ fn gemm_case(seed: u64, (m, n, k): (usize, usize, usize), ta: Trans, tb: Trans) 
 
 /// α = 0 through `gemm`: C ← β·C exactly (β = 0 → zeros, C all NaN never read), NaN A and B
 /// never read.
-fn check_alpha_zero(
+fn check_alpha_zero<T: Element>(
     dev: &Device,
-    gemm: GemmFn,
+    gemm: GemmFn<T>,
     t: &GemmCase,
     (ta, tb): (Trans, Trans),
     beta: f32,
 ) -> Result<(), TestCaseError> {
-    let nan = |(r, c): (usize, usize)| dev.upload(r, c, &vec![f32::NAN; r * c]).unwrap();
+    let nan = |(r, c): (usize, usize)| {
+        dev.upload(r, c, &vec![T::from_f32(f32::NAN); r * c])
+            .unwrap()
+    };
     let (an, bn) = (nan(t.a_shape), nan(t.b_shape));
     let rows = if ta == Trans::No {
         t.a_shape.0
@@ -176,6 +189,38 @@ proptest! {
             dev.gemm(ta, tb, alpha, &am, &bm, beta, &mut c).unwrap();
             check_close(&c.to_vec().unwrap(), &want, &scale, k)?;
             check_alpha_zero(&dev, precond::gemm, &t, (ta, tb), beta)?;
+        }
+    }
+
+    /// `Device::gemm` on bf16 operands (the tensor-core `precond_gemm_tc` on the kernel
+    /// devices, the widened f32 GEMM on the CPU) on every transpose case and ragged shape:
+    /// bf16 products are exact in f32, so both sides are f32 GEMMs of the same values and
+    /// `check_close`'s bound holds. β = 0 with C all NaN, α = 0 with NaN A and B (not read).
+    #[test]
+    fn gemm_bf16_matches_cpu(
+        m in dim(), n in dim(), k in prop_oneof![1 => Just(0usize), 8 => dim()],
+        ta in trans(), tb in trans(),
+        alpha in prop_oneof![1 => Just(1.0f32), 3 => -2.0f32..2.0],
+        beta in prop_oneof![2 => Just(0.0f32), 1 => Just(1.0f32), 2 => -2.0f32..2.0],
+        seed in any::<u64>(),
+    ) {
+        let t = gemm_case(seed, (m, n, k), ta, tb);
+        let (a, b) = (to_bf16(&t.a), to_bf16(&t.b));
+        let (af, bf) = (widen(&a), widen(&b));
+        let ((ar, ac), (br, bc)) = (t.a_shape, t.b_shape);
+        let scale = abs_scale((ta, tb), (m, n, k), alpha, &af, &bf, beta, &t.c0);
+        let cpu = Device::Cpu;
+        let mut cw = cpu.upload(m, n, &t.c0).unwrap();
+        cpu.gemm(ta, tb, alpha, &cpu.upload(ar, ac, &a).unwrap(), &cpu.upload(br, bc, &b).unwrap(), beta, &mut cw)
+            .unwrap();
+        let want = cw.to_vec().unwrap();
+        for dev in devices() {
+            let c_in = if beta == 0.0 { vec![f32::NAN; m * n] } else { t.c0.clone() };
+            let mut c = dev.upload(m, n, &c_in).unwrap();
+            dev.gemm(ta, tb, alpha, &dev.upload(ar, ac, &a).unwrap(), &dev.upload(br, bc, &b).unwrap(), beta, &mut c)
+                .unwrap();
+            check_close(&c.to_vec().unwrap(), &want, &scale, k)?;
+            check_alpha_zero(&dev, precond::gemm_tc, &t, (ta, tb), beta)?;
         }
     }
 
@@ -376,6 +421,122 @@ fn larger_gemm_matches_cpu() {
     }
 }
 
+/// The CUDA arm at the GPU's sizes (m, n, k up to 4096, ragged): `Device::gemm` on f32 and
+/// on bf16 operands and `precond::gemm3`, each transpose case, C all NaN when β = 0, against
+/// the CPU GEMM within `check_close`'s bound (its scale from [`common::abs_gemm`]; for gemm3
+/// one k more, covering its (k + 8)·u bound plus the CPU's (k + 2)·u); then preconditioning
+/// and the damped-inverse update at those sizes.
+#[test]
+fn cuda_large_products_match_cpu() {
+    let Some(dev) = common::cuda() else {
+        return;
+    };
+    let mut rng = common::seeded_rng();
+    let cpu = Device::Cpu;
+    for (ta, tb) in [
+        (Trans::No, Trans::No),
+        (Trans::No, Trans::Yes),
+        (Trans::Yes, Trans::No),
+        (Trans::Yes, Trans::Yes),
+    ] {
+        let (m, n, k) = (
+            common::large_dim(&mut rng),
+            common::large_dim(&mut rng),
+            common::large_dim(&mut rng),
+        );
+        let t = gemm_case(rng.random(), (m, n, k), ta, tb);
+        let (alpha, beta) = (
+            rng.random_range(-2.0f32..2.0),
+            [0.0, 0.7][rng.random_range(0..2)],
+        );
+        let ((ar, ac), (br, bc)) = (t.a_shape, t.b_shape);
+        let c_in = if beta == 0.0 {
+            vec![f32::NAN; m * n]
+        } else {
+            t.c0.clone()
+        };
+        // The CPU's product of f32 values and its error scale.
+        let reference = |a: &[f32], b: &[f32]| {
+            let mut cw = cpu.upload(m, n, &t.c0).unwrap();
+            let (ac_, bc_) = (
+                cpu.upload(ar, ac, a).unwrap(),
+                cpu.upload(br, bc, b).unwrap(),
+            );
+            cpu.gemm(ta, tb, alpha, &ac_, &bc_, beta, &mut cw).unwrap();
+            let scale = common::abs_gemm((ta, tb), (m, n, k), alpha, a, b, beta, &t.c0);
+            (cw.to_vec().unwrap(), scale)
+        };
+        let (want, scale) = reference(&t.a, &t.b);
+        let (am, bm) = (
+            dev.upload(ar, ac, &t.a).unwrap(),
+            dev.upload(br, bc, &t.b).unwrap(),
+        );
+        let mut c = dev.upload(m, n, &c_in).unwrap();
+        dev.gemm(ta, tb, alpha, &am, &bm, beta, &mut c).unwrap();
+        check_close(&c.to_vec().unwrap(), &want, &scale, k).unwrap();
+        let mut c = dev.upload(m, n, &c_in).unwrap();
+        precond::gemm3(&dev, ta, tb, alpha, &am, &bm, beta, &mut c).unwrap();
+        check_close(&c.to_vec().unwrap(), &want, &scale, k + 1).unwrap();
+        // The same values rounded to bf16: the tensor-core engine's plain product.
+        let (a16, b16) = (to_bf16(&t.a), to_bf16(&t.b));
+        let (want, scale) = reference(&widen(&a16), &widen(&b16));
+        let (am, bm) = (
+            dev.upload(ar, ac, &a16).unwrap(),
+            dev.upload(br, bc, &b16).unwrap(),
+        );
+        let mut c = dev.upload(m, n, &c_in).unwrap();
+        dev.gemm(ta, tb, alpha, &am, &bm, beta, &mut c).unwrap();
+        check_close(&c.to_vec().unwrap(), &want, &scale, k).unwrap();
+    }
+
+    // P = Γ̃⁻¹ G Λ̃⁻¹ (P poisoned) and X ← X − dλ·X X, bounds as in the proptests above.
+    let (d_out, d_in) = (common::large_dim(&mut rng), common::large_dim(&mut rng));
+    let gi = vals(&mut rng, d_out * d_out);
+    let g = vals(&mut rng, d_out * d_in);
+    let li = vals(&mut rng, d_in * d_in);
+    let mut pw = cpu.zeros(d_out, d_in).unwrap();
+    let up = |d: &Device, r, c, v: &[f32]| d.upload(r, c, v).unwrap();
+    cpu.precondition(
+        &up(&cpu, d_out, d_out, &gi),
+        &up(&cpu, d_out, d_in, &g),
+        &up(&cpu, d_in, d_in, &li),
+        &mut pw,
+    )
+    .unwrap();
+    let nn = (Trans::No, Trans::No);
+    let zeros = vec![0.0; d_out * d_in];
+    let t: Vec<f32> = common::abs_gemm(nn, (d_out, d_in, d_in), 1.0, &g, &li, 0.0, &zeros)
+        .into_iter()
+        .map(|x| x as f32)
+        .collect();
+    let scale = common::abs_gemm(nn, (d_out, d_in, d_out), 1.0, &gi, &t, 0.0, &zeros);
+    let mut p = up(&dev, d_out, d_in, &vec![f32::NAN; d_out * d_in]);
+    dev.precondition(
+        &up(&dev, d_out, d_out, &gi),
+        &up(&dev, d_out, d_in, &g),
+        &up(&dev, d_in, d_in, &li),
+        &mut p,
+    )
+    .unwrap();
+    check_close(
+        &p.to_vec().unwrap(),
+        &pw.to_vec().unwrap(),
+        &scale,
+        d_in + d_out,
+    )
+    .unwrap();
+
+    let n = common::large_dim(&mut rng);
+    let x = vals(&mut rng, n * n);
+    let dl = rng.random_range(-0.3f32..0.3);
+    let mut xw = up(&cpu, n, n, &x);
+    cpu.damped_inverse_update(&mut xw, dl).unwrap();
+    let scale = common::abs_gemm(nn, (n, n, n), -dl, &x, &x, 1.0, &x);
+    let mut xm = up(&dev, n, n, &x);
+    dev.damped_inverse_update(&mut xm, dl).unwrap();
+    check_close(&xm.to_vec().unwrap(), &xw.to_vec().unwrap(), &scale, n).unwrap();
+}
+
 /// Bad inputs are typed errors on the emulated device and leave the outputs unchanged.
 #[test]
 fn bad_inputs_are_errors() {
@@ -416,6 +577,29 @@ fn bad_inputs_are_errors() {
             Err(Error::NonFinite {
                 arg: "b",
                 index: 11,
+                ..
+            })
+        ),
+        "{r:?}"
+    );
+    // bf16 operands go through the same checks.
+    let mut bh = vec![bf16::ONE; 12];
+    bh[7] = bf16::INFINITY;
+    let r = dev.gemm(
+        Trans::No,
+        Trans::No,
+        1.0,
+        &dev.upload(2, 4, &[bf16::ONE; 8]).unwrap(),
+        &dev.upload(4, 3, &bh).unwrap(),
+        0.0,
+        &mut c,
+    );
+    assert!(
+        matches!(
+            r,
+            Err(Error::NonFinite {
+                arg: "b",
+                index: 7,
                 ..
             })
         ),

@@ -1,7 +1,7 @@
 //! Launchers of `kernels/precond.cu`: the tiled fp32 GEMM (all four transpose cases); the
-//! f32-accurate tensor-core GEMM [`gemm3`] (bf16 split planes on the GEMM engine) and through
-//! it the Kronecker preconditioning `P = Γ̃⁻¹ G Λ̃⁻¹` and the damped-inverse update
-//! `X ← X − dλ·X·X`; `A ← A + λI`; the trace.
+//! f32-accurate tensor-core GEMM [`gemm3`] (bf16 split planes on the GEMM engine), the plain
+//! bf16 one [`gemm_tc`], and through [`gemm3`] the Kronecker preconditioning
+//! `P = Γ̃⁻¹ G Λ̃⁻¹` and the damped-inverse update `X ← X − dλ·X·X`; `A ← A + λI`; the trace.
 //!
 //! Every function runs on [`Device::Emulated`] or [`Device::Cuda`] (on the device's stream,
 //! asynchronously, except [`trace`], which reads its scalar back). Arguments are validated
@@ -9,7 +9,7 @@
 //! its kernel's memory safety needs (shapes against the dimensions it passes, the kernels'
 //! `int` ranges; device placement is checked by [`KernelArgs`]).
 
-use super::launch::{kernel, launch, KernelArgs, LaunchConfig};
+use super::launch::{kernel, launch, Kernel, KernelArgs, LaunchConfig};
 use crate::cpu::gemm::gemm_dims;
 use crate::device::{Device, Matrix};
 use crate::error::{check_shape, Error, Result};
@@ -24,6 +24,7 @@ kernel!(pub ADD_DIAGONAL = PRECOND::precond_add_diagonal;);
 kernel!(pub TRACE = PRECOND::precond_trace;);
 kernel!(pub SPLIT3 = PRECOND::precond_split3;);
 kernel!(pub GEMM3_TC = PRECOND::precond_gemm3_tc;);
+kernel!(pub GEMM_TC = PRECOND::precond_gemm_tc;);
 
 /// Output tile of the GEMM kernels (rows and columns) and its threads per block.
 const GEMM_TILE: usize = 64;
@@ -248,9 +249,10 @@ pub fn gemm3(
         }
     };
     let (ap, bp) = (split(a)?, split(b)?);
-    launch_gemm3(
+    launch_engine(
         dev,
         OP,
+        &GEMM3_TC,
         (ta, a.shape(), &ap),
         (tb, b.shape(), &bp),
         alpha,
@@ -259,14 +261,51 @@ pub fn gemm3(
     )
 }
 
-/// An operand of [`launch_gemm3`]: its transpose, the shape of the f32 matrix it was split
-/// from, and its [`split3`] planes (a placeholder when `α = 0`).
+/// `C ← α·op(A)·op(B) + β·C` for bf16 `A`, `B` and f32 `C` on the tensor-core GEMM engine
+/// (`precond_gemm_tc`: kernels/gemm/engine.cuh, 128x128 tiles, `mma.sync` bf16, f32
+/// accumulation, ragged `m`, `n`, `k`). Each product of two bf16 values is exact in f32, so
+/// the result is an f32 GEMM of the widened operands. Same BLAS semantics as [`gemm()`].
+///
+/// # Errors
+/// As [`gemm()`]. `c` is unchanged on error.
+#[allow(clippy::too_many_arguments)]
+pub fn gemm_tc(
+    dev: &Device,
+    ta: Trans,
+    tb: Trans,
+    alpha: f32,
+    a: &Matrix<bf16>,
+    b: &Matrix<bf16>,
+    beta: f32,
+    c: &mut Matrix,
+) -> Result<()> {
+    const OP: &str = "cuda::precond::gemm_tc";
+    // Memory safety: the kernel indexes a, b and c by these dimensions.
+    gemm_dims(OP, ta, a.shape(), tb, b.shape(), c.shape())?;
+    launch_engine(
+        dev,
+        OP,
+        &GEMM_TC,
+        (ta, a.shape(), a),
+        (tb, b.shape(), b),
+        alpha,
+        beta,
+        c,
+    )
+}
+
+/// An operand of [`launch_engine`]: its transpose, the shape of the matrix it holds (for
+/// split3 planes: of the f32 matrix they were split from), and its bf16 data (the planes, or
+/// a placeholder when `α = 0`).
 type Planes<'a> = (Trans, (usize, usize), &'a Matrix<bf16>);
 
-/// Launches `precond_gemm3_tc` on split operands whose shapes passed [`gemm_dims`].
-fn launch_gemm3(
+/// Launches `precond_gemm3_tc` (split operands) or `precond_gemm_tc` (bf16 operands, which
+/// ignores the plane offsets) on operands whose shapes passed [`gemm_dims`].
+#[allow(clippy::too_many_arguments)]
+fn launch_engine(
     dev: &Device,
     op: &'static str,
+    kernel: &Kernel,
     (ta, a_shape, ap): Planes<'_>,
     (tb, b_shape, bp): Planes<'_>,
     alpha: f32,
@@ -324,15 +363,16 @@ fn launch_gemm3(
         .scalar(alpha)
         .scalar(beta)
         .scalar(trans);
-    // SAFETY: precond_gemm3_tc(const bf16* a, int lda, long long a_plane, const bf16* b, int
-    // ldb, long long b_plane, float* c, int ldc, int M, int N, int K, float alpha, float beta,
-    // int trans). When K > 0 (α ≠ 0) ap holds the 3 planes of an a_shape matrix a_plane
-    // elements apart (split3), each stored like A: (M x K, ld K) or transposed (K x M, ld M),
-    // so lda = a_shape.1 and the engine's reads of op(A)(i, kk), i < M, kk < K stay inside
-    // each plane (cp.async src-size cut at the row end); likewise bp. With K = 0 nothing is
-    // read. C (M x N, ld N) is touched only at i < M, j < N. Grid ceil(N/128) x ceil(M/128),
-    // block 256, GEMM_SMEM bytes of dynamic shared memory.
-    unsafe { launch(&GEMM3_TC, cfg, args) }
+    // SAFETY: precond_gemm3_tc and precond_gemm_tc(const bf16* a, int lda, long long
+    // a_plane, const bf16* b, int ldb, long long b_plane, float* c, int ldc, int M, int N, int
+    // K, float alpha, float beta, int trans). When K > 0 (α ≠ 0) ap holds an a_shape matrix
+    // (precond_gemm_tc) or its 3 split3 planes a_plane elements apart (precond_gemm3_tc), each
+    // stored like A: (M x K, ld K) or transposed (K x M, ld M), so lda = a_shape.1 and the
+    // engine's reads of op(A)(i, kk), i < M, kk < K stay inside each plane (cp.async src-size
+    // cut at the row end); likewise bp. With K = 0 nothing is read. C (M x N, ld N) is
+    // touched only at i < M, j < N. Grid ceil(N/128) x ceil(M/128), block 256, GEMM_SMEM
+    // bytes of dynamic shared memory.
+    unsafe { launch(kernel, cfg, args) }
 }
 
 /// `P = Γ̃⁻¹ (G Λ̃⁻¹)` with `Γ̃⁻¹` `d_out x d_out`, `G` `d_out x d_in`, `Λ̃⁻¹` `d_in x d_in`:
@@ -374,5 +414,5 @@ pub fn damped_inverse_update(dev: &Device, inv: &mut Matrix, dlambda: f32) -> Re
     }
     let planes = split3(dev, inv)?;
     let x = (Trans::No, inv.shape(), &planes);
-    launch_gemm3(dev, OP, x, x, -dlambda, 1.0, inv)
+    launch_engine(dev, OP, &GEMM3_TC, x, x, -dlambda, 1.0, inv)
 }

@@ -1,13 +1,17 @@
 //! Dense GEMM on a device.
 
+use std::any::Any;
+
 use super::{host_mut, host_ref, OVERFLOW};
 use crate::cpu::gemm::check_gemm;
-use crate::device::{Device, Matrix};
+use crate::device::{Device, Element, Matrix};
 use crate::error::Result;
 use crate::mat::Trans;
+use half::bf16;
 
 impl Device {
-    /// `C ← α·op(A)·op(B) + β·C` with `op(A)` `m x k`, `op(B)` `k x n`, `C` `m x n`.
+    /// `C ← α·op(A)·op(B) + β·C` with `op(A)` `m x k`, `op(B)` `k x n`, `C` `m x n`; `A` and `B`
+    /// both `f32` or both `bf16` (widened exactly, f32 accumulation), `C` `f32`.
     ///
     /// `β = 0` never reads `C`; `α = 0` never reads `A`, `B`.
     ///
@@ -19,16 +23,17 @@ impl Device {
     /// result that overflows (`arg` `"result (overflow)"`; computed into scratch, so `c` is
     /// unchanged on error).
     ///
-    /// On the kernel devices this is one launch of the tiled fp32 GEMM of
-    /// `kernels/precond.cu` ([`crate::cuda::precond::gemm`]).
+    /// On the kernel devices this is one launch of a GEMM of `kernels/precond.cu`: for `f32`
+    /// operands the tiled fp32 GEMM ([`crate::cuda::precond::gemm`]), for `bf16` ones the
+    /// tensor-core engine ([`crate::cuda::precond::gemm_tc`]).
     #[allow(clippy::too_many_arguments)]
-    pub fn gemm(
+    pub fn gemm<T: Element>(
         &self,
         ta: Trans,
         tb: Trans,
         alpha: f32,
-        a: &Matrix,
-        b: &Matrix,
+        a: &Matrix<T>,
+        b: &Matrix<T>,
         beta: f32,
         c: &mut Matrix,
     ) -> Result<()> {
@@ -42,19 +47,53 @@ impl Device {
         if beta != 0.0 {
             self.check_finite(OP, "c", c)?;
         }
+        // grng implements `Element` for f32 and bf16: pick the path of the concrete type.
+        let (a, b): (&dyn Any, &dyn Any) = (a, b);
+        let f32s = a.downcast_ref::<Matrix>().zip(b.downcast_ref::<Matrix>());
+        let bf16s = a
+            .downcast_ref::<Matrix<bf16>>()
+            .zip(b.downcast_ref::<Matrix<bf16>>());
+        let unsupported = || {
+            crate::Error::DeviceUnavailable(format!(
+                "{OP}: no kernel for elements of type {}",
+                std::any::type_name::<T>()
+            ))
+        };
         self.commit_finite(OP, [(OVERFLOW, c, beta != 0.0)], |[c]| match self {
-            Device::Cpu => crate::cpu::gemm(
-                ta,
-                tb,
-                alpha,
-                host_ref(a)?,
-                host_ref(b)?,
-                beta,
-                host_mut(c)?,
-            ),
-            Device::Emulated | Device::Cuda(_) => {
-                crate::cuda::precond::gemm(self, ta, tb, alpha, a, b, beta, c)
+            Device::Cpu => {
+                // The CPU reference: bf16 operands widened (exact) to f32 first.
+                let widened;
+                let (a, b) = match (f32s, bf16s) {
+                    (Some(ab), _) => ab,
+                    (_, Some((a, b))) => {
+                        widened = (widen(a)?, widen(b)?);
+                        (&widened.0, &widened.1)
+                    }
+                    _ => return Err(unsupported()),
+                };
+                let (a, b) = (host_ref(a)?, host_ref(b)?);
+                crate::cpu::gemm(ta, tb, alpha, a, b, beta, host_mut(c)?)
             }
+            Device::Emulated | Device::Cuda(_) => match (f32s, bf16s) {
+                (Some((a, b)), _) => crate::cuda::precond::gemm(self, ta, tb, alpha, a, b, beta, c),
+                (_, Some((a, b))) => {
+                    crate::cuda::precond::gemm_tc(self, ta, tb, alpha, a, b, beta, c)
+                }
+                _ => Err(unsupported()),
+            },
         })
     }
+}
+
+/// A host `bf16` matrix widened to `f32` (exact) for the CPU reference.
+fn widen(m: &Matrix<bf16>) -> Result<Matrix> {
+    let mut w = Device::Cpu.zeros(m.rows(), m.cols())?;
+    for (x, v) in host_mut(&mut w)?
+        .data_mut()
+        .iter_mut()
+        .zip(host_ref(m)?.data())
+    {
+        *x = v.to_f32();
+    }
+    Ok(w)
 }

@@ -5,7 +5,7 @@
 use std::sync::OnceLock;
 
 use grng::cuda::CudaDevice;
-use grng::Device;
+use grng::{Device, Trans};
 use proptest::test_runner::{Config, RngSeed};
 use rand::{Rng, SeedableRng};
 use rand_chacha::ChaCha8Rng;
@@ -70,13 +70,77 @@ pub fn seeded_rng() -> ChaCha8Rng {
 /// Unit roundoff of f32.
 pub const U32: f64 = 1.0 / (1u64 << 24) as f64;
 
-/// The kernel devices to check: always the emulator, plus CUDA when a GPU is present.
+/// The kernel devices to check: always the emulator, plus CUDA when a GPU is present
+/// ([`cuda`]).
 pub fn devices() -> Vec<Device> {
     let mut d = vec![Device::Emulated];
-    if let Ok(c) = CudaDevice::new(0) {
-        d.push(Device::Cuda(c));
-    }
+    d.extend(cuda());
     d
+}
+
+/// The GPU of the CUDA arms, or `None` without one: then it says once per test binary, on
+/// stderr past libtest's capture, that the CUDA arms were skipped and why, so a run shows it.
+/// With `GRNG_REQUIRE_CUDA=1` (the GPU bundle's run-all.sh sets it) a missing GPU fails the
+/// test instead: there a skipped arm would pass for a tested kernel.
+pub fn cuda() -> Option<Device> {
+    static SKIPPED: OnceLock<()> = OnceLock::new();
+    match CudaDevice::new(0) {
+        Ok(c) => Some(Device::Cuda(c)),
+        Err(e) => {
+            let required = std::env::var("GRNG_REQUIRE_CUDA").is_ok_and(|v| v == "1");
+            assert!(!required, "GRNG_REQUIRE_CUDA=1 but no usable GPU: {e}");
+            SKIPPED.get_or_init(|| {
+                use std::io::Write;
+                let exe = std::env::args().next().unwrap_or_default();
+                let msg = format!("note: {exe}: CUDA arms skipped (no GPU: {e})\n");
+                // `eprintln!` would be captured (and shown only on failure).
+                let _ = std::io::stderr().write_all(msg.as_bytes());
+            });
+            None
+        }
+    }
+}
+
+/// A dimension of the CUDA arms: 4096 (whole 128-wide tiles) one time in four, else ragged in
+/// `2049..=4096`.
+pub fn large_dim(rng: &mut ChaCha8Rng) -> usize {
+    if rng.random_range(0..4) == 0 {
+        4096
+    } else {
+        rng.random_range(2049..=4096)
+    }
+}
+
+/// `|α|·|op(A)|·|op(B)| + |β|·|C|` (row-major; `op(A)` `m x k`, `op(B)` `k x n`), the scale of
+/// each element's rounding error in a GEMM, by the CPU backend's GEMM on absolute values: at
+/// the CUDA arms' sizes an f64 triple loop is too slow. Its own rounding (≤ (k + 2)·2⁻²⁴
+/// relative: all terms are nonnegative) only tightens the bounds built on it by that much.
+#[allow(clippy::too_many_arguments)]
+pub fn abs_gemm(
+    (ta, tb): (Trans, Trans),
+    (m, n, k): (usize, usize, usize),
+    alpha: f32,
+    a: &[f32],
+    b: &[f32],
+    beta: f32,
+    c: &[f32],
+) -> Vec<f64> {
+    let cpu = Device::Cpu;
+    let abs = |v: &[f32]| v.iter().map(|x| x.abs()).collect::<Vec<f32>>();
+    let stored = |t: Trans, r: usize, c: usize| if t == Trans::No { (r, c) } else { (c, r) };
+    let ((ar, ac), (br, bc)) = (stored(ta, m, k), stored(tb, k, n));
+    let mut s = cpu.upload(m, n, &abs(c)).unwrap();
+    cpu.gemm(
+        ta,
+        tb,
+        alpha.abs(),
+        &cpu.upload(ar, ac, &abs(a)).unwrap(),
+        &cpu.upload(br, bc, &abs(b)).unwrap(),
+        beta.abs(),
+        &mut s,
+    )
+    .unwrap();
+    s.to_vec().unwrap().into_iter().map(f64::from).collect()
 }
 
 /// `n` values drawn uniformly from `[lo, hi)`.
