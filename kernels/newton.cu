@@ -370,3 +370,18 @@ extern "C" __global__ void __launch_bounds__(256)
         for (int i = threadIdx.x; i < n; i += blockDim.x) v[i] = (float)((double)w[i] / wn);
 }
 GRNG_EMU_ENTRY(newton_power_normalize, (const float*, int, const float*, float*, float*, int))
+
+// ---------------------------------------------------------------------------------------
+// a[j, i] = a[i, j] for i > j: the lower triangle (row-major) copied onto the upper one, for
+// cuSOLVER's potri, which writes one triangle of the inverse (src/cuda/cusolver.rs). One
+// thread per element of the strict upper triangle, grid-stride over the n x n index space.
+extern "C" __global__ void __launch_bounds__(256)
+    newton_mirror_lower(float* __restrict__ a, int n) {
+    const long long count = (long long)n * n;
+    for (long long e = (long long)blockIdx.x * blockDim.x + threadIdx.x; e < count;
+         e += (long long)gridDim.x * blockDim.x) {
+        const long long r = e / n, c = e % n;
+        if (c > r) a[e] = a[c * n + r];
+    }
+}
+GRNG_EMU_ENTRY(newton_mirror_lower, (float*, int))
