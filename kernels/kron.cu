@@ -151,3 +151,15 @@ extern "C" __global__ void __launch_bounds__(GRNG_GEMM_THREADS)
                                               bj * GRNG_GEMM_BM, smem, epi);
 }
 GRNG_EMU_ENTRY(kron_syrk_ema_tc, (const __nv_bfloat16*, float*, int, int, float, float))
+
+// ---------------------------------------------------------------------------------------
+// y = bf16(x), round-to-nearest-even, `count` elements, grid-stride: the f32 statistics of a
+// KronOptimizer with stats_precision = Bf16, rounded once so the factor runs kron_syrk_ema_tc
+// (bandwidth-bound: 6 bytes per element). Any grid, block a multiple of 32.
+extern "C" __global__ void kron_round_bf16(const float* __restrict__ x,
+                                           __nv_bfloat16* __restrict__ y, long long count) {
+    for (long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x; i < count;
+         i += (long long)gridDim.x * blockDim.x)
+        grng_st_bf16(&y[i], x[i]);
+}
+GRNG_EMU_ENTRY(kron_round_bf16, (const float*, __nv_bfloat16*, long long))

@@ -32,6 +32,7 @@
 #define NEWTON_OUT_F32 4    // out[r, c] = v
 #define NEWTON_OUT_BF16 8   // out_bf[r, c] = bf16(v)
 #define NEWTON_RESID 16     // partial[block] = Σ v² over the block's tile
+#define NEWTON_MIRROR 32    // symmetric product: lower-triangle tiles only, C[c, r] = C[r, c]
 
 // v = alpha·c + diag·[r = col] + add1 + add2 at (r, col), the additions in the CPU's order.
 __device__ __forceinline__ float newton_epi_value(float c, int r, int col, int n, float alpha,
@@ -67,10 +68,18 @@ __device__ __forceinline__ void newton_store_partial(float sq, float* __restrict
 // bf16 tensor-core GEMM with the fused epilogue: C = A·B for n x n row-major bf16 A, B on
 // the GEMM engine (kernels/gemm/engine.cuh; A k-inner, B k-outer), the epilogue applied
 // from the accumulator registers. Grid (ceil(n/128), ceil(n/128)), block 256,
-// GRNG_GEMM_SMEM bytes of dynamic shared memory. Full products: A·X, E·E and X·F are
-// symmetric only while X is a polynomial in A (αA or cI start, no warm start, exact
-// arithmetic); the driver allows mirrored products only in the early F32 phase, and the
-// last steps need full products for Newton's self-correction, so all products are full.
+// GRNG_GEMM_SMEM bytes of dynamic shared memory.
+//
+// NEWTON_MIRROR: the product is known to be symmetric, so only the nt(nt+1)/2 lower-triangle
+// tile pairs run (1-D grid, grng_tri_tile, as the SYRK) and the epilogue writes each
+// accumulator C[r, c] (c ≤ r) at (r, c) and at (c, r), each with its own position's
+// algebra (diag, add1, add2 read at that position): the product is mirrored, the additions
+// are not. C = A·B is symmetric when A and B are polynomials in the same symmetric matrix —
+// for Newton the powers of E = I − AX while X is a polynomial in A (scaled-identity or αA
+// start, not a warm start); the driver (src/iteration.rs) sets it only then, and only in the
+// early f32 phase (T = AX and X·F stay full: see src/cpu/newton.rs for why). The diagonal
+// tiles' upper halves are skipped (the mirror writes them). No residual with the mirror
+// (the launcher refuses the combination). Saves (nt − 1)/(2nt) of the tiles.
 struct NewtonEpi {
     const float* __restrict__ add1;
     const float* __restrict__ add2;
@@ -81,10 +90,17 @@ struct NewtonEpi {
     float alpha, diag;
     int flags;
     float sq;  // this thread's Σ v²
-    __device__ __forceinline__ void operator()(int r, int c, float acc) {
+    __device__ __forceinline__ void put(int r, int c, float acc) {
         const float v = newton_epi_value(acc, r, c, n, alpha, diag, add1, add2, flags);
         newton_epi_store(out, out_bf, (size_t)r * n + c, v, flags);
         sq = fmaf(v, v, sq);
+    }
+    __device__ __forceinline__ void operator()(int r, int c, float acc) {
+        if (flags & NEWTON_MIRROR) {
+            if (c > r) return;
+            if (c < r) put(c, r, acc);
+        }
+        put(r, c, acc);
     }
     __device__ __forceinline__ void finish() { newton_store_partial(sq, partial, flags); }
 };
@@ -97,9 +113,11 @@ __device__ __forceinline__ void newton_gemm_body(const __nv_bfloat16* __restrict
                                                  long long plane, NewtonEpi& epi) {
     GRNG_DYN_SHARED(__nv_bfloat16, smem);
     const int n = epi.n;
+    int bi = blockIdx.y, bj = blockIdx.x;
+    if (epi.flags & NEWTON_MIRROR) grng_tri_tile(blockIdx.x, bi, bj);
     grng_gemm_tile<GrngKInner, GrngKOuter, Terms>(a, n, plane, b, n, plane, n, n, n,
-                                                  blockIdx.y * NEWTON_TILE,
-                                                  blockIdx.x * NEWTON_TILE, smem, epi);
+                                                  bi * NEWTON_TILE, bj * NEWTON_TILE, smem,
+                                                  epi);
 }
 
 extern "C" __global__ void __launch_bounds__(GRNG_GEMM_THREADS, 2)
@@ -370,3 +388,18 @@ extern "C" __global__ void __launch_bounds__(256)
         for (int i = threadIdx.x; i < n; i += blockDim.x) v[i] = (float)((double)w[i] / wn);
 }
 GRNG_EMU_ENTRY(newton_power_normalize, (const float*, int, const float*, float*, float*, int))
+
+// ---------------------------------------------------------------------------------------
+// a[j, i] = a[i, j] for i > j: the lower triangle (row-major) copied onto the upper one, for
+// cuSOLVER's potri, which writes one triangle of the inverse (src/cuda/cusolver.rs). One
+// thread per element of the strict upper triangle, grid-stride over the n x n index space.
+extern "C" __global__ void __launch_bounds__(256)
+    newton_mirror_lower(float* __restrict__ a, int n) {
+    const long long count = (long long)n * n;
+    for (long long e = (long long)blockIdx.x * blockDim.x + threadIdx.x; e < count;
+         e += (long long)gridDim.x * blockDim.x) {
+        const long long r = e / n, c = e % n;
+        if (c > r) a[e] = a[c * n + r];
+    }
+}
+GRNG_EMU_ENTRY(newton_mirror_lower, (float*, int))

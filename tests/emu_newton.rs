@@ -105,6 +105,8 @@ struct Flags {
     out: bool,
     out_bf: bool,
     partial: bool,
+    /// A symmetric product (`A·A`, `A` symmetric) on the lower-triangle tiles, mirrored.
+    mirror: bool,
 }
 
 fn flags() -> impl Strategy<Value = Flags> {
@@ -115,25 +117,39 @@ fn flags() -> impl Strategy<Value = Flags> {
         prop::bool::ANY,
         0u8..3,
         prop::bool::ANY,
+        prop::bool::ANY,
     )
-        .prop_map(|(neg, diag, add1, add2, outs, partial)| Flags {
+        .prop_map(|(neg, diag, add1, add2, outs, partial, mirror)| Flags {
             alpha: if neg { -1.0 } else { 1.0 },
             diag,
             add1,
             add2,
             out: outs != 1,
             out_bf: outs != 0,
-            partial,
+            // The residual partials come from full products only.
+            partial: partial && !mirror,
+            mirror,
         })
 }
 
 /// Runs one fused product (`tc`: bf16 operands on tensor cores, else f32) with NaN-poisoned
 /// outputs and checks every output against [`reference`]. `tol_unit` is the relative error
-/// of one accumulated product term.
+/// of one accumulated product term. A mirrored product (`f.mirror`) is `A·A` for a symmetric
+/// `A`, whose f64 reference is exactly symmetric (`v[j,i]` sums the same products in the same
+/// order as `v[i,j]`), so the same bounds apply; its lower triangle must also equal the full
+/// product's bit for bit (the same tile computations), and a residual with it is refused.
 fn check_product(dev: &Device, n: usize, f: &Flags, tc: bool, seed: u64) {
     let mut rng = ChaCha8Rng::seed_from_u64(seed);
-    let a = random(&mut rng, n * n);
-    let b = random(&mut rng, n * n);
+    let mut a = random(&mut rng, n * n);
+    let mut b = random(&mut rng, n * n);
+    if f.mirror {
+        for i in 0..n {
+            for j in i + 1..n {
+                a[i * n + j] = a[j * n + i];
+            }
+        }
+        b = a.clone();
+    }
     let add1 = random(&mut rng, n * n);
     let add2 = random(&mut rng, n * n);
     let (ar, br) = if tc {
@@ -157,6 +173,31 @@ fn check_product(dev: &Device, n: usize, f: &Flags, tc: bool, seed: u64) {
     let np = kn::partials(n);
     let mut partial = dev.upload(np, 1, &vec![f32::NAN; np]).unwrap();
     let mut unused = Unused::new(dev).unwrap();
+    let to_bf = |x: &[f32]| -> Matrix<bf16> {
+        let h: Vec<bf16> = x.iter().map(|&v| bf16::from_f32(v)).collect();
+        dev.upload(n, n, &h).unwrap()
+    };
+    let (a_bf, b_bf) = (to_bf(&a), to_bf(&b));
+    let (a_f, b_f) = (up(&a), up(&b));
+    let mut planes = kn::Planes::new(dev, n).unwrap();
+    let mut run = |epi: Epilogue<'_>, unused: &mut Unused| {
+        if tc {
+            kn::product_tc(dev, &a_bf, &b_bf, epi, unused)
+        } else {
+            kn::product_f32(dev, &a_f, &b_f, &mut planes, epi, unused)
+        }
+    };
+    if f.mirror {
+        let refused = run(
+            Epilogue {
+                mirror: true,
+                partial: Some(&mut partial),
+                ..Epilogue::new()
+            },
+            &mut unused,
+        );
+        assert!(matches!(refused, Err(Error::Value { .. })), "{refused:?}");
+    }
     let epi = Epilogue {
         alpha: f.alpha,
         diag: f.diag,
@@ -165,16 +206,31 @@ fn check_product(dev: &Device, n: usize, f: &Flags, tc: bool, seed: u64) {
         out: f.out.then_some(&mut out),
         out_bf: f.out_bf.then_some(&mut out_bf),
         partial: f.partial.then_some(&mut partial),
+        mirror: f.mirror,
     };
-    if tc {
-        let to_bf = |x: &[f32]| -> Matrix<bf16> {
-            let h: Vec<bf16> = x.iter().map(|&v| bf16::from_f32(v)).collect();
-            dev.upload(n, n, &h).unwrap()
+    run(epi, &mut unused).unwrap();
+    if f.mirror && f.out {
+        let mut full = up(&vec![f32::NAN; n * n]);
+        let epi = Epilogue {
+            alpha: f.alpha,
+            diag: f.diag,
+            add1: f.add1.then_some(&d_add1),
+            add2: f.add2.then_some(&d_add2),
+            out: Some(&mut full),
+            ..Epilogue::new()
         };
-        kn::product_tc(dev, &to_bf(&a), &to_bf(&b), epi, &mut unused).unwrap();
-    } else {
-        let mut planes = kn::Planes::new(dev, n).unwrap();
-        kn::product_f32(dev, &up(&a), &up(&b), &mut planes, epi, &mut unused).unwrap();
+        run(epi, &mut unused).unwrap();
+        let (full, got) = (full.to_vec().unwrap(), out.to_vec().unwrap());
+        for i in 0..n {
+            for j in 0..=i {
+                let o = i * n + j;
+                assert_eq!(
+                    got[o].to_bits(),
+                    full[o].to_bits(),
+                    "lower ({i}, {j}), n = {n}"
+                );
+            }
+        }
     }
     // Products of (bf16-rounded) inputs are exact in f32 and f64; the f32 sums round at most
     // once per term, plus the epilogue's ≤ 3 additions: (n + 4)·2⁻²⁴ relative to the scale.
@@ -246,7 +302,14 @@ fn cuda_large_products() {
             add2: rng.random(),
             out: true,
             out_bf: true,
+            partial: false,
+            mirror: true,
+        };
+        check_product(&dev, common::large_dim(&mut rng), &f, tc, rng.random());
+        let f = Flags {
             partial: true,
+            mirror: false,
+            ..f
         };
         check_product(&dev, common::large_dim(&mut rng), &f, tc, rng.random());
     }
@@ -696,30 +759,5 @@ fn bad_inputs_are_typed_errors() {
         assert_eq!((z.value, z.iterations, z.converged), (0.0, 0, true));
         let zero = dev.spectral_norm(&up(&[0.0; 4], 2, 2), &p).unwrap();
         assert_eq!(zero.value, 0.0);
-    }
-}
-
-/// The host-side exact inverse behind `Device::cholesky_inverse` on the kernel devices.
-#[test]
-fn cholesky_inverse_matches_cpu() {
-    let mut rng = common::seeded_rng();
-    for n in [1usize, 17, 40] {
-        let (a, _) = spd(&mut rng, n, 50.0);
-        let cpu = grng::cpu::cholesky_inverse(MatRef::new(&a, n, n).unwrap()).unwrap();
-        for dev in devices() {
-            let got = dev
-                .cholesky_inverse(&dev.upload(n, n, &a).unwrap())
-                .unwrap()
-                .to_vec()
-                .unwrap();
-            assert_eq!(got, cpu.as_slice());
-        }
-    }
-    for dev in devices() {
-        let not_spd = dev.upload(2, 2, &[1.0f32, 2.0, 2.0, 1.0]).unwrap();
-        assert!(matches!(
-            dev.cholesky_inverse(&not_spd),
-            Err(Error::NotSpd { .. })
-        ));
     }
 }

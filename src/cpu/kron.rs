@@ -63,7 +63,7 @@ pub(crate) fn check_batch_gradient_args(
 /// `Λ ← ε Λ + (1−ε)/m · AᵀA` for `A` of shape `m x n` (`T` = `f32` or `bf16`) and `Λ`
 /// (`factor`) of shape `n x n`, both row-major views.
 ///
-/// `bf16` inputs are widened to `f32` (exactly); all products accumulate in `f32`. Only the lower
+/// `bf16` inputs are widened to `f32` (exactly) a panel of rows at a time; all products accumulate in `f32`. Only the lower
 /// triangle is computed (faer's triangular-output matmul) and then mirrored into the upper one,
 /// so the result is exactly symmetric. Only the lower triangle of the old `Λ` is read, and not
 /// at all when `ε = 0` (it may then hold NaN).
@@ -83,25 +83,35 @@ pub fn syrk_ema<T: Element>(a: MatRef<'_, T>, eps: f32, mut factor: MatMut<'_, f
     if n == 0 {
         return Ok(());
     }
-    let widened;
-    let a32: MatRef<'_, f32> = if TypeId::of::<T>() == TypeId::of::<f32>() {
-        // T is f32: same layout, reinterpret in place.
-        MatRef::with_ld(bytemuck::cast_slice(a.data()), m, n, a.ld())?
-    } else {
-        let mut w = crate::error::try_vec(m, n, 0.0f32)?;
-        w.par_chunks_mut(n).enumerate().for_each(|(i, row)| {
-            for (x, v) in row.iter_mut().zip(a.row(i)) {
-                *x = v.to_f32();
-            }
-        });
-        widened = w;
-        MatRef::new(&widened, m, n)?
-    };
     let alpha = (1.0 - eps) / m as f32;
-    lower_syrk(a32, (alpha, eps), factor.rb());
+    if TypeId::of::<T>() == TypeId::of::<f32>() {
+        // T is f32: same layout, reinterpret in place.
+        let a32 = MatRef::with_ld(bytemuck::cast_slice(a.data()), m, n, a.ld())?;
+        lower_syrk(a32, (alpha, eps), factor.rb());
+    } else {
+        // bf16: widened (exactly) one panel of WIDEN_ROWS rows at a time and accumulated
+        // panel by panel (`β = ε`, then 1), so no widened copy of the whole `A` is made.
+        let rows = WIDEN_ROWS.min(m);
+        let mut w = crate::error::try_vec(rows, n, 0.0f32)?;
+        for (p, s0) in (0..m).step_by(rows).enumerate() {
+            let h = rows.min(m - s0);
+            let panel = &mut w[..h * n];
+            panel.par_chunks_mut(n).enumerate().for_each(|(i, row)| {
+                for (x, v) in row.iter_mut().zip(a.row(s0 + i)) {
+                    *x = v.to_f32();
+                }
+            });
+            let beta = if p == 0 { eps } else { 1.0 };
+            lower_syrk(MatRef::new(panel, h, n)?, (alpha, beta), factor.rb());
+        }
+    }
     mirror_lower(factor);
     Ok(())
 }
+
+/// Rows of `bf16` statistics widened to `f32` at a time by [`syrk_ema`]: 256 rows keep the
+/// panel small (256·n floats) and still give faer's GEMM a deep enough `k` to run at speed.
+const WIDEN_ROWS: usize = 256;
 
 /// Lower triangle of `C ← α AᵀA + β C` for `A` `m x n`, `C` `n x n` (the strict upper
 /// triangle is left alone), through faer's triangular-output matmul: it recurses on the lower
@@ -115,6 +125,8 @@ fn lower_syrk(a: MatRef<'_, f32>, (alpha, beta): (f32, f32), mut c: MatMut<'_, f
     let accum = if beta == 0.0 {
         // Replace never reads C (it may hold NaN).
         faer::Accum::Replace
+    } else if beta == 1.0 {
+        faer::Accum::Add
     } else {
         data.par_chunks_mut(ld).enumerate().for_each(|(i, row)| {
             row[..=i].iter_mut().for_each(|x| *x *= beta);

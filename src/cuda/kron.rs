@@ -19,6 +19,7 @@ use half::bf16;
 
 kernel!(pub SYRK_EMA_F32 = KRON::kron_syrk_ema_f32;);
 kernel!(pub SYRK_EMA_TC = KRON::kron_syrk_ema_tc;);
+kernel!(pub ROUND_BF16 = KRON::kron_round_bf16;);
 
 /// Output tile of `kron_syrk_ema_f32`.
 const TILE_F32: usize = 64;
@@ -135,6 +136,27 @@ pub fn syrk_ema_tc(dev: &Device, a: &Matrix<bf16>, eps: f32, factor: &mut Matrix
             eps,
         )
     }
+}
+
+/// `y = bf16(x)` (round-to-nearest-even) for `x` and `y` of the same shape: one launch of
+/// `kron_round_bf16`.
+///
+/// # Errors
+/// [`Error::Shape`] unless the shapes match, device mismatch, launch errors. `y` is
+/// unchanged on error.
+pub fn round_bf16(dev: &Device, x: &Matrix, y: &mut Matrix<bf16>) -> Result<()> {
+    const OP: &str = "cuda::kron::round_bf16";
+    // Memory safety: the kernel writes len(x) elements of y.
+    check_shape(OP, "y", y.shape(), x.shape())?;
+    if x.is_empty() {
+        return Ok(());
+    }
+    let cfg = LaunchConfig::for_elements(x.len().min(1 << 20), 256)?;
+    let mut args = KernelArgs::new(dev);
+    args.input(OP, x)?.output(OP, y)?.scalar(x.len() as i64);
+    // SAFETY: kron_round_bf16(const float* x, bf16* y, long long count): grid-stride over
+    // i < count = x.len(), reading x[i] and writing y[i]; y holds count bf16 (checked).
+    unsafe { launch(&ROUND_BF16, cfg, args) }
 }
 
 /// Batch gradient `G = (1/m) Eᵀ A` for `E` `m x d_out` (`m ≥ 1`), `A` `m x d_in`, `G`

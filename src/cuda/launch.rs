@@ -32,6 +32,14 @@ fn record(name: &'static str) {
         .push(name);
 }
 
+/// Records `name` when recording is on: for work that is not a kernel of ours (a cuSOLVER
+/// call, a host fallback), so the record shows it beside the kernels.
+pub(crate) fn record_other(name: &'static str) {
+    if RECORDING.load(Ordering::Relaxed) {
+        record(name);
+    }
+}
+
 /// Switches the launch record on (clearing it) or off. For benchmarks, which must name the
 /// kernels that produced a timing and refuse to time a path that fell back to the host or to
 /// another kernel (`benches/gpu.rs`). Process-wide: every thread's launches are recorded.

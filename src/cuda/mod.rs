@@ -8,6 +8,7 @@
 //! one `launch` that dispatches to [`emu`] or [`driver`]); one launcher file per kernel file
 //! above it (see `kernels/README.md`).
 
+pub mod cusolver;
 pub mod driver;
 pub mod elementwise;
 pub mod emu;

@@ -7,8 +7,8 @@
 //! with the CPU oracle ([`crate::cpu::newton`]); this module supplies the primitives (the
 //! crate-internal traits `NewtonBackend` for the iteration's device buffers and `PowerStep`
 //! for the power iteration). Differences from the CPU are rounding-level only: the products
-//! accumulate in a different order, and the early `F32` steps compute the powers of `E` as
-//! full products where the CPU mirrors symmetric ones (a CPU speed-up). Per iteration one `f32` (the
+//! accumulate in a different order. The early `F32` steps compute the powers of `E` as
+//! mirrored products (lower-triangle tiles only) exactly where the CPU mirrors them. Per iteration one `f32` (the
 //! residual) goes to the host for the stop test; per power-iteration step four (the Rayleigh
 //! quotient and `‖Av‖` as double-float pairs). Setup reads back a few per-block partials
 //! (input checks, norms) once. Buffer rotation over three iterates keeps the best one
@@ -56,6 +56,7 @@ const ADD2: i32 = 2;
 const OUT_F32: i32 = 4;
 const OUT_BF16: i32 = 8;
 const RESID: i32 = 16;
+const MIRROR: i32 = 32;
 
 /// Number of residual partials a product of `n x n` matrices writes (one per 128x128 tile).
 pub fn partials(n: usize) -> usize {
@@ -66,6 +67,12 @@ pub fn partials(n: usize) -> usize {
 /// `v = α·C[r,c] + diag·[r = c] + add1[r,c] + add2[r,c]` (absent terms skipped), written to
 /// `out` (`f32`) and/or `out_bf` (`bf16`, round-to-nearest-even); with `partial`, element `b`
 /// (row-major over the 128x128 output tiles) receives the tile's `Σ v²`.
+///
+/// With `mirror` the caller knows `C` is symmetric (`A` and `B` polynomials in one symmetric
+/// matrix, e.g. powers of `E = I − AX` while `X` is a polynomial in `A`): only the
+/// lower-triangle 128x128 tiles are computed and `C[c, r] = C[r, c]` is mirrored in the
+/// epilogue — the additions still read their own positions. About half the tiles; no
+/// `partial` with it.
 pub struct Epilogue<'a> {
     pub alpha: f32,
     pub diag: f32,
@@ -75,6 +82,8 @@ pub struct Epilogue<'a> {
     pub out_bf: Option<&'a mut Matrix<bf16>>,
     /// At least [`partials`]`(n)` elements.
     pub partial: Option<&'a mut Matrix>,
+    /// Lower-triangle tiles only, the product mirrored (see above).
+    pub mirror: bool,
 }
 
 impl<'a> Epilogue<'a> {
@@ -88,6 +97,7 @@ impl<'a> Epilogue<'a> {
             out: None,
             out_bf: None,
             partial: None,
+            mirror: false,
         }
     }
 }
@@ -145,7 +155,16 @@ fn push_epilogue<'a>(
     unused: &'a mut Unused,
     n: usize,
 ) -> Result<i32> {
-    let mut flags = 0;
+    let mut flags = if epi.mirror { MIRROR } else { 0 };
+    if epi.mirror && epi.partial.is_some() {
+        // The residual partials are indexed over the full tile grid.
+        return Err(value_err(
+            op,
+            "partial",
+            1.0,
+            "no residual partials from a mirrored product",
+        ));
+    }
     let Unused {
         input,
         out,
@@ -208,9 +227,15 @@ fn push_epilogue<'a>(
     Ok(flags)
 }
 
-fn tile_grid(n: usize) -> (u32, u32, u32) {
+/// The grid of a product: every tile, or with `mirror` the lower-triangle tile pairs (a 1-D
+/// grid, ≤ 363·364/2 blocks for `n ≤ MAX_N`).
+fn tile_grid(n: usize, mirror: bool) -> (u32, u32, u32) {
     let t = n.div_ceil(TILE) as u32;
-    (t, t, 1)
+    if mirror {
+        (t * (t + 1) / 2, 1, 1)
+    } else {
+        (t, t, 1)
+    }
 }
 
 /// `C = A·B` for `n x n` bf16 `a`, `b` on tensor cores (`newton_gemm_tc`: the GEMM engine of
@@ -233,7 +258,7 @@ pub fn product_tc(
     check_shape(OP, "b", b.shape(), (n, n))?;
     dim(OP, n)?;
     let cfg = LaunchConfig {
-        grid: tile_grid(n),
+        grid: tile_grid(n, epi.mirror),
         block: (256, 1, 1),
         shared_mem: super::kron::GEMM_SMEM,
     };
@@ -244,7 +269,8 @@ pub fn product_tc(
     // add2, float* out, bf16* out_bf, float* partial, int n, float alpha, float diag, int
     // flags). a, b and every buffer selected by `flags` are n x n (checked), partial holds
     // one float per block of the ceil(n/128)² grid; unselected pointers are never touched.
-    // The kernel reads and writes only rows/columns < n (zero-filled tile edges) and uses
+    // With MIRROR (no partial) the 1-D grid holds the lower tile pairs, each block writing
+    // (r, c) and (c, r) with r, c < n. The kernel reads and writes only rows/columns < n (zero-filled tile edges) and uses
     // GEMM_SMEM bytes of dynamic shared memory (3 stages of two 128x32 bf16 tiles); 16-byte
     // cp.async only when n % 8 == 0 and the operand is 16-byte aligned (src-size cut at n).
     unsafe { launch(&GEMM_TC, cfg, args) }
@@ -292,7 +318,7 @@ pub fn product_f32(
         split3_into(dev, b, &mut planes.b)?;
     }
     let cfg = LaunchConfig {
-        grid: tile_grid(n),
+        grid: tile_grid(n, epi.mirror),
         block: (256, 1, 1),
         shared_mem: super::kron::GEMM_SMEM,
     };
@@ -305,7 +331,9 @@ pub fn product_f32(
     // flags). a3, b3 hold 3 planes of n² bf16 each (split3_into checked their 3n x n shape),
     // read only at rows/columns < n of each plane; every buffer selected by `flags` is n x n
     // (checked), partial holds one float per block of the ceil(n/128)² grid; unselected
-    // pointers are never touched. GEMM_SMEM bytes of dynamic shared memory.
+    // pointers are never touched; with MIRROR (no partial) the 1-D grid holds the lower tile
+    // pairs, each block writing (r, c) and (c, r) with r, c < n. GEMM_SMEM bytes of dynamic
+    // shared memory.
     unsafe { launch(&GEMM3_TC, cfg, args) }
 }
 
@@ -842,9 +870,11 @@ impl NewtonBackend for Work<'_> {
     }
 
     /// `X ← X + X·F` (into a buffer other than the current and the best iterate), with
-    /// `F = E`, `E + E²`, `E + E² + E³` formed in fused epilogues from the current `E`; the
-    /// powers of `E` are always full products here (`_sym` is a CPU speed-up).
-    fn step(&mut self, order: NewtonOrder, _sym: bool) -> Result<()> {
+    /// `F = E`, `E + E²`, `E + E² + E³` formed in fused epilogues from the current `E`. With
+    /// `sym` (the driver's promise that `X` is a polynomial in `A` — scaled-identity or `αA`
+    /// start, no warm start — so the powers of `E` are symmetric) `E²` and `E³` run as
+    /// mirrored products: lower-triangle tiles only ([`Epilogue::mirror`]).
+    fn step(&mut self, order: NewtonOrder, sym: bool) -> Result<()> {
         let (dev, bf) = (self.dev, self.bf16);
         let u = &mut self.unused;
         match (order, bf) {
@@ -853,6 +883,7 @@ impl NewtonBackend for Work<'_> {
                 let epi = Epilogue {
                     add1: Some(&self.e),
                     out_bf: Some(&mut self.f_bf),
+                    mirror: sym,
                     ..Epilogue::new()
                 };
                 product_tc(dev, &self.e_bf, &self.e_bf, epi, u)?;
@@ -861,6 +892,7 @@ impl NewtonBackend for Work<'_> {
                 let epi = Epilogue {
                     add1: Some(&self.e),
                     out: Some(&mut self.f),
+                    mirror: sym,
                     ..Epilogue::new()
                 };
                 product_f32(dev, &self.e, &self.e, &mut self.planes, epi, u)?;
@@ -869,6 +901,7 @@ impl NewtonBackend for Work<'_> {
                 let epi = Epilogue {
                     out: Some(&mut self.g),
                     out_bf: Some(&mut self.g_bf),
+                    mirror: sym,
                     ..Epilogue::new()
                 };
                 product_tc(dev, &self.e_bf, &self.e_bf, epi, u)?;
@@ -876,6 +909,7 @@ impl NewtonBackend for Work<'_> {
                     add1: Some(&self.g),
                     add2: Some(&self.e),
                     out_bf: Some(&mut self.f_bf),
+                    mirror: sym,
                     ..Epilogue::new()
                 };
                 product_tc(dev, &self.g_bf, &self.e_bf, epi, u)?;
@@ -883,6 +917,7 @@ impl NewtonBackend for Work<'_> {
             (NewtonOrder::Quartic, false) => {
                 let epi = Epilogue {
                     out: Some(&mut self.g),
+                    mirror: sym,
                     ..Epilogue::new()
                 };
                 product_f32(dev, &self.e, &self.e, &mut self.planes, epi, u)?;
@@ -890,6 +925,7 @@ impl NewtonBackend for Work<'_> {
                     add1: Some(&self.g),
                     add2: Some(&self.e),
                     out: Some(&mut self.f),
+                    mirror: sym,
                     ..Epilogue::new()
                 };
                 product_f32(dev, &self.g, &self.e, &mut self.planes, epi, u)?;

@@ -56,6 +56,35 @@ impl Device {
         })
     }
 
+    /// `a` rounded to `bf16` (round-to-nearest-even, as [`Element::from_f32`]), a new matrix on
+    /// this device: how [`crate::optim::kron::KronConfig::stats_precision`] feeds `f32`
+    /// statistics to the tensor-core SYRK of [`Device::kron_factor_update`].
+    ///
+    /// # Errors
+    /// [`Error::DeviceMismatch`], allocation and launch errors. NaN/Inf round to NaN/Inf (the
+    /// op that consumes the result rejects them).
+    ///
+    /// On the kernel devices: one launch of `kron_round_bf16`.
+    pub fn round_to_bf16(&self, a: &Matrix) -> Result<Matrix<bf16>> {
+        const OP: &str = "Device::round_to_bf16";
+        self.check_on(OP, a)?;
+        match self {
+            Device::Cpu => {
+                let host = host_ref(a)?.data();
+                let mut v = crate::error::try_vec(a.rows(), a.cols(), bf16::ZERO)?;
+                v.iter_mut()
+                    .zip(host)
+                    .for_each(|(y, &x)| *y = bf16::from_f32(x));
+                Matrix::from_host_vec(a.rows(), a.cols(), v)
+            }
+            Device::Emulated | Device::Cuda(_) => {
+                let mut y = self.zeros(a.rows(), a.cols())?;
+                crate::cuda::kron::round_bf16(self, a, &mut y)?;
+                Ok(y)
+            }
+        }
+    }
+
     /// Batch gradient `G = (1/m) Eᵀ A` for `E` `m x d_out`, `A` `m x d_in`, `G` `d_out x d_in`.
     ///
     /// # Errors

@@ -10,6 +10,7 @@ pub mod sgd;
 pub mod sophia;
 
 use crate::device::Matrix;
+use half::bf16;
 
 /// Kronecker statistics of one layer (SPEC §1).
 ///
@@ -18,13 +19,61 @@ use crate::device::Matrix;
 /// - `e`: output gradients `e_k = ∂ℓ_k/∂y_k` backpropagated from labels sampled from the model
 ///   (or exact / empirical, the trainer's choice), `m' x d_out`, NOT divided by the batch size.
 ///
-/// The row counts `m` and `m'` may differ from each other and from the gradient batch.
+/// The row counts `m` and `m'` may differ from each other and from the gradient batch. Each
+/// matrix is a [`Matrix`] of `f32` or of `bf16` ([`StatsMatrix`]; `KronStats { a: &a, e: &e }`
+/// takes either): `bf16` statistics are accumulated by the tensor-core SYRK on a kernel device
+/// and without a widened copy on the CPU; `f32` ones as
+/// [`KronConfig::stats_precision`](kron::KronConfig::stats_precision) says.
 #[derive(Clone, Copy, Debug)]
 pub struct KronStats<'a> {
     /// Layer inputs, `m x d_in`.
-    pub a: &'a Matrix,
+    pub a: &'a dyn StatsMatrix,
     /// Output gradients, `m' x d_out`.
-    pub e: &'a Matrix,
+    pub e: &'a dyn StatsMatrix,
+}
+
+/// A statistics matrix of [`KronStats`]: `Matrix<f32>` or `Matrix<bf16>` (sealed: the
+/// optimizer has a factor kernel for these two element types only).
+pub trait StatsMatrix: std::fmt::Debug + Sync + sealed::Sealed {
+    /// The matrix with its element type.
+    fn view(&self) -> StatsView<'_>;
+}
+
+/// A [`StatsMatrix`] with its element type.
+#[derive(Clone, Copy, Debug)]
+pub enum StatsView<'a> {
+    /// `f32` statistics.
+    F32(&'a Matrix),
+    /// `bf16` statistics.
+    Bf16(&'a Matrix<bf16>),
+}
+
+impl StatsView<'_> {
+    /// `(rows, cols)`.
+    pub fn shape(&self) -> (usize, usize) {
+        match self {
+            StatsView::F32(m) => m.shape(),
+            StatsView::Bf16(m) => m.shape(),
+        }
+    }
+}
+
+impl StatsMatrix for Matrix {
+    fn view(&self) -> StatsView<'_> {
+        StatsView::F32(self)
+    }
+}
+
+impl StatsMatrix for Matrix<bf16> {
+    fn view(&self) -> StatsView<'_> {
+        StatsView::Bf16(self)
+    }
+}
+
+mod sealed {
+    pub trait Sealed {}
+    impl Sealed for crate::device::Matrix {}
+    impl Sealed for crate::device::Matrix<half::bf16> {}
 }
 
 /// `Err(Error::Value)` naming `arg` unless the symmetric `n x n` matrix `a` (row-major host

@@ -2,7 +2,7 @@
 
 use crate::device::Device;
 use crate::error::{check_value, Result};
-use crate::ops::newton::{InitialGuess, NewtonOptions};
+use crate::ops::newton::{InitialGuess, NewtonOptions, Precision};
 use crate::ops::norm::PowerOptions;
 
 /// Which damping rule (SPEC §2 table) the optimizer applies to the factors `Λ` and `Γ`.
@@ -116,6 +116,15 @@ pub struct KronConfig {
     /// Smallest damping applied to a factor, `≥ 0`, so that a zero factor (a dead layer, a
     /// zero output gradient) still has an inverse. Default `1e-6`.
     pub damping_floor: f32,
+    /// Precision in which `f32` statistics ([`crate::optim::KronStats`]) enter the factor
+    /// accumulation `(1/m) AᵀA`. Default [`Precision::F32`]: the `f32` SYRK. With
+    /// [`Precision::Bf16`] they are rounded to `bf16` on the device (one pass over the
+    /// statistics) and accumulated by the tensor-core SYRK (`kron_syrk_ema_tc`, f32
+    /// accumulation) — about `2⁻⁹` relative rounding per entry, which the damping and the
+    /// Fisher's own sampling noise dominate. `F32` stays the default until the GPU bench has
+    /// shown equal training quality on a GPU (not measured yet: this session had no GPU).
+    /// `bf16` statistics always take the `bf16` path: they carry no more precision to keep.
+    pub stats_precision: Precision,
 }
 
 impl KronConfig {
@@ -134,6 +143,7 @@ impl KronConfig {
             power: PowerOptions::default(),
             grad_reg: 0.0,
             damping_floor: 1e-6,
+            stats_precision: Precision::F32,
         }
     }
 

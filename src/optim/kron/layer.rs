@@ -7,7 +7,8 @@ use super::damping::FactorScalars;
 use super::state::{KronCounters, KronFactorState};
 use crate::device::{Device, Matrix};
 use crate::error::{Error, Result};
-use crate::ops::newton::InitialGuess;
+use crate::ops::newton::{InitialGuess, Precision};
+use crate::optim::StatsView;
 
 /// Largest `|dλ|·‖X‖₂` for which the first-order update `X ← X − dλ·X·X` is used (SPEC §2);
 /// its relative error is about `(dλ·‖X‖₂)²`.
@@ -21,20 +22,28 @@ pub(super) struct Ctx<'a> {
 
 impl Ctx<'_> {
     /// New undamped factor from the statistics rows `x` (`m x n`): `(1/m) xᵀx`, blended with
-    /// `old` by the EMA when there is one, and its scalars for the damping rules.
+    /// `old` by the EMA when there is one, and its scalars for the damping rules. `f32` rows
+    /// are rounded to `bf16` first when [`KronConfig::stats_precision`] says so.
     pub fn factor(
         &self,
-        x: &Matrix,
+        x: StatsView<'_>,
         old: Option<&Matrix>,
         c: &mut KronCounters,
     ) -> Result<(Matrix, FactorScalars)> {
-        let n = x.cols();
+        let n = x.shape().1;
         let (mut f, eps) = match old {
             Some(o) if self.cfg.ema > 0.0 => (o.try_clone()?, self.cfg.ema),
             // ε = 0 (or the first refresh, which replaces) never reads the old factor.
             _ => (self.device.zeros(n, n)?, 0.0),
         };
-        self.device.kron_factor_update(x, eps, &mut f)?;
+        match x {
+            StatsView::F32(x) if self.cfg.stats_precision == Precision::Bf16 => {
+                let x = self.device.round_to_bf16(x)?;
+                self.device.kron_factor_update(&x, eps, &mut f)?
+            }
+            StatsView::F32(x) => self.device.kron_factor_update(x, eps, &mut f)?,
+            StatsView::Bf16(x) => self.device.kron_factor_update(x, eps, &mut f)?,
+        }
         let trace = self.device.trace(&f)?;
         let norm = match self.cfg.variant {
             KronVariant::Ring => self.spectral_norm(&f, c)?,

@@ -45,7 +45,7 @@ pub use state::{KronCounters, KronFactorState, KronLayerState, KronState, KronSt
 
 use self::damping::{factor_dampings, FactorScalars};
 use self::layer::{Ctx, InverseUpdate};
-use super::KronStats;
+use super::{KronStats, StatsView};
 use crate::device::{Device, Matrix};
 use crate::error::{check_shape, check_value, Error, Result};
 use crate::mat::Trans;
@@ -437,10 +437,14 @@ impl KronOptimizer {
             Some(stats) => {
                 check_shape(op, "stats", (stats.len(), 1), (self.shapes.len(), 1))?;
                 for (s, &(o, i)) in stats.iter().zip(&self.shapes) {
-                    self.device.check_on(op, s.a)?;
-                    self.device.check_on(op, s.e)?;
-                    check_shape(op, "stats.a", s.a.shape(), (s.a.rows().max(1), i))?;
-                    check_shape(op, "stats.e", s.e.shape(), (s.e.rows().max(1), o))?;
+                    for (arg, m, cols) in [("stats.a", s.a.view(), i), ("stats.e", s.e.view(), o)] {
+                        match m {
+                            StatsView::F32(m) => self.device.check_on(op, m)?,
+                            StatsView::Bf16(m) => self.device.check_on(op, m)?,
+                        }
+                        let shape = m.shape();
+                        check_shape(op, arg, shape, (shape.0.max(1), cols))?;
+                    }
                 }
                 Ok(())
             }
@@ -489,8 +493,8 @@ impl KronOptimizer {
         let mut layers = Vec::with_capacity(self.shapes.len());
         for (l, s) in stats.iter().enumerate() {
             let old = self.st.layers.get(l);
-            let (fl, sl) = ctx.factor(s.a, old.map(|o| &o.lambda.factor), c)?;
-            let (fg, sg) = ctx.factor(s.e, old.map(|o| &o.gamma.factor), c)?;
+            let (fl, sl) = ctx.factor(s.a.view(), old.map(|o| &o.lambda.factor), c)?;
+            let (fg, sg) = ctx.factor(s.e.view(), old.map(|o| &o.gamma.factor), c)?;
             let (dl, dg) = factor_dampings(&self.config, rho, sl, sg);
             let il = ctx.inverse(&fl, dl, old.map(|o| &o.lambda.inverse), c)?;
             let ig = ctx.inverse(&fg, dg, old.map(|o| &o.gamma.inverse), c)?;
