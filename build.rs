@@ -3,7 +3,9 @@
 //! 1. always, as C++17 for the CPU emulator (`-DGRNG_EMU`, the `cc` crate): a static library
 //!    with one `grng_emu_<kernel>` entry per kernel, so tests run the kernels on any machine;
 //! 2. when a CUDA compiler is found, to PTX for compute_80 (JIT-compiled by the driver for
-//!    sm_80 and newer, sm_90 included), embedded through the generated `OUT_DIR/ptx.rs`.
+//!    sm_80 and newer, sm_90 included), embedded through the generated `OUT_DIR/ptx.rs`;
+//!    files that include `gemm/wgmma_sm90.cuh` (the sm_90a GEMM mainloop) a second time, to
+//!    PTX for compute_90a (`<FILE>_SM90A`), which only a compute capability 9.0 device runs.
 //!
 //! CUDA compilers, first found wins: `GRNG_CUDA_TOOLS` (the folder made by
 //! `scripts/install-cuda-tools.sh`, or a CUDA toolkit root), `./.cuda-tools`, `CUDA_HOME` /
@@ -18,6 +20,11 @@ use std::{env, fs};
 
 /// Virtual architecture of the PTX: the driver JIT-compiles it for sm_80, sm_90 and later.
 const ARCH: &str = "compute_80";
+/// Architecture of the second PTX of the files using wgmma: the `a` features (wgmma,
+/// setmaxnreg) exist on sm_90 only, not on later architectures.
+const ARCH_SM90A: &str = "compute_90a";
+/// The header whose inclusion asks for the compute_90a build.
+const SM90A_HEADER: &str = "gemm/wgmma_sm90.cuh";
 
 fn main() {
     let manifest = PathBuf::from(env::var("CARGO_MANIFEST_DIR").expect("cargo sets it"));
@@ -31,13 +38,29 @@ fn main() {
     let sources = kernel_sources(&kernels);
     build_emulator(&kernels, &sources);
 
-    let consts: Vec<(String, Option<PathBuf>)> = match find_cuda(&manifest) {
-        Ok(compiler) => sources
-            .iter()
-            .map(|src| {
-                let ptx = out.join(format!("{}.ptx", stem(src)));
-                compiler.compile(src, &kernels, &ptx);
-                (const_name(src), Some(ptx))
+    // (source, architecture, constant name): every file for compute_80, the wgmma users
+    // once more for compute_90a.
+    let mut builds: Vec<(&PathBuf, &str, String)> =
+        sources.iter().map(|s| (s, ARCH, const_name(s))).collect();
+    for src in &sources {
+        let text = fs::read_to_string(src)
+            .unwrap_or_else(|e| panic!("cannot read {}: {e}", src.display()));
+        if text.contains(SM90A_HEADER) {
+            builds.push((src, ARCH_SM90A, format!("{}_SM90A", const_name(src))));
+        }
+    }
+    let consts: Vec<Ptx> = match find_cuda(&manifest) {
+        Ok(compiler) => builds
+            .into_iter()
+            .map(|(src, arch, name)| {
+                let suffix = if arch == ARCH { "" } else { ".sm90a" };
+                let ptx = out.join(format!("{}{suffix}.ptx", stem(src)));
+                compiler.compile(src, arch, &kernels, &ptx);
+                Ptx {
+                    name,
+                    arch,
+                    path: Some(ptx),
+                }
             })
             .collect(),
         Err(why) => {
@@ -46,10 +69,25 @@ fn main() {
                  backends work. For CUDA: run scripts/install-cuda-tools.sh, export the \
                  GRNG_CUDA_TOOLS it prints, and rebuild."
             );
-            sources.iter().map(|src| (const_name(src), None)).collect()
+            builds
+                .into_iter()
+                .map(|(_, arch, name)| Ptx {
+                    name,
+                    arch,
+                    path: None,
+                })
+                .collect()
         }
     };
     write_ptx_rs(&out.join("ptx.rs"), &consts);
+}
+
+/// One PTX constant of the generated `ptx.rs`: its name, architecture and file (`None`:
+/// not built).
+struct Ptx {
+    name: String,
+    arch: &'static str,
+    path: Option<PathBuf>,
 }
 
 /// `kernels/*.cu` (the hot paths) plus the emulator self-test kernels, sorted.
@@ -199,12 +237,13 @@ fn find_nvrtc(dir: &Path) -> Option<PathBuf> {
 }
 
 impl Compiler {
-    /// Compiles `src` to PTX at `ptx`; a compile error fails the build with the log.
-    fn compile(&self, src: &Path, kernels: &Path, ptx: &Path) {
+    /// Compiles `src` to PTX for `arch` at `ptx`; a compile error fails the build with the
+    /// log.
+    fn compile(&self, src: &Path, arch: &str, kernels: &Path, ptx: &Path) {
         match self {
             Compiler::Nvcc { exe } => {
                 let status = Command::new(exe)
-                    .args(["-ptx", &format!("-arch={ARCH}"), "-std=c++17", "-lineinfo"])
+                    .args(["-ptx", &format!("-arch={arch}"), "-std=c++17", "-lineinfo"])
                     .arg("-I")
                     .arg(kernels)
                     .arg("-o")
@@ -218,7 +257,7 @@ impl Compiler {
                 let source = fs::read_to_string(src)
                     .unwrap_or_else(|e| panic!("cannot read {}: {e}", src.display()));
                 let mut opts = vec![
-                    format!("--gpu-architecture={ARCH}"),
+                    format!("--gpu-architecture={arch}"),
                     "-std=c++17".to_string(),
                     "-lineinfo".to_string(),
                     format!("-I{}", kernels.display()),
@@ -334,24 +373,23 @@ fn nvrtc_compile(
     }
 }
 
-fn write_ptx_rs(path: &Path, consts: &[(String, Option<PathBuf>)]) {
+fn write_ptx_rs(path: &Path, consts: &[Ptx]) {
     let mut s = String::from("// Generated by build.rs: the PTX of each kernel file.\n");
-    for (name, ptx) in consts {
-        match ptx {
+    for Ptx { name, arch, path } in consts {
+        let file = name.trim_end_matches("_SM90A").to_lowercase();
+        match path {
             Some(p) => s.push_str(&format!(
-                "/// PTX ({ARCH}) of the `{}` kernel file.\npub const {name}: Option<&str> = \
+                "/// PTX ({arch}) of the `{file}` kernel file.\npub const {name}: Option<&str> = \
                  Some(include_str!({:?}));\n",
-                name.to_lowercase(),
                 p.display().to_string()
             )),
             None => s.push_str(&format!(
-                "/// PTX of the `{}` kernel file: not built (no CUDA compiler at build time).\n\
-                 pub const {name}: Option<&str> = None;\n",
-                name.to_lowercase()
+                "/// PTX ({arch}) of the `{file}` kernel file: not built (no CUDA compiler at \
+                 build time).\npub const {name}: Option<&str> = None;\n"
             )),
         }
     }
-    let built = !consts.is_empty() && consts.iter().all(|(_, p)| p.is_some());
+    let built = !consts.is_empty() && consts.iter().all(|p| p.path.is_some());
     s.push_str(&format!(
         "/// True when every kernel file was compiled to PTX.\npub const BUILT: bool = {built};\n"
     ));

@@ -13,6 +13,7 @@
 // Launchers: src/cuda/kron.rs.
 #include "common.cuh"
 #include "gemm/engine.cuh"
+#include "gemm/wgmma_sm90.cuh"
 
 #define KRON_T 64  // output tile of the f32 kernel (rows and columns)
 
@@ -163,3 +164,18 @@ extern "C" __global__ void kron_round_bf16(const float* __restrict__ x,
         grng_st_bf16(&y[i], x[i]);
 }
 GRNG_EMU_ENTRY(kron_round_bf16, (const float*, __nv_bfloat16*, long long))
+
+#ifdef GRNG_SM90A
+// The sm_90a instance (kernels/gemm/wgmma_sm90.cuh), same parameters, grid and epilogue;
+// block 384, GRNG_WG_SMEM bytes of dynamic shared memory. Only in the compute_90a build.
+extern "C" __global__ void __launch_bounds__(GRNG_WG_THREADS, 1)
+    kron_syrk_ema_wg_tc(const __nv_bfloat16* __restrict__ A, float* __restrict__ L, int m,
+                        int n, float alpha, float eps) {
+    GRNG_DYN_SHARED(__nv_bfloat16, smem);
+    int bi, bj;
+    grng_tri_tile(blockIdx.x, bi, bj);
+    KronEmaMirror epi{L, n, alpha, eps};
+    grng_wg_gemm_tile<GrngKOuter, GrngKOuter>(A, n, A, n, n, n, m, bi * GRNG_GEMM_BM,
+                                              bj * GRNG_GEMM_BM, smem, epi);
+}
+#endif

@@ -22,6 +22,7 @@
 // double-float pairs for the host's stop test).
 #include "common.cuh"
 #include "gemm/engine.cuh"
+#include "gemm/wgmma_sm90.cuh"
 
 // Output tile of the tensor-core GEMM (the engine's): one residual partial per tile.
 #define NEWTON_TILE GRNG_GEMM_BM
@@ -131,6 +132,33 @@ extern "C" __global__ void __launch_bounds__(GRNG_GEMM_THREADS, 2)
 GRNG_EMU_ENTRY(newton_gemm_tc, (const __nv_bfloat16*, const __nv_bfloat16*, const float*,
                                 const float*, float*, __nv_bfloat16*, float*, int, float, float,
                                 int))
+
+#ifdef GRNG_SM90A
+// A template like newton_gemm_body: the dynamic shared memory must be declared with the
+// same linkage in both.
+template <class Epi>
+__device__ __forceinline__ void newton_gemm_wg_body(const __nv_bfloat16* __restrict__ a,
+                                                    const __nv_bfloat16* __restrict__ b,
+                                                    Epi& epi) {
+    GRNG_DYN_SHARED(__nv_bfloat16, smem);
+    // The same tile schedule as newton_gemm_body, mirrored products included.
+    int bi = blockIdx.y, bj = blockIdx.x;
+    if (epi.flags & NEWTON_MIRROR) grng_tri_tile(blockIdx.x, bi, bj);
+    grng_wg_gemm_tile<GrngKInner, GrngKOuter>(a, epi.n, b, epi.n, epi.n, epi.n, epi.n,
+                                              bi * NEWTON_TILE, bj * NEWTON_TILE, smem, epi);
+}
+
+// The sm_90a instance (kernels/gemm/wgmma_sm90.cuh), same parameters, grid and epilogue;
+// block 384, GRNG_WG_SMEM bytes of dynamic shared memory. Only in the compute_90a build.
+extern "C" __global__ void __launch_bounds__(GRNG_WG_THREADS, 1)
+    newton_gemm_wg_tc(const __nv_bfloat16* __restrict__ a, const __nv_bfloat16* __restrict__ b,
+                      const float* __restrict__ add1, const float* __restrict__ add2,
+                      float* __restrict__ out, __nv_bfloat16* __restrict__ out_bf,
+                      float* __restrict__ partial, int n, float alpha, float diag, int flags) {
+    NewtonEpi epi{add1, add2, out, out_bf, partial, n, alpha, diag, flags, 0.0f};
+    newton_gemm_wg_body(a, b, epi);
+}
+#endif
 
 // The f32 products (f32 mode, the bf16 run's f32 residual and polish): a3, b3 hold the three
 // split3 planes of the f32 A and B (plane p at p·n²). Same grid, block and shared memory.

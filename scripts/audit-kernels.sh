@@ -2,11 +2,13 @@
 # Static audit of the compiled CUDA kernels (GPU.md §3), no GPU needed.
 #
 # Installs the NVIDIA tools if needed (scripts/install-cuda-tools.sh), builds the crate so the
-# PTX of every kernel file exists, then for each kernel and each target (sm_80, sm_90) runs
-# `ptxas -v` and prints registers, spill bytes, stack frame and static shared memory. Kernels
-# whose name ends in `_tc` (tensor-core kernels, kernels/README.md) must show HMMA
-# instructions in `cuobjdump --dump-sass`. Exits non-zero on any spill, on a `_tc` kernel
-# without HMMA, or when no kernel was audited.
+# PTX of every kernel file exists, then for each kernel and each target runs `ptxas -v` and
+# prints registers, spill bytes, stack frame and static shared memory: the compute_80 PTX for
+# sm_80 and sm_90, the compute_90a PTX (`<file>.sm90a.ptx`, the wgmma GEMM) for sm_90a.
+# Kernels whose name ends in `_tc` (tensor-core kernels, kernels/README.md) must show
+# tensor-core instructions in `cuobjdump --dump-sass`: HMMA, and for the sm_90a GEMM kernels
+# (`_wg_tc`) HGMMA, the SASS of wgmma. Exits non-zero on any spill, on a `_tc` kernel without
+# them, when no kernel was audited, or when no sm_90a GEMM kernel was.
 #
 # Usage: scripts/audit-kernels.sh
 set -euo pipefail
@@ -35,13 +37,16 @@ trap 'rm -rf "$work"' EXIT
 
 fail=0
 rows=0
+wg_rows=0
 fmt="%-12s %-34s %-6s %5s %9s %9s %7s %7s %6s\n"
-printf "$fmt" file kernel arch regs spill_st spill_ld stack smem hmma
+printf "$fmt" file kernel arch regs spill_st spill_ld stack smem mma
 printf '%.0s-' {1..103}
 echo
 for ptx in "$out_dir"/*.ptx; do
     file="$(basename "$ptx" .ptx)"
-    for arch in sm_80 sm_90; do
+    archs="sm_80 sm_90"
+    [[ "$file" == *.sm90a ]] && archs="sm_90a"
+    for arch in $archs; do
         cubin="$work/$file.$arch.cubin"
         if ! ptxas -arch="$arch" -v "$ptx" -o "$cubin" 2>"$work/log"; then
             cat "$work/log" >&2
@@ -62,9 +67,15 @@ for ptx in "$out_dir"/*.ptx; do
         while read -r kernel regs spill_st spill_ld stack smem; do
             hmma="-"
             if [[ "$kernel" == *_tc ]]; then
-                hmma="$(cuobjdump --dump-sass --function "$kernel" "$cubin" 2>/dev/null | grep -c HMMA || true)"
+                # wgmma is HGMMA in SASS; mma.sync is HMMA.
+                op=HMMA
+                if [[ "$kernel" == *_wg_tc ]]; then
+                    op=HGMMA
+                    wg_rows=$((wg_rows + 1))
+                fi
+                hmma="$(cuobjdump --dump-sass --function "$kernel" "$cubin" 2>/dev/null | grep -c "$op" || true)"
                 if [[ "$hmma" == 0 ]]; then
-                    echo "audit: tensor-core kernel $kernel has no HMMA for $arch" >&2
+                    echo "audit: tensor-core kernel $kernel has no $op for $arch" >&2
                     fail=1
                 fi
             fi
@@ -81,8 +92,12 @@ if [[ $rows == 0 ]]; then
     echo "audit: no kernel found in $out_dir" >&2
     exit 1
 fi
+if [[ $wg_rows == 0 ]]; then
+    echo "audit: no sm_90a GEMM kernel (_wg_tc) in $out_dir (*.sm90a.ptx missing?)" >&2
+    exit 1
+fi
 if [[ $fail != 0 ]]; then
     echo "audit: FAILED" >&2
     exit 1
 fi
-echo "audit: $rows kernel/target pairs, no spills, HMMA in every _tc kernel"
+echo "audit: $rows kernel/target pairs, no spills, HMMA in every _tc kernel, HGMMA in the $wg_rows sm_90a GEMM kernels"

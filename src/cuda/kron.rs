@@ -18,7 +18,7 @@ use crate::mat::Trans;
 use half::bf16;
 
 kernel!(pub SYRK_EMA_F32 = KRON::kron_syrk_ema_f32;);
-kernel!(pub SYRK_EMA_TC = KRON::kron_syrk_ema_tc;);
+kernel!(pub SYRK_EMA_TC = KRON::kron_syrk_ema_tc, sm90 = super::sm90::SYRK_EMA_WG;);
 kernel!(pub ROUND_BF16 = KRON::kron_round_bf16;);
 
 /// Output tile of `kron_syrk_ema_f32`.

@@ -170,17 +170,35 @@ pub struct Kernel {
     pub ptx: Option<&'static str>,
     /// `grng_emu_<name>`.
     pub emu: EmuEntry,
+    /// The sm_90a variant [`launch`] runs instead on a compute capability 9.0 device whose
+    /// first-use self-check passed ([`super::sm90`]).
+    pub sm90: Option<&'static super::sm90::Sm90Variant>,
 }
 
 /// Declares a [`Kernel`]: `kernel!(pub(crate) SYRK = KRON::kron_syrk_tc);` for the kernel
 /// `kron_syrk_tc` of `kernels/kron.cu`. A misspelt file or kernel name fails to compile or
-/// link (the emulator symbol `grng_emu_kron_syrk_tc` must exist).
+/// link (the emulator symbol `grng_emu_kron_syrk_tc` must exist). `, sm90 = VARIANT` names
+/// its sm_90a variant; an sm_90a kernel (`KRON_SM90A::kron_syrk_ema_wg_tc, emu =
+/// kron_syrk_ema_tc`) names the sm_80 twin whose emulator entry stands in for it.
 macro_rules! kernel {
     ($(#[$attr:meta])* $vis:vis $NAME:ident = $FILE:ident :: $kname:ident;) => {
+        $crate::cuda::launch::kernel!(@make $(#[$attr])* $vis $NAME = $FILE::$kname, $kname, None);
+    };
+    ($(#[$attr:meta])* $vis:vis $NAME:ident = $FILE:ident :: $kname:ident,
+     sm90 = $v:path;) => {
+        $crate::cuda::launch::kernel!(@make $(#[$attr])* $vis $NAME = $FILE::$kname, $kname,
+                                      Some(&$v));
+    };
+    ($(#[$attr:meta])* $vis:vis $NAME:ident = $FILE:ident :: $kname:ident,
+     emu = $twin:ident;) => {
+        $crate::cuda::launch::kernel!(@make $(#[$attr])* $vis $NAME = $FILE::$kname, $twin, None);
+    };
+    (@make $(#[$attr:meta])* $vis:vis $NAME:ident = $FILE:ident :: $kname:ident, $emu:ident,
+     $sm90:expr) => {
         $(#[$attr])*
         $vis const $NAME: $crate::cuda::launch::Kernel = {
             extern "C" {
-                #[link_name = concat!("grng_emu_", stringify!($kname))]
+                #[link_name = concat!("grng_emu_", stringify!($emu))]
                 fn entry(
                     cfg: *const $crate::cuda::emu::EmuLaunch,
                     args: *mut *mut ::std::ffi::c_void,
@@ -191,6 +209,7 @@ macro_rules! kernel {
                 name: stringify!($kname),
                 ptx: $crate::cuda::ptx::$FILE,
                 emu: entry,
+                sm90: $sm90,
             }
         };
     };
@@ -332,7 +351,12 @@ fn host_buffer<T>(v: &[T]) -> EmuBuffer {
 /// 2. every access the kernel makes under `cfg` stays inside the buffers passed, and it
 ///    writes only buffers passed through `output`;
 /// 3. `cfg.shared_mem` covers the kernel's `GRNG_DYN_SHARED` use.
+///
+/// And for a kernel with an sm_90a variant ([`Kernel::sm90`]), which may run instead with the
+/// variant's block and shared memory: the variant has the same parameters and touches the same
+/// elements under the same grid (`kernels/gemm/wgmma_sm90.cuh` keeps the engine's contract).
 pub unsafe fn launch(kernel: &Kernel, cfg: LaunchConfig, args: KernelArgs<'_>) -> Result<()> {
+    let (kernel, cfg) = super::sm90::select(kernel, cfg, args.device)?;
     cfg.validate(kernel.name)?;
     let KernelArgs {
         device,

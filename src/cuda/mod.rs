@@ -20,5 +20,6 @@ pub mod precond;
 pub mod ptx;
 #[cfg(feature = "emu-selftest")]
 pub mod selftest;
+pub mod sm90;
 
 pub use driver::CudaDevice;

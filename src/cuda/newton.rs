@@ -33,7 +33,7 @@ use crate::params::newton::{InitialGuess, NewtonInfo, NewtonOptions, NewtonOrder
 use crate::params::power::{PowerInfo, PowerOptions};
 use half::bf16;
 
-kernel!(pub GEMM_TC = NEWTON::newton_gemm_tc;);
+kernel!(pub GEMM_TC = NEWTON::newton_gemm_tc, sm90 = super::sm90::GEMM_WG;);
 kernel!(pub GEMM3_TC = NEWTON::newton_gemm3_tc;);
 kernel!(pub RESIDUAL = NEWTON::newton_residual;);
 kernel!(pub SYM_STATS = NEWTON::newton_sym_stats;);

@@ -1,0 +1,298 @@
+//! Which GEMM mainloop runs: the sm_90a kernels of `kernels/gemm/wgmma_sm90.cuh` (wgmma,
+//! warp-specialized) on a compute capability 9.0 device, the sm_80 engine everywhere else.
+//!
+//! A kernel with an sm_90a variant names it in [`Kernel::sm90`]; [`super::launch::launch`]
+//! asks [`select`] which one to queue. The first such launch on a device runs a self-check:
+//! small ragged products through both paths (`newton_gemm_tc` against `newton_gemm_wg_tc`
+//! on the 16-byte cp.async path, `kron_syrk_ema_tc` against `kron_syrk_ema_wg_tc` on the
+//! element-wise path), compared within the f32 accumulation bound. If the sm_90a module does
+//! not load, a launch fails or a product differs, the device falls back to sm_80 for good:
+//! the fallback is counted ([`fallbacks`]), said once on stderr, and never a wrong product.
+//! The launch record (`launch::record_launches`) names the kernels that actually ran.
+//!
+//! The emulator models sm_80 primitives only, so on [`Device::Emulated`] the sm_90a path
+//! exists only under [`inject_sm90`] (tests of this logic): the "sm_90a" launches then run
+//! their sm_80 twin's emulator entry with the sm_80 configuration.
+
+use super::launch::{kernel, Kernel, LaunchConfig};
+use super::newton::{product_tc, Epilogue, Unused};
+use crate::device::{Device, Matrix};
+use crate::error::Result;
+use half::bf16;
+use std::cell::Cell;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Mutex, PoisonError};
+
+/// Threads of an sm_90a GEMM block: a producer and two consumer warpgroups
+/// (`GRNG_WG_THREADS`).
+pub const WG_THREADS: u32 = 384;
+/// Dynamic shared memory of an sm_90a GEMM block (`GRNG_WG_SMEM`): 4 stages of two 128x64
+/// bf16 tiles, plus 1 KiB to align them to the 1024-byte swizzle atom.
+pub const WG_SMEM: u32 = 4 * 2 * 128 * 64 * 2 + 1024;
+
+/// The sm_90a variant of a kernel: same parameters and grid, its own block and shared memory.
+#[derive(Debug)]
+pub struct Sm90Variant {
+    /// The sm_90a kernel (`<FILE>_SM90A` PTX; its emulator entry is the sm_80 twin's).
+    pub kernel: Kernel,
+    /// Threads per block (1-D).
+    pub block: u32,
+    /// Bytes of dynamic shared memory.
+    pub shared_mem: u32,
+}
+
+kernel!(WG_SYRK_EMA = KRON_SM90A::kron_syrk_ema_wg_tc, emu = kron_syrk_ema_tc;);
+kernel!(WG_GEMM = NEWTON_SM90A::newton_gemm_wg_tc, emu = newton_gemm_tc;);
+
+/// The sm_90a variant of `kron_syrk_ema_tc` ([`super::kron::SYRK_EMA_TC`]).
+pub const SYRK_EMA_WG: Sm90Variant = Sm90Variant {
+    kernel: WG_SYRK_EMA,
+    block: WG_THREADS,
+    shared_mem: WG_SMEM,
+};
+/// The sm_90a variant of `newton_gemm_tc` ([`super::newton::GEMM_TC`]).
+pub const GEMM_WG: Sm90Variant = Sm90Variant {
+    kernel: WG_GEMM,
+    block: WG_THREADS,
+    shared_mem: WG_SMEM,
+};
+
+/// What a device runs.
+#[derive(Clone, Copy, PartialEq, Eq)]
+enum Path {
+    Sm90,
+    Sm80,
+}
+
+/// Per device (CUDA ordinal; `None`: the emulator under [`inject_sm90`]), the path decided at
+/// its first GEMM launch. Held across the self-check, so concurrent first launches check once.
+static DECIDED: Mutex<Vec<(Option<usize>, Path)>> = Mutex::new(Vec::new());
+/// Devices that fell back to sm_80 (self-check mismatch or sm_90a load/launch failure).
+static FALLBACKS: AtomicU64 = AtomicU64::new(0);
+/// The emulator's stand-in for a compute capability 9.0 device ([`inject_sm90`]).
+static INJECTED: Mutex<Option<Sm90Injection>> = Mutex::new(None);
+
+thread_local! {
+    /// The path the self-check forces on its own launches (`None`: decide).
+    static FORCED: Cell<Option<Path>> = const { Cell::new(None) };
+}
+
+/// How many devices fell back from the sm_90a GEMM kernels to the sm_80 engine (a self-check
+/// mismatch, or an sm_90a module the driver would not load or launch), since the process
+/// started. Each fallback also printed one line on stderr.
+pub fn fallbacks() -> u64 {
+    FALLBACKS.load(Ordering::Relaxed)
+}
+
+/// Test injection: what the emulator pretends about the sm_90a path.
+#[doc(hidden)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Sm90Injection {
+    /// The emulator acts as a compute capability 9.0 device whose sm_90a kernels agree with
+    /// sm_80 (they are their sm_80 twins).
+    Capable,
+    /// As `Capable`, but the self-check's sm_90a product comes back with one element off by
+    /// far more than the bound: a miscompiled or misbehaving sm_90a kernel.
+    Mismatch,
+}
+
+/// Fault injection for tests: from now on [`Device::Emulated`] behaves per `what` (`None`:
+/// no sm_90a path, the default), and its decision is forgotten, so its next GEMM launch runs
+/// the self-check again. Combine with `launch::inject_ptx_reject(Some("NEWTON_SM90A"))` for a
+/// module the driver rejects. Process-wide, like the other injections.
+#[doc(hidden)]
+pub fn inject_sm90(what: Option<Sm90Injection>) {
+    *INJECTED.lock().unwrap_or_else(PoisonError::into_inner) = what;
+    DECIDED
+        .lock()
+        .unwrap_or_else(PoisonError::into_inner)
+        .retain(|(key, _)| key.is_some());
+}
+
+/// The kernel and configuration to launch for `kernel` with `cfg` on `device`: its sm_90a
+/// variant when the device runs them (deciding at the first call per device, see the module
+/// documentation), else `kernel` itself. Errors only when the self-check's sm_80 side fails.
+pub(crate) fn select<'k>(
+    kernel: &'k Kernel,
+    cfg: LaunchConfig,
+    device: &Device,
+) -> Result<(&'k Kernel, LaunchConfig)> {
+    let Some(v) = kernel.sm90 else {
+        return Ok((kernel, cfg));
+    };
+    let path = match FORCED.with(Cell::get) {
+        Some(p) => p,
+        None => decide(device)?,
+    };
+    Ok(match (path, device) {
+        (Path::Sm80, _) => (kernel, cfg),
+        (Path::Sm90, Device::Cuda(_)) => (
+            &v.kernel,
+            LaunchConfig {
+                block: (v.block, 1, 1),
+                shared_mem: v.shared_mem,
+                ..cfg
+            },
+        ),
+        // The emulator's stand-in: the twin's entry needs the twin's configuration.
+        (Path::Sm90, _) => (&v.kernel, cfg),
+    })
+}
+
+/// The path of `device`, running the self-check on first use.
+fn decide(device: &Device) -> Result<Path> {
+    let injected = *INJECTED.lock().unwrap_or_else(PoisonError::into_inner);
+    let key = match device {
+        Device::Cuda(d) => Some(d.context().ordinal()),
+        Device::Emulated if injected.is_some() => None,
+        _ => return Ok(Path::Sm80),
+    };
+    let mut decided = DECIDED.lock().unwrap_or_else(PoisonError::into_inner);
+    if let Some(&(_, p)) = decided.iter().find(|(k, _)| *k == key) {
+        return Ok(p);
+    }
+    let path = match device {
+        // sm_90a code runs on compute capability 9.0 exactly (the `a` features are not
+        // forward compatible).
+        Device::Cuda(d)
+            if d.context().compute_capability().ok() != Some((9, 0))
+                || super::ptx::KRON_SM90A.is_none()
+                || super::ptx::NEWTON_SM90A.is_none() =>
+        {
+            Path::Sm80
+        }
+        _ => match self_check(device, injected == Some(Sm90Injection::Mismatch))? {
+            Ok(()) => Path::Sm90,
+            Err(why) => {
+                FALLBACKS.fetch_add(1, Ordering::Relaxed);
+                eprintln!(
+                    "grng: the sm_90a GEMM kernels failed their self-check on this {} device \
+                     ({why}); using the sm_80 kernels",
+                    device.name()
+                );
+                Path::Sm80
+            }
+        },
+    };
+    decided.push((key, path));
+    Ok(path)
+}
+
+/// Runs `f` with every GEMM launch of this thread forced onto `path`.
+fn forced<R>(path: Path, f: impl FnOnce() -> Result<R>) -> Result<R> {
+    FORCED.with(|c| c.set(Some(path)));
+    let r = f();
+    FORCED.with(|c| c.set(None));
+    r
+}
+
+/// `len` bf16 values in [-1, 1) from a fixed xorshift stream (`seed` ≠ 0): not symmetric, so a
+/// transposed operand shows.
+fn check_values(len: usize, mut seed: u64) -> Vec<bf16> {
+    (0..len)
+        .map(|_| {
+            seed ^= seed << 13;
+            seed ^= seed >> 7;
+            seed ^= seed << 17;
+            bf16::from_f32((seed >> 40) as f32 / (1u64 << 23) as f32 - 1.0)
+        })
+        .collect()
+}
+
+/// First element of `got` outside `want ± bound`, as a message.
+fn compare(
+    what: &str,
+    got: &[f32],
+    want: &[f32],
+    bound: &[f64],
+) -> std::result::Result<(), String> {
+    match (0..want.len()).find(|&i| {
+        let d = (f64::from(got[i]) - f64::from(want[i])).abs();
+        d.is_nan() || d > bound[i]
+    }) {
+        None => Ok(()),
+        Some(i) => Err(format!(
+            "{what}: element {i} is {} where sm_80 gives {} (bound {:.3e})",
+            got[i], want[i], bound[i]
+        )),
+    }
+}
+
+/// Bound on |sm_90a − sm_80| for an element Σ_k a_k·b_k of `k` terms whose Σ|a_k·b_k| is
+/// `abs`, both scaled by `alpha` in the epilogue. bf16 products are exact in f32; each of the
+/// k additions of either path errs by at most one f32 ulp (2^-23 relative to the running
+/// magnitude ≤ abs: round-to-nearest or truncating accumulators alike), in any order; the
+/// epilogue's α rounding adds ≤ 2^-24·α·abs per path. So the difference is at most
+/// 2·(k + 1)·2^-23·α·abs; the factor 2 on top is margin. A wrong product (swizzle,
+/// descriptor, pipeline hazard) is off by O(α·abs), 2^13/k times more.
+fn bound(k: usize, alpha: f64, abs: f64) -> f64 {
+    4.0 * (k as f64 + 1.0) * f64::powi(2.0, -23) * alpha * abs
+}
+
+/// The first-use comparison of both sm_90a kernels against sm_80. `Err`: an sm_80 launch
+/// failed (nothing decided); `Ok(Err(why))`: the sm_90a side failed or differs.
+fn self_check(dev: &Device, mismatch: bool) -> Result<std::result::Result<(), String>> {
+    // Newton product C = A·B, n = 136 (n % 8 == 0: the cp.async loads; a partial tile).
+    let n = 136;
+    let (a, b) = (check_values(n * n, 0x9E37), check_values(n * n, 0x7F4A));
+    let (am, bm) = (dev.upload(n, n, &a)?, dev.upload(n, n, &b)?);
+    let product = |path| -> Result<Vec<f32>> {
+        let mut out = dev.zeros(n, n)?;
+        let mut unused = Unused::new(dev)?;
+        forced(path, || {
+            let epi = Epilogue {
+                out: Some(&mut out),
+                ..Epilogue::new()
+            };
+            product_tc(dev, &am, &bm, epi, &mut unused)
+        })?;
+        out.to_vec()
+    };
+    let want = product(Path::Sm80)?;
+    let mut got = match product(Path::Sm90) {
+        Ok(v) => v,
+        Err(e) => return Ok(Err(format!("newton_gemm_wg_tc: {e}"))),
+    };
+    if mismatch {
+        got[0] += 1.0;
+    }
+    let bounds: Vec<f64> = (0..n * n)
+        .map(|e| {
+            let (i, j) = (e / n, e % n);
+            let abs = (0..n)
+                .map(|k| f64::from(a[i * n + k].to_f32() * b[k * n + j].to_f32()).abs())
+                .sum();
+            bound(n, 1.0, abs)
+        })
+        .collect();
+    if let Err(why) = compare("newton_gemm_wg_tc", &got, &want, &bounds) {
+        return Ok(Err(why));
+    }
+
+    // SYRK Λ = α·SᵀS, S m x n2 with n2 = 131 (ld % 8 != 0: the element-wise loads), m = 77
+    // (a partial K slice), ε = 0 (the old Λ is not read).
+    let (m, n2) = (77, 131);
+    let s = check_values(m * n2, 0x5DEE);
+    let sm = dev.upload(m, n2, &s)?;
+    let alpha = 1.0 / m as f32;
+    let syrk = |path| -> Result<Vec<f32>> {
+        let mut l: Matrix = dev.zeros(n2, n2)?;
+        forced(path, || super::kron::syrk_ema_tc(dev, &sm, 0.0, &mut l))?;
+        l.to_vec()
+    };
+    let want = syrk(Path::Sm80)?;
+    let got = match syrk(Path::Sm90) {
+        Ok(v) => v,
+        Err(e) => return Ok(Err(format!("kron_syrk_ema_wg_tc: {e}"))),
+    };
+    let bounds: Vec<f64> = (0..n2 * n2)
+        .map(|e| {
+            let (i, j) = (e / n2, e % n2);
+            let abs = (0..m)
+                .map(|k| f64::from(s[k * n2 + i].to_f32() * s[k * n2 + j].to_f32()).abs())
+                .sum();
+            bound(m, f64::from(alpha), abs)
+        })
+        .collect();
+    Ok(compare("kron_syrk_ema_wg_tc", &got, &want, &bounds))
+}

@@ -1,0 +1,258 @@
+//! The sm_90a GEMM path (`kernels/gemm/wgmma_sm90.cuh`, `grng::cuda::sm90`): its selection,
+//! first-use self-check and counted fallback, and, on a compute capability 9.0 GPU, its
+//! products against the CPU.
+//!
+//! The emulator models sm_80 primitives, so the selection logic is tested on
+//! `Device::Emulated` through `inject_sm90` (a "capable" device whose sm_90a kernels are their
+//! sm_80 twins, or one whose self-check product comes back wrong) and `inject_ptx_reject` (an
+//! sm_90a module the driver rejects). The injections are process-wide, so those scenarios run
+//! in a child process, which also lets the parent count the stderr lines.
+
+mod common;
+
+use grng::cuda::kron::syrk_ema_tc;
+use grng::cuda::launch::{inject_ptx_reject, record_launches, take_launches};
+use grng::cuda::newton::{product_tc, Epilogue, Unused};
+use grng::cuda::sm90::{fallbacks, inject_sm90, Sm90Injection};
+use grng::{Device, Error, Matrix};
+use half::bf16;
+use rand::Rng;
+use rand_chacha::ChaCha8Rng;
+
+/// `len` bf16 values drawn from [-1, 1), and their f64 widening (exact).
+fn bf16_vals(rng: &mut ChaCha8Rng, len: usize) -> (Vec<bf16>, Vec<f64>) {
+    let v: Vec<bf16> = common::vals(rng, len)
+        .into_iter()
+        .map(bf16::from_f32)
+        .collect();
+    let w = v.iter().map(|x| f64::from(x.to_f32())).collect();
+    (v, w)
+}
+
+/// Checks `got` (f32, n x n row-major) against α·Σ_k x(i, k)·y(k, j) in f64. Tolerance: the
+/// bf16 products are exact in f32 and each of the k f32 additions errs by at most one ulp
+/// (2^-23 relative to the running |sum| ≤ Σ|x||y|, any order, round-to-nearest or truncating
+/// accumulator), and α's rounding adds 2^-24: |err| ≤ (k + 1)·2^-23·α·Σ|x||y|; 2x margin.
+fn check(
+    what: &str,
+    got: &[f32],
+    n: usize,
+    k: usize,
+    alpha: f64,
+    x: impl Fn(usize, usize) -> f64,
+    y: impl Fn(usize, usize) -> f64,
+) {
+    for i in 0..n {
+        for j in 0..n {
+            let (mut s, mut abs) = (0.0, 0.0);
+            for p in 0..k {
+                s += x(i, p) * y(p, j);
+                abs += (x(i, p) * y(p, j)).abs();
+            }
+            let tol = 2.0 * (k as f64 + 1.0) * f64::powi(2.0, -23) * alpha * abs;
+            let g = f64::from(got[i * n + j]);
+            assert!(
+                (g - alpha * s).abs() <= tol,
+                "{what}: ({i}, {j}) = {g}, want {} ± {tol:e}",
+                alpha * s
+            );
+        }
+    }
+}
+
+/// One Newton product C = A·B on `dev` (ragged n), checked against f64; returns the launches.
+fn product(dev: &Device, rng: &mut ChaCha8Rng, n: usize) -> grng::Result<Vec<&'static str>> {
+    let (a, aw) = bf16_vals(rng, n * n);
+    let (b, bw) = bf16_vals(rng, n * n);
+    let (am, bm) = (dev.upload(n, n, &a)?, dev.upload(n, n, &b)?);
+    let mut out: Matrix = dev.zeros(n, n)?;
+    let mut unused = Unused::new(dev)?;
+    take_launches();
+    let epi = Epilogue {
+        out: Some(&mut out),
+        ..Epilogue::new()
+    };
+    product_tc(dev, &am, &bm, epi, &mut unused)?;
+    let launched = take_launches();
+    let got = out.to_vec()?;
+    check(
+        "A·B",
+        &got,
+        n,
+        n,
+        1.0,
+        |i, p| aw[i * n + p],
+        |p, j| bw[p * n + j],
+    );
+    Ok(launched)
+}
+
+/// One SYRK Λ = (1/m)·SᵀS (ε = 0) on `dev`, checked against f64; returns the launches.
+fn syrk(dev: &Device, rng: &mut ChaCha8Rng, m: usize, n: usize) -> grng::Result<Vec<&'static str>> {
+    let (s, sw) = bf16_vals(rng, m * n);
+    let sm = dev.upload(m, n, &s)?;
+    let mut l: Matrix = dev.zeros(n, n)?;
+    take_launches();
+    syrk_ema_tc(dev, &sm, 0.0, &mut l)?;
+    let launched = take_launches();
+    let got = l.to_vec()?;
+    let alpha = 1.0 / m as f64;
+    check(
+        "SᵀS/m",
+        &got,
+        n,
+        m,
+        alpha,
+        |i, p| sw[p * n + i],
+        |p, j| sw[p * n + j],
+    );
+    Ok(launched)
+}
+
+/// The self-check's launches up to its first sm_90a failure (`stop`: 0 = none, 1 = Newton
+/// product, 2 = SYRK).
+fn self_check(stop: usize) -> Vec<&'static str> {
+    let all = [
+        "newton_gemm_tc",
+        "newton_gemm_wg_tc",
+        "kron_syrk_ema_tc",
+        "kron_syrk_ema_wg_tc",
+    ];
+    match stop {
+        1 => all[..2].to_vec(),
+        _ => all.to_vec(),
+    }
+}
+
+/// Set in the child process that runs the emulated scenarios.
+const CHILD: &str = "GRNG_SM90_SELECT_CHILD";
+/// The start of the line a fallback prints.
+const FALLBACK_LINE: &str = "grng: the sm_90a GEMM kernels failed their self-check";
+
+#[test]
+fn selection_self_check_and_counted_fallback() {
+    if std::env::var_os(CHILD).is_none() {
+        let out = std::process::Command::new(std::env::current_exe().unwrap())
+            .args([
+                "--exact",
+                "selection_self_check_and_counted_fallback",
+                "--nocapture",
+            ])
+            .env(CHILD, "1")
+            .env("GRNG_TEST_SEED", common::master_seed().to_string())
+            .output()
+            .unwrap();
+        let stderr = String::from_utf8_lossy(&out.stderr);
+        let stdout = String::from_utf8_lossy(&out.stdout);
+        assert!(
+            out.status.success() && stdout.contains("1 passed"),
+            "child failed:\n{stdout}\n{stderr}"
+        );
+        // Exactly one line per fallback (two below), each saying why.
+        let lines: Vec<&str> = stderr
+            .lines()
+            .filter(|l| l.starts_with(FALLBACK_LINE))
+            .collect();
+        assert_eq!(lines.len(), 2, "{stderr}");
+        assert!(
+            lines[0].contains("newton_gemm_wg_tc: element 0"),
+            "{}",
+            lines[0]
+        );
+        assert!(
+            lines[1].contains("kron_syrk_ema_wg_tc") && lines[1].contains("rejected the PTX"),
+            "{}",
+            lines[1]
+        );
+        return;
+    }
+
+    let dev = Device::Emulated;
+    let mut rng = common::seeded_rng();
+    // Two tile rows or columns, the second partial; K spans a partial slice.
+    let ragged = |rng: &mut ChaCha8Rng| rng.random_range(129..=200usize);
+    record_launches(true);
+
+    // No injection: the emulator is no sm_90 device; nothing is checked or counted.
+    let n = ragged(&mut rng);
+    assert_eq!(product(&dev, &mut rng, n).unwrap(), ["newton_gemm_tc"]);
+    assert_eq!(fallbacks(), 0);
+
+    // A capable device: the first GEMM runs the self-check, then the sm_90a kernels, for good.
+    inject_sm90(Some(Sm90Injection::Capable));
+    let n = ragged(&mut rng);
+    let mut want = self_check(0);
+    want.push("newton_gemm_wg_tc");
+    assert_eq!(product(&dev, &mut rng, n).unwrap(), want);
+    let (m, n) = (ragged(&mut rng), ragged(&mut rng));
+    assert_eq!(syrk(&dev, &mut rng, m, n).unwrap(), ["kron_syrk_ema_wg_tc"]);
+    assert_eq!(product(&dev, &mut rng, n).unwrap(), ["newton_gemm_wg_tc"]);
+    assert_eq!(fallbacks(), 0);
+
+    // An sm_80 failure during the self-check (its reference side) is the caller's error and
+    // decides nothing: the next launch checks again.
+    inject_sm90(Some(Sm90Injection::Capable));
+    inject_ptx_reject(Some("NEWTON"));
+    let n = ragged(&mut rng);
+    match product(&dev, &mut rng, n) {
+        Err(Error::DeviceUnavailable(msg)) => assert!(msg.contains("kernel file NEWTON:"), "{msg}"),
+        other => panic!("expected DeviceUnavailable, got {other:?}"),
+    }
+    inject_ptx_reject(None);
+    assert_eq!(fallbacks(), 0);
+    let mut want = self_check(0);
+    want.push("newton_gemm_wg_tc");
+    assert_eq!(product(&dev, &mut rng, n).unwrap(), want);
+
+    // The self-check's sm_90a product is wrong: fall back, count, and stay on sm_80; the
+    // product the caller gets is right (checked in `product`).
+    inject_sm90(Some(Sm90Injection::Mismatch));
+    let n = ragged(&mut rng);
+    let mut want = self_check(1);
+    want.push("newton_gemm_tc");
+    assert_eq!(product(&dev, &mut rng, n).unwrap(), want);
+    assert_eq!(fallbacks(), 1);
+    let (m, n) = (ragged(&mut rng), ragged(&mut rng));
+    assert_eq!(syrk(&dev, &mut rng, m, n).unwrap(), ["kron_syrk_ema_tc"]);
+    assert_eq!(fallbacks(), 1);
+
+    // The driver rejects the sm_90a module of kron.cu: fall back at the SYRK's check.
+    inject_sm90(Some(Sm90Injection::Capable));
+    inject_ptx_reject(Some("KRON_SM90A"));
+    let (m, n) = (ragged(&mut rng), ragged(&mut rng));
+    let mut want = self_check(2);
+    want.push("kron_syrk_ema_tc");
+    assert_eq!(syrk(&dev, &mut rng, m, n).unwrap(), want);
+    inject_ptx_reject(None);
+    assert_eq!(fallbacks(), 2);
+    assert_eq!(product(&dev, &mut rng, n).unwrap(), ["newton_gemm_tc"]);
+
+    inject_sm90(None);
+    record_launches(false);
+}
+
+/// CUDA arm: on a compute capability 9.0 GPU the sm_90a kernels pass their self-check and
+/// their products match the CPU (ragged sizes: partial tiles and K slices; n % 8 != 0 for the
+/// element-wise loads, n % 8 == 0 for cp.async). Skipped elsewhere.
+#[test]
+fn sm90a_products_match_f64_on_a_cc90_gpu() {
+    let Some(dev) = common::cuda() else { return };
+    let Device::Cuda(d) = &dev else {
+        unreachable!()
+    };
+    if d.context().compute_capability().ok() != Some((9, 0)) {
+        eprintln!("note: sm_90a arm skipped (the GPU is not compute capability 9.0)");
+        return;
+    }
+    let mut rng = common::seeded_rng();
+    record_launches(true);
+    for n in [136usize, 131, 257, 520] {
+        let launched = product(&dev, &mut rng, n).unwrap();
+        assert_eq!(launched.last(), Some(&"newton_gemm_wg_tc"), "{launched:?}");
+        let m = rng.random_range(1..=600usize);
+        let launched = syrk(&dev, &mut rng, m, n).unwrap();
+        assert_eq!(launched, ["kron_syrk_ema_wg_tc"]);
+    }
+    record_launches(false);
+    assert_eq!(fallbacks(), 0);
+}
