@@ -277,32 +277,37 @@ extern "C" __global__ void __launch_bounds__(256)
 }
 GRNG_EMU_ENTRY(newton_sym_stats, (const float*, int, float*, __nv_bfloat16*, float*, int))
 
-// ‖m‖∞, ‖m‖₁ and ‖m‖_F partials. Block (32, 8) per band b of 32 rows and 32 columns (grid
-// ceil(n/32)): row sums of |m| and of m² for rows 32b.. (a warp per row, lanes across the
-// row), column sums of |m| for columns 32b.. (lane = column, warps down the rows, fixed-order
-// combine), all in double. partial[3b] = the band's largest row sum, partial[3b + 1] its
-// largest column sum, partial[3b + 2] its rows' Σ m².
+// ‖m‖∞, ‖m‖₁, ‖m‖_F and tr m partials (the λ_max bound of the Newton start needs all but ‖m‖₁).
+// Block (32, 8) per band b of 32 rows and 32 columns (grid ceil(n/32)): row sums of |m| and
+// of m² for rows 32b.. (a warp per row, lanes across the row), column sums of |m| for columns
+// 32b.. (lane = column, warps down the rows, fixed-order combine), all in double.
+// partial[4b] = the band's largest row sum, partial[4b + 1] its largest column sum,
+// partial[4b + 2] its rows' Σ m², partial[4b + 3] its diagonal's sum.
 extern "C" __global__ void __launch_bounds__(256)
     newton_abs_norms(const float* __restrict__ m, int n, float* __restrict__ partial) {
     __shared__ double cols[8][32];
     __shared__ double rows[32];
     __shared__ double squares[32];
+    __shared__ double diag[32];
     const int tx = threadIdx.x, ty = threadIdx.y;
     const int b0 = blockIdx.x * 32;
     for (int i = ty; i < 32; i += 8) {
         const int r = b0 + i;
-        double s = 0.0, q = 0.0;
+        double s = 0.0, q = 0.0, d = 0.0;
         if (r < n)
             for (int c = tx; c < n; c += 32) {
                 const double v = (double)m[(size_t)r * n + c];
                 s += fabs(v);
                 q += v * v;
+                if (c == r) d = v;
             }
         s = newton_warp_sum_d(s);
         q = newton_warp_sum_d(q);
+        d = newton_warp_sum_d(d);
         if (tx == 0) {
             rows[i] = s;
             squares[i] = q;
+            diag[i] = d;
         }
     }
     double cs = 0.0;
@@ -316,15 +321,18 @@ extern "C" __global__ void __launch_bounds__(256)
         for (int k = 0; k < 8; ++k) col += cols[k][tx];
         double row = rows[tx];
         double sq = squares[tx];
+        double tr = diag[tx];
         for (int o = 16; o > 0; o >>= 1) {
             col = fmax(col, __shfl_xor_sync(GRNG_FULL_MASK, col, o));
             row = fmax(row, __shfl_xor_sync(GRNG_FULL_MASK, row, o));
         }
         sq = newton_warp_sum_d(sq);
+        tr = newton_warp_sum_d(tr);
         if (tx == 0) {
-            partial[3 * blockIdx.x] = (float)row;
-            partial[3 * blockIdx.x + 1] = (float)col;
-            partial[3 * blockIdx.x + 2] = (float)sq;
+            partial[4 * blockIdx.x] = (float)row;
+            partial[4 * blockIdx.x + 1] = (float)col;
+            partial[4 * blockIdx.x + 2] = (float)sq;
+            partial[4 * blockIdx.x + 3] = (float)tr;
         }
     }
 }

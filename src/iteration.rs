@@ -25,11 +25,45 @@ pub const SYM_SWITCH: f32 = 0.1;
 /// only a hint: its symmetric part is used unchecked).
 pub const SYM_TOL: f32 = 1e-5;
 
-/// Safety factor on `λ_max` in the scaled identity: on the power-iteration estimate (a lower
-/// bound of `λ_max`) it guards against a slightly unconverged estimate, on the guaranteed
-/// bounds against equality (a diagonal `A` has `‖A‖∞ = λ_max`, where `c·λ_max = 2` would
-/// stall that eigencomponent). Either way `|1 − cλ_max| ≤ 2/1.1 − 1 ≈ 0.82`.
-const LAMBDA_MARGIN: f32 = 1.1;
+/// Safety factor on `λ_max` in the scaled identity: on a caller's estimate
+/// ([`NewtonOptions::lambda_high`], e.g. a power iteration's Rayleigh quotient, a lower bound
+/// of `λ_max`) it guards against a slightly unconverged estimate, on the guaranteed bound
+/// against equality (a diagonal `A` has `‖A‖∞ = λ_max`, where `c·λ_max = 2` would stall that
+/// eigencomponent). Either way `|1 − cλ_max| ≤ 2/1.1 − 1 ≈ 0.82`; it costs `log_p 1.1 ≈ 0.09`
+/// iterations.
+pub const LAMBDA_MARGIN: f32 = 1.1;
+
+/// Relative slack on the spread `s²` of the Wolkowicz–Styan bound ([`lambda_max_bound`]): the
+/// sums it is formed from carry relative errors of `f32` partials (`≤ 1e-7` each), which the
+/// cancellation in `‖A‖_F²/n − (tr A/n)²` would otherwise turn into an underestimate.
+const SPREAD_SLACK: f64 = 1e-6;
+
+/// The norms of `A` one streaming pass yields (summed in `f64`).
+#[derive(Clone, Copy, Debug)]
+pub(crate) struct ANorms {
+    /// `‖A‖∞` (largest absolute row sum).
+    pub inf: f64,
+    /// `‖A‖₁` (largest absolute column sum).
+    pub one: f64,
+    /// `‖A‖_F`.
+    pub fro: f64,
+    /// `tr A`.
+    pub trace: f64,
+}
+
+/// A guaranteed upper bound on `λ_max` of a symmetric `n x n` `A` from one pass over it:
+/// `min(‖A‖∞, m + s·√(n − 1))` with `m = tr A/n`, `s² = ‖A‖_F²/n − m²` (Wolkowicz & Styan
+/// 1980, valid for every symmetric matrix; by Cauchy–Schwarz never above `‖A‖_F`, and exact
+/// for a spike on a flat spectrum: `A = σvvᵀ + μI`). It replaces the power iteration that cost
+/// ~44 launch pairs and a read-back each; what an overestimate `h = s_h·λ_max` costs Newton is
+/// stated at [`scaled_identity`].
+pub(crate) fn lambda_max_bound(n: usize, a: &ANorms) -> f64 {
+    let nf = n as f64;
+    let m = a.trace / nf;
+    let mean_sq = a.fro * a.fro / nf;
+    let spread = ((mean_sq - m * m).max(0.0) + SPREAD_SLACK * mean_sq).sqrt();
+    a.inf.min(m + spread * (nf - 1.0).sqrt())
+}
 
 /// One power-iteration step on a backend's matrix `A` (`n x n`).
 pub(crate) trait PowerStep {
@@ -83,40 +117,11 @@ pub(crate) fn power_iteration(
     })
 }
 
-/// Rayleigh quotient after `steps` power steps from a fixed pseudo-random start (a second
-/// start beside [`power_iteration`]'s smooth one, so that one start nearly orthogonal to the
-/// top eigenvector does not decide `λ_hi`).
-fn rayleigh_pseudo_random(p: &mut impl PowerStep, n: usize, steps: usize) -> Result<f32> {
-    p.start(&unit(pseudo_random_start(n)))?;
-    let mut theta = 0.0;
-    for _ in 0..steps {
-        let (rq, wn) = p.step()?;
-        if wn == 0.0 {
-            return Ok(0.0);
-        }
-        theta = rq;
-    }
-    Ok(theta as f32)
-}
-
 /// `v/‖v‖` (a zero `v` cannot come from the starts above: both are nonzero for `n ≥ 1`).
 fn unit(mut v: Vec<f64>) -> Vec<f64> {
     let norm = v.iter().map(|x| x * x).sum::<f64>().sqrt();
     v.iter_mut().for_each(|x| *x /= norm);
     v
-}
-
-/// `n` deterministic values spread over `[-1, 1)` (xorshift64*).
-pub(crate) fn pseudo_random_start(n: usize) -> Vec<f64> {
-    let mut state = 0x9e37_79b9_7f4a_7c15u64;
-    (0..n)
-        .map(|_| {
-            state ^= state >> 12;
-            state ^= state << 25;
-            state ^= state >> 27;
-            (state.wrapping_mul(0x2545_f491_4f6c_dd1d) >> 11) as f64 / (1u64 << 52) as f64 - 1.0
-        })
-        .collect()
 }
 
 /// The starting iterate a backend writes.
@@ -135,16 +140,10 @@ pub(crate) trait NewtonBackend {
     const OP: &'static str;
     /// The iterate returned.
     type Out;
-    /// Power steps on `A`.
-    type Power<'p>: PowerStep
-    where
-        Self: 'p;
 
     fn n(&self) -> usize;
-    /// `(‖A‖∞, ‖A‖₁, ‖A‖_F)`, in `f64`.
-    fn a_norms(&mut self) -> Result<(f64, f64, f64)>;
-    /// Power steps on `A`.
-    fn power(&mut self) -> Result<Self::Power<'_>>;
+    /// The norms of `A`, in `f64`.
+    fn a_norms(&mut self) -> Result<ANorms>;
     /// Writes `X₀`.
     fn set_x(&mut self, start: Start) -> Result<()>;
     /// `T = A X` (with `E = I − T` where the backend keeps it) and its residual
@@ -217,8 +216,8 @@ pub(crate) fn newton_inverse<B: NewtonBackend>(
     let mut r0 = None;
     let (init_used, commuting) = match (opts.init, warm) {
         (InitialGuess::Paper, _) => {
-            let (inf, one, _) = b.a_norms()?;
-            let prod = inf * one;
+            let norms = b.a_norms()?;
+            let prod = norms.inf * norms.one;
             if prod == 0.0 {
                 return Err(zero_matrix(B::OP));
             }
@@ -234,12 +233,12 @@ pub(crate) fn newton_inverse<B: NewtonBackend>(
                 r0 = Some(r);
                 (InitialGuess::Warm, false)
             } else {
-                scaled_identity(&mut b, opts.lambda_low, true)?;
+                scaled_identity(&mut b, opts, opts.lambda_high)?;
                 (InitialGuess::ScaledIdentity, true)
             }
         }
         (InitialGuess::ScaledIdentity | InitialGuess::Warm, _) => {
-            scaled_identity(&mut b, opts.lambda_low, true)?;
+            scaled_identity(&mut b, opts, opts.lambda_high)?;
             (InitialGuess::ScaledIdentity, true)
         }
     };
@@ -248,15 +247,17 @@ pub(crate) fn newton_inverse<B: NewtonBackend>(
         None => b.product_t()?,
     };
 
-    // The scaled identity's λ_hi comes from power iterations, which can underestimate λ_max
-    // (a start vector nearly orthogonal to the top eigenvector); then c·λ_max > 2 and the
-    // iteration diverges. Retry once from a guaranteed bound before calling it divergence;
-    // the history then holds both runs and `iterations` counts the first run's steps too.
+    // A caller's λ_max estimate (`lambda_high`) can underestimate λ_max (an unconverged power
+    // iteration); then c·λ_max > 2 and the iteration diverges. Retry once from the guaranteed
+    // bound before calling it divergence; the history then holds both runs and `iterations`
+    // counts the first run's steps too. Without an estimate the start is already the bound.
     let mut history = Vec::new();
     let (best_r, best_iter) = match iterate(&mut b, opts, bf16, commuting, r, &mut history) {
-        Err(Error::Diverged { iterations, .. }) if init_used == InitialGuess::ScaledIdentity => {
+        Err(Error::Diverged { iterations, .. })
+            if init_used == InitialGuess::ScaledIdentity && opts.lambda_high.is_some() =>
+        {
             b.clear_best();
-            scaled_identity(&mut b, opts.lambda_low, false)?;
+            scaled_identity(&mut b, opts, None)?;
             let r = b.product_t()?;
             let (r, k) = iterate(&mut b, opts, bf16, true, r, &mut history)?;
             (r, iterations + k)
@@ -374,37 +375,38 @@ fn iterate<B: NewtonBackend>(
     Ok((best_r, best_iter))
 }
 
-/// `X₀ = c I`, `c = 2/(λ_hi + min(λ_low, λ_hi))`: `λ_hi = 1.1·θ` (`estimated`: θ the larger
-/// Rayleigh quotient of two power iterations from different starts, `θ ≤ λ_max`; tight, but
-/// θ can miss `λ_max`), else the guaranteed `1.1·min(‖A‖∞, ‖A‖_F)` (up to `√n` too large).
-fn scaled_identity<B: NewtonBackend>(b: &mut B, lambda_low: f32, estimated: bool) -> Result<()> {
-    let n = b.n();
-    let (inf, _, fro) = b.a_norms()?;
-    if inf == 0.0 {
+/// `X₀ = c I`, `c = 2/(λ_hi + min(λ_low, λ_hi))` with `λ_hi = 1.1·min(λ_est, bound)`:
+/// `bound` from [`lambda_max_bound`] (guaranteed), `λ_est` the caller's estimate when given
+/// (tighter, but a lower estimate can miss `λ_max`: the caller's restart covers it).
+///
+/// What an overestimate costs: with `h = λ_hi ≥ λ_max` and `l = λ_low ≤ λ_min`, the
+/// eigenvalues of `E₀ = I − cA` lie in `[1 − 2λ_max/(h + l), 1 − 2λ_min/(h + l)]`, so
+/// `‖E₀‖₂ ≤ max(2/1.1 − 1, 1 − 2/(κ_h + 1))` with `κ_h = h/λ_min`, and an order-`p` iteration
+/// (`E_{k+1} = E_k^p`) reaches a residual `r` after `k ≈ log_p(ln(1/r)·(κ_h + 1)/2)` steps.
+/// Overestimating `λ_max` by a factor `s_h` adds `log_p s_h` steps: the bound is exact for a
+/// spike on a flat spectrum (K-FAC factors' usual shape: one dominant mean direction),
+/// within `√2` for a few dominant directions, and at worst `√n` (a flat spectrum, where
+/// `κ` is small anyway) — cubic: `+0.3` steps at `s_h = √2`, `+3.8` at `√4096`.
+fn scaled_identity<B: NewtonBackend>(
+    b: &mut B,
+    opts: &NewtonOptions,
+    estimate: Option<f32>,
+) -> Result<()> {
+    let norms = b.a_norms()?;
+    if norms.inf == 0.0 {
         return Err(zero_matrix(B::OP));
     }
-    let hi = if estimated {
-        let mut p = b.power()?;
-        let opts = PowerOptions {
-            tol: 1e-3,
-            max_iter: 60,
-        };
-        let value = power_iteration(&mut p, n, &opts)?.value;
-        let theta = value.max(rayleigh_pseudo_random(&mut p, n, 20)?);
-        if theta <= 0.0 {
-            return Err(Error::Value {
-                op: B::OP,
-                arg: "a",
-                value: theta as f64,
-                expected:
-                    "a positive definite matrix (power iterations found no positive eigenvalue)",
-            });
-        }
-        LAMBDA_MARGIN * theta
-    } else {
-        LAMBDA_MARGIN * inf.min(fro) as f32
-    };
-    let c = 2.0 / (hi + lambda_low.min(hi));
+    let bound = lambda_max_bound(b.n(), &norms);
+    if bound <= 0.0 {
+        return Err(Error::Value {
+            op: B::OP,
+            arg: "a",
+            value: bound,
+            expected: "a positive definite matrix (no positive eigenvalue: lambda_max bound <= 0)",
+        });
+    }
+    let hi = LAMBDA_MARGIN * estimate.map_or(bound as f32, |e| e.min(bound as f32));
+    let c = 2.0 / (hi + opts.lambda_low.min(hi));
     b.set_x(Start::Identity(c))
 }
 
@@ -414,5 +416,56 @@ fn zero_matrix(op: &'static str) -> Error {
         arg: "a",
         value: 0.0,
         expected: "a nonzero (positive definite) matrix",
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn norms(a: &[f64], n: usize) -> ANorms {
+        ANorms {
+            inf: (0..n)
+                .map(|i| (0..n).map(|j| a[i * n + j].abs()).sum::<f64>())
+                .fold(0.0, f64::max),
+            one: 0.0,
+            fro: a.iter().map(|v| v * v).sum::<f64>().sqrt(),
+            trace: (0..n).map(|i| a[i * n + i]).sum(),
+        }
+    }
+
+    /// `σvvᵀ + μI` (a spike on a flat spectrum, `v` dense so `‖A‖∞` is loose): the bound is
+    /// `σ + μ` (Wolkowicz–Styan is exact there) plus the rounding slack, at most
+    /// `√(1e-6·‖A‖_F²/n)·√(n − 1) ≤ 1e-3·‖A‖_F`, and never below it; a diagonal `A` is
+    /// bounded by its `‖A‖∞ = λ_max` exactly.
+    #[test]
+    fn lambda_max_bound_is_tight_on_a_spike() {
+        for n in [2usize, 7, 64, 301] {
+            let v: Vec<f64> = (0..n).map(|i| 1.0 + (i % 5) as f64).collect();
+            let vn = v.iter().map(|x| x * x).sum::<f64>().sqrt();
+            let (sigma, mu) = (3.0, 0.25);
+            let a: Vec<f64> = (0..n * n)
+                .map(|k| {
+                    let (i, j) = (k / n, k % n);
+                    sigma * v[i] * v[j] / (vn * vn) + if i == j { mu } else { 0.0 }
+                })
+                .collect();
+            let b = lambda_max_bound(n, &norms(&a, n));
+            let exact = sigma + mu;
+            assert!(b >= exact * (1.0 - 1e-12), "n {n}: {b} < {exact}");
+            let fro = norms(&a, n).fro;
+            assert!(b <= exact + 1e-3 * fro, "n {n}: {b} > {exact} + 1e-3·{fro}");
+            let d: Vec<f64> = (0..n * n)
+                .map(|k| {
+                    if k % (n + 1) == 0 {
+                        1.0 + (k % 7) as f64
+                    } else {
+                        0.0
+                    }
+                })
+                .collect();
+            let top = (0..n).map(|i| d[i * n + i]).fold(0.0, f64::max);
+            assert_eq!(lambda_max_bound(n, &norms(&d, n)), top);
+        }
     }
 }

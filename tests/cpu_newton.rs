@@ -103,6 +103,16 @@ fn norm_inf(a: &[f32], n: usize) -> f64 {
         .fold(0.0, f64::max)
 }
 
+/// `λ_hi` of the scaled identity: `1.1·min(‖A‖∞, m + s·√(n − 1))` (Wolkowicz–Styan, `m = tr A/n`,
+/// `s² = ‖A‖_F²/n − m²` plus `1e-6·‖A‖_F²/n` of rounding slack), a guaranteed `λ_max` bound.
+fn lambda_hi(a: &[f32], n: usize) -> f64 {
+    let nf = n as f64;
+    let m = (0..n).map(|i| a[i * n + i] as f64).sum::<f64>() / nf;
+    let mean_sq = a.iter().map(|&v| v as f64 * v as f64).sum::<f64>() / nf;
+    let s = ((mean_sq - m * m).max(0.0) + 1e-6 * mean_sq).sqrt();
+    1.1 * norm_inf(a, n).min(m + s * (nf - 1.0).sqrt())
+}
+
 /// Checks an `F32` result: the residual, the forward error against the `f64` inverse, the
 /// residual history against the order `p`, and the iteration count against the prediction.
 fn check_f32(
@@ -184,18 +194,14 @@ fn check_f32(
             );
             k
         }
-        // c = 2/(λ_hi + min(λ_low, λ_hi)) with λ_hi = 1.1·(power estimate ≤ λ_max = 1), the
-        // estimate converged to ~1e-3: λ_hi in [1.05, 1.1] with room to spare. The worst count
-        // over that range.
-        _ => (0..=40)
-            .map(|i| {
-                let h = 1.05 + 0.05 * i as f64 / 40.0;
-                let c = 2.0 / (h + (opts.lambda_low as f64).min(h));
-                let mu: Vec<f64> = d.iter().map(|l| 1.0 - c * l).collect();
-                predicted_count(&mu, p, tol)
-            })
-            .max()
-            .unwrap(),
+        // c = 2/(λ_hi + min(λ_low, λ_hi)) with λ_hi from A's norms (`lambda_hi`), rounded to
+        // f32 by the driver: 6e-8 relative, far below a step's resolution.
+        _ => {
+            let h = lambda_hi(a, n);
+            let c = 2.0 / (h + (opts.lambda_low as f64).min(h));
+            let mu: Vec<f64> = d.iter().map(|l| 1.0 - c * l).collect();
+            predicted_count(&mu, p, tol)
+        }
     };
     assert!(
         info.iterations as u32 <= k_pred + 1,
@@ -297,13 +303,13 @@ proptest! {
         prop_assert!((info.residual as f64 - r64).abs() <= f32_noise(kappa) + 1e-3 * r64);
         prop_assert!(!info.polished);
         if !paper {
-            // From the scaled identity ρ(E₀) ≤ max(1 − 2/(1.1κ + 1), 2/1.05 − 1) (the second
-            // from the margin on λ_hi, binding at κ ≈ 1), so reaching a residual r takes about
-            // log_p(ln(1/r)/(1 − ρ)) steps (the cubic: 3–8 measured, module docs); 6 spare for
-            // the slow creep along the floor (longest for the quadratic order) before the stall
-            // test stops it.
+            // From the scaled identity ρ(E₀) ≤ max(1 − 2/(κ_h + 1), 2/1.1 − 1) with
+            // κ_h = λ_hi/λ_min = λ_hi·κ (the second from the margin on λ_hi ≥ 1.1·λ_max,
+            // binding at κ_h ≈ 1), so reaching a residual r takes about log_p(ln(1/r)/(1 − ρ))
+            // steps (the cubic: 3–8 measured, module docs); 6 spare for the slow creep along
+            // the floor (longest for the quadratic order) before the stall test stops it.
             let p = power(opts.order) as f64;
-            let gap = (2.0 / (1.1 * kappa + 1.0)).min(2.0 - 2.0 / 1.05);
+            let gap = (2.0 / (lambda_hi(&a, n) * kappa + 1.0)).min(2.0 - 2.0 / 1.1);
             let bound = ((1.0 / bf16_floor(kappa)).ln() / gap).ln() / p.ln() + 6.0;
             prop_assert!(info.iterations as f64 <= bound, "{} steps > {bound:.1}", info.iterations);
         }

@@ -65,9 +65,10 @@ use rayon::prelude::*;
 
 use super::check_finite_view;
 use super::gemm::gemm;
-use super::norm::HostPower;
 use crate::error::{try_collect, try_vec, Result};
-use crate::iteration::{self as driver, check_square, check_symmetric, NewtonBackend, Start};
+use crate::iteration::{
+    self as driver, check_square, check_symmetric, ANorms, NewtonBackend, Start,
+};
 pub use crate::iteration::{ARMED, GROWTH_SLACK, SYM_SWITCH, SYM_TOL};
 use crate::mat::{Mat, MatMut, MatRef, Trans};
 use crate::params::newton::{InitialGuess, NewtonInfo, NewtonOptions, NewtonOrder, Precision};
@@ -160,13 +161,12 @@ impl Iteration {
 impl NewtonBackend for Iteration {
     const OP: &'static str = "cpu::newton_inverse";
     type Out = Mat;
-    type Power<'p> = HostPower<'p>;
 
     fn n(&self) -> usize {
         self.n
     }
 
-    fn a_norms(&mut self) -> Result<(f64, f64, f64)> {
+    fn a_norms(&mut self) -> Result<ANorms> {
         let (a, n) = (&self.a, self.n);
         let inf = a
             .chunks(n)
@@ -176,11 +176,13 @@ impl NewtonBackend for Iteration {
             .map(|j| (0..n).map(|i| a[i * n + j].abs() as f64).sum::<f64>())
             .fold(0.0, f64::max);
         let fro = a.iter().map(|&v| v as f64 * v as f64).sum::<f64>().sqrt();
-        Ok((inf, one, fro))
-    }
-
-    fn power(&mut self) -> Result<HostPower<'_>> {
-        Ok(HostPower::new(MatRef::new(&self.a, self.n, self.n)?))
+        let trace = (0..n).map(|i| a[i * n + i] as f64).sum();
+        Ok(ANorms {
+            inf,
+            one,
+            fro,
+            trace,
+        })
     }
 
     fn set_x(&mut self, start: Start) -> Result<()> {
@@ -401,56 +403,38 @@ fn symmetric_part(a: MatRef<'_, f32>) -> Result<(Vec<f32>, f32, f32)> {
 mod tests {
     use super::*;
 
-    /// A matrix whose top eigenvector is orthogonal to both power-iteration starts: the
-    /// estimate finds λ₂ = λ₁/1.5, c·λ₁ ≈ 2.7 > 2, the first run diverges and the restart
-    /// from the guaranteed bound converges.
+    /// A caller's `lambda_high` below `λ_max` (an unconverged power iteration): `c·λ_max > 2`,
+    /// the first run diverges and the restart from the guaranteed bound converges.
     #[test]
-    fn underestimated_lambda_max_restarts() {
+    fn underestimated_lambda_high_restarts() {
         let n = 40;
-        // The start of `spectral_norm` (norm.rs) and the pseudo-random one used here.
-        let golden: Vec<f64> = (0..n)
-            .map(|i| 1.0 + 0.5 * ((i as f64 * 0.618_033_988_749_895).fract() - 0.5))
-            .collect();
-        let starts = [golden, driver::pseudo_random_start(n)];
-        // v₁: e₀ − its projection on the two starts (Gram–Schmidt), normalized.
-        let mut basis: Vec<Vec<f64>> = Vec::new();
-        for s in starts {
-            let mut u = s;
-            for b in &basis {
-                let d: f64 = u.iter().zip(b).map(|(x, y)| x * y).sum();
-                u.iter_mut().zip(b).for_each(|(x, y)| *x -= d * y);
-            }
-            let norm = u.iter().map(|x| x * x).sum::<f64>().sqrt();
-            basis.push(u.into_iter().map(|x| x / norm).collect());
-        }
-        let mut v1: Vec<f64> = (0..n).map(|i| if i == 0 { 1.0 } else { 0.0 }).collect();
-        for b in &basis {
-            let d: f64 = v1.iter().zip(b).map(|(x, y)| x * y).sum();
-            v1.iter_mut().zip(b).for_each(|(x, y)| *x -= d * y);
-        }
-        let norm = v1.iter().map(|x| x * x).sum::<f64>().sqrt();
-        v1.iter_mut().for_each(|x| *x /= norm);
-        // A = 0.9·v₁v₁ᵀ + 0.6·(I − v₁v₁ᵀ): both starts lie in the 0.6-eigenspace, so the
-        // estimate is 0.6 (f32 rounding leaves v₁-components ~1e-8, which 20 power steps
-        // grow by only 1.5²⁰ ≈ 3e3).
+        // A = diag(0.6, …, 0.6, 0.9) with the estimate 0.4: c = 2/(1.1·0.4 + 0.44) ≈ 2.27, so
+        // E₀ has the eigenvalue 1 − 2.27·0.9 ≈ −1.05, which the cubic steps grow.
         let mut a = vec![0.0f32; n * n];
         for i in 0..n {
-            for j in 0..n {
-                let id = if i == j { 1.0 } else { 0.0 };
-                a[i * n + j] = (0.9 * v1[i] * v1[j] + 0.6 * (id - v1[i] * v1[j])) as f32;
-            }
+            a[i * n + i] = if i == n - 1 { 0.9 } else { 0.6 };
         }
-        let (x, info) = newton_inverse(
-            MatRef::new(&a, n, n).unwrap(),
-            None,
-            &NewtonOptions::default(),
-        )
-        .unwrap();
-        // The first run diverged (a residual above 1), the second converged: two X₀ entries.
-        assert!(info.residual_history.iter().any(|&r| r > 1.0));
+        let opts = NewtonOptions {
+            lambda_low: 0.6,
+            lambda_high: Some(0.4),
+            ..NewtonOptions::default()
+        };
+        let (x, info) = newton_inverse(MatRef::new(&a, n, n).unwrap(), None, &opts).unwrap();
+        // The first run diverged, the second converged: two X₀ entries.
         assert_eq!(info.residual_history.len(), info.iterations + 2);
         assert_eq!(info.init_used, InitialGuess::ScaledIdentity);
         assert!(info.residual <= 1e-4);
         assert_eq!(x.shape(), (n, n));
+        // Without the estimate the guaranteed bound converges in one run.
+        let (_, plain) = newton_inverse(
+            MatRef::new(&a, n, n).unwrap(),
+            None,
+            &NewtonOptions {
+                lambda_high: None,
+                ..opts
+            },
+        )
+        .unwrap();
+        assert_eq!(plain.residual_history.len(), plain.iterations + 1);
     }
 }

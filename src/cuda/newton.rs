@@ -28,7 +28,7 @@ use super::launch::{kernel, launch, KernelArgs, LaunchConfig};
 use super::precond::{split3_into, to_i32};
 use crate::device::{Device, Matrix};
 use crate::error::{check_len, check_shape, Error, Result};
-use crate::iteration::{self as driver, check_symmetric, NewtonBackend, PowerStep, Start};
+use crate::iteration::{self as driver, check_symmetric, ANorms, NewtonBackend, PowerStep, Start};
 use crate::params::newton::{InitialGuess, NewtonInfo, NewtonOptions, NewtonOrder, Precision};
 use crate::params::power::{PowerInfo, PowerOptions};
 use half::bf16;
@@ -457,19 +457,19 @@ pub fn sym_stats(
     Ok(out)
 }
 
-/// `(‖m‖∞, ‖m‖₁, ‖m‖_F)` of an `n x n` matrix: `newton_abs_norms` (per-band maxima of the
-/// absolute row and column sums and the band's `Σ m²`, summed in double) and a read-back of
-/// `3·ceil(n/32)` floats.
+/// `‖m‖∞, ‖m‖₁, ‖m‖_F, tr m` of an `n x n` matrix: `newton_abs_norms` (per-band maxima of
+/// the absolute row and column sums, the band's `Σ m²` and diagonal sum, in double) and a
+/// read-back of `4·ceil(n/32)` floats.
 ///
 /// # Errors
 /// [`Error::Shape`] unless square, [`Error::Value`] for `n` out of range, launch errors.
-pub fn abs_norms(dev: &Device, m: &Matrix) -> Result<(f64, f64, f64)> {
+pub(crate) fn abs_norms(dev: &Device, m: &Matrix) -> Result<ANorms> {
     const OP: &str = "cuda::newton::abs_norms";
     let n = m.rows();
     check_shape(OP, "m", m.shape(), (n, n))?;
     let ni = dim(OP, n)?;
     let bands = n.div_ceil(32);
-    let mut part: Matrix = dev.zeros(3 * bands, 1)?;
+    let mut part: Matrix = dev.zeros(4 * bands, 1)?;
     let cfg = LaunchConfig {
         grid: (bands as u32, 1, 1),
         block: (32, 8, 1),
@@ -478,16 +478,23 @@ pub fn abs_norms(dev: &Device, m: &Matrix) -> Result<(f64, f64, f64)> {
     let mut args = KernelArgs::new(dev);
     args.input(OP, m)?.scalar(ni).output(OP, &mut part)?;
     // SAFETY: newton_abs_norms(const float* m, int n, float* partial): m is n x n, read at
-    // indices < n²; block b of the ceil(n/32) grid writes partial[3b..3b+3).
+    // indices < n²; block b of the ceil(n/32) grid writes partial[4b..4b+4).
     unsafe { launch(&ABS_NORMS, cfg, args) }?;
     let v = part.to_vec()?;
-    let (mut inf, mut one, mut sq) = (0.0f64, 0.0f64, 0.0f64);
-    for p in v.chunks_exact(3) {
-        inf = inf.max(p[0] as f64);
-        one = one.max(p[1] as f64);
-        sq += p[2] as f64;
+    let mut norms = ANorms {
+        inf: 0.0,
+        one: 0.0,
+        fro: 0.0,
+        trace: 0.0,
+    };
+    for p in v.chunks_exact(4) {
+        norms.inf = norms.inf.max(p[0] as f64);
+        norms.one = norms.one.max(p[1] as f64);
+        norms.fro += p[2] as f64;
+        norms.trace += p[3] as f64;
     }
-    Ok((inf, one, sq.sqrt()))
+    norms.fro = norms.fro.sqrt();
+    Ok(norms)
 }
 
 /// `x ← f32(alpha·a)` (with `a = Some`) or `x ← c·I`, plus the bf16 copy when `x_bf` is given.
@@ -760,21 +767,12 @@ impl<'d> Work<'d> {
 impl NewtonBackend for Work<'_> {
     const OP: &'static str = "Device::newton_inverse";
     type Out = Matrix;
-    type Power<'p>
-        = DevicePower<'p>
-    where
-        Self: 'p;
-
     fn n(&self) -> usize {
         self.n
     }
 
-    fn a_norms(&mut self) -> Result<(f64, f64, f64)> {
+    fn a_norms(&mut self) -> Result<ANorms> {
         abs_norms(self.dev, &self.a)
-    }
-
-    fn power(&mut self) -> Result<DevicePower<'_>> {
-        DevicePower::new(self.dev, &self.a)
     }
 
     /// Into the current buffer (and its bf16 copy).
@@ -795,8 +793,8 @@ impl NewtonBackend for Work<'_> {
     }
 
     fn e_norms(&mut self) -> Result<(f64, f64)> {
-        let (inf, one, _) = abs_norms(self.dev, &self.e)?;
-        Ok((inf, one))
+        let e = abs_norms(self.dev, &self.e)?;
+        Ok((e.inf, e.one))
     }
 
     fn mark_best(&mut self) {

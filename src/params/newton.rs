@@ -69,6 +69,12 @@ pub struct NewtonOptions {
     /// `Λ + λI`: the damping `λ`), used by [`InitialGuess::ScaledIdentity`]. Any value is safe;
     /// a tight one saves iterations. Default `0`.
     pub lambda_low: f32,
+    /// An estimate `> 0` of the largest eigenvalue of `A` already at hand (for a damped factor
+    /// `Λ + λI` whose `‖Λ‖₂` was computed: `‖Λ‖₂ + λ`), used by
+    /// [`InitialGuess::ScaledIdentity`] when below the guaranteed bound from `A`'s norms. An
+    /// underestimate that makes the iteration diverge is retried once from the bound. Default
+    /// `None`: the bound alone (`min(‖A‖∞, Wolkowicz–Styan)`, one pass, no power iteration).
+    pub lambda_high: Option<f32>,
     /// After a [`Precision::Bf16`] run, one `f32` quadratic step from the best iterate (which
     /// squares its residual), kept only if it lowers the residual. Ignored in `F32` mode.
     /// Default `true`.
@@ -84,13 +90,15 @@ impl Default for NewtonOptions {
             tol: 1e-4,
             max_iter: 100,
             lambda_low: 0.0,
+            lambda_high: None,
             polish: true,
         }
     }
 }
 
 impl NewtonOptions {
-    /// `Err(Error::Value)` unless `tol` is finite and `> 0` and `lambda_low` finite and `≥ 0`.
+    /// `Err(Error::Value)` unless `tol` is finite and `> 0`, `lambda_low` finite and `≥ 0`,
+    /// and `lambda_high` (when given) finite and `> 0`.
     pub fn validate(&self, op: &'static str) -> Result<()> {
         check_value(op, "tol", self.tol as f64, self.tol > 0.0, "tol > 0")?;
         check_value(
@@ -99,7 +107,11 @@ impl NewtonOptions {
             self.lambda_low as f64,
             self.lambda_low >= 0.0,
             "lambda_low >= 0",
-        )
+        )?;
+        if let Some(h) = self.lambda_high {
+            check_value(op, "lambda_high", h as f64, h > 0.0, "lambda_high > 0")?;
+        }
+        Ok(())
     }
 }
 

@@ -107,7 +107,7 @@ pub struct KronConfig {
     /// Inversion method. Default [`InverseMethod::Auto`]: Cholesky on the CPU, cubic Newton
     /// from the warm start (scaled identity on the first refresh, tolerance `1e-4`) on a GPU.
     pub inverse: InverseMethod,
-    /// Power iteration for the spectral norms (RING's damping and the lazy-update test).
+    /// Power iteration for RING's factor norms `‖Λ‖₂`, `‖Γ‖₂` (its damping; Newton's `λ_max`).
     pub power: PowerOptions,
     /// RENG's gradient-regularization coefficient `c ≥ 0` (SPEC §6: 0.001–0.1; default 0.01
     /// for RENG, 0 otherwise). Informational for the optimizer: the trainer computes

@@ -68,20 +68,31 @@ impl Ctx<'_> {
         Ok(info.value)
     }
 
-    /// A fresh inverse of `factor + damping·I` with its norm estimate (see [`Ctx::invert`]).
+    /// A fresh inverse of `factor + damping·I` and its norm bound. `norm`: `‖factor‖₂` when
+    /// already computed (RING's damping), handed to Newton as its `λ_max` estimate.
+    ///
+    /// `‖X‖₂` is not measured: the factor is PSD (an EMA of Gram matrices), so the damped
+    /// factor's smallest eigenvalue is at least its damping `λ` and `‖(F + λI)⁻¹‖₂ ≤ 1/λ`,
+    /// with equality when `F` is singular — the usual case, since `F` has rank at most the
+    /// number of rows seen. `X` carries the inverse's residual `r`, which moves its norm by
+    /// `‖I − AX‖₂ ≤ √n·r` relative (`≤ 1e-2` at the default tolerance and `n ≤ 1e4`). The
+    /// lazy-update test `|dλ|·‖X‖₂ ≤ 1/2` thus reads `|dλ| ≤ λ/2` — conservative by the
+    /// factor `λ_min(F + λI)/λ` where the bound is loose — and needs no power iteration on
+    /// `X`, whose top eigenvalues (`1/(λ + λ_i)` for the near-zero `λ_i` of `F`) cluster, so
+    /// its Rayleigh quotient converged slowly (RING's hit the budget at every refresh).
     pub fn inverse(
         &self,
         factor: &Matrix,
         damping: f32,
+        norm: Option<f32>,
         warm: Option<&Matrix>,
         c: &mut KronCounters,
     ) -> Result<InverseUpdate> {
-        let (inverse, damping) = self.invert(factor, damping, warm, c)?;
-        let inverse_norm = self.spectral_norm(&inverse, c)?;
+        let (inverse, damping) = self.invert(factor, damping, norm, warm, c)?;
         Ok(InverseUpdate {
             inverse,
             damping,
-            inverse_norm,
+            inverse_norm: 1.0 / damping,
         })
     }
 
@@ -92,6 +103,7 @@ impl Ctx<'_> {
         &self,
         factor: &Matrix,
         damping: f32,
+        norm: Option<f32>,
         warm: Option<&Matrix>,
         c: &mut KronCounters,
     ) -> Result<(Matrix, f32)> {
@@ -115,8 +127,10 @@ impl Ctx<'_> {
         };
         for lambda in [damping, NEWTON_RETRY_DAMPING * damping] {
             let mut o = opts;
-            // F is PSD, so λ bounds the spectrum of F + λI from below.
+            // F is PSD, so λ bounds the spectrum of F + λI from below, and ‖F‖₂ + λ is its
+            // largest eigenvalue.
             o.lambda_low = o.lambda_low.max(lambda);
+            o.lambda_high = norm.map(|f| f + lambda);
             match self.device.newton_inverse(&damped(lambda)?, warm, &o) {
                 Ok((x, info)) => {
                     if lambda == damping {
@@ -164,9 +178,14 @@ impl Ctx<'_> {
             }));
         }
         c.lazy_recomputes += 1;
-        self.inverse(&s.factor, target, Some(&s.inverse), c)
+        self.inverse(&s.factor, target, known_norm(s.norm), Some(&s.inverse), c)
             .map(Some)
     }
+}
+
+/// `‖F‖₂` as stored in a factor state: RENG and NGD store `0` (never computed).
+pub(super) fn known_norm(norm: f32) -> Option<f32> {
+    (norm > 0.0).then_some(norm)
 }
 
 /// A new inverse for one factor: replaces `inverse`, `damping` and `inverse_norm` of its

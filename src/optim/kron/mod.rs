@@ -44,7 +44,7 @@ pub use damping::levenberg_marquardt;
 pub use state::{KronCounters, KronFactorState, KronLayerState, KronState, KronStepInfo};
 
 use self::damping::{factor_dampings, FactorScalars};
-use self::layer::{Ctx, InverseUpdate};
+use self::layer::{known_norm, Ctx, InverseUpdate};
 use super::{KronStats, StatsView};
 use crate::device::{Device, Matrix};
 use crate::error::{check_shape, check_value, Error, Result};
@@ -496,8 +496,20 @@ impl KronOptimizer {
             let (fl, sl) = ctx.factor(s.a.view(), old.map(|o| &o.lambda.factor), c)?;
             let (fg, sg) = ctx.factor(s.e.view(), old.map(|o| &o.gamma.factor), c)?;
             let (dl, dg) = factor_dampings(&self.config, rho, sl, sg);
-            let il = ctx.inverse(&fl, dl, old.map(|o| &o.lambda.inverse), c)?;
-            let ig = ctx.inverse(&fg, dg, old.map(|o| &o.gamma.inverse), c)?;
+            let il = ctx.inverse(
+                &fl,
+                dl,
+                known_norm(sl.norm),
+                old.map(|o| &o.lambda.inverse),
+                c,
+            )?;
+            let ig = ctx.inverse(
+                &fg,
+                dg,
+                known_norm(sg.norm),
+                old.map(|o| &o.gamma.inverse),
+                c,
+            )?;
             layers.push(KronLayerState {
                 lambda: il.with_factor(fl, sl),
                 gamma: ig.with_factor(fg, sg),

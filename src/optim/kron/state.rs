@@ -16,9 +16,10 @@ pub struct KronFactorState {
     /// The damping `X` corresponds to (after first-order updates: the damping they moved it
     /// to). Differs from the current target only after a Newton retry with more damping.
     pub damping: f32,
-    /// Estimate of `‖X‖₂`: a power iteration when `X` is formed, then carried through each
-    /// first-order update exactly (`μ ← μ − dλ·μ²` maps the largest eigenvalue of `X` to the
-    /// largest eigenvalue of `X − dλ·X²` while `dλ·μ ≤ 1/2`).
+    /// Bound on `‖X‖₂`: `1/damping` when `X` is formed (`F` is PSD, so the damped factor's
+    /// eigenvalues are at least the damping), then carried through each first-order update
+    /// (`μ ← μ − dλ·μ²` maps the largest eigenvalue of `X` to the largest eigenvalue of
+    /// `X − dλ·X²` while `dλ·μ ≤ 1/2`, and stays at most `1/(damping + dλ)`).
     pub inverse_norm: f32,
     /// `‖F‖₂` at the last refresh (RING's damping; `0` for RENG and NGD, which never read it).
     pub norm: f32,
