@@ -433,14 +433,14 @@ impl Device {
         let count =
             |arg: &'static str, got: usize| check_shape(op, arg, (got, 1), (st.shapes.len(), 1));
         count("params", params.len())?;
-        count("grads", grads.len())?;
+        count("grad", grads.len())?;
         if let Some(gh) = sampled {
-            count("hess.sampled_grads", gh.len())?;
+            count("hess.sampled_grad", gh.len())?;
         }
         check_shape(op, "state", (st.state.len(), 1), (upd.arrays(), 1))?;
         for (t, &shape) in st.shapes.iter().enumerate() {
-            let mut each = vec![("params", &*params[t]), ("grads", grads[t])];
-            each.extend(sampled.map(|gh| ("hess.sampled_grads", gh[t])));
+            let mut each = vec![("params", &*params[t]), ("grad", grads[t])];
+            each.extend(sampled.map(|gh| ("hess.sampled_grad", gh[t])));
             for (arg, m) in each {
                 self.check_on(op, m)?;
                 check_shape(op, arg, m.shape(), shape)?;

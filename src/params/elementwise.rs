@@ -212,7 +212,7 @@ impl MultiUpdate {
         match self {
             MultiUpdate::Sgd(_) => [
                 "params",
-                "grads",
+                "grad",
                 "momentum_buf",
                 "",
                 "",
@@ -223,7 +223,7 @@ impl MultiUpdate {
             ],
             MultiUpdate::AdamW(_) => [
                 "params",
-                "grads",
+                "grad",
                 "m",
                 "v",
                 "",
@@ -234,10 +234,10 @@ impl MultiUpdate {
             ],
             MultiUpdate::Sophia(..) => [
                 "params",
-                "grads",
+                "grad",
                 "m",
                 "h",
-                "hess.sampled_grads",
+                "hess.sampled_grad",
                 "h",
                 "params (overflow)",
                 "m (overflow)",
