@@ -457,3 +457,221 @@ GRNG_UNROLL
 }
 GRNG_EMU_ENTRY(elementwise_hessian_ema, (const float*, const float*, float*, float, float, float,
                                          int, int*))
+
+// ---------------------------------------------------------------------------------------
+// Multi-tensor updates: one launch steps every parameter tensor of a model (PyTorch's
+// multi_tensor_apply, with a searched item table instead of a chunk list).
+//
+// `table` holds EW_ENTRY 32-bit words per tensor t (see `MultiTable` in
+// src/cuda/elementwise.rs): the addresses of its params p, gradient g, output params po and
+// Hessian sample gh (64-bit, low word first; gh unused unless the kernel refreshes h), its
+// length n, the offset of its segment in the flat state arrays (a multiple of 4 elements, so
+// a float4 of one tensor's state never straddles two tensors), the index of its first float4
+// item among all tensors' items and the flat position of its first element (the prefix sum
+// of the lengths, what the status records). Thread k of the grid-stride loop finds the tensor
+// of item k by binary search (log2 T cached loads, negligible against the 28-32 bytes per
+// element the updates move); an item is 4 elements of one tensor: float4 loads and stores
+// when all its pointers are 16-byte aligned and it is whole, scalar otherwise (tails,
+// misaligned tensors). Empty tensors have no item.
+//
+// The status (EW_MSLOTS ints preset to EW_NONE) records, per slot, the first flat position of
+// a NaN/Inf in: 0 params, 1 grad, 2 state s0, 3 state s1, 4 Hessian sample; 5 the first
+// s1 < 0 (AdamW's v, Sophia's h); 6, 7, 8 the first non-finite OUTPUT po, s0', s1' (an
+// overflow from finite inputs). Outputs go to separate buffers the host swaps in only when
+// every slot is clean, so a failed step changes nothing, and a clean step costs one pass and
+// one 36-byte read-back.
+
+#define EW_ENTRY 12
+#define EW_MSLOTS 9
+
+__device__ __forceinline__ const float* ew_entry_ptr(const unsigned* e, int k) {
+    const unsigned long long a =
+        static_cast<unsigned long long>(e[2 * k]) |
+        (static_cast<unsigned long long>(e[2 * k + 1]) << 32);
+    return reinterpret_cast<const float*>(a);
+}
+
+// The tensor holding float4 item k: the last t with item_begin(t) <= k (empty tensors share
+// their successor's item_begin and are skipped).
+__device__ __forceinline__ int ew_find_tensor(const unsigned* table, int ntensors, int k) {
+    int lo = 0, hi = ntensors - 1;
+    while (lo < hi) {
+        const int mid = (lo + hi + 1) >> 1;
+        if (static_cast<int>(table[EW_ENTRY * mid + 10]) <= k)
+            lo = mid;
+        else
+            hi = mid - 1;
+    }
+    return lo;
+}
+
+// First flat position per status slot, per thread (positions grow along a thread's items).
+struct EwFirst {
+    int a[EW_MSLOTS];
+    __device__ __forceinline__ EwFirst() {
+GRNG_UNROLL
+        for (int s = 0; s < EW_MSLOTS; ++s) a[s] = EW_NONE;
+    }
+    __device__ __forceinline__ void note(int slot, float v, int pos) {
+        if (!isfinite(v) && a[slot] == EW_NONE) a[slot] = pos;
+    }
+    __device__ __forceinline__ void note_negative(int slot, float v, int pos) {
+        if (v < 0.0f && a[slot] == EW_NONE) a[slot] = pos;
+    }
+    // Warp minimum, then one atomicMin per warp and slot that saw a bad value. Every lane of
+    // the warp must call it.
+    __device__ __forceinline__ void flush(int* status) const {
+GRNG_UNROLL
+        for (int s = 0; s < EW_MSLOTS; ++s) {
+            const int m = __reduce_min_sync(GRNG_FULL_MASK, a[s]);
+            if ((threadIdx.x & 31) == 0 && m != EW_NONE) atomicMin(&status[s], m);
+        }
+    }
+};
+
+// The per-element steps of the multi-tensor kernels: `step(p, g, s0, s1, gh)` updates p and
+// the state in registers; TWO_STATE says whether s1 exists, sign1() whether s1 must be >= 0,
+// writes1() whether s1 is written back, reads_gh() whether the Hessian sample is read.
+struct EwMultiSgd {
+    EwSgd op;
+    static constexpr bool TWO_STATE = false;
+    __device__ __forceinline__ bool sign1() const { return false; }
+    __device__ __forceinline__ bool writes1() const { return false; }
+    __device__ __forceinline__ bool reads_gh() const { return false; }
+    __device__ __forceinline__ void step(float& p, float g, float& s0, float&, float) const {
+        op(p, g, s0);
+    }
+};
+
+struct EwMultiAdamW {
+    EwAdamW op;
+    static constexpr bool TWO_STATE = true;
+    __device__ __forceinline__ bool sign1() const { return true; }
+    __device__ __forceinline__ bool writes1() const { return true; }
+    __device__ __forceinline__ bool reads_gh() const { return false; }
+    __device__ __forceinline__ void step(float& p, float g, float& m, float& v, float) const {
+        op(p, g, m, v);
+    }
+};
+
+// Sophia with its Hessian EMA fused in: on a refresh step h' = EMA(h, gh) is written and the
+// update reads h' (what the separate EMA then update did, in one pass).
+struct EwMultiSophia {
+    EwSophia op;
+    EwHessianEma ema;
+    int refresh;
+    static constexpr bool TWO_STATE = true;
+    __device__ __forceinline__ bool sign1() const { return true; }
+    __device__ __forceinline__ bool writes1() const { return refresh != 0; }
+    __device__ __forceinline__ bool reads_gh() const { return refresh != 0; }
+    __device__ __forceinline__ void step(float& p, float g, float& m, float& h, float gh) const {
+        if (refresh) ema(h, gh);
+        op(p, g, m, h);
+    }
+};
+
+// One element at flat position pos: checks of the inputs, the step, checks of the outputs.
+template <class F>
+__device__ __forceinline__ void ew_multi_elem(const F& f, EwFirst& bad, int pos, float& p,
+                                              float g, float& s0, float& s1, float gh) {
+    bad.note(0, p, pos);
+    bad.note(1, g, pos);
+    bad.note(2, s0, pos);
+    if (F::TWO_STATE) {
+        bad.note(3, s1, pos);
+        if (f.sign1()) bad.note_negative(5, s1, pos);
+    }
+    if (f.reads_gh()) bad.note(4, gh, pos);
+    f.step(p, g, s0, s1, gh);
+    bad.note(6, p, pos);
+    bad.note(7, s0, pos);
+    if (f.writes1()) bad.note(8, s1, pos);
+}
+
+// The grid-stride loop over all tensors' float4 items shared by the multi-tensor kernels.
+// s1/o1 are unused (may be null) without TWO_STATE, o1 unless writes1().
+template <class F>
+__device__ __forceinline__ void ew_multi(const F& f, const unsigned* __restrict__ table,
+                                         int ntensors, int nitems, const float* __restrict__ s0,
+                                         const float* __restrict__ s1, float* __restrict__ o0,
+                                         float* __restrict__ o1, int* __restrict__ status) {
+    EwFirst bad;
+    const bool two = F::TWO_STATE, w1 = f.writes1(), rg = f.reads_gh();
+    for (int k = EW_TID; k < nitems; k += EW_STRIDE) {
+        const unsigned* e = table + EW_ENTRY * ew_find_tensor(table, ntensors, k);
+        const float* p = ew_entry_ptr(e, 0);
+        const float* g = ew_entry_ptr(e, 1);
+        float* po = const_cast<float*>(ew_entry_ptr(e, 2));
+        const float* gh = rg ? ew_entry_ptr(e, 3) : nullptr;
+        const int n = static_cast<int>(e[8]);
+        const int i0 = 4 * (k - static_cast<int>(e[10]));
+        const int si = static_cast<int>(e[9]) + i0;  // state index (segment starts at 4m)
+        const int pos = static_cast<int>(e[11]) + i0;
+        const int cnt = n - i0 < 4 ? n - i0 : 4;
+        const bool vec = cnt == 4 && ew_aligned16(p + i0, g + i0, po + i0, s0 + si) &&
+                         ew_aligned16(o0 + si, two ? s1 + si : s0 + si, w1 ? o1 + si : o0 + si,
+                                      rg ? gh + i0 : p + i0);
+        if (vec) {
+            float4 P = *reinterpret_cast<const float4*>(p + i0);
+            const float4 G = *reinterpret_cast<const float4*>(g + i0);
+            float4 S0 = *reinterpret_cast<const float4*>(s0 + si);
+            float4 S1 = two ? *reinterpret_cast<const float4*>(s1 + si) : float4{};
+            const float4 GH = rg ? *reinterpret_cast<const float4*>(gh + i0) : float4{};
+            ew_multi_elem(f, bad, pos, P.x, G.x, S0.x, S1.x, GH.x);
+            ew_multi_elem(f, bad, pos + 1, P.y, G.y, S0.y, S1.y, GH.y);
+            ew_multi_elem(f, bad, pos + 2, P.z, G.z, S0.z, S1.z, GH.z);
+            ew_multi_elem(f, bad, pos + 3, P.w, G.w, S0.w, S1.w, GH.w);
+            *reinterpret_cast<float4*>(po + i0) = P;
+            *reinterpret_cast<float4*>(o0 + si) = S0;
+            if (w1) *reinterpret_cast<float4*>(o1 + si) = S1;
+        } else {
+            for (int j = 0; j < cnt; ++j) {
+                float P = p[i0 + j], S0 = s0[si + j], S1 = two ? s1[si + j] : 0.0f;
+                ew_multi_elem(f, bad, pos + j, P, g[i0 + j], S0, S1, rg ? gh[i0 + j] : 0.0f);
+                po[i0 + j] = P;
+                o0[si + j] = S0;
+                if (w1) o1[si + j] = S1;
+            }
+        }
+    }
+    bad.flush(status);
+}
+
+// SGD over all tensors: state s0 = momentum buffer b.
+extern "C" __global__ void elementwise_multi_sgd(const unsigned* __restrict__ table, int ntensors,
+                                                 int nitems, const float* __restrict__ b,
+                                                 float* __restrict__ bo, float lr, float mu,
+                                                 float lrwd, int* __restrict__ status) {
+    const EwMultiSgd f{EwSgd{lr, mu, lrwd}};
+    ew_multi(f, table, ntensors, nitems, b, nullptr, bo, nullptr, status);
+}
+GRNG_EMU_ENTRY(elementwise_multi_sgd, (const unsigned*, int, int, const float*, float*, float,
+                                       float, float, int*))
+
+// AdamW over all tensors: state s0 = m, s1 = v.
+extern "C" __global__ void elementwise_multi_adamw(
+    const unsigned* __restrict__ table, int ntensors, int nitems, const float* __restrict__ m,
+    const float* __restrict__ v, float* __restrict__ mo, float* __restrict__ vo, float lr,
+    float b1, float omb1, float b2, float omb2, float eps, float lrwd, float bc1, float bc2,
+    int* __restrict__ status) {
+    const EwMultiAdamW f{EwAdamW{lr, b1, omb1, b2, omb2, eps, lrwd, bc1, bc2}};
+    ew_multi(f, table, ntensors, nitems, m, v, mo, vo, status);
+}
+GRNG_EMU_ENTRY(elementwise_multi_adamw, (const unsigned*, int, int, const float*, const float*,
+                                         float*, float*, float, float, float, float, float, float,
+                                         float, float, float, int*))
+
+// Sophia over all tensors: state s0 = m, s1 = h; with refresh != 0 the Hessian EMA of h with
+// the tables' samples gh (β₂, batch size bs) is fused in and h' written to ho.
+extern "C" __global__ void elementwise_multi_sophia(
+    const unsigned* __restrict__ table, int ntensors, int nitems, const float* __restrict__ m,
+    const float* __restrict__ h, float* __restrict__ mo, float* __restrict__ ho, float lr,
+    float b1, float omb1, float gamma, float eps, float lrwd, int refresh, float b2, float omb2,
+    float bs, int* __restrict__ status) {
+    const EwMultiSophia f{EwSophia{lr, b1, omb1, gamma, eps, lrwd}, EwHessianEma{b2, omb2, bs},
+                          refresh};
+    ew_multi(f, table, ntensors, nitems, m, h, mo, ho, status);
+}
+GRNG_EMU_ENTRY(elementwise_multi_sophia, (const unsigned*, int, int, const float*, const float*,
+                                          float*, float*, float, float, float, float, float,
+                                          float, int, float, float, float, int*))

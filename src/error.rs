@@ -26,6 +26,19 @@ pub enum Error {
         index: usize,
         value: f32,
     },
+    /// An argument of a multi-tensor op (a list of tensors, or a state array laid out over
+    /// them) holds NaN or ±Inf: `arg` of tensor `tensor` (0-based, in the list's order) at
+    /// flat index `index` inside that tensor.
+    #[error(
+        "{op}: `{arg}` of tensor {tensor} holds a non-finite value ({value}) at flat index {index}"
+    )]
+    NonFiniteTensor {
+        op: &'static str,
+        arg: &'static str,
+        tensor: usize,
+        index: usize,
+        value: f32,
+    },
     /// A hyperparameter or scalar argument is outside its valid range.
     #[error("{op}: `{arg}` = {value} is invalid, expected {expected}")]
     Value {

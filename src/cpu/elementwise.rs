@@ -13,7 +13,9 @@
 use rayon::prelude::*;
 
 use crate::error::{check_finite, check_len, check_value, Result};
-use crate::params::elementwise::{check_beta, AdamWCoeffs, SgdCoeffs, SophiaCoeffs};
+use crate::params::elementwise::{
+    check_beta, AdamWCoeffs, MultiLayout, MultiUpdate, SgdCoeffs, SophiaCoeffs,
+};
 
 /// Elements per rayon work item (64 KiB of `f32`: large enough to amortize scheduling).
 pub const CHUNK: usize = 1 << 14;
@@ -169,12 +171,9 @@ pub fn sgd_update(
     check_finite(OP, "params", params)?;
     check_finite(OP, "grad", grad)?;
     check_finite(OP, "momentum_buf", momentum_buf)?;
-    let (lr, mu, wd) = (c.lr, c.momentum, c.weight_decay);
     let f = |p: &mut [f32], g: &[f32], b: &mut [f32]| {
         for ((p, &g), b) in p.iter_mut().zip(g).zip(b.iter_mut()) {
-            let bi = mu * *b + g;
-            *b = bi;
-            *p = *p - lr * wd * *p - lr * bi;
+            sgd_elem(c, p, g, b);
         }
     };
     if n < PAR_MIN {
@@ -224,15 +223,10 @@ pub fn adamw_update(
     check_finite(OP, "m", m)?;
     check_finite(OP, "v", v)?;
     check_nonnegative(OP, "v", v)?;
-    let (bc1, bc2) = c.bias_corrections();
-    let (lr, b1, b2, eps, wd) = (c.lr, c.beta1, c.beta2, c.eps, c.weight_decay);
+    let bc = c.bias_corrections();
     let f = |p: &mut [f32], g: &[f32], m: &mut [f32], v: &mut [f32]| {
         for (((p, &g), m), v) in p.iter_mut().zip(g).zip(m.iter_mut()).zip(v.iter_mut()) {
-            let mi = b1 * *m + (1.0 - b1) * g;
-            let vi = b2 * *v + (1.0 - b2) * (g * g);
-            *m = mi;
-            *v = vi;
-            *p = *p - lr * wd * *p - lr * (mi / bc1) / ((vi / bc2).sqrt() + eps);
+            adamw_elem(c, bc, p, g, m, v);
         }
     };
     if n < PAR_MIN {
@@ -281,13 +275,9 @@ pub fn sophia_update(
     check_finite(OP, "m", m)?;
     check_finite(OP, "h", h)?;
     check_nonnegative(OP, "h", h)?;
-    let (lr, b1, gamma, eps, wd) = (c.lr, c.beta1, c.gamma, c.eps, c.weight_decay);
     let f = |p: &mut [f32], g: &[f32], m: &mut [f32], h: &[f32]| {
         for (((p, &g), m), &h) in p.iter_mut().zip(g).zip(m.iter_mut()).zip(h) {
-            let mi = b1 * *m + (1.0 - b1) * g;
-            *m = mi;
-            let ratio = (mi / (gamma * h).max(eps)).clamp(-1.0, 1.0);
-            *p = *p - lr * wd * *p - lr * ratio;
+            sophia_elem(c, p, g, m, h);
         }
     };
     if n < PAR_MIN {
@@ -327,13 +317,45 @@ pub fn sophia_hessian_ema(
     check_finite(OP, "h", h)?;
     check_finite(OP, "sampled_grad", sampled_grad)?;
     check_nonnegative(OP, "h", h)?;
-    let bs = batch as f32;
     zip2(h, sampled_grad, |h, g| {
         for (h, &g) in h.iter_mut().zip(g) {
-            *h = beta2 * *h + (1.0 - beta2) * (bs * g * g);
+            hessian_ema_elem(beta2, batch, h, g);
         }
     });
     Ok(())
+}
+
+// The per-element formulas of the fused updates (shared by the one- and multi-tensor paths;
+// the kernels' Ew* functors are their 1:1 transcriptions).
+
+#[inline(always)]
+fn sgd_elem(c: &SgdCoeffs, p: &mut f32, g: f32, b: &mut f32) {
+    let bi = c.momentum * *b + g;
+    *b = bi;
+    *p = *p - c.lr * c.weight_decay * *p - c.lr * bi;
+}
+
+/// `bc` = [`AdamWCoeffs::bias_corrections`], computed once per call.
+#[inline(always)]
+fn adamw_elem(c: &AdamWCoeffs, bc: (f32, f32), p: &mut f32, g: f32, m: &mut f32, v: &mut f32) {
+    let mi = c.beta1 * *m + (1.0 - c.beta1) * g;
+    let vi = c.beta2 * *v + (1.0 - c.beta2) * (g * g);
+    *m = mi;
+    *v = vi;
+    *p = *p - c.lr * c.weight_decay * *p - c.lr * (mi / bc.0) / ((vi / bc.1).sqrt() + c.eps);
+}
+
+#[inline(always)]
+fn sophia_elem(c: &SophiaCoeffs, p: &mut f32, g: f32, m: &mut f32, h: f32) {
+    let mi = c.beta1 * *m + (1.0 - c.beta1) * g;
+    *m = mi;
+    let ratio = (mi / (c.gamma * h).max(c.eps)).clamp(-1.0, 1.0);
+    *p = *p - c.lr * c.weight_decay * *p - c.lr * ratio;
+}
+
+#[inline(always)]
+fn hessian_ema_elem(beta2: f32, batch: usize, h: &mut f32, g: f32) {
+    *h = beta2 * *h + (1.0 - beta2) * (batch as f32 * g * g);
 }
 
 /// `Err(Error::Value)` naming the first negative entry of a quantity that must be `≥ 0`.
@@ -341,5 +363,152 @@ pub(crate) fn check_nonnegative(op: &'static str, arg: &'static str, xs: &[f32])
     match xs.iter().find(|v| **v < 0.0) {
         None => Ok(()),
         Some(&v) => check_value(op, arg, v as f64, false, "every entry >= 0"),
+    }
+}
+
+/// The host arrays of one multi-tensor update (layout [`MultiLayout`]): per tensor its
+/// params, gradient and (Sophia refresh) Hessian sample; the flat state arrays `s0` and
+/// (two-state updates) `s1`; the outputs `po` (per tensor), `o0` and, when the update writes
+/// `s1`, `o1` (flat, same layout).
+pub(crate) struct MultiHost<'a> {
+    pub params: Vec<&'a [f32]>,
+    pub grads: Vec<&'a [f32]>,
+    pub sampled: Option<Vec<&'a [f32]>>,
+    pub s0: &'a [f32],
+    pub s1: Option<&'a [f32]>,
+    pub po: Vec<&'a mut [f32]>,
+    pub o0: &'a mut [f32],
+    pub o1: Option<&'a mut [f32]>,
+}
+
+/// The first `(flat position, value)` over all tensors where `bad` holds, tensor `t` read
+/// from `array(t)`.
+fn first_where<'a>(
+    layout: &MultiLayout,
+    array: impl Fn(usize) -> &'a [f32],
+    bad: impl Fn(f32) -> bool,
+) -> Option<(usize, f32)> {
+    (0..layout.lens().len()).find_map(|t| {
+        let xs = array(t);
+        xs.iter()
+            .position(|&v| bad(v))
+            .map(|i| (layout.first(t) + i, xs[i]))
+    })
+}
+
+/// The segments of `buf` (a flat state array of `layout`) as disjoint mutable slices.
+fn segments_mut<'a>(layout: &MultiLayout, mut buf: &'a mut [f32]) -> Vec<&'a mut [f32]> {
+    let mut out = Vec::with_capacity(layout.lens().len());
+    let mut at = 0;
+    for t in 0..layout.lens().len() {
+        let seg = layout.segment(t);
+        let (_, rest) = std::mem::take(&mut buf).split_at_mut(seg.start - at);
+        let (mine, rest) = rest.split_at_mut(seg.len());
+        out.push(mine);
+        buf = rest;
+        at = seg.end;
+    }
+    out
+}
+
+/// One multi-tensor update on the host, the CPU twin of the `elementwise_multi_*` kernels:
+/// validates in the kernels' status-slot order ([`MultiUpdate::error`]), computes every
+/// element into the outputs (rayon over chunks of [`CHUNK`] of all tensors) and rejects a
+/// non-finite result the same way. The inputs are never written; on error the outputs hold
+/// garbage the caller does not commit.
+pub(crate) fn multi_update(
+    op: &'static str,
+    layout: &MultiLayout,
+    upd: &MultiUpdate,
+    io: MultiHost<'_>,
+) -> Result<()> {
+    let MultiHost {
+        params,
+        grads,
+        sampled,
+        s0,
+        s1,
+        mut po,
+        o0,
+        o1,
+    } = io;
+    let nonfinite = |v: f32| !v.is_finite();
+    let found = [
+        first_where(layout, |t| params[t], nonfinite),
+        first_where(layout, |t| grads[t], nonfinite),
+        first_where(layout, |t| &s0[layout.segment(t)], nonfinite),
+        s1.and_then(|s1| first_where(layout, |t| &s1[layout.segment(t)], nonfinite)),
+        sampled
+            .as_ref()
+            .and_then(|gh| first_where(layout, |t| gh[t], nonfinite)),
+        s1.and_then(|s1| first_where(layout, |t| &s1[layout.segment(t)], |v| v < 0.0)),
+    ];
+    if let Some((slot, &Some((pos, value)))) = found.iter().enumerate().find(|(_, f)| f.is_some()) {
+        return Err(upd.error(op, layout, slot, pos, value));
+    }
+    let step = element_step(upd);
+    let mut o0s = segments_mut(layout, o0);
+    let mut o1s = o1.map(|o1| segments_mut(layout, o1));
+    // Work items: (tensor, first index, po chunk, o0 chunk, o1 chunk).
+    let mut items = Vec::new();
+    let o1t: Vec<Option<&mut [f32]>> = match o1s.as_mut() {
+        Some(o1s) => o1s.iter_mut().map(|s| Some(&mut **s)).collect(),
+        None => po.iter().map(|_| None).collect(),
+    };
+    for (t, ((p, o), o1)) in po.iter_mut().zip(o0s.iter_mut()).zip(o1t).enumerate() {
+        let mut o1c = o1.map(|o1| o1.chunks_mut(CHUNK));
+        for (c, (pc, oc)) in p.chunks_mut(CHUNK).zip(o.chunks_mut(CHUNK)).enumerate() {
+            items.push((t, c * CHUNK, pc, oc, o1c.as_mut().and_then(Iterator::next)));
+        }
+    }
+    let run = |(t, i0, pc, oc, o1c): (usize, usize, &mut [f32], &mut [f32], Option<&mut [f32]>)| {
+        let base = layout.segment(t).start + i0;
+        let (p, g) = (&params[t][i0..], &grads[t][i0..]);
+        let gh = sampled.as_ref().map(|gh| &gh[t][i0..]);
+        let mut o1c = o1c;
+        for j in 0..pc.len() {
+            let (mut pv, mut a) = (p[j], s0[base + j]);
+            let mut b = s1.map_or(0.0, |s1| s1[base + j]);
+            step(&mut pv, g[j], &mut a, &mut b, gh.map_or(0.0, |gh| gh[j]));
+            pc[j] = pv;
+            oc[j] = a;
+            if let Some(o1c) = o1c.as_deref_mut() {
+                o1c[j] = b;
+            }
+        }
+    };
+    if layout.total() < PAR_MIN {
+        items.into_iter().for_each(run);
+    } else {
+        items.into_par_iter().for_each(run);
+    }
+    let found = [
+        first_where(layout, |t| &*po[t], nonfinite),
+        first_where(layout, |t| &*o0s[t], nonfinite),
+        o1s.as_ref()
+            .and_then(|o1s| first_where(layout, |t| &*o1s[t], nonfinite)),
+    ];
+    match found.iter().enumerate().find(|(_, f)| f.is_some()) {
+        Some((k, &Some((pos, value)))) => Err(upd.error(op, layout, 6 + k, pos, value)),
+        _ => Ok(()),
+    }
+}
+
+/// The per-element step of `upd`: `(p, g, s0, s1, ĝ)` as the kernels' `EwMulti*` functors.
+fn element_step(upd: &MultiUpdate) -> impl Fn(&mut f32, f32, &mut f32, &mut f32, f32) + Sync {
+    let upd = *upd;
+    let bc = match &upd {
+        MultiUpdate::AdamW(c) => c.bias_corrections(),
+        _ => (1.0, 1.0),
+    };
+    move |p, g, s0, s1, gh| match &upd {
+        MultiUpdate::Sgd(c) => sgd_elem(c, p, g, s0),
+        MultiUpdate::AdamW(c) => adamw_elem(c, bc, p, g, s0, s1),
+        MultiUpdate::Sophia(c, refresh) => {
+            if let Some((beta2, batch)) = *refresh {
+                hessian_ema_elem(beta2, batch, s1, gh);
+            }
+            sophia_elem(c, p, g, s0, *s1);
+        }
     }
 }

@@ -20,7 +20,9 @@ use std::any::Any;
 
 use crate::device::{Device, Element, Matrix};
 use crate::error::{check_len, check_value, Error, Result};
-use crate::params::elementwise::{AdamWCoeffs, SgdCoeffs, SophiaCoeffs};
+use crate::params::elementwise::{
+    AdamWCoeffs, MultiLayout, MultiUpdate, SgdCoeffs, SophiaCoeffs, MULTI_SLOTS,
+};
 use half::bf16;
 
 kernel!(pub(crate) AXPY = ELEMENTWISE::elementwise_axpy;);
@@ -34,6 +36,9 @@ kernel!(pub(crate) SGD = ELEMENTWISE::elementwise_sgd;);
 kernel!(pub(crate) ADAMW = ELEMENTWISE::elementwise_adamw;);
 kernel!(pub(crate) SOPHIA = ELEMENTWISE::elementwise_sophia;);
 kernel!(pub(crate) HESSIAN_EMA = ELEMENTWISE::elementwise_hessian_ema;);
+kernel!(pub(crate) MULTI_SGD = ELEMENTWISE::elementwise_multi_sgd;);
+kernel!(pub(crate) MULTI_ADAMW = ELEMENTWISE::elementwise_multi_adamw;);
+kernel!(pub(crate) MULTI_SOPHIA = ELEMENTWISE::elementwise_multi_sophia;);
 
 /// Threads per block of every element-wise kernel.
 const BLOCK: u32 = 256;
@@ -582,4 +587,203 @@ pub(crate) fn sophia_hessian_ema(
         },
         |(h, _), [ho]| std::mem::swap(*h, ho),
     )
+}
+
+/// 32-bit words per tensor in a multi-tensor kernel's table (`EW_ENTRY`): the addresses of
+/// params, gradient, output params and Hessian sample (two words each, low first), then the
+/// length, the state segment's start, the first float4 item and the first flat position.
+const ENTRY: usize = 12;
+
+/// The buffers of one multi-tensor update on a kernel device (see
+/// [`crate::cpu::elementwise::MultiHost`] for their roles): `state` and `next` hold the flat
+/// state arrays and their ping-pong partners (one or two each), `spare` the output params.
+pub(crate) struct MultiDevice<'a> {
+    pub params: &'a [&'a Matrix],
+    pub grads: &'a [&'a Matrix],
+    pub sampled: Option<&'a [&'a Matrix]>,
+    pub state: &'a [Matrix],
+    pub next: &'a mut [Matrix],
+    pub spare: &'a mut [Matrix],
+}
+
+/// One multi-tensor update in ONE launch of `elementwise_multi_{sgd,adamw,sophia}` over every
+/// tensor, then one 36-byte status read-back (the only synchronization); on a clean status the
+/// outputs (`spare`, `next`) hold the step and the caller swaps them in, else the error the CPU
+/// backend reports ([`MultiUpdate::error`]). Nothing is written but the outputs.
+pub(crate) fn multi_update(
+    dev: &Device,
+    op: &'static str,
+    layout: &MultiLayout,
+    upd: &MultiUpdate,
+    bufs: MultiDevice<'_>,
+) -> Result<()> {
+    let MultiDevice {
+        params,
+        grads,
+        sampled,
+        state,
+        next,
+        spare,
+    } = bufs;
+    // Memory safety: the kernel reads and writes lens[t] elements of every per-tensor buffer
+    // and the whole state segments, and needs one entry per tensor.
+    let lens = layout.lens();
+    let count = |arg: &'static str, got: usize| check_len(op, arg, got, lens.len());
+    count("grads", grads.len())?;
+    count("params", params.len())?;
+    count("spare", spare.len())?;
+    let per_tensor = |arg: &'static str, ms: &[&Matrix]| -> Result<()> {
+        ms.iter()
+            .zip(lens)
+            .try_for_each(|(m, &n)| check_len(op, arg, m.len(), n))
+    };
+    per_tensor("params", params)?;
+    per_tensor("grads", grads)?;
+    if let Some(gh) = sampled {
+        count("sampled", gh.len())?;
+        per_tensor("sampled", gh)?;
+    }
+    for (m, &n) in spare.iter().zip(lens) {
+        check_len(op, "spare", m.len(), n)?;
+    }
+    let arrays = upd.arrays();
+    check_len(op, "state", state.len(), arrays)?;
+    check_len(op, "next", next.len(), arrays)?;
+    for m in state.iter().chain(next.iter()) {
+        check_len(op, "state", m.len(), layout.state_len())?;
+    }
+    let ntensors = to_i32(op, "params", lens.len())?;
+    to_i32(op, "params", layout.state_len())?;
+    let items: usize = lens.iter().map(|n| n.div_ceil(4)).sum();
+    let nitems = to_i32(op, "params", items)?;
+    if items == 0 {
+        return Ok(());
+    }
+
+    let table: Matrix;
+    let mut status = dev.upload(MULTI_SLOTS, 1, &[f32::from_bits(NONE as u32); MULTI_SLOTS])?;
+    let mut args = KernelArgs::new(dev);
+    let mut words = vec![0u32; ENTRY * lens.len()];
+    let mut item = 0usize;
+    for (t, ((e, p), po)) in words
+        .chunks_exact_mut(ENTRY)
+        .zip(params)
+        .zip(spare.iter_mut())
+        .enumerate()
+    {
+        let gh = match sampled {
+            Some(gh) => args.address(op, gh[t])?,
+            None => 0,
+        };
+        let addrs = [
+            args.address(op, *p)?,
+            args.address(op, grads[t])?,
+            args.address_mut(op, po)?,
+            gh,
+        ];
+        for (k, a) in addrs.iter().enumerate() {
+            e[2 * k] = *a as u32;
+            e[2 * k + 1] = (*a >> 32) as u32;
+        }
+        // Each below 2^31: lens[t] <= state_len and item, first(t) <= items, total.
+        e[8] = lens[t] as u32;
+        e[9] = layout.segment(t).start as u32;
+        e[10] = item as u32;
+        e[11] = layout.first(t) as u32;
+        item += lens[t].div_ceil(4);
+    }
+    let bits: Vec<f32> = words.into_iter().map(f32::from_bits).collect();
+    table = dev.upload(bits.len(), 1, &bits)?;
+    args.input(op, &table)?.scalar(ntensors).scalar(nitems);
+    let (next0, next1) = next.split_at_mut(1);
+    let cfg = stream_config(4 * items)?;
+    match upd {
+        MultiUpdate::Sgd(c) => {
+            args.input(op, &state[0])?
+                .output(op, &mut next0[0])?
+                .scalar(c.lr)
+                .scalar(c.momentum)
+                .scalar(c.lr * c.weight_decay)
+                .output(op, &mut status)?;
+            // SAFETY: elementwise_multi_sgd(const unsigned* table, int ntensors, int nitems,
+            // const float* b, float* bo, float lr, float mu, float lrwd, int* status): the
+            // table holds ENTRY words per tensor with the addresses of params, grads and
+            // spare, which hold lens[t] floats (checked above) and stay borrowed by `args`;
+            // b, bo hold state_len floats and each tensor's segment lies inside; items and
+            // positions are computed from `layout` as the kernel expects; status holds
+            // MULTI_SLOTS ints.
+            unsafe { launch(&MULTI_SGD, cfg, args)? };
+        }
+        MultiUpdate::AdamW(c) => {
+            let (bc1, bc2) = c.bias_corrections();
+            args.input(op, &state[0])?
+                .input(op, &state[1])?
+                .output(op, &mut next0[0])?
+                .output(op, &mut next1[0])?
+                .scalar(c.lr)
+                .scalar(c.beta1)
+                .scalar(1.0 - c.beta1)
+                .scalar(c.beta2)
+                .scalar(1.0 - c.beta2)
+                .scalar(c.eps)
+                .scalar(c.lr * c.weight_decay)
+                .scalar(bc1)
+                .scalar(bc2)
+                .output(op, &mut status)?;
+            // SAFETY: elementwise_multi_adamw(const unsigned* table, int ntensors, int nitems,
+            // const float* m, const float* v, float* mo, float* vo, float lr, float b1, float
+            // omb1, float b2, float omb2, float eps, float lrwd, float bc1, float bc2, int*
+            // status): as for SGD, with the four state buffers of state_len floats.
+            unsafe { launch(&MULTI_ADAMW, cfg, args)? };
+        }
+        MultiUpdate::Sophia(c, refresh) => {
+            let (beta2, batch) = refresh.unwrap_or((0.0, 1));
+            args.input(op, &state[0])?
+                .input(op, &state[1])?
+                .output(op, &mut next0[0])?
+                .output(op, &mut next1[0])?
+                .scalar(c.lr)
+                .scalar(c.beta1)
+                .scalar(1.0 - c.beta1)
+                .scalar(c.gamma)
+                .scalar(c.eps)
+                .scalar(c.lr * c.weight_decay)
+                .scalar(i32::from(refresh.is_some()))
+                .scalar(beta2)
+                .scalar(1.0 - beta2)
+                .scalar(batch as f32)
+                .output(op, &mut status)?;
+            // SAFETY: elementwise_multi_sophia(const unsigned* table, int ntensors, int
+            // nitems, const float* m, const float* h, float* mo, float* ho, float lr, float
+            // b1, float omb1, float gamma, float eps, float lrwd, int refresh, float b2, float
+            // omb2, float bs, int* status): as for AdamW; the sample addresses are read only
+            // when refresh != 0, and then every tensor has one of lens[t] floats (checked).
+            unsafe { launch(&MULTI_SOPHIA, cfg, args)? };
+        }
+    }
+    let s: Vec<i32> = status
+        .to_vec()?
+        .iter()
+        .map(|v| v.to_bits() as i32)
+        .collect();
+    let Some(slot) = s.iter().position(|&v| v != NONE) else {
+        return Ok(());
+    };
+    let pos = s[slot] as usize;
+    let (t, i) = layout.locate(pos);
+    let at_state = |m: &Matrix| -> Result<f32> { Ok(m.to_vec()?[layout.segment(t).start + i]) };
+    let value = match slot {
+        0 => params[t].to_vec()?[i],
+        1 => grads[t].to_vec()?[i],
+        2 => at_state(&state[0])?,
+        3 | 5 => at_state(&state[1])?,
+        4 => match sampled {
+            Some(gh) => gh[t].to_vec()?[i],
+            None => f32::NAN,
+        },
+        6 => spare[t].to_vec()?[i],
+        7 => at_state(&next0[0])?,
+        _ => at_state(&next1[0])?,
+    };
+    Err(upd.error(op, layout, slot, pos, value))
 }

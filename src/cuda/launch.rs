@@ -281,19 +281,7 @@ impl<'a> KernelArgs<'a> {
     /// Appends a `const T*` parameter: `m`'s first element (row-major, `m.len()` elements).
     /// Errors if `m` does not live on the launch's device.
     pub fn input<T: Element>(&mut self, op: &'static str, m: &'a Matrix<T>) -> Result<&mut Self> {
-        self.device.check_on(op, m)?;
-        let addr = match (self.device, &m.storage) {
-            (Device::Cpu | Device::Emulated, Storage::Host(v)) => {
-                self.host.push(host_buffer(v));
-                v.as_ptr() as u64
-            }
-            (Device::Cuda(d), Storage::Cuda(s)) => {
-                let (ptr, guard) = s.device_ptr(d.stream());
-                self.guards.push(guard);
-                ptr
-            }
-            _ => return Err(self.mismatch(op)),
-        };
+        let addr = self.address(op, m)?;
         self.slots.push(addr);
         Ok(self)
     }
@@ -305,21 +293,50 @@ impl<'a> KernelArgs<'a> {
         op: &'static str,
         m: &'a mut Matrix<T>,
     ) -> Result<&mut Self> {
+        let addr = self.address_mut(op, m)?;
+        self.slots.push(addr);
+        Ok(self)
+    }
+
+    /// The address of `m`'s first element for a pointer table the kernel reads (not a
+    /// parameter): `m` is borrowed and stream-ordered with the launch as an
+    /// [`KernelArgs::input`] is. Errors if `m` does not live on the launch's device.
+    pub fn address<T: Element>(&mut self, op: &'static str, m: &'a Matrix<T>) -> Result<u64> {
         self.device.check_on(op, m)?;
-        let addr = match (self.device, &mut m.storage) {
+        match (self.device, &m.storage) {
             (Device::Cpu | Device::Emulated, Storage::Host(v)) => {
                 self.host.push(host_buffer(v));
-                v.as_mut_ptr() as u64
+                Ok(v.as_ptr() as u64)
+            }
+            (Device::Cuda(d), Storage::Cuda(s)) => {
+                let (ptr, guard) = s.device_ptr(d.stream());
+                self.guards.push(guard);
+                Ok(ptr)
+            }
+            _ => Err(self.mismatch(op)),
+        }
+    }
+
+    /// [`KernelArgs::address`] of a buffer the kernel may write through the table, borrowed
+    /// exclusively as an [`KernelArgs::output`] is.
+    pub fn address_mut<T: Element>(
+        &mut self,
+        op: &'static str,
+        m: &'a mut Matrix<T>,
+    ) -> Result<u64> {
+        self.device.check_on(op, m)?;
+        match (self.device, &mut m.storage) {
+            (Device::Cpu | Device::Emulated, Storage::Host(v)) => {
+                self.host.push(host_buffer(v));
+                Ok(v.as_mut_ptr() as u64)
             }
             (Device::Cuda(d), Storage::Cuda(s)) => {
                 let (ptr, guard) = s.device_ptr_mut(d.stream());
                 self.guards.push(guard);
-                ptr
+                Ok(ptr)
             }
-            _ => return Err(self.mismatch(op)),
-        };
-        self.slots.push(addr);
-        Ok(self)
+            _ => Err(self.mismatch(op)),
+        }
     }
 
     fn mismatch(&self, op: &'static str) -> Error {
@@ -348,8 +365,9 @@ fn host_buffer<T>(v: &[T]) -> EmuBuffer {
 /// 1. `args` holds exactly the kernel's parameters, in order, with matching types
 ///    (`input`/`output` for `const T*`/`T*` of the same element type, `scalar` of the same
 ///    width and kind);
-/// 2. every access the kernel makes under `cfg` stays inside the buffers passed, and it
-///    writes only buffers passed through `output`;
+/// 2. every access the kernel makes under `cfg` stays inside the buffers passed (as
+///    parameters, or through a table of [`KernelArgs::address`]es), and it writes only buffers
+///    passed through `output` or `address_mut`;
 /// 3. `cfg.shared_mem` covers the kernel's `GRNG_DYN_SHARED` use.
 ///
 /// And for a kernel with an sm_90a variant ([`Kernel::sm90`]), which may run instead with the

@@ -15,8 +15,8 @@ use crate::cuda::elementwise as ew;
 use crate::device::{Device, Matrix};
 use crate::error::{check_shape, check_value, Error, Result};
 use crate::ops::{check_finite_scalar, finite_result, OVERFLOW};
-use crate::params::elementwise::check_beta;
-pub use crate::params::elementwise::{AdamWCoeffs, SgdCoeffs, SophiaCoeffs};
+use crate::params::elementwise::{check_beta, MultiUpdate};
+pub use crate::params::elementwise::{AdamWCoeffs, MultiLayout, SgdCoeffs, SophiaCoeffs};
 
 /// Host elements of a matrix already checked to live on a host device.
 fn host(m: &Matrix) -> Result<&[f32]> {
@@ -252,5 +252,247 @@ impl Device {
                 ew::sophia_hessian_ema(self, h, sampled_grad, beta2, batch)
             }
         })
+    }
+}
+
+/// The persistent device buffers of a multi-tensor first-order optimizer over tensors of fixed
+/// shapes: one or two flat state arrays laid out by [`MultiLayout`] (each tensor's segment
+/// 16-byte aligned), their ping-pong partners, and one spare per parameter tensor. A step
+/// writes its results into the partners and spares and, when the whole step is clean, swaps
+/// them in — the caller's parameter matrices included — so nothing is copied, nothing is
+/// zero-filled and nothing is allocated per step, and a failed step changes nothing.
+#[derive(Debug)]
+pub struct MultiState {
+    layout: MultiLayout,
+    shapes: Vec<(usize, usize)>,
+    state: Vec<Matrix>,
+    next: Vec<Matrix>,
+    spare: Vec<Matrix>,
+}
+
+impl MultiState {
+    /// Zero state (`arrays` flat arrays, 1 or 2) for tensors of `shapes` on `device`.
+    ///
+    /// # Errors
+    /// Device errors.
+    pub fn new(device: &Device, shapes: &[(usize, usize)], arrays: usize) -> Result<Self> {
+        let lens: Vec<usize> = shapes.iter().map(|&(r, c)| r * c).collect();
+        let layout = MultiLayout::new(&lens);
+        let flat = || device.zeros(layout.state_len(), 1);
+        Ok(Self {
+            state: (0..arrays).map(|_| flat()).collect::<Result<_>>()?,
+            next: (0..arrays).map(|_| flat()).collect::<Result<_>>()?,
+            spare: shapes
+                .iter()
+                .map(|&(r, c)| device.zeros(r, c))
+                .collect::<Result<_>>()?,
+            shapes: shapes.to_vec(),
+            layout,
+        })
+    }
+
+    /// Where each tensor's state lives in the flat arrays.
+    pub fn layout(&self) -> &MultiLayout {
+        &self.layout
+    }
+
+    /// The tensors' shapes, in order.
+    pub fn shapes(&self) -> &[(usize, usize)] {
+        &self.shapes
+    }
+
+    /// Flat state array `a` on the device (`layout().state_len() x 1`, padding included).
+    pub fn state(&self, a: usize) -> &Matrix {
+        &self.state[a]
+    }
+
+    /// State array `a` as the concatenation of the tensors' segments (no padding), on the
+    /// host: the checkpoint form.
+    ///
+    /// # Errors
+    /// Device errors.
+    pub fn to_host(&self, a: usize) -> Result<Vec<f32>> {
+        let flat = self.state[a].to_vec()?;
+        let mut out = Vec::new();
+        out.try_reserve_exact(self.layout.total())
+            .map_err(|_| Error::DeviceUnavailable("host allocation failed".into()))?;
+        for t in 0..self.shapes.len() {
+            out.extend_from_slice(&flat[self.layout.segment(t)]);
+        }
+        Ok(out)
+    }
+
+    /// Replaces state array `a` by `host`, the concatenation [`MultiState::to_host`] gives.
+    /// The caller validates the values.
+    ///
+    /// # Errors
+    /// [`Error::Shape`] unless `host` has `layout().total()` entries; device errors. Unchanged
+    /// on error.
+    pub fn load(&mut self, device: &Device, a: usize, host: &[f32]) -> Result<()> {
+        crate::error::check_len("MultiState::load", "state", host.len(), self.layout.total())?;
+        let mut flat = vec![0.0f32; self.layout.state_len()];
+        for t in 0..self.shapes.len() {
+            let seg = self.layout.segment(t);
+            let first = self.layout.first(t);
+            flat[seg.clone()].copy_from_slice(&host[first..first + seg.len()]);
+        }
+        self.state[a] = device.upload(flat.len(), 1, &flat)?;
+        Ok(())
+    }
+}
+
+/// The Hessian sample of a Sophia step over many tensors ([`Device::sophia_update_many`]).
+#[derive(Clone, Copy, Debug)]
+pub struct SophiaRefresh<'a> {
+    /// `ĝ` per tensor, shaped like the tensor: the mean gradient under labels sampled from
+    /// the model.
+    pub sampled_grads: &'a [&'a Matrix],
+    /// Hessian-EMA decay `β₂ ∈ [0, 1)`.
+    pub beta2: f32,
+    /// `B ≥ 1`, the number of samples `ĝ` averages over.
+    pub batch: usize,
+}
+
+impl Device {
+    /// [`Device::sgd_update`] over every tensor of `params` at once (one kernel launch and one
+    /// status read-back on a kernel device; rayon over all elements on the CPU), the momentum
+    /// buffers in `state` (one state array, see [`MultiState`]).
+    ///
+    /// # Errors
+    /// [`Error::DeviceMismatch`], [`Error::Shape`] (tensor count or shapes other than
+    /// `state`'s), [`Error::Value`] (coefficients), [`Error::NonFiniteTensor`] naming the
+    /// array, the tensor and the index of the first NaN/Inf (inputs first, then overflowing
+    /// results). Nothing changes on error.
+    pub fn sgd_update_many(
+        &self,
+        params: &mut [&mut Matrix],
+        grads: &[&Matrix],
+        state: &mut MultiState,
+        c: &SgdCoeffs,
+    ) -> Result<()> {
+        const OP: &str = "Device::sgd_update_many";
+        c.validate(OP)?;
+        self.multi_update(OP, params, grads, None, state, MultiUpdate::Sgd(*c))
+    }
+
+    /// [`Device::adamw_update`] over every tensor of `params` at once, `m` and `v` in `state`
+    /// (two state arrays); see [`Device::sgd_update_many`].
+    ///
+    /// # Errors
+    /// As [`Device::sgd_update_many`], and [`Error::Value`] for a negative `v`.
+    pub fn adamw_update_many(
+        &self,
+        params: &mut [&mut Matrix],
+        grads: &[&Matrix],
+        state: &mut MultiState,
+        c: &AdamWCoeffs,
+    ) -> Result<()> {
+        const OP: &str = "Device::adamw_update_many";
+        c.validate(OP)?;
+        self.multi_update(OP, params, grads, None, state, MultiUpdate::AdamW(*c))
+    }
+
+    /// [`Device::sophia_update`] over every tensor of `params` at once, `m` and `h` in `state`
+    /// (two state arrays); with `refresh`, Sophia-G's Hessian EMA
+    /// ([`Device::sophia_hessian_ema`]) runs first in the same pass and the update reads the
+    /// new `h`. See [`Device::sgd_update_many`].
+    ///
+    /// # Errors
+    /// As [`Device::sgd_update_many`], and [`Error::Value`] for a negative `h`, `β₂ ∉ [0, 1)`
+    /// or `batch = 0`.
+    pub fn sophia_update_many(
+        &self,
+        params: &mut [&mut Matrix],
+        grads: &[&Matrix],
+        state: &mut MultiState,
+        refresh: Option<SophiaRefresh<'_>>,
+        c: &SophiaCoeffs,
+    ) -> Result<()> {
+        const OP: &str = "Device::sophia_update_many";
+        c.validate(OP)?;
+        if let Some(r) = &refresh {
+            check_beta(OP, "beta2", r.beta2)?;
+            check_value(OP, "batch", r.batch as f64, r.batch >= 1, "batch >= 1")?;
+        }
+        let upd = MultiUpdate::Sophia(*c, refresh.map(|r| (r.beta2, r.batch)));
+        let sampled = refresh.map(|r| r.sampled_grads);
+        self.multi_update(OP, params, grads, sampled, state, upd)
+    }
+
+    /// The shared body of the `*_update_many` ops: shape checks, one backend call computing
+    /// into `state`'s spares and partners, and on success the swaps.
+    fn multi_update(
+        &self,
+        op: &'static str,
+        params: &mut [&mut Matrix],
+        grads: &[&Matrix],
+        sampled: Option<&[&Matrix]>,
+        st: &mut MultiState,
+        upd: MultiUpdate,
+    ) -> Result<()> {
+        let count =
+            |arg: &'static str, got: usize| check_shape(op, arg, (got, 1), (st.shapes.len(), 1));
+        count("params", params.len())?;
+        count("grad", grads.len())?;
+        if let Some(gh) = sampled {
+            count("hess.sampled_grad", gh.len())?;
+        }
+        check_shape(op, "state", (st.state.len(), 1), (upd.arrays(), 1))?;
+        for (t, &shape) in st.shapes.iter().enumerate() {
+            let mut each = vec![("params", &*params[t]), ("grad", grads[t])];
+            each.extend(sampled.map(|gh| ("hess.sampled_grad", gh[t])));
+            for (arg, m) in each {
+                self.check_on(op, m)?;
+                check_shape(op, arg, m.shape(), shape)?;
+            }
+        }
+        let MultiState {
+            layout,
+            state,
+            next,
+            spare,
+            ..
+        } = st;
+        match self {
+            Device::Cpu => {
+                let (o0, o1) = next.split_at_mut(1);
+                let io = crate::cpu::elementwise::MultiHost {
+                    params: params.iter().map(|p| host(p)).collect::<Result<_>>()?,
+                    grads: grads.iter().map(|g| host(g)).collect::<Result<_>>()?,
+                    sampled: sampled
+                        .map(|gh| gh.iter().map(|g| host(g)).collect::<Result<_>>())
+                        .transpose()?,
+                    s0: host(&state[0])?,
+                    s1: state.get(1).map(host).transpose()?,
+                    po: spare.iter_mut().map(host_mut).collect::<Result<_>>()?,
+                    o0: host_mut(&mut o0[0])?,
+                    o1: match o1.first_mut() {
+                        Some(o) if upd.writes1() => Some(host_mut(o)?),
+                        _ => None,
+                    },
+                };
+                crate::cpu::elementwise::multi_update(op, layout, &upd, io)?;
+            }
+            Device::Emulated | Device::Cuda(_) => {
+                let params: Vec<&Matrix> = params.iter().map(|p| &**p).collect();
+                let bufs = ew::MultiDevice {
+                    params: &params,
+                    grads,
+                    sampled,
+                    state,
+                    next,
+                    spare,
+                };
+                ew::multi_update(self, op, layout, &upd, bufs)?;
+            }
+        }
+        for (p, s) in params.iter_mut().zip(spare.iter_mut()) {
+            std::mem::swap(*p, s);
+        }
+        std::mem::swap(&mut state[0], &mut next[0]);
+        if upd.writes1() {
+            std::mem::swap(&mut state[1], &mut next[1]);
+        }
+        Ok(())
     }
 }

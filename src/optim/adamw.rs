@@ -1,10 +1,10 @@
 //! AdamW (Loshchilov & Hutter 2019) with linear warm-up (SPEC §4 baseline).
 
-use super::sgd::check_n;
+use super::sgd::{check_n, one_tensor};
 use crate::cpu::elementwise::check_nonnegative;
 use crate::device::{Device, Matrix};
-use crate::error::{check_finite, check_len, check_shape, check_value, Result};
-use crate::ops::elementwise::AdamWCoeffs;
+use crate::error::{check_finite, check_len, check_value, Result};
+use crate::ops::elementwise::{AdamWCoeffs, MultiState};
 
 /// What the learning rate does after the warm-up.
 #[derive(Clone, Copy, Debug, PartialEq, Default)]
@@ -131,56 +131,80 @@ impl AdamWConfig {
 pub struct AdamWState {
     /// Completed steps `t` (the next step is `t + 1`).
     pub steps: u64,
-    /// First moment `m`, length `n`.
+    /// First moment `m`, length `n` (all tensors concatenated in order).
     pub m: Vec<f32>,
     /// Second moment `v`, length `n`, entries `≥ 0`.
     pub v: Vec<f32>,
 }
 
-/// AdamW over a flat parameter vector of `n` entries (`n x 1` [`Matrix`]): one fused device
-/// op per step ([`Device::adamw_update`]) with the scheduled learning rate
-/// [`AdamWConfig::lr_at`] and bias corrections `1 − βₖᵗ`.
+/// AdamW over a model's parameter tensors: one fused device op per step for all of them
+/// ([`Device::adamw_update_many`]: one kernel launch on a GPU) with the scheduled learning
+/// rate [`AdamWConfig::lr_at`] and bias corrections `1 − βₖᵗ`. [`AdamW::new`] makes it for
+/// one flat `n x 1` vector, [`AdamW::for_tensors`] for a list of shapes stepped together by
+/// [`AdamW::step_many`].
 #[derive(Debug)]
 pub struct AdamW {
     device: Device,
     config: AdamWConfig,
-    m: Matrix,
-    v: Matrix,
+    /// `m` (array 0) and `v` (array 1).
+    state: MultiState,
     steps: u64,
 }
 
 impl AdamW {
-    /// A new optimizer for `n ≥ 1` parameters with zero moments.
+    /// A new optimizer for one `n x 1` parameter vector, `n ≥ 1`, with zero moments.
     ///
     /// # Errors
     /// [`Error::Value`](crate::Error::Value) for a bad config,
     /// [`Error::Shape`](crate::Error::Shape) for `n = 0`, device errors.
     pub fn new(device: &Device, n: usize, config: AdamWConfig) -> Result<Self> {
+        Self::for_tensors(device, &[(n, 1)], config)
+    }
+
+    /// A new optimizer for parameter tensors of `shapes` (in the order [`AdamW::step_many`]
+    /// takes them; empty tensors allowed, at least one parameter in all), zero moments.
+    ///
+    /// # Errors
+    /// As [`AdamW::new`].
+    pub fn for_tensors(
+        device: &Device,
+        shapes: &[(usize, usize)],
+        config: AdamWConfig,
+    ) -> Result<Self> {
         config.validate()?;
-        check_n("AdamW::new", n)?;
+        check_n("AdamW::new", shapes.iter().map(|&(r, c)| r * c).sum())?;
         Ok(Self {
             device: device.clone(),
             config,
-            m: device.zeros(n, 1)?,
-            v: device.zeros(n, 1)?,
+            state: MultiState::new(device, shapes, 2)?,
             steps: 0,
         })
     }
 
-    /// One step: `params` and `grad` are `n x 1` on this optimizer's device.
+    /// One step of an optimizer made by [`AdamW::new`]: `params` and `grad` are `n x 1` on
+    /// this optimizer's device.
     ///
     /// # Errors
     /// [`Error::DeviceMismatch`](crate::Error::DeviceMismatch),
     /// [`Error::Shape`](crate::Error::Shape), [`Error::NonFinite`](crate::Error::NonFinite).
     /// On error neither `params` nor the optimizer changes.
     pub fn step(&mut self, params: &mut Matrix, grad: &Matrix) -> Result<()> {
-        const OP: &str = "AdamW::step";
-        let n = self.n();
-        check_shape(OP, "params", params.shape(), (n, 1))?;
-        check_shape(OP, "grad", grad.shape(), (n, 1))?;
+        self.step_many(&mut [params], &[grad]).map_err(one_tensor)
+    }
+
+    /// One step of every tensor: `params[t]` and `grads[t]` have the `t`-th shape given at
+    /// construction. One device op, so one kernel launch and one status read-back.
+    ///
+    /// # Errors
+    /// [`Error::DeviceMismatch`](crate::Error::DeviceMismatch),
+    /// [`Error::Shape`](crate::Error::Shape) (count or shapes),
+    /// [`Error::NonFiniteTensor`](crate::Error::NonFiniteTensor) naming the tensor and index
+    /// of the first NaN/Inf (or overflowing result). On error neither `params` nor the
+    /// optimizer changes.
+    pub fn step_many(&mut self, params: &mut [&mut Matrix], grads: &[&Matrix]) -> Result<()> {
         let coeffs = self.config.coeffs(self.steps.saturating_add(1));
         self.device
-            .adamw_update(params, grad, &mut self.m, &mut self.v, &coeffs)?;
+            .adamw_update_many(params, grads, &mut self.state, &coeffs)?;
         self.steps = self.steps.saturating_add(1);
         Ok(())
     }
@@ -190,9 +214,14 @@ impl AdamW {
         self.config.lr_at(self.steps.saturating_add(1))
     }
 
-    /// Number of parameters `n`.
+    /// Number of parameters `n` (over all tensors).
     pub fn n(&self) -> usize {
-        self.m.rows()
+        self.state.layout().total()
+    }
+
+    /// The parameter tensors' shapes.
+    pub fn shapes(&self) -> &[(usize, usize)] {
+        self.state.shapes()
     }
 
     /// Completed steps.
@@ -215,25 +244,27 @@ impl AdamW {
         Ok(())
     }
 
-    /// The first moment `m` (`n x 1`, on the device).
+    /// The first moment `m` on the device, as the flat state array of
+    /// [`MultiState`](crate::ops::elementwise::MultiState) (tensor `t` at
+    /// `layout().segment(t)`; [`AdamW::state`] gives the plain concatenation).
     pub fn first_moment(&self) -> &Matrix {
-        &self.m
+        self.state.state(0)
     }
 
-    /// The second moment `v` (`n x 1`, on the device).
+    /// The second moment `v`, laid out as [`AdamW::first_moment`].
     pub fn second_moment(&self) -> &Matrix {
-        &self.v
+        self.state.state(1)
     }
 
-    /// A host copy of the state.
+    /// A host copy of the state (each moment of all tensors concatenated in order).
     ///
     /// # Errors
     /// Device errors.
     pub fn state(&self) -> Result<AdamWState> {
         Ok(AdamWState {
             steps: self.steps,
-            m: self.m.to_vec()?,
-            v: self.v.to_vec()?,
+            m: self.state.to_host(0)?,
+            v: self.state.to_host(1)?,
         })
     }
 
@@ -251,10 +282,11 @@ impl AdamW {
         check_finite(OP, "m", &state.m)?;
         check_finite(OP, "v", &state.v)?;
         check_nonnegative(OP, "v", &state.v)?;
-        let m = self.device.upload(n, 1, &state.m)?;
-        let v = self.device.upload(n, 1, &state.v)?;
-        self.m = m;
-        self.v = v;
+        // Both uploads before either replaces anything: unchanged on a device error.
+        let mut next = MultiState::new(&self.device, self.state.shapes(), 2)?;
+        next.load(&self.device, 0, &state.m)?;
+        next.load(&self.device, 1, &state.v)?;
+        self.state = next;
         self.steps = state.steps;
         Ok(())
     }

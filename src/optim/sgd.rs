@@ -1,8 +1,8 @@
 //! SGD with heavy-ball momentum and decoupled weight decay (SPEC §4 baseline).
 
 use crate::device::{Device, Matrix};
-use crate::error::{check_finite, check_len, check_shape, Error, Result};
-use crate::ops::elementwise::SgdCoeffs;
+use crate::error::{check_finite, check_len, Error, Result};
+use crate::ops::elementwise::{MultiState, SgdCoeffs};
 
 /// Hyperparameters of [`Sgd`]. The paper gives none for SGD; the defaults are the usual
 /// classification baseline.
@@ -46,55 +46,84 @@ impl SgdConfig {
 pub struct SgdState {
     /// Completed steps.
     pub steps: u64,
-    /// Momentum buffer `b`, length `n`.
+    /// Momentum buffer `b`, length `n` (all tensors concatenated in order).
     pub momentum: Vec<f32>,
 }
 
-/// SGD over a flat parameter vector of `n` entries (`n x 1` [`Matrix`]):
-/// `b ← μ b + g`, `θ ← θ − lr·λ·θ − lr·b` (one fused device op, [`Device::sgd_update`]).
+/// SGD over a model's parameter tensors: `b ← μ b + g`, `θ ← θ − lr·λ·θ − lr·b` for every
+/// tensor in one fused device op ([`Device::sgd_update_many`]: one kernel launch for all of
+/// them on a GPU). [`Sgd::new`] makes it for one flat `n x 1` vector, [`Sgd::for_tensors`]
+/// for a list of shapes stepped together by [`Sgd::step_many`].
 #[derive(Debug)]
 pub struct Sgd {
     device: Device,
     config: SgdConfig,
-    momentum: Matrix,
+    state: MultiState,
     steps: u64,
 }
 
 impl Sgd {
-    /// A new optimizer for `n ≥ 1` parameters with a zero momentum buffer.
+    /// A new optimizer for one `n x 1` parameter vector, `n ≥ 1`, with a zero momentum buffer.
     ///
     /// # Errors
     /// [`Error::Value`] for a bad config, [`Error::Shape`] for `n = 0`, device errors.
     pub fn new(device: &Device, n: usize, config: SgdConfig) -> Result<Self> {
+        Self::for_tensors(device, &[(n, 1)], config)
+    }
+
+    /// A new optimizer for parameter tensors of `shapes` (in the order [`Sgd::step_many`]
+    /// takes them; empty tensors allowed, at least one parameter in all).
+    ///
+    /// # Errors
+    /// [`Error::Value`] for a bad config, [`Error::Shape`] for no parameter, device errors.
+    pub fn for_tensors(
+        device: &Device,
+        shapes: &[(usize, usize)],
+        config: SgdConfig,
+    ) -> Result<Self> {
         config.validate()?;
-        check_n("Sgd::new", n)?;
+        check_n("Sgd::new", shapes.iter().map(|&(r, c)| r * c).sum())?;
         Ok(Self {
             device: device.clone(),
             config,
-            momentum: device.zeros(n, 1)?,
+            state: MultiState::new(device, shapes, 1)?,
             steps: 0,
         })
     }
 
-    /// One step: `params` and `grad` are `n x 1` on this optimizer's device.
+    /// One step of an optimizer made by [`Sgd::new`]: `params` and `grad` are `n x 1` on this
+    /// optimizer's device.
     ///
     /// # Errors
     /// [`Error::DeviceMismatch`], [`Error::Shape`], [`Error::NonFinite`] (NaN/Inf in `params`
-    /// or `grad`). On error neither `params` nor the optimizer changes.
+    /// or `grad`, or an overflowing result). On error neither `params` nor the optimizer
+    /// changes.
     pub fn step(&mut self, params: &mut Matrix, grad: &Matrix) -> Result<()> {
-        const OP: &str = "Sgd::step";
-        let n = self.n();
-        check_shape(OP, "params", params.shape(), (n, 1))?;
-        check_shape(OP, "grad", grad.shape(), (n, 1))?;
+        self.step_many(&mut [params], &[grad]).map_err(one_tensor)
+    }
+
+    /// One step of every tensor: `params[t]` and `grads[t]` have the `t`-th shape given at
+    /// construction. One device op, so one kernel launch and one status read-back.
+    ///
+    /// # Errors
+    /// [`Error::DeviceMismatch`], [`Error::Shape`] (count or shapes),
+    /// [`Error::NonFiniteTensor`] naming the tensor and index of the first NaN/Inf (or
+    /// overflowing result). On error neither `params` nor the optimizer changes.
+    pub fn step_many(&mut self, params: &mut [&mut Matrix], grads: &[&Matrix]) -> Result<()> {
         self.device
-            .sgd_update(params, grad, &mut self.momentum, &self.config.coeffs())?;
+            .sgd_update_many(params, grads, &mut self.state, &self.config.coeffs())?;
         self.steps = self.steps.saturating_add(1);
         Ok(())
     }
 
-    /// Number of parameters `n`.
+    /// Number of parameters `n` (over all tensors).
     pub fn n(&self) -> usize {
-        self.momentum.rows()
+        self.state.layout().total()
+    }
+
+    /// The parameter tensors' shapes.
+    pub fn shapes(&self) -> &[(usize, usize)] {
+        self.state.shapes()
     }
 
     /// Completed steps.
@@ -117,19 +146,21 @@ impl Sgd {
         Ok(())
     }
 
-    /// The momentum buffer `b` (`n x 1`, on the device).
+    /// The momentum buffer `b` on the device: the flat state array of
+    /// [`MultiState`](crate::ops::elementwise::MultiState) (tensor `t` at
+    /// `layout().segment(t)`; [`Sgd::state`] gives the plain concatenation).
     pub fn momentum(&self) -> &Matrix {
-        &self.momentum
+        self.state.state(0)
     }
 
-    /// A host copy of the state.
+    /// A host copy of the state (the momentum of all tensors concatenated in order).
     ///
     /// # Errors
     /// Device errors.
     pub fn state(&self) -> Result<SgdState> {
         Ok(SgdState {
             steps: self.steps,
-            momentum: self.momentum.to_vec()?,
+            momentum: self.state.to_host(0)?,
         })
     }
 
@@ -142,9 +173,29 @@ impl Sgd {
         const OP: &str = "Sgd::restore";
         check_len(OP, "momentum", state.momentum.len(), self.n())?;
         check_finite(OP, "momentum", &state.momentum)?;
-        self.momentum = self.device.upload(self.n(), 1, &state.momentum)?;
+        self.state.load(&self.device, 0, &state.momentum)?;
         self.steps = state.steps;
         Ok(())
+    }
+}
+
+/// The error of a one-tensor step as the single-vector API reports it: a
+/// [`Error::NonFiniteTensor`] of tensor 0 becomes [`Error::NonFinite`] at the same index.
+pub(crate) fn one_tensor(e: Error) -> Error {
+    match e {
+        Error::NonFiniteTensor {
+            op,
+            arg,
+            index,
+            value,
+            ..
+        } => Error::NonFinite {
+            op,
+            arg,
+            index,
+            value,
+        },
+        e => e,
     }
 }
 

@@ -11,11 +11,11 @@
 //! The first step always refreshes `h`, so the ratio never starts from `h = 0` (where it would
 //! be plain sign momentum).
 
-use super::sgd::check_n;
+use super::sgd::{check_n, one_tensor};
 use crate::cpu::elementwise::check_nonnegative;
 use crate::device::{Device, Matrix};
-use crate::error::{check_finite, check_len, check_shape, check_value, Result};
-use crate::ops::elementwise::SophiaCoeffs;
+use crate::error::{check_finite, check_len, check_value, Result};
+use crate::ops::elementwise::{MultiState, SophiaCoeffs, SophiaRefresh};
 use crate::params::elementwise::check_beta;
 
 /// Hyperparameters of [`Sophia`]. `β₁, β₂` follow SPEC §6; the rest Liu et al.'s released
@@ -88,56 +88,79 @@ pub struct SophiaHessian<'a> {
     pub batch: usize,
 }
 
+/// A Gauss–Newton–Bartlett sample for [`Sophia::step_many`]: [`SophiaHessian`] per tensor.
+#[derive(Clone, Copy, Debug)]
+pub struct SophiaHessians<'a> {
+    /// `ĝ` of each tensor, shaped like it.
+    pub sampled_grads: &'a [&'a Matrix],
+    /// `B ≥ 1`, the number of samples `ĝ` averages over.
+    pub batch: usize,
+}
+
 /// Everything [`Sophia`] carries between steps, on the host (for checkpoints).
 #[derive(Clone, Debug, PartialEq)]
 pub struct SophiaState {
     /// Completed steps.
     pub steps: u64,
-    /// Momentum `m`, length `n`.
+    /// Momentum `m`, length `n` (all tensors concatenated in order).
     pub m: Vec<f32>,
     /// Diagonal Hessian estimate `h`, length `n`, entries `≥ 0`.
     pub h: Vec<f32>,
 }
 
-/// Sophia-G over a flat parameter vector of `n` entries (`n x 1` [`Matrix`]); see the module
-/// docs for the update.
+/// Sophia-G over a model's parameter tensors (see the module docs for the update): one fused
+/// device op per step for all of them, the Hessian EMA of a refresh step included
+/// ([`Device::sophia_update_many`]: one kernel launch on a GPU). [`Sophia::new`] makes it for
+/// one flat `n x 1` vector, [`Sophia::for_tensors`] for a list of shapes stepped together by
+/// [`Sophia::step_many`].
 #[derive(Debug)]
 pub struct Sophia {
     device: Device,
     config: SophiaConfig,
-    m: Matrix,
-    h: Matrix,
-    /// Receives the refreshed `h` and is swapped in only when the whole step succeeded.
-    h_next: Matrix,
+    /// `m` (array 0) and `h` (array 1).
+    state: MultiState,
     steps: u64,
 }
 
 impl Sophia {
-    /// A new optimizer for `n ≥ 1` parameters with `m = h = 0`.
+    /// A new optimizer for one `n x 1` parameter vector, `n ≥ 1`, with `m = h = 0`.
     ///
     /// # Errors
     /// [`Error::Value`](crate::Error::Value) for a bad config,
     /// [`Error::Shape`](crate::Error::Shape) for `n = 0`, device errors.
     pub fn new(device: &Device, n: usize, config: SophiaConfig) -> Result<Self> {
+        Self::for_tensors(device, &[(n, 1)], config)
+    }
+
+    /// A new optimizer for parameter tensors of `shapes` (in the order
+    /// [`Sophia::step_many`] takes them; empty tensors allowed, at least one parameter in
+    /// all), `m = h = 0`.
+    ///
+    /// # Errors
+    /// As [`Sophia::new`].
+    pub fn for_tensors(
+        device: &Device,
+        shapes: &[(usize, usize)],
+        config: SophiaConfig,
+    ) -> Result<Self> {
         config.validate()?;
-        check_n("Sophia::new", n)?;
+        check_n("Sophia::new", shapes.iter().map(|&(r, c)| r * c).sum())?;
         Ok(Self {
             device: device.clone(),
             config,
-            m: device.zeros(n, 1)?,
-            h: device.zeros(n, 1)?,
-            h_next: device.zeros(n, 1)?,
+            state: MultiState::new(device, shapes, 2)?,
             steps: 0,
         })
     }
 
-    /// True when the coming step must be given a [`SophiaHessian`] (`steps mod k == 0`).
+    /// True when the coming step must be given a Hessian sample (`steps mod k == 0`).
     pub fn needs_hessian(&self) -> bool {
         self.steps % self.config.hessian_every == 0
     }
 
-    /// One step with the mini-batch gradient `grad` (`n x 1`). `hess` is required when
-    /// [`Sophia::needs_hessian`] and, when given on another step, used as well.
+    /// One step of an optimizer made by [`Sophia::new`] with the mini-batch gradient `grad`
+    /// (`n x 1`). `hess` is required when [`Sophia::needs_hessian`] and, when given on
+    /// another step, used as well.
     ///
     /// # Errors
     /// [`Error::Value`](crate::Error::Value) when a required `hess` is missing or its batch is
@@ -150,10 +173,30 @@ impl Sophia {
         grad: &Matrix,
         hess: Option<SophiaHessian<'_>>,
     ) -> Result<()> {
+        let sampled = hess.map(|h| [h.sampled_grad]);
+        let hess = hess.zip(sampled.as_ref()).map(|(h, s)| SophiaHessians {
+            sampled_grads: s,
+            batch: h.batch,
+        });
+        self.step_many(&mut [params], &[grad], hess)
+            .map_err(one_tensor)
+    }
+
+    /// One step of every tensor: `params[t]`, `grads[t]` (and the samples) have the `t`-th
+    /// shape given at construction; the Hessian EMA of a refresh step and the update are ONE
+    /// device op (one kernel launch and one status read-back). `hess` as in [`Sophia::step`].
+    ///
+    /// # Errors
+    /// As [`Sophia::step`], with [`Error::NonFiniteTensor`](crate::Error::NonFiniteTensor)
+    /// naming the tensor and index of the first NaN/Inf. On error neither `params` nor the
+    /// optimizer changes.
+    pub fn step_many(
+        &mut self,
+        params: &mut [&mut Matrix],
+        grads: &[&Matrix],
+        hess: Option<SophiaHessians<'_>>,
+    ) -> Result<()> {
         const OP: &str = "Sophia::step";
-        let n = self.n();
-        check_shape(OP, "params", params.shape(), (n, 1))?;
-        check_shape(OP, "grad", grad.shape(), (n, 1))?;
         if hess.is_none() && self.needs_hessian() {
             return check_value(
                 OP,
@@ -163,34 +206,30 @@ impl Sophia {
                 "a Hessian sample on this step (needs_hessian() is true)",
             );
         }
-        let coeffs = self.config.coeffs();
-        match hess {
-            Some(hs) => {
-                check_shape(OP, "hess.sampled_grad", hs.sampled_grad.shape(), (n, 1))?;
-                // Refresh into the spare buffer: if the update below rejects `params` or
-                // `grad`, `h` has not moved.
-                self.device.copy(&self.h, &mut self.h_next)?;
-                self.device.sophia_hessian_ema(
-                    &mut self.h_next,
-                    hs.sampled_grad,
-                    self.config.beta2,
-                    hs.batch,
-                )?;
-                self.device
-                    .sophia_update(params, grad, &mut self.m, &self.h_next, &coeffs)?;
-                std::mem::swap(&mut self.h, &mut self.h_next);
-            }
-            None => self
-                .device
-                .sophia_update(params, grad, &mut self.m, &self.h, &coeffs)?,
-        }
+        let refresh = hess.map(|h| SophiaRefresh {
+            sampled_grads: h.sampled_grads,
+            beta2: self.config.beta2,
+            batch: h.batch,
+        });
+        self.device.sophia_update_many(
+            params,
+            grads,
+            &mut self.state,
+            refresh,
+            &self.config.coeffs(),
+        )?;
         self.steps = self.steps.saturating_add(1);
         Ok(())
     }
 
-    /// Number of parameters `n`.
+    /// Number of parameters `n` (over all tensors).
     pub fn n(&self) -> usize {
-        self.m.rows()
+        self.state.layout().total()
+    }
+
+    /// The parameter tensors' shapes.
+    pub fn shapes(&self) -> &[(usize, usize)] {
+        self.state.shapes()
     }
 
     /// Completed steps.
@@ -214,14 +253,16 @@ impl Sophia {
         Ok(())
     }
 
-    /// The momentum `m` (`n x 1`, on the device).
+    /// The momentum `m` on the device, as the flat state array of
+    /// [`MultiState`](crate::ops::elementwise::MultiState) (tensor `t` at
+    /// `layout().segment(t)`; [`Sophia::state`] gives the plain concatenation).
     pub fn momentum(&self) -> &Matrix {
-        &self.m
+        self.state.state(0)
     }
 
-    /// The diagonal Hessian estimate `h` (`n x 1`, on the device).
+    /// The diagonal Hessian estimate `h`, laid out as [`Sophia::momentum`].
     pub fn hessian(&self) -> &Matrix {
-        &self.h
+        self.state.state(1)
     }
 
     /// A host copy of the state.
@@ -231,8 +272,8 @@ impl Sophia {
     pub fn state(&self) -> Result<SophiaState> {
         Ok(SophiaState {
             steps: self.steps,
-            m: self.m.to_vec()?,
-            h: self.h.to_vec()?,
+            m: self.state.to_host(0)?,
+            h: self.state.to_host(1)?,
         })
     }
 
@@ -250,10 +291,11 @@ impl Sophia {
         check_finite(OP, "m", &state.m)?;
         check_finite(OP, "h", &state.h)?;
         check_nonnegative(OP, "h", &state.h)?;
-        let m = self.device.upload(n, 1, &state.m)?;
-        let h = self.device.upload(n, 1, &state.h)?;
-        self.m = m;
-        self.h = h;
+        // Both uploads before either replaces anything: unchanged on a device error.
+        let mut next = MultiState::new(&self.device, self.state.shapes(), 2)?;
+        next.load(&self.device, 0, &state.m)?;
+        next.load(&self.device, 1, &state.h)?;
+        self.state = next;
         self.steps = state.steps;
         Ok(())
     }

@@ -1,7 +1,7 @@
 //! Scalars of the fused first-order updates (SGD, AdamW, Sophia) and their range checks,
 //! used by the device ops of [`crate::ops::elementwise`] and both backends.
 
-use crate::error::{check_value, Result};
+use crate::error::{check_value, Error, Result};
 
 /// `Err(Error::Value)` unless the learning rate is finite and `≥ 0`.
 fn check_lr(op: &'static str, lr: f32) -> Result<()> {
@@ -117,4 +117,178 @@ pub(crate) fn check_beta(op: &'static str, arg: &'static str, beta: f32) -> Resu
         (0.0..1.0).contains(&beta),
         "0 <= beta < 1",
     )
+}
+
+/// Where the tensors of a multi-tensor update live in its flat state arrays, shared by both
+/// backends: tensor `t` (of `lens[t]` elements, possibly 0) owns the state segment
+/// `segment(t)`, which starts at a multiple of 4 elements (the kernels' float4 items never
+/// straddle two tensors and stay 16-byte aligned), and the flat positions
+/// `first(t)..first(t) + lens[t]` of the concatenation of all tensors, which is how errors and
+/// checkpoints see the state.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct MultiLayout {
+    lens: Vec<usize>,
+    /// Start of each tensor's state segment, and the padded total last.
+    seg: Vec<usize>,
+    /// Prefix sums of `lens` (flat positions), the total last.
+    pos: Vec<usize>,
+}
+
+impl MultiLayout {
+    /// The layout of tensors of `lens` elements, in order.
+    pub fn new(lens: &[usize]) -> Self {
+        let mut seg = Vec::with_capacity(lens.len() + 1);
+        let mut pos = Vec::with_capacity(lens.len() + 1);
+        let (mut s, mut p) = (0usize, 0usize);
+        for &n in lens {
+            seg.push(s);
+            pos.push(p);
+            s = s.saturating_add(n.div_ceil(4).saturating_mul(4));
+            p = p.saturating_add(n);
+        }
+        seg.push(s);
+        pos.push(p);
+        Self {
+            lens: lens.to_vec(),
+            seg,
+            pos,
+        }
+    }
+
+    /// The tensors' lengths, in order.
+    pub fn lens(&self) -> &[usize] {
+        &self.lens
+    }
+
+    /// Elements over all tensors.
+    pub fn total(&self) -> usize {
+        self.pos[self.lens.len()]
+    }
+
+    /// Length of each flat state array (the segments, padded to multiples of 4).
+    pub fn state_len(&self) -> usize {
+        self.seg[self.lens.len()]
+    }
+
+    /// Tensor `t`'s elements in a flat state array.
+    pub fn segment(&self, t: usize) -> std::ops::Range<usize> {
+        self.seg[t]..self.seg[t] + self.lens[t]
+    }
+
+    /// The flat position of tensor `t`'s first element.
+    pub fn first(&self, t: usize) -> usize {
+        self.pos[t]
+    }
+
+    /// `(tensor, index inside it)` of flat position `pos < total()`.
+    pub fn locate(&self, pos: usize) -> (usize, usize) {
+        // The last tensor starting at or before `pos` (empty tensors start where the next does).
+        let t = self.pos[1..].partition_point(|&end| end <= pos);
+        (t, pos - self.pos[t])
+    }
+}
+
+/// Status slots of a multi-tensor update (`EW_MSLOTS` in `kernels/elementwise.cu`), in the
+/// order both backends report them: the first NaN/Inf of 0 params, 1 grads, 2 state `s0`,
+/// 3 state `s1`, 4 the Hessian samples; 5 the first `s1 < 0`; the first non-finite result
+/// (overflow from finite inputs) of 6 params, 7 `s0`, 8 `s1`.
+pub(crate) const MULTI_SLOTS: usize = 9;
+
+/// One multi-tensor update with its scalars: which state arrays it has, reads and writes.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub(crate) enum MultiUpdate {
+    /// SGD; state `s0` = momentum buffer.
+    Sgd(SgdCoeffs),
+    /// AdamW; state `s0 = m`, `s1 = v ≥ 0`.
+    AdamW(AdamWCoeffs),
+    /// Sophia; state `s0 = m`, `s1 = h ≥ 0`; `Some((β₂, B))` fuses the Hessian EMA with
+    /// batch-`B` samples before the update (and writes `h`).
+    Sophia(SophiaCoeffs, Option<(f32, usize)>),
+}
+
+impl MultiUpdate {
+    /// The error `arg` of each status slot.
+    pub(crate) fn names(&self) -> [&'static str; MULTI_SLOTS] {
+        match self {
+            MultiUpdate::Sgd(_) => [
+                "params",
+                "grad",
+                "momentum_buf",
+                "",
+                "",
+                "",
+                "params (overflow)",
+                "momentum_buf (overflow)",
+                "",
+            ],
+            MultiUpdate::AdamW(_) => [
+                "params",
+                "grad",
+                "m",
+                "v",
+                "",
+                "v",
+                "params (overflow)",
+                "m (overflow)",
+                "v (overflow)",
+            ],
+            MultiUpdate::Sophia(..) => [
+                "params",
+                "grad",
+                "m",
+                "h",
+                "hess.sampled_grad",
+                "h",
+                "params (overflow)",
+                "m (overflow)",
+                "h (overflow)",
+            ],
+        }
+    }
+
+    /// Number of flat state arrays (1 or 2).
+    pub(crate) fn arrays(&self) -> usize {
+        match self {
+            MultiUpdate::Sgd(_) => 1,
+            _ => 2,
+        }
+    }
+
+    /// Whether `s1` is written (else the update leaves it as it is).
+    pub(crate) fn writes1(&self) -> bool {
+        match self {
+            MultiUpdate::Sgd(_) => false,
+            MultiUpdate::AdamW(_) => true,
+            MultiUpdate::Sophia(_, refresh) => refresh.is_some(),
+        }
+    }
+
+    /// The error reported for the first bad value: status slot `slot`, flat position `pos`
+    /// (see [`MultiLayout::locate`]), the value found there.
+    pub(crate) fn error(
+        &self,
+        op: &'static str,
+        layout: &MultiLayout,
+        slot: usize,
+        pos: usize,
+        value: f32,
+    ) -> Error {
+        let arg = self.names()[slot];
+        if slot == 5 {
+            return Error::Value {
+                op,
+                arg,
+                value: value as f64,
+                expected: "every entry >= 0",
+            };
+        }
+        let (tensor, index) = layout.locate(pos);
+        Error::NonFiniteTensor {
+            op,
+            arg,
+            tensor,
+            index,
+            value,
+        }
+    }
 }

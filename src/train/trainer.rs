@@ -14,7 +14,7 @@ use crate::optim::adamw::AdamW;
 use crate::optim::kalman::RKalman;
 use crate::optim::kron::KronOptimizer;
 use crate::optim::sgd::Sgd;
-use crate::optim::sophia::{Sophia, SophiaHessian};
+use crate::optim::sophia::{Sophia, SophiaHessians};
 use crate::optim::KronStats;
 
 use super::hyper::{MethodConfig, OptimizerConfig};
@@ -111,17 +111,18 @@ enum Engine {
         opt: Box<KronOptimizer>,
         params: Vec<Matrix>,
     },
+    /// First-order methods: per-layer `W̄_l` too, all stepped by one device op (one launch).
     Sgd {
         opt: Sgd,
-        params: Matrix,
+        params: Vec<Matrix>,
     },
     AdamW {
         opt: AdamW,
-        params: Matrix,
+        params: Vec<Matrix>,
     },
     Sophia {
         opt: Sophia,
-        params: Matrix,
+        params: Vec<Matrix>,
     },
     /// The filter's mean `μ` is the parameter vector.
     Kalman {
@@ -154,7 +155,9 @@ macro_rules! skip_nonfinite {
     ($e:expr, $loss:expr, $gn:expr) => {
         match $e {
             Ok(v) => v,
-            Err(Error::NonFinite { .. }) => return Ok(Outcome::skip($loss, $gn)),
+            Err(Error::NonFinite { .. } | Error::NonFiniteTensor { .. }) => {
+                return Ok(Outcome::skip($loss, $gn))
+            }
             Err(e) => return Err(e),
         }
     };
@@ -179,11 +182,10 @@ impl Trainer {
             config.batch_size >= 1,
             "batch_size >= 1",
         )?;
-        let n = mlp.num_params();
-        let upload_flat = || device.upload(n, 1, mlp.params());
+        let shapes = mlp.layer_shapes();
+        let layers = || upload_layers(device, &mlp, mlp.params());
         let engine = match (config.method, config.optimizer) {
             (Method::Ring | Method::Reng | Method::Ngd, OptimizerConfig::Kron(c)) => {
-                let shapes = mlp.layer_shapes();
                 let opt = KronOptimizer::new(device, &shapes, c)?;
                 let params = (0..mlp.num_layers())
                     .map(|l| {
@@ -197,16 +199,16 @@ impl Trainer {
                 }
             }
             (Method::Sgd, OptimizerConfig::Sgd(c)) => Engine::Sgd {
-                opt: Sgd::new(device, n, c)?,
-                params: upload_flat()?,
+                opt: Sgd::for_tensors(device, &shapes, c)?,
+                params: layers()?,
             },
             (Method::AdamW, OptimizerConfig::AdamW(c)) => Engine::AdamW {
-                opt: AdamW::new(device, n, c)?,
-                params: upload_flat()?,
+                opt: AdamW::for_tensors(device, &shapes, c)?,
+                params: layers()?,
             },
             (Method::Sophia, OptimizerConfig::Sophia(c)) => Engine::Sophia {
-                opt: Sophia::new(device, n, c)?,
-                params: upload_flat()?,
+                opt: Sophia::for_tensors(device, &shapes, c)?,
+                params: layers()?,
             },
             (Method::RKalman | Method::Kalman, OptimizerConfig::Kalman(c)) => {
                 let d_o = config.batch_size * mlp.output_dim();
@@ -433,10 +435,10 @@ impl Trainer {
                 }
             }
             Engine::Sgd { opt, params } => {
-                first_order_step(device, mlp, batch, params, |p, g| opt.step(p, g))?
+                first_order_step(device, mlp, batch, params, |p, g| opt.step_many(p, g))?
             }
             Engine::AdamW { opt, params } => {
-                first_order_step(device, mlp, batch, params, |p, g| opt.step(p, g))?
+                first_order_step(device, mlp, batch, params, |p, g| opt.step_many(p, g))?
             }
             Engine::Sophia { opt, params } => {
                 let fwd = mlp.forward(batch.x)?;
@@ -445,23 +447,26 @@ impl Trainer {
                 if !loss.is_finite() || !gn.is_finite() {
                     return Ok(Outcome::skip(loss, gn));
                 }
-                let g = device.upload(b.grad.len(), 1, &b.grad)?;
+                let g = upload_layers(device, mlp, &b.grad)?;
                 let refresh = opt.needs_hessian();
                 let sampled = if refresh {
                     let s = skip_nonfinite!(mlp.backward_sampled(&fwd, rng), loss, gn);
                     if !all_finite(&s.grad) {
                         return Ok(Outcome::skip(loss, gn));
                     }
-                    Some(device.upload(s.grad.len(), 1, &s.grad)?)
+                    Some(upload_layers(device, mlp, &s.grad)?)
                 } else {
                     None
                 };
-                let hess = sampled.as_ref().map(|s| SophiaHessian {
-                    sampled_grad: s,
+                let sampled: Option<Vec<&Matrix>> = sampled.as_ref().map(|s| s.iter().collect());
+                let hess = sampled.as_ref().map(|s| SophiaHessians {
+                    sampled_grads: s,
                     batch: m,
                 });
-                skip_nonfinite!(opt.step(params, &g, hess), loss, gn);
-                sync_flat(mlp, params)?;
+                let g: Vec<&Matrix> = g.iter().collect();
+                let mut p: Vec<&mut Matrix> = params.iter_mut().collect();
+                skip_nonfinite!(opt.step_many(&mut p, &g, hess), loss, gn);
+                sync_layers(mlp, params)?;
                 Outcome::applied(loss, gn, refresh)
             }
             Engine::Kalman { filter } => {
@@ -521,24 +526,26 @@ impl Outcome {
     }
 }
 
-/// One plain-gradient step of a flat first-order optimizer (SGD, AdamW): the mini-batch
-/// gradient, uploaded as `n x 1`, handed to `step`; skipped (nothing changed) on a non-finite
-/// value.
+/// One plain-gradient step of a first-order optimizer over the layers (SGD, AdamW): the
+/// mini-batch gradient, uploaded per layer, handed to `step` (one device op for all layers);
+/// skipped (nothing changed) on a non-finite value.
 fn first_order_step(
     device: &Device,
     mlp: &mut Mlp,
     batch: Batch<'_>,
-    params: &mut Matrix,
-    step: impl FnOnce(&mut Matrix, &Matrix) -> Result<()>,
+    params: &mut [Matrix],
+    step: impl FnOnce(&mut [&mut Matrix], &[&Matrix]) -> Result<()>,
 ) -> Result<Outcome> {
     let (loss, grad) = skip_nonfinite!(plain_gradient(mlp, batch), f32::NAN, f32::NAN);
     let gn = norm(&grad);
     if !loss.is_finite() || !gn.is_finite() {
         return Ok(Outcome::skip(loss, gn));
     }
-    let g = device.upload(grad.len(), 1, &grad)?;
-    skip_nonfinite!(step(params, &g), loss, gn);
-    sync_flat(mlp, params)?;
+    let g = upload_layers(device, mlp, &grad)?;
+    let g: Vec<&Matrix> = g.iter().collect();
+    let mut p: Vec<&mut Matrix> = params.iter_mut().collect();
+    skip_nonfinite!(step(&mut p, &g), loss, gn);
+    sync_layers(mlp, params)?;
     Ok(Outcome::applied(loss, gn, false))
 }
 
@@ -667,7 +674,6 @@ impl Engine {
 /// committed.
 enum DeviceParams {
     Layers(Vec<Matrix>),
-    Flat(Matrix),
     /// The Kalman filter's `μ` is its own state, restored with it.
     Filter,
 }
@@ -690,9 +696,8 @@ fn bits_equal(a: &[f32], b: &[f32]) -> bool {
 /// | `rng.*`     | the sampled-label stream ([`ChaCha8Rng`])                            |
 ///
 /// `load` checks the tag, the method and the configuration, rebuilds the device copy of the
-/// parameters from the stored network (per layer for the Kronecker methods, `n x 1` for
-/// SGD/AdamW/Sophia; for the Kalman methods the stored network must equal the filter's `μ`
-/// bit for bit), and only then loads network, optimizer and stream all or nothing
+/// parameters from the stored network (per layer; for the Kalman methods the stored network
+/// must equal the filter's `μ` bit for bit), and only then loads network, optimizer and stream all or nothing
 /// ([`load_all`]) and commits: on any error the trainer is unchanged.
 impl Checkpoint for Trainer {
     fn save(&self, w: &mut Writer) -> Result<()> {
@@ -747,11 +752,11 @@ impl Checkpoint for Trainer {
         let mlp_r = r.scope("mlp");
         let params = mlp_r.tensor("params", &[n])?;
         let device_params = match &self.engine {
-            Engine::Kron { .. } => {
+            Engine::Kron { .. }
+            | Engine::Sgd { .. }
+            | Engine::AdamW { .. }
+            | Engine::Sophia { .. } => {
                 DeviceParams::Layers(upload_layers(&self.device, &self.mlp, params)?)
-            }
-            Engine::Sgd { .. } | Engine::AdamW { .. } | Engine::Sophia { .. } => {
-                DeviceParams::Flat(self.device.upload(n, 1, params)?)
             }
             Engine::Kalman { .. } => {
                 let optim_r = r.scope("optim");
@@ -778,12 +783,12 @@ impl Checkpoint for Trainer {
             ],
         )?;
         match (engine, device_params) {
-            (Engine::Kron { params, .. }, DeviceParams::Layers(p)) => *params = p,
             (
-                Engine::Sgd { params, .. }
+                Engine::Kron { params, .. }
+                | Engine::Sgd { params, .. }
                 | Engine::AdamW { params, .. }
                 | Engine::Sophia { params, .. },
-                DeviceParams::Flat(p),
+                DeviceParams::Layers(p),
             ) => *params = p,
             // Built from the same engine above: the variants correspond.
             _ => {}
