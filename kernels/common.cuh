@@ -78,6 +78,18 @@ __device__ __forceinline__ float grng_block_max(float v, float* scratch) {
     return t;
 }
 
+// "No bad index" in a first-bad-index status slot (INT_MAX; NVRTC has no <climits>).
+#define GRNG_NONE 0x7fffffff
+
+// Safety in the same pass: the warp minimum of each lane's first bad index `v` (GRNG_NONE:
+// none), then one atomicMin into `*slot` (global or shared) by lane 0 when a lane saw one.
+// Integer min is order-independent, so the slot ends at the first bad index whatever the
+// schedule. Every lane of the warp must call it.
+__device__ __forceinline__ void grng_flag_first(int* slot, int v) {
+    const int m = __reduce_min_sync(GRNG_FULL_MASK, v);
+    if ((threadIdx.x & 31) == 0 && m != GRNG_NONE) atomicMin(slot, m);
+}
+
 // bf16 ⇄ f32 element access (round-to-nearest-even when narrowing).
 __device__ __forceinline__ float grng_ld_bf16(const __nv_bfloat16* p) {
     return __bfloat162float(*p);

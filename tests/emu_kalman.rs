@@ -1,9 +1,10 @@
 //! The R-Kalman kernels (`kernels/kalman.cu`: Gram partials + reduction, single-block
 //! solve, fused update) on `Device::Emulated` (and CUDA when present) against the CPU step
 //! `grng::cpu::kalman::kalman_step`: ragged n (1, 31, 32, 33, 1000, ~20000; on CUDA also up
-//! to 2e6), d_o 1..=12 (and the register buckets' edges up to 64), fresh random inputs, NaN-poisoned outputs, the
+//! to 2e6), d_o 1..=12 (and the register buckets' edges up to 64, and the wide path's ragged
+//! d_o in 65..=256), H in f32 and in bf16, fresh random inputs, NaN-poisoned outputs, the
 //! jitter escalation path, every error path, and the state-unchanged discipline of
-//! `Device::kalman_step`.
+//! `Device::kalman_step` (scratch reused across steps).
 //!
 //! Tolerances. Both backends form P = H diag(σ⁻) Hᵀ with f32 products summed in f32 over
 //! at most 64 terms (CPU: 8 lanes of a 256-column chunk; GPU: a lane of a chunk) and in f64
@@ -13,11 +14,20 @@
 //! ≤ 1e-3. Hence |Δμ_i| ≤ η·σ⁻_i‖h_i‖‖v‖/λ_lo and |Δσ_i| ≤ η·σ⁻_i²‖h_i‖²/λ_lo, plus the
 //! f32 roundings of the update itself (2⁻²¹ relative); R_out differs by (1−β)ΔP plus one
 //! f32 rounding each (2⁻²³|r|).
+//!
+//! A bf16 H: the case rounds H to bf16 first and the CPU oracle runs on those values in f32,
+//! so both sides see the same H exactly (widening bf16 is exact) and the only difference is
+//! the f32 accumulation above: the same bounds apply unchanged. At d_o > 88 the Gram lanes
+//! sum a whole 64-column chunk (64 terms, still within the 66 above); the wide update sums
+//! z_r over ≤ 256 f32 terms (≤ 256·2u ≈ 3e-5 relative), inside η.
 
 use grng::cpu::kalman::{kalman_step as cpu_step, KalmanIo};
-use grng::cuda::kalman::{kalman_step as gpu_step, KalmanBuffers, MAX_D_O};
+use grng::cuda::kalman::{
+    kalman_step as gpu_step, KalmanBuffers, KalmanScratch, FAST_D_O, MAX_D_O,
+};
 use grng::ops::kalman::{KalmanInfo, KalmanOptions, KalmanState, RForm};
 use grng::{Device, Error, MatRef, Matrix};
+use half::bf16;
 use proptest::prelude::*;
 use rand::{Rng, SeedableRng};
 use rand_chacha::ChaCha8Rng;
@@ -25,9 +35,11 @@ use rand_chacha::ChaCha8Rng;
 mod common;
 use common::devices;
 
-/// One step's inputs (host).
+/// One step's inputs (host). With `bf16`, `h` holds bf16-representable values and the
+/// devices get it as a bf16 matrix.
 #[derive(Clone, Debug)]
 struct Case {
+    bf16: bool,
     d_o: usize,
     n: usize,
     h: Vec<f32>,
@@ -57,6 +69,7 @@ fn case(d_o: usize, n: usize, seed: u64) -> Case {
     }
     let v = (0..d_o).map(|_| rng.random_range(-1.0f32..1.0)).collect();
     Case {
+        bf16: false,
         d_o,
         n,
         h,
@@ -89,11 +102,17 @@ fn run_cpu(c: &Case, o: &KalmanOptions) -> Out {
     Out { res, mu, sigma, r }
 }
 
+/// `c` with H rounded to bf16 (read by the devices as bf16).
+fn to_bf16(mut c: Case) -> Case {
+    c.bf16 = true;
+    c.h = c.h.iter().map(|&x| bf16::from_f32(x).to_f32()).collect();
+    c
+}
+
 /// The kernels, every output poisoned with NaN first.
 fn run_dev(dev: &Device, c: &Case, o: &KalmanOptions) -> Out {
     let up = |rows: usize, cols: usize, v: &[f32]| dev.upload(rows, cols, v).unwrap();
-    let (h, mu, sigma, r, v) = (
-        up(c.d_o, c.n, &c.h),
+    let (mu, sigma, r, v) = (
         up(c.n, 1, &c.mu),
         up(c.n, 1, &c.sigma),
         up(c.d_o, c.d_o, &c.r),
@@ -102,6 +121,7 @@ fn run_dev(dev: &Device, c: &Case, o: &KalmanOptions) -> Out {
     let mut mu_out = up(c.n, 1, &vec![f32::NAN; c.n]);
     let mut sigma_out = up(c.n, 1, &vec![f32::NAN; c.n]);
     let mut r_out = up(c.d_o, c.d_o, &vec![f32::NAN; c.d_o * c.d_o]);
+    let mut scratch = KalmanScratch::new(dev, c.d_o, c.n).unwrap();
     let io = KalmanBuffers {
         mu: &mu,
         sigma: &sigma,
@@ -109,8 +129,14 @@ fn run_dev(dev: &Device, c: &Case, o: &KalmanOptions) -> Out {
         mu_out: &mut mu_out,
         sigma_out: &mut sigma_out,
         r_out: &mut r_out,
+        scratch: &mut scratch,
     };
-    let res = gpu_step(dev, io, &h, &v, o);
+    let res = if c.bf16 {
+        let hb: Vec<bf16> = c.h.iter().map(|&x| bf16::from_f32(x)).collect();
+        gpu_step(dev, io, &dev.upload(c.d_o, c.n, &hb).unwrap(), &v, o)
+    } else {
+        gpu_step(dev, io, &up(c.d_o, c.n, &c.h), &v, o)
+    };
     let dl = |m: &Matrix| m.to_vec().unwrap();
     Out {
         res,
@@ -242,10 +268,12 @@ fn opts_strategy() -> impl Strategy<Value = KalmanOptions> {
 proptest! {
     #![proptest_config(common::proptest_config(48))]
 
-    /// Kernels vs CPU over ragged n and d_o 1..=12, every option combination.
+    /// Kernels vs CPU over ragged n and d_o 1..=12, every option combination, H in f32 or
+    /// bf16.
     #[test]
-    fn step_matches_cpu(n in n_strategy(), d_o in 1usize..=12, seed in any::<u64>(), o in opts_strategy()) {
+    fn step_matches_cpu(n in n_strategy(), d_o in 1usize..=12, seed in any::<u64>(), o in opts_strategy(), half in any::<bool>()) {
         let c = case(d_o, n, seed);
+        let c = if half { to_bf16(c) } else { c };
         let want = run_cpu(&c, &o);
         for dev in devices() {
             compare(&c, &o, &want, &run_dev(&dev, &c, &o))?;
@@ -288,8 +316,11 @@ proptest! {
     /// A NaN/Inf or non-positive σ planted in any input, a huge H (P overflows f64 is out
     /// of reach in f32, so a NaN instead), or I + ρR not SPD: the same error as the CPU.
     #[test]
-    fn errors_match_cpu(n in n_strategy(), d_o in 1usize..=6, seed in any::<u64>(), which in 0usize..7, at in any::<usize>(), nan in any::<bool>()) {
+    fn errors_match_cpu(n in n_strategy(), d_o in 1usize..=6, seed in any::<u64>(), which in 0usize..7, at in any::<usize>(), nan in any::<bool>(), half in any::<bool>()) {
         let mut c = case(d_o, n, seed);
+        if half {
+            c = to_bf16(c);
+        }
         let bad = if nan { f32::NAN } else { f32::INFINITY };
         let mut o = KalmanOptions::default();
         match which {
@@ -315,9 +346,28 @@ proptest! {
     }
 }
 
-/// The CUDA arm at the GPU's sizes: n ragged in 1e5..=2e6 with d_o = 10, the largest one
-/// (`MAX_D_O`) and one drawn, options drawn as in `step_matches_cpu`, outputs NaN-poisoned,
-/// `compare`'s bounds (independent of n: sums of at most 64 f32 terms, f64 above).
+proptest! {
+    #![proptest_config(common::proptest_config(6))]
+
+    /// The wide path (d_o > 64: the solve's workspace in global memory, the update with H
+    /// staged in shared memory, several Gram tile groups above 88) vs CPU: ragged d_o up to
+    /// MAX_D_O, ragged n (fewer columns than outputs included: a rank-deficient P), H in f32
+    /// or bf16, options drawn.
+    #[test]
+    fn wide_d_o_matches_cpu(d_o in (FAST_D_O + 1)..=MAX_D_O, n in prop_oneof![Just(1usize), 2usize..200, Just(257)], seed in any::<u64>(), o in opts_strategy(), half in any::<bool>()) {
+        let c = case(d_o, n, seed);
+        let c = if half { to_bf16(c) } else { c };
+        let want = run_cpu(&c, &o);
+        for dev in devices() {
+            compare(&c, &o, &want, &run_dev(&dev, &c, &o))?;
+        }
+    }
+}
+
+/// The CUDA arm at the GPU's sizes: n ragged in 1e5..=2e6 with d_o = 10 (H in f32 and bf16),
+/// the fast path's largest d_o and one drawn up to `MAX_D_O` (n in 5e3..=2e4 above 64),
+/// options drawn as in `step_matches_cpu`, outputs NaN-poisoned, `compare`'s bounds
+/// (independent of n: sums of at most 64 f32 terms, f64 above).
 #[test]
 fn cuda_large_steps_match_cpu() {
     let Some(dev) = common::cuda() else {
@@ -326,24 +376,86 @@ fn cuda_large_steps_match_cpu() {
     let mut rng = common::seeded_rng();
     use proptest::strategy::ValueTree;
     let mut runner = proptest::test_runner::TestRunner::new(common::proptest_config(1));
-    for d_o in [10, MAX_D_O, rng.random_range(1..=MAX_D_O)] {
-        let c = case(d_o, rng.random_range(100_000..=2_000_000), rng.random());
+    let drawn = rng.random_range(1..=MAX_D_O);
+    for (d_o, half) in [
+        (10, false),
+        (10, true),
+        (FAST_D_O, rng.random()),
+        (drawn, rng.random()),
+    ] {
+        // compare's R bound costs d_o²·n: fewer columns on the wide path.
+        let n = if d_o > FAST_D_O {
+            rng.random_range(5_000..=20_000)
+        } else {
+            rng.random_range(100_000..=2_000_000)
+        };
+        let c = case(d_o, n, rng.random());
+        let c = if half { to_bf16(c) } else { c };
         let o = opts_strategy().new_tree(&mut runner).unwrap().current();
         let want = run_cpu(&c, &o);
         compare(&c, &o, &want, &run_dev(&dev, &c, &o)).unwrap();
     }
 }
 
-/// The register buckets' edges (d_o = 8, 9, 16, 17, 32, 33, 64) against the CPU.
+/// The register buckets' edges (d_o = 8, 9, 16, 17, 32, 33, 64), the wide path's first
+/// d_o (65), the Gram pass's tile-group edge (88: 253 tiles in one group; 89: 276 in two) and
+/// MAX_D_O against the CPU, H in f32 and bf16.
 #[test]
 fn bucket_edges_match_cpu() {
     let o = KalmanOptions::default();
     let seed = common::seed();
-    for (k, d_o) in [8usize, 9, 16, 17, 32, 33, 64].into_iter().enumerate() {
+    let edges = [
+        8usize,
+        9,
+        16,
+        17,
+        32,
+        33,
+        FAST_D_O,
+        FAST_D_O + 1,
+        88,
+        89,
+        MAX_D_O,
+    ];
+    for (k, d_o) in edges.into_iter().enumerate() {
         let c = case(d_o, 257, seed.wrapping_add(k as u64));
-        let want = run_cpu(&c, &o);
-        for dev in devices() {
-            compare(&c, &o, &want, &run_dev(&dev, &c, &o)).unwrap();
+        for c in [c.clone(), to_bf16(c)] {
+            let want = run_cpu(&c, &o);
+            for dev in devices() {
+                compare(&c, &o, &want, &run_dev(&dev, &c, &o)).unwrap();
+            }
+        }
+    }
+}
+
+/// The CPU backend reads a bf16 H exactly as the f32 H of the same values: bit-identical
+/// posterior and report through `Device::kalman_step` (widening is exact and the arithmetic
+/// after it is the same), over ragged shapes.
+#[test]
+fn cpu_bf16_h_is_f32_h_of_the_same_values() {
+    let mut rng = common::seeded_rng();
+    let o = KalmanOptions::default();
+    for _ in 0..8 {
+        let c = to_bf16(case(
+            rng.random_range(1..=40),
+            rng.random_range(1..=600),
+            rng.random(),
+        ));
+        let cpu = Device::Cpu;
+        let hb: Vec<bf16> = c.h.iter().map(|&x| bf16::from_f32(x)).collect();
+        let h32 = cpu.upload(c.d_o, c.n, &c.h).unwrap();
+        let h16 = cpu.upload(c.d_o, c.n, &hb).unwrap();
+        let v = cpu.upload(c.d_o, 1, &c.v).unwrap();
+        let mut a = KalmanState::new(&cpu, &c.mu, 0.1, c.d_o).unwrap();
+        let mut b = KalmanState::new(&cpu, &c.mu, 0.1, c.d_o).unwrap();
+        for _ in 0..2 {
+            let ia = cpu.kalman_step(&mut a, &h32, &v, &o).unwrap();
+            let ib = cpu.kalman_step(&mut b, &h16, &v, &o).unwrap();
+            assert_eq!(ia, ib);
+        }
+        for (x, y) in [(&a.mu, &b.mu), (&a.sigma, &b.sigma), (&a.r, &b.r)] {
+            let (x, y) = (x.to_vec().unwrap(), y.to_vec().unwrap());
+            assert!(x.iter().zip(&y).all(|(p, q)| p.to_bits() == q.to_bits()));
         }
     }
 }

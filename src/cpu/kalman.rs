@@ -11,11 +11,15 @@
 //!    `μ_i ← μ_i + σ⁻_i h_iᵀw` and `σ_i ← σ⁻_i (1 − σ⁻_i ‖z_i‖²)`, floored.
 //!
 //! Both passes read `H` in chunks of `CHUNK` (256) columns: every row segment of a chunk is
-//! contiguous, so the column loop vectorizes and a chunk (`d_o · CHUNK` floats) stays in L1.
+//! contiguous, so the column loop vectorizes and a chunk (`d_o · CHUNK` elements) stays in L1.
+//! `H` is `f32` or `bf16` (any [`Element`]); a `bf16` entry is widened where it is used (exact),
+//! never through a widened copy of the matrix, and every product and sum is `f32`/`f64` as
+//! for an `f32` `H`.
 
 use rayon::prelude::*;
 
 use crate::cpu::elementwise::dot_chunk;
+use crate::device::Element;
 use crate::error::{check_len, Error, Result};
 use crate::mat::MatRef;
 use crate::params::kalman::{KalmanInfo, KalmanOptions, RForm};
@@ -78,9 +82,9 @@ pub(crate) fn check_h_shape(op: &'static str, (d_o, n): (usize, usize)) -> Resul
 /// - [`Error::Value`]: bad options, `σ_i ≤ 0`, or finite inputs so large that `P` overflows;
 /// - [`Error::NonFinite`]: NaN/Inf in `μ`, `σ`, `R`, `H`, `v`, or in the posterior;
 /// - [`Error::NotSpd`]: `I + ρR` (exact form) or `S` after every jitter escalation is not SPD.
-pub fn kalman_step(
+pub fn kalman_step<T: Element>(
     io: KalmanIo<'_>,
-    h: MatRef<'_, f32>,
+    h: MatRef<'_, T>,
     innovation: &[f32],
     opts: &KalmanOptions,
 ) -> Result<KalmanInfo> {
@@ -198,7 +202,7 @@ pub fn kalman_step(
 /// of one rounded `G` summed in `f64`, `P` is PSD to ~1e-16 relative even when rank-deficient
 /// (`n < d_o`); forming `σ⁻ ⊙ h_j` and dotting with `h_k` in `f32` would leave negative
 /// eigenvalues of ~1e-7·‖P‖, enough to make `I + ρR` indefinite for large `H`.
-fn weighted_gram(h: MatRef<'_, f32>, sigma: &[f32], q: f32) -> Vec<f64> {
+fn weighted_gram<T: Element>(h: MatRef<'_, T>, sigma: &[f32], q: f32) -> Vec<f64> {
     let (d_o, n) = h.shape();
     let chunks = n.div_ceil(CHUNK);
     let mut p = (0..chunks)
@@ -218,7 +222,7 @@ fn weighted_gram(h: MatRef<'_, f32>, sigma: &[f32], q: f32) -> Vec<f64> {
                     let hj = &h.row(j)[c0..c1];
                     for ((gi, &hv), &r) in g[j * CHUNK..j * CHUNK + w].iter_mut().zip(hj).zip(&root)
                     {
-                        *gi = r * hv;
+                        *gi = r * hv.to_f32();
                     }
                 }
                 for j in 0..d_o {
@@ -257,9 +261,9 @@ struct Prior<'a> {
 
 /// The fused update pass; returns how many `σ_i` were set by the floor. `l_inv` is `L⁻¹`
 /// (lower, row-major `d_o x d_o`) and `w = S⁻¹v`.
-fn posterior_pass(
+fn posterior_pass<T: Element>(
     prior: Prior<'_>,
-    h: MatRef<'_, f32>,
+    h: MatRef<'_, T>,
     l_inv: &[f32],
     w: &[f32],
     mu_out: &mut [f32],
@@ -287,13 +291,17 @@ fn posterior_pass(
             for r in 0..d_o {
                 let hr = &h.row(r)[c0..c0 + wd];
                 let wr = w[r];
-                t.iter_mut().zip(hr).for_each(|(ti, &hv)| *ti += wr * hv);
+                t.iter_mut()
+                    .zip(hr)
+                    .for_each(|(ti, &hv)| *ti += wr * hv.to_f32());
                 // z_r = Σ_{j ≤ r} L⁻¹[r][j] H[j, chunk]
                 z.fill(0.0);
                 for j in 0..=r {
                     let lrj = l_inv[r * d_o + j];
                     let hj = &h.row(j)[c0..c0 + wd];
-                    z.iter_mut().zip(hj).for_each(|(zi, &hv)| *zi += lrj * hv);
+                    z.iter_mut()
+                        .zip(hj)
+                        .for_each(|(zi, &hv)| *zi += lrj * hv.to_f32());
                 }
                 zz.iter_mut()
                     .zip(z.iter())
@@ -419,20 +427,20 @@ fn lower_inverse(l: &[f64], n: usize) -> Vec<f64> {
 
 /// The error for a `P` that came out non-finite: the first NaN/Inf of `H`, or (all finite)
 /// entries so large that `P` overflows.
-fn nonfinite_h(op: &'static str, h: MatRef<'_, f32>) -> Error {
+fn nonfinite_h<T: Element>(op: &'static str, h: MatRef<'_, T>) -> Error {
     for j in 0..h.rows() {
-        if let Some(i) = h.row(j).iter().position(|x| !x.is_finite()) {
+        if let Some(i) = h.row(j).iter().position(|x| !x.to_f32().is_finite()) {
             return Error::NonFinite {
                 op,
                 arg: "h",
                 index: j * h.cols() + i,
-                value: h.at(j, i),
+                value: h.at(j, i).to_f32(),
             };
         }
     }
     let max = (0..h.rows())
         .flat_map(|j| h.row(j).iter())
-        .fold(0.0f32, |m, x| m.max(x.abs()));
+        .fold(0.0f32, |m, x| m.max(x.to_f32().abs()));
     Error::Value {
         op,
         arg: "h",

@@ -6,38 +6,58 @@
 //! deterministic reduction, the single-block `d_o x d_o` solve (R EMA, R̃, Cholesky of `S`
 //! with in-kernel jitter escalation, `L⁻¹`, `w = S⁻¹v`) and one fused streaming pass writing
 //! the posterior `μ`, `σ` — and the host reads one status buffer at the end: the only
-//! synchronization of the step. Inputs are validated inside the passes that read them
-//! anyway (σ by the Gram pass, μ by the update pass, R and v by the solve), and the update
-//! runs only when the solve succeeded; the posterior goes to the caller's output buffers
-//! only, so a caller that swaps them in on success (as [`Device::kalman_step`] does) keeps
-//! its state unchanged on any error.
+//! synchronization of the step. Every input is checked for NaN/Inf inside the pass that
+//! reads it anyway (σ and `H` by the Gram pass, μ by the update pass, R and v by the solve),
+//! and the update runs only when everything was clean and the solve succeeded; the posterior
+//! goes to the caller's output buffers only, so a caller that swaps them in on success (as
+//! [`Device::kalman_step`] does) keeps its state unchanged on any error, without a copy.
 //!
-//! The solve runs in one block with `3 d_o² + 2 d_o` doubles of shared memory, hence the
-//! limit [`MAX_D_O`] = 64 (96 KiB); larger observations are an [`Error::Shape`].
+//! `H` is read as `f32` or `bf16` ([`JacobianElement`]), widened per element in registers.
+//! The step allocates nothing on the device: its scratch (partials, `P`, `L⁻¹` and `w`, the
+//! solve's workspace for `d_o > 64`, the status) is a [`KalmanScratch`] the caller keeps, and
+//! every status slot is initialized by the kernel that owns it (no reset upload).
+
+use half::bf16;
 
 use super::elementwise::to_i32;
 use super::launch::{kernel, launch, KernelArgs, LaunchConfig};
-use crate::device::{Device, Matrix};
+use crate::device::{Device, Element, Matrix};
 use crate::error::{check_len, check_shape, Error, Result};
 use crate::params::kalman::{KalmanInfo, KalmanOptions, RForm};
 
-kernel!(pub(crate) GRAM_PARTIAL = KALMAN::kalman_gram_partial;);
+kernel!(pub(crate) GRAM_PARTIAL_F32 = KALMAN::kalman_gram_partial_f32;);
+kernel!(pub(crate) GRAM_PARTIAL_BF16 = KALMAN::kalman_gram_partial_bf16;);
 kernel!(pub(crate) GRAM_REDUCE = KALMAN::kalman_gram_reduce;);
 kernel!(pub(crate) SOLVE = KALMAN::kalman_solve;);
-kernel!(pub(crate) UPDATE_D8 = KALMAN::kalman_update_d8;);
-kernel!(pub(crate) UPDATE_D16 = KALMAN::kalman_update_d16;);
-kernel!(pub(crate) UPDATE_D32 = KALMAN::kalman_update_d32;);
-kernel!(pub(crate) UPDATE_D64 = KALMAN::kalman_update_d64;);
+kernel!(pub(crate) UPDATE_D8_F32 = KALMAN::kalman_update_d8_f32;);
+kernel!(pub(crate) UPDATE_D16_F32 = KALMAN::kalman_update_d16_f32;);
+kernel!(pub(crate) UPDATE_D32_F32 = KALMAN::kalman_update_d32_f32;);
+kernel!(pub(crate) UPDATE_D64_F32 = KALMAN::kalman_update_d64_f32;);
+kernel!(pub(crate) UPDATE_WIDE_F32 = KALMAN::kalman_update_wide_f32;);
+kernel!(pub(crate) UPDATE_D8_BF16 = KALMAN::kalman_update_d8_bf16;);
+kernel!(pub(crate) UPDATE_D16_BF16 = KALMAN::kalman_update_d16_bf16;);
+kernel!(pub(crate) UPDATE_D32_BF16 = KALMAN::kalman_update_d32_bf16;);
+kernel!(pub(crate) UPDATE_D64_BF16 = KALMAN::kalman_update_d64_bf16;);
+kernel!(pub(crate) UPDATE_WIDE_BF16 = KALMAN::kalman_update_wide_bf16;);
 
-/// Largest observation size `d_o` of the GPU step (the single-block solve's shared memory).
-pub const MAX_D_O: usize = 64;
+/// Largest observation size `d_o` of the GPU step.
+pub const MAX_D_O: usize = 256;
+/// Largest `d_o` of the fast path: the solve in shared memory (`KAL_SMEM_DO`, 96 KiB) and
+/// `h_i` in registers in the update pass.
+pub const FAST_D_O: usize = 64;
 /// Threads per block of every Kalman kernel (`KAL_THREADS`).
 const THREADS: u32 = 256;
-/// Grid cap of the Gram pass: at most this many partials per entry. With the chunk width it
-/// depends on `n` and `d_o` only, so the summation order is device-independent.
-const GRAM_BLOCKS: usize = 1024;
+/// Columns per block step of `kalman_update_wide` (`KAL_WIDE_TW`).
+const WIDE_TW: usize = 32;
+/// Bound on the Gram pass's f64 partials (blocks x upper-triangle entries): at most 1024
+/// blocks, fewer for large `d_o` (8 MiB of partials; at `d_o = 256` still 31 x 9 blocks,
+/// each with `d_o²/2` FMAs per column). With the chunk width it depends on `n` and `d_o`
+/// only, so the summation order is device-independent.
+const GRAM_PARTIALS: usize = 1 << 20;
 /// Grid cap of the update pass (grid-stride above).
 const UPDATE_BLOCKS: usize = 4096;
+/// Per-block flags of the Gram pass (`KAL_NFLAGS`).
+const NFLAGS: usize = 3;
 /// "No bad index" (`KAL_NONE`).
 const NONE: i32 = i32::MAX;
 /// Float offset of the int slots in the status buffer (`KAL_ISTAT`); the f64 values live at
@@ -57,11 +77,139 @@ const S_FLOORED: usize = 9;
 const S_POST_MU: usize = 10;
 const S_POST_SIGMA: usize = 11;
 const S_POST_R: usize = 12;
+const S_H: usize = 14;
 const ISLOTS: usize = 16;
 
-/// The buffers of one step, all on the launch's device: the prior (read) and the posterior
-/// (written; every element, whatever they held). Shapes: `mu`, `sigma`, `mu_out`,
-/// `sigma_out` are `n x 1`, `r` and `r_out` `d_o x d_o` (row-major).
+mod sealed {
+    pub trait Sealed {}
+    impl Sealed for f32 {}
+    impl Sealed for half::bf16 {}
+}
+
+/// The element types the Kalman kernels read the Jacobian `H` in: `f32`, and `bf16` for half
+/// the bytes of the two streaming passes over `H`. Either way every product and sum is `f32`
+/// (and `f64` across chunks): widening a `bf16` is exact, so a `bf16` `H` is used exactly as
+/// given. Sealed.
+pub trait JacobianElement: Element + sealed::Sealed {
+    /// Whether the kernels read `bf16` (launcher dispatch).
+    #[doc(hidden)]
+    const BF16: bool;
+}
+impl JacobianElement for f32 {
+    const BF16: bool = false;
+}
+impl JacobianElement for bf16 {
+    const BF16: bool = true;
+}
+
+/// Launch geometry of the Gram pass for `(d_o, n)`: the chunk width, the blocks along `n`,
+/// the groups of 256 tiles (4x4 blocks of `P`'s upper triangle) and where the per-block flags
+/// start in the partials buffer. Depends on `d_o` and `n` only.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+struct Gram {
+    r4: usize,
+    tc: usize,
+    blocks: usize,
+    groups: usize,
+    npairs: usize,
+    flag_off: usize,
+}
+
+impl Gram {
+    fn new(d_o: usize, n: usize) -> Self {
+        let r4 = 4 * d_o.div_ceil(4);
+        let nt = r4 / 4;
+        // Wide chunks for small d_o (fewer barriers per byte), at least 64 columns (a 256-byte
+        // row segment per load).
+        let tc = (2048 / r4 / 32 * 32).clamp(64, 512);
+        let npairs = d_o * (d_o + 1) / 2;
+        let blocks = n.div_ceil(tc).min((GRAM_PARTIALS / npairs).clamp(1, 1024));
+        Self {
+            r4,
+            tc,
+            blocks,
+            groups: (nt * (nt + 1) / 2).div_ceil(THREADS as usize),
+            npairs,
+            // f64 partials from the first 8-byte aligned float (one spare float).
+            flag_off: 2 * npairs * blocks + 1,
+        }
+    }
+}
+
+/// The device scratch of the step for one `(d_o, n)`, allocated once and reused by every
+/// step (no device allocation per step). Its contents are never read before a kernel of the
+/// same step wrote them.
+#[derive(Debug)]
+pub struct KalmanScratch {
+    d_o: usize,
+    n: usize,
+    gram: Gram,
+    /// Gram partials (f64) then the per-block flags (ints).
+    partial: Matrix,
+    /// `P`, f64 `d_o x d_o`.
+    p: Matrix,
+    /// `L⁻¹` (f32 `d_o x d_o`) then `w` (`d_o`).
+    gain: Matrix,
+    /// The solve's f64 workspace for `d_o > FAST_D_O` (one unused float otherwise).
+    work: Matrix,
+    /// The status word: f64 values, then the int slots at `ISTAT`.
+    status: Matrix,
+}
+
+impl KalmanScratch {
+    /// Scratch for `d_o x n` Jacobians on `dev`, NaN-filled (an entry a kernel forgot to
+    /// write poisons the result instead of passing silently).
+    ///
+    /// # Errors
+    /// [`Error::Shape`] unless `1 ≤ d_o ≤ MAX_D_O` and `n ≥ 1`; device errors.
+    pub fn new(dev: &Device, d_o: usize, n: usize) -> Result<Self> {
+        check_dims("KalmanScratch::new", d_o, n)?;
+        let gram = Gram::new(d_o, n);
+        let nan = |len: usize| dev.upload(len, 1, &vec![f32::NAN; len]);
+        let work = if d_o > FAST_D_O {
+            2 * (3 * d_o * d_o + 2 * d_o) + 1
+        } else {
+            1
+        };
+        Ok(Self {
+            d_o,
+            n,
+            gram,
+            partial: nan(gram.flag_off + NFLAGS * gram.blocks)?,
+            p: nan(2 * d_o * d_o + 1)?,
+            gain: nan(d_o * d_o + d_o)?,
+            work: nan(work)?,
+            status: nan(ISTAT + ISLOTS)?,
+        })
+    }
+
+    /// The `(d_o, n)` it serves.
+    pub fn dims(&self) -> (usize, usize) {
+        (self.d_o, self.n)
+    }
+
+    /// Whether it serves `(d_o, n)` on `dev`.
+    pub fn fits(&self, dev: &Device, d_o: usize, n: usize) -> bool {
+        self.dims() == (d_o, n) && dev.check_on("KalmanScratch::fits", &self.status).is_ok()
+    }
+}
+
+/// `Err(Error::Shape)` unless `1 ≤ d_o ≤ MAX_D_O` and `n ≥ 1`.
+fn check_dims(op: &'static str, d_o: usize, n: usize) -> Result<()> {
+    if d_o == 0 || n == 0 || d_o > MAX_D_O {
+        return Err(Error::Shape {
+            op,
+            arg: "h",
+            expected: format!("d_o x n with 1 <= d_o <= {MAX_D_O} and n >= 1"),
+            got: format!("{d_o}x{n}"),
+        });
+    }
+    Ok(())
+}
+
+/// The buffers of one step, all on the launch's device: the prior (read), the posterior
+/// (written; every element, whatever they held) and the scratch. Shapes: `mu`, `sigma`,
+/// `mu_out`, `sigma_out` are `n x 1`, `r` and `r_out` `d_o x d_o` (row-major).
 #[derive(Debug)]
 pub struct KalmanBuffers<'a> {
     /// Mean `μ`.
@@ -76,39 +224,35 @@ pub struct KalmanBuffers<'a> {
     pub sigma_out: &'a mut Matrix,
     /// Updated `R` (exactly symmetric).
     pub r_out: &'a mut Matrix,
+    /// Scratch for this `(d_o, n)` ([`KalmanScratch::new`]).
+    pub scratch: &'a mut KalmanScratch,
 }
 
-/// One R-Kalman step on `dev` for the `d_o x n` Jacobian `h` (row-major) and the innovation
-/// `v = y − ŷ` (`d_o x 1`): reads `io.mu`, `io.sigma`, `io.r`, writes the posterior into
-/// `io.mu_out`, `io.sigma_out`, `io.r_out`. Arithmetic, options and errors are those of
-/// [`crate::cpu::kalman::kalman_step`]; the inputs are never modified, and on error the
-/// outputs hold unspecified values. `opts` are not validated here
+/// One R-Kalman step on `dev` for the `d_o x n` Jacobian `h` (row-major, `f32` or `bf16`) and
+/// the innovation `v = y − ŷ` (`d_o x 1`): reads `io.mu`, `io.sigma`, `io.r`, writes the
+/// posterior into `io.mu_out`, `io.sigma_out`, `io.r_out`. Arithmetic, options and errors are
+/// those of [`crate::cpu::kalman::kalman_step`]; the inputs are never modified, and on error
+/// the outputs hold unspecified values. `opts` are not validated here
 /// ([`crate::Device::kalman_step`] does).
 ///
 /// # Errors
 /// As the CPU step ([`Error::Shape`], [`Error::Value`], [`Error::NonFinite`],
-/// [`Error::NotSpd`]), plus [`Error::Shape`] for `d_o > MAX_D_O`, [`Error::Value`] for
-/// `d_o · n ≥ 2³¹`, [`Error::DeviceMismatch`] and device errors.
-pub fn kalman_step(
+/// [`Error::NotSpd`]), plus [`Error::Shape`] for `d_o > MAX_D_O` or a scratch of other
+/// dimensions, [`Error::Value`] for `d_o · n ≥ 2³¹`, [`Error::DeviceMismatch`] and device
+/// errors.
+pub fn kalman_step<T: JacobianElement>(
     dev: &Device,
     io: KalmanBuffers<'_>,
-    h: &Matrix,
+    h: &Matrix<T>,
     innovation: &Matrix,
     opts: &KalmanOptions,
 ) -> Result<KalmanInfo> {
     const OP: &str = "cuda::kalman_step";
     // Memory safety only (the options, shapes and finiteness are the op's,
     // `Device::kalman_step`): every buffer against the d_o, n the kernels index by, d_o within
-    // their fixed-size solve, d_o·n within their ints.
+    // the kernels' limits, d_o·n within their ints, the scratch sized for (d_o, n).
     let (d_o, n) = h.shape();
-    if d_o == 0 || n == 0 || d_o > MAX_D_O {
-        return Err(Error::Shape {
-            op: OP,
-            arg: "h",
-            expected: format!("d_o x n with 1 <= d_o <= {MAX_D_O} and n >= 1"),
-            got: format!("{d_o}x{n}"),
-        });
-    }
+    check_dims(OP, d_o, n)?;
     check_len(OP, "mu", io.mu.len(), n)?;
     check_len(OP, "sigma", io.sigma.len(), n)?;
     check_len(OP, "r", io.r.len(), d_o * d_o)?;
@@ -116,70 +260,73 @@ pub fn kalman_step(
     check_len(OP, "mu_out", io.mu_out.len(), n)?;
     check_len(OP, "sigma_out", io.sigma_out.len(), n)?;
     check_shape(OP, "r_out", io.r_out.shape(), (d_o, d_o))?;
+    check_shape(OP, "scratch", io.scratch.dims(), (d_o, n))?;
     to_i32(OP, "h", d_o * n)?; // every index of h fits the kernels' int
-    let (d, npairs) = (d_o as i32, d_o * (d_o + 1) / 2);
+    let d = d_o as i32;
+    let KalmanScratch {
+        gram,
+        partial,
+        p,
+        gain,
+        work,
+        status,
+        ..
+    } = io.scratch;
+    let g = *gram;
 
-    // Status: NaN f64 slots (poison: each is written before it is read back), then the ints.
-    let mut init = vec![f32::NAN; ISTAT + ISLOTS];
-    let islots: [i32; ISLOTS] = [
-        NONE, NONE, NONE, NONE, NONE, 0, -1, -1, 0, 0, NONE, NONE, NONE, 0, 0, 0,
-    ];
-    for (s, v) in init[ISTAT..].iter_mut().zip(islots) {
-        *s = f32::from_bits(v as u32);
-    }
-    let mut status = dev.upload(init.len(), 1, &init)?;
-
-    // Pass 1: Gram partials. Chunk width: wide for small d_o (fewer barriers per byte), at
-    // least 64 columns (a 256-byte row segment per load).
-    let r4 = 4 * d_o.div_ceil(4);
-    let tc = (2048 / r4 / 32 * 32).clamp(64, 512);
-    let blocks = n.div_ceil(tc).min(GRAM_BLOCKS);
-    // NaN scratch: an entry a kernel forgot to write poisons the result.
-    let nan = |len: usize| dev.upload(len, 1, &vec![f32::NAN; len]);
-    let mut partial = nan(2 * npairs * blocks + 1)?;
+    // Pass 1: Gram partials and the per-block flags of σ and H.
     let mut args = KernelArgs::new(dev);
     args.input(OP, h)?
         .input(OP, io.sigma)?
         .scalar(opts.process_noise)
         .scalar(d)
         .scalar(n as i32)
-        .scalar(tc as i32)
-        .output(OP, &mut partial)?
-        .output(OP, &mut status)?;
+        .scalar(g.tc as i32)
+        .scalar(g.flag_off as i32)
+        .output(OP, partial)?;
     let cfg = LaunchConfig {
-        grid: (blocks as u32, 1, 1),
+        grid: (g.blocks as u32, g.groups as u32, 1),
         block: (THREADS, 1, 1),
-        shared_mem: ((tc + r4 * (tc + 1)) * 4) as u32,
+        shared_mem: ((g.tc + g.r4 * (g.tc + 1)) * 4) as u32,
     };
-    // SAFETY: kalman_gram_partial(const float* h, const float* sigma, float q, int d_o, int n,
-    // int tc, float* partial, float* status): h holds d_o*n and sigma n floats (checked
-    // above); loads are guarded by j < d_o, i < n; block b writes f64 partials at
-    // pair*blocks + b < npairs*blocks inside 2*npairs*blocks + 1 floats (one spare for the
-    // 8-byte alignment); shared memory is tc + r4*(tc + 1) floats as sized here; status holds
-    // ISTAT + 16 floats.
-    unsafe { launch(&GRAM_PARTIAL, cfg, args)? };
+    let gram_kernel = if T::BF16 {
+        &GRAM_PARTIAL_BF16
+    } else {
+        &GRAM_PARTIAL_F32
+    };
+    // SAFETY: kalman_gram_partial_{f32,bf16}(const T* h, const float* sigma, float q, int d_o,
+    // int n, int tc, int flag_off, float* partial), T the element type of h (f32 or bf16 by
+    // T::BF16): h holds d_o*n and sigma n elements (checked above); loads are guarded by
+    // j < d_o, i < n; block (b, y) writes f64 partials of its group's tiles at pair*blocks + b
+    // < npairs*blocks inside flag_off = 2*npairs*blocks + 1 floats (one spare for the 8-byte
+    // alignment), and blocks of group 0 write NFLAGS ints at flag_off + NFLAGS*b inside the
+    // flag_off + NFLAGS*blocks floats of the scratch (sized by Gram::new for this (d_o, n),
+    // checked above); shared memory is tc + r4*(tc + 1) floats as sized here.
+    unsafe { launch(gram_kernel, cfg, args)? };
 
-    // Pass 2: P (f64 d_o x d_o).
-    let mut p = nan(2 * d_o * d_o + 1)?;
+    // Pass 2: P (f64 d_o x d_o) and the flags into the status.
     let mut args = KernelArgs::new(dev);
-    args.input(OP, &partial)?
-        .scalar(blocks as i32)
+    args.input(OP, &*partial)?
+        .scalar(g.blocks as i32)
+        .scalar(g.flag_off as i32)
         .scalar(d)
-        .output(OP, &mut p)?;
+        .output(OP, p)?
+        .output(OP, status)?;
     let cfg = LaunchConfig {
-        grid: (npairs.div_ceil(THREADS as usize / 32) as u32, 1, 1),
+        grid: ((g.npairs + 1).div_ceil(THREADS as usize / 32) as u32, 1, 1),
         block: (THREADS, 1, 1),
         shared_mem: 0,
     };
-    // SAFETY: kalman_gram_reduce(const float* partial, int nblocks, int d_o, float* p): warp w
-    // < npairs reads partials pair*blocks .. +blocks (written by pass 1) and writes two f64
-    // entries of p (2*d_o² + 1 floats); warps past npairs return.
+    // SAFETY: kalman_gram_reduce(const float* partial, int nblocks, int flag_off, int d_o,
+    // float* p, float* status): warp w < npairs reads partials pair*blocks .. +blocks and
+    // writes two f64 entries of p (2*d_o² + 1 floats); warp npairs reads the NFLAGS*blocks
+    // flag ints (all written by pass 1) and writes 3 int slots of status (ISTAT + 16 floats);
+    // warps past npairs return.
     unsafe { launch(&GRAM_REDUCE, cfg, args)? };
 
     // Pass 3: the single-block solve.
-    let mut gain = nan(d_o * d_o + d_o)?;
     let mut args = KernelArgs::new(dev);
-    args.input(OP, &p)?
+    args.input(OP, &*p)?
         .input(OP, io.r)?
         .input(OP, innovation)?
         .scalar(d)
@@ -189,48 +336,73 @@ pub fn kalman_step(
         .scalar(opts.jitter)
         .scalar(opts.max_jitter_escalations as i32)
         .output(OP, io.r_out)?
-        .output(OP, &mut gain)?
-        .output(OP, &mut status)?;
+        .output(OP, gain)?
+        .output(OP, work)?
+        .output(OP, status)?;
+    let solve_words = 3 * d_o * d_o + 2 * d_o;
     let cfg = LaunchConfig {
         grid: (1, 1, 1),
         block: (THREADS, 1, 1),
-        shared_mem: ((3 * d_o * d_o + 2 * d_o) * 8) as u32,
+        shared_mem: if d_o <= FAST_D_O {
+            (solve_words * 8) as u32
+        } else {
+            0
+        },
     };
     // SAFETY: kalman_solve(const float* p, const float* r, const float* innov, int d_o, float
     // beta, float rho, int exact, float jitter, int max_esc, float* r_out, float* gain, float*
-    // status): p holds d_o² f64 (pass 2), r and r_out d_o², innov d_o, gain d_o² + d_o floats
-    // (checked above); shared memory is 3 d_o² + 2 d_o doubles as sized here (≤ 96 KiB for
-    // d_o ≤ 64); max_esc ≤ 30 (validated) bounds the escalation loop.
+    // work, float* status): p holds d_o² f64 (pass 2), r and r_out d_o², innov d_o, gain
+    // d_o² + d_o floats (checked above); the workspace of 3 d_o² + 2 d_o doubles is the shared
+    // memory sized here for d_o ≤ KAL_SMEM_DO = FAST_D_O (≤ 96 KiB), else `work`, whose
+    // 2*(3 d_o² + 2 d_o) + 1 floats (KalmanScratch::new) hold it from the first 8-byte aligned
+    // float; max_esc ≤ 30 (validated) bounds the escalation loop.
     unsafe { launch(&SOLVE, cfg, args)? };
 
-    // Pass 4: the fused update, in the smallest register bucket D ≥ d_o.
-    let update = match d_o {
-        1..=8 => &UPDATE_D8,
-        9..=16 => &UPDATE_D16,
-        17..=32 => &UPDATE_D32,
-        _ => &UPDATE_D64,
+    // Pass 4: the fused update, in the smallest register bucket D ≥ d_o, or the wide kernel.
+    let (update, wide) = match (d_o, T::BF16) {
+        (1..=8, false) => (&UPDATE_D8_F32, false),
+        (9..=16, false) => (&UPDATE_D16_F32, false),
+        (17..=32, false) => (&UPDATE_D32_F32, false),
+        (33..=FAST_D_O, false) => (&UPDATE_D64_F32, false),
+        (_, false) => (&UPDATE_WIDE_F32, true),
+        (1..=8, true) => (&UPDATE_D8_BF16, false),
+        (9..=16, true) => (&UPDATE_D16_BF16, false),
+        (17..=32, true) => (&UPDATE_D32_BF16, false),
+        (33..=FAST_D_O, true) => (&UPDATE_D64_BF16, false),
+        (_, true) => (&UPDATE_WIDE_BF16, true),
     };
     let mut args = KernelArgs::new(dev);
     args.input(OP, h)?
         .input(OP, io.mu)?
         .input(OP, io.sigma)?
-        .input(OP, &gain)?
+        .input(OP, &*gain)?
         .scalar(opts.process_noise)
         .scalar(opts.sigma_floor)
         .scalar(d)
         .scalar(n as i32)
         .output(OP, io.mu_out)?
         .output(OP, io.sigma_out)?
-        .output(OP, &mut status)?;
-    let cfg = LaunchConfig {
-        grid: (n.div_ceil(THREADS as usize).min(UPDATE_BLOCKS) as u32, 1, 1),
-        block: (THREADS, 1, 1),
-        shared_mem: 0,
+        .output(OP, status)?;
+    let cfg = if wide {
+        LaunchConfig {
+            grid: (n.div_ceil(WIDE_TW).min(UPDATE_BLOCKS) as u32, 1, 1),
+            block: (THREADS, 1, 1),
+            shared_mem: ((d_o * WIDE_TW + 2 * THREADS as usize) * 4) as u32,
+        }
+    } else {
+        LaunchConfig {
+            grid: (n.div_ceil(THREADS as usize).min(UPDATE_BLOCKS) as u32, 1, 1),
+            block: (THREADS, 1, 1),
+            shared_mem: 0,
+        }
     };
-    // SAFETY: kalman_update_dD(const float* h, const float* mu, const float* sigma, const
-    // float* gain, float q, float floor, int d_o, int n, float* mu_out, float* sigma_out,
-    // float* status): D ≥ d_o by the match above; h holds d_o*n, mu, sigma, mu_out, sigma_out
-    // n, gain d_o² + d_o floats (checked above); column i < n only; static shared memory only.
+    // SAFETY: kalman_update_{dD,wide}_{f32,bf16}(const T* h, const float* mu, const float*
+    // sigma, const float* gain, float q, float floor, int d_o, int n, float* mu_out, float*
+    // sigma_out, float* status), T the element type of h (by T::BF16): D ≥ d_o by the match
+    // above (the wide kernel has no register bound); h holds d_o*n, mu, sigma, mu_out,
+    // sigma_out n, gain d_o² + d_o floats (checked above); column i < n only; the wide kernel's
+    // dynamic shared memory is d_o*WIDE_TW + 2*THREADS floats as sized here, the others use
+    // static shared memory only.
     unsafe { launch(update, cfg, args)? };
 
     // The one read-back of the step.
@@ -272,8 +444,17 @@ pub fn kalman_step(
             expected: "every entry > 0",
         });
     }
+    if int(S_H) != NONE {
+        let index = int(S_H) as usize;
+        return Err(Error::NonFinite {
+            op: OP,
+            arg: "h",
+            index,
+            value: h.to_vec()?[index].to_f32(),
+        });
+    }
     if int(S_P) != 0 {
-        return Err(nonfinite_h(OP, h)?);
+        return Err(h_overflow(OP, h)?);
     }
     for (slot, pivot) in [(S_M_SPD, 2), (S_S_SPD, 3)] {
         if int(slot) >= 0 {
@@ -301,22 +482,17 @@ pub fn kalman_step(
     })
 }
 
-/// The error for a `P` that came out non-finite (rare path: `h` is read back): its first
-/// NaN/Inf, or (all finite) the largest magnitude, as the CPU reports it.
-fn nonfinite_h(op: &'static str, h: &Matrix) -> Result<Error> {
-    let v = h.to_vec()?;
-    Ok(match v.iter().position(|x| !x.is_finite()) {
-        Some(index) => Error::NonFinite {
-            op,
-            arg: "h",
-            index,
-            value: v[index],
-        },
-        None => Error::Value {
-            op,
-            arg: "h",
-            value: v.iter().fold(0.0f32, |m, x| m.max(x.abs())) as f64,
-            expected: "entries small enough that H diag(σ) Hᵀ is finite in f64",
-        },
+/// The error for a `P` that came out non-finite from a finite `H` (rare path: `h` is read
+/// back): its largest magnitude, as the CPU reports it.
+fn h_overflow<T: Element>(op: &'static str, h: &Matrix<T>) -> Result<Error> {
+    let max = h
+        .to_vec()?
+        .iter()
+        .fold(0.0f32, |m, x| m.max(x.to_f32().abs()));
+    Ok(Error::Value {
+        op,
+        arg: "h",
+        value: max as f64,
+        expected: "entries small enough that H diag(σ) Hᵀ is finite in f64",
     })
 }

@@ -1,6 +1,7 @@
 //! The diagonal R-Kalman step (SPEC §3, steps 1 and 3–7): options, state and the
 //! device-agnostic entry point [`Device::kalman_step`].
 
+pub use crate::cuda::kalman::JacobianElement;
 use crate::device::{Device, Matrix};
 use crate::error::{check_shape, check_value, Error, Result};
 pub use crate::params::kalman::{KalmanInfo, KalmanOptions, RForm};
@@ -18,6 +19,9 @@ pub struct KalmanState {
     /// Buffers the next posterior is written into, swapped in on success, so a failed step
     /// leaves `mu`, `sigma`, `r` untouched without copying them.
     spare: Option<[Matrix; 3]>,
+    /// The kernels' scratch (Emulated and Cuda devices), kept across steps: a step allocates
+    /// nothing on the device once the first one has run.
+    scratch: Option<crate::cuda::kalman::KalmanScratch>,
 }
 
 impl KalmanState {
@@ -44,6 +48,7 @@ impl KalmanState {
             sigma: device.upload(n, 1, &crate::error::try_vec(n, 1, sigma0)?)?,
             r: device.zeros(d_o, d_o)?,
             spare: None,
+            scratch: None,
         })
     }
 
@@ -59,37 +64,49 @@ impl KalmanState {
 }
 
 impl Device {
-    /// One R-Kalman step (SPEC §3 steps 1 and 3–7) for the `d_o x n` Jacobian `h` (row-major,
-    /// `∂ŷ/∂μ` at the prior mean) and the innovation `v = y − ŷ` (`d_o x 1`): updates
+    /// One R-Kalman step (SPEC §3 steps 1 and 3–7) for the `d_o x n` Jacobian `h` (row-major:
+    /// row `j` is `∂ŷ_j/∂μ` at the prior mean, entry `(j, i)` at `j·n + i`; `f32` or `bf16`,
+    /// see [`JacobianElement`]) and the innovation `v = y − ŷ` (`d_o x 1`): updates
     /// `state.mu`, `state.sigma` and `state.r` in place. See [`crate::cpu::kalman::kalman_step`]
     /// for the exact arithmetic, the jitter and the floor.
     ///
     /// All operands must live on this device. A failed call leaves `state` bit-for-bit
-    /// unchanged.
+    /// unchanged. On the Emulated and Cuda devices `d_o ≤ 256`
+    /// ([`crate::cuda::kalman::MAX_D_O`]; the fast path is `d_o ≤ 64`), and the host
+    /// synchronizes once, to read the step's status.
     ///
     /// # Errors
     /// [`Error::DeviceMismatch`], [`Error::Shape`] (`state.mu`/`state.sigma` not `n x 1`,
-    /// `state.r` not `d_o x d_o`, `innovation` not `d_o x 1`, empty `h`), [`Error::Value`]
+    /// `state.r` not `d_o x d_o`, `innovation` not `d_o x 1`, empty `h`, `d_o` above the
+    /// kernels' limit), [`Error::Value`]
     /// (bad options, `σ_i ≤ 0`), [`Error::NonFinite`], [`Error::NotSpd`] (no jitter made `S`
     /// factorable), and device errors.
-    pub fn kalman_step(
+    pub fn kalman_step<T: JacobianElement>(
         &self,
         state: &mut KalmanState,
-        h: &Matrix,
+        h: &Matrix<T>,
         innovation: &Matrix,
         opts: &KalmanOptions,
     ) -> Result<KalmanInfo> {
         const OP: &str = "Device::kalman_step";
         opts.validate(OP)?;
-        for m in [&state.mu, &state.sigma, &state.r, h, innovation] {
+        for m in [&state.mu, &state.sigma, &state.r, innovation] {
             self.check_on(OP, m)?;
         }
+        self.check_on(OP, h)?;
         let (d_o, n) = crate::cpu::kalman::check_h_shape(OP, h.shape())?;
         check_shape(OP, "state.mu", state.mu.shape(), (n, 1))?;
         check_shape(OP, "state.sigma", state.sigma.shape(), (n, 1))?;
         check_shape(OP, "state.r", state.r.shape(), (d_o, d_o))?;
         check_shape(OP, "innovation", innovation.shape(), (d_o, 1))?;
 
+        // The kernels' scratch first (it also rejects a d_o above their limit), so that no
+        // error can come after the spare buffers were taken.
+        let mut scratch = match (self, state.scratch.take()) {
+            (Device::Cpu, _) => None,
+            (_, Some(s)) if s.fits(self, d_o, n) => Some(s),
+            _ => Some(crate::cuda::kalman::KalmanScratch::new(self, d_o, n)?),
+        };
         let mut spare = match state.spare.take() {
             Some(s)
                 if s[0].shape() == (n, 1)
@@ -100,9 +117,10 @@ impl Device {
             }
             _ => [self.zeros(n, 1)?, self.zeros(n, 1)?, self.zeros(d_o, d_o)?],
         };
-        let result = match self {
-            Device::Cpu => {
-                let [mu_out, sigma_out, r_out] = &mut spare;
+        let [mu_out, sigma_out, r_out] = &mut spare;
+        // A scratch exactly on the kernel devices.
+        let result = match scratch.as_mut() {
+            None => {
                 let io = crate::cpu::kalman::KalmanIo {
                     mu: host(&state.mu)?,
                     sigma: host(&state.sigma)?,
@@ -113,8 +131,7 @@ impl Device {
                 };
                 crate::cpu::kalman::kalman_step(io, super::host_ref(h)?, host(innovation)?, opts)
             }
-            Device::Emulated | Device::Cuda(_) => {
-                let [mu_out, sigma_out, r_out] = &mut spare;
+            Some(scratch) => {
                 let io = crate::cuda::kalman::KalmanBuffers {
                     mu: &state.mu,
                     sigma: &state.sigma,
@@ -122,10 +139,12 @@ impl Device {
                     mu_out,
                     sigma_out,
                     r_out,
+                    scratch,
                 };
                 crate::cuda::kalman::kalman_step(self, io, h, innovation, opts)
             }
         };
+        state.scratch = scratch;
         if result.is_ok() {
             let [mu_out, sigma_out, r_out] = &mut spare;
             std::mem::swap(&mut state.mu, mu_out);

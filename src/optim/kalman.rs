@@ -11,7 +11,7 @@
 
 use crate::device::{Device, Matrix};
 use crate::error::{check_finite, check_len, check_shape, check_value, Error, Result};
-use crate::ops::kalman::{KalmanInfo, KalmanOptions, KalmanState};
+use crate::ops::kalman::{JacobianElement, KalmanInfo, KalmanOptions, KalmanState};
 
 /// Hyperparameters of [`RKalman`]; defaults from SPEC §6.
 #[derive(Clone, Copy, Debug, PartialEq)]
@@ -105,12 +105,18 @@ impl RKalman {
     }
 
     /// One filter step for the Jacobian `h` (`d_o x n`, row-major, `∂ŷ/∂μ` at the current
-    /// `μ`) and the innovation `y − ŷ` (`d_o x 1`).
+    /// `μ`; `f32`, or `bf16` for half the memory traffic, see [`JacobianElement`]) and the
+    /// innovation `y − ŷ` (`d_o x 1`). On the Emulated and Cuda devices the step synchronizes
+    /// once (its status read) and allocates nothing on the device after the first step.
     ///
     /// # Errors
     /// [`Error::Shape`] for operands that do not match `(d_o, n)`, and everything
     /// [`Device::kalman_step`] reports. On error the state is bit-for-bit unchanged.
-    pub fn step(&mut self, h: &Matrix, innovation: &Matrix) -> Result<KalmanInfo> {
+    pub fn step<T: JacobianElement>(
+        &mut self,
+        h: &Matrix<T>,
+        innovation: &Matrix,
+    ) -> Result<KalmanInfo> {
         const OP: &str = "RKalman::step";
         check_shape(OP, "h", h.shape(), (self.d_o(), self.n()))?;
         check_shape(OP, "innovation", innovation.shape(), (self.d_o(), 1))?;
