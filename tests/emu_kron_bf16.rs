@@ -28,13 +28,16 @@ fn serial() -> std::sync::MutexGuard<'static, ()> {
     SERIAL.lock().unwrap_or_else(PoisonError::into_inner)
 }
 
+/// One layer's `(A m x d_in, E m x d_out, G d_out x d_in)`, row-major.
+type LayerData = (Vec<f32>, Vec<f32>, Vec<f32>);
+
 /// Statistics and gradients of a 2-layer problem with ragged sizes around the 128-wide
 /// tiles of the tensor-core SYRK; the statistics already rounded to bf16 values (so f32 and
 /// bf16 statistics hold the same numbers).
 struct Problem {
     shapes: Vec<(usize, usize)>,
-    /// Per call, per layer: (A m x d_in, E m x d_out, G d_out x d_in), row-major.
-    calls: Vec<Vec<(Vec<f32>, Vec<f32>, Vec<f32>)>>,
+    /// Per call, per layer.
+    calls: Vec<Vec<LayerData>>,
     m: usize,
 }
 

@@ -727,7 +727,7 @@ proptest! {
             }
             // NaN/Inf in the statistics (a or e).
             1 | 2 => {
-                let src = if kind == 1 { st[layer].a } else { st[layer].e };
+                let src = if kind == 1 { &p.a[0][layer] } else { &p.e[0][layer] };
                 let bad_m = with_value(src, idx, bad);
                 let mut s2 = st.clone();
                 if kind == 1 { s2[layer].a = &bad_m } else { s2[layer].e = &bad_m }
@@ -750,7 +750,7 @@ proptest! {
                 opt.step(&mut w, &grads, Some(&s2)).map(|_| ())
             }
             6 => {
-                let e = DEV.zeros(0, o).unwrap();
+                let e = DEV.zeros::<f32>(0, o).unwrap();
                 let mut s2 = st.clone();
                 s2[layer].e = &e;
                 opt.step(&mut w, &grads, Some(&s2)).map(|_| ())
