@@ -222,10 +222,6 @@ impl KronOptimizer {
         const OP: &str = "KronOptimizer::step";
         self.check_inputs(OP, grads, stats)?;
         self.check_layers(OP, "params", params.iter())?;
-        for p in params.iter() {
-            // norm2 rejects NaN/Inf in the parameters up front.
-            self.device.norm2(p)?;
-        }
         let before = self.st.counters;
         let mut counters = before;
         let plan = self.plan(stats, &mut counters)?;
@@ -251,7 +247,14 @@ impl KronOptimizer {
         let mut updated = Vec::with_capacity(params.len());
         for (w, p) in params.iter().zip(&ps) {
             let mut w = w.try_clone()?;
-            self.device.axpy(-eta, p, &mut w)?;
+            if let Err(e) = self.device.axpy(-eta, p, &mut w) {
+                // Nothing reads the parameters before this update, so NaN/Inf in them surfaces
+                // here as a non-finite result; name them, checking only on this error path
+                // (no read-back on a good step).
+                let all: Vec<_> = params.iter().map(|p| ("params", p)).collect();
+                self.device.check_all_finite(OP, &all)?;
+                return Err(e);
+            }
             updated.push(w);
         }
         let refreshed = matches!(plan, Plan::Refresh(_));
@@ -543,9 +546,9 @@ impl KronOptimizer {
             let v = self.view(plan, l);
             let (o, i) = self.shapes[l];
             let mut p = self.device.zeros(o, i)?;
+            // A non-finite P is rejected inside (its result check).
             self.device
                 .precondition(v.gamma_inv, g, v.lambda_inv, &mut p)?;
-            self.device.norm2(&p)?;
             ps.push(p);
         }
         Ok(ps)
