@@ -1018,9 +1018,11 @@ fn step_section(b: &Bench) -> Res<()> {
     let dev = &b.dev;
     // (name, batch m, [(d_out, d_in)] of the weights, bias column included).
     let models = [
+        // The launch-bound regime: the main job's small MLP (issue 10: at most the CPU's time).
+        ("MLP 64-64-10", 64usize, vec![(64, 65), (10, 65)]),
         (
             "MLP 784-1024-1024-10",
-            256usize,
+            256,
             vec![(1024, 785), (1024, 1025), (10, 1025)],
         ),
         ("3 x 4096x4096", 1024, vec![(4096, 4096); 3]),
@@ -1053,15 +1055,25 @@ fn step_section(b: &Bench) -> Res<()> {
                     .collect::<Result<_, _>>()?;
                 // One call is S steps (one refresh, S − 1 reuses): the time is per call / S,
                 // the amortized cost of a step.
-                let mut ours = b.grng(|| {
+                let mut cycle = || -> Res<()> {
                     for _ in 0..skip {
                         let st = opt.needs_stats().then_some(&stats[..]);
                         opt.step(&mut params, &grads, st)?;
                     }
                     Ok(())
-                });
+                };
+                // Launches per step: times the `launch` section's cost per launch, the step's
+                // launch overhead (eager launches; CUDA graphs are not done, docs/gpu.md).
+                record_launches(true);
+                let counted = cycle();
+                let launches = take_launches().len() / skip;
+                record_launches(false);
+                let mut ours = match counted {
+                    Ok(()) => b.grng(&mut cycle),
+                    Err(e) => Timed::none(format!("error: {e}")),
+                };
                 ours.secs = ours.secs.map(|s| s / skip as f64);
-                ours.note = "per step".into();
+                ours.note = format!("per step, {launches} launches");
                 let case = format!("{variant}, S = {skip}, {model}, m = {m}");
                 row("step", &case, &ours, &[], Work::Millis);
             }

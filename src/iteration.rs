@@ -31,7 +31,7 @@ pub const SYM_TOL: f32 = 1e-5;
 /// against equality (a diagonal `A` has `‖A‖∞ = λ_max`, where `c·λ_max = 2` would stall that
 /// eigencomponent). Either way `|1 − cλ_max| ≤ 2/1.1 − 1 ≈ 0.82`; it costs `log_p 1.1 ≈ 0.09`
 /// iterations.
-pub const LAMBDA_MARGIN: f32 = 1.1;
+const LAMBDA_MARGIN: f32 = 1.1;
 
 /// Relative slack on the spread `s²` of the Wolkowicz–Styan bound ([`lambda_max_bound`]): the
 /// sums it is formed from carry relative errors of `f32` partials (`≤ 1e-7` each), which the
@@ -117,7 +117,7 @@ pub(crate) fn power_iteration(
     })
 }
 
-/// `v/‖v‖` (a zero `v` cannot come from the starts above: both are nonzero for `n ≥ 1`).
+/// `v/‖v‖` (a zero `v` cannot come from the start above: it is nonzero for `n ≥ 1`).
 fn unit(mut v: Vec<f64>) -> Vec<f64> {
     let norm = v.iter().map(|x| x * x).sum::<f64>().sqrt();
     v.iter_mut().for_each(|x| *x /= norm);

@@ -47,6 +47,24 @@ impl Device {
         if beta != 0.0 {
             self.check_finite(OP, "c", c)?;
         }
+        self.gemm_valid_inputs(ta, tb, alpha, a, b, beta, c)
+    }
+
+    /// [`Device::gemm`] for operands the caller has already validated (on this device, shapes
+    /// agreeing, finite — e.g. an optimizer's own checked state): the product and its result
+    /// check only, without the input read-backs.
+    #[allow(clippy::too_many_arguments)]
+    pub(crate) fn gemm_valid_inputs<T: Element>(
+        &self,
+        ta: Trans,
+        tb: Trans,
+        alpha: f32,
+        a: &Matrix<T>,
+        b: &Matrix<T>,
+        beta: f32,
+        c: &mut Matrix,
+    ) -> Result<()> {
+        const OP: &str = "Device::gemm";
         // grng implements `Element` for f32 and bf16: pick the path of the concrete type.
         let (a, b): (&dyn Any, &dyn Any) = (a, b);
         let f32s = a.downcast_ref::<Matrix>().zip(b.downcast_ref::<Matrix>());

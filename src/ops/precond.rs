@@ -35,6 +35,20 @@ impl Device {
         self.check_finite(OP, "gamma_inv", gamma_inv)?;
         self.check_finite(OP, "g", g)?;
         self.check_finite(OP, "lambda_inv", lambda_inv)?;
+        self.precondition_valid_inputs(gamma_inv, g, lambda_inv, p)
+    }
+
+    /// [`Device::precondition`] for operands the caller has already validated (on this
+    /// device, shapes agreeing, finite): the products and the result check only, without the
+    /// input read-backs.
+    pub(crate) fn precondition_valid_inputs(
+        &self,
+        gamma_inv: &Matrix,
+        g: &Matrix,
+        lambda_inv: &Matrix,
+        p: &mut Matrix,
+    ) -> Result<()> {
+        const OP: &str = "Device::precondition";
         self.commit_finite(OP, [(OVERFLOW, p, false)], |[p]| match self {
             Device::Cpu => crate::cpu::precondition(
                 host_ref(gamma_inv)?,

@@ -23,12 +23,13 @@ pub enum InitialGuess {
     /// are `λ²/(‖A‖₁‖A‖∞)`, so the condition number is squared and the residual sits near 1
     /// for the first iterations.
     Paper,
-    /// The SPD-aware `X₀ = c I`, `c = 2 / (λ_hi + λ_low)`, with `λ_hi ≈ 1.1 λ_max` from power
-    /// iterations and `λ_low` =
-    /// [`NewtonOptions::lambda_low`]. The eigenvalues of `I − A X₀` then lie in `(−1, 1)`;
-    /// should the estimate have missed `λ_max` (the iteration diverges), it restarts once from
-    /// the guaranteed bound `1.1·min(‖A‖∞, ‖A‖_F)` ([`NewtonInfo::residual_history`] then
-    /// holds both runs).
+    /// The SPD-aware `X₀ = c I`, `c = 2 / (λ_hi + λ_low)`, with `λ_low` =
+    /// [`NewtonOptions::lambda_low`] and `λ_hi = 1.1·min(‖A‖∞, m + s√(n−1))` (`m = tr A/n`,
+    /// `s² = ‖A‖_F²/n − m²`: the Wolkowicz–Styan bound, one pass over `A`, no power iteration),
+    /// or `1.1·`[`NewtonOptions::lambda_high`] when that is smaller. The eigenvalues of
+    /// `I − A X₀` then lie in `(−1, 1)`; should a caller's estimate have missed `λ_max` (the
+    /// iteration diverges), it restarts once from the bound ([`NewtonInfo::residual_history`]
+    /// then holds both runs).
     #[default]
     ScaledIdentity,
     /// The caller's previous inverse, when `‖I − A X_warm‖₂ < 1` (tested through the bounds

@@ -10,7 +10,7 @@ pub(super) struct FactorScalars {
     pub dim: usize,
     /// `‖F‖₂` (RING only; 0 for the other variants, which never read it).
     pub norm: f32,
-    /// `tr F` (NGD's π).
+    /// `tr F` (NGD's π; 0 for the other variants, which never read it).
     pub trace: f32,
 }
 

@@ -44,10 +44,11 @@ impl Ctx<'_> {
             StatsView::F32(x) => self.device.kron_factor_update(x, eps, &mut f)?,
             StatsView::Bf16(x) => self.device.kron_factor_update(x, eps, &mut f)?,
         }
-        let trace = self.device.trace(&f)?;
-        let norm = match self.cfg.variant {
-            KronVariant::Ring => self.spectral_norm(&f, c)?,
-            KronVariant::Reng | KronVariant::Ngd => 0.0,
+        // Each scalar only for the variant that reads it: both are host round trips.
+        let (norm, trace) = match self.cfg.variant {
+            KronVariant::Ring => (self.spectral_norm(&f, c)?, 0.0),
+            KronVariant::Reng => (0.0, 0.0),
+            KronVariant::Ngd => (0.0, self.device.trace(&f)?),
         };
         Ok((
             f,

@@ -222,10 +222,6 @@ impl KronOptimizer {
         const OP: &str = "KronOptimizer::step";
         self.check_inputs(OP, grads, stats)?;
         self.check_layers(OP, "params", params.iter())?;
-        for p in params.iter() {
-            // norm2 rejects NaN/Inf in the parameters up front.
-            self.device.norm2(p)?;
-        }
         let before = self.st.counters;
         let mut counters = before;
         let plan = self.plan(stats, &mut counters)?;
@@ -251,7 +247,14 @@ impl KronOptimizer {
         let mut updated = Vec::with_capacity(params.len());
         for (w, p) in params.iter().zip(&ps) {
             let mut w = w.try_clone()?;
-            self.device.axpy(-eta, p, &mut w)?;
+            if let Err(e) = self.device.axpy(-eta, p, &mut w) {
+                // Nothing reads the parameters before this update, so NaN/Inf in them surfaces
+                // here as a non-finite result; name them, checking only on this error path
+                // (no read-back on a good step).
+                let all: Vec<_> = params.iter().map(|p| ("params", p)).collect();
+                self.device.check_all_finite(OP, &all)?;
+                return Err(e);
+            }
             updated.push(w);
         }
         let refreshed = matches!(plan, Plan::Refresh(_));
@@ -418,7 +421,8 @@ impl KronOptimizer {
         Ok(())
     }
 
-    /// Counts, shapes and devices of `grads` and `stats`, and `stats` presence.
+    /// Counts, shapes and devices of `grads` and `stats`, `stats` presence, and finite
+    /// `grads`.
     fn check_inputs(
         &self,
         op: &'static str,
@@ -426,6 +430,10 @@ impl KronOptimizer {
         stats: Option<&[KronStats<'_>]>,
     ) -> Result<()> {
         self.check_layers(op, "grads", grads.iter().copied())?;
+        // One batched check (a read-back per run of equal-length gradients on a GPU); the
+        // preconditioning then skips its own input checks.
+        let named: Vec<_> = grads.iter().map(|&g| ("grads", g)).collect();
+        self.device.check_all_finite(op, &named)?;
         match stats {
             None if self.needs_stats() => Err(Error::Value {
                 op,
@@ -547,9 +555,10 @@ impl KronOptimizer {
             let v = self.view(plan, l);
             let (o, i) = self.shapes[l];
             let mut p = self.device.zeros(o, i)?;
+            // The inverses are checked state, `g` was checked by `check_inputs`: only the
+            // result check (which rejects a non-finite P) reads back.
             self.device
-                .precondition(v.gamma_inv, g, v.lambda_inv, &mut p)?;
-            self.device.norm2(&p)?;
+                .precondition_valid_inputs(v.gamma_inv, g, v.lambda_inv, &mut p)?;
             ps.push(p);
         }
         Ok(ps)
@@ -559,10 +568,11 @@ impl KronOptimizer {
     fn model_change(&self, v: &LayerView<'_>, g: &Matrix, p: &Matrix, eta: f32) -> Result<f64> {
         let d = &self.device;
         let (o, i) = p.shape();
+        // Γ, Λ are checked state and P a checked result: the products' result checks only.
         let mut gp = d.zeros(o, i)?;
-        d.gemm(Trans::No, Trans::No, 1.0, v.gamma, p, 0.0, &mut gp)?;
+        d.gemm_valid_inputs(Trans::No, Trans::No, 1.0, v.gamma, p, 0.0, &mut gp)?;
         let mut gpl = d.zeros(o, i)?;
-        d.gemm(Trans::No, Trans::No, 1.0, &gp, v.lambda, 0.0, &mut gpl)?;
+        d.gemm_valid_inputs(Trans::No, Trans::No, 1.0, &gp, v.lambda, 0.0, &mut gpl)?;
         let curv = d.dot(p, &gpl)? as f64;
         let lin = d.dot(g, p)? as f64;
         let sq = d.dot(p, p)? as f64;

@@ -23,7 +23,7 @@ pub struct KronFactorState {
     pub inverse_norm: f32,
     /// `‖F‖₂` at the last refresh (RING's damping; `0` for RENG and NGD, which never read it).
     pub norm: f32,
-    /// `tr F` at the last refresh (NGD's π).
+    /// `tr F` at the last refresh (NGD's π; `0` for RING and RENG, which never read it).
     pub trace: f32,
 }
 
