@@ -240,11 +240,11 @@ fn tile_grid(n: usize, mirror: bool) -> (u32, u32, u32) {
 
 /// `C = A·B` for `n x n` bf16 `a`, `b` on tensor cores (`newton_gemm_tc`: the GEMM engine of
 /// kernels/gemm/engine.cuh, 128x128 tiles, 8 warps of 4x4 mma.sync m16n8k16 accumulators,
-/// f32 accumulation), with `epi` fused into the store.
+/// f32 accumulation), with `epi` fused into the store. Full products only.
 ///
 /// # Errors
 /// [`Error::Shape`] (non-square or mismatched operands, short `partial`), [`Error::Value`]
-/// (`n` outside `1..=46340`), device mismatch, launch errors.
+/// (`n` outside `1..=46340`, or [`Epilogue::mirror`]), device mismatch, launch errors.
 pub fn product_tc(
     dev: &Device,
     a: &Matrix<bf16>,
@@ -257,8 +257,18 @@ pub fn product_tc(
     check_shape(OP, "a", a.shape(), (n, n))?;
     check_shape(OP, "b", b.shape(), (n, n))?;
     dim(OP, n)?;
+    if epi.mirror {
+        // newton_gemm_tc has no mirrored epilogue (kernels/newton.cu: it would overflow the
+        // kernel's 2-blocks-per-SM register budget); the driver mirrors f32 products only.
+        return Err(value_err(
+            OP,
+            "mirror",
+            1.0,
+            "full products on bf16 operands (mirrored products: product_f32)",
+        ));
+    }
     let cfg = LaunchConfig {
-        grid: tile_grid(n, epi.mirror),
+        grid: tile_grid(n, false),
         block: (256, 1, 1),
         shared_mem: super::kron::GEMM_SMEM,
     };
@@ -296,8 +306,10 @@ impl Planes {
 /// into three bf16 planes (`precond_split3`) in `planes`, then `newton_gemm3_tc` (the GEMM
 /// engine over the 6 significant plane products, see `precond::gemm3`) applies `epi`.
 ///
+/// [`Epilogue::mirror`] is honoured here (lower-triangle tiles only).
+///
 /// # Errors
-/// As [`product_tc`]; `planes` must be for `n`.
+/// As [`product_tc`] (but a mirror is accepted, without `partial`); `planes` must be for `n`.
 pub fn product_f32(
     dev: &Device,
     a: &Matrix,
@@ -883,7 +895,6 @@ impl NewtonBackend for Work<'_> {
                 let epi = Epilogue {
                     add1: Some(&self.e),
                     out_bf: Some(&mut self.f_bf),
-                    mirror: sym,
                     ..Epilogue::new()
                 };
                 product_tc(dev, &self.e_bf, &self.e_bf, epi, u)?;
@@ -901,7 +912,6 @@ impl NewtonBackend for Work<'_> {
                 let epi = Epilogue {
                     out: Some(&mut self.g),
                     out_bf: Some(&mut self.g_bf),
-                    mirror: sym,
                     ..Epilogue::new()
                 };
                 product_tc(dev, &self.e_bf, &self.e_bf, epi, u)?;
@@ -909,7 +919,6 @@ impl NewtonBackend for Work<'_> {
                     add1: Some(&self.g),
                     add2: Some(&self.e),
                     out_bf: Some(&mut self.f_bf),
-                    mirror: sym,
                     ..Epilogue::new()
                 };
                 product_tc(dev, &self.g_bf, &self.e_bf, epi, u)?;
