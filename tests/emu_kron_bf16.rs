@@ -336,3 +336,48 @@ fn bf16_stats_still_train() {
         );
     }
 }
+
+/// The CPU backend accumulates bf16 statistics a panel of 256 rows at a time (no widened copy
+/// of the whole matrix): with m = 600 (three panels, the last one ragged) and ε > 0 it
+/// matches the one-shot f32 SYRK of the widened values. Both sum the same m exact products
+/// (bf16 products are exact in f32) in f32 in different orders, each within
+/// `(m + 4)·u·(α·Σ|a a| + ε|Λ|)` of the exact value (emu_kron's bound), so they differ by at
+/// most twice that.
+#[test]
+fn cpu_bf16_factor_is_accumulated_by_panels() {
+    let mut rng = common::seeded_rng();
+    let (m, n, eps) = (600usize, rng.random_range(1..=40), 0.5f32);
+    let a: Vec<bf16> = (0..m * n)
+        .map(|_| bf16::from_f32(rng.random_range(-1.0f32..1.0)))
+        .collect();
+    let wide: Vec<f32> = a.iter().map(|v| v.to_f32()).collect();
+    let old = common::vals(&mut rng, n * n);
+    let run = |x: &dyn Fn(&mut [f32])| {
+        let mut f = old.clone();
+        x(&mut f);
+        f
+    };
+    let got = run(&|f| {
+        let a = grng::MatRef::new(&a, m, n).unwrap();
+        grng::cpu::syrk_ema(a, eps, grng::MatMut::new(f, n, n).unwrap()).unwrap()
+    });
+    let want = run(&|f| {
+        let a = grng::MatRef::new(&wide, m, n).unwrap();
+        grng::cpu::syrk_ema(a, eps, grng::MatMut::new(f, n, n).unwrap()).unwrap()
+    });
+    let alpha = (1.0 - eps as f64) / m as f64;
+    for i in 0..n {
+        for j in 0..n {
+            let (r, c) = (i.max(j), i.min(j));
+            let s: f64 = (0..m)
+                .map(|k| (wide[k * n + r] as f64 * wide[k * n + c] as f64).abs())
+                .sum();
+            let tol = 2.0
+                * (m as f64 + 4.0)
+                * U32
+                * (alpha * s + eps as f64 * old[r * n + c].abs() as f64);
+            let d = (got[i * n + j] as f64 - want[i * n + j] as f64).abs();
+            assert!(d <= tol, "({i}, {j}): {d:e} > {tol:e}");
+        }
+    }
+}
