@@ -72,8 +72,8 @@ __device__ __forceinline__ void newton_store_partial(float sq, float* __restrict
 //
 // NEWTON_MIRROR (newton_gemm3_tc only: the f32 products, where the driver uses it; the bf16
 // kernel keeps the plain epilogue and its 2-blocks-per-SM register budget, which the mirror's
-// second store would overflow): the product is known to be symmetric, so only the nt(nt+1)/2 lower-triangle
-// tile pairs run (1-D grid, grng_tri_tile, as the SYRK) and the epilogue writes each
+// second store would overflow): the product is known to be symmetric, so only the
+// nt(nt+1)/2 lower-triangle tile pairs run (1-D grid, grng_tri_tile, as the SYRK) and the epilogue writes each
 // accumulator C[r, c] (c ≤ r) at (r, c) and at (c, r), each with its own position's
 // algebra (diag, add1, add2 read at that position): the product is mirrored, the additions
 // are not. C = A·B is symmetric when A and B are polynomials in the same symmetric matrix —

@@ -8,8 +8,8 @@
 //! crate-internal traits `NewtonBackend` for the iteration's device buffers and `PowerStep`
 //! for the power iteration). Differences from the CPU are rounding-level only: the products
 //! accumulate in a different order. The early `F32` steps compute the powers of `E` as
-//! mirrored products (lower-triangle tiles only) exactly where the CPU mirrors them. Per iteration one `f32` (the
-//! residual) goes to the host for the stop test; per power-iteration step four (the Rayleigh
+//! mirrored products (lower-triangle tiles only) exactly where the CPU mirrors them. Per
+//! iteration one `f32` (the residual) goes to the host for the stop test; per power-iteration step four (the Rayleigh
 //! quotient and `‖Av‖` as double-float pairs). Setup reads back a few per-block partials
 //! (input checks, norms) once. Buffer rotation over three iterates keeps the best one
 //! without copies.
@@ -278,11 +278,11 @@ pub fn product_tc(
     // SAFETY: newton_gemm_tc(const bf16* a, const bf16* b, const float* add1, const float*
     // add2, float* out, bf16* out_bf, float* partial, int n, float alpha, float diag, int
     // flags). a, b and every buffer selected by `flags` are n x n (checked), partial holds
-    // one float per block of the ceil(n/128)² grid; unselected pointers are never touched.
-    // With MIRROR (no partial) the 1-D grid holds the lower tile pairs, each block writing
-    // (r, c) and (c, r) with r, c < n. The kernel reads and writes only rows/columns < n (zero-filled tile edges) and uses
-    // GEMM_SMEM bytes of dynamic shared memory (3 stages of two 128x32 bf16 tiles); 16-byte
-    // cp.async only when n % 8 == 0 and the operand is 16-byte aligned (src-size cut at n).
+    // one float per block of the ceil(n/128)² grid; unselected pointers are never touched
+    // (no MIRROR: refused above). The kernel reads and writes only rows/columns < n
+    // (zero-filled tile edges) and uses GEMM_SMEM bytes of dynamic shared memory (3 stages of
+    // two 128x32 bf16 tiles); 16-byte cp.async only when n % 8 == 0 and the operand is 16-byte
+    // aligned (src-size cut at n).
     unsafe { launch(&GEMM_TC, cfg, args) }
 }
 
