@@ -71,8 +71,10 @@ __device__ __forceinline__ void newton_store_partial(float sq, float* __restrict
 // from the accumulator registers. Grid (ceil(n/128), ceil(n/128)), block 256,
 // GRNG_GEMM_SMEM bytes of dynamic shared memory.
 //
-// NEWTON_MIRROR: the product is known to be symmetric, so only the nt(nt+1)/2 lower-triangle
-// tile pairs run (1-D grid, grng_tri_tile, as the SYRK) and the epilogue writes each
+// NEWTON_MIRROR (newton_gemm3_tc only: the f32 products, where the driver uses it; the bf16
+// kernel keeps the plain epilogue and its 2-blocks-per-SM register budget, which the mirror's
+// second store would overflow): the product is known to be symmetric, so only the
+// nt(nt+1)/2 lower-triangle tile pairs run (1-D grid, grng_tri_tile, as the SYRK) and the epilogue writes each
 // accumulator C[r, c] (c ≤ r) at (r, c) and at (c, r), each with its own position's
 // algebra (diag, add1, add2 read at that position): the product is mirrored, the additions
 // are not. C = A·B is symmetric when A and B are polynomials in the same symmetric matrix —
@@ -81,6 +83,7 @@ __device__ __forceinline__ void newton_store_partial(float sq, float* __restrict
 // early f32 phase (T = AX and X·F stay full: see src/cpu/newton.rs for why). The diagonal
 // tiles' upper halves are skipped (the mirror writes them). No residual with the mirror
 // (the launcher refuses the combination). Saves (nt − 1)/(2nt) of the tiles.
+template <bool AllowMirror>
 struct NewtonEpi {
     const float* __restrict__ add1;
     const float* __restrict__ add2;
@@ -97,7 +100,7 @@ struct NewtonEpi {
         sq = fmaf(v, v, sq);
     }
     __device__ __forceinline__ void operator()(int r, int c, float acc) {
-        if (flags & NEWTON_MIRROR) {
+        if (AllowMirror && (flags & NEWTON_MIRROR)) {
             if (c > r) return;
             if (c < r) put(c, r, acc);
         }
@@ -108,14 +111,14 @@ struct NewtonEpi {
 
 // Both entries share this body: Terms = 1 for bf16 operands, GRNG_SPLIT3_TERMS for f32
 // operands given as split3 planes n² elements apart (f32-accurate, engine.cuh).
-template <int Terms>
+template <int Terms, bool AllowMirror>
 __device__ __forceinline__ void newton_gemm_body(const __nv_bfloat16* __restrict__ a,
                                                  const __nv_bfloat16* __restrict__ b,
-                                                 long long plane, NewtonEpi& epi) {
+                                                 long long plane, NewtonEpi<AllowMirror>& epi) {
     GRNG_DYN_SHARED(__nv_bfloat16, smem);
     const int n = epi.n;
     int bi = blockIdx.y, bj = blockIdx.x;
-    if (epi.flags & NEWTON_MIRROR) grng_tri_tile(blockIdx.x, bi, bj);
+    if (AllowMirror && (epi.flags & NEWTON_MIRROR)) grng_tri_tile(blockIdx.x, bi, bj);
     grng_gemm_tile<GrngKInner, GrngKOuter, Terms>(a, n, plane, b, n, plane, n, n, n,
                                                   bi * NEWTON_TILE, bj * NEWTON_TILE, smem,
                                                   epi);
@@ -126,7 +129,7 @@ extern "C" __global__ void __launch_bounds__(GRNG_GEMM_THREADS, 2)
                    const float* __restrict__ add1, const float* __restrict__ add2,
                    float* __restrict__ out, __nv_bfloat16* __restrict__ out_bf,
                    float* __restrict__ partial, int n, float alpha, float diag, int flags) {
-    NewtonEpi epi{add1, add2, out, out_bf, partial, n, alpha, diag, flags, 0.0f};
+    NewtonEpi<false> epi{add1, add2, out, out_bf, partial, n, alpha, diag, flags, 0.0f};
     newton_gemm_body<1>(a, b, 0, epi);
 }
 GRNG_EMU_ENTRY(newton_gemm_tc, (const __nv_bfloat16*, const __nv_bfloat16*, const float*,
@@ -167,7 +170,7 @@ extern "C" __global__ void __launch_bounds__(GRNG_GEMM_THREADS)
                     const float* __restrict__ add1, const float* __restrict__ add2,
                     float* __restrict__ out, __nv_bfloat16* __restrict__ out_bf,
                     float* __restrict__ partial, int n, float alpha, float diag, int flags) {
-    NewtonEpi epi{add1, add2, out, out_bf, partial, n, alpha, diag, flags, 0.0f};
+    NewtonEpi<true> epi{add1, add2, out, out_bf, partial, n, alpha, diag, flags, 0.0f};
     newton_gemm_body<GRNG_SPLIT3_TERMS>(a3, b3, (long long)n * n, epi);
 }
 GRNG_EMU_ENTRY(newton_gemm3_tc, (const __nv_bfloat16*, const __nv_bfloat16*, const float*,

@@ -336,3 +336,127 @@ fn bf16_stats_still_train() {
         );
     }
 }
+
+/// The CPU backend accumulates bf16 statistics a panel of 256 rows at a time (no widened copy
+/// of the whole matrix): with m = 600 (three panels, the last one ragged) and ε > 0 it
+/// matches the one-shot f32 SYRK of the widened values. Both sum the same m exact products
+/// (bf16 products are exact in f32) in f32 in different orders, each within
+/// `(m + 4)·u·(α·Σ|a a| + ε|Λ|)` of the exact value (emu_kron's bound), so they differ by at
+/// most twice that.
+#[test]
+fn cpu_bf16_factor_is_accumulated_by_panels() {
+    let mut rng = common::seeded_rng();
+    let (m, n, eps) = (600usize, rng.random_range(1..=40), 0.5f32);
+    let a: Vec<bf16> = (0..m * n)
+        .map(|_| bf16::from_f32(rng.random_range(-1.0f32..1.0)))
+        .collect();
+    let wide: Vec<f32> = a.iter().map(|v| v.to_f32()).collect();
+    let old = common::vals(&mut rng, n * n);
+    let run = |x: &dyn Fn(&mut [f32])| {
+        let mut f = old.clone();
+        x(&mut f);
+        f
+    };
+    let got = run(&|f| {
+        let a = grng::MatRef::new(&a, m, n).unwrap();
+        grng::cpu::syrk_ema(a, eps, grng::MatMut::new(f, n, n).unwrap()).unwrap()
+    });
+    let want = run(&|f| {
+        let a = grng::MatRef::new(&wide, m, n).unwrap();
+        grng::cpu::syrk_ema(a, eps, grng::MatMut::new(f, n, n).unwrap()).unwrap()
+    });
+    let alpha = (1.0 - eps as f64) / m as f64;
+    for i in 0..n {
+        for j in 0..n {
+            let (r, c) = (i.max(j), i.min(j));
+            let s: f64 = (0..m)
+                .map(|k| (wide[k * n + r] as f64 * wide[k * n + c] as f64).abs())
+                .sum();
+            let tol = 2.0
+                * (m as f64 + 4.0)
+                * U32
+                * (alpha * s + eps as f64 * old[r * n + c].abs() as f64);
+            let d = (got[i * n + j] as f64 - want[i * n + j] as f64).abs();
+            assert!(d <= tol, "({i}, {j}): {d:e} > {tol:e}");
+        }
+    }
+}
+
+/// NaN or Inf in bf16 statistics, or in f32 statistics rounded by `stats_precision = Bf16`
+/// (the rounding keeps them), is `Error::NonFinite` and leaves the optimizer exactly as it
+/// was (every state matrix and scalar), on the CPU and the emulator.
+#[test]
+fn bad_bf16_stats_are_errors_and_change_nothing() {
+    let _serial = serial();
+    let mut rng = common::seeded_rng();
+    let p = problem(&mut rng, 2);
+    let m = p.m;
+    for dev in [Device::Cpu, Device::Emulated] {
+        for feed in [Feed::Bf16, Feed::RoundedF32] {
+            for bad in [f32::NAN, f32::INFINITY, f32::NEG_INFINITY] {
+                let mut opt = KronOptimizer::new(&dev, &p.shapes, config(feed, 0.5)).unwrap();
+                let up = |v: &[f32], r: usize, c: usize| dev.upload(r, c, v).unwrap();
+                let up_bf = |v: &[f32], r: usize, c: usize| -> Matrix<bf16> {
+                    let h: Vec<bf16> = v.iter().map(|&x| bf16::from_f32(x)).collect();
+                    dev.upload(r, c, &h).unwrap()
+                };
+                // A good first refresh, so there is state to keep.
+                let layers = &p.calls[0];
+                let f32s: Vec<(Matrix, Matrix, Matrix)> = layers
+                    .iter()
+                    .zip(&p.shapes)
+                    .map(|((a, e, g), &(o, i))| (up(a, m, i), up(e, m, o), up(g, o, i)))
+                    .collect();
+                let bf16s: Vec<(Matrix<bf16>, Matrix<bf16>)> = layers
+                    .iter()
+                    .zip(&p.shapes)
+                    .map(|((a, e, _), &(o, i))| (up_bf(a, m, i), up_bf(e, m, o)))
+                    .collect();
+                let grads: Vec<&Matrix> = f32s.iter().map(|t| &t.2).collect();
+                let stats: Vec<KronStats<'_>> = match feed {
+                    Feed::Bf16 => bf16s.iter().map(|(a, e)| KronStats { a, e }).collect(),
+                    Feed::RoundedF32 => f32s.iter().map(|(a, e, _)| KronStats { a, e }).collect(),
+                };
+                opt.precondition(&grads, Some(&stats)).unwrap();
+                let before = opt.state().unwrap();
+                // The second call's statistics with one bad entry in a random layer's A or E.
+                let l = rng.random_range(0..p.shapes.len());
+                let (o, i) = p.shapes[l];
+                let in_a = rng.random::<bool>();
+                let (mut a, mut e, _) = p.calls[1][l].clone();
+                let target = if in_a { &mut a } else { &mut e };
+                let k = rng.random_range(0..target.len());
+                target[k] = bad;
+                let (a32, e32, a16, e16) =
+                    (up(&a, m, i), up(&e, m, o), up_bf(&a, m, i), up_bf(&e, m, o));
+                let mut stats2 = stats.clone();
+                stats2[l] = match feed {
+                    Feed::Bf16 => KronStats { a: &a16, e: &e16 },
+                    Feed::RoundedF32 => KronStats { a: &a32, e: &e32 },
+                };
+                let err = opt.precondition(&grads, Some(&stats2)).unwrap_err();
+                assert!(
+                    matches!(err, grng::Error::NonFinite { .. }),
+                    "{feed:?} {bad} on {}: {err}",
+                    dev.name()
+                );
+                let after = opt.state().unwrap();
+                assert_eq!(after.steps, before.steps);
+                assert_eq!(after.counters, before.counters);
+                assert_eq!(after.scalars(), before.scalars());
+                for ((n1, m1), (n2, m2)) in after.matrices().iter().zip(before.matrices()) {
+                    assert_eq!(n1, &n2);
+                    let bits = |m: &Matrix| -> Vec<u32> {
+                        m.to_vec().unwrap().iter().map(|x| x.to_bits()).collect()
+                    };
+                    assert_eq!(
+                        bits(m1),
+                        bits(m2),
+                        "{n1} changed ({feed:?}, {})",
+                        dev.name()
+                    );
+                }
+            }
+        }
+    }
+}

@@ -63,10 +63,10 @@ pub(crate) fn check_batch_gradient_args(
 /// `Λ ← ε Λ + (1−ε)/m · AᵀA` for `A` of shape `m x n` (`T` = `f32` or `bf16`) and `Λ`
 /// (`factor`) of shape `n x n`, both row-major views.
 ///
-/// `bf16` inputs are widened to `f32` (exactly) a panel of rows at a time; all products accumulate in `f32`. Only the lower
-/// triangle is computed (faer's triangular-output matmul) and then mirrored into the upper one,
-/// so the result is exactly symmetric. Only the lower triangle of the old `Λ` is read, and not
-/// at all when `ε = 0` (it may then hold NaN).
+/// `bf16` inputs are widened to `f32` (exactly) a panel of rows at a time; all products
+/// accumulate in `f32`. Only the lower triangle is computed (faer's triangular-output matmul)
+/// and then mirrored into the upper one, so the result is exactly symmetric. Only the lower
+/// triangle of the old `Λ` is read, and not at all when `ε = 0` (it may then hold NaN).
 ///
 /// # Errors
 /// [`Error::Shape`] when `m = 0` or `factor` is not `n x n`; [`Error::Value`] unless

@@ -19,7 +19,6 @@ use std::sync::{Once, OnceLock};
 use cudarc::cusolver::sys::{
     self as cs, cublasFillMode_t::CUBLAS_FILL_MODE_UPPER, cusolverStatus_t,
 };
-use cudarc::cusolver::DnHandle;
 use cudarc::driver::DevicePtrMut;
 
 use super::launch::{kernel, launch, record_other, KernelArgs, LaunchConfig};
@@ -98,7 +97,7 @@ pub(crate) fn cholesky_inverse(dev: &Device, a: &Matrix) -> Result<Option<Matrix
         return Ok(Some(x));
     }
     let stream = cuda.stream();
-    let handle = DnHandle::new(stream.clone()).map_err(|e| Error::Cuda(format!("{OP}: {e}")))?;
+    let handle = cuda.cusolver_handle()?;
     let mut info = stream.alloc_zeros::<i32>(1)?;
     {
         let Storage::Cuda(xs) = &mut x.storage else {

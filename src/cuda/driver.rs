@@ -25,6 +25,8 @@ struct Loaded {
 struct Cache {
     modules: HashMap<&'static str, Arc<CudaModule>>,
     functions: HashMap<&'static str, Loaded>,
+    /// The cuSOLVER handle on this device's stream, made on first use (`cuda::cusolver`).
+    cusolver: Option<Arc<cudarc::cusolver::DnHandle>>,
 }
 
 /// Whether libcuda can be loaded: with dynamic loading the first real driver call would panic
@@ -55,6 +57,22 @@ impl fmt::Debug for CudaDevice {
 }
 
 impl CudaDevice {
+    /// The cuSOLVER handle on this device's stream, created on the first call and kept with
+    /// the device (creating one costs about a millisecond: not per inverse). The caller checked
+    /// that libcusolver loads (`cuda::cusolver::available`).
+    pub(crate) fn cusolver_handle(&self) -> Result<Arc<cudarc::cusolver::DnHandle>> {
+        let mut cache = self.cache.lock().unwrap_or_else(PoisonError::into_inner);
+        if let Some(h) = &cache.cusolver {
+            return Ok(h.clone());
+        }
+        let h = Arc::new(
+            cudarc::cusolver::DnHandle::new(self.stream.clone())
+                .map_err(|e| Error::Cuda(format!("cusolverDnCreate: {e}")))?,
+        );
+        cache.cusolver = Some(h.clone());
+        Ok(h)
+    }
+
     /// Opens GPU `ordinal`. Errors (never panics) when the kernels were not compiled at build
     /// time, or libcuda or a GPU is absent.
     pub fn new(ordinal: usize) -> Result<Self> {

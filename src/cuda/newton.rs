@@ -8,8 +8,8 @@
 //! crate-internal traits `NewtonBackend` for the iteration's device buffers and `PowerStep`
 //! for the power iteration). Differences from the CPU are rounding-level only: the products
 //! accumulate in a different order. The early `F32` steps compute the powers of `E` as
-//! mirrored products (lower-triangle tiles only) exactly where the CPU mirrors them. Per iteration one `f32` (the
-//! residual) goes to the host for the stop test; per power-iteration step four (the Rayleigh
+//! mirrored products (lower-triangle tiles only) exactly where the CPU mirrors them. Per
+//! iteration one `f32` (the residual) goes to the host for the stop test; per power-iteration step four (the Rayleigh
 //! quotient and `‖Av‖` as double-float pairs). Setup reads back a few per-block partials
 //! (input checks, norms) once. Buffer rotation over three iterates keeps the best one
 //! without copies.
@@ -240,11 +240,11 @@ fn tile_grid(n: usize, mirror: bool) -> (u32, u32, u32) {
 
 /// `C = A·B` for `n x n` bf16 `a`, `b` on tensor cores (`newton_gemm_tc`: the GEMM engine of
 /// kernels/gemm/engine.cuh, 128x128 tiles, 8 warps of 4x4 mma.sync m16n8k16 accumulators,
-/// f32 accumulation), with `epi` fused into the store.
+/// f32 accumulation), with `epi` fused into the store. Full products only.
 ///
 /// # Errors
 /// [`Error::Shape`] (non-square or mismatched operands, short `partial`), [`Error::Value`]
-/// (`n` outside `1..=46340`), device mismatch, launch errors.
+/// (`n` outside `1..=46340`, or [`Epilogue::mirror`]), device mismatch, launch errors.
 pub fn product_tc(
     dev: &Device,
     a: &Matrix<bf16>,
@@ -257,8 +257,18 @@ pub fn product_tc(
     check_shape(OP, "a", a.shape(), (n, n))?;
     check_shape(OP, "b", b.shape(), (n, n))?;
     dim(OP, n)?;
+    if epi.mirror {
+        // newton_gemm_tc has no mirrored epilogue (kernels/newton.cu: it would overflow the
+        // kernel's 2-blocks-per-SM register budget); the driver mirrors f32 products only.
+        return Err(value_err(
+            OP,
+            "mirror",
+            1.0,
+            "full products on bf16 operands (mirrored products: product_f32)",
+        ));
+    }
     let cfg = LaunchConfig {
-        grid: tile_grid(n, epi.mirror),
+        grid: tile_grid(n, false),
         block: (256, 1, 1),
         shared_mem: super::kron::GEMM_SMEM,
     };
@@ -268,11 +278,11 @@ pub fn product_tc(
     // SAFETY: newton_gemm_tc(const bf16* a, const bf16* b, const float* add1, const float*
     // add2, float* out, bf16* out_bf, float* partial, int n, float alpha, float diag, int
     // flags). a, b and every buffer selected by `flags` are n x n (checked), partial holds
-    // one float per block of the ceil(n/128)² grid; unselected pointers are never touched.
-    // With MIRROR (no partial) the 1-D grid holds the lower tile pairs, each block writing
-    // (r, c) and (c, r) with r, c < n. The kernel reads and writes only rows/columns < n (zero-filled tile edges) and uses
-    // GEMM_SMEM bytes of dynamic shared memory (3 stages of two 128x32 bf16 tiles); 16-byte
-    // cp.async only when n % 8 == 0 and the operand is 16-byte aligned (src-size cut at n).
+    // one float per block of the ceil(n/128)² grid; unselected pointers are never touched
+    // (no MIRROR: refused above). The kernel reads and writes only rows/columns < n
+    // (zero-filled tile edges) and uses GEMM_SMEM bytes of dynamic shared memory (3 stages of
+    // two 128x32 bf16 tiles); 16-byte cp.async only when n % 8 == 0 and the operand is 16-byte
+    // aligned (src-size cut at n).
     unsafe { launch(&GEMM_TC, cfg, args) }
 }
 
@@ -296,8 +306,10 @@ impl Planes {
 /// into three bf16 planes (`precond_split3`) in `planes`, then `newton_gemm3_tc` (the GEMM
 /// engine over the 6 significant plane products, see `precond::gemm3`) applies `epi`.
 ///
+/// [`Epilogue::mirror`] is honoured here (lower-triangle tiles only).
+///
 /// # Errors
-/// As [`product_tc`]; `planes` must be for `n`.
+/// As [`product_tc`] (but a mirror is accepted, without `partial`); `planes` must be for `n`.
 pub fn product_f32(
     dev: &Device,
     a: &Matrix,
@@ -881,7 +893,6 @@ impl NewtonBackend for Work<'_> {
                 let epi = Epilogue {
                     add1: Some(&self.e),
                     out_bf: Some(&mut self.f_bf),
-                    mirror: sym,
                     ..Epilogue::new()
                 };
                 product_tc(dev, &self.e_bf, &self.e_bf, epi, u)?;
@@ -899,7 +910,6 @@ impl NewtonBackend for Work<'_> {
                 let epi = Epilogue {
                     out: Some(&mut self.g),
                     out_bf: Some(&mut self.g_bf),
-                    mirror: sym,
                     ..Epilogue::new()
                 };
                 product_tc(dev, &self.e_bf, &self.e_bf, epi, u)?;
@@ -907,7 +917,6 @@ impl NewtonBackend for Work<'_> {
                     add1: Some(&self.g),
                     add2: Some(&self.e),
                     out_bf: Some(&mut self.f_bf),
-                    mirror: sym,
                     ..Epilogue::new()
                 };
                 product_tc(dev, &self.g_bf, &self.e_bf, epi, u)?;

@@ -120,9 +120,10 @@ pub struct KronConfig {
     /// accumulation `(1/m) AᵀA`. Default [`Precision::F32`]: the `f32` SYRK. With
     /// [`Precision::Bf16`] they are rounded to `bf16` on the device (one pass over the
     /// statistics) and accumulated by the tensor-core SYRK (`kron_syrk_ema_tc`, f32
-    /// accumulation) — about `2⁻⁹` relative rounding per entry, which the damping and the
-    /// Fisher's own sampling noise dominate. `F32` stays the default until the GPU bench has
-    /// shown equal training quality on a GPU (not measured yet: this session had no GPU).
+    /// accumulation) — at most `2⁻⁹` relative rounding per entry, so the factors move by at
+    /// most `2·2⁻⁹` of `|A|ᵀ|A|/m` (small beside the damping; a small MLP trains the same,
+    /// `tests/emu_kron_bf16.rs`). `F32` stays the default until the GPU bench has shown the
+    /// same training quality at scale (not measured on a GPU yet).
     /// `bf16` statistics always take the `bf16` path: they carry no more precision to keep.
     pub stats_precision: Precision,
 }
