@@ -2,7 +2,7 @@
 //! warp-specialized) on a compute capability 9.0 device, the sm_80 engine everywhere else.
 //!
 //! A kernel with an sm_90a variant names it in [`Kernel::sm90`]; [`super::launch::launch`]
-//! asks [`select`] which one to queue. The first such launch on a device runs a self-check:
+//! asks `select` which one to queue. The first such launch on a device runs a self-check:
 //! small ragged products through both paths (`newton_gemm_tc` against `newton_gemm_wg_tc`
 //! on the 16-byte cp.async path, `kron_syrk_ema_tc` against `kron_syrk_ema_wg_tc` on the
 //! element-wise path), compared within the f32 accumulation bound. If the sm_90a module does
