@@ -109,6 +109,16 @@ pub fn inject_sm90(what: Option<Sm90Injection>) {
         .retain(|(key, _)| key.is_some());
 }
 
+/// Decides now which GEMM path `device` runs (the self-check, on its first use) and tells:
+/// `true` when the sm_90a kernels run there. Benchmarks call it before timing, so the
+/// self-check's launches stay out of their first measurement.
+///
+/// # Errors
+/// Only when the self-check's sm_80 side fails (nothing is decided then).
+pub fn check(device: &Device) -> Result<bool> {
+    Ok(decide(device)? == Path::Sm90)
+}
+
 /// The kernel and configuration to launch for `kernel` with `cfg` on `device`: its sm_90a
 /// variant when the device runs them (deciding at the first call per device, see the module
 /// documentation), else `kernel` itself. Errors only when the self-check's sm_80 side fails.
