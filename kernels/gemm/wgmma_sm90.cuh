@@ -70,8 +70,9 @@ __device__ __forceinline__ void grng_mbar_arrive_cp_async(unsigned long long* ba
 // counts as completed, so waiting on parity 1 of a fresh barrier returns at once). With
 // Trap, a phase that does not complete within 2^35 cycles (about 17 s at 2 GHz, far beyond any
 // working stage hand-off) traps instead of hanging: a pipeline bug (this path was never run
-// on hardware to rule one out) becomes a failed launch, which the first-use self-check turns
-// into the counted sm_80 fallback. Only the producer traps: a trap between a consumer's
+// on hardware to rule one out) becomes a failed launch (the self-check counts and reports it;
+// a trap loses the CUDA context, so later calls fail too: an error, never a hang or a wrong
+// product). Only the producer traps: a trap between a consumer's
 // wgmma issue and its wait makes ptxas serialize the wgmmas (C7515); the producer's final
 // waits on every release bound the consumers too.
 template <bool Trap>
