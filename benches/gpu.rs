@@ -1113,6 +1113,17 @@ fn main() -> Res<()> {
         cuda,
         o,
     };
+    // The GEMM path (and its one-time self-check) is decided before anything is timed.
+    let sm90 = grng::cuda::sm90::check(&b.dev)?;
+    println!(
+        "GEMM mainloop: {} (sm_90a fallbacks: {})\n",
+        if sm90 {
+            "sm_90a wgmma"
+        } else {
+            "sm_80 mma.sync"
+        },
+        grng::cuda::sm90::fallbacks()
+    );
     println!("| section | case | grng kernel | grng | peer | peer | ratio (time, grng / peer) |");
     println!("|---|---|---|---|---|---|---|");
     let sections: [(&str, Section); 10] = [

@@ -8,7 +8,8 @@
 # Kernels whose name ends in `_tc` (tensor-core kernels, kernels/README.md) must show
 # tensor-core instructions in `cuobjdump --dump-sass`: HMMA, and for the sm_90a GEMM kernels
 # (`_wg_tc`) HGMMA, the SASS of wgmma. Exits non-zero on any spill, on a `_tc` kernel without
-# them, when no kernel was audited, or when no sm_90a GEMM kernel was.
+# them, on wgmma that ptxas serialized (advisory C7515), when no kernel was audited, or when no
+# sm_90a GEMM kernel was.
 #
 # Usage: scripts/audit-kernels.sh
 set -euo pipefail
@@ -52,6 +53,13 @@ for ptx in "$out_dir"/*.ptx; do
             cat "$work/log" >&2
             echo "audit: ptxas failed on $file for $arch" >&2
             exit 1
+        fi
+        # ptxas reports wgmma it had to serialize (a silent loss of most of the sm_90a
+        # path's speed) as performance advisory C7515.
+        if grep -q C7515 "$work/log"; then
+            grep C7515 "$work/log" >&2
+            echo "audit: ptxas serialized wgmma in $file for $arch" >&2
+            fail=1
         fi
         # ptxas -v prints, per kernel: "Compiling entry function 'k' for 'sm_xx'", then
         # "N bytes stack frame, S bytes spill stores, L bytes spill loads", then

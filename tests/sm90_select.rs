@@ -13,7 +13,7 @@ mod common;
 use grng::cuda::kron::syrk_ema_tc;
 use grng::cuda::launch::{inject_ptx_reject, record_launches, take_launches};
 use grng::cuda::newton::{product_tc, Epilogue, Unused};
-use grng::cuda::sm90::{fallbacks, inject_sm90, Sm90Injection};
+use grng::cuda::sm90::{check, fallbacks, inject_sm90, Sm90Injection};
 use grng::{Device, Error, Matrix};
 use half::bf16;
 use rand::Rng;
@@ -33,7 +33,7 @@ fn bf16_vals(rng: &mut ChaCha8Rng, len: usize) -> (Vec<bf16>, Vec<f64>) {
 /// bf16 products are exact in f32 and each of the k f32 additions errs by at most one ulp
 /// (2^-23 relative to the running |sum| ≤ Σ|x||y|, any order, round-to-nearest or truncating
 /// accumulator), and α's rounding adds 2^-24: |err| ≤ (k + 1)·2^-23·α·Σ|x||y|; 2x margin.
-fn check(
+fn check_product(
     what: &str,
     got: &[f32],
     n: usize,
@@ -75,7 +75,7 @@ fn product(dev: &Device, rng: &mut ChaCha8Rng, n: usize) -> grng::Result<Vec<&'s
     product_tc(dev, &am, &bm, epi, &mut unused)?;
     let launched = take_launches();
     let got = out.to_vec()?;
-    check(
+    check_product(
         "A·B",
         &got,
         n,
@@ -97,7 +97,7 @@ fn syrk(dev: &Device, rng: &mut ChaCha8Rng, m: usize, n: usize) -> grng::Result<
     let launched = take_launches();
     let got = l.to_vec()?;
     let alpha = 1.0 / m as f64;
-    check(
+    check_product(
         "SᵀS/m",
         &got,
         n,
@@ -176,6 +176,7 @@ fn selection_self_check_and_counted_fallback() {
     // No injection: the emulator is no sm_90 device; nothing is checked or counted.
     let n = ragged(&mut rng);
     assert_eq!(product(&dev, &mut rng, n).unwrap(), ["newton_gemm_tc"]);
+    assert!(!check(&dev).unwrap());
     assert_eq!(fallbacks(), 0);
 
     // A capable device: the first GEMM runs the self-check, then the sm_90a kernels, for good.
@@ -187,6 +188,7 @@ fn selection_self_check_and_counted_fallback() {
     let (m, n) = (ragged(&mut rng), ragged(&mut rng));
     assert_eq!(syrk(&dev, &mut rng, m, n).unwrap(), ["kron_syrk_ema_wg_tc"]);
     assert_eq!(product(&dev, &mut rng, n).unwrap(), ["newton_gemm_wg_tc"]);
+    assert!(check(&dev).unwrap());
     assert_eq!(fallbacks(), 0);
 
     // An sm_80 failure during the self-check (its reference side) is the caller's error and
@@ -214,6 +216,7 @@ fn selection_self_check_and_counted_fallback() {
     assert_eq!(fallbacks(), 1);
     let (m, n) = (ragged(&mut rng), ragged(&mut rng));
     assert_eq!(syrk(&dev, &mut rng, m, n).unwrap(), ["kron_syrk_ema_tc"]);
+    assert!(!check(&dev).unwrap());
     assert_eq!(fallbacks(), 1);
 
     // The driver rejects the sm_90a module of kron.cu: fall back at the SYRK's check.
@@ -245,10 +248,12 @@ fn sm90a_products_match_f64_on_a_cc90_gpu() {
         return;
     }
     let mut rng = common::seeded_rng();
+    // The self-check passes on a working GPU (else a fallback line says why).
+    assert!(check(&dev).unwrap());
     record_launches(true);
     for n in [136usize, 131, 257, 520] {
         let launched = product(&dev, &mut rng, n).unwrap();
-        assert_eq!(launched.last(), Some(&"newton_gemm_wg_tc"), "{launched:?}");
+        assert_eq!(launched, ["newton_gemm_wg_tc"]);
         let m = rng.random_range(1..=600usize);
         let launched = syrk(&dev, &mut rng, m, n).unwrap();
         assert_eq!(launched, ["kron_syrk_ema_wg_tc"]);

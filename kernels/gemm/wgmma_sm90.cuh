@@ -67,14 +67,38 @@ __device__ __forceinline__ void grng_mbar_arrive_cp_async(unsigned long long* ba
                  : "memory");
 }
 // Waits until the phase of parity `parity` has completed (the phase before the current one
-// counts as completed, so waiting on parity 1 of a fresh barrier returns at once).
+// counts as completed, so waiting on parity 1 of a fresh barrier returns at once). With
+// Trap, a phase that does not complete within 2^35 cycles (about 17 s at 2 GHz, far beyond any
+// working stage hand-off) traps instead of hanging: a pipeline bug (this path was never run
+// on hardware to rule one out) becomes a failed launch (the self-check counts and reports it;
+// a trap loses the CUDA context, so later calls fail too: an error, never a hang or a wrong
+// product). Only the producer traps: a trap between a consumer's
+// wgmma issue and its wait makes ptxas serialize the wgmmas (C7515); the producer's final
+// waits on every release bound the consumers too.
+template <bool Trap>
 __device__ __forceinline__ void grng_mbar_wait(unsigned long long* bar, unsigned parity) {
-    asm volatile(
-        "{\n.reg .pred done;\nwait_%=:\n"
-        "mbarrier.try_wait.parity.shared::cta.b64 done, [%0], %1;\n"
-        "@!done bra wait_%=;\n}\n" ::"r"(grng_smem_addr(bar)),
-        "r"(parity)
-        : "memory");
+    if (Trap)
+        asm volatile(
+            "{\n.reg .pred done, late;\n.reg .u64 t0, t;\n"
+            "mov.u64 t0, %%clock64;\n"
+            "wait_%=:\n"
+            "mbarrier.try_wait.parity.shared::cta.b64 done, [%0], %1;\n"
+            "@done bra end_%=;\n"
+            "mov.u64 t, %%clock64;\n"
+            "sub.u64 t, t, t0;\n"
+            "setp.gt.u64 late, t, 34359738368;\n"
+            "@late trap;\n"
+            "bra wait_%=;\n"
+            "end_%=:\n}\n" ::"r"(grng_smem_addr(bar)),
+            "r"(parity)
+            : "memory");
+    else
+        asm volatile(
+            "{\n.reg .pred done;\nwait_%=:\n"
+            "mbarrier.try_wait.parity.shared::cta.b64 done, [%0], %1;\n"
+            "@!done bra wait_%=;\n}\n" ::"r"(grng_smem_addr(bar)),
+            "r"(parity)
+            : "memory");
 }
 
 // wgmma (PTX ISA "Asynchronous Warpgroup Level Matrix Multiply-Accumulate").
@@ -258,7 +282,7 @@ GRNG_UNROLL
         for (int v = 0; v < nslices; ++v) {
             const int s = v % GRNG_WG_STAGES;
             // Slot s was last read in round v / STAGES − 1 (returns at once in round 0).
-            grng_mbar_wait(&empty[s], ((v / GRNG_WG_STAGES) & 1) ^ 1);
+            grng_mbar_wait<true>(&empty[s], ((v / GRNG_WG_STAGES) & 1) ^ 1);
             unsigned char* st = base + 2 * s * GRNG_WG_TILE_BYTES;
             const int k0 = v * GRNG_WG_BK;
             grng_wg_load<AL>(st, A, lda, i0, k0, M, K, vec, t);
@@ -268,12 +292,17 @@ GRNG_UNROLL
             else
                 grng_mbar_arrive(&full[s]);
         }
+        // Wait for the release of the last STAGES slices (as if loading STAGES more): the
+        // consumers' progress is bounded by the trap too.
+        for (int v = nslices; v < nslices + GRNG_WG_STAGES; ++v)
+            grng_mbar_wait<true>(&empty[v % GRNG_WG_STAGES],
+                                 ((v / GRNG_WG_STAGES) & 1) ^ 1);
     } else {
         // Consumer warpgroup c = wg − 1: tile rows 64c..64c+63.
         const int c = wg - 1;
         for (int v = 0; v < nslices; ++v) {
             const int s = v % GRNG_WG_STAGES;
-            grng_mbar_wait(&full[s], (v / GRNG_WG_STAGES) & 1);
+            grng_mbar_wait<false>(&full[s], (v / GRNG_WG_STAGES) & 1);
             // The stage was written through the generic proxy (cp.async, st.shared) and is
             // read by wgmma through the async proxy.
             asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
@@ -294,6 +323,7 @@ GRNG_UNROLL
         }
         grng_wgmma_wait<0>();
         grng_wgmma_fence_operands(acc);
+        if ((threadIdx.x & 31) == 0) grng_mbar_arrive(&empty[(nslices - 1) % GRNG_WG_STAGES]);
 
         const int warp = (t >> 5), lane = t & 31;
         const int row0 = i0 + 64 * c + 16 * warp + (lane >> 2);

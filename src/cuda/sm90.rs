@@ -2,7 +2,7 @@
 //! warp-specialized) on a compute capability 9.0 device, the sm_80 engine everywhere else.
 //!
 //! A kernel with an sm_90a variant names it in [`Kernel::sm90`]; [`super::launch::launch`]
-//! asks [`select`] which one to queue. The first such launch on a device runs a self-check:
+//! asks `select` which one to queue. The first such launch on a device runs a self-check:
 //! small ragged products through both paths (`newton_gemm_tc` against `newton_gemm_wg_tc`
 //! on the 16-byte cp.async path, `kron_syrk_ema_tc` against `kron_syrk_ema_wg_tc` on the
 //! element-wise path), compared within the f32 accumulation bound. If the sm_90a module does
@@ -107,6 +107,16 @@ pub fn inject_sm90(what: Option<Sm90Injection>) {
         .lock()
         .unwrap_or_else(PoisonError::into_inner)
         .retain(|(key, _)| key.is_some());
+}
+
+/// Decides now which GEMM path `device` runs (the self-check, on its first use) and tells:
+/// `true` when the sm_90a kernels run there. Benchmarks call it before timing, so the
+/// self-check's launches stay out of their first measurement.
+///
+/// # Errors
+/// Only when the self-check's sm_80 side fails (nothing is decided then).
+pub fn check(device: &Device) -> Result<bool> {
+    Ok(decide(device)? == Path::Sm90)
 }
 
 /// The kernel and configuration to launch for `kernel` with `cfg` on `device`: its sm_90a
