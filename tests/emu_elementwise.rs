@@ -632,7 +632,7 @@ fn multi_errors(
                 (1, "grad"),
                 (2, "m"),
                 (3, "h"),
-                (4, "hess.sampled_grad"),
+                (4, "sampled_grad"),
             ],
             Some("h"),
         ),
@@ -819,8 +819,9 @@ fn optimizers_step_many_equals_one_flat_step() {
             warmup_steps: 2,
             ..AdamWConfig::default()
         };
+        // Refresh at the first of the three steps; the fourth needs a sample again.
         let sc = SophiaConfig {
-            hessian_every: 2,
+            hessian_every: 3,
             ..SophiaConfig::default()
         };
         let (mut am, mut af) = (
