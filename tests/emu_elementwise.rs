@@ -595,7 +595,7 @@ fn multi_errors(
     }
     let mut rng = ChaCha8Rng::seed_from_u64(seed);
     // Flat arrays: 0 params, 1 grads, 2 m, 3 v/h, 4 samples.
-    let mut arrays = vec![
+    let mut arrays = [
         vals(&mut rng, total, -2.0, 2.0),
         vals(&mut rng, total, -2.0, 2.0),
         vals(&mut rng, total, -0.5, 0.5),
