@@ -24,7 +24,7 @@ use cudarc::driver::{CudaSlice, DevicePtr, DevicePtrMut};
 use grng::cuda::launch::{record_launches, take_launches};
 use grng::cuda::precond::gemm_tc;
 use grng::cuda::CudaDevice;
-use grng::ops::elementwise::AdamWCoeffs;
+use grng::ops::elementwise::{AdamWCoeffs, MultiState};
 use grng::ops::kalman::{KalmanOptions, KalmanState};
 use grng::ops::newton::{NewtonOptions, Precision};
 use grng::optim::kron::{KronConfig, KronOptimizer};
@@ -312,8 +312,53 @@ fn adamw_section(b: &Bench) -> Res<()> {
         let peer = b.copy(7 * n / 2)?;
         let work = Work::Bytes(28.0 * n as f64);
         row("adamw", &format!("n = {n}"), &ours, &[peer], work);
+        // The multi-tensor step (what the optimizers run): the same n over one tensor, and
+        // over a model's worth of ragged tensors (weights, biases, norms), in one launch.
+        for count in [1, 97] {
+            let shapes = model_shapes(n, count);
+            let mut ps = shapes
+                .iter()
+                .enumerate()
+                .map(|(t, &(r, c))| dev.upload(r, c, &values(r * c, 10 + t as u64)))
+                .collect::<Result<Vec<_>, _>>()?;
+            let gs = shapes
+                .iter()
+                .enumerate()
+                .map(|(t, &(r, c))| dev.upload(r, c, &values(r * c, 500 + t as u64)))
+                .collect::<Result<Vec<_>, _>>()?;
+            let gs: Vec<&grng::Matrix> = gs.iter().collect();
+            let mut st = MultiState::new(dev, &shapes, 2)?;
+            let ours = b.grng(|| {
+                let mut refs: Vec<&mut grng::Matrix> = ps.iter_mut().collect();
+                Ok(dev.adamw_update_many(&mut refs, &gs, &mut st, &c)?)
+            });
+            let peer = b.copy(7 * n / 2)?;
+            let case = format!("n = {n}, {count} tensors (multi-tensor step)");
+            row("adamw", &case, &ours, &[peer], work);
+        }
     }
     Ok(())
+}
+
+/// `count` tensor shapes holding `n` elements in all, ragged like a model's: pairs of a
+/// `d x d`-ish weight and its bias-sized vector, odd lengths (float4 tails) included.
+fn model_shapes(n: usize, count: usize) -> Vec<(usize, usize)> {
+    if count == 1 {
+        return vec![(1, n)];
+    }
+    let mut shapes = Vec::with_capacity(count);
+    let mut left = n;
+    for t in 0..count - 1 {
+        let len = if t % 2 == 0 {
+            (2 * n / count).min(left)
+        } else {
+            (n / (count * 1000) + 3).min(left)
+        };
+        shapes.push((1, len));
+        left -= len;
+    }
+    shapes.push((1, left));
+    shapes
 }
 
 fn gemm_f32_section(b: &Bench) -> Res<()> {

@@ -386,3 +386,497 @@ fn launch_record_names_the_kernels_run() {
     record_launches(false);
     assert!(cpu.is_empty(), "the CPU backend launched {cpu:?}");
 }
+
+// ---- Multi-tensor updates (`Device::*_update_many`, one launch over all tensors) ----
+
+/// Held by every test below that launches a multi-tensor kernel, so that
+/// [`multi_step_is_one_launch`] counts only its own launches.
+static MULTI: std::sync::Mutex<()> = std::sync::Mutex::new(());
+
+fn multi_lock() -> std::sync::MutexGuard<'static, ()> {
+    MULTI
+        .lock()
+        .unwrap_or_else(std::sync::PoisonError::into_inner)
+}
+
+/// Ragged tensor lists: 1 to 6 tensors, each empty, tiny, at a float4 or warp edge, or a
+/// block edge; `cols` > 1 splits a length into a matrix (any shape of that length is one
+/// tensor to the update).
+fn shapes() -> impl Strategy<Value = Vec<(usize, usize)>> {
+    let one = prop_oneof![
+        Just(0usize),
+        1usize..9,
+        31usize..34,
+        1020usize..1030,
+        Just(4000)
+    ];
+    prop::collection::vec((one, 1usize..4), 1..7).prop_map(|v| {
+        v.into_iter()
+            .map(|(n, c)| if n % c == 0 { (n / c, c) } else { (n, 1) })
+            .collect()
+    })
+}
+
+/// The coefficients of the three updates at learning rate `lr`, weight decay `wd`, AdamW
+/// step `step`.
+fn multi_coeffs(lr: f32, wd: f32, step: u64) -> (SgdCoeffs, AdamWCoeffs, SophiaCoeffs) {
+    (
+        SgdCoeffs {
+            lr,
+            momentum: 0.9,
+            weight_decay: wd,
+        },
+        AdamWCoeffs {
+            lr,
+            beta1: 0.9,
+            beta2: 0.999,
+            eps: 1e-8,
+            weight_decay: wd,
+            step,
+        },
+        SophiaCoeffs {
+            lr,
+            beta1: 0.96,
+            gamma: 0.01,
+            eps: 1e-12,
+            weight_decay: wd,
+        },
+    )
+}
+
+/// The uploads of per-tensor host arrays.
+fn ups(dev: &Device, shapes: &[(usize, usize)], vs: &[Vec<f32>]) -> Vec<Matrix> {
+    shapes
+        .iter()
+        .zip(vs)
+        .map(|(&(r, c), v)| dev.upload(r, c, v).unwrap())
+        .collect()
+}
+
+/// Per-tensor random arrays of `shapes` in `[lo, hi)`.
+fn per_tensor(rng: &mut ChaCha8Rng, shapes: &[(usize, usize)], lo: f32, hi: f32) -> Vec<Vec<f32>> {
+    shapes
+        .iter()
+        .map(|&(r, c)| vals(rng, r * c, lo, hi))
+        .collect()
+}
+
+/// The `&mut` list a multi-tensor update takes.
+fn refs(ps: &mut [Matrix]) -> Vec<&mut Matrix> {
+    ps.iter_mut().collect()
+}
+
+/// Concatenation of per-tensor arrays (the state's checkpoint form).
+fn concat(vs: &[Vec<f32>]) -> Vec<f32> {
+    vs.concat()
+}
+
+/// SGD, AdamW and Sophia (refresh, plain, refresh) over a ragged tensor list, three steps:
+/// every device's multi-tensor update equals, bit for bit, the one-tensor ops applied to each
+/// tensor on the CPU (same formula, same order, correctly rounded: module docs), parameters
+/// and state alike.
+fn multi_updates(
+    devs: &[Device],
+    shapes: &[(usize, usize)],
+    seed: u64,
+    lr: f32,
+    wd: f32,
+) -> Result<(), TestCaseError> {
+    use grng::ops::elementwise::{MultiState, SophiaRefresh};
+    let mut rng = ChaCha8Rng::seed_from_u64(seed);
+    let p0 = per_tensor(&mut rng, shapes, -2.0, 2.0);
+    let gs: Vec<Vec<Vec<f32>>> = (0..3)
+        .map(|_| per_tensor(&mut rng, shapes, -3.0, 3.0))
+        .collect();
+    let hs: Vec<Vec<Vec<f32>>> = (0..3)
+        .map(|_| per_tensor(&mut rng, shapes, -1.0, 1.0))
+        .collect();
+    let refresh = [true, false, true];
+    let (sgd, _, soph) = multi_coeffs(lr, wd, 1);
+    // Per tensor: params and states of SGD, AdamW, Sophia after the three steps.
+    let reference = || -> Vec<Vec<f32>> {
+        let dev = Device::Cpu;
+        let mut out = vec![Vec::new(); 7];
+        for (t, &(r, c)) in shapes.iter().enumerate() {
+            let z = vec![0.0f32; r * c];
+            let [mut ps, mut b, mut pa, mut m, mut v, mut po, mut mo, mut h] =
+                [&p0[t], &z, &p0[t], &z, &z, &p0[t], &z, &z].map(|x| dev.upload(r, c, x).unwrap());
+            for k in 0..3 {
+                let g = dev.upload(r, c, &gs[k][t]).unwrap();
+                let (_, adam, _) = multi_coeffs(lr, wd, k as u64 + 1);
+                dev.sgd_update(&mut ps, &g, &mut b, &sgd).unwrap();
+                dev.adamw_update(&mut pa, &g, &mut m, &mut v, &adam)
+                    .unwrap();
+                if refresh[k] {
+                    let gh = dev.upload(r, c, &hs[k][t]).unwrap();
+                    dev.sophia_hessian_ema(&mut h, &gh, 0.98, 5).unwrap();
+                }
+                dev.sophia_update(&mut po, &g, &mut mo, &h, &soph).unwrap();
+            }
+            for (o, x) in out.iter_mut().zip([&ps, &b, &pa, &m, &v, &po, &h]) {
+                o.extend(x.to_vec().unwrap());
+            }
+        }
+        out
+    };
+    let want = reference();
+    let mut all = vec![Device::Cpu];
+    all.extend(devs.iter().cloned());
+    for dev in &all {
+        let [mut s_sgd, mut s_adam, mut s_soph] =
+            [1, 2, 2].map(|k| MultiState::new(dev, shapes, k).unwrap());
+        let [mut ps, mut pa, mut po] = [0; 3].map(|_| ups(dev, shapes, &p0));
+        for k in 0..3 {
+            let g = ups(dev, shapes, &gs[k]);
+            let g: Vec<&Matrix> = g.iter().collect();
+            let gh = ups(dev, shapes, &hs[k]);
+            let gh: Vec<&Matrix> = gh.iter().collect();
+            let (_, adam, _) = multi_coeffs(lr, wd, k as u64 + 1);
+            dev.sgd_update_many(&mut refs(&mut ps), &g, &mut s_sgd, &sgd)
+                .unwrap();
+            dev.adamw_update_many(&mut refs(&mut pa), &g, &mut s_adam, &adam)
+                .unwrap();
+            let r = refresh[k].then_some(SophiaRefresh {
+                sampled_grads: &gh,
+                beta2: 0.98,
+                batch: 5,
+            });
+            dev.sophia_update_many(&mut refs(&mut po), &g, &mut s_soph, r, &soph)
+                .unwrap();
+        }
+        let flat =
+            |ps: &[Matrix]| -> Vec<f32> { ps.iter().flat_map(|m| m.to_vec().unwrap()).collect() };
+        let got = [
+            flat(&ps),
+            s_sgd.to_host(0).unwrap(),
+            flat(&pa),
+            s_adam.to_host(0).unwrap(),
+            s_adam.to_host(1).unwrap(),
+            flat(&po),
+            s_soph.to_host(1).unwrap(),
+        ];
+        for (k, (g, w)) in got.iter().zip(&want).enumerate() {
+            prop_assert_eq!(bits(g), bits(w), "{}: output {}", dev.name(), k);
+        }
+        for (m, &s) in ps.iter().zip(shapes) {
+            prop_assert_eq!(m.shape(), s);
+        }
+    }
+    Ok(())
+}
+
+/// What identifies a multi-tensor error across backends.
+fn multi_key(e: &Error) -> String {
+    match e {
+        Error::NonFiniteTensor {
+            arg, tensor, index, ..
+        } => format!("NonFiniteTensor({arg}, {tensor}, {index})"),
+        other => key(other),
+    }
+}
+
+/// NaN/Inf planted in 1 to 3 places of any input (params, gradients, Hessian samples, the
+/// state m and v/h) or a negative v/h: each update reports the error the CPU reports
+/// (variant, array, tensor, index) — checked also against the plants themselves: the first
+/// array in slot order, its smallest flat position — and leaves params and state bit for bit
+/// unchanged.
+fn multi_errors(
+    devs: &[Device],
+    shapes: &[(usize, usize)],
+    seed: u64,
+    plants: &[(usize, usize, u8)],
+) -> Result<(), TestCaseError> {
+    use grng::ops::elementwise::{MultiLayout, MultiState, SophiaRefresh};
+    let lens: Vec<usize> = shapes.iter().map(|&(r, c)| r * c).collect();
+    let layout = MultiLayout::new(&lens);
+    let total = layout.total();
+    if total == 0 {
+        return Ok(());
+    }
+    let mut rng = ChaCha8Rng::seed_from_u64(seed);
+    // Flat arrays: 0 params, 1 grads, 2 m, 3 v/h, 4 samples.
+    let mut arrays = [
+        vals(&mut rng, total, -2.0, 2.0),
+        vals(&mut rng, total, -2.0, 2.0),
+        vals(&mut rng, total, -0.5, 0.5),
+        vals(&mut rng, total, 0.0, 0.5),
+        vals(&mut rng, total, -1.0, 1.0),
+    ];
+    // kind 0 NaN, 1 +Inf, 2 -Inf, 3 a negative (in v/h only).
+    let mut planted: Vec<(usize, usize, u8)> = Vec::new();
+    for &(which, at, kind) in plants {
+        let (which, at, kind) = (which % 5, at % total, kind % 4);
+        let which = if kind == 3 { 3 } else { which };
+        arrays[which][at] = [f32::NAN, f32::INFINITY, f32::NEG_INFINITY, -0.25][kind as usize];
+        planted.push((which, at, kind));
+    }
+    // Slot order per update: (array, arg) for NaN/Inf, then the sign of v/h.
+    let expect = |order: &[(usize, &str)], sign: Option<&str>| -> String {
+        for &(a, arg) in order {
+            if let Some(pos) = (0..total).find(|&i| !arrays[a][i].is_finite()) {
+                let (t, i) = layout.locate(pos);
+                return format!("NonFiniteTensor({arg}, {t}, {i})");
+            }
+        }
+        match sign.and_then(|arg| arrays[3].iter().find(|v| **v < 0.0).map(|v| (arg, v))) {
+            Some((arg, v)) => format!("Value({arg}, {})", *v as f64),
+            None => "ok".into(),
+        }
+    };
+    let want = [
+        expect(&[(0, "params"), (1, "grad"), (2, "momentum_buf")], None),
+        expect(&[(0, "params"), (1, "grad"), (2, "m"), (3, "v")], Some("v")),
+        expect(
+            &[
+                (0, "params"),
+                (1, "grad"),
+                (2, "m"),
+                (3, "h"),
+                (4, "sampled_grad"),
+            ],
+            Some("h"),
+        ),
+    ];
+    let split = |a: &[f32]| -> Vec<Vec<f32>> {
+        (0..shapes.len())
+            .map(|t| a[layout.first(t)..layout.first(t) + lens[t]].to_vec())
+            .collect()
+    };
+    let (sgd, adam, soph) = multi_coeffs(0.1, 0.01, 3);
+    let run = |dev: &Device| -> (Vec<String>, Vec<Vec<f32>>) {
+        let p = ups(dev, shapes, &split(&arrays[0]));
+        let g = ups(dev, shapes, &split(&arrays[1]));
+        let gh = ups(dev, shapes, &split(&arrays[4]));
+        let (g, gh): (Vec<&Matrix>, Vec<&Matrix>) = (g.iter().collect(), gh.iter().collect());
+        let mut keys = Vec::new();
+        let mut finals = Vec::new();
+        for u in 0..3 {
+            let mut st = MultiState::new(dev, shapes, if u == 0 { 1 } else { 2 }).unwrap();
+            st.load(dev, 0, &arrays[2]).unwrap();
+            if u > 0 {
+                st.load(dev, 1, &arrays[3]).unwrap();
+            }
+            let mut ps: Vec<Matrix> = p.iter().map(|m| m.try_clone().unwrap()).collect();
+            let mut ps_refs = refs(&mut ps);
+            let r = match u {
+                0 => dev.sgd_update_many(&mut ps_refs, &g, &mut st, &sgd),
+                1 => dev.adamw_update_many(&mut ps_refs, &g, &mut st, &adam),
+                _ => {
+                    let r = SophiaRefresh {
+                        sampled_grads: &gh,
+                        beta2: 0.9,
+                        batch: 4,
+                    };
+                    dev.sophia_update_many(&mut ps_refs, &g, &mut st, Some(r), &soph)
+                }
+            };
+            keys.push(r.map_or_else(|e| multi_key(&e), |_| "ok".into()));
+            finals.push(ps.iter().flat_map(|m| m.to_vec().unwrap()).collect());
+            finals.push(st.to_host(0).unwrap());
+            if u > 0 {
+                finals.push(st.to_host(1).unwrap());
+            }
+        }
+        (keys, finals)
+    };
+    let (cpu_keys, cpu_finals) = run(&Device::Cpu);
+    prop_assert_eq!(&cpu_keys[..], &want[..], "planted {:?}", planted);
+    // A failed step leaves params and state as they were.
+    let before = [0, 2, 0, 2, 3, 0, 2, 3].map(|a| arrays[a].clone());
+    let unchanged_when_failed = |keys: &[String], finals: &[Vec<f32>]| {
+        let mut at = 0;
+        for (u, k) in keys.iter().enumerate() {
+            let n = if u == 0 { 2 } else { 3 };
+            if k != "ok" {
+                for j in at..at + n {
+                    assert_eq!(bits(&finals[j]), bits(&before[j]), "update {u} array {j}");
+                }
+            }
+            at += n;
+        }
+    };
+    unchanged_when_failed(&cpu_keys, &cpu_finals);
+    for dev in devs {
+        let (keys, finals) = run(dev);
+        prop_assert_eq!(&keys, &cpu_keys, "{}", dev.name());
+        unchanged_when_failed(&keys, &finals);
+        for (g, w) in finals.iter().zip(&cpu_finals) {
+            prop_assert_eq!(bits(g), bits(w), "{}", dev.name());
+        }
+    }
+    Ok(())
+}
+
+proptest! {
+    #![proptest_config(common::proptest_config(32))]
+
+    /// [`multi_updates`] on the CPU, the emulator (and CUDA) at ragged tensor lists.
+    #[test]
+    fn multi_updates_match_per_tensor_ops(shapes in shapes(), seed in any::<u64>(), lr in 1e-4f32..0.5, wd in 0f32..0.1) {
+        let _l = multi_lock();
+        multi_updates(&devices(), &shapes, seed, lr, wd)?;
+    }
+
+    /// [`multi_errors`] on the CPU, the emulator (and CUDA) at ragged tensor lists.
+    #[test]
+    fn multi_errors_name_tensor_and_index_and_leave_state(shapes in shapes(), seed in any::<u64>(), plants in prop::collection::vec((0usize..5, any::<usize>(), any::<u8>()), 1..4)) {
+        let _l = multi_lock();
+        multi_errors(&devices(), &shapes, seed, &plants)?;
+    }
+}
+
+/// Finite inputs whose result overflows (AdamW's `g²` above `f32::MAX` in the third tensor):
+/// the error names the overflowing output, its tensor and index, on every device, and nothing
+/// changes; and a multi-tensor step is ONE kernel launch on a kernel device.
+#[test]
+fn multi_overflow_is_named_and_step_is_one_launch() {
+    use grng::cuda::launch::{record_launches, take_launches};
+    use grng::ops::elementwise::MultiState;
+    let _l = multi_lock();
+    let shapes = [(3, 2), (0, 4), (5, 3), (1, 1)];
+    let (_, adam, _) = multi_coeffs(0.1, 0.0, 1);
+    let mut all = vec![Device::Cpu];
+    all.extend(devices());
+    for dev in all {
+        let p: Vec<Matrix> = shapes
+            .iter()
+            .map(|&(r, c)| dev.upload(r, c, &vec![0.5; r * c]).unwrap())
+            .collect();
+        let mut gv: Vec<Vec<f32>> = shapes.iter().map(|&(r, c)| vec![0.25; r * c]).collect();
+        let mut st = MultiState::new(&dev, &shapes, 2).unwrap();
+        let mut ps: Vec<Matrix> = p.iter().map(|m| m.try_clone().unwrap()).collect();
+        // A clean step: one launch, recorded under the multi kernel's name.
+        let g = ups(&dev, &shapes, &gv);
+        let g: Vec<&Matrix> = g.iter().collect();
+        record_launches(true);
+        dev.adamw_update_many(&mut refs(&mut ps), &g, &mut st, &adam)
+            .unwrap();
+        let launched: Vec<_> = take_launches()
+            .into_iter()
+            .filter(|k| k.starts_with("elementwise_multi"))
+            .collect();
+        record_launches(false);
+        let want: &[&str] = match dev {
+            Device::Cpu => &[],
+            _ => &["elementwise_multi_adamw"],
+        };
+        assert_eq!(launched, want, "{}", dev.name());
+        // 3e19² = 9e38 > f32::MAX ≈ 3.4e38: v overflows at tensor 2, index 7.
+        gv[2][7] = 3e19;
+        let g = ups(&dev, &shapes, &gv);
+        let g: Vec<&Matrix> = g.iter().collect();
+        let before: Vec<Vec<f32>> = ps.iter().map(|m| m.to_vec().unwrap()).collect();
+        let (m0, v0) = (st.to_host(0).unwrap(), st.to_host(1).unwrap());
+        let r = dev.adamw_update_many(&mut refs(&mut ps), &g, &mut st, &adam);
+        match r {
+            Err(Error::NonFiniteTensor {
+                arg: "v (overflow)",
+                tensor: 2,
+                index: 7,
+                ..
+            }) => {}
+            other => panic!("{}: {other:?}", dev.name()),
+        }
+        let after: Vec<Vec<f32>> = ps.iter().map(|m| m.to_vec().unwrap()).collect();
+        assert_eq!(after, before, "{}", dev.name());
+        assert_eq!(bits(&st.to_host(0).unwrap()), bits(&m0));
+        assert_eq!(bits(&st.to_host(1).unwrap()), bits(&v0));
+        // Wrong counts and shapes are shape errors before any launch.
+        let two: Vec<&Matrix> = g[..2].to_vec();
+        assert!(matches!(
+            dev.adamw_update_many(&mut refs(&mut ps), &two, &mut st, &adam),
+            Err(Error::Shape { arg: "grad", .. })
+        ));
+        let mut wrong: Vec<Matrix> = shapes
+            .iter()
+            .map(|&(r, c)| dev.zeros(c, r).unwrap())
+            .collect();
+        assert!(matches!(
+            dev.adamw_update_many(&mut refs(&mut wrong), &g, &mut st, &adam),
+            Err(Error::Shape { arg: "params", .. })
+        ));
+    }
+}
+
+/// The optimizers' `step_many` over a model's tensors equals `step` over their concatenation
+/// (bit for bit: the updates are element-wise), checkpoints included, on every device.
+#[test]
+fn optimizers_step_many_equals_one_flat_step() {
+    use grng::optim::adamw::{AdamW, AdamWConfig};
+    use grng::optim::sophia::{Sophia, SophiaConfig, SophiaHessian, SophiaHessians};
+    let _l = multi_lock();
+    let shapes = [(7, 3), (1, 5), (0, 2), (33, 1)];
+    let n: usize = shapes.iter().map(|&(r, c)| r * c).sum();
+    let mut rng = common::seeded_rng();
+    let p0 = per_tensor(&mut rng, &shapes, -1.0, 1.0);
+    let gs: Vec<Vec<Vec<f32>>> = (0..3)
+        .map(|_| per_tensor(&mut rng, &shapes, -1.0, 1.0))
+        .collect();
+    let mut all = vec![Device::Cpu];
+    all.extend(devices());
+    for dev in all {
+        let ac = AdamWConfig {
+            warmup_steps: 2,
+            ..AdamWConfig::default()
+        };
+        // Refresh at the first of the three steps; the fourth needs a sample again.
+        let sc = SophiaConfig {
+            hessian_every: 3,
+            ..SophiaConfig::default()
+        };
+        let (mut am, mut af) = (
+            AdamW::for_tensors(&dev, &shapes, ac).unwrap(),
+            AdamW::new(&dev, n, ac).unwrap(),
+        );
+        let (mut sm, mut sf) = (
+            Sophia::for_tensors(&dev, &shapes, sc).unwrap(),
+            Sophia::new(&dev, n, sc).unwrap(),
+        );
+        let [mut pam, mut psm] = [0; 2].map(|_| ups(&dev, &shapes, &p0));
+        let [mut paf, mut psf] = [0; 2].map(|_| dev.upload(n, 1, &concat(&p0)).unwrap());
+        for g in &gs {
+            let gm = ups(&dev, &shapes, g);
+            let gm: Vec<&Matrix> = gm.iter().collect();
+            let gf = dev.upload(n, 1, &concat(g)).unwrap();
+            am.step_many(&mut refs(&mut pam), &gm).unwrap();
+            af.step(&mut paf, &gf).unwrap();
+            let need = sm.needs_hessian();
+            let hm = need.then_some(SophiaHessians {
+                sampled_grads: &gm,
+                batch: 3,
+            });
+            sm.step_many(&mut refs(&mut psm), &gm, hm).unwrap();
+            let hf = need.then_some(SophiaHessian {
+                sampled_grad: &gf,
+                batch: 3,
+            });
+            sf.step(&mut psf, &gf, hf).unwrap();
+        }
+        let flat =
+            |ps: &[Matrix]| -> Vec<f32> { ps.iter().flat_map(|m| m.to_vec().unwrap()).collect() };
+        assert_eq!(
+            bits(&flat(&pam)),
+            bits(&paf.to_vec().unwrap()),
+            "{}",
+            dev.name()
+        );
+        assert_eq!(
+            bits(&flat(&psm)),
+            bits(&psf.to_vec().unwrap()),
+            "{}",
+            dev.name()
+        );
+        assert_eq!(am.state().unwrap(), af.state().unwrap());
+        assert_eq!(sm.state().unwrap(), sf.state().unwrap());
+        // A missing Hessian sample on a refresh step: typed error, nothing changes.
+        assert!(sm.needs_hessian());
+        let st = sm.state().unwrap();
+        let gm = ups(&dev, &shapes, &gs[0]);
+        let gm: Vec<&Matrix> = gm.iter().collect();
+        assert!(matches!(
+            sm.step_many(&mut refs(&mut psm), &gm, None),
+            Err(Error::Value { arg: "hess", .. })
+        ));
+        assert_eq!(sm.state().unwrap(), st);
+    }
+}

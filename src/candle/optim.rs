@@ -6,7 +6,7 @@ use crate::error::{Error, Result};
 use crate::optim::adamw::{AdamW, AdamWConfig};
 use crate::optim::kron::{KronOptimizer, KronStepInfo};
 use crate::optim::sgd::Sgd;
-use crate::optim::sophia::{Sophia, SophiaHessian};
+use crate::optim::sophia::{Sophia, SophiaHessians};
 use crate::optim::KronStats;
 use crate::train::OptimizerConfig;
 use crate::{Device, Matrix};
@@ -43,7 +43,8 @@ pub enum Observed {
     Rejected,
 }
 
-/// One flat (`n x 1`) optimizer per variable.
+/// The first-order optimizer of the variables that are not `KronLinear` weights: one
+/// multi-tensor optimizer over all of them (each seen as a column), so a step is one device op.
 enum Flat {
     AdamW(AdamW),
     Sgd(Sgd),
@@ -63,7 +64,8 @@ enum Flat {
 pub struct GrngOptimizer {
     device: Device,
     kron: Option<(KronOptimizer, Vec<KronLinear>)>,
-    flat: Vec<(Var, Flat)>,
+    /// `None` when every variable is a `KronLinear` weight.
+    flat: Option<(Flat, Vec<Var>)>,
     rest: AdamWConfig,
     method: OptimizerConfig,
     /// Sophia's Hessian sample: per variable, the sampled-label gradient, and the batch size.
@@ -75,7 +77,7 @@ impl std::fmt::Debug for GrngOptimizer {
         f.debug_struct("GrngOptimizer")
             .field("method", &self.method)
             .field("kron_layers", &self.kron.as_ref().map(|(_, l)| l.len()))
-            .field("flat_vars", &self.flat.len())
+            .field("flat_vars", &self.flat.as_ref().map_or(0, |(_, v)| v.len()))
             .finish()
     }
 }
@@ -116,21 +118,27 @@ impl GrngOptimizer {
             }
             _ => (None, vars),
         };
-        let flat = flat_vars
-            .into_iter()
+        let shapes = flat_vars
+            .iter()
             .map(|v| {
                 // Refuse now what could not be viewed at the first step.
-                super::view::with_matrix(&v, ViewAs::Column, |_| Ok(()))?;
-                let n = v.elem_count();
-                let opt = match config.method {
-                    OptimizerConfig::Sgd(c) => Flat::Sgd(Sgd::new(&device, n, c)?),
-                    OptimizerConfig::Sophia(c) => Flat::Sophia(Sophia::new(&device, n, c)?),
-                    OptimizerConfig::AdamW(c) => Flat::AdamW(AdamW::new(&device, n, c)?),
-                    _ => Flat::AdamW(AdamW::new(&device, n, config.rest)?),
-                };
-                Ok((v, opt))
+                super::view::with_matrix(v, ViewAs::Column, |_| Ok(()))?;
+                Ok((v.elem_count(), 1))
             })
-            .collect::<Result<_>>()?;
+            .collect::<Result<Vec<_>>>()?;
+        let flat = if flat_vars.is_empty() {
+            None
+        } else {
+            let opt = match config.method {
+                OptimizerConfig::Sgd(c) => Flat::Sgd(Sgd::for_tensors(&device, &shapes, c)?),
+                OptimizerConfig::Sophia(c) => {
+                    Flat::Sophia(Sophia::for_tensors(&device, &shapes, c)?)
+                }
+                OptimizerConfig::AdamW(c) => Flat::AdamW(AdamW::for_tensors(&device, &shapes, c)?),
+                _ => Flat::AdamW(AdamW::for_tensors(&device, &shapes, config.rest)?),
+            };
+            Some((opt, flat_vars))
+        };
         Ok(Self {
             device,
             kron,
@@ -150,19 +158,15 @@ impl GrngOptimizer {
     /// True when the coming step refreshes Sophia's Hessian estimate: pass the gradients of
     /// the loss on labels sampled from the model with [`GrngOptimizer::set_sophia_sample`].
     pub fn needs_sophia_sample(&self) -> bool {
-        self.flat.iter().any(|(_, f)| match f {
-            Flat::Sophia(s) => s.needs_hessian(),
-            _ => false,
-        })
+        matches!(&self.flat, Some((Flat::Sophia(s), _)) if s.needs_hessian())
     }
 
     /// Sophia-G's Hessian sample for the next step: `grads` of the mean loss over `batch`
     /// samples with labels drawn from the model's predictive distribution.
     pub fn set_sophia_sample(&mut self, grads: &GradStore, batch: usize) {
         let per_var = self
-            .flat
-            .iter()
-            .map(|(v, _)| grads.get(v.as_tensor()).cloned())
+            .flat_vars()
+            .map(|v| grads.get(v.as_tensor()).cloned())
             .collect();
         self.sophia_sample = Some((per_var, batch));
     }
@@ -196,17 +200,20 @@ impl GrngOptimizer {
         }
     }
 
-    /// One step from the gradients in `grads` (variables without a gradient are left alone,
-    /// as candle's optimizers do; a `KronLinear` without one is an error). Returns the
+    /// One step from the gradients in `grads`. The variables that are not `KronLinear` weights
+    /// are stepped together, in one device op: they must all have a gradient, or none (then
+    /// they are left alone, as candle's optimizers leave a variable without one). Returns the
     /// Kronecker step's report for Kronecker methods.
     ///
     /// # Errors
-    /// [`Error::Value`] for a missing `KronLinear` gradient, missing Fisher statistics when
-    /// [`GrngOptimizer::needs_fisher`], or a missing Sophia sample; [`Error::NonFinite`] for
-    /// NaN/Inf gradients or parameters; [`Error::Tensor`] / [`Error::Shape`] for tensors grng
-    /// cannot view; the errors of the grng optimizers. Every gradient is checked before any
-    /// variable changes, so on these errors nothing changes (an update that overflows a later
-    /// variable after an earlier one stepped is reported as [`Error::NonFinite`]).
+    /// [`Error::Value`] for a missing `KronLinear` gradient, gradients for only some of the
+    /// other variables, missing Fisher statistics when [`GrngOptimizer::needs_fisher`], or a
+    /// missing Sophia sample; [`Error::NonFinite`] for NaN/Inf gradients or parameters;
+    /// [`Error::Tensor`] / [`Error::Shape`] for tensors grng cannot view; the errors of the
+    /// grng optimizers ([`Error::NonFiniteTensor`] for a first-order update that overflows,
+    /// naming the variable's index among the non-`KronLinear` ones). Every gradient is
+    /// checked before any variable changes, so on these errors nothing changes (but for a
+    /// first-order update that overflows after the Kronecker step ran).
     pub fn try_step(&mut self, grads: &GradStore) -> Result<Option<KronStepInfo>> {
         const OP: &str = "GrngOptimizer::step";
         let dev = self.device.clone();
@@ -248,22 +255,37 @@ impl GrngOptimizer {
             None => None,
         };
         let flat_in = self
-            .flat
-            .iter()
-            .map(|(v, _)| {
+            .flat_vars()
+            .map(|v| {
                 grads
                     .get(v.as_tensor())
                     .map(|g| finite("gradient", g))
                     .transpose()
             })
             .collect::<Result<Vec<_>>>()?;
+        // All or none: one multi-tensor step has a gradient for every tensor.
+        let flat_in: Option<Vec<Tensor>> =
+            match flat_in.iter().filter(|g| g.is_some()).count() {
+                0 => None,
+                k if k == flat_in.len() => Some(flat_in.into_iter().flatten().collect()),
+                _ => return Err(missing(
+                    "grads",
+                    "a gradient for every variable that is not a KronLinear weight, or for none",
+                )),
+            };
         let sample = if self.needs_sophia_sample() {
             let (per_var, batch) = self.sophia_sample.as_ref().ok_or_else(|| {
                 missing("sophia sample", "set_sophia_sample (needs_sophia_sample())")
             })?;
             let s = per_var
                 .iter()
-                .map(|g| g.as_ref().map(|g| finite("Sophia sample", g)).transpose())
+                .map(|g| match g {
+                    Some(g) => finite("Sophia sample", g),
+                    None => Err(missing(
+                        "sophia sample",
+                        "a sample gradient for every variable",
+                    )),
+                })
                 .collect::<Result<Vec<_>>>()?;
             Some((s, *batch))
         } else {
@@ -295,24 +317,27 @@ impl GrngOptimizer {
             })?);
             layers.iter().for_each(KronLinear::clear_stats);
         }
-        for (i, ((v, opt), g)) in self.flat.iter_mut().zip(&flat_in).enumerate() {
-            let Some(g) = g else { continue };
-            let s = sample
-                .as_ref()
-                .and_then(|(s, b)| s[i].as_ref().map(|t| (t, *b)));
-            let mut ts = vec![v.as_tensor(), g];
-            ts.extend(s.map(|(t, _)| t));
+        if let (Some((opt, vars)), Some(gs)) = (&mut self.flat, &flat_in) {
+            let k = vars.len();
+            let mut ts: Vec<&Tensor> = vars.iter().map(|v| v.as_tensor()).collect();
+            ts.extend(gs.iter());
+            if let Some((s, _)) = &sample {
+                ts.extend(s.iter());
+            }
             with_matrices(&ts, ViewAs::Column, |ms| {
-                let (p, rest) = ms.split_at_mut(1);
+                let (p, rest) = ms.split_at_mut(k);
+                let mut p: Vec<&mut Matrix> = p.iter_mut().collect();
+                let g: Vec<&Matrix> = rest[..k].iter().collect();
+                let s: Vec<&Matrix> = rest[k..].iter().collect();
                 match opt {
-                    Flat::AdamW(o) => o.step(&mut p[0], &rest[0]),
-                    Flat::Sgd(o) => o.step(&mut p[0], &rest[0]),
+                    Flat::AdamW(o) => o.step_many(&mut p, &g),
+                    Flat::Sgd(o) => o.step_many(&mut p, &g),
                     Flat::Sophia(o) => {
-                        let hess = s.map(|(_, batch)| SophiaHessian {
-                            sampled_grad: &rest[1],
+                        let hess = sample.as_ref().map(|&(_, batch)| SophiaHessians {
+                            sampled_grads: &s,
                             batch,
                         });
-                        o.step(&mut p[0], &rest[0], hess)
+                        o.step_many(&mut p, &g, hess)
                     }
                 }
             })?;
@@ -428,7 +453,7 @@ impl GrngOptimizer {
             .map_err(from_candle)?;
         match self.try_step(grads) {
             Ok(_) => {}
-            Err(Error::NonFinite { .. }) => {
+            Err(Error::NonFinite { .. } | Error::NonFiniteTensor { .. }) => {
                 self.reject_step();
                 return Ok(Observed::Rejected);
             }
@@ -451,7 +476,12 @@ impl GrngOptimizer {
             .kron
             .iter()
             .flat_map(|(_, l)| l.iter().map(KronLinear::weight));
-        kron.chain(self.flat.iter().map(|(v, _)| v))
+        kron.chain(self.flat_vars())
+    }
+
+    /// The variables of the first-order optimizer, in its tensor order.
+    fn flat_vars(&self) -> impl Iterator<Item = &Var> {
+        self.flat.iter().flat_map(|(_, vars)| vars.iter())
     }
 
     /// The learning rate of the method (Kronecker methods: `α` before the `1/L` scaling).
@@ -484,7 +514,7 @@ impl candle_nn::Optimizer for GrngOptimizer {
     /// Sets the first-order optimizers' rate (out-of-range values are ignored, the trait
     /// cannot report them). A Kronecker optimizer's `α` is fixed at construction.
     fn set_learning_rate(&mut self, lr: f64) {
-        for (_, f) in &mut self.flat {
+        if let Some((f, _)) = &mut self.flat {
             let _ = match f {
                 Flat::AdamW(o) => o.set_config(AdamWConfig {
                     lr: lr as f32,

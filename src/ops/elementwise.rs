@@ -276,7 +276,7 @@ impl MultiState {
     /// # Errors
     /// Device errors.
     pub fn new(device: &Device, shapes: &[(usize, usize)], arrays: usize) -> Result<Self> {
-        let lens: Vec<usize> = shapes.iter().map(|&(r, c)| r * c).collect();
+        let lens: Vec<usize> = shapes.iter().map(|&(r, c)| r.saturating_mul(c)).collect();
         let layout = MultiLayout::new(&lens);
         let flat = || device.zeros(layout.state_len(), 1);
         Ok(Self {

@@ -1,6 +1,6 @@
 //! AdamW (Loshchilov & Hutter 2019) with linear warm-up (SPEC §4 baseline).
 
-use super::sgd::{check_n, one_tensor};
+use super::sgd::{check_n, one_tensor, total_len};
 use crate::cpu::elementwise::check_nonnegative;
 use crate::device::{Device, Matrix};
 use crate::error::{check_finite, check_len, check_value, Result};
@@ -172,7 +172,7 @@ impl AdamW {
         config: AdamWConfig,
     ) -> Result<Self> {
         config.validate()?;
-        check_n("AdamW::new", shapes.iter().map(|&(r, c)| r * c).sum())?;
+        check_n("AdamW::new", total_len(shapes))?;
         Ok(Self {
             device: device.clone(),
             config,

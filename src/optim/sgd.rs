@@ -82,7 +82,7 @@ impl Sgd {
         config: SgdConfig,
     ) -> Result<Self> {
         config.validate()?;
-        check_n("Sgd::new", shapes.iter().map(|&(r, c)| r * c).sum())?;
+        check_n("Sgd::new", total_len(shapes))?;
         Ok(Self {
             device: device.clone(),
             config,
@@ -197,6 +197,13 @@ pub(crate) fn one_tensor(e: Error) -> Error {
         },
         e => e,
     }
+}
+
+/// Elements in tensors of `shapes` (saturating: an impossible size then fails to allocate).
+pub(crate) fn total_len(shapes: &[(usize, usize)]) -> usize {
+    shapes
+        .iter()
+        .fold(0usize, |n, &(r, c)| n.saturating_add(r.saturating_mul(c)))
 }
 
 /// `Err(Error::Shape)` unless the parameter count is at least 1.

@@ -11,7 +11,7 @@
 //! The first step always refreshes `h`, so the ratio never starts from `h = 0` (where it would
 //! be plain sign momentum).
 
-use super::sgd::{check_n, one_tensor};
+use super::sgd::{check_n, one_tensor, total_len};
 use crate::cpu::elementwise::check_nonnegative;
 use crate::device::{Device, Matrix};
 use crate::error::{check_finite, check_len, check_value, Result};
@@ -144,7 +144,7 @@ impl Sophia {
         config: SophiaConfig,
     ) -> Result<Self> {
         config.validate()?;
-        check_n("Sophia::new", shapes.iter().map(|&(r, c)| r * c).sum())?;
+        check_n("Sophia::new", total_len(shapes))?;
         Ok(Self {
             device: device.clone(),
             config,

@@ -237,7 +237,7 @@ impl MultiUpdate {
                 "grad",
                 "m",
                 "h",
-                "hess.sampled_grad",
+                "sampled_grad",
                 "h",
                 "params (overflow)",
                 "m (overflow)",

@@ -782,16 +782,17 @@ impl Checkpoint for Trainer {
                 ("rng", rng),
             ],
         )?;
-        match (engine, device_params) {
-            (
-                Engine::Kron { params, .. }
-                | Engine::Sgd { params, .. }
-                | Engine::AdamW { params, .. }
-                | Engine::Sophia { params, .. },
-                DeviceParams::Layers(p),
-            ) => *params = p,
-            // Built from the same engine above: the variants correspond.
-            _ => {}
+        // Built from the same engine above: the variants correspond (the Kalman filter's μ
+        // was restored with it).
+        if let (
+            Engine::Kron { params, .. }
+            | Engine::Sgd { params, .. }
+            | Engine::AdamW { params, .. }
+            | Engine::Sophia { params, .. },
+            DeviceParams::Layers(p),
+        ) = (engine, device_params)
+        {
+            *params = p;
         }
         self.steps = steps;
         self.counters = counters;
