@@ -37,11 +37,14 @@ for n in (128, 256, 512, 1024, 2048):
     # One cubic iteration: T = AX, U = 3I − 3T + T² (fused into the T·T GEMM), X ← XU:
     # 3 GEMMs of 2n³; operands staged as bf16, results written in f32.
     row("newton cubic bf16 / iter", f"n={n}", 3 * 2 * n**3, 3 * (2 * 2 * n * n + 4 * n * n), BF16, 0.4)
-for n in (10**5, 10**6):
-    d = 10
-    # Gram pass reads H and σ; update pass reads H, μ, σ and writes μ, σ (two passes, SPEC §3).
-    row("kalman step (2 passes)", f"n={n:.0e}, d_o={d}", 2 * n * d * d + 2 * n * d * d,
-        4 * n * d * 2 + 4 * n + 16 * n, FP32, 0.7)
+for n, d, s, design in ((10**6, 10, 4, 0.8), (5 * 10**7, 10, 4, 0.8), (5 * 10**7, 10, 2, 0.8),
+                        (10**6, 256, 4, 0.3), (10**6, 256, 2, 0.3)):
+    # Gram pass reads H and σ; update pass reads H, μ, σ and writes μ, σ (two passes, SPEC §3):
+    # 2·n·d_o·s + 20n bytes, s = 4 (f32 H) or 2 (bf16 H). FLOPs: the Gram's upper triangle and
+    # z = L⁻¹h_i are n·d(d+1)/2 FMAs each, h_iᵀw n·d more. d_o = 256 is compute-bound on the
+    # SIMT path (see docs/gpu.md, "The Kalman step"), hence its lower design fraction.
+    row(f"kalman step ({'f32' if s == 4 else 'bf16'} H)", f"n={n:.0e}, d_o={d}",
+        2 * n * d * (d + 1) + 2 * n * d, 2 * n * d * s + 20 * n, FP32, design)
 for n in (10**6, 10**7):
     # AdamW: reads θ, g, m, v, writes θ, m, v (28 B/element); the finiteness check reads g once more.
     row("elementwise_adamw", f"n={n:.0e}", 12 * n, 28 * n, FP32, 0.8)
