@@ -95,12 +95,16 @@ for n in (4096,):
 
 print()
 print(f"{'streaming kernel':<32} {'size':<12} {'GFLOP':>8} {'MB':>8} {'floor µs':>9}")
-for n in (10**6, 5 * 10**7):
-    d = 10
-    # Gram pass reads H and σ; update pass reads H, μ, σ and writes μ, σ (two passes, SPEC §3).
-    fl = 4 * n * d * d
-    nb = 4 * n * d * 2 + 4 * n + 16 * n
-    print(f"{'kalman step (2 passes)':<32} {f'n={n:.0e}':<12} {fl / 1e9:>8.3f} {nb / 1e6:>8.1f} "
+for n, d, s in ((10**6, 10, 4), (5 * 10**7, 10, 4), (5 * 10**7, 10, 2), (10**6, 256, 4),
+                (10**6, 256, 2)):
+    # Gram pass reads H and σ; update pass reads H, μ, σ and writes μ, σ (two passes, SPEC §3):
+    # 2·n·d_o·s + 20n bytes, s = 4 (f32 H) or 2 (bf16 H). FLOPs: the Gram's upper triangle and
+    # z = L⁻¹h_i are n·d(d+1)/2 FMAs each, h_iᵀw n·d more. d_o = 256 is compute-bound on the
+    # SIMT path (docs/gpu.md, "The Kalman step").
+    fl = 2 * n * d * (d + 1) + 2 * n * d
+    nb = 2 * n * d * s + 20 * n
+    name = f"kalman step ({'f32' if s == 4 else 'bf16'} H)"
+    print(f"{name:<32} {f'n={n:.0e},d={d}':<12} {fl / 1e9:>8.3f} {nb / 1e6:>8.1f} "
           f"{max(fl / FP32, nb / BW) * 1e6:>9.1f}")
 for n in (10**7, 10**8):
     # AdamW: reads θ, g, m, v, writes θ, m, v (28 B/element).

@@ -20,8 +20,9 @@ pub struct KalmanState {
     /// leaves `mu`, `sigma`, `r` untouched without copying them.
     spare: Option<[Matrix; 3]>,
     /// The kernels' scratch (Emulated and Cuda devices), kept across steps: a step allocates
-    /// nothing on the device once the first one has run.
-    scratch: Option<crate::cuda::kalman::KalmanScratch>,
+    /// nothing on the device once the first one has run. Boxed: it is five buffers, and the
+    /// CPU device never has one.
+    scratch: Option<Box<crate::cuda::kalman::KalmanScratch>>,
 }
 
 impl KalmanState {
@@ -105,7 +106,9 @@ impl Device {
         let mut scratch = match (self, state.scratch.take()) {
             (Device::Cpu, _) => None,
             (_, Some(s)) if s.fits(self, d_o, n) => Some(s),
-            _ => Some(crate::cuda::kalman::KalmanScratch::new(self, d_o, n)?),
+            _ => Some(Box::new(crate::cuda::kalman::KalmanScratch::new(
+                self, d_o, n,
+            )?)),
         };
         let mut spare = match state.spare.take() {
             Some(s)
