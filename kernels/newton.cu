@@ -144,11 +144,10 @@ __device__ __forceinline__ void newton_gemm_wg_body(const __nv_bfloat16* __restr
                                                     const __nv_bfloat16* __restrict__ b,
                                                     Epi& epi) {
     GRNG_DYN_SHARED(__nv_bfloat16, smem);
-    // The same tile schedule as newton_gemm_body, mirrored products included.
-    int bi = blockIdx.y, bj = blockIdx.x;
-    if (epi.flags & NEWTON_MIRROR) grng_tri_tile(blockIdx.x, bi, bj);
+    // Full products only, as newton_gemm_tc (NewtonEpi<false>: the mirror is split3-only).
     grng_wg_gemm_tile<GrngKInner, GrngKOuter>(a, epi.n, b, epi.n, epi.n, epi.n, epi.n,
-                                              bi * NEWTON_TILE, bj * NEWTON_TILE, smem, epi);
+                                              blockIdx.y * NEWTON_TILE,
+                                              blockIdx.x * NEWTON_TILE, smem, epi);
 }
 
 // The sm_90a instance (kernels/gemm/wgmma_sm90.cuh), same parameters, grid and epilogue;
@@ -158,7 +157,7 @@ extern "C" __global__ void __launch_bounds__(GRNG_WG_THREADS, 1)
                       const float* __restrict__ add1, const float* __restrict__ add2,
                       float* __restrict__ out, __nv_bfloat16* __restrict__ out_bf,
                       float* __restrict__ partial, int n, float alpha, float diag, int flags) {
-    NewtonEpi epi{add1, add2, out, out_bf, partial, n, alpha, diag, flags, 0.0f};
+    NewtonEpi<false> epi{add1, add2, out, out_bf, partial, n, alpha, diag, flags, 0.0f};
     newton_gemm_wg_body(a, b, epi);
 }
 #endif
