@@ -604,45 +604,67 @@ proptest! {
     }
 }
 
+/// Too few iterations and a tolerance below the f32 floor are `Diverged` errors with the CPU's
+/// reason on every kernel device. With `max_iter = 2` both stop at the budget: the same count.
+/// Below the floor, where each side stalls is noise-driven (the device's f32 products are
+/// split3 tensor-core sums with 128-tile mirrors in the early phase, the CPU's SIMD dot
+/// products with block mirrors: measured over 200 seeds the stall iterations differed by 0–5),
+/// so instead of the count: each side must have reached the f32 floor before stalling — its
+/// best residual `≤ n·u·κ` (the attainable residual of f32 Newton is about `u·κ` per entry,
+/// `‖·‖_F/√n` of `n²` such entries is `≤ √n·u·κ`; `n` for margin: 2.4e-4 here, where the
+/// seeds inspected stalled at 4e-7–7e-7) after at least `log₃κ + 1` steps (fewer cannot get there from the scaled identity).
 #[test]
 fn too_few_iterations_and_tight_tolerance_are_errors() {
     let mut rng = common::seeded_rng();
-    let n = 40;
-    let (a, _) = spd(&mut rng, n, 100.0);
-    for opts in [
-        NewtonOptions {
-            max_iter: 2,
-            ..NewtonOptions::default()
-        },
-        // Below the f32 floor (≈ 5e-9·κ): stalls, an error in f32 mode.
-        NewtonOptions {
-            tol: 1e-9,
-            ..NewtonOptions::default()
-        },
-    ] {
+    let (n, kappa) = (40, 100.0);
+    let (a, _) = spd(&mut rng, n, kappa);
+    let budget = NewtonOptions {
+        max_iter: 2,
+        ..NewtonOptions::default()
+    };
+    // Below the f32 floor (≈ 5e-9·κ): stalls, an error in f32 mode.
+    let tight = NewtonOptions {
+        tol: 1e-9,
+        ..NewtonOptions::default()
+    };
+    let floor = n as f64 * common::U32 * kappa;
+    let min_steps = (kappa.ln() / 3f64.ln()) as usize + 1;
+    for (opts, exact_count) in [(budget, true), (tight, false)] {
         let e_cpu = run_cpu(&a, n, None, &opts).unwrap_err();
         for dev in devices() {
             let e = run_device(&dev, &a, n, None, &opts).unwrap_err();
-            match (&e_cpu, &e) {
-                (
-                    Error::Diverged {
-                        reason: rc,
-                        iterations: kc,
-                        ..
-                    },
-                    Error::Diverged {
-                        reason, iterations, ..
-                    },
-                ) => {
-                    assert_eq!(rc, reason);
-                    // Where the residual stops falling depends on each side's rounding floor
-                    // (the device's f32 products are split3 tensor-core sums, the CPU's
-                    // SIMD dot products): the stall may come a couple of iterations apart.
-                    assert!(kc.abs_diff(*iterations) <= 2, "cpu {e_cpu} vs {e}");
+            let (
+                Error::Diverged {
+                    reason: rc,
+                    iterations: kc,
+                    ..
+                },
+                Error::Diverged {
+                    reason,
+                    iterations,
+                    residual,
+                    ..
+                },
+            ) = (&e_cpu, &e)
+            else {
+                panic!("cpu {e_cpu} vs {e}");
+            };
+            assert_eq!(rc, reason, "cpu {e_cpu} vs {e}");
+            if exact_count {
+                assert_eq!(kc, iterations, "cpu {e_cpu} vs {e}");
+            } else {
+                for (k, r) in [(*kc, residual_of(&e_cpu)), (*iterations, *residual)] {
+                    assert!(r <= floor && k >= min_steps, "cpu {e_cpu} vs {e}");
                 }
-                _ => panic!("cpu {e_cpu} vs {e}"),
             }
         }
+    }
+}
+
+fn residual_of(e: &Error) -> f64 {
+    match e {
+        Error::Diverged { residual, .. } => *residual,
+        _ => f64::NAN,
     }
 }
 
