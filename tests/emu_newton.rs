@@ -468,18 +468,10 @@ fn check_agreement(
     match opts.precision {
         // The products round differently, so a residual landing near tol may take one step
         // more or less.
-        Precision::F32 => {
-            assert!(
-                info.iterations.abs_diff(i_cpu.iterations) <= 1,
-                "iterations: {ctx}"
-            );
-            // Same X₀: the start's scalar comes from A's norms (for the scaled identity
-            // `newton_abs_norms`' ‖A‖∞, ‖A‖_F and trace), summed from f32 partials on the
-            // device, so c agrees to ~1e-6 relative (moving r₀ by ≤ 2e-6, as c·λ_max ≤ 2); the
-            // f32-accurate products add ≤ (n + 4)·2⁻²⁴·‖A‖‖X₀‖ ≲ 3e-5 at n ≤ 200. 1e-4.
-            let (r0, r0_cpu) = (info.residual_history[0], i_cpu.residual_history[0]);
-            assert!((r0 - r0_cpu).abs() <= 1e-4, "X₀ residual: {ctx}");
-        }
+        Precision::F32 => assert!(
+            info.iterations.abs_diff(i_cpu.iterations) <= 1,
+            "iterations: {ctx}"
+        ),
         // bf16 returns the best iterate of its noise plateau, and which of the plateau's
         // iterates is lowest is rounding noise (seen: CPU 13, device 11, residuals within
         // 10%). What must agree is the step that reaches the plateau (first residual within
@@ -612,67 +604,67 @@ proptest! {
     }
 }
 
-/// The residual a [`Error::Diverged`] reports.
-fn res_of(e: &Error) -> f64 {
-    match e {
-        Error::Diverged { residual, .. } => *residual,
-        _ => f64::NAN,
-    }
-}
-
+/// Too few iterations and a tolerance below the f32 floor are `Diverged` errors with the CPU's
+/// reason on every kernel device. With `max_iter = 2` both stop at the budget: the same count.
+/// Below the floor, where each side stalls is noise-driven (the device's f32 products are
+/// split3 tensor-core sums with 128-tile mirrors in the early phase, the CPU's SIMD dot
+/// products with block mirrors: measured over 200 seeds the stall iterations differed by 0–5),
+/// so instead of the count: each side must have reached the f32 floor before stalling — its
+/// best residual `≤ n·u·κ` (the attainable residual of f32 Newton is about `u·κ` per entry,
+/// `‖·‖_F/√n` of `n²` such entries is `≤ √n·u·κ`; `n` for margin: 2.4e-4 here, where the
+/// seeds inspected stalled at 4e-7–7e-7) after at least `log₃κ + 1` steps (fewer cannot get there from the scaled identity).
 #[test]
 fn too_few_iterations_and_tight_tolerance_are_errors() {
     let mut rng = common::seeded_rng();
-    let n = 40;
-    let (a, _) = spd(&mut rng, n, 100.0);
-    for opts in [
-        NewtonOptions {
-            max_iter: 2,
-            ..NewtonOptions::default()
-        },
-        // Below the f32 floor (≈ 5e-9·κ): stalls, an error in f32 mode.
-        NewtonOptions {
-            tol: 1e-9,
-            ..NewtonOptions::default()
-        },
-    ] {
+    let (n, kappa) = (40, 100.0);
+    let (a, _) = spd(&mut rng, n, kappa);
+    let budget = NewtonOptions {
+        max_iter: 2,
+        ..NewtonOptions::default()
+    };
+    // Below the f32 floor (≈ 5e-9·κ): stalls, an error in f32 mode.
+    let tight = NewtonOptions {
+        tol: 1e-9,
+        ..NewtonOptions::default()
+    };
+    let floor = n as f64 * common::U32 * kappa;
+    let min_steps = (kappa.ln() / 3f64.ln()) as usize + 1;
+    for (opts, exact_count) in [(budget, true), (tight, false)] {
         let e_cpu = run_cpu(&a, n, None, &opts).unwrap_err();
         for dev in devices() {
             let e = run_device(&dev, &a, n, None, &opts).unwrap_err();
-            match (&e_cpu, &e) {
-                (
-                    Error::Diverged {
-                        reason: rc,
-                        iterations: kc,
-                        ..
-                    },
-                    Error::Diverged {
-                        reason, iterations, ..
-                    },
-                ) => {
-                    assert_eq!(rc, reason);
-                    if opts.max_iter == 2 {
-                        // The budget case stops at the budget on both sides: exact.
-                        assert_eq!((*kc, *iterations), (2, 2), "cpu {e_cpu} vs {e}");
-                    } else {
-                        // Where the residual stops falling depends on each side's rounding
-                        // (the device's f32 products are split3 tensor-core sums, the CPU's
-                        // SIMD dot products), and the plateau test then needs a few equal
-                        // residuals: the stopping step was seen 3 apart (seed
-                        // 9154995578924969674), so no step count is compared. What both must
-                        // show: the f32 floor was reached, not missed: the final residual lies
-                        // above tol and below n·κ·2⁻²⁴ ≈ 2.4e-4 (the f32 floor with margin,
-                        // seen: 3e-7..5e-7), within the budget.
-                        for (k, r) in [(*kc, res_of(&e_cpu)), (*iterations, res_of(&e))] {
-                            assert!(k <= opts.max_iter, "cpu {e_cpu} vs {e}");
-                            let floor = n as f64 * 100.0 * f32::EPSILON as f64 / 2.0;
-                            assert!(r > opts.tol as f64 && r <= floor, "cpu {e_cpu} vs {e}");
-                        }
-                    }
+            let (
+                Error::Diverged {
+                    reason: rc,
+                    iterations: kc,
+                    ..
+                },
+                Error::Diverged {
+                    reason,
+                    iterations,
+                    residual,
+                    ..
+                },
+            ) = (&e_cpu, &e)
+            else {
+                panic!("cpu {e_cpu} vs {e}");
+            };
+            assert_eq!(rc, reason, "cpu {e_cpu} vs {e}");
+            if exact_count {
+                assert_eq!(kc, iterations, "cpu {e_cpu} vs {e}");
+            } else {
+                for (k, r) in [(*kc, residual_of(&e_cpu)), (*iterations, *residual)] {
+                    assert!(r <= floor && k >= min_steps, "cpu {e_cpu} vs {e}");
                 }
-                _ => panic!("cpu {e_cpu} vs {e}"),
             }
         }
+    }
+}
+
+fn residual_of(e: &Error) -> f64 {
+    match e {
+        Error::Diverged { residual, .. } => *residual,
+        _ => f64::NAN,
     }
 }
 
