@@ -10,6 +10,11 @@
 //! `v` after `g² > f32::MAX`): the outputs are computed into scratch copies and moved into
 //! place only when finite (`Device::commit_finite`), so they are unchanged on error. On
 //! the kernel devices that check is one more launch and 20-byte read-back per call.
+//!
+//! The multi-tensor updates (`Device::{sgd,adamw,sophia}_update_many`, what the optimizers
+//! run) step a whole list of tensors at once and pay for none of that: their kernel flags
+//! non-finite inputs and results while it streams, into persistent buffers ([`MultiState`])
+//! swapped in only when the single status read-back is clean.
 
 use crate::cuda::elementwise as ew;
 use crate::device::{Device, Matrix};
