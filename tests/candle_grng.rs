@@ -497,6 +497,49 @@ fn bad_optimizer_input_is_a_typed_error_and_changes_nothing() {
     unchanged(&opt);
 }
 
+/// A first-order method steps every variable in one multi-tensor op: gradients for only some
+/// of them are refused (typed, nothing changes), for none of them the step leaves them alone,
+/// for all of them each moves.
+#[test]
+fn first_order_step_needs_all_gradients_or_none() {
+    let a = Var::from_slice(&[1.0f32, -2.0, 3.0], 3, &CDevice::Cpu).unwrap();
+    let b = Var::from_slice(&[0.5f32, 0.25], (1, 2), &CDevice::Cpu).unwrap();
+    let config = GrngConfig {
+        method: OptimizerConfig::AdamW(AdamWConfig {
+            warmup_steps: 0,
+            ..AdamWConfig::default()
+        }),
+        rest: AdamWConfig::default(),
+        layers: Vec::new(),
+    };
+    let mut opt = GrngOptimizer::try_new(vec![a.clone(), b.clone()], config).unwrap();
+    let before = [host(&a), host(&b)];
+    let only_a = a
+        .as_tensor()
+        .sqr()
+        .unwrap()
+        .sum_all()
+        .unwrap()
+        .backward()
+        .unwrap();
+    assert!(matches!(
+        opt.try_step(&only_a),
+        Err(Error::Value { arg: "grads", .. })
+    ));
+    assert_eq!([host(&a), host(&b)], before);
+    let unrelated = Var::from_slice(&[1.0f32], 1, &CDevice::Cpu).unwrap();
+    let none = unrelated.as_tensor().sum_all().unwrap().backward().unwrap();
+    opt.try_step(&none).unwrap();
+    assert_eq!([host(&a), host(&b)], before);
+    let loss = (a.as_tensor().sum_all().unwrap() + b.as_tensor().sqr().unwrap().sum_all().unwrap())
+        .unwrap();
+    opt.try_step(&loss.backward().unwrap()).unwrap();
+    let after = [host(&a), host(&b)];
+    for (x, y) in after.iter().zip(&before) {
+        assert!(x.iter().zip(y).all(|(p, q)| p != q), "{x:?} vs {y:?}");
+    }
+}
+
 /// `step_observed` for a Kronecker method: a step whose loss afterwards is not finite is
 /// undone (every variable as before) and raises ρ; a finite one stands and is observed.
 #[test]

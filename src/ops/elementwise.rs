@@ -10,6 +10,11 @@
 //! `v` after `g² > f32::MAX`): the outputs are computed into scratch copies and moved into
 //! place only when finite (`Device::commit_finite`), so they are unchanged on error. On
 //! the kernel devices that check is one more launch and 20-byte read-back per call.
+//!
+//! The multi-tensor updates (`Device::{sgd,adamw,sophia}_update_many`, what the optimizers
+//! run) step a whole list of tensors at once and pay for none of that: their kernel flags
+//! non-finite inputs and results while it streams, into persistent buffers ([`MultiState`])
+//! swapped in only when the single status read-back is clean.
 
 use crate::cuda::elementwise as ew;
 use crate::device::{Device, Matrix};
@@ -359,8 +364,8 @@ impl Device {
     /// buffers in `state` (one state array, see [`MultiState`]).
     ///
     /// # Errors
-    /// [`Error::DeviceMismatch`], [`Error::Shape`] (tensor count or shapes other than
-    /// `state`'s), [`Error::Value`] (coefficients), [`Error::NonFiniteTensor`] naming the
+    /// [`Error::DeviceMismatch`] (an operand or `state` on another device), [`Error::Shape`]
+    /// (tensor count or shapes other than `state`'s), [`Error::Value`] (coefficients), [`Error::NonFiniteTensor`] naming the
     /// array, the tensor and the index of the first NaN/Inf (inputs first, then overflowing
     /// results). Nothing changes on error.
     pub fn sgd_update_many(
@@ -438,6 +443,9 @@ impl Device {
             count("hess.sampled_grad", gh.len())?;
         }
         check_shape(op, "state", (st.state.len(), 1), (upd.arrays(), 1))?;
+        for m in st.state.iter().chain(&st.next).chain(&st.spare) {
+            self.check_on(op, m)?;
+        }
         for (t, &shape) in st.shapes.iter().enumerate() {
             let mut each = vec![("params", &*params[t]), ("grad", grads[t])];
             each.extend(sampled.map(|gh| ("hess.sampled_grad", gh[t])));

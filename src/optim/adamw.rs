@@ -245,7 +245,7 @@ impl AdamW {
     }
 
     /// The first moment `m` on the device, as the flat state array of
-    /// [`MultiState`](crate::ops::elementwise::MultiState) (tensor `t` at
+    /// [`MultiState`] (tensor `t` at
     /// `layout().segment(t)`; [`AdamW::state`] gives the plain concatenation).
     pub fn first_moment(&self) -> &Matrix {
         self.state.state(0)

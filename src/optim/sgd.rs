@@ -147,7 +147,7 @@ impl Sgd {
     }
 
     /// The momentum buffer `b` on the device: the flat state array of
-    /// [`MultiState`](crate::ops::elementwise::MultiState) (tensor `t` at
+    /// [`MultiState`] (tensor `t` at
     /// `layout().segment(t)`; [`Sgd::state`] gives the plain concatenation).
     pub fn momentum(&self) -> &Matrix {
         self.state.state(0)

@@ -254,7 +254,7 @@ impl Sophia {
     }
 
     /// The momentum `m` on the device, as the flat state array of
-    /// [`MultiState`](crate::ops::elementwise::MultiState) (tensor `t` at
+    /// [`MultiState`] (tensor `t` at
     /// `layout().segment(t)`; [`Sophia::state`] gives the plain concatenation).
     pub fn momentum(&self) -> &Matrix {
         self.state.state(0)
