@@ -408,6 +408,44 @@ fn fused_update<B, const K: usize, const W: usize>(
     Ok(())
 }
 
+/// Pushes SGD's coefficient parameters `float lr, float mu, float lrwd`, shared by the
+/// one-tensor and multi-tensor kernels.
+fn sgd_scalars<'b, 'a>(args: &'b mut KernelArgs<'a>, c: &SgdCoeffs) -> &'b mut KernelArgs<'a> {
+    args.scalar(c.lr)
+        .scalar(c.momentum)
+        .scalar(c.lr * c.weight_decay)
+}
+
+/// Pushes AdamW's coefficient parameters `float lr, float b1, float omb1, float b2, float
+/// omb2, float eps, float lrwd, float bc1, float bc2`, shared by the one-tensor and
+/// multi-tensor kernels.
+fn adamw_scalars<'b, 'a>(args: &'b mut KernelArgs<'a>, c: &AdamWCoeffs) -> &'b mut KernelArgs<'a> {
+    let (bc1, bc2) = c.bias_corrections();
+    args.scalar(c.lr)
+        .scalar(c.beta1)
+        .scalar(1.0 - c.beta1)
+        .scalar(c.beta2)
+        .scalar(1.0 - c.beta2)
+        .scalar(c.eps)
+        .scalar(c.lr * c.weight_decay)
+        .scalar(bc1)
+        .scalar(bc2)
+}
+
+/// Pushes Sophia's coefficient parameters `float lr, float b1, float omb1, float gamma, float
+/// eps, float lrwd`, shared by the one-tensor and multi-tensor kernels.
+fn sophia_scalars<'b, 'a>(
+    args: &'b mut KernelArgs<'a>,
+    c: &SophiaCoeffs,
+) -> &'b mut KernelArgs<'a> {
+    args.scalar(c.lr)
+        .scalar(c.beta1)
+        .scalar(1.0 - c.beta1)
+        .scalar(c.gamma)
+        .scalar(c.eps)
+        .scalar(c.lr * c.weight_decay)
+}
+
 /// Fused SGD step (see [`crate::cpu::elementwise::sgd_update`]); nothing written on error.
 pub(crate) fn sgd_update(
     dev: &Device,
@@ -431,12 +469,8 @@ pub(crate) fn sgd_update(
                 .input(OP, g)?
                 .input(OP, b)?
                 .output(OP, po)?
-                .output(OP, bo)?
-                .scalar(c.lr)
-                .scalar(c.momentum)
-                .scalar(c.lr * c.weight_decay)
-                .scalar(n)
-                .output(OP, status)?;
+                .output(OP, bo)?;
+            sgd_scalars(&mut args, c).scalar(n).output(OP, status)?;
             // SAFETY: elementwise_sgd(const float* p, const float* g, const float* b, float*
             // po, float* bo, float lr, float mu, float lrwd, int n, int* status): p, g, b, po,
             // bo hold n floats (lengths checked and outputs shaped by `fused_update`), status
@@ -469,7 +503,6 @@ pub(crate) fn adamw_update(
         Some((3, false)),
         |(p, g, m, v), outs, n, status| {
             let [po, mo, vo] = outs;
-            let (bc1, bc2) = c.bias_corrections();
             let mut args = KernelArgs::new(dev);
             args.input(OP, p)?
                 .input(OP, g)?
@@ -477,18 +510,8 @@ pub(crate) fn adamw_update(
                 .input(OP, v)?
                 .output(OP, po)?
                 .output(OP, mo)?
-                .output(OP, vo)?
-                .scalar(c.lr)
-                .scalar(c.beta1)
-                .scalar(1.0 - c.beta1)
-                .scalar(c.beta2)
-                .scalar(1.0 - c.beta2)
-                .scalar(c.eps)
-                .scalar(c.lr * c.weight_decay)
-                .scalar(bc1)
-                .scalar(bc2)
-                .scalar(n)
-                .output(OP, status)?;
+                .output(OP, vo)?;
+            adamw_scalars(&mut args, c).scalar(n).output(OP, status)?;
             // SAFETY: elementwise_adamw(const float* p, const float* g, const float* m, const
             // float* v, float* po, float* mo, float* vo, float lr, float b1, float omb1, float
             // b2, float omb2, float eps, float lrwd, float bc1, float bc2, int n, int* status):
@@ -529,15 +552,8 @@ pub(crate) fn sophia_update(
                 .input(OP, m)?
                 .input(OP, h)?
                 .output(OP, po)?
-                .output(OP, mo)?
-                .scalar(c.lr)
-                .scalar(c.beta1)
-                .scalar(1.0 - c.beta1)
-                .scalar(c.gamma)
-                .scalar(c.eps)
-                .scalar(c.lr * c.weight_decay)
-                .scalar(n)
-                .output(OP, status)?;
+                .output(OP, mo)?;
+            sophia_scalars(&mut args, c).scalar(n).output(OP, status)?;
             // SAFETY: elementwise_sophia(const float* p, const float* g, const float* m, const
             // float* h, float* po, float* mo, float lr, float b1, float omb1, float gamma,
             // float eps, float lrwd, int n, int* status): the six arrays hold n floats
@@ -699,12 +715,8 @@ pub(crate) fn multi_update(
     let cfg = stream_config(4 * items)?;
     match upd {
         MultiUpdate::Sgd(c) => {
-            args.input(op, &state[0])?
-                .output(op, &mut next0[0])?
-                .scalar(c.lr)
-                .scalar(c.momentum)
-                .scalar(c.lr * c.weight_decay)
-                .output(op, &mut status)?;
+            args.input(op, &state[0])?.output(op, &mut next0[0])?;
+            sgd_scalars(&mut args, c).output(op, &mut status)?;
             // SAFETY: elementwise_multi_sgd(const unsigned* table, int ntensors, int nitems,
             // const float* b, float* bo, float lr, float mu, float lrwd, int* status): the
             // table holds ENTRY words per tensor with the addresses of params, grads and
@@ -715,21 +727,11 @@ pub(crate) fn multi_update(
             unsafe { launch(&MULTI_SGD, cfg, args)? };
         }
         MultiUpdate::AdamW(c) => {
-            let (bc1, bc2) = c.bias_corrections();
             args.input(op, &state[0])?
                 .input(op, &state[1])?
                 .output(op, &mut next0[0])?
-                .output(op, &mut next1[0])?
-                .scalar(c.lr)
-                .scalar(c.beta1)
-                .scalar(1.0 - c.beta1)
-                .scalar(c.beta2)
-                .scalar(1.0 - c.beta2)
-                .scalar(c.eps)
-                .scalar(c.lr * c.weight_decay)
-                .scalar(bc1)
-                .scalar(bc2)
-                .output(op, &mut status)?;
+                .output(op, &mut next1[0])?;
+            adamw_scalars(&mut args, c).output(op, &mut status)?;
             // SAFETY: elementwise_multi_adamw(const unsigned* table, int ntensors, int nitems,
             // const float* m, const float* v, float* mo, float* vo, float lr, float b1, float
             // omb1, float b2, float omb2, float eps, float lrwd, float bc1, float bc2, int*
@@ -741,13 +743,8 @@ pub(crate) fn multi_update(
             args.input(op, &state[0])?
                 .input(op, &state[1])?
                 .output(op, &mut next0[0])?
-                .output(op, &mut next1[0])?
-                .scalar(c.lr)
-                .scalar(c.beta1)
-                .scalar(1.0 - c.beta1)
-                .scalar(c.gamma)
-                .scalar(c.eps)
-                .scalar(c.lr * c.weight_decay)
+                .output(op, &mut next1[0])?;
+            sophia_scalars(&mut args, c)
                 .scalar(i32::from(refresh.is_some()))
                 .scalar(beta2)
                 .scalar(1.0 - beta2)
