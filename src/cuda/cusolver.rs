@@ -69,6 +69,19 @@ pub fn available() -> bool {
     })
 }
 
+/// The shared signature of `cusolverDnSpotrf` and `cusolverDnSpotri`: handle, fill mode, n,
+/// A, lda, workspace, lwork, info.
+type Factor = unsafe fn(
+    cs::cusolverDnHandle_t,
+    cs::cublasFillMode_t,
+    i32,
+    *mut f32,
+    i32,
+    *mut f32,
+    i32,
+    *mut i32,
+) -> cusolverStatus_t;
+
 fn status(op: &'static str, call: &str, s: cusolverStatus_t) -> Result<()> {
     s.result()
         .map_err(|e| Error::Cuda(format!("{op}: {call}: {e}")))
@@ -140,53 +153,40 @@ pub(crate) fn cholesky_inverse(dev: &Device, a: &Matrix) -> Result<Option<Matrix
         let lwork = l_potrf.max(l_potri).max(1);
         let mut work = stream.alloc_zeros::<f32>(lwork as usize)?;
         let (wp, _w_guard) = work.device_ptr_mut(stream);
-        let (ip, _i_guard) = info.device_ptr_mut(stream);
-        // SAFETY: as above; wp holds lwork ≥ both workspace sizes floats, ip one i32, all
-        // alive and stream-ordered by their guards until the info read below.
-        unsafe {
-            status(
-                OP,
-                "potrf",
-                cs::cusolverDnSpotrf(
-                    handle.cu(),
-                    CUBLAS_FILL_MODE_UPPER,
-                    ni,
-                    xp,
-                    ni,
-                    wp as *mut f32,
-                    lwork,
-                    ip as *mut i32,
-                ),
-            )?;
-        }
-        record_other("cusolverDnSpotrf");
-        drop(_i_guard);
-        if stream.clone_dtoh(&info)?[0] != 0 {
+        // potrf and potri take the same arguments; `call` runs one of them (named `name`) in
+        // place on xp and says whether its info is 0.
+        let mut call = |name: &'static str, record: &'static str, f: Factor| -> Result<bool> {
+            let (ip, i_guard) = info.device_ptr_mut(stream);
+            // SAFETY: f is cusolverDnSpotrf or cusolverDnSpotri; handle and xp as above (for
+            // potri xp holds potrf's Cholesky factor in its upper, column-major, triangle,
+            // which potri overwrites with the inverse's); wp holds lwork ≥ both workspace
+            // sizes floats, ip one i32, all alive and stream-ordered by their guards until
+            // the info read below.
+            unsafe {
+                status(
+                    OP,
+                    name,
+                    f(
+                        handle.cu(),
+                        CUBLAS_FILL_MODE_UPPER,
+                        ni,
+                        xp,
+                        ni,
+                        wp as *mut f32,
+                        lwork,
+                        ip as *mut i32,
+                    ),
+                )?;
+            }
+            record_other(record);
+            drop(i_guard);
+            Ok(stream.clone_dtoh(&info)?[0] == 0)
+        };
+        if !call("potrf", "cusolverDnSpotrf", cs::cusolverDnSpotrf)? {
             return Ok(None);
         }
-        let (ip, _i_guard) = info.device_ptr_mut(stream);
-        // SAFETY: as for potrf; xp now holds the Cholesky factor in its upper (column-major)
-        // triangle, which potri overwrites with the inverse's.
-        unsafe {
-            status(
-                OP,
-                "potri",
-                cs::cusolverDnSpotri(
-                    handle.cu(),
-                    CUBLAS_FILL_MODE_UPPER,
-                    ni,
-                    xp,
-                    ni,
-                    wp as *mut f32,
-                    lwork,
-                    ip as *mut i32,
-                ),
-            )?;
-        }
-        record_other("cusolverDnSpotri");
-        drop(_i_guard);
         // potri's info > 0 means a zero diagonal of the factor, which potrf just ruled out.
-        if stream.clone_dtoh(&info)?[0] != 0 {
+        if !call("potri", "cusolverDnSpotri", cs::cusolverDnSpotri)? {
             return Ok(None);
         }
     }
