@@ -160,21 +160,9 @@ fn auto_falls_back_to_the_cpu_when_the_ptx_is_rejected() {
         assert!(matches!(Device::auto(), Ok(Device::Cpu)));
         return;
     }
-    let out = std::process::Command::new(std::env::current_exe().unwrap())
-        .args([
-            "--exact",
-            "auto_falls_back_to_the_cpu_when_the_ptx_is_rejected",
-            "--nocapture",
-        ])
-        .env(CHILD, "1")
-        .env_remove("GRNG_DEVICE")
-        .output()
-        .unwrap();
-    let stderr = String::from_utf8_lossy(&out.stderr);
-    let stdout = String::from_utf8_lossy(&out.stdout);
-    assert!(
-        out.status.success() && stdout.contains("1 passed"),
-        "child failed:\n{stdout}\n{stderr}"
+    let stderr = common::run_child(
+        "auto_falls_back_to_the_cpu_when_the_ptx_is_rejected",
+        &[(CHILD, Some("1")), ("GRNG_DEVICE", None)],
     );
     let lines: Vec<&str> = stderr
         .lines()

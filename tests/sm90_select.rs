@@ -132,21 +132,10 @@ const FALLBACK_LINE: &str = "grng: the sm_90a GEMM kernels failed their self-che
 #[test]
 fn selection_self_check_and_counted_fallback() {
     if std::env::var_os(CHILD).is_none() {
-        let out = std::process::Command::new(std::env::current_exe().unwrap())
-            .args([
-                "--exact",
-                "selection_self_check_and_counted_fallback",
-                "--nocapture",
-            ])
-            .env(CHILD, "1")
-            .env("GRNG_TEST_SEED", common::master_seed().to_string())
-            .output()
-            .unwrap();
-        let stderr = String::from_utf8_lossy(&out.stderr);
-        let stdout = String::from_utf8_lossy(&out.stdout);
-        assert!(
-            out.status.success() && stdout.contains("1 passed"),
-            "child failed:\n{stdout}\n{stderr}"
+        let seed = common::master_seed().to_string();
+        let stderr = common::run_child(
+            "selection_self_check_and_counted_fallback",
+            &[(CHILD, Some("1")), ("GRNG_TEST_SEED", Some(&seed))],
         );
         // Exactly one line per fallback (two below), each saying why.
         let lines: Vec<&str> = stderr

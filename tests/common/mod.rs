@@ -199,3 +199,26 @@ pub fn spd(rng: &mut ChaCha8Rng, n: usize, kappa: f64) -> (Vec<f32>, Vec<f64>) {
     }
     (with_spectrum(rng, &d), d)
 }
+
+/// Runs test `name` of this test binary again in a child process, with the environment
+/// changes `env` (`Some(v)` sets, `None` removes), asserts that it ran and passed, and returns
+/// its stderr: for tests of process-wide state (a one-time fallback line, a failed module
+/// load) that one process can show only once.
+pub fn run_child(name: &str, env: &[(&str, Option<&str>)]) -> String {
+    let mut cmd = std::process::Command::new(std::env::current_exe().unwrap());
+    cmd.args(["--exact", name, "--nocapture"]);
+    for &(key, value) in env {
+        match value {
+            Some(v) => cmd.env(key, v),
+            None => cmd.env_remove(key),
+        };
+    }
+    let out = cmd.output().unwrap();
+    let stderr = String::from_utf8_lossy(&out.stderr).into_owned();
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    assert!(
+        out.status.success() && stdout.contains("1 passed"),
+        "child failed:\n{stdout}\n{stderr}"
+    );
+    stderr
+}
