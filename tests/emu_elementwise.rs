@@ -145,26 +145,7 @@ fn fused_updates(
     let m0 = vals(&mut rng, n, -0.5, 0.5);
     let v0 = vals(&mut rng, n, 0.0, 0.3);
     let h0 = vals(&mut rng, n, 0.0, 2.0);
-    let sgd = SgdCoeffs {
-        lr,
-        momentum: 0.9,
-        weight_decay: wd,
-    };
-    let adam = AdamWCoeffs {
-        lr,
-        beta1: 0.9,
-        beta2: 0.999,
-        eps: 1e-8,
-        weight_decay: wd,
-        step,
-    };
-    let soph = SophiaCoeffs {
-        lr,
-        beta1: 0.96,
-        gamma: 0.01,
-        eps: 1e-12,
-        weight_decay: wd,
-    };
+    let (sgd, adam, soph) = coeffs(lr, wd, step);
     let run = |dev: &Device| -> Vec<Vec<f32>> {
         let (mut ps, mut b) = (up(dev, &p), up(dev, &m0));
         let (mut pa, mut ma, mut va) = (up(dev, &p), up(dev, &m0), up(dev, &v0));
@@ -418,8 +399,8 @@ fn shapes() -> impl Strategy<Value = Vec<(usize, usize)>> {
 }
 
 /// The coefficients of the three updates at learning rate `lr`, weight decay `wd`, AdamW
-/// step `step`.
-fn multi_coeffs(lr: f32, wd: f32, step: u64) -> (SgdCoeffs, AdamWCoeffs, SophiaCoeffs) {
+/// step `step` (the fused one-tensor and the multi-tensor tests alike).
+fn coeffs(lr: f32, wd: f32, step: u64) -> (SgdCoeffs, AdamWCoeffs, SophiaCoeffs) {
     (
         SgdCoeffs {
             lr,
@@ -492,7 +473,7 @@ fn multi_updates(
         .map(|_| per_tensor(&mut rng, shapes, -1.0, 1.0))
         .collect();
     let refresh = [true, false, true];
-    let (sgd, _, soph) = multi_coeffs(lr, wd, 1);
+    let (sgd, _, soph) = coeffs(lr, wd, 1);
     // Per tensor: params and states of SGD, AdamW, Sophia after the three steps.
     let reference = || -> Vec<Vec<f32>> {
         let dev = Device::Cpu;
@@ -503,7 +484,7 @@ fn multi_updates(
                 [&p0[t], &z, &p0[t], &z, &z, &p0[t], &z, &z].map(|x| dev.upload(r, c, x).unwrap());
             for k in 0..3 {
                 let g = dev.upload(r, c, &gs[k][t]).unwrap();
-                let (_, adam, _) = multi_coeffs(lr, wd, k as u64 + 1);
+                let (_, adam, _) = coeffs(lr, wd, k as u64 + 1);
                 dev.sgd_update(&mut ps, &g, &mut b, &sgd).unwrap();
                 dev.adamw_update(&mut pa, &g, &mut m, &mut v, &adam)
                     .unwrap();
@@ -531,7 +512,7 @@ fn multi_updates(
             let g: Vec<&Matrix> = g.iter().collect();
             let gh = ups(dev, shapes, &hs[k]);
             let gh: Vec<&Matrix> = gh.iter().collect();
-            let (_, adam, _) = multi_coeffs(lr, wd, k as u64 + 1);
+            let (_, adam, _) = coeffs(lr, wd, k as u64 + 1);
             dev.sgd_update_many(&mut refs(&mut ps), &g, &mut s_sgd, &sgd)
                 .unwrap();
             dev.adamw_update_many(&mut refs(&mut pa), &g, &mut s_adam, &adam)
@@ -642,7 +623,7 @@ fn multi_errors(
             .map(|t| a[layout.first(t)..layout.first(t) + lens[t]].to_vec())
             .collect()
     };
-    let (sgd, adam, soph) = multi_coeffs(0.1, 0.01, 3);
+    let (sgd, adam, soph) = coeffs(0.1, 0.01, 3);
     let run = |dev: &Device| -> (Vec<String>, Vec<Vec<f32>>) {
         let p = ups(dev, shapes, &split(&arrays[0]));
         let g = ups(dev, shapes, &split(&arrays[1]));
@@ -734,7 +715,7 @@ fn multi_overflow_is_named_and_step_is_one_launch() {
     use grng::ops::elementwise::MultiState;
     let _l = multi_lock();
     let shapes = [(3, 2), (0, 4), (5, 3), (1, 1)];
-    let (_, adam, _) = multi_coeffs(0.1, 0.0, 1);
+    let (_, adam, _) = coeffs(0.1, 0.0, 1);
     let mut all = vec![Device::Cpu];
     all.extend(devices());
     for dev in all {
