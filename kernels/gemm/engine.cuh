@@ -33,6 +33,28 @@
 #define GRNG_GEMM_STAGE_ELEMS (2 * GRNG_GEMM_BM * GRNG_GEMM_BK)
 #define GRNG_GEMM_SMEM (GRNG_GEMM_STAGES * GRNG_GEMM_STAGE_ELEMS * 2)
 
+// One 16-byte chunk (8 bf16) of a tile: elements (row, col..col+8) of p into the shared dst,
+// zero past nrows x ncols. `vec` (16-byte aligned rows) takes cp.async (zero-filled past the
+// edge); otherwise element-wise loads packed into one 16-byte store. Shared by the sm_80
+// engine and the sm_90a loader (wgmma_sm90.cuh).
+__device__ __forceinline__ void grng_gemm_load_chunk(void* dst,
+                                                     const __nv_bfloat16* __restrict__ p, int ld,
+                                                     int row, int col, int nrows, int ncols,
+                                                     bool vec) {
+    const bool in_row = row < nrows;
+    if (vec) {
+        const int have = in_row ? min(max(ncols - col, 0), 8) : 0;
+        grng_cp_async_16(dst, have > 0 ? p + (long long)row * ld + col : p, 2 * have);
+    } else {
+        unsigned w[4] = {0u, 0u, 0u, 0u};
+        for (int e = 0; e < 8; ++e)
+            if (in_row && col + e < ncols)
+                w[e >> 1] |= (unsigned)__bfloat16_as_ushort(p[(long long)row * ld + col + e])
+                             << (16 * (e & 1));
+        *reinterpret_cast<uint4*>(dst) = make_uint4(w[0], w[1], w[2], w[3]);
+    }
+}
+
 // Moves the 16-byte chunks of a Rows x Cols (bf16) tile at global (row0, col0) of a matrix
 // with element (row, col) at p[row·ld + col] (rows < nrows, cols < ncols exist) into the
 // swizzled shared tile st. vec: cp.async (needs ld % 8 == 0 and p 16-byte aligned); else
@@ -51,18 +73,7 @@ GRNG_UNROLL
         const int r = ch / kChunks, c = ch % kChunks;
         const int row = row0 + r, col = col0 + 8 * c;
         __nv_bfloat16* dst = st + grng_swizzle<kChunks>(r, c);
-        const bool in_row = row < nrows;
-        if (vec) {
-            const int have = in_row ? min(max(ncols - col, 0), 8) : 0;
-            grng_cp_async_16(dst, have > 0 ? p + (long long)row * ld + col : p, 2 * have);
-        } else {
-            unsigned w[4] = {0u, 0u, 0u, 0u};
-            for (int e = 0; e < 8; ++e)
-                if (in_row && col + e < ncols)
-                    w[e >> 1] |= (unsigned)__bfloat16_as_ushort(p[(long long)row * ld + col + e])
-                                 << (16 * (e & 1));
-            *reinterpret_cast<uint4*>(dst) = make_uint4(w[0], w[1], w[2], w[3]);
-        }
+        grng_gemm_load_chunk(dst, p, ld, row, col, nrows, ncols, vec);
     }
 }
 

@@ -232,18 +232,7 @@ GRNG_UNROLL
         int row, col;
         W::coords(o0, k0, r, c, row, col);
         unsigned char* dst = tile + W::chunk_off(r, c);
-        const bool in_row = row < nrows;
-        if (vec) {
-            const int have = in_row ? min(max(ncols - col, 0), 8) : 0;
-            grng_cp_async_16(dst, have > 0 ? p + (long long)row * ld + col : p, 2 * have);
-        } else {
-            unsigned w[4] = {0u, 0u, 0u, 0u};
-            for (int e = 0; e < 8; ++e)
-                if (in_row && col + e < ncols)
-                    w[e >> 1] |= (unsigned)__bfloat16_as_ushort(p[(long long)row * ld + col + e])
-                                 << (16 * (e & 1));
-            *reinterpret_cast<uint4*>(dst) = make_uint4(w[0], w[1], w[2], w[3]);
-        }
+        grng_gemm_load_chunk(dst, p, ld, row, col, nrows, ncols, vec);
     }
 }
 
