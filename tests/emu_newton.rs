@@ -515,7 +515,7 @@ fn check_agreement(
         }
         Precision::Bf16 => {
             // Both at the bf16 floor, which the rounding noise moves: the documented bound
-            // 4e-3·κ^0.55 (cpu::newton, n ≥ 24; small n reach further, e.g. 0.17 at
+            // 4e-3·κ^0.55 (cpu::newton, n ≥ 48; small n reach further, e.g. 0.17 at
             // κ = 836, n = 16), or within 4x of the CPU's own result.
             let floor = 4e-3 * kappa.powf(0.55);
             assert!(

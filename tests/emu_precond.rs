@@ -154,7 +154,9 @@ fn check_alpha_zero<T: Element>(
     gemm(dev, ta, tb, 0.0, &an, &bn, beta, &mut c).unwrap();
     for (x, c) in c.to_vec().unwrap().iter().zip(&t.c0) {
         let w = if beta == 0.0 { 0.0 } else { beta * c };
-        prop_assert_eq!(x.to_bits(), w.to_bits());
+        // Exact, up to the sign of zero: a kernel forming `0 + β·c` turns β·0 = −0 into +0
+        // (an exact 0 in C and β < 0: seed 17600098335544061862 drew one).
+        prop_assert!(*x == w, "{x} vs {w}");
     }
     Ok(())
 }
