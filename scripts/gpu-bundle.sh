@@ -1,9 +1,9 @@
 #!/usr/bin/env bash
 # Builds everything a GPU machine needs to test and time grng — such a machine has the NVIDIA
 # driver, the CUDA toolkit and PyTorch but no Rust toolchain and no network — into DIR:
-#   tests/*.gz  every integration-test binary (gzip) (the emu_* ones also run their Device::Cuda arms)
-#   bench/gpu   the GPU benchmark (benches/gpu.rs), when the project has one
-#   bin/grng    the main job
+#   tests/*.gz   every integration-test binary (gzip) (the emu_* ones also run their Device::Cuda arms)
+#   bench/gpu.gz the GPU benchmark (benches/gpu.rs), when the project has one
+#   bin/grng.gz  the main job
 #   run-all.sh  runs them all there: `DIR/run-all.sh OUT [--ncu] [--bench-args "ARGS"]`
 # The kernels are embedded as PTX (the pip CUDA tools are installed first if needed); the
 # binaries are stripped and the bundle must stay within 60 MiB.
@@ -48,13 +48,15 @@ fi
 
 rm -rf "$dest"
 mkdir -p "$dest/tests" "$dest/bench" "$dest/bin"
-strip -o "$dest/bin/grng" "$main"
+# Every binary is stripped and compressed (about 3x) to stay within 60 MiB; run-all.sh unpacks
+# them into OUT.
+pack() { strip -o "$2" "$1" && gzip -9 "$2"; }
+pack "$main" "$dest/bin/grng"
 while read -r name exe; do
-    # Compressed (about 3x) to stay within 60 MiB; run-all.sh unpacks them into OUT.
-    [[ -n "$name" ]] && strip -o "$dest/tests/$name" "$exe" && gzip -9 "$dest/tests/$name"
+    [[ -n "$name" ]] && pack "$exe" "$dest/tests/$name"
 done <<<"$tests"
 while read -r name exe; do
-    [[ -n "$name" ]] && strip -o "$dest/bench/$name" "$exe"
+    [[ -n "$name" ]] && pack "$exe" "$dest/bench/$name"
 done <<<"$bench"
 cp scripts/gpu-run-all.sh "$dest/run-all.sh"
 chmod +x "$dest/run-all.sh"

@@ -112,26 +112,32 @@ run() {
 }
 
 mkdir -p "$out/tests" "$out/bin"
+# The bundle's binaries are gzipped: each is unpacked into OUT/bin as NAME.
+unpack() {
+    local t="$out/bin/$2"
+    gunzip -c "$1" >"$t" && chmod +x "$t" && echo "$t"
+}
 for z in "$here"/tests/*.gz; do
-    t="$out/bin/$(basename "$z" .gz)"
-    gunzip -c "$z" >"$t" && chmod +x "$t"
+    t=$(unpack "$z" "$(basename "$z" .gz)")
     run "test $(basename "$t")" "$out/tests/$(basename "$t").log" "$t"
 done
-if [[ -x "$here/bench/gpu" ]]; then
+bench_bin=""
+[[ -f "$here/bench/gpu.gz" ]] && bench_bin=$(unpack "$here/bench/gpu.gz" bench-gpu)
+if [[ -n "$bench_bin" ]]; then
     # shellcheck disable=SC2086 # bench_args is a word list by design
-    run "bench gpu $bench_args" "$out/bench-gpu.log" "$here/bench/gpu" $bench_args
+    run "bench gpu $bench_args" "$out/bench-gpu.log" "$bench_bin" $bench_args
     grep '^loaded: ' "$out/bench-gpu.log" | sed 's/^/bench /' | tee -a "$summary"
     if [[ $ncu_on == 1 ]]; then
         # shellcheck disable=SC2086
         run "ncu bench gpu" "$out/ncu-bench-gpu.log" \
-            ncu --print-summary per-kernel "$here/bench/gpu" --quick $bench_args
+            ncu --print-summary per-kernel "$bench_bin" --quick $bench_args
     fi
 else
     say "SKIP bench gpu (not in this bundle)"
 fi
 # shellcheck disable=SC2086 # GRNG_MAIN_ARGS is a word list by design
 run "main job --device cuda" "$out/main.log" \
-    "$here/bin/grng" --device cuda --out "$out/main" ${GRNG_MAIN_ARGS:---epochs 2}
+    "$(unpack "$here/bin/grng.gz" grng)" --device cuda --out "$out/main" ${GRNG_MAIN_ARGS:---epochs 2}
 small="$out/bin/emu_elementwise"
 if command -v compute-sanitizer >/dev/null 2>&1; then
     for tool in memcheck racecheck; do
