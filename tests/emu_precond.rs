@@ -161,6 +161,47 @@ fn check_alpha_zero<T: Element>(
     Ok(())
 }
 
+/// `Device::gemm` on operands `a`, `b` (element type `T`; `af`, `bf` their f32 values) on
+/// every device against the CPU's within `check_close`'s bound, β = 0 with C all NaN (not
+/// read), and α = 0 through `launcher` with NaN A and B (not read). `t.c0` is C.
+#[allow(clippy::too_many_arguments)]
+fn gemm_matches_cpu_on<T: Element>(
+    t: &GemmCase,
+    (m, n, k): (usize, usize, usize),
+    (ta, tb): (Trans, Trans),
+    alpha: f32,
+    beta: f32,
+    (a, b): (&[T], &[T]),
+    (af, bf): (&[f32], &[f32]),
+    launcher: GemmFn<T>,
+) -> Result<(), TestCaseError> {
+    let ((ar, ac), (br, bc)) = (t.a_shape, t.b_shape);
+    let scale = abs_scale((ta, tb), (m, n, k), alpha, af, bf, beta, &t.c0);
+    let cpu = Device::Cpu;
+    let mut cw = cpu.upload(m, n, &t.c0).unwrap();
+    let (cpu_a, cpu_b) = (
+        cpu.upload(ar, ac, a).unwrap(),
+        cpu.upload(br, bc, b).unwrap(),
+    );
+    cpu.gemm(ta, tb, alpha, &cpu_a, &cpu_b, beta, &mut cw)
+        .unwrap();
+    let want = cw.to_vec().unwrap();
+    for dev in devices() {
+        let am = dev.upload(ar, ac, a).unwrap();
+        let bm = dev.upload(br, bc, b).unwrap();
+        let c_in = if beta == 0.0 {
+            vec![f32::NAN; m * n]
+        } else {
+            t.c0.clone()
+        };
+        let mut c = dev.upload(m, n, &c_in).unwrap();
+        dev.gemm(ta, tb, alpha, &am, &bm, beta, &mut c).unwrap();
+        check_close(&c.to_vec().unwrap(), &want, &scale, k)?;
+        check_alpha_zero(&dev, launcher, t, (ta, tb), beta)?;
+    }
+    Ok(())
+}
+
 proptest! {
     #![proptest_config(common::proptest_config(40))]
 
@@ -175,23 +216,8 @@ proptest! {
         seed in any::<u64>(),
     ) {
         let t = gemm_case(seed, (m, n, k), ta, tb);
-        let (a, b, c0) = (t.a.clone(), t.b.clone(), t.c0.clone());
-        let ((ar, ac), (br, bc)) = (t.a_shape, t.b_shape);
-        let cpu = Device::Cpu;
-        let mut cw = cpu.upload(m, n, &c0).unwrap();
-        cpu.gemm(ta, tb, alpha, &cpu.upload(ar, ac, &a).unwrap(), &cpu.upload(br, bc, &b).unwrap(), beta, &mut cw)
-            .unwrap();
-        let want = cw.to_vec().unwrap();
-        let scale = abs_scale((ta, tb), (m, n, k), alpha, &a, &b, beta, &c0);
-        for dev in devices() {
-            let am = dev.upload(ar, ac, &a).unwrap();
-            let bm = dev.upload(br, bc, &b).unwrap();
-            let c_in = if beta == 0.0 { vec![f32::NAN; m * n] } else { c0.clone() };
-            let mut c = dev.upload(m, n, &c_in).unwrap();
-            dev.gemm(ta, tb, alpha, &am, &bm, beta, &mut c).unwrap();
-            check_close(&c.to_vec().unwrap(), &want, &scale, k)?;
-            check_alpha_zero(&dev, precond::gemm, &t, (ta, tb), beta)?;
-        }
+        let f32s = (&t.a[..], &t.b[..]);
+        gemm_matches_cpu_on(&t, (m, n, k), (ta, tb), alpha, beta, f32s, f32s, precond::gemm)?;
     }
 
     /// `Device::gemm` on bf16 operands (the tensor-core `precond_gemm_tc` on the kernel
@@ -209,21 +235,7 @@ proptest! {
         let t = gemm_case(seed, (m, n, k), ta, tb);
         let (a, b) = (to_bf16(&t.a), to_bf16(&t.b));
         let (af, bf) = (widen(&a), widen(&b));
-        let ((ar, ac), (br, bc)) = (t.a_shape, t.b_shape);
-        let scale = abs_scale((ta, tb), (m, n, k), alpha, &af, &bf, beta, &t.c0);
-        let cpu = Device::Cpu;
-        let mut cw = cpu.upload(m, n, &t.c0).unwrap();
-        cpu.gemm(ta, tb, alpha, &cpu.upload(ar, ac, &a).unwrap(), &cpu.upload(br, bc, &b).unwrap(), beta, &mut cw)
-            .unwrap();
-        let want = cw.to_vec().unwrap();
-        for dev in devices() {
-            let c_in = if beta == 0.0 { vec![f32::NAN; m * n] } else { t.c0.clone() };
-            let mut c = dev.upload(m, n, &c_in).unwrap();
-            dev.gemm(ta, tb, alpha, &dev.upload(ar, ac, &a).unwrap(), &dev.upload(br, bc, &b).unwrap(), beta, &mut c)
-                .unwrap();
-            check_close(&c.to_vec().unwrap(), &want, &scale, k)?;
-            check_alpha_zero(&dev, precond::gemm_tc, &t, (ta, tb), beta)?;
-        }
+        gemm_matches_cpu_on(&t, (m, n, k), (ta, tb), alpha, beta, (&a, &b), (&af, &bf), precond::gemm_tc)?;
     }
 
     /// `precond::gemm3` (split3 planes on the tensor-core engine) is f32-accurate against an
