@@ -412,10 +412,11 @@ fn segments_mut<'a>(layout: &MultiLayout, mut buf: &'a mut [f32]) -> Vec<&'a mut
 }
 
 /// One multi-tensor update on the host, the CPU twin of the `elementwise_multi_*` kernels:
-/// validates in the kernels' status-slot order ([`MultiUpdate::error`]), computes every
-/// element into the outputs (rayon over chunks of [`CHUNK`] of all tensors) and rejects a
-/// non-finite result the same way. The inputs are never written; on error the outputs hold
-/// garbage the caller does not commit.
+/// one pass computes every element into the outputs (rayon over chunks of [`CHUNK`] of all
+/// tensors) and flags, as it streams, any bad input or non-finite result; only a flagged call
+/// scans again, for the first bad value in the kernels' status-slot order
+/// ([`MultiUpdate::error`]: inputs before results). The inputs are never written; on error the
+/// outputs hold garbage the caller does not commit.
 pub(crate) fn multi_update(
     op: &'static str,
     layout: &MultiLayout,
@@ -432,21 +433,6 @@ pub(crate) fn multi_update(
         o0,
         o1,
     } = io;
-    let nonfinite = |v: f32| !v.is_finite();
-    let found = [
-        first_where(layout, |t| params[t], nonfinite),
-        first_where(layout, |t| grads[t], nonfinite),
-        first_where(layout, |t| &s0[layout.segment(t)], nonfinite),
-        s1.and_then(|s1| first_where(layout, |t| &s1[layout.segment(t)], nonfinite)),
-        sampled
-            .as_ref()
-            .and_then(|gh| first_where(layout, |t| gh[t], nonfinite)),
-        s1.and_then(|s1| first_where(layout, |t| &s1[layout.segment(t)], |v| v < 0.0)),
-    ];
-    if let Some((slot, &Some((pos, value)))) = found.iter().enumerate().find(|(_, f)| f.is_some()) {
-        return Err(upd.error(op, layout, slot, pos, value));
-    }
-    let step = element_step(upd);
     let mut o0s = segments_mut(layout, o0);
     let mut o1s = o1.map(|o1| segments_mut(layout, o1));
     // Work items: (tensor, first index, po chunk, o0 chunk, o1 chunk).
@@ -463,52 +449,133 @@ pub(crate) fn multi_update(
     }
     let run = |(t, i0, pc, oc, o1c): (usize, usize, &mut [f32], &mut [f32], Option<&mut [f32]>)| {
         let base = layout.segment(t).start + i0;
-        let (p, g) = (&params[t][i0..], &grads[t][i0..]);
-        let gh = sampled.as_ref().map(|gh| &gh[t][i0..]);
-        let mut o1c = o1c;
-        for j in 0..pc.len() {
-            let (mut pv, mut a) = (p[j], s0[base + j]);
-            let mut b = s1.map_or(0.0, |s1| s1[base + j]);
-            step(&mut pv, g[j], &mut a, &mut b, gh.map_or(0.0, |gh| gh[j]));
-            pc[j] = pv;
-            oc[j] = a;
-            if let Some(o1c) = o1c.as_deref_mut() {
-                o1c[j] = b;
+        let n = pc.len();
+        let ins = ChunkIn {
+            p: &params[t][i0..i0 + n],
+            g: &grads[t][i0..i0 + n],
+            s0: &s0[base..base + n],
+            s1: s1.map_or(&[][..], |s1| &s1[base..base + n]),
+            gh: sampled.as_ref().map_or(&[][..], |gh| &gh[t][i0..i0 + n]),
+        };
+        let outs = (pc, oc, o1c.unwrap_or(&mut []));
+        match *upd {
+            MultiUpdate::Sgd(c) => {
+                fused_chunk::<false, false, false>(ins, outs, |p, g, b, _, _| {
+                    let (mut p, mut b) = (p, b);
+                    sgd_elem(&c, &mut p, g, &mut b);
+                    (p, b, 0.0)
+                })
+            }
+            MultiUpdate::AdamW(c) => {
+                let bc = c.bias_corrections();
+                fused_chunk::<true, false, true>(ins, outs, |p, g, m, v, _| {
+                    let (mut p, mut m, mut v) = (p, m, v);
+                    adamw_elem(&c, bc, &mut p, g, &mut m, &mut v);
+                    (p, m, v)
+                })
+            }
+            MultiUpdate::Sophia(c, None) => {
+                fused_chunk::<true, false, false>(ins, outs, |p, g, m, h, _| {
+                    let (mut p, mut m) = (p, m);
+                    sophia_elem(&c, &mut p, g, &mut m, h);
+                    (p, m, h)
+                })
+            }
+            MultiUpdate::Sophia(c, Some((beta2, batch))) => {
+                fused_chunk::<true, true, true>(ins, outs, |p, g, m, h, gh| {
+                    let (mut p, mut m, mut h) = (p, m, h);
+                    hessian_ema_elem(beta2, batch, &mut h, gh);
+                    sophia_elem(&c, &mut p, g, &mut m, h);
+                    (p, m, h)
+                })
             }
         }
     };
-    if layout.total() < PAR_MIN {
-        items.into_iter().for_each(run);
+    let clean = if layout.total() < PAR_MIN {
+        items.into_iter().map(run).fold(true, |a, b| a & b)
     } else {
-        items.into_par_iter().for_each(run);
+        items.into_par_iter().map(run).reduce(|| true, |a, b| a & b)
+    };
+    if clean {
+        return Ok(());
     }
+    // Error path only: find the first bad value in the kernels' status-slot order (inputs
+    // before results), exactly what a check-before-compute scan would have reported.
+    let nonfinite = |v: f32| !v.is_finite();
     let found = [
+        first_where(layout, |t| params[t], nonfinite),
+        first_where(layout, |t| grads[t], nonfinite),
+        first_where(layout, |t| &s0[layout.segment(t)], nonfinite),
+        s1.and_then(|s1| first_where(layout, |t| &s1[layout.segment(t)], nonfinite)),
+        sampled
+            .as_ref()
+            .and_then(|gh| first_where(layout, |t| gh[t], nonfinite)),
+        s1.and_then(|s1| first_where(layout, |t| &s1[layout.segment(t)], |v| v < 0.0)),
         first_where(layout, |t| &*po[t], nonfinite),
         first_where(layout, |t| &*o0s[t], nonfinite),
         o1s.as_ref()
             .and_then(|o1s| first_where(layout, |t| &*o1s[t], nonfinite)),
     ];
-    match found.iter().enumerate().find(|(_, f)| f.is_some()) {
-        Some((k, &Some((pos, value)))) => Err(upd.error(op, layout, 6 + k, pos, value)),
-        _ => Ok(()),
+    // The flags test exactly these predicates, so a flagged call finds its bad value here.
+    match found
+        .into_iter()
+        .enumerate()
+        .find_map(|(k, f)| f.map(|f| (k, f)))
+    {
+        Some((slot, (pos, value))) => Err(upd.error(op, layout, slot, pos, value)),
+        None => Ok(()),
     }
 }
 
-/// The per-element step of `upd`: `(p, g, s0, s1, ĝ)` as the kernels' `EwMulti*` functors.
-fn element_step(upd: &MultiUpdate) -> impl Fn(&mut f32, f32, &mut f32, &mut f32, f32) + Sync {
-    let upd = *upd;
-    let bc = match &upd {
-        MultiUpdate::AdamW(c) => c.bias_corrections(),
-        _ => (1.0, 1.0),
-    };
-    move |p, g, s0, s1, gh| match &upd {
-        MultiUpdate::Sgd(c) => sgd_elem(c, p, g, s0),
-        MultiUpdate::AdamW(c) => adamw_elem(c, bc, p, g, s0, s1),
-        MultiUpdate::Sophia(c, refresh) => {
-            if let Some((beta2, batch)) = *refresh {
-                hessian_ema_elem(beta2, batch, s1, gh);
-            }
-            sophia_elem(c, p, g, s0, *s1);
+/// The inputs of one chunk of a multi-tensor update, all of one length (`s1`, `gh` empty when
+/// the update has none).
+struct ChunkIn<'a> {
+    p: &'a [f32],
+    g: &'a [f32],
+    s0: &'a [f32],
+    s1: &'a [f32],
+    gh: &'a [f32],
+}
+
+/// `(p', s0', s1') = step(p, g, s0, s1, ĝ)` over one chunk, writing `po`, `o0` and (`O1`) `o1`;
+/// `S1`/`GH`: the update reads `s1`/`ĝ`. Returns whether every value read is finite (`s1` also
+/// `≥ 0`) and every value written is finite: the check rides along the update's single pass
+/// (the flags are plain `&`s, so the loop stays branch-free and vectorizes) instead of
+/// separate scans before and after it. The results on a `false` chunk are discarded.
+#[inline(always)]
+fn fused_chunk<const S1: bool, const GH: bool, const O1: bool>(
+    ins: ChunkIn<'_>,
+    (po, o0, o1): (&mut [f32], &mut [f32], &mut [f32]),
+    step: impl Fn(f32, f32, f32, f32, f32) -> (f32, f32, f32),
+) -> bool {
+    let n = po.len();
+    let (p, g, s0, o0) = (&ins.p[..n], &ins.g[..n], &ins.s0[..n], &mut o0[..n]);
+    let (s1, gh) = (
+        if S1 { &ins.s1[..n] } else { ins.s1 },
+        if GH { &ins.gh[..n] } else { ins.gh },
+    );
+    let o1 = if O1 { &mut o1[..n] } else { o1 };
+    let fin = |v: f32| v.abs() < f32::INFINITY;
+    let mut ok = true;
+    for j in 0..n {
+        let s1v = if S1 { s1[j] } else { 0.0 };
+        let ghv = if GH { gh[j] } else { 0.0 };
+        let (pn, a, b) = step(p[j], g[j], s0[j], s1v, ghv);
+        po[j] = pn;
+        o0[j] = a;
+        if O1 {
+            o1[j] = b;
+        }
+        ok &= fin(p[j]) & fin(g[j]) & fin(s0[j]) & fin(pn) & fin(a);
+        if S1 {
+            ok &= fin(s1v) & (s1v >= 0.0);
+        }
+        if GH {
+            ok &= fin(ghv);
+        }
+        if O1 {
+            ok &= fin(b);
         }
     }
+    ok
 }

@@ -5,6 +5,7 @@ pub mod elementwise;
 pub mod gemm;
 pub mod kalman;
 pub mod kron;
+pub mod math;
 pub mod newton;
 pub mod norm;
 pub mod precond;

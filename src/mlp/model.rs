@@ -8,7 +8,7 @@ use rand_chacha::ChaCha8Rng;
 use rayon::prelude::*;
 
 use super::{Activation, Loss, MlpConfig, Targets};
-use crate::cpu::gemm;
+use crate::cpu::{gemm, math};
 use crate::error::{check_finite, check_len, check_shape, check_value, Error, Result};
 use crate::mat::{Mat, MatMut, MatRef, Trans};
 
@@ -270,11 +270,10 @@ impl Mlp {
                     .par_chunks_mut(width)
                     .with_min_len(min_rows(d_out))
                     .for_each(|row| {
-                        for v in &mut row[..d_out] {
-                            *v = match act {
-                                Activation::Tanh => v.tanh(),
-                                Activation::Relu => v.max(0.0),
-                            };
+                        let z = &mut row[..d_out];
+                        match act {
+                            Activation::Tanh => math::tanh_in_place(z),
+                            Activation::Relu => z.iter_mut().for_each(|v| *v = v.max(0.0)),
                         }
                         row[d_out] = 1.0;
                     });
