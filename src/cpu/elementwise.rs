@@ -100,7 +100,7 @@ pub(crate) fn dot_chunk(x: &[f32], y: &[f32]) -> f64 {
 }
 
 /// `Σ xᵢ yᵢ` in `f64` over chunks of [`CHUNK`], chunk sums added in index order.
-fn dot_f64(x: &[f32], y: &[f32]) -> f64 {
+pub(crate) fn dot_f64(x: &[f32], y: &[f32]) -> f64 {
     if x.len() < PAR_MIN {
         return x
             .chunks(CHUNK)

@@ -220,6 +220,26 @@ impl Mlp {
         Ok(())
     }
 
+    /// Overwrites all parameters from per-layer slices (`W̄_l` row-major, layer 0 first): what
+    /// [`Mlp::set_params`] does with their concatenation, without building it.
+    ///
+    /// # Errors
+    /// [`Error::Shape`] on a wrong count or length, [`Error::NonFinite`] on NaN/Inf (index
+    /// within its layer); nothing changes then.
+    pub fn set_layers(&mut self, layers: &[&[f32]]) -> Result<()> {
+        const OP: &str = "Mlp::set_layers";
+        check_len(OP, "layers", layers.len(), self.num_layers())?;
+        for (l, w) in layers.iter().enumerate() {
+            check_len(OP, "layer", w.len(), self.offsets[l + 1] - self.offsets[l])?;
+            check_finite(OP, "layer", w)?;
+        }
+        for (l, w) in layers.iter().enumerate() {
+            self.params[self.offsets[l]..self.offsets[l + 1]].copy_from_slice(w);
+        }
+        self.stamp = next_stamp();
+        Ok(())
+    }
+
     /// Layer `l`'s `W_l` without the bias column: `d_out x d_in` with leading dimension `d_in + 1`.
     pub(crate) fn weights(&self, l: usize) -> Result<MatRef<'_, f32>> {
         let (d_in, d_out) = (self.config.sizes[l], self.config.sizes[l + 1]);

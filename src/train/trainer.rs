@@ -579,9 +579,10 @@ fn plain_gradient(mlp: &Mlp, batch: Batch<'_>) -> Result<(f32, Vec<f32>)> {
     Ok((loss, grad))
 }
 
-/// Euclidean norm, accumulated in f64.
+/// Euclidean norm, accumulated in f64 (NaN/Inf in `v` give a non-finite norm): the chunked,
+/// parallel sum of the CPU backend's `dot`, deterministic for any thread count.
 pub(crate) fn norm(v: &[f32]) -> f32 {
-    v.iter().map(|&x| x as f64 * x as f64).sum::<f64>().sqrt() as f32
+    crate::cpu::elementwise::dot_f64(v, v).sqrt() as f32
 }
 
 /// The flat gradient cut into per-layer `d_out x (d_in + 1)` matrices on the device.
@@ -596,14 +597,20 @@ fn upload_layers(device: &Device, mlp: &Mlp, flat: &[f32]) -> Result<Vec<Matrix>
 
 /// Copies per-layer device parameters into the network.
 fn sync_layers(mlp: &mut Mlp, params: &[Matrix]) -> Result<()> {
-    let mut flat = Vec::with_capacity(mlp.num_params());
-    for p in params {
-        match p.host() {
-            Some(h) => flat.extend_from_slice(h),
-            None => flat.extend_from_slice(&p.to_vec()?),
-        }
-    }
-    mlp.set_params(&flat)
+    // Host matrices are read in place; device ones are read back once each.
+    let fetched = params
+        .iter()
+        .map(|p| match p.host() {
+            Some(_) => Ok(None),
+            None => p.to_vec().map(Some),
+        })
+        .collect::<Result<Vec<_>>>()?;
+    let layers: Vec<&[f32]> = params
+        .iter()
+        .zip(&fetched)
+        .map(|(p, f)| f.as_deref().or(p.host()).unwrap_or_default())
+        .collect();
+    mlp.set_layers(&layers)
 }
 
 /// Copies a flat `n x 1` device parameter vector into the network.
