@@ -354,7 +354,8 @@ impl KronOptimizer {
     /// [`Error::Value`] for `ρ` outside `[rho_min, rho_max]` or bad scalars,
     /// [`Error::NonFinite`] for NaN/Inf in a matrix, [`Error::Value`] naming `factor` when
     /// `factor + damping·I` is not positive definite or `inverse` when the inverse is not
-    /// (both by a host Cholesky factorization, the crate-private `optim::check_psd`). Unchanged on error.
+    /// (both by a host Cholesky factorization, the crate-private `optim::check_psd`),
+    /// [`Error::NonFinite`] if re-forming a cached square overflows. Unchanged on error.
     pub fn restore(&mut self, mut state: KronState) -> Result<()> {
         const OP: &str = "KronOptimizer::restore";
         let cfg = &self.config;
