@@ -740,6 +740,101 @@ fn wrong_sizes_and_kinds_for_each_optimizer() {
     assert!(msg.contains("ring") && msg.contains("ngd"), "{msg}");
 }
 
+/// The lazy steps' cached square `X₀·X₀` is not stored: a checkpoint taken between lazy steps
+/// while it is cached (RING, damping drifting every step) loads without it, the resumed
+/// optimizer forms it again at its next lazy step — the same device product of the same `X₀`,
+/// so the same bits — and from there runs bit for bit with the straight one (squares,
+/// inverses, parameters, through a refresh). `state`/`restore` (which re-forms a cached
+/// square) round-trips bit for bit too.
+#[test]
+fn kron_resume_with_a_cached_square_is_bit_for_bit() {
+    let dev = Device::Cpu;
+    let mut rng = common::seeded_rng();
+    let shapes = [(4usize, 6usize), (3, 5)];
+    let mut mat = |r: usize, c: usize| {
+        let v: Vec<f32> = (0..r * c).map(|_| rng.random_range(-1.0f32..1.0)).collect();
+        dev.upload(r, c, &v).unwrap()
+    };
+    let stats: Vec<(Matrix, Matrix)> = shapes
+        .iter()
+        .map(|&(o, i)| (mat(3, i), mat(3, o)))
+        .collect();
+    let grads: Vec<Vec<Matrix>> = (0..8)
+        .map(|_| shapes.iter().map(|&(o, i)| mat(o, i)).collect())
+        .collect();
+    let cfg = KronConfig {
+        skip: 4,
+        phi: 0.9,
+        ..KronConfig::ring()
+    };
+    // Alternating good (ρ ← φρ) and bad (ρ ← ρ/φ) steps: the damping moves every step.
+    let step = |opt: &mut KronOptimizer, w: &mut [Matrix], k: usize| {
+        let ks: Vec<KronStats<'_>> = stats.iter().map(|(a, e)| KronStats { a, e }).collect();
+        let g: Vec<&Matrix> = grads[k].iter().collect();
+        let s = opt.needs_stats().then_some(&ks[..]);
+        let q = opt.step(w, &g, s).unwrap().predicted_change;
+        let r = if k % 2 == 0 { 1.0 } else { 0.0 };
+        opt.observe_loss(1.0, 1.0 + r * q).unwrap();
+    };
+    let squares = |opt: &KronOptimizer| -> Vec<Vec<u32>> {
+        let st = opt.state().unwrap();
+        st.layers
+            .iter()
+            .flat_map(|l| [&l.lambda, &l.gamma])
+            .filter_map(|s| s.square().map(|m| m.to_vec().unwrap()))
+            .map(|v| v.iter().map(|x| x.to_bits()).collect())
+            .collect()
+    };
+    let bits = |opt: &KronOptimizer, w: &[Matrix]| {
+        let mut wr = Writer::new();
+        opt.save(&mut wr).unwrap();
+        let ws: Vec<Vec<u32>> = w
+            .iter()
+            .map(|m| m.to_vec().unwrap().iter().map(|x| x.to_bits()).collect())
+            .collect();
+        (wr.to_bytes(), ws, squares(opt))
+    };
+    let zeros = || -> Vec<Matrix> {
+        shapes
+            .iter()
+            .map(|&(o, i)| dev.zeros(o, i).unwrap())
+            .collect()
+    };
+    let mut straight = KronOptimizer::new(&dev, &shapes, cfg).unwrap();
+    let mut w = zeros();
+    for k in 0..3 {
+        step(&mut straight, &mut w, k);
+    }
+    // After the refresh and two lazy steps: every factor's square is cached.
+    assert_eq!(squares(&straight).len(), 4);
+    let mut wr = Writer::new();
+    straight.save(&mut wr).unwrap();
+    let mut resumed = KronOptimizer::new(&dev, &shapes, cfg).unwrap();
+    resumed.load(&wr.to_reader().unwrap()).unwrap();
+    assert!(
+        squares(&resumed).is_empty(),
+        "the checkpoint holds no square"
+    );
+    let mut restored = KronOptimizer::new(&dev, &shapes, cfg).unwrap();
+    restored.restore(straight.state().unwrap()).unwrap();
+    assert_eq!(
+        squares(&restored),
+        squares(&straight),
+        "restore re-forms the square"
+    );
+    let mut wl: Vec<Matrix> = w.iter().map(|m| m.try_clone().unwrap()).collect();
+    let mut wt = w;
+    let mut wt2: Vec<Matrix> = wt.iter().map(|m| m.try_clone().unwrap()).collect();
+    for k in 3..8 {
+        step(&mut straight, &mut wt, k);
+        step(&mut resumed, &mut wl, k);
+        step(&mut restored, &mut wt2, k);
+        let want = bits(&straight, &wt);
+        assert!(bits(&resumed, &wl) == want, "loaded: step {k}");
+        assert!(bits(&restored, &wt2) == want, "restored: step {k}");
+    }
+}
+
 #[test]
 fn load_all_rolls_back_earlier_parts() {
     let dev = Device::Cpu;

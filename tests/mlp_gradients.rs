@@ -326,6 +326,12 @@ proptest! {
             let want = g[i] + 2.0 * creg * hg[i];
             prop_assert!((rg[i] - want).abs() <= 1e-5 * (1.0 + want.abs()));
         }
+        // From a forward pass computed by the caller (the trainer's, shared with the Fisher
+        // statistics): the same numbers, bit for bit.
+        let fwd = c.mlp.forward(c.x.as_ref()).unwrap();
+        let (loss2, rg2) = c.mlp.regularized_gradient_from(&fwd, t.as_targets(), creg).unwrap();
+        prop_assert_eq!(loss2.to_bits(), loss.to_bits());
+        prop_assert!(rg2.iter().zip(&rg).all(|(a, b)| a.to_bits() == b.to_bits()));
         let mut rng = ChaCha8Rng::seed_from_u64(seed.wrapping_add(11));
         let objective = |mlp: &mut Mlp, p: &[f32]| -> f64 {
             let gp = grad_at(mlp, p, &c.x, t.as_targets());
@@ -534,6 +540,10 @@ fn bad_input_gets_typed_errors_and_changes_nothing() {
         c.mlp.regularized_gradient(c.x.as_ref(), t, -1.0),
         Err(Error::Value { .. })
     ));
+    assert!(matches!(
+        c.mlp.regularized_gradient_from(&fwd, t, f32::NAN),
+        Err(Error::Value { arg: "c", .. })
+    ));
     assert!(matches!(c.mlp.layer_shape(2), Err(Error::Value { .. })));
     // set_params with NaN leaves the parameters unchanged.
     let mut bad = before.clone();
@@ -560,6 +570,10 @@ fn bad_input_gets_typed_errors_and_changes_nothing() {
     assert!(matches!(
         c.mlp.sample_targets(&fwd, &mut rng),
         Err(Error::Value { .. })
+    ));
+    assert!(matches!(
+        c.mlp.regularized_gradient_from(&fwd, t, 0.1),
+        Err(Error::Value { arg: "fwd", .. })
     ));
     let other = c.mlp.clone();
     let fwd2 = c.mlp.forward(c.x.as_ref()).unwrap();

@@ -8,11 +8,11 @@ use grng::data::synthetic_classification;
 use grng::mlp::{Activation, FisherMode, Loss, Mlp, MlpConfig, Targets};
 use grng::ops::newton::{InitialGuess, NewtonOptions};
 use grng::optim::kron::{
-    levenberg_marquardt, InverseMethod, KronConfig, KronCounters, KronOptimizer, KronState,
-    KronVariant,
+    levenberg_marquardt, InverseMethod, KronConfig, KronCounters, KronFactorState, KronOptimizer,
+    KronState, KronVariant,
 };
 use grng::optim::KronStats;
-use grng::{Device, Error, Mat, Matrix};
+use grng::{Device, Error, Mat, Matrix, Trans};
 use proptest::prelude::*;
 use rand::{Rng, SeedableRng};
 use rand_chacha::ChaCha8Rng;
@@ -469,9 +469,114 @@ fn exact_inverse(f: &Matrix, lambda: f32) -> Vec<f32> {
     host(&DEV.cholesky_inverse(&d).unwrap())
 }
 
+/// RENG's damping for `ρ` (both factors), as the optimizer forms it: `√ρ` in f64, at least
+/// the default floor, rounded to f32.
+fn reng_damping(rho: f32) -> f32 {
+    (rho as f64)
+        .sqrt()
+        .max(KronConfig::reng().damping_floor as f64) as f32
+}
+
+fn f64s(m: &Matrix) -> Vec<f64> {
+    host(m).iter().map(|&v| v as f64).collect()
+}
+
+/// `A·B` (row-major, `A` `r x k`, `B` `k x c`) in f64.
+fn matmul64(a: &[f64], b: &[f64], r: usize, k: usize, c: usize) -> Vec<f64> {
+    let mut out = vec![0.0; r * c];
+    for i in 0..r {
+        for l in 0..k {
+            let x = a[i * k + l];
+            for j in 0..c {
+                out[i * c + j] += x * b[l * c + j];
+            }
+        }
+    }
+    out
+}
+
+/// `(F + λI)⁻¹` in f64, column by column by [`solve64`].
+fn inverse64(f: &[f64], n: usize, lambda: f64) -> Vec<f64> {
+    let a = add_diag(f, n, lambda);
+    let mut x = vec![0.0; n * n];
+    for j in 0..n {
+        let mut e = vec![0.0; n];
+        e[j] = 1.0;
+        for (i, v) in solve64(a.clone(), e).into_iter().enumerate() {
+            x[i * n + j] = v;
+        }
+    }
+    x
+}
+
+/// The inverse a lazy step with the damping target `lambda` takes for the factor `s` (the
+/// state after that step), rebuilt in f64 from the state's `X₀` and `λ₀` alone: `X₀` when
+/// `λ = λ₀`, else `X₀ − (λ − λ₀)·X₀X₀` with the square formed here (not the cached one).
+/// `Δ = λ − λ₀` is the optimizer's f32 difference.
+fn first_order64(s: &KronFactorState, lambda: f32) -> Vec<f64> {
+    let n = s.inverse.rows();
+    let x0 = f64s(&s.inverse);
+    let d = (lambda - s.damping) as f64;
+    if d == 0.0 {
+        return x0;
+    }
+    let sq = matmul64(&x0, &x0, n, n, n);
+    x0.iter().zip(&sq).map(|(x, s)| x - d * s).collect()
+}
+
+/// `|X₀| + |Δ|·|X₀||X₀|`: the scale of each entry's f32 rounding in `X₀ − Δ·X₀X₀`.
+fn first_order_scale64(s: &KronFactorState, lambda: f32) -> Vec<f64> {
+    let n = s.inverse.rows();
+    let x0: Vec<f64> = f64s(&s.inverse).iter().map(|v| v.abs()).collect();
+    let d = ((lambda - s.damping) as f64).abs();
+    let sq = matmul64(&x0, &x0, n, n, n);
+    x0.iter().zip(&sq).map(|(x, s)| x + d * s).collect()
+}
+
+/// Checks that the first-order inverse `X(λ) = X₀ − Δ·X₀²` (`Δ = λ − λ₀`, [`first_order64`])
+/// is within the stated first-order error of the exact `(F + λI)⁻¹` (f64, from the state's
+/// f32 factor), and returns `t = |Δ|·‖E₀‖₂`. With `E₀ = (F + λ₀I)⁻¹` and `δ = X₀ − E₀` (the
+/// f32 inverse's own error): `(F + λI)⁻¹ − X(λ) = Δ²E₀³(I + ΔE₀)⁻¹ − δ + Δ(E₀δ + δE₀ + δ²)`
+/// (the first-order inverse falls short by a PSD remainder).
+/// The first term is PSD with norm exactly `Δ²e³/(1 + Δe)`, `e = ‖E₀‖₂` (increasing in each
+/// eigenvalue); the rest is at most `(1 + 2t + |Δ|‖δ‖)‖δ‖ ≤ 2.1‖δ‖_F` for `t ≤ 1/2`. So the
+/// top eigenvalue of the (symmetrized) shortfall is `Δ²e³/(1 + Δe)` within `2.1‖δ‖_F`, the bottom
+/// one `≥ −2.1‖δ‖_F`, and `Δ²e³/(1 + Δe) ≤ t²/(1 − t)·e`, the bound of the module docs.
+fn check_first_order_error(s: &KronFactorState, lambda: f32) -> f64 {
+    let n = s.inverse.rows();
+    let f = f64s(&s.factor);
+    let e0 = inverse64(&f, n, s.damping as f64);
+    let exact = inverse64(&f, n, lambda as f64);
+    let x0 = f64s(&s.inverse);
+    let delta = frob(&x0.iter().zip(&e0).map(|(a, b)| a - b).collect::<Vec<_>>());
+    let d = (lambda - s.damping) as f64;
+    let e = max_eig64(&e0, n);
+    let t = d.abs() * e;
+    assert!(t <= 0.5, "a first-order step past the guard: t = {t}");
+    let predicted = d * d * e.powi(3) / (1.0 + d * e);
+    assert!(predicted <= t * t / (1.0 - t) * e * (1.0 + 1e-12));
+    let x = first_order64(s, lambda);
+    let err: Vec<f64> = (0..n * n)
+        .map(|k| {
+            let (i, j) = (k / n, k % n);
+            0.5 * ((exact[k] - x[k]) + (exact[j * n + i] - x[j * n + i]))
+        })
+        .collect();
+    let top = max_eig64(&err, n);
+    let bottom = -max_eig64(&err.iter().map(|v| -v).collect::<Vec<_>>(), n);
+    // f64 solves and Jacobi sweeps: ≲ 1e-12 of e here (κ ≤ 1e3).
+    let slack = 2.1 * delta + 1e-10 * e;
+    assert!(
+        (top - predicted).abs() <= slack && bottom >= -slack,
+        "error eigenvalues [{bottom:e}, {top:e}], first-order prediction {predicted:e} ± {slack:e} (t = {t})"
+    );
+    t
+}
+
 /// One refresh at ρ₀, an LM move of ρ (a good step: ρ₀ → φρ₀; a bad one with `grow`:
-/// ρ₀ → ρ₀/φ), one lazy step: returns the lazily updated inverse of Λ̃ minus the recomputed
-/// one (Frobenius norm), `|dλ|·‖X‖₂`, and the optimizer.
+/// ρ₀ → ρ₀/φ), one lazy step: returns the Frobenius distance between the inverse of Λ̃ that
+/// lazy step took ([`first_order64`] of the state after it) and the recomputed one,
+/// `|λ − λ₀|·‖X₀‖₂`, and the optimizer.
 fn lazy_error_moving(phi: f32, grow: bool) -> (f64, f64, KronOptimizer) {
     let mut rng = common::seeded_rng();
     let (d_out, d_in, m) = (5, 7, 4);
@@ -498,15 +603,16 @@ fn lazy_error_moving(phi: f32, grow: bool) -> (f64, f64, KronOptimizer) {
     let x0 = opt.state().unwrap().layers[0].lambda.inverse_norm as f64;
     let info = opt.step(&mut w, &[&g], None).unwrap();
     assert!(!info.refreshed);
+    let lambda = reng_damping(info.rho);
     let st = opt.state().unwrap();
     let s = &st.layers[0].lambda;
-    let dl = (s.damping as f64) - 0.1; // λ₀ = √ρ₀ = 0.1
-    let exact = exact_inverse(&s.factor, s.damping);
+    let dl = (lambda as f64) - 0.1; // λ₀ = √ρ₀ = 0.1
+    let exact = exact_inverse(&s.factor, lambda);
     let err = frob(
-        &host(&s.inverse)
+        &first_order64(s, lambda)
             .iter()
             .zip(&exact)
-            .map(|(a, b)| (a - b) as f64)
+            .map(|(a, b)| a - *b as f64)
             .collect::<Vec<_>>(),
     );
     (err, dl.abs() * x0, opt)
@@ -516,8 +622,8 @@ fn lazy_error(phi: f32) -> (f64, f64, KronOptimizer) {
     lazy_error_moving(phi, false)
 }
 
-/// The first-order update `X ← X − dλ·X·X` has error `O(dλ²)`: halving dλ divides the error
-/// by about 4 (exactly `dλ²X³(I + dλX)⁻¹`, so the ratio is a little below ¼ for dλ < 0).
+/// The first-order inverse `X₀ − dλ·X₀X₀` has error `O(dλ²)`: halving dλ divides the error
+/// by about 4 (exactly `dλ²X₀³(I + dλX₀)⁻¹`, so the ratio is a little below ¼ for dλ < 0).
 #[test]
 fn first_order_inverse_update_is_second_order_accurate() {
     // √φ = 1 − 0.2, 1 − 0.1, 1 − 0.05: dλ = −0.02, −0.01, −0.005 at λ₀ = 0.1.
@@ -583,8 +689,9 @@ fn inverse_norm_is_the_damping_bound() {
     }
 }
 
-/// A damping jump with `|dλ|·‖X‖₂ > 1/2` recomputes the inverse instead (counted) — then it
-/// matches the exact inverse to rounding.
+/// A damping jump with `|λ − λ₀|·‖X₀‖₂ > 1/2` recomputes the inverse instead (counted): the
+/// state then holds the new formation, the exact inverse at the new damping (so the inverse
+/// the step took matches it to the bit), with no square yet.
 #[test]
 fn large_damping_change_recomputes_the_inverse() {
     let (err, t, opt) = lazy_error(0.1);
@@ -593,6 +700,299 @@ fn large_damping_change_recomputes_the_inverse() {
     assert_eq!(opt.counters().first_order_updates, 0);
     // Same Cholesky on the same matrix: identical.
     assert_eq!(err, 0.0);
+    let st = opt.state().unwrap();
+    for s in [&st.layers[0].lambda, &st.layers[0].gamma] {
+        assert!(s.square().is_none());
+        assert_eq!(s.inverse_norm, 1.0 / s.damping);
+    }
+}
+
+/// Random `(A m x d_in, E m x d_out)` statistics and one gradient per step for `shapes`.
+fn lazy_problem(
+    rng: &mut ChaCha8Rng,
+    shapes: &[(usize, usize)],
+    m: usize,
+    steps: usize,
+) -> (Vec<(Matrix, Matrix)>, Vec<Vec<Matrix>>) {
+    let stats = shapes
+        .iter()
+        .map(|&(o, i)| (rand_mat(rng, m, i), rand_mat(rng, m, o)))
+        .collect();
+    let grads = (0..steps)
+        .map(|_| shapes.iter().map(|&(o, i)| rand_mat(rng, o, i)).collect())
+        .collect();
+    (stats, grads)
+}
+
+fn zeros(shapes: &[(usize, usize)]) -> Vec<Matrix> {
+    shapes
+        .iter()
+        .map(|&(o, i)| DEV.zeros(o, i).unwrap())
+        .collect()
+}
+
+/// Lazy steps take the first-order inverse relative to the FORMATION (SPEC §2): over lazy
+/// steps whose RING damping drifts down and up (LM moves of ρ by φ = 0.8 each way), the state
+/// keeps `X₀`, `λ₀` from the refresh bit for bit and caches `S₀ = X₀·X₀` (the bits of
+/// `Device::gemm`) from the first drift on; the preconditioned gradient each step applied
+/// equals `X_Γ(λ_Γ)·G·X_Λ(λ_Λ)` with `X(λ) = X₀ − (λ − λ₀)·X₀²` rebuilt in f64 from `X₀`, `λ₀`
+/// and the step's ρ; and `X(λ)` is within the first-order error of `(F + λI)⁻¹`
+/// ([`check_first_order_error`]).
+///
+/// Tolerance of `P` (per entry, `A = |X₀| + |Δ||X₀|²` per factor, [`first_order_scale64`]):
+/// the square's GEMM (`γ_n`), the axpy (two roundings) give `|X̂ − X| ≤ (n + 4)u·A`; the two
+/// preconditioning products add `(d_in + d_out)u·A_Γ|G|A_Λ`, the update `W = 0 − ηP` one more
+/// `u`: in all `(2(d_in + d_out) + 9)u·A_Γ|G|A_Λ`; allowed `(2(d_in + d_out) + 16)·2u` of it.
+/// Taking `X₀` unchanged, or compounding per-step updates (`X ← X − dλ·X·X`, the former rule),
+/// misses by `≳ 1e-2` of `A_Γ|G|A_Λ` here (`t` up to 0.25), far above that ~1e-5.
+#[test]
+fn lazy_steps_use_the_first_order_inverse_of_the_formation() {
+    let mut rng = common::seeded_rng();
+    let shapes = [(5usize, 7usize), (3, 6)];
+    // m < d: singular factors, so ‖E₀‖₂ = 1/λ₀ and the first-order error is largest.
+    let (stats, grads) = lazy_problem(&mut rng, &shapes, 4, 8);
+    let cfg = KronConfig {
+        rho: 1e-2,
+        rho_min: 1e-8,
+        rho_max: 1.0,
+        phi: 0.8,
+        skip: 1000,
+        inverse: InverseMethod::Cholesky,
+        ..KronConfig::ring()
+    };
+    let mut opt = KronOptimizer::new(&DEV, &shapes, cfg).unwrap();
+    let ks: Vec<KronStats<'_>> = stats.iter().map(|(a, e)| KronStats { a, e }).collect();
+    let g: Vec<&Matrix> = grads[0].iter().collect();
+    let mut w = zeros(&shapes);
+    let info = opt.step(&mut w, &g, Some(&ks)).unwrap();
+    assert!(info.refreshed);
+    let formed = opt.state().unwrap();
+    assert!(formed
+        .matrices()
+        .iter()
+        .all(|(n, _)| !n.ends_with("square")));
+    // r = 1 lowers ρ by φ, r = 0 raises it by 1/φ: λ/λ₀ = √(ρ/ρ₀) runs 0.89, 0.8, 0.89, 1,
+    // 1.12, 1.25, 1.12 over the lazy steps.
+    let moves = [1.0f32, 1.0, 0.0, 0.0, 0.0, 0.0, 1.0];
+    opt.observe_loss(1.0, 1.0 + moves[0] * info.predicted_change)
+        .unwrap();
+    let (mut worst, mut drifted, mut t_max) = (0.0f64, 0, 0.0f64);
+    for (k, &r) in moves[1..].iter().enumerate() {
+        let g: Vec<&Matrix> = grads[k + 1].iter().collect();
+        let mut w = zeros(&shapes);
+        let info = opt.step(&mut w, &g, None).unwrap();
+        assert!(!info.refreshed);
+        assert_eq!(
+            info.lazy_recomputes, 0,
+            "step {k}: t ≤ 0.25 stays first-order"
+        );
+        let st = opt.state().unwrap();
+        let target = |s: &KronFactorState| {
+            ((info.rho as f64).sqrt() * s.norm as f64).max(cfg.damping_floor as f64) as f32
+        };
+        let mut moved = 0;
+        for (l, &(o, i)) in shapes.iter().enumerate() {
+            let (sl, sg) = (&st.layers[l].lambda, &st.layers[l].gamma);
+            let (fl, fg) = (&formed.layers[l].lambda, &formed.layers[l].gamma);
+            for (s, f) in [(sl, fl), (sg, fg)] {
+                assert_eq!(host(&s.inverse), host(&f.inverse), "X₀ must stay as formed");
+                assert_eq!(s.damping, f.damping, "λ₀ must stay as formed");
+                let t = target(s);
+                if t != s.damping {
+                    moved += 1;
+                    let n = s.inverse.rows();
+                    let mut sq = DEV.zeros(n, n).unwrap();
+                    DEV.gemm(
+                        Trans::No,
+                        Trans::No,
+                        1.0,
+                        &s.inverse,
+                        &s.inverse,
+                        0.0,
+                        &mut sq,
+                    )
+                    .unwrap();
+                    let cached = s.square().expect("S₀ cached from the first drift on");
+                    assert_eq!(host(cached), host(&sq));
+                }
+                t_max = t_max.max(check_first_order_error(s, t));
+            }
+            let (tl, tg) = (target(sl), target(sg));
+            let gh = f64s(g[l]);
+            let p_ref = matmul64(
+                &matmul64(&first_order64(sg, tg), &gh, o, o, i),
+                &first_order64(sl, tl),
+                o,
+                i,
+                i,
+            );
+            let ga: Vec<f64> = gh.iter().map(|v| v.abs()).collect();
+            let scale = matmul64(
+                &matmul64(&first_order_scale64(sg, tg), &ga, o, o, i),
+                &first_order_scale64(sl, tl),
+                o,
+                i,
+                i,
+            );
+            let c = (2 * (o + i) + 16) as f64 * 2.0 * common::U32;
+            for (j, wv) in host(&w[l]).iter().enumerate() {
+                let p = -(*wv as f64) / info.lr as f64;
+                let ratio = (p - p_ref[j]).abs() / (c * scale[j]);
+                worst = worst.max(ratio);
+                assert!(
+                    ratio <= 1.0,
+                    "step {k} layer {l} entry {j}: P {p} vs first-order reference {} (scale {})",
+                    p_ref[j],
+                    scale[j]
+                );
+            }
+        }
+        assert_eq!(info.first_order_updates, moved, "step {k}");
+        drifted += moved;
+        opt.observe_loss(1.0, 1.0 + r * info.predicted_change)
+            .unwrap();
+    }
+    eprintln!("first-order P: worst error / tolerance {worst:.3}; largest t {t_max:.3}");
+    assert!(
+        drifted >= 16,
+        "the damping must drift on most steps ({drifted})"
+    );
+    assert!(
+        t_max > 0.15,
+        "the drift must be large enough to matter ({t_max})"
+    );
+    assert_eq!(opt.counters().first_order_updates, drifted as u64);
+}
+
+/// The guard is on the drift since the formation, not on one step's move: with ρ falling by
+/// φ = 0.81 per step, RENG's λ = √ρ falls by 10 % per step and `t = |λ − λ₀|·‖X₀‖₂ =
+/// 1 − 0.9ᵏ` passes 1/2 between the 6th lazy step (0.469) and the 7th (0.522). The 7th
+/// recomputes both inverses — a new formation: the exact inverse at its damping, the square
+/// dropped — and the 8th is first-order again, from there (`t` = 0.1).
+#[test]
+fn drift_since_the_formation_beyond_the_limit_recomputes() {
+    let mut rng = common::seeded_rng();
+    let shapes = [(5usize, 7usize)];
+    let (stats, grads) = lazy_problem(&mut rng, &shapes, 4, 1);
+    let cfg = KronConfig {
+        rho: 1e-2,
+        rho_min: 1e-8,
+        phi: 0.81,
+        skip: 1000,
+        inverse: InverseMethod::Cholesky,
+        ..KronConfig::reng()
+    };
+    let mut opt = KronOptimizer::new(&DEV, &shapes, cfg).unwrap();
+    let ks: Vec<KronStats<'_>> = stats.iter().map(|(a, e)| KronStats { a, e }).collect();
+    let g: Vec<&Matrix> = grads[0].iter().collect();
+    let mut w = zeros(&shapes);
+    let info = opt.step(&mut w, &g, Some(&ks)).unwrap();
+    opt.observe_loss(1.0, 1.0 + info.predicted_change).unwrap();
+    let lambda0 = opt.state().unwrap().layers[0].lambda.damping;
+    for k in 1..=8 {
+        let info = opt.step(&mut w, &g, None).unwrap();
+        let lambda = reng_damping(info.rho);
+        let st = opt.state().unwrap();
+        let t = ((lambda - lambda0) / lambda0).abs();
+        match k {
+            1..=6 => {
+                assert!(t <= 0.48, "set-up: step {k}, t = {t}");
+                assert_eq!((info.first_order_updates, info.lazy_recomputes), (2, 0));
+                for s in [&st.layers[0].lambda, &st.layers[0].gamma] {
+                    assert_eq!(s.damping, lambda0);
+                    assert!(s.square().is_some());
+                    check_first_order_error(s, lambda);
+                }
+            }
+            7 => {
+                assert!(t >= 0.51, "set-up: step {k}, t = {t}");
+                assert_eq!((info.first_order_updates, info.lazy_recomputes), (0, 2));
+                for s in [&st.layers[0].lambda, &st.layers[0].gamma] {
+                    assert_eq!(s.damping, lambda);
+                    assert_eq!(s.inverse_norm, 1.0 / lambda);
+                    assert_eq!(host(&s.inverse), exact_inverse(&s.factor, lambda));
+                    assert!(s.square().is_none());
+                }
+            }
+            _ => {
+                assert_eq!((info.first_order_updates, info.lazy_recomputes), (2, 0));
+                for s in [&st.layers[0].lambda, &st.layers[0].gamma] {
+                    assert!(s.damping < lambda0 * 0.6, "the formation of step 7");
+                    assert!(s.square().is_some());
+                    let t = check_first_order_error(s, lambda);
+                    assert!((0.05..0.15).contains(&t), "t = {t} from the new formation");
+                }
+            }
+        }
+        opt.observe_loss(1.0, 1.0 + info.predicted_change).unwrap();
+    }
+    assert_eq!(opt.counters().lazy_recomputes, 2);
+    assert_eq!(opt.counters().first_order_updates, 14);
+}
+
+/// A lazy step that fails after its plan (a gradient whose preconditioned value overflows)
+/// leaves the state bit for bit as it was — no square cached by a failed first-order step,
+/// the cached one kept, no new formation from a failed recompute, counters unchanged — and
+/// the parameters too; the next good step then does what the failed one planned.
+#[test]
+fn failed_lazy_step_leaves_inverse_square_and_counters_untouched() {
+    let mut rng = common::seeded_rng();
+    let shapes = [(5usize, 7usize), (3, 6)];
+    let (stats, grads) = lazy_problem(&mut rng, &shapes, 4, 1);
+    let cfg = KronConfig {
+        rho: 1e-2,
+        rho_min: 1e-8,
+        phi: 0.64,
+        skip: 1000,
+        inverse: InverseMethod::Cholesky,
+        ..KronConfig::reng()
+    };
+    let mut opt = KronOptimizer::new(&DEV, &shapes, cfg).unwrap();
+    let ks: Vec<KronStats<'_>> = stats.iter().map(|(a, e)| KronStats { a, e }).collect();
+    let g: Vec<&Matrix> = grads[0].iter().collect();
+    let huge: Vec<Matrix> = grads[0].iter().map(|m| with_value(m, 3, 3e38)).collect();
+    let huge: Vec<&Matrix> = huge.iter().collect();
+    let mut w: Vec<Matrix> = shapes
+        .iter()
+        .map(|&(o, i)| rand_mat(&mut rng, o, i))
+        .collect();
+    let info = opt.step(&mut w, &g, Some(&ks)).unwrap();
+    opt.observe_loss(1.0, 1.0 + info.predicted_change).unwrap(); // λ → 0.8λ₀
+    let fails = |opt: &mut KronOptimizer, w: &mut Vec<Matrix>, what: &str| {
+        let before = snapshot(opt);
+        let w_before: Vec<Vec<f32>> = w.iter().map(host).collect();
+        match opt.step(w, &huge, None) {
+            Err(Error::NonFinite { .. }) => {}
+            other => panic!("{what}: expected NonFinite, got {other:?}"),
+        }
+        assert!(snapshot(opt) == before, "{what}: state changed on error");
+        assert_eq!(w.iter().map(host).collect::<Vec<_>>(), w_before, "{what}");
+    };
+    let squares = |opt: &KronOptimizer| {
+        let st = opt.state().unwrap();
+        st.layers
+            .iter()
+            .flat_map(|l| [l.lambda.square().is_some(), l.gamma.square().is_some()])
+            .collect::<Vec<_>>()
+    };
+    // 1. The first drift would form S₀.
+    fails(&mut opt, &mut w, "first-order step forming S₀");
+    assert_eq!(squares(&opt), [false; 4]);
+    let info = opt.step(&mut w, &g, None).unwrap();
+    assert_eq!(info.first_order_updates, 4);
+    assert_eq!(squares(&opt), [true; 4]);
+    opt.observe_loss(1.0, 1.0 + info.predicted_change).unwrap(); // λ → 0.64λ₀
+                                                                 // 2. S₀ cached: the failed step must keep it.
+    fails(&mut opt, &mut w, "first-order step with S₀ cached");
+    // 3. Five rejections: λ → 0.64λ₀/0.8⁵ ≈ 1.95λ₀, past the guard: the step would
+    // recompute.
+    for _ in 0..5 {
+        opt.reject_step();
+    }
+    fails(&mut opt, &mut w, "recomputing step");
+    let info = opt.step(&mut w, &g, None).unwrap();
+    assert_eq!((info.first_order_updates, info.lazy_recomputes), (0, 4));
+    assert_eq!(squares(&opt), [false; 4]);
 }
 
 // ---------- Levenberg–Marquardt ----------

@@ -15,6 +15,10 @@
 //! | [`Mlp`]         | `mlp`      | `sizes` u64s, `activation`, `loss`, `params` `[n]`             |
 //! | [`ChaCha8Rng`]  | `chacha8`  | `seed` 32 bytes, `stream` u64, `word_pos` u64s `[lo, hi]`      |
 //! | [`Trainer`](crate::train::Trainer) | `trainer` | `method`, `config`, `steps`, `counters.*`, then `mlp.*`, `optim.*`, `rng.*` (impl in `src/train/trainer.rs`, next to the private state it saves) |
+//!
+//! A Kronecker factor's `inverse` and `damping` are the inverse `X₀` as formed and its damping
+//! `λ₀` (lazy steps derive theirs from them); its cached square `X₀·X₀` is not stored: the
+//! loaded optimizer forms it again, bit for bit, when a lazy step needs it.
 
 use rand::SeedableRng;
 use rand_chacha::ChaCha8Rng;
@@ -235,6 +239,9 @@ impl Checkpoint for KronOptimizer {
                     inverse_norm: fr.f32("inverse_norm")?,
                     norm: fr.f32("norm")?,
                     trace: fr.f32("trace")?,
+                    // Not stored: the loaded optimizer forms X₀·X₀ again at its first lazy
+                    // step that needs it (the same product of the same X₀: the same bits).
+                    square: None,
                 })
             };
             layers.push(KronLayerState {

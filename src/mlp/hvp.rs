@@ -57,11 +57,29 @@ impl Mlp {
         check_nonneg(OP, "c", c)?;
         self.check_targets(OP, targets, x.rows())?;
         let fwd = self.forward(x)?;
-        let b = self.backward(&fwd, targets)?;
+        self.regularized_gradient_from(&fwd, targets, c)
+    }
+
+    /// [`Mlp::regularized_gradient`] from a forward pass already computed on the batch (with
+    /// the current parameters): the same numbers, without a second forward pass for a caller
+    /// that needs `fwd` for something else too (the trainer's Fisher statistics).
+    ///
+    /// # Errors
+    /// [`Error::Value`](crate::Error::Value) unless `c` is finite and ≥ 0, or for a stale
+    /// `fwd`; otherwise as [`Mlp::backward`].
+    pub fn regularized_gradient_from(
+        &self,
+        fwd: &Forward,
+        targets: Targets<'_>,
+        c: f32,
+    ) -> Result<(f32, Vec<f32>)> {
+        const OP: &str = "Mlp::regularized_gradient_from";
+        check_nonneg(OP, "c", c)?;
+        let b = self.backward(fwd, targets)?;
         let mut g = b.grad;
         if c > 0.0 {
             let deltas: Vec<Mat> = b.layers.into_iter().map(|s| s.e).collect();
-            let hg = self.r_op(&fwd, &deltas, &g)?;
+            let hg = self.r_op(fwd, &deltas, &g)?;
             for (gi, hi) in g.iter_mut().zip(hg) {
                 *gi += 2.0 * c * hi;
             }

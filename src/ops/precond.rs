@@ -63,7 +63,9 @@ impl Device {
     }
 
     /// Lazy-Fisher damped-inverse update `X ← X − dλ · X X` (SPEC §2) for a square `X`.
-    /// Callers recompute the inverse instead when `|dλ|·‖X‖₂ > 0.5`.
+    /// Callers recompute the inverse instead when `|dλ|·‖X‖₂ > 0.5`. A GEMM per call:
+    /// [`crate::optim::kron::KronOptimizer`] instead keeps the square of the inverse as formed
+    /// and takes `X₀ − (λ − λ₀)·X₀²` by [`Device::axpy`] on each lazy step.
     ///
     /// # Errors
     /// [`Error::DeviceMismatch`](crate::Error::DeviceMismatch),

@@ -349,15 +349,19 @@ impl Trainer {
         let outcome = match &mut self.engine {
             Engine::Kron { opt, params } => {
                 let refresh = opt.needs_stats();
+                // One forward pass serves the gradient and, on refresh steps, the Fisher
+                // statistics: same parameters, same batch, so the same numbers as two passes.
+                let fwd = skip_nonfinite!(mlp.forward(batch.x), f32::NAN, f32::NAN);
                 let (loss, grad) = if self.config.method == Method::Reng {
                     let c = match self.config.optimizer {
                         OptimizerConfig::Kron(k) => k.grad_reg,
                         _ => 0.0,
                     };
-                    let r = mlp.regularized_gradient(batch.x, batch.targets, c);
+                    let r = mlp.regularized_gradient_from(&fwd, batch.targets, c);
                     skip_nonfinite!(r, f32::NAN, f32::NAN)
                 } else {
-                    skip_nonfinite!(plain_gradient(mlp, batch), f32::NAN, f32::NAN)
+                    let r = mlp.gradient(&fwd, batch.targets).map(|(g, l)| (l, g));
+                    skip_nonfinite!(r, f32::NAN, f32::NAN)
                 };
                 let gn = norm(&grad);
                 if !loss.is_finite() || !gn.is_finite() {
@@ -365,7 +369,6 @@ impl Trainer {
                 }
                 let grads = upload_layers(device, mlp, &grad)?;
                 let stats = if refresh {
-                    let fwd = mlp.forward(batch.x)?;
                     let layers = mlp.fisher_stats(&fwd, fisher, batch.targets, rng)?;
                     let finite = layers
                         .iter()
@@ -386,6 +389,7 @@ impl Trainer {
                 } else {
                     None
                 };
+                drop(fwd);
                 let kron: Option<Vec<KronStats<'_>>> = stats
                     .as_ref()
                     .map(|v| v.iter().map(|(a, e)| KronStats { a, e }).collect());

@@ -13,9 +13,13 @@
 //! # Lazy Fisher
 //! Steps with `step mod S == 0` ([`KronOptimizer::needs_stats`]) recompute the factors, their
 //! norms/traces and the inverses (warm-started Newton or Cholesky). Other steps reuse them; when
-//! `ρ` moved since an inverse `X` was formed, its damping target moved by `dλ` and `X` follows by
-//! `X ← X − dλ·X·X` if `|dλ|·‖X‖₂ ≤ 1/2`, else it is recomputed from the stored factor. The update
-//! is applied step by step, so its error is `O(Σ dλ²)`.
+//! `ρ` moved since an inverse `X₀` was formed at the damping `λ₀`, the step's damping target `λ`
+//! differs and it uses the first-order inverse `X₀ − (λ − λ₀)·X₀²` (SPEC §2) if
+//! `|λ − λ₀|·‖X₀‖₂ ≤ 1/2`, else the inverse is recomputed from the stored factor (a new
+//! formation). The square `X₀²` is formed once per formation, at the first lazy step that needs
+//! it, and cached: a lazy step costs one axpy per factor, not a GEMM. The update is relative to
+//! the formation, so its error is `O((Δλ·‖X₀‖₂)²)` relative with `Δλ = λ − λ₀` the whole drift,
+//! bounded by the guard (details in `layer.rs`).
 //!
 //! # Levenberg–Marquardt damping
 //! [`KronOptimizer::step`] stores the quadratic model's predicted change, summed over layers,
@@ -44,7 +48,7 @@ pub use damping::levenberg_marquardt;
 pub use state::{KronCounters, KronFactorState, KronLayerState, KronState, KronStepInfo};
 
 use self::damping::{factor_dampings, FactorScalars};
-use self::layer::{known_norm, Ctx, InverseUpdate};
+use self::layer::{known_norm, Ctx, Retarget};
 use super::{KronStats, StatsView};
 use crate::device::{Device, Matrix};
 use crate::error::{check_shape, check_value, Error, Result};
@@ -63,7 +67,7 @@ pub struct KronOptimizer {
 /// How the inverses move on this call: rebuilt from statistics, or retargeted lazily.
 enum Plan {
     Refresh(Vec<KronLayerState>),
-    Lazy(Vec<[Option<InverseUpdate>; 2]>),
+    Lazy(Vec<[Retarget; 2]>),
 }
 
 /// What the preconditioning and the quadratic model of one layer read.
@@ -340,15 +344,19 @@ impl KronOptimizer {
         self.st.try_clone()
     }
 
-    /// Installs a state taken from an optimizer with the same layer shapes and device.
+    /// Installs a state taken from an optimizer with the same layer shapes and device. A cached
+    /// square ([`KronFactorState::square`]) is formed again from the restored `inverse` (one
+    /// GEMM per factor that has one): the state's `inverse` may have been replaced, and the
+    /// square must be its own.
     ///
     /// # Errors
     /// [`Error::Shape`] for a wrong layer count or matrix shape, [`Error::DeviceMismatch`],
     /// [`Error::Value`] for `ρ` outside `[rho_min, rho_max]` or bad scalars,
     /// [`Error::NonFinite`] for NaN/Inf in a matrix, [`Error::Value`] naming `factor` when
     /// `factor + damping·I` is not positive definite or `inverse` when the inverse is not
-    /// (both by a host Cholesky factorization, the crate-private `optim::check_psd`). Unchanged on error.
-    pub fn restore(&mut self, state: KronState) -> Result<()> {
+    /// (both by a host Cholesky factorization, the crate-private `optim::check_psd`),
+    /// [`Error::NonFinite`] if re-forming a cached square overflows. Unchanged on error.
+    pub fn restore(&mut self, mut state: KronState) -> Result<()> {
         const OP: &str = "KronOptimizer::restore";
         let cfg = &self.config;
         check_value(
@@ -415,6 +423,17 @@ impl KronOptimizer {
                     0.0,
                     "a symmetric positive definite inverse (Cholesky succeeds)",
                 )?;
+            }
+        }
+        let ctx = Ctx {
+            device: &self.device,
+            cfg: &self.config,
+        };
+        for layer in &mut state.layers {
+            for s in [&mut layer.lambda, &mut layer.gamma] {
+                if s.square.is_some() {
+                    s.square = Some(ctx.square(&s.inverse)?);
+                }
             }
         }
         self.st = state;
@@ -533,12 +552,12 @@ impl KronOptimizer {
             Plan::Refresh(layers) => (&layers[l], None),
             Plan::Lazy(ups) => (&self.st.layers[l], Some(&ups[l])),
         };
-        let pick = |s: &'a KronFactorState, u: Option<&'a InverseUpdate>| match u {
-            Some(u) => (&u.inverse, u.damping),
+        let pick = |s: &'a KronFactorState, u: Option<&'a Retarget>| match u {
+            Some(u) => u.view(s),
             None => (&s.inverse, s.damping),
         };
-        let (lambda_inv, dl) = pick(&layer.lambda, ups.and_then(|u| u[0].as_ref()));
-        let (gamma_inv, dg) = pick(&layer.gamma, ups.and_then(|u| u[1].as_ref()));
+        let (lambda_inv, dl) = pick(&layer.lambda, ups.map(|u| &u[0]));
+        let (gamma_inv, dg) = pick(&layer.gamma, ups.map(|u| &u[1]));
         LayerView {
             lambda: &layer.lambda.factor,
             gamma: &layer.gamma.factor,
@@ -587,12 +606,8 @@ impl KronOptimizer {
             Plan::Refresh(layers) => self.st.layers = layers,
             Plan::Lazy(ups) => {
                 for (layer, [ul, ug]) in self.st.layers.iter_mut().zip(ups) {
-                    if let Some(u) = ul {
-                        u.apply(&mut layer.lambda);
-                    }
-                    if let Some(u) = ug {
-                        u.apply(&mut layer.gamma);
-                    }
+                    ul.apply(&mut layer.lambda);
+                    ug.apply(&mut layer.gamma);
                 }
             }
         }

@@ -1,33 +1,50 @@
 //! The optimizer's state as plain data: per-layer factors and inverses, scalars, counters.
 //! [`super::KronOptimizer::state`] returns a deep copy, [`super::KronOptimizer::restore`]
-//! checks and installs one (the checkpoint format builds on [`KronState::matrices`] and
-//! [`KronState::scalars`]).
+//! checks and installs one. [`KronState::matrices`] and [`KronState::scalars`] name every
+//! part (the checkpoint stores them, less the cached squares).
 
 use crate::device::Matrix;
 use crate::error::Result;
 
 /// One damped Kronecker factor of one layer (`Λ`, `d_in x d_in`, or `Γ`, `d_out x d_out`).
+///
+/// The inverse is kept *as formed* (at a refresh, or recomputed on a lazy step): lazy steps
+/// whose damping target `λ` differs from its damping `λ₀` use `X₀ − (λ − λ₀)·X₀²` without
+/// storing it (SPEC §2; [`super::KronOptimizer`]'s module docs), with the square `X₀·X₀`
+/// cached here once formed ([`KronFactorState::square`]).
 #[derive(Debug)]
 pub struct KronFactorState {
     /// The undamped factor `F` (EMA of `(1/m) AᵀA` or `(1/m') ÊᵀÊ`), `n x n`, symmetric.
     pub factor: Matrix,
-    /// `X ≈ (F + damping·I)⁻¹`, `n x n`.
+    /// `X₀ ≈ (F + damping·I)⁻¹` as formed, `n x n`.
     pub inverse: Matrix,
-    /// The damping `X` corresponds to (after first-order updates: the damping they moved it
-    /// to). Differs from the current target only after a Newton retry with more damping.
+    /// `λ₀`, the damping `X₀` was formed at: that step's target, or more after a Newton retry
+    /// ([`super::NEWTON_RETRY_DAMPING`]).
     pub damping: f32,
-    /// Bound on `‖X‖₂`: `1/damping` when `X` is formed (`F` is PSD, so the damped factor's
-    /// eigenvalues are at least the damping), then carried through each first-order update
-    /// (`μ ← μ − dλ·μ²` maps the largest eigenvalue of `X` to the largest eigenvalue of
-    /// `X − dλ·X²` while `dλ·μ ≤ 1/2`, and stays at most `1/(damping + dλ)`).
+    /// Bound on `‖X₀‖₂`: `1/damping` (`F` is PSD, so the damped factor's eigenvalues are at
+    /// least the damping). A lazy step uses the first-order inverse while
+    /// `|λ − λ₀|·inverse_norm ≤ 1/2`, and recomputes it beyond.
     pub inverse_norm: f32,
     /// `‖F‖₂` at the last refresh (RING's damping; `0` for RENG and NGD, which never read it).
     pub norm: f32,
     /// `tr F` at the last refresh (NGD's π; `0` for RING and RENG, which never read it).
     pub trace: f32,
+    /// `S₀ = X₀·X₀`, formed at the first lazy step whose target differs from `λ₀`; dropped
+    /// with `X₀`. A cache: a pure function of `inverse` (see [`KronFactorState::square`]).
+    pub(crate) square: Option<Matrix>,
 }
 
 impl KronFactorState {
+    /// The cached `S₀ = X₀·X₀` (`n x n`), `None` until a lazy step needed it since `X₀` was
+    /// formed. [`super::KronOptimizer::state`] copies it;
+    /// [`super::KronOptimizer::restore`] recomputes it from the restored `inverse` when
+    /// present (so it always matches `inverse`), and the checkpoint does not store it (a
+    /// loaded optimizer forms it again at its first lazy step that needs it) — the same
+    /// device product of the same `X₀`, so the same bits either way.
+    pub fn square(&self) -> Option<&Matrix> {
+        self.square.as_ref()
+    }
+
     fn try_clone(&self) -> Result<Self> {
         Ok(Self {
             factor: self.factor.try_clone()?,
@@ -36,6 +53,7 @@ impl KronFactorState {
             inverse_norm: self.inverse_norm,
             norm: self.norm,
             trace: self.trace,
+            square: self.square.as_ref().map(Matrix::try_clone).transpose()?,
         })
     }
 }
@@ -54,9 +72,13 @@ pub struct KronLayerState {
 pub struct KronCounters {
     /// Steps that recomputed the factors from statistics.
     pub refreshes: u64,
-    /// Inverses moved to a new damping by `X ← X − dλ·X·X` on a lazy step.
+    /// Inverses a lazy step took by the first-order update `X₀ − (λ − λ₀)·X₀²` (one per
+    /// factor and lazy step whose damping target `λ` differs from the damping `λ₀` its
+    /// inverse `X₀` was formed at, with `|λ − λ₀|·‖X₀‖₂ ≤ 1/2`). Each is an axpy; the square
+    /// `X₀²` is formed once per formation.
     pub first_order_updates: u64,
-    /// Inverses recomputed on a lazy step because `|dλ|·‖X‖₂ > 1/2`.
+    /// Inverses recomputed on a lazy step because `|λ − λ₀|·‖X₀‖₂ > 1/2` (each becomes a new
+    /// formation).
     pub lazy_recomputes: u64,
     /// Newton inversions that succeeded at the requested damping.
     pub newton_inversions: u64,
@@ -118,9 +140,9 @@ pub struct KronStepInfo {
     pub rho: f32,
     /// Effective step size `α/L` (or `α`).
     pub lr: f32,
-    /// Inverses moved by the first-order update on this step.
+    /// Inverses taken by the first-order update `X₀ − (λ − λ₀)·X₀²` on this step.
     pub first_order_updates: u32,
-    /// Inverses recomputed on this lazy step (`|dλ|·‖X‖₂ > 1/2`).
+    /// Inverses recomputed on this lazy step (`|λ − λ₀|·‖X₀‖₂ > 1/2`).
     pub lazy_recomputes: u32,
     /// Fallbacks (Newton retries and Cholesky fallbacks) on this step.
     pub fallbacks: u32,
@@ -166,13 +188,17 @@ impl KronState {
         })
     }
 
-    /// Every device matrix with a stable name: `layer{l}.{lambda|gamma}.{factor|inverse}`.
+    /// Every device matrix with a stable name: `layer{l}.{lambda|gamma}.{factor|inverse}`,
+    /// and `layer{l}.{lambda|gamma}.square` for each cached [`KronFactorState::square`].
     pub fn matrices(&self) -> Vec<(String, &Matrix)> {
-        let mut out = Vec::with_capacity(4 * self.layers.len());
+        let mut out = Vec::with_capacity(6 * self.layers.len());
         for (l, layer) in self.layers.iter().enumerate() {
             for (side, f) in [("lambda", &layer.lambda), ("gamma", &layer.gamma)] {
                 out.push((format!("layer{l}.{side}.factor"), &f.factor));
                 out.push((format!("layer{l}.{side}.inverse"), &f.inverse));
+                if let Some(sq) = &f.square {
+                    out.push((format!("layer{l}.{side}.square"), sq));
+                }
             }
         }
         out

@@ -1,0 +1,247 @@
+//! RING's lazy steps on the kernel devices (the emulator, and CUDA when a GPU is present):
+//! the first-order inverse relative to the formation, `X₀ − (λ − λ₀)·X₀²` (SPEC §2), matches
+//! the CPU backend from the same state, and costs one axpy per factor and step — the square
+//! `X₀²` is one GEMM per formation, not one per step (counted kernel launches).
+
+use grng::checkpoint::{Checkpoint, Writer};
+use grng::cuda::launch::{record_launches, take_launches};
+use grng::optim::kron::{InverseMethod, KronConfig, KronFactorState, KronOptimizer};
+use grng::optim::KronStats;
+use grng::{Device, Matrix};
+use rand::Rng;
+use rand_chacha::ChaCha8Rng;
+use std::sync::{Mutex, PoisonError};
+
+mod common;
+use common::{devices, U32};
+
+/// The launch record is process-wide: tests that read it take turns.
+static SERIAL: Mutex<()> = Mutex::new(());
+
+fn rand_vec(rng: &mut ChaCha8Rng, n: usize) -> Vec<f32> {
+    (0..n).map(|_| rng.random_range(-1.0f32..1.0)).collect()
+}
+
+fn abs64(m: &Matrix) -> Vec<f64> {
+    m.to_vec().unwrap().iter().map(|v| v.abs() as f64).collect()
+}
+
+/// `A·B` (row-major, `A` `r x k`, `B` `k x c`) in f64.
+fn matmul64(a: &[f64], b: &[f64], r: usize, k: usize, c: usize) -> Vec<f64> {
+    let mut out = vec![0.0; r * c];
+    for i in 0..r {
+        for l in 0..k {
+            let x = a[i * k + l];
+            for j in 0..c {
+                out[i * c + j] += x * b[l * c + j];
+            }
+        }
+    }
+    out
+}
+
+/// `|X₀| + |Δ|·|X₀||X₀|` for the factor `s` at the damping target `lambda`: the scale of each
+/// entry's rounding in the first-order inverse (the square's GEMM and the axpy).
+fn scale64(s: &KronFactorState, lambda: f32) -> Vec<f64> {
+    let n = s.inverse.rows();
+    let x = abs64(&s.inverse);
+    let d = ((lambda - s.damping) as f64).abs();
+    let sq = matmul64(&x, &x, n, n, n);
+    x.iter().zip(&sq).map(|(x, s)| x + d * s).collect()
+}
+
+/// From the same state (a CPU refresh, moved to each device through a checkpoint, so `X₀`,
+/// `λ₀`, `‖F‖₂` and ρ are the same bits), six lazy steps with ρ moving every step (down,
+/// down, up, up, up, up by φ = 0.8) precondition alike on the CPU and on the device, and on
+/// the device each step launches exactly the preconditioning's and the quadratic model's GEMMs
+/// (4 per layer), plus one GEMM per factor on the first drift (its square `X₀²`), and one axpy
+/// per drifting factor (plus the parameter update's, one per layer) — the former rule ran a
+/// GEMM per factor every step.
+///
+/// Tolerance, per entry of `P`, with `A = |X₀| + |Δ||X₀|²` per factor: each side is within
+/// `(2(d_in + d_out) + 9)u·A_Γ|G|A_Λ` of the exact `X_Γ(λ_Γ)·G·X_Λ(λ_Λ)` on the shared `X₀`
+/// (the square's GEMM and the axpy `(n + 4)u·A`, two preconditioning products, the update's
+/// rounding: `optim_kron::lazy_steps_use_the_first_order_inverse_of_the_formation`; the
+/// device's split-bf16 products are f32-accurate, `docs/gpu.md`); allowed: twice
+/// `(2(d_in + d_out) + 16)·2u` of it. The cached squares agree within `2·(n + 4)·2u·|X₀||X₀|`
+/// (two GEMMs of one product).
+#[test]
+fn lazy_steps_match_cpu_with_one_axpy_per_factor() {
+    let _serial = SERIAL.lock().unwrap_or_else(PoisonError::into_inner);
+    let mut rng = common::seeded_rng();
+    // A 70-wide factor spans two 64-wide GEMM tiles.
+    let shapes = [(9usize, 70usize), (3, 6)];
+    let m = 5;
+    let cpu = Device::Cpu;
+    let stats: Vec<(Vec<f32>, Vec<f32>)> = shapes
+        .iter()
+        .map(|&(o, i)| (rand_vec(&mut rng, m * i), rand_vec(&mut rng, m * o)))
+        .collect();
+    let steps = 6;
+    let grads: Vec<Vec<Vec<f32>>> = (0..steps)
+        .map(|_| {
+            shapes
+                .iter()
+                .map(|&(o, i)| rand_vec(&mut rng, o * i))
+                .collect()
+        })
+        .collect();
+    let cfg = KronConfig {
+        rho: 1e-2,
+        rho_min: 1e-8,
+        rho_max: 1.0,
+        phi: 0.8,
+        skip: 1000,
+        inverse: InverseMethod::Cholesky,
+        ..KronConfig::ring()
+    };
+    let upload = |dev: &Device, k: usize| -> Vec<Matrix> {
+        shapes
+            .iter()
+            .zip(&grads[k])
+            .map(|(&(o, i), g)| dev.upload(o, i, g).unwrap())
+            .collect()
+    };
+    let zeros = |dev: &Device| -> Vec<Matrix> {
+        shapes
+            .iter()
+            .map(|&(o, i)| dev.zeros(o, i).unwrap())
+            .collect()
+    };
+    // The refresh on the CPU, and a good step: ρ ← φρ.
+    let mut base = KronOptimizer::new(&cpu, &shapes, cfg).unwrap();
+    let st: Vec<(Matrix, Matrix)> = shapes
+        .iter()
+        .zip(&stats)
+        .map(|(&(o, i), (a, e))| (cpu.upload(m, i, a).unwrap(), cpu.upload(m, o, e).unwrap()))
+        .collect();
+    let ks: Vec<KronStats<'_>> = st.iter().map(|(a, e)| KronStats { a, e }).collect();
+    let g0 = upload(&cpu, 0);
+    let g0: Vec<&Matrix> = g0.iter().collect();
+    let q = base
+        .step(&mut zeros(&cpu), &g0, Some(&ks))
+        .unwrap()
+        .predicted_change;
+    base.observe_loss(1.0, 1.0 + q).unwrap();
+    let mut saved = Writer::new();
+    base.save(&mut saved).unwrap();
+    let moves = [1.0f32, 0.0, 0.0, 0.0, 0.0, 0.0];
+
+    for dev in devices() {
+        let mut on_cpu = KronOptimizer::new(&cpu, &shapes, cfg).unwrap();
+        let mut on_dev = KronOptimizer::new(&dev, &shapes, cfg).unwrap();
+        on_cpu.load(&saved.to_reader().unwrap()).unwrap();
+        on_dev.load(&saved.to_reader().unwrap()).unwrap();
+        let mut worst = 0.0f64;
+        let mut squared = [[false; 2]; 2];
+        for (k, &r) in moves.iter().enumerate() {
+            let (gc, gd) = (upload(&cpu, k), upload(&dev, k));
+            let (mut wc, mut wd) = (zeros(&cpu), zeros(&dev));
+            let ic = on_cpu
+                .step(&mut wc, &gc.iter().collect::<Vec<_>>(), None)
+                .unwrap();
+            record_launches(true);
+            let id = on_dev
+                .step(&mut wd, &gd.iter().collect::<Vec<_>>(), None)
+                .unwrap();
+            let launched = take_launches();
+            record_launches(false);
+            assert_eq!(ic.rho, id.rho, "step {k}: ρ must move alike");
+            assert_eq!(ic.first_order_updates, id.first_order_updates, "step {k}");
+            assert_eq!(id.lazy_recomputes, 0, "step {k}");
+            let sc = on_cpu.state().unwrap();
+            let sd = on_dev.state().unwrap();
+            let target = |s: &KronFactorState| {
+                ((ic.rho as f64).sqrt() * s.norm as f64).max(cfg.damping_floor as f64) as f32
+            };
+            let (mut drifting, mut new_squares) = (0, 0);
+            for (l, &(o, i)) in shapes.iter().enumerate() {
+                let (cl, cg) = (&sc.layers[l].lambda, &sc.layers[l].gamma);
+                let (dl, dg) = (&sd.layers[l].lambda, &sd.layers[l].gamma);
+                for (side, (c, d)) in [(cl, dl), (cg, dg)].into_iter().enumerate() {
+                    assert_eq!(c.inverse.to_vec().unwrap(), d.inverse.to_vec().unwrap());
+                    assert_eq!(c.damping, d.damping);
+                    if target(c) == c.damping {
+                        continue;
+                    }
+                    drifting += 1;
+                    if !squared[l][side] {
+                        squared[l][side] = true;
+                        new_squares += 1;
+                    }
+                    let n = c.inverse.rows();
+                    let x = abs64(&c.inverse);
+                    let bound = matmul64(&x, &x, n, n, n);
+                    let (sqc, sqd) = (c.square().unwrap(), d.square().unwrap());
+                    let tol = 2.0 * (n as f64 + 4.0) * 2.0 * U32;
+                    for ((a, b), s) in sqc
+                        .to_vec()
+                        .unwrap()
+                        .iter()
+                        .zip(sqd.to_vec().unwrap())
+                        .zip(&bound)
+                    {
+                        assert!(
+                            (*a as f64 - b as f64).abs() <= tol * s,
+                            "{}: step {k} layer {l}: square {a} vs {b}",
+                            dev.name()
+                        );
+                    }
+                }
+                let ga: Vec<f64> = grads[k][l].iter().map(|v| v.abs() as f64).collect();
+                let scale = matmul64(
+                    &matmul64(&scale64(cg, target(cg)), &ga, o, o, i),
+                    &scale64(cl, target(cl)),
+                    o,
+                    i,
+                    i,
+                );
+                let c = 2.0 * (2 * (o + i) + 16) as f64 * 2.0 * U32;
+                let eta = ic.lr as f64;
+                for ((a, b), s) in wc[l]
+                    .to_vec()
+                    .unwrap()
+                    .iter()
+                    .zip(wd[l].to_vec().unwrap())
+                    .zip(&scale)
+                {
+                    let ratio = (*a as f64 - b as f64).abs() / eta / (c * s);
+                    worst = worst.max(ratio);
+                    assert!(
+                        ratio <= 1.0,
+                        "{}: step {k} layer {l}: P {} vs {}",
+                        dev.name(),
+                        -a / ic.lr,
+                        -b / ic.lr
+                    );
+                }
+            }
+            assert_eq!(id.first_order_updates as usize, drifting, "step {k}");
+            let count = |f: &dyn Fn(&str) -> bool| launched.iter().filter(|n| f(n)).count();
+            let layers = shapes.len();
+            assert_eq!(
+                count(&|n| n.contains("gemm")),
+                4 * layers + new_squares,
+                "{}: step {k}: GEMM launches {launched:?}",
+                dev.name()
+            );
+            assert_eq!(
+                count(&|n| n == "elementwise_axpy"),
+                drifting + layers,
+                "{}: step {k}: axpy launches {launched:?}",
+                dev.name()
+            );
+            on_cpu
+                .observe_loss(1.0, 1.0 + r * ic.predicted_change)
+                .unwrap();
+            on_dev
+                .observe_loss(1.0, 1.0 + r * id.predicted_change)
+                .unwrap();
+        }
+        assert_eq!(squared, [[true; 2]; 2], "every factor drifted");
+        eprintln!(
+            "{}: lazy P vs CPU, worst difference / tolerance {worst:.3}",
+            dev.name()
+        );
+    }
+}
