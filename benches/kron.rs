@@ -1,7 +1,8 @@
-//! Kronecker-factor accumulation `Λ = (1/m) AᵀA` (m = n): grng's SYRK (f32 and bf16 inputs)
-//! against grng's own GEMM and faer's matmul computing the full `AᵀA` on the same data. Throughput counts the GEMM-equivalent
-//! 2·m·n² flops for every contender, so a SYRK that skips the upper triangle can exceed the
-//! GEMM's rate.
+//! Kronecker-factor accumulation `Λ = (1/m) AᵀA`: grng's SYRK (f32 and bf16 inputs) against
+//! grng's own GEMM and faer's matmul computing the full `AᵀA` on the same data, at m = n
+//! (`…/256` to `…/2048`) and at the optimizer's batch m = 256 (`…/m256_n1024`, `…/m256_n2048`,
+//! without faer). Throughput counts the GEMM-equivalent 2·m·n² flops for every contender, so a
+//! SYRK that skips the upper triangle can exceed the GEMM's rate (up to 2x).
 //!
 //! `kron_optimizer_step`: one Kronecker optimizer step without the network (see
 //! [`bench_optimizer_step`]).
@@ -19,23 +20,26 @@ mod common;
 fn bench_kron(c: &mut Criterion) {
     let mut group = common::flat_group(c, "kron_factor");
     let mut rng = ChaCha8Rng::seed_from_u64(2);
-    for n in [256usize, 512, 1024, 2048] {
-        let m = n;
+    let shapes = [256usize, 512, 1024, 2048]
+        .map(|n| (n, n, n.to_string()))
+        .into_iter()
+        .chain([1024usize, 2048].map(|n| (256, n, format!("m256_n{n}"))));
+    for (m, n, id) in shapes {
         group.throughput(Throughput::Elements(2 * (m * n * n) as u64));
         let a: Vec<f32> = (0..m * n).map(|_| rng.random_range(-1.0f32..1.0)).collect();
         let abf: Vec<bf16> = a.iter().map(|&x| bf16::from_f32(x)).collect();
         let mut factor = Mat::zeros(n, n);
 
-        group.bench_with_input(BenchmarkId::new("grng_syrk_f32", n), &n, |bch, _| {
+        group.bench_with_input(BenchmarkId::new("grng_syrk_f32", &id), &n, |bch, _| {
             let av = MatRef::new(&a, m, n).unwrap();
             bch.iter(|| grng::cpu::syrk_ema(av, 0.0, factor.as_mut()).unwrap())
         });
-        group.bench_with_input(BenchmarkId::new("grng_syrk_bf16", n), &n, |bch, _| {
+        group.bench_with_input(BenchmarkId::new("grng_syrk_bf16", &id), &n, |bch, _| {
             let av = MatRef::new(&abf, m, n).unwrap();
             bch.iter(|| grng::cpu::syrk_ema(av, 0.0, factor.as_mut()).unwrap())
         });
 
-        group.bench_with_input(BenchmarkId::new("grng_gemm_ata", n), &n, |bch, _| {
+        group.bench_with_input(BenchmarkId::new("grng_gemm_ata", &id), &n, |bch, _| {
             let av = MatRef::new(&a, m, n).unwrap();
             bch.iter(|| {
                 grng::cpu::gemm(
@@ -51,9 +55,12 @@ fn bench_kron(c: &mut Criterion) {
             })
         });
 
+        if m != n {
+            continue;
+        }
         let fa = faer::Mat::<f32>::from_fn(m, n, |i, j| a[i * n + j]);
         let mut fc = faer::Mat::<f32>::zeros(n, n);
-        group.bench_with_input(BenchmarkId::new("faer_gemm_ata", n), &n, |bch, _| {
+        group.bench_with_input(BenchmarkId::new("faer_gemm_ata", &id), &n, |bch, _| {
             bch.iter(|| {
                 matmul(
                     fc.as_mut(),

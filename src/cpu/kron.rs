@@ -1,9 +1,7 @@
 //! Kronecker-factor accumulation (SPEC §1, §5.1): `Λ ← ε Λ + (1−ε)/m · AᵀA` as a SYRK, and
 //! the batch gradient `G = (1/m) Eᵀ A`.
 
-use std::any::TypeId;
-
-use rayon::prelude::*;
+mod syrk;
 
 use super::check_finite_view;
 use super::gemm::gemm;
@@ -64,15 +62,17 @@ pub(crate) fn check_batch_gradient_args(
 /// (`factor`) of shape `n x n`, both row-major views.
 ///
 /// `bf16` inputs are widened to `f32` (exactly) a panel of rows at a time; all products
-/// accumulate in `f32`. Only the lower triangle is computed (faer's triangular-output matmul)
-/// and then mirrored into the upper one, so the result is exactly symmetric. Only the lower
-/// triangle of the old `Λ` is read, and not at all when `ε = 0` (it may then hold NaN).
+/// accumulate in `f32`. Only the lower triangle is computed (a blocked SYRK on the `gemm`
+/// crate's micro-kernels) and each tile is then mirrored into the upper one, so the result is
+/// exactly symmetric. The result depends only on the lower triangle of the old `Λ`, which is
+/// not read at all when `ε = 0` (it may then hold NaN).
 ///
 /// # Errors
 /// [`Error::Shape`] when `m = 0` or `factor` is not `n x n`; [`Error::Value`] unless
-/// `0 ≤ ε < 1`; [`Error::NonFinite`] for NaN/Inf in `A`, or in `Λ` when `ε > 0`.
-/// `factor` is unchanged on error.
-pub fn syrk_ema<T: Element>(a: MatRef<'_, T>, eps: f32, mut factor: MatMut<'_, f32>) -> Result<()> {
+/// `0 ≤ ε < 1`; [`Error::NonFinite`] for NaN/Inf in `A`, or in `Λ` when `ε > 0`;
+/// [`Error::OutOfMemory`] when the panel buffers cannot be allocated. `factor` is unchanged
+/// on error.
+pub fn syrk_ema<T: Element>(a: MatRef<'_, T>, eps: f32, factor: MatMut<'_, f32>) -> Result<()> {
     const OP: &str = "cpu::syrk_ema";
     let (m, n) = a.shape();
     check_syrk_args(OP, a.shape(), eps, factor.shape())?;
@@ -83,103 +83,7 @@ pub fn syrk_ema<T: Element>(a: MatRef<'_, T>, eps: f32, mut factor: MatMut<'_, f
     if n == 0 {
         return Ok(());
     }
-    let alpha = (1.0 - eps) / m as f32;
-    if TypeId::of::<T>() == TypeId::of::<f32>() {
-        // T is f32: same layout, reinterpret in place.
-        let a32 = MatRef::with_ld(bytemuck::cast_slice(a.data()), m, n, a.ld())?;
-        lower_syrk(a32, (alpha, eps), factor.rb());
-    } else {
-        // bf16: widened (exactly) one panel of WIDEN_ROWS rows at a time and accumulated
-        // panel by panel (`β = ε`, then 1), so no widened copy of the whole `A` is made.
-        let rows = WIDEN_ROWS.min(m);
-        let mut w = crate::error::try_vec(rows, n, 0.0f32)?;
-        for (p, s0) in (0..m).step_by(rows).enumerate() {
-            let h = rows.min(m - s0);
-            let panel = &mut w[..h * n];
-            panel.par_chunks_mut(n).enumerate().for_each(|(i, row)| {
-                for (x, v) in row.iter_mut().zip(a.row(s0 + i)) {
-                    *x = v.to_f32();
-                }
-            });
-            let beta = if p == 0 { eps } else { 1.0 };
-            lower_syrk(MatRef::new(panel, h, n)?, (alpha, beta), factor.rb());
-        }
-    }
-    mirror_lower(factor);
-    Ok(())
-}
-
-/// Rows of `bf16` statistics widened to `f32` at a time by [`syrk_ema`]: 256 rows keep the
-/// panel small (256·n floats) and still give faer's GEMM a deep enough `k` to run at speed.
-const WIDEN_ROWS: usize = 256;
-
-/// Lower triangle of `C ← α AᵀA + β C` for `A` `m x n`, `C` `n x n` (the strict upper
-/// triangle is left alone), through faer's triangular-output matmul: it recurses on the lower
-/// triangle with its blocked, rayon-parallel GEMM kernels, so no upper tile is computed and
-/// the big off-diagonal blocks keep the GEMM's packing efficiency (`docs/benchmarks.md` §2).
-fn lower_syrk(a: MatRef<'_, f32>, (alpha, beta): (f32, f32), mut c: MatMut<'_, f32>) {
-    use faer::linalg::matmul::triangular::{matmul, BlockStructure};
-    let (m, n) = a.shape();
-    let ld = c.ld();
-    let data = c.data_mut();
-    let accum = if beta == 0.0 {
-        // Replace never reads C (it may hold NaN).
-        faer::Accum::Replace
-    } else if beta == 1.0 {
-        faer::Accum::Add
-    } else {
-        data.par_chunks_mut(ld).enumerate().for_each(|(i, row)| {
-            row[..=i].iter_mut().for_each(|x| *x *= beta);
-        });
-        faer::Accum::Add
-    };
-    let fa = faer::MatRef::from_row_major_slice_with_stride(a.data(), m, n, a.ld());
-    // Row-major C as the transpose of a column-major view: faer 0.24.4's
-    // `from_row_major_slice_with_stride_mut` builds a column-major view (strides swapped).
-    let fc = faer::MatMut::from_column_major_slice_with_stride_mut(data, n, n, ld).transpose_mut();
-    matmul(
-        fc,
-        BlockStructure::TriangularLower,
-        accum,
-        fa.transpose(),
-        BlockStructure::Rectangular,
-        fa,
-        BlockStructure::Rectangular,
-        alpha,
-        faer::Par::rayon(0),
-    );
-}
-
-/// Raw pointer to the factor's storage, shared by the mirror tasks (see [`mirror_lower`]).
-#[derive(Clone, Copy)]
-struct SharedPtr(*mut f32);
-// SAFETY: only used by `mirror_lower`, whose tasks read and write disjoint elements.
-unsafe impl Send for SharedPtr {}
-unsafe impl Sync for SharedPtr {}
-
-/// Copies the strict lower triangle of a square view into its upper triangle, bands of
-/// `TILE` rows in parallel.
-fn mirror_lower(mut c: MatMut<'_, f32>) {
-    // 32 x 32 tiles keep both the row-wise reads and the column-wise writes in cache.
-    const TILE: usize = 32;
-    let n = c.rows();
-    let ld = c.ld();
-    let base = SharedPtr(c.data_mut().as_mut_ptr());
-    (0..n.div_ceil(TILE)).into_par_iter().for_each(move |band| {
-        let p = base;
-        let (ib, iend) = (band * TILE, ((band + 1) * TILE).min(n));
-        for jb in (ib..n).step_by(TILE) {
-            for i in ib..iend {
-                for j in jb.max(i + 1)..(jb + TILE).min(n) {
-                    // SAFETY: i, j < n, so both offsets are inside the n x n view. Each task
-                    // writes only (i, j) with j > i of its own rows and reads only (j, i) with
-                    // j > i, the strict lower triangle, which nobody writes: no element is
-                    // both read and written, no two tasks write the same one.
-                    unsafe { *p.0.add(i * ld + j) = *p.0.add(j * ld + i) };
-                }
-            }
-        }
-    });
+    syrk::syrk_lower_mirror(a, ((1.0 - eps) / m as f32, eps), factor)
 }
 
 /// Batch gradient `G = (1/m) Eᵀ A` for `E` of shape `m x d_out` (per-sample output gradients,
