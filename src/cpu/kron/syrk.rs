@@ -14,7 +14,8 @@ use crate::mat::{MatMut, MatRef};
 /// work (3% at n = 1024); 32 and 96 measured no better.
 const BLOCK: usize = 64;
 /// Rows of `C` per task. Tasks of at most `BLOCK x TILE_ROWS` balance any thread count, and
-/// each re-packs its block column's `BLOCK x k` operand, `1 / (2·TILE_ROWS)` of its flops.
+/// each re-packs its block column's `BLOCK x k` operand: one float copied per `2·TILE_ROWS`
+/// flops.
 const TILE_ROWS: usize = 256;
 /// Rows of `A` per panel, whose transposed (and for `bf16` widened) copies take
 /// `n x PANEL_ROWS` floats each. Measured as fast as 1024 rows or all of `A` at once.
@@ -46,16 +47,17 @@ struct Tile {
 /// also copied transposed (from its `f32` widening for `bf16`): one `n x h` pass, which gives
 /// the crate a right operand with unit stride along `k`, so of each tile it packs only the
 /// `BLOCK x h` left operand, a fifth of what it copies when both come straight from `A` (then
-/// the packing took 10–18% of the time, now 4%). `C`'s lower triangle is cut into `BLOCK`-wide block columns of at
-/// most `TILE_ROWS` rows, each one `gemm` call (`Parallelism::None`) on one rayon thread; on the
-/// last panel each task mirrors its own tile while it is in cache.
+/// the packing took 10–18% of the time, now 4%). `C`'s lower triangle is cut into
+/// `BLOCK`-wide block columns of at most `TILE_ROWS` rows, each one `gemm` call
+/// (`Parallelism::None`) on one rayon thread; on the last panel each task mirrors its own tile
+/// while it is in cache.
 pub(super) fn syrk_lower_mirror<T: Element>(
     a: MatRef<'_, T>,
     ab: (f32, f32),
     c: MatMut<'_, f32>,
 ) -> Result<()> {
-    // On a rayon worker, so that the parallel steps below (up to three per panel) do not each
-    // pay for injecting their jobs from outside the pool.
+    // On a rayon worker, so that the parallel steps below (two per panel) do not each pay for
+    // injecting their jobs from outside the pool.
     rayon::scope(|_| syrk_on_worker(a, ab, c))
 }
 
@@ -73,7 +75,7 @@ fn syrk_on_worker<T: Element>(
     // do not map to the same cache sets when `h` is a power of two.
     let ldt = h.div_ceil(16) * 16 + 16;
     // Both buffers stay empty `Vec`s: their capacity is written (through raw pointers)
-    // before it is read, since zero-filling it would cost a pass of its own (~10% at n = 256).
+    // before it is read, since zero-filling it measured up to a quarter of the time at n = 256.
     let mut at: Vec<f32> = try_with_capacity("host", n, ldt)?;
     let atp = SharedPtr(at.as_mut_ptr());
     let is_f32 = std::any::TypeId::of::<T>() == std::any::TypeId::of::<f32>();
