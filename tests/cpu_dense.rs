@@ -396,19 +396,6 @@ fn random_spd(rng: &mut ChaCha8Rng, n: usize, kappa: f64) -> Vec<f64> {
     psd_with_spectrum(rng, &d)
 }
 
-fn matmul64(a: &[f64], b: &[f64], m: usize, k: usize, n: usize) -> Vec<f64> {
-    let mut c = vec![0.0; m * n];
-    for i in 0..m {
-        for p in 0..k {
-            let x = a[i * k + p];
-            for j in 0..n {
-                c[i * n + j] += x * b[p * n + j];
-            }
-        }
-    }
-    c
-}
-
 fn abs64(x: &[f64]) -> Vec<f64> {
     x.iter().map(|v| v.abs()).collect()
 }
@@ -456,8 +443,8 @@ proptest! {
             }
         }
         let lt: Vec<f64> = (0..n * n).map(|idx| l64[(idx % n) * n + idx / n]).collect();
-        let llt = matmul64(&l64, &lt, n, n, n);
-        let llt_abs = matmul64(&abs64(&l64), &abs64(&lt), n, n, n);
+        let llt = common::matmul64(&l64, &lt, n, n, n);
+        let llt_abs = common::matmul64(&abs64(&l64), &abs64(&lt), n, n, n);
         let bound: Vec<f64> = llt_abs.iter().map(|x| 4.0 * EPS * x).collect();
         assert_close(&a.data, &llt, &bound, "L Lᵀ vs A");
 
@@ -477,9 +464,9 @@ proptest! {
         let mut x_junk = b.clone();
         cpu::cholesky_solve(l_junk.as_ref(), x_junk.view_mut()).unwrap();
         prop_assert_eq!(x_junk.dense(), xd.clone());
-        let ax = matmul64(&a64, &xd, n, n, k);
+        let ax = common::matmul64(&a64, &xd, n, n, k);
         let m: Vec<f64> = (0..n * n).map(|i| 2.0 * llt_abs[i] + a64[i].abs()).collect();
-        let bound: Vec<f64> = matmul64(&m, &abs64(&xd), n, n, k).iter().map(|x| 4.0 * EPS * x).collect();
+        let bound: Vec<f64> = common::matmul64(&m, &abs64(&xd), n, n, k).iter().map(|x| 4.0 * EPS * x).collect();
         assert_close(&b.data, &ax, &bound, "A X vs B");
 
         // Inverse: exact in f64 then rounded, so |A X̂ − I| ≤ u|A||X̂| (+ f64 error κ·2⁻⁵³);
@@ -491,8 +478,8 @@ proptest! {
                 prop_assert_eq!(iv[i * n + j], iv[j * n + i]);
             }
         }
-        let ai = matmul64(&a64, &iv, n, n, n);
-        let bound: Vec<f64> = matmul64(&abs64(&a64), &abs64(&iv), n, n, n)
+        let ai = common::matmul64(&a64, &iv, n, n, n);
+        let bound: Vec<f64> = common::matmul64(&abs64(&a64), &abs64(&iv), n, n, n)
             .iter().map(|x| 4.0 * EPS * x + 1e-12).collect();
         let eye: Vec<f32> = (0..n * n).map(|i| if i / n == i % n { 1.0 } else { 0.0 }).collect();
         assert_close(&eye, &ai, &bound, "A A⁻¹ vs I");

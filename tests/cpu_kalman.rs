@@ -41,18 +41,6 @@ fn inverse(a: &[f64], n: usize) -> Vec<f64> {
     inv
 }
 
-fn matmul(a: &[f64], b: &[f64], m: usize, k: usize, n: usize) -> Vec<f64> {
-    let mut c = vec![0.0; m * n];
-    for i in 0..m {
-        for p in 0..k {
-            for j in 0..n {
-                c[i * n + j] += a[i * k + p] * b[p * n + j];
-            }
-        }
-    }
-    c
-}
-
 fn transpose(a: &[f64], m: usize, n: usize) -> Vec<f64> {
     let mut t = vec![0.0; m * n];
     for i in 0..m {
@@ -83,8 +71,8 @@ impl Dense {
         let q = o.process_noise as f64;
         (0..n).for_each(|i| self.cov[i * n + i] += q);
         let ht = transpose(h, d, n);
-        let cov_ht = matmul(&self.cov, &ht, n, n, d);
-        let p = matmul(h, &cov_ht, d, n, d);
+        let cov_ht = common::matmul64(&self.cov, &ht, n, n, d);
+        let p = common::matmul64(h, &cov_ht, d, n, d);
         let beta = o.beta as f64;
         for j in 0..d {
             for k in 0..d {
@@ -93,21 +81,21 @@ impl Dense {
             }
         }
         let rho = o.rho as f64;
-        let rr = matmul(&self.r, &self.r, d, d, d);
+        let rr = common::matmul64(&self.r, &self.r, d, d, d);
         let r_tilde: Vec<f64> = match o.r_form {
             RForm::Exact => {
                 let mut m: Vec<f64> = self.r.iter().map(|x| rho * x).collect();
                 (0..d).for_each(|j| m[j * d + j] += 1.0);
-                matmul(&self.r, &inverse(&m, d), d, d, d)
+                common::matmul64(&self.r, &inverse(&m, d), d, d, d)
             }
             RForm::Neumann => self.r.iter().zip(&rr).map(|(a, b)| a - rho * b).collect(),
         };
         let s: Vec<f64> = p.iter().zip(&r_tilde).map(|(a, b)| a + b).collect();
-        let k = matmul(&cov_ht, &inverse(&s, d), n, d, d);
-        let kv = matmul(&k, v, n, d, 1);
+        let k = common::matmul64(&cov_ht, &inverse(&s, d), n, d, d);
+        let kv = common::matmul64(&k, v, n, d, 1);
         self.mu.iter_mut().zip(&kv).for_each(|(m, x)| *m += x);
-        let hc = matmul(h, &self.cov, d, n, n);
-        let khc = matmul(&k, &hc, n, d, n);
+        let hc = common::matmul64(h, &self.cov, d, n, n);
+        let khc = common::matmul64(&k, &hc, n, d, n);
         self.cov.iter_mut().zip(&khc).for_each(|(c, x)| *c -= x);
     }
 

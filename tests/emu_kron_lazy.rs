@@ -8,46 +8,16 @@ use grng::cuda::launch::{record_launches, take_launches};
 use grng::optim::kron::{InverseMethod, KronConfig, KronFactorState, KronOptimizer};
 use grng::optim::KronStats;
 use grng::{Device, Matrix};
-use rand::Rng;
-use rand_chacha::ChaCha8Rng;
 use std::sync::{Mutex, PoisonError};
 
 mod common;
-use common::{devices, U32};
+use common::{devices, first_order_scale64, matmul64, vals, U32};
 
 /// The launch record is process-wide: tests that read it take turns.
 static SERIAL: Mutex<()> = Mutex::new(());
 
-fn rand_vec(rng: &mut ChaCha8Rng, n: usize) -> Vec<f32> {
-    (0..n).map(|_| rng.random_range(-1.0f32..1.0)).collect()
-}
-
 fn abs64(m: &Matrix) -> Vec<f64> {
     m.to_vec().unwrap().iter().map(|v| v.abs() as f64).collect()
-}
-
-/// `A·B` (row-major, `A` `r x k`, `B` `k x c`) in f64.
-fn matmul64(a: &[f64], b: &[f64], r: usize, k: usize, c: usize) -> Vec<f64> {
-    let mut out = vec![0.0; r * c];
-    for i in 0..r {
-        for l in 0..k {
-            let x = a[i * k + l];
-            for j in 0..c {
-                out[i * c + j] += x * b[l * c + j];
-            }
-        }
-    }
-    out
-}
-
-/// `|X₀| + |Δ|·|X₀||X₀|` for the factor `s` at the damping target `lambda`: the scale of each
-/// entry's rounding in the first-order inverse (the square's GEMM and the axpy).
-fn scale64(s: &KronFactorState, lambda: f32) -> Vec<f64> {
-    let n = s.inverse.rows();
-    let x = abs64(&s.inverse);
-    let d = ((lambda - s.damping) as f64).abs();
-    let sq = matmul64(&x, &x, n, n, n);
-    x.iter().zip(&sq).map(|(x, s)| x + d * s).collect()
 }
 
 /// From the same state (a CPU refresh, moved to each device through a checkpoint, so `X₀`,
@@ -75,16 +45,11 @@ fn lazy_steps_match_cpu_with_one_axpy_per_factor() {
     let cpu = Device::Cpu;
     let stats: Vec<(Vec<f32>, Vec<f32>)> = shapes
         .iter()
-        .map(|&(o, i)| (rand_vec(&mut rng, m * i), rand_vec(&mut rng, m * o)))
+        .map(|&(o, i)| (vals(&mut rng, m * i), vals(&mut rng, m * o)))
         .collect();
     let steps = 6;
     let grads: Vec<Vec<Vec<f32>>> = (0..steps)
-        .map(|_| {
-            shapes
-                .iter()
-                .map(|&(o, i)| rand_vec(&mut rng, o * i))
-                .collect()
-        })
+        .map(|_| shapes.iter().map(|&(o, i)| vals(&mut rng, o * i)).collect())
         .collect();
     let cfg = KronConfig {
         rho: 1e-2,
@@ -190,8 +155,8 @@ fn lazy_steps_match_cpu_with_one_axpy_per_factor() {
                 }
                 let ga: Vec<f64> = grads[k][l].iter().map(|v| v.abs() as f64).collect();
                 let scale = matmul64(
-                    &matmul64(&scale64(cg, target(cg)), &ga, o, o, i),
-                    &scale64(cl, target(cl)),
+                    &matmul64(&first_order_scale64(cg, target(cg)), &ga, o, o, i),
+                    &first_order_scale64(cl, target(cl)),
                     o,
                     i,
                     i,

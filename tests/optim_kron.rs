@@ -14,17 +14,13 @@ use grng::optim::kron::{
 use grng::optim::KronStats;
 use grng::{Device, Error, Mat, Matrix, Trans};
 use proptest::prelude::*;
-use rand::{Rng, SeedableRng};
+use rand::SeedableRng;
 use rand_chacha::ChaCha8Rng;
 
 const DEV: Device = Device::Cpu;
 
-fn rand_vec(rng: &mut ChaCha8Rng, n: usize) -> Vec<f32> {
-    (0..n).map(|_| rng.random_range(-1.0f32..1.0)).collect()
-}
-
 fn rand_mat(rng: &mut ChaCha8Rng, r: usize, c: usize) -> Matrix {
-    DEV.upload(r, c, &rand_vec(rng, r * c)).unwrap()
+    DEV.upload(r, c, &common::vals(rng, r * c)).unwrap()
 }
 
 fn host(m: &Matrix) -> Vec<f32> {
@@ -216,7 +212,7 @@ proptest! {
         let a = rand_mat(&mut rng, m, d_in);
         let e = rand_mat(&mut rng, m2, d_out);
         let g = rand_mat(&mut rng, d_out, d_in);
-        let w0 = rand_vec(&mut rng, d_out * d_in);
+        let w0 = common::vals(&mut rng, d_out * d_in);
         let mut params = vec![DEV.upload(d_out, d_in, &w0).unwrap()];
         let mut opt = KronOptimizer::new(&DEV, &[(d_out, d_in)], cfg).unwrap();
         let stats = [KronStats { a: &a, e: &e }];
@@ -481,20 +477,6 @@ fn f64s(m: &Matrix) -> Vec<f64> {
     host(m).iter().map(|&v| v as f64).collect()
 }
 
-/// `A·B` (row-major, `A` `r x k`, `B` `k x c`) in f64.
-fn matmul64(a: &[f64], b: &[f64], r: usize, k: usize, c: usize) -> Vec<f64> {
-    let mut out = vec![0.0; r * c];
-    for i in 0..r {
-        for l in 0..k {
-            let x = a[i * k + l];
-            for j in 0..c {
-                out[i * c + j] += x * b[l * c + j];
-            }
-        }
-    }
-    out
-}
-
 /// `(F + λI)⁻¹` in f64, column by column by [`solve64`].
 fn inverse64(f: &[f64], n: usize, lambda: f64) -> Vec<f64> {
     let a = add_diag(f, n, lambda);
@@ -520,17 +502,8 @@ fn first_order64(s: &KronFactorState, lambda: f32) -> Vec<f64> {
     if d == 0.0 {
         return x0;
     }
-    let sq = matmul64(&x0, &x0, n, n, n);
+    let sq = common::matmul64(&x0, &x0, n, n, n);
     x0.iter().zip(&sq).map(|(x, s)| x - d * s).collect()
-}
-
-/// `|X₀| + |Δ|·|X₀||X₀|`: the scale of each entry's f32 rounding in `X₀ − Δ·X₀X₀`.
-fn first_order_scale64(s: &KronFactorState, lambda: f32) -> Vec<f64> {
-    let n = s.inverse.rows();
-    let x0: Vec<f64> = f64s(&s.inverse).iter().map(|v| v.abs()).collect();
-    let d = ((lambda - s.damping) as f64).abs();
-    let sq = matmul64(&x0, &x0, n, n, n);
-    x0.iter().zip(&sq).map(|(x, s)| x + d * s).collect()
 }
 
 /// Checks that the first-order inverse `X(λ) = X₀ − Δ·X₀²` (`Δ = λ − λ₀`, [`first_order64`])
@@ -739,7 +712,7 @@ fn zeros(shapes: &[(usize, usize)]) -> Vec<Matrix> {
 /// and the step's ρ; and `X(λ)` is within the first-order error of `(F + λI)⁻¹`
 /// ([`check_first_order_error`]).
 ///
-/// Tolerance of `P` (per entry, `A = |X₀| + |Δ||X₀|²` per factor, [`first_order_scale64`]):
+/// Tolerance of `P` (per entry, `A = |X₀| + |Δ||X₀|²` per factor, [`common::first_order_scale64`]):
 /// the square's GEMM (`γ_n`), the axpy (two roundings) give `|X̂ − X| ≤ (n + 4)u·A`; the two
 /// preconditioning products add `(d_in + d_out)u·A_Γ|G|A_Λ`, the update `W = 0 − ηP` one more
 /// `u`: in all `(2(d_in + d_out) + 9)u·A_Γ|G|A_Λ`; allowed `(2(d_in + d_out) + 16)·2u` of it.
@@ -819,17 +792,17 @@ fn lazy_steps_use_the_first_order_inverse_of_the_formation() {
             }
             let (tl, tg) = (target(sl), target(sg));
             let gh = f64s(g[l]);
-            let p_ref = matmul64(
-                &matmul64(&first_order64(sg, tg), &gh, o, o, i),
+            let p_ref = common::matmul64(
+                &common::matmul64(&first_order64(sg, tg), &gh, o, o, i),
                 &first_order64(sl, tl),
                 o,
                 i,
                 i,
             );
             let ga: Vec<f64> = gh.iter().map(|v| v.abs()).collect();
-            let scale = matmul64(
-                &matmul64(&first_order_scale64(sg, tg), &ga, o, o, i),
-                &first_order_scale64(sl, tl),
+            let scale = common::matmul64(
+                &common::matmul64(&common::first_order_scale64(sg, tg), &ga, o, o, i),
+                &common::first_order_scale64(sl, tl),
                 o,
                 i,
                 i,

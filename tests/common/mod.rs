@@ -5,6 +5,7 @@
 use std::sync::OnceLock;
 
 use grng::cuda::CudaDevice;
+use grng::optim::kron::KronFactorState;
 use grng::{Device, Trans};
 use proptest::test_runner::{Config, RngSeed};
 use rand::{Rng, SeedableRng};
@@ -141,6 +142,37 @@ pub fn abs_gemm(
     )
     .unwrap();
     s.to_vec().unwrap().into_iter().map(f64::from).collect()
+}
+
+/// `A·B` in f64 (row-major, `A` `r x k`, `B` `k x c`), the triple loop the references use.
+pub fn matmul64(a: &[f64], b: &[f64], r: usize, k: usize, c: usize) -> Vec<f64> {
+    let mut out = vec![0.0; r * c];
+    for i in 0..r {
+        for l in 0..k {
+            let x = a[i * k + l];
+            for j in 0..c {
+                out[i * c + j] += x * b[l * c + j];
+            }
+        }
+    }
+    out
+}
+
+/// `|X₀| + |Δ|·|X₀||X₀|` for the Kronecker factor `s` at the damping target `lambda`
+/// (`Δ = λ − λ₀`, the optimizer's f32 difference): the scale of each entry's f32 rounding in
+/// the lazy steps' first-order inverse `X₀ − Δ·X₀X₀` (the square's GEMM and the axpy).
+pub fn first_order_scale64(s: &KronFactorState, lambda: f32) -> Vec<f64> {
+    let n = s.inverse.rows();
+    let x0: Vec<f64> = s
+        .inverse
+        .to_vec()
+        .unwrap()
+        .iter()
+        .map(|v| v.abs() as f64)
+        .collect();
+    let d = ((lambda - s.damping) as f64).abs();
+    let sq = matmul64(&x0, &x0, n, n, n);
+    x0.iter().zip(&sq).map(|(x, s)| x + d * s).collect()
 }
 
 /// `n` values drawn uniformly from `[lo, hi)`.
