@@ -8,8 +8,8 @@ use grng::data::synthetic_classification;
 use grng::mlp::{Activation, FisherMode, Loss, Mlp, MlpConfig, Targets};
 use grng::ops::newton::{InitialGuess, NewtonOptions};
 use grng::optim::kron::{
-    levenberg_marquardt, InverseMethod, KronConfig, KronCounters, KronFactorState, KronOptimizer,
-    KronState, KronVariant,
+    levenberg_marquardt, InverseMethod, KronConfig, KronCounters, KronFactorState, KronGrad,
+    KronOptimizer, KronState, KronVariant,
 };
 use grng::optim::KronStats;
 use grng::{Device, Error, Mat, Matrix, Trans};
@@ -295,6 +295,152 @@ proptest! {
             "q {} vs {q}", info.predicted_change);
         prop_assert!(info.predicted_change < 0.0 || lin == 0.0);
     }
+}
+
+// ---------- factored gradients ----------
+
+fn abs64(m: &Matrix) -> Vec<f64> {
+    host(m).iter().map(|v| v.abs() as f64).collect()
+}
+
+fn transpose64(x: &[f64], r: usize, c: usize) -> Vec<f64> {
+    (0..c * r).map(|k| x[(k % r) * c + k / r]).collect()
+}
+
+fn dot64(x: &[f64], y: &[f64]) -> f64 {
+    x.iter().zip(y).map(|(a, b)| a * b).sum()
+}
+
+proptest! {
+    #![proptest_config(common::proptest_config(64))]
+
+    /// `KronGrad::Factored { e, a }` (`G = (1/m) EᵀA`) gives the `P` and the predicted change
+    /// of the dense route on `G`, on optimizers in the same state. Sizes span both routes
+    /// (the optimizer takes the factored one only where it costs fewer flops: small `m`, wide
+    /// layers). Bounds: each route is a chain of f32 GEMMs whose inner dimensions sum to
+    /// `k = m + d_out + d_in` (plus the `m x m` products of the model terms), so each is off
+    /// the exact value by at most `≈ k·2⁻²⁴` times the same chain on absolute values — for
+    /// `P`: `|Γ̃⁻¹||E|ᵀ|A||Λ̃⁻¹|/m`; for the terms: the same inner products of those absolute
+    /// chains. Two routes, a factor 2 margin: `4(k + 4)·2⁻²⁴` times the absolute chain.
+    #[test]
+    fn factored_gradient_matches_dense(
+        seed in any::<u64>(),
+        d_out in 1usize..=40,
+        d_in in 1usize..=40,
+        m in 1usize..=24,
+        m2 in 1usize..=24,
+        variant in prop_oneof![Just(KronVariant::Ring), Just(KronVariant::Ngd)],
+    ) {
+        let mut rng = ChaCha8Rng::seed_from_u64(seed);
+        let mut cfg = variant_config(variant);
+        cfg.inverse = InverseMethod::Cholesky;
+        cfg.lr = 0.7;
+        let (sa, se) = (rand_mat(&mut rng, m2, d_in), rand_mat(&mut rng, m2, d_out));
+        let stats = [KronStats { a: &sa, e: &se }];
+        let (a, e) = (rand_mat(&mut rng, m, d_in), rand_mat(&mut rng, m, d_out));
+        // G = (1/m) EᵀA in f64, rounded once: the dense route's input.
+        let (a64, e64) = (f64s(&a), f64s(&e));
+        let g64 = common::matmul64(&transpose64(&e64, m, d_out), &a64, d_out, m, d_in);
+        let gh: Vec<f32> = g64.iter().map(|v| (v / m as f64) as f32).collect();
+        let g = DEV.upload(d_out, d_in, &gh).unwrap();
+        let factored = [KronGrad::Factored { e: &e, a: &a }];
+        let shapes = [(d_out, d_in)];
+
+        let mut opt_f = KronOptimizer::new(&DEV, &shapes, cfg).unwrap();
+        let mut opt_d = KronOptimizer::new(&DEV, &shapes, cfg).unwrap();
+        let pf = host(&opt_f.precondition_grads(&factored, Some(&stats)).unwrap()[0]);
+        let pd = host(&opt_d.precondition(&[&g], Some(&stats)).unwrap()[0]);
+
+        // The absolute chains, from the state's inverses and factors.
+        let st = opt_f.state().unwrap();
+        let l = &st.layers[0];
+        let (xg, xl) = (abs64(&l.gamma.inverse), abs64(&l.lambda.inverse));
+        let (fg, fl) = (abs64(&l.gamma.factor), abs64(&l.lambda.factor));
+        let (ea, aa) = (transpose64(&e64.iter().map(|v| v.abs()).collect::<Vec<_>>(), m, d_out),
+            a64.iter().map(|v| v.abs()).collect::<Vec<_>>());
+        let u = common::matmul64(&xg, &ea, d_out, d_out, m);
+        let w = common::matmul64(&aa, &xl, m, d_in, d_in);
+        let chain: Vec<f64> = common::matmul64(&u, &w, d_out, m, d_in)
+            .iter().map(|v| v / m as f64).collect();
+        let k = (m + d_out + d_in + 4) as f64;
+        let unit = 4.0 * k * f32::EPSILON as f64 / 2.0;
+        for (idx, ((x, y), c)) in pf.iter().zip(&pd).zip(&chain).enumerate() {
+            let tol = unit * c + f32::MIN_POSITIVE as f64;
+            prop_assert!((*x as f64 - *y as f64).abs() <= tol,
+                "P[{idx}]: factored {x} vs dense {y}, tol {tol:e}");
+        }
+
+        // The predicted change of a step from the same state on each route.
+        let w0 = common::vals(&mut rng, d_out * d_in);
+        let mut wf = vec![DEV.upload(d_out, d_in, &w0).unwrap()];
+        let mut wd = vec![DEV.upload(d_out, d_in, &w0).unwrap()];
+        let mut opt_f = KronOptimizer::new(&DEV, &shapes, cfg).unwrap();
+        let mut opt_d = KronOptimizer::new(&DEV, &shapes, cfg).unwrap();
+        let qf = opt_f.step_grads(&mut wf, &factored, Some(&stats)).unwrap();
+        let qd = opt_d.step(&mut wd, &[&g], Some(&stats)).unwrap();
+        prop_assert_eq!(qf.lr, qd.lr);
+        let eta = qf.lr as f64;
+        // |lin| ≤ ⟨|G|, |P|⟩ chains; |curv| ≤ ⟨|P|, |Γ||P||Λ|⟩; ‖P‖² ≤ ‖chain‖².
+        let gabs: Vec<f64> = common::matmul64(&ea, &aa, d_out, m, d_in)
+            .iter().map(|v| v / m as f64).collect();
+        let lin = dot64(&gabs, &chain);
+        let gpl = common::matmul64(&common::matmul64(&fg, &chain, d_out, d_out, d_in), &fl, d_out, d_in, d_in);
+        let curv = dot64(&chain, &gpl);
+        let sq = dot64(&chain, &chain);
+        let lambda = l.lambda.damping as f64 * l.gamma.damping as f64;
+        let qmag = eta * lin + 0.5 * eta * eta * (curv + lambda * sq);
+        let (a_, b_) = (qf.predicted_change as f64, qd.predicted_change as f64);
+        prop_assert!((a_ - b_).abs() <= 2.0 * unit * qmag + 1e-30,
+            "q factored {a_} vs dense {b_}, magnitude {qmag:e}");
+    }
+}
+
+/// A factored gradient with NaN in `e`, or with `e` and `a` of different row counts, is a
+/// typed error naming it, and the optimizer is unchanged.
+#[test]
+fn bad_factored_gradient_is_rejected_and_changes_nothing() {
+    let mut rng = common::seeded_rng();
+    let (d_out, d_in, m) = (7, 9, 5);
+    let (sa, se) = (rand_mat(&mut rng, m, d_in), rand_mat(&mut rng, m, d_out));
+    let stats = [KronStats { a: &sa, e: &se }];
+    let mut opt = KronOptimizer::new(&DEV, &[(d_out, d_in)], KronConfig::ring()).unwrap();
+    let mut w = vec![rand_mat(&mut rng, d_out, d_in)];
+    let (a, e) = (rand_mat(&mut rng, m, d_in), rand_mat(&mut rng, m, d_out));
+    opt.step_grads(&mut w, &[KronGrad::Factored { e: &e, a: &a }], Some(&stats))
+        .unwrap();
+    let before = (snapshot(&opt), host(&w[0]));
+    let nan = with_value(&e, 3, f32::NAN);
+    let err = opt
+        .step_grads(
+            &mut w,
+            &[KronGrad::Factored { e: &nan, a: &a }],
+            Some(&stats),
+        )
+        .unwrap_err();
+    assert!(
+        matches!(
+            err,
+            Error::NonFinite {
+                arg: "grads.e",
+                index: 3,
+                ..
+            }
+        ),
+        "{err:?}"
+    );
+    let short = rand_mat(&mut rng, m - 1, d_in);
+    let err = opt
+        .step_grads(
+            &mut w,
+            &[KronGrad::Factored { e: &e, a: &short }],
+            Some(&stats),
+        )
+        .unwrap_err();
+    assert!(
+        matches!(err, Error::Shape { arg: "grads.a", .. }),
+        "{err:?}"
+    );
+    assert_eq!((snapshot(&opt), host(&w[0])), before);
 }
 
 // ---------- lazy Fisher ----------

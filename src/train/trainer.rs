@@ -9,10 +9,10 @@ use crate::checkpoint::{load_all, save_all, Checkpoint, Reader, Writer};
 use crate::device::{Device, Matrix};
 use crate::error::{check_len, Error, Result};
 use crate::mat::MatRef;
-use crate::mlp::{Loss, Mlp, Targets};
+use crate::mlp::{LayerStats, Loss, Mlp, Targets};
 use crate::optim::adamw::AdamW;
 use crate::optim::kalman::RKalman;
-use crate::optim::kron::KronOptimizer;
+use crate::optim::kron::{KronGrad, KronOptimizer};
 use crate::optim::sgd::Sgd;
 use crate::optim::sophia::{Sophia, SophiaHessians};
 use crate::optim::KronStats;
@@ -352,22 +352,33 @@ impl Trainer {
                 // One forward pass serves the gradient and, on refresh steps, the Fisher
                 // statistics: same parameters, same batch, so the same numbers as two passes.
                 let fwd = skip_nonfinite!(mlp.forward(batch.x), f32::NAN, f32::NAN);
-                let (loss, grad) = if self.config.method == Method::Reng {
+                // RENG's gradient `g + 2c·H_L g` is handed over dense. RING and NGD hand over
+                // the batch factors of `G = (1/m) EᵀA` instead, which the optimizer
+                // preconditions with about 2.7x fewer flops on wide layers (`KronGrad`).
+                let (loss, grad, factors) = if self.config.method == Method::Reng {
                     let c = match self.config.optimizer {
                         OptimizerConfig::Kron(k) => k.grad_reg,
                         _ => 0.0,
                     };
                     let r = mlp.regularized_gradient_from(&fwd, batch.targets, c);
-                    skip_nonfinite!(r, f32::NAN, f32::NAN)
+                    let (loss, grad) = skip_nonfinite!(r, f32::NAN, f32::NAN);
+                    (loss, grad, None)
                 } else {
-                    let r = mlp.gradient(&fwd, batch.targets).map(|(g, l)| (l, g));
-                    skip_nonfinite!(r, f32::NAN, f32::NAN)
+                    let b = mlp.backward(&fwd, batch.targets);
+                    let b = skip_nonfinite!(b, f32::NAN, f32::NAN);
+                    (b.loss, b.grad, Some(b.layers))
                 };
                 let gn = norm(&grad);
-                if !loss.is_finite() || !gn.is_finite() {
+                let finite_factors = factors.as_ref().map_or(true, |layers| {
+                    layers.iter().all(|s| all_finite(s.e.as_slice()))
+                });
+                if !loss.is_finite() || !gn.is_finite() || !finite_factors {
                     return Ok(Outcome::skip(loss, gn));
                 }
-                let grads = upload_layers(device, mlp, &grad)?;
+                let grads = match &factors {
+                    None => Upload::Dense(upload_layers(device, mlp, &grad)?),
+                    Some(layers) => Upload::Factored(upload_stats(device, layers)?),
+                };
                 let stats = if refresh {
                     let layers = mlp.fisher_stats(&fwd, fisher, batch.targets, rng)?;
                     let finite = layers
@@ -376,16 +387,7 @@ impl Trainer {
                     if !finite {
                         return Ok(Outcome::skip(loss, gn));
                     }
-                    let mats = layers
-                        .iter()
-                        .map(|s| {
-                            Ok((
-                                device.upload(s.a.rows(), s.a.cols(), s.a.as_slice())?,
-                                device.upload(s.e.rows(), s.e.cols(), s.e.as_slice())?,
-                            ))
-                        })
-                        .collect::<Result<Vec<_>>>()?;
-                    Some(mats)
+                    Some(upload_stats(device, &layers)?)
                 } else {
                     None
                 };
@@ -393,10 +395,14 @@ impl Trainer {
                 let kron: Option<Vec<KronStats<'_>>> = stats
                     .as_ref()
                     .map(|v| v.iter().map(|(a, e)| KronStats { a, e }).collect());
-                let grad_refs: Vec<&Matrix> = grads.iter().collect();
-                // The optimizer and `params` are unchanged when it reports a non-finite value
-                // (an overflowing step): skip the batch and raise the damping.
-                match opt.step(params, &grad_refs, kron.as_deref()) {
+                let grad_refs: Vec<KronGrad<'_>> = match &grads {
+                    Upload::Dense(gs) => gs.iter().map(KronGrad::Dense).collect(),
+                    Upload::Factored(fs) => fs
+                        .iter()
+                        .map(|(a, e)| KronGrad::Factored { e, a })
+                        .collect(),
+                };
+                match opt.step_grads(params, &grad_refs, kron.as_deref()) {
                     Ok(_) => {}
                     Err(Error::NonFinite { .. }) => {
                         opt.reject_step();
@@ -595,6 +601,26 @@ fn upload_layers(device: &Device, mlp: &Mlp, flat: &[f32]) -> Result<Vec<Matrix>
         .map(|l| {
             let (r, c) = mlp.layer_shape(l)?;
             device.upload(r, c, &flat[mlp.layer_range(l)?])
+        })
+        .collect()
+}
+
+/// A Kronecker step's gradients on the device: dense per layer, or the batch factors `(A, E)`
+/// of `G = (1/m) EᵀA`.
+enum Upload {
+    Dense(Vec<Matrix>),
+    Factored(Vec<(Matrix, Matrix)>),
+}
+
+/// Per-layer `(A, E)` statistics on `device`.
+fn upload_stats(device: &Device, layers: &[LayerStats]) -> Result<Vec<(Matrix, Matrix)>> {
+    layers
+        .iter()
+        .map(|s| {
+            Ok((
+                device.upload(s.a.rows(), s.a.cols(), s.a.as_slice())?,
+                device.upload(s.e.rows(), s.e.cols(), s.e.as_slice())?,
+            ))
         })
         .collect()
 }

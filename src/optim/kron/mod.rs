@@ -40,19 +40,21 @@
 
 mod config;
 mod damping;
+mod factored;
 mod layer;
 mod state;
 
 pub use config::{InverseMethod, KronConfig, KronVariant, NEWTON_RETRY_DAMPING};
 pub use damping::levenberg_marquardt;
+pub use factored::KronGrad;
 pub use state::{KronCounters, KronFactorState, KronLayerState, KronState, KronStepInfo};
 
 use self::damping::{factor_dampings, FactorScalars};
+use self::factored::{LayerView, Preconditioned};
 use self::layer::{known_norm, Ctx, Retarget};
 use super::{KronStats, StatsView};
 use crate::device::{Device, Matrix};
 use crate::error::{check_shape, check_value, Error, Result};
-use crate::mat::Trans;
 
 /// RING / RENG / NGD over `L` dense layers on one [`Device`]. See the module docs.
 #[derive(Debug)]
@@ -68,15 +70,6 @@ pub struct KronOptimizer {
 enum Plan {
     Refresh(Vec<KronLayerState>),
     Lazy(Vec<[Retarget; 2]>),
-}
-
-/// What the preconditioning and the quadratic model of one layer read.
-struct LayerView<'a> {
-    lambda: &'a Matrix,
-    gamma: &'a Matrix,
-    lambda_inv: &'a Matrix,
-    gamma_inv: &'a Matrix,
-    damping: (f32, f32),
 }
 
 fn scalars(s: &KronFactorState) -> FactorScalars {
@@ -179,7 +172,7 @@ impl KronOptimizer {
         self.st.layers.is_empty() || self.st.steps % self.config.skip as u64 == 0
     }
 
-    /// Preconditioner only: returns `P_l = Γ̃_l⁻¹ G_l Λ̃_l⁻¹` (`d_out x d_in`) for any
+    /// Preconditioner only: returns `P_l = Γ̃_l⁻¹ G_l Λ̃_l⁻¹` for any
     /// first-order update to consume, refreshing the factors when `stats` is given and moving
     /// the inverses to the current `ρ` otherwise. Counts as a step for the lazy schedule; `ρ`
     /// only moves through [`KronOptimizer::step`] + [`KronOptimizer::observe_loss`], so this
@@ -198,14 +191,39 @@ impl KronOptimizer {
         grads: &[&Matrix],
         stats: Option<&[KronStats<'_>]>,
     ) -> Result<Vec<Matrix>> {
-        const OP: &str = "KronOptimizer::precondition";
-        self.check_inputs(OP, grads, stats)?;
+        let grads = dense(grads);
+        self.precondition_impl("KronOptimizer::precondition", &grads, stats)
+    }
+
+    /// [`KronOptimizer::precondition`] with each layer's gradient dense or by its batch
+    /// factors ([`KronGrad::Factored`]: `G = (1/m) EᵀA`, preconditioned as `(1/m)(Γ̃⁻¹Eᵀ)(AΛ̃⁻¹)`
+    /// where that costs fewer flops — about 2.7x fewer at `m = 256`, `1024 x 1024`).
+    ///
+    /// # Errors
+    /// As [`KronOptimizer::precondition`]; for a factored gradient the shapes are
+    /// `e: m x d_out`, `a: m x d_in` with the same `m ≥ 1`, and the finiteness check covers
+    /// `e` and `a`.
+    pub fn precondition_grads(
+        &mut self,
+        grads: &[KronGrad<'_>],
+        stats: Option<&[KronStats<'_>]>,
+    ) -> Result<Vec<Matrix>> {
+        self.precondition_impl("KronOptimizer::precondition_grads", grads, stats)
+    }
+
+    fn precondition_impl(
+        &mut self,
+        op: &'static str,
+        grads: &[KronGrad<'_>],
+        stats: Option<&[KronStats<'_>]>,
+    ) -> Result<Vec<Matrix>> {
+        self.check_inputs(op, grads, stats)?;
         let mut counters = self.st.counters;
         let plan = self.plan(stats, &mut counters)?;
-        let ps = self.preconditioned(&plan, grads)?;
+        let ps = self.preconditioned(&plan, grads, false)?;
         self.commit(plan, counters);
         self.st.predicted = None;
-        Ok(ps)
+        Ok(ps.into_iter().map(|p| p.p).collect())
     }
 
     /// Whole optimizer: `W̄_l ← W̄_l − η·P_l` with `η = α/L` (or `α`), storing the quadratic
@@ -223,24 +241,50 @@ impl KronOptimizer {
         grads: &[&Matrix],
         stats: Option<&[KronStats<'_>]>,
     ) -> Result<KronStepInfo> {
-        const OP: &str = "KronOptimizer::step";
-        self.check_inputs(OP, grads, stats)?;
-        self.check_layers(OP, "params", params.iter())?;
+        let grads = dense(grads);
+        self.step_impl("KronOptimizer::step", params, &grads, stats)
+    }
+
+    /// [`KronOptimizer::step`] with each layer's gradient dense or by its batch factors, as in
+    /// [`KronOptimizer::precondition_grads`]; the quadratic model's terms are then taken from
+    /// the same factors (`m x m` products, see [`KronGrad`]).
+    ///
+    /// # Errors
+    /// As [`KronOptimizer::step`] and [`KronOptimizer::precondition_grads`].
+    pub fn step_grads(
+        &mut self,
+        params: &mut [Matrix],
+        grads: &[KronGrad<'_>],
+        stats: Option<&[KronStats<'_>]>,
+    ) -> Result<KronStepInfo> {
+        self.step_impl("KronOptimizer::step_grads", params, grads, stats)
+    }
+
+    fn step_impl(
+        &mut self,
+        op: &'static str,
+        params: &mut [Matrix],
+        grads: &[KronGrad<'_>],
+        stats: Option<&[KronStats<'_>]>,
+    ) -> Result<KronStepInfo> {
+        self.check_inputs(op, grads, stats)?;
+        self.check_layers(op, "params", params.iter())?;
         let before = self.st.counters;
         let mut counters = before;
         let plan = self.plan(stats, &mut counters)?;
-        let ps = self.preconditioned(&plan, grads)?;
+        let ps = self.preconditioned(&plan, grads, true)?;
         let eta = self.effective_lr();
         let mut q = 0.0f64;
-        for (l, (p, g)) in ps.iter().zip(grads).enumerate() {
-            q += self.model_change(&self.view(&plan, l), g, p, eta)?;
+        for (l, p) in ps.iter().enumerate() {
+            let damping = self.view(&plan, l).damping;
+            q += p.model_change(&self.device, damping, eta)?.unwrap_or(0.0);
         }
         let q = q as f32;
         if !q.is_finite() {
             // The step overflows: a numerical failure of this batch (not a bad argument), so
             // callers can skip it and call `reject_step` to raise the damping.
             return Err(Error::NonFinite {
-                op: OP,
+                op,
                 arg: "predicted change (the step overflows)",
                 index: 0,
                 value: q,
@@ -251,12 +295,12 @@ impl KronOptimizer {
         let mut updated = Vec::with_capacity(params.len());
         for (w, p) in params.iter().zip(&ps) {
             let mut w = w.try_clone()?;
-            if let Err(e) = self.device.axpy(-eta, p, &mut w) {
+            if let Err(e) = self.device.axpy(-eta, &p.p, &mut w) {
                 // Nothing reads the parameters before this update, so NaN/Inf in them surfaces
                 // here as a non-finite result; name them, checking only on this error path
                 // (no read-back on a good step).
                 let all: Vec<_> = params.iter().map(|p| ("params", p)).collect();
-                self.device.check_all_finite(OP, &all)?;
+                self.device.check_all_finite(op, &all)?;
                 return Err(e);
             }
             updated.push(w);
@@ -441,17 +485,35 @@ impl KronOptimizer {
     }
 
     /// Counts, shapes and devices of `grads` and `stats`, `stats` presence, and finite
-    /// `grads`.
+    /// `grads` (a factored gradient's `e` and `a`).
     fn check_inputs(
         &self,
         op: &'static str,
-        grads: &[&Matrix],
+        grads: &[KronGrad<'_>],
         stats: Option<&[KronStats<'_>]>,
     ) -> Result<()> {
-        self.check_layers(op, "grads", grads.iter().copied())?;
+        check_shape(op, "grads", (grads.len(), 1), (self.shapes.len(), 1))?;
+        let mut named = Vec::with_capacity(2 * grads.len());
+        for (g, &(o, i)) in grads.iter().zip(&self.shapes) {
+            match *g {
+                KronGrad::Dense(g) => {
+                    self.device.check_on(op, g)?;
+                    check_shape(op, "grads", g.shape(), (o, i))?;
+                    named.push(("grads", g));
+                }
+                KronGrad::Factored { e, a } => {
+                    self.device.check_on(op, e)?;
+                    self.device.check_on(op, a)?;
+                    let m = e.rows().max(1);
+                    check_shape(op, "grads.e", e.shape(), (m, o))?;
+                    check_shape(op, "grads.a", a.shape(), (m, i))?;
+                    named.push(("grads.e", e));
+                    named.push(("grads.a", a));
+                }
+            }
+        }
         // One batched check (a read-back per run of equal-length gradients on a GPU); the
         // preconditioning then skips its own input checks.
-        let named: Vec<_> = grads.iter().map(|&g| ("grads", g)).collect();
         self.device.check_all_finite(op, &named)?;
         match stats {
             None if self.needs_stats() => Err(Error::Value {
@@ -567,37 +629,19 @@ impl KronOptimizer {
         }
     }
 
-    /// `P_l = Γ̃⁻¹ G_l Λ̃⁻¹` for every layer, rejecting a non-finite result.
-    fn preconditioned(&self, plan: &Plan, grads: &[&Matrix]) -> Result<Vec<Matrix>> {
-        let mut ps = Vec::with_capacity(grads.len());
-        for (l, g) in grads.iter().enumerate() {
-            let v = self.view(plan, l);
-            let (o, i) = self.shapes[l];
-            let mut p = self.device.zeros(o, i)?;
-            // The inverses are checked state, `g` was checked by `check_inputs`: only the
-            // result check (which rejects a non-finite P) reads back.
-            self.device
-                .precondition_valid_inputs(v.gamma_inv, g, v.lambda_inv, &mut p)?;
-            ps.push(p);
-        }
-        Ok(ps)
-    }
-
-    /// `⟨G, Δ⟩ + ½⟨Δ, Γ Δ Λ⟩ + ½ λ_Λλ_Γ ‖Δ‖²` for `Δ = −ηP`, in `f64`.
-    fn model_change(&self, v: &LayerView<'_>, g: &Matrix, p: &Matrix, eta: f32) -> Result<f64> {
-        let d = &self.device;
-        let (o, i) = p.shape();
-        // Γ, Λ are checked state and P a checked result: the products' result checks only.
-        let mut gp = d.zeros(o, i)?;
-        d.gemm_valid_inputs(Trans::No, Trans::No, 1.0, v.gamma, p, 0.0, &mut gp)?;
-        let mut gpl = d.zeros(o, i)?;
-        d.gemm_valid_inputs(Trans::No, Trans::No, 1.0, &gp, v.lambda, 0.0, &mut gpl)?;
-        let curv = d.dot(p, &gpl)? as f64;
-        let lin = d.dot(g, p)? as f64;
-        let sq = d.dot(p, p)? as f64;
-        let eta = eta as f64;
-        let lambda = v.damping.0 as f64 * v.damping.1 as f64;
-        Ok(-eta * lin + 0.5 * eta * eta * (curv + lambda * sq))
+    /// `P_l = Γ̃⁻¹ G_l Λ̃⁻¹` for every layer (and the model terms when `with_model`),
+    /// rejecting a non-finite result.
+    fn preconditioned(
+        &self,
+        plan: &Plan,
+        grads: &[KronGrad<'_>],
+        with_model: bool,
+    ) -> Result<Vec<Preconditioned>> {
+        grads
+            .iter()
+            .enumerate()
+            .map(|(l, &g)| factored::precondition(&self.device, &self.view(plan, l), g, with_model))
+            .collect()
     }
 
     /// Installs `plan` and the counters and advances the step counter.
@@ -614,4 +658,9 @@ impl KronOptimizer {
         self.st.counters = counters;
         self.st.steps += 1;
     }
+}
+
+/// Dense [`KronGrad`]s of plain gradient matrices.
+fn dense<'a>(grads: &[&'a Matrix]) -> Vec<KronGrad<'a>> {
+    grads.iter().map(|&g| KronGrad::Dense(g)).collect()
 }
