@@ -389,6 +389,50 @@ fn elementwise_ops(t: &mut Tally, rng: &mut ChaCha8Rng, n: usize) {
         |y| DEV.axpy(HUGE, &huge, y),
     );
 
+    // axpy_new writes a new matrix: `y` is the operand that must stay unchanged.
+    let tgt = "Device::axpy_new";
+    t.probe(
+        tgt,
+        "x one row longer",
+        Expect::Err(&["x"]),
+        &mut y,
+        s1,
+        |y| DEV.axpy_new(0.5, &wrong, y).map(drop),
+    );
+    t.probe(
+        tgt,
+        &format!("x holds {xd}"),
+        Expect::Err(&["x"]),
+        &mut y,
+        s1,
+        |y| DEV.axpy_new(0.5, &xs, y).map(drop),
+    );
+    let a = bad_scalar(rng);
+    t.probe(
+        tgt,
+        &format!("alpha = {a}"),
+        Expect::Err(&["alpha"]),
+        &mut y,
+        s1,
+        |y| DEV.axpy_new(a, &x, y).map(drop),
+    );
+    t.probe(
+        tgt,
+        &format!("y holds {yd}"),
+        Expect::Err(&["y"]),
+        &mut ys,
+        s1,
+        |y| DEV.axpy_new(0.5, &x, y).map(drop),
+    );
+    t.probe(
+        tgt,
+        "alpha = 1e30, x = y = 1e30",
+        Expect::ErrOrFinite,
+        &mut yh,
+        s1,
+        |y| DEV.axpy_new(HUGE, &huge, y).map(drop),
+    );
+
     let tgt = "Device::scale";
     let a = bad_scalar(rng);
     t.probe(

@@ -62,7 +62,8 @@ fn plant(arrays: &mut [Vec<f32>], which: usize, at: usize, kind: u8) {
     };
 }
 
-/// axpy, scale and copy are bit-exact; copy's destination starts as NaN.
+/// axpy, axpy_new, scale and copy are bit-exact (axpy_new equal to axpy on every device);
+/// copy's destination starts as NaN.
 fn axpy_scale_copy(devs: &[Device], n: usize, seed: u64, alpha: f32) -> Result<(), TestCaseError> {
     let mut rng = ChaCha8Rng::seed_from_u64(seed);
     let (x, y) = (
@@ -71,10 +72,18 @@ fn axpy_scale_copy(devs: &[Device], n: usize, seed: u64, alpha: f32) -> Result<(
     );
     let cpu = Device::Cpu;
     let (xc, mut yc) = (up(&cpu, &x), up(&cpu, &y));
+    let new_c = cpu.axpy_new(alpha, &xc, &yc).unwrap();
     cpu.axpy(alpha, &xc, &mut yc).unwrap();
+    prop_assert_eq!(bits(&new_c.to_vec().unwrap()), bits(&yc.to_vec().unwrap()));
     cpu.scale(alpha, &mut yc).unwrap();
     for dev in devs {
         let (xd, mut yd) = (up(dev, &x), up(dev, &y));
+        let new_d = dev.axpy_new(alpha, &xd, &yd).unwrap();
+        prop_assert_eq!(bits(&yd.to_vec().unwrap()), bits(&y));
+        prop_assert_eq!(
+            bits(&new_d.to_vec().unwrap()),
+            bits(&new_c.to_vec().unwrap())
+        );
         dev.axpy(alpha, &xd, &mut yd).unwrap();
         dev.scale(alpha, &mut yd).unwrap();
         prop_assert_eq!(bits(&yd.to_vec().unwrap()), bits(&yc.to_vec().unwrap()));
@@ -267,6 +276,29 @@ proptest! {
     fn errors_match_cpu_and_leave_state(n in len(), seed in any::<u64>(), plants in prop::collection::vec((0usize..4, any::<usize>(), any::<u8>()), 1..4)) {
         errors_and_state(&devices(), n, seed, &plants)?;
     }
+}
+
+/// The CPU's parallel path (above `PAR_MIN` = 65536 elements, which the ragged lengths
+/// above stay below): axpy_new equal to axpy bit for bit at a few lengths up to 3e5, with
+/// NaN planted once to see the flagged path name it.
+#[test]
+fn cpu_axpy_new_parallel_path() {
+    let mut rng = common::seeded_rng();
+    for _ in 0..3 {
+        let n = rng.random_range(65_536..=300_000);
+        axpy_scale_copy(&[], n, rng.random(), rng.random_range(-4.0..4.0)).unwrap();
+    }
+    let n = 200_003;
+    let cpu = Device::Cpu;
+    let mut y = vals(&mut rng, n, -1.0, 1.0);
+    let at = rng.random_range(0..n);
+    y[at] = f32::NAN;
+    let x = up(&cpu, &vals(&mut rng, n, -1.0, 1.0));
+    let err = cpu.axpy_new(0.5, &x, &up(&cpu, &y)).unwrap_err();
+    assert!(
+        matches!(err, Error::NonFinite { arg: "y", index, .. } if index == at),
+        "{err:?}"
+    );
 }
 
 /// The CUDA arm at the GPU's sizes: every check above on ragged lengths of 1e6 to 1.6e7

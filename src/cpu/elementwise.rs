@@ -12,7 +12,9 @@
 
 use rayon::prelude::*;
 
-use crate::error::{check_finite, check_len, check_value, Result};
+use std::sync::atomic::{AtomicBool, Ordering};
+
+use crate::error::{check_finite, check_len, check_value, try_with_capacity, Result};
 use crate::params::elementwise::{
     check_beta, AdamWCoeffs, MultiLayout, MultiUpdate, SgdCoeffs, SophiaCoeffs,
 };
@@ -50,6 +52,41 @@ pub fn axpy(alpha: f32, x: &[f32], y: &mut [f32]) -> Result<()> {
         y.iter_mut().zip(x).for_each(|(y, &x)| *y += alpha * x);
     });
     Ok(())
+}
+
+/// `y + α x` as a new vector, in one pass that writes it (no zero fill) and flags a
+/// non-finite result; only a flagged call reads the inputs again, to name the first bad
+/// value. A non-finite `x` or `y` always gives a non-finite result (`α` is finite), so the
+/// one flag covers the inputs too.
+///
+/// # Errors
+/// As [`axpy`], plus [`Error::NonFinite`](crate::Error::NonFinite) with `arg`
+/// `"result (overflow)"` for finite inputs whose sum overflows, and
+/// [`Error::OutOfMemory`](crate::Error::OutOfMemory).
+pub fn axpy_new(alpha: f32, x: &[f32], y: &[f32]) -> Result<Vec<f32>> {
+    const OP: &str = "cpu::axpy_new";
+    check_len(OP, "x", x.len(), y.len())?;
+    check_value(OP, "alpha", alpha as f64, true, "a finite number")?;
+    let bad = AtomicBool::new(false);
+    let f = |(&x, &y): (&f32, &f32)| {
+        let v = y + alpha * x;
+        if !v.is_finite() {
+            bad.store(true, Ordering::Relaxed);
+        }
+        v
+    };
+    let mut out = try_with_capacity("host", x.len(), 1)?;
+    if x.len() < PAR_MIN {
+        out.extend(x.iter().zip(y).map(f));
+    } else {
+        out.par_extend(x.par_iter().zip(y.par_iter()).with_min_len(CHUNK).map(f));
+    }
+    if bad.into_inner() {
+        check_finite(OP, "x", x)?;
+        check_finite(OP, "y", y)?;
+        check_finite(OP, "result (overflow)", &out)?;
+    }
+    Ok(out)
 }
 
 /// `x ← α x`.

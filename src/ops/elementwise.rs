@@ -61,6 +61,32 @@ impl Device {
         })
     }
 
+    /// `y + α x` for `x`, `y` of one shape, as a new matrix (`y` is not written): what an
+    /// update that must keep its old value (to leave state unchanged on error) needs, without
+    /// the copy of `y` that [`Device::axpy`] on a clone would make. On the CPU one pass writes
+    /// the result and flags non-finite values ([`crate::cpu::elementwise::axpy_new`]); on the
+    /// kernel devices it is a device copy of `y` and [`Device::axpy`]'s kernel.
+    ///
+    /// # Errors
+    /// As [`Device::axpy`] (an overflowing result is `"result (overflow)"`), plus
+    /// [`Error::OutOfMemory`].
+    pub fn axpy_new(&self, alpha: f32, x: &Matrix, y: &Matrix) -> Result<Matrix> {
+        const OP: &str = "Device::axpy_new";
+        self.check_same(OP, &[("y", y), ("x", x)])?;
+        check_finite_scalar(OP, "alpha", alpha)?;
+        match self {
+            Device::Cpu => {
+                let v = crate::cpu::elementwise::axpy_new(alpha, host(x)?, host(y)?)?;
+                Matrix::from_host_vec(y.rows(), y.cols(), v)
+            }
+            Device::Emulated | Device::Cuda(_) => {
+                let mut out = y.try_clone()?;
+                self.axpy(alpha, x, &mut out)?;
+                Ok(out)
+            }
+        }
+    }
+
     /// `x ← α x`.
     ///
     /// # Errors

@@ -193,18 +193,13 @@ impl Ctx<'_> {
             return Ok(Retarget::Keep);
         }
         if (d * s.inverse_norm).abs() <= FIRST_ORDER_LIMIT {
-            // One axpy, X₀ + (−d)·S₀ into a copy of X₀; S₀ is formed once per formation and
+            // One pass, X₀ + (−d)·S₀ into a new matrix; S₀ is formed once per formation and
             // handed to the caller to cache.
-            let mut inverse = s.inverse.try_clone()?;
-            let square = match &s.square {
-                Some(sq) => {
-                    self.device.axpy(-d, sq, &mut inverse)?;
-                    None
-                }
+            let (inverse, square) = match &s.square {
+                Some(sq) => (self.device.axpy_new(-d, sq, &s.inverse)?, None),
                 None => {
                     let sq = self.square(&s.inverse)?;
-                    self.device.axpy(-d, &sq, &mut inverse)?;
-                    Some(sq)
+                    (self.device.axpy_new(-d, &sq, &s.inverse)?, Some(sq))
                 }
             };
             c.first_order_updates += 1;

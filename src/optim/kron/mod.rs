@@ -294,16 +294,17 @@ impl KronOptimizer {
         // must leave every layer and the optimizer state as they were.
         let mut updated = Vec::with_capacity(params.len());
         for (w, p) in params.iter().zip(&ps) {
-            let mut w = w.try_clone()?;
-            if let Err(e) = self.device.axpy(-eta, &p.p, &mut w) {
-                // Nothing reads the parameters before this update, so NaN/Inf in them surfaces
-                // here as a non-finite result; name them, checking only on this error path
-                // (no read-back on a good step).
-                let all: Vec<_> = params.iter().map(|p| ("params", p)).collect();
-                self.device.check_all_finite(op, &all)?;
-                return Err(e);
+            match self.device.axpy_new(-eta, &p.p, w) {
+                Ok(w) => updated.push(w),
+                Err(e) => {
+                    // Nothing reads the parameters before this update, so NaN/Inf in them
+                    // surfaces here as a non-finite result; name them, checking only on this
+                    // error path (no read-back on a good step).
+                    let all: Vec<_> = params.iter().map(|p| ("params", p)).collect();
+                    self.device.check_all_finite(op, &all)?;
+                    return Err(e);
+                }
             }
-            updated.push(w);
         }
         let refreshed = matches!(plan, Plan::Refresh(_));
         self.commit(plan, counters);
