@@ -9,6 +9,9 @@ use crate::error::Result;
 use crate::mat::Trans;
 use half::bf16;
 
+/// The op every GEMM entry point reports in its errors.
+const OP: &str = "Device::gemm";
+
 impl Device {
     /// `C ← α·op(A)·op(B) + β·C` with `op(A)` `m x k`, `op(B)` `k x n`, `C` `m x n`; `A` and `B`
     /// both `f32` or both `bf16` (widened exactly, f32 accumulation), `C` `f32`.
@@ -37,7 +40,6 @@ impl Device {
         beta: f32,
         c: &mut Matrix,
     ) -> Result<()> {
-        const OP: &str = "Device::gemm";
         self.check_on(OP, a)?;
         self.check_on(OP, b)?;
         self.check_on(OP, c)?;
@@ -64,7 +66,46 @@ impl Device {
         beta: f32,
         c: &mut Matrix,
     ) -> Result<()> {
-        const OP: &str = "Device::gemm";
+        self.commit_finite(OP, [(OVERFLOW, c, beta != 0.0)], |[c]| {
+            self.gemm_kernel(ta, tb, alpha, a, b, beta, c)
+        })
+    }
+
+    /// `α·op(A)·op(B)` as a new `f32` matrix, for operands the caller has already validated:
+    /// one allocation (the result, which `β = 0` never reads, so no scratch copy is needed to
+    /// leave anything unchanged on error), the product and its result check.
+    ///
+    /// # Errors
+    /// [`crate::Error::NonFinite`] (`"result (overflow)"`) for a non-finite product, device
+    /// and allocation errors.
+    pub(crate) fn product_valid_inputs<T: Element>(
+        &self,
+        ta: Trans,
+        tb: Trans,
+        alpha: f32,
+        a: &Matrix<T>,
+        b: &Matrix<T>,
+    ) -> Result<Matrix> {
+        let rows = if ta == Trans::No { a.rows() } else { a.cols() };
+        let cols = if tb == Trans::No { b.cols() } else { b.rows() };
+        let mut c = self.zeros(rows, cols)?;
+        self.gemm_kernel(ta, tb, alpha, a, b, 0.0, &mut c)?;
+        self.check_all_finite(OP, &[(OVERFLOW, &c)])?;
+        Ok(c)
+    }
+
+    /// The product itself on this device's backend, writing `c` in place.
+    #[allow(clippy::too_many_arguments)]
+    fn gemm_kernel<T: Element>(
+        &self,
+        ta: Trans,
+        tb: Trans,
+        alpha: f32,
+        a: &Matrix<T>,
+        b: &Matrix<T>,
+        beta: f32,
+        c: &mut Matrix,
+    ) -> Result<()> {
         // grng implements `Element` for f32 and bf16: pick the path of the concrete type.
         let (a, b): (&dyn Any, &dyn Any) = (a, b);
         let f32s = a.downcast_ref::<Matrix>().zip(b.downcast_ref::<Matrix>());
@@ -77,7 +118,7 @@ impl Device {
                 std::any::type_name::<T>()
             ))
         };
-        self.commit_finite(OP, [(OVERFLOW, c, beta != 0.0)], |[c]| match self {
+        match self {
             Device::Cpu => {
                 // The CPU reference: bf16 operands widened (exact) to f32 first.
                 let widened;
@@ -99,7 +140,7 @@ impl Device {
                 }
                 _ => Err(unsupported()),
             },
-        })
+        }
     }
 }
 

@@ -97,26 +97,16 @@ pub(super) fn precondition(
             factored(d, v, e, a, with_model)
         }
         KronGrad::Factored { e, a } => {
-            let mut g = d.zeros(o, i)?;
-            let m = e.rows() as f32;
-            gemm(d, Trans::Yes, Trans::No, 1.0 / m, e, a, &mut g)?;
+            let g = gemm(d, Trans::Yes, Trans::No, 1.0 / e.rows() as f32, e, a)?;
             dense(d, v, &g, with_model)
         }
         KronGrad::Dense(g) => dense(d, v, g, with_model),
     }
 }
 
-/// `C = α·op(A)·op(B)` into a `C` of the right shape (operands already validated).
-fn gemm(
-    d: &Device,
-    ta: Trans,
-    tb: Trans,
-    alpha: f32,
-    a: &Matrix,
-    b: &Matrix,
-    c: &mut Matrix,
-) -> Result<()> {
-    d.gemm_valid_inputs(ta, tb, alpha, a, b, 0.0, c)
+/// `α·op(A)·op(B)` as a new matrix (operands already validated).
+fn gemm(d: &Device, ta: Trans, tb: Trans, alpha: f32, a: &Matrix, b: &Matrix) -> Result<Matrix> {
+    d.product_valid_inputs(ta, tb, alpha, a, b)
 }
 
 /// The dense route: two products for `P`, two for `ΓPΛ`.
@@ -125,10 +115,8 @@ fn dense(d: &Device, v: &LayerView<'_>, g: &Matrix, with_model: bool) -> Result<
     let mut p = d.zeros(o, i)?;
     d.precondition_valid_inputs(v.gamma_inv, g, v.lambda_inv, &mut p)?;
     let terms = if with_model {
-        let mut gp = d.zeros(o, i)?;
-        gemm(d, Trans::No, Trans::No, 1.0, v.gamma, &p, &mut gp)?;
-        let mut gpl = d.zeros(o, i)?;
-        gemm(d, Trans::No, Trans::No, 1.0, &gp, v.lambda, &mut gpl)?;
+        let gp = gemm(d, Trans::No, Trans::No, 1.0, v.gamma, &p)?;
+        let gpl = gemm(d, Trans::No, Trans::No, 1.0, &gp, v.lambda)?;
         Some((d.dot(g, &p)? as f64, d.dot(&p, &gpl)? as f64))
     } else {
         None
@@ -144,28 +132,19 @@ fn factored(
     a: &Matrix,
     with_model: bool,
 ) -> Result<Preconditioned> {
-    let (m, o, i) = (e.rows(), v.gamma.rows(), v.lambda.rows());
-    let mut u = d.zeros(o, m)?;
-    gemm(d, Trans::No, Trans::Yes, 1.0, v.gamma_inv, e, &mut u)?;
-    let mut w = d.zeros(m, i)?;
-    gemm(d, Trans::No, Trans::No, 1.0, a, v.lambda_inv, &mut w)?;
-    let mut p = d.zeros(o, i)?;
-    gemm(d, Trans::No, Trans::No, 1.0 / m as f32, &u, &w, &mut p)?;
+    let m = e.rows();
+    let u = gemm(d, Trans::No, Trans::Yes, 1.0, v.gamma_inv, e)?;
+    let w = gemm(d, Trans::No, Trans::No, 1.0, a, v.lambda_inv)?;
+    let p = gemm(d, Trans::No, Trans::No, 1.0 / m as f32, &u, &w)?;
     let terms = if with_model {
         // Each m x m pair scaled by 1/m so the inner products need no further 1/m².
         let inv_m = 1.0 / m as f32;
-        let mut eu = d.zeros(m, m)?;
-        gemm(d, Trans::No, Trans::No, inv_m, e, &u, &mut eu)?;
-        let mut awt = d.zeros(m, m)?;
-        gemm(d, Trans::No, Trans::Yes, inv_m, a, &w, &mut awt)?;
-        let mut gu = d.zeros(o, m)?;
-        gemm(d, Trans::No, Trans::No, 1.0, v.gamma, &u, &mut gu)?;
-        let mut ugu = d.zeros(m, m)?;
-        gemm(d, Trans::Yes, Trans::No, inv_m, &u, &gu, &mut ugu)?;
-        let mut wl = d.zeros(m, i)?;
-        gemm(d, Trans::No, Trans::No, 1.0, &w, v.lambda, &mut wl)?;
-        let mut wlw = d.zeros(m, m)?;
-        gemm(d, Trans::No, Trans::Yes, inv_m, &wl, &w, &mut wlw)?;
+        let eu = gemm(d, Trans::No, Trans::No, inv_m, e, &u)?;
+        let awt = gemm(d, Trans::No, Trans::Yes, inv_m, a, &w)?;
+        let gu = gemm(d, Trans::No, Trans::No, 1.0, v.gamma, &u)?;
+        let ugu = gemm(d, Trans::Yes, Trans::No, inv_m, &u, &gu)?;
+        let wl = gemm(d, Trans::No, Trans::No, 1.0, &w, v.lambda)?;
+        let wlw = gemm(d, Trans::No, Trans::Yes, inv_m, &wl, &w)?;
         Some((d.dot(&eu, &awt)? as f64, d.dot(&ugu, &wlw)? as f64))
     } else {
         None

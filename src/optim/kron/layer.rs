@@ -218,11 +218,8 @@ impl Ctx<'_> {
     /// only). One `2n³`-flop GEMM per formation; the same device product every time, so the
     /// same bits for the same `X₀`.
     pub fn square(&self, x: &Matrix) -> Result<Matrix> {
-        let n = x.rows();
-        let mut s = self.device.zeros(n, n)?;
         self.device
-            .gemm_valid_inputs(Trans::No, Trans::No, 1.0, x, x, 0.0, &mut s)?;
-        Ok(s)
+            .product_valid_inputs(Trans::No, Trans::No, 1.0, x, x)
     }
 }
 
