@@ -256,6 +256,44 @@ proptest! {
         }
     }
 
+    /// [`Mlp::backward_factors`] is [`Mlp::backward`] without the flat gradient (same layers,
+    /// same loss, bit for bit), and [`LayerStats::gradient_norm_sq`] is `‖G_l‖²` of the flat
+    /// gradient's slice. Hidden widths up to 40 with batches of 1–8 take both of its routes
+    /// (Gram matrices when `m·(d_out + d_in) < d_out·d_in`). Bound: f32 GEMMs with inner
+    /// dimension `k ≤ max(m, d_out + d_in)` and the flat gradient's own rounding, each within
+    /// `k·2⁻²⁴` of the exact sum on absolute values `Σ (|e||e|ᵀ)∘(|a||a|ᵀ)/m²`; 4x margin.
+    #[test]
+    fn backward_factors_and_gradient_norm((seed, mut sizes, m, softmax) in shapes(), wide in 8usize..=40) {
+        sizes[1] = wide;
+        let c = case(seed, sizes.clone(), Activation::Tanh, loss_of(softmax), m);
+        let fwd = c.mlp.forward(c.x.as_ref()).unwrap();
+        let b = c.mlp.backward(&fwd, c.targets.as_targets()).unwrap();
+        let (layers, loss) = c.mlp.backward_factors(&fwd, c.targets.as_targets()).unwrap();
+        prop_assert_eq!(loss.to_bits(), b.loss.to_bits());
+        prop_assert_eq!(&layers, &b.layers);
+        for (l, s) in layers.iter().enumerate() {
+            let range = c.mlp.layer_range(l).unwrap();
+            let g = &b.grad[range];
+            let exact: f64 = g.iter().map(|&v| v as f64 * v as f64).sum();
+            let (e, a) = (s.e.as_ref(), s.a.as_ref());
+            let (d_out, d_in) = (e.cols(), a.cols());
+            let gram = |x: &MatRef<'_, f32>, k: usize, l2: usize| -> f64 {
+                (0..x.cols()).map(|j| (x.at(k, j) as f64 * x.at(l2, j) as f64).abs()).sum()
+            };
+            let mut abs = 0.0;
+            for k in 0..m {
+                for l2 in 0..m {
+                    abs += gram(&e, k, l2) * gram(&a, k, l2);
+                }
+            }
+            abs /= (m * m) as f64;
+            let k = m.max(d_out + d_in) as f64;
+            let tol = 4.0 * 2.0 * k * 2f64.powi(-24) * abs;
+            let got = s.gradient_norm_sq().unwrap();
+            prop_assert!((got - exact).abs() <= tol, "layer {l}: {got} vs {exact} (tol {tol:e})");
+        }
+    }
+
     /// The output Jacobian against central differences of the outputs (probabilities or raw
     /// outputs), every parameter; the tolerance argument of the file header applies per output.
     #[test]

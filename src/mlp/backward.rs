@@ -6,6 +6,7 @@ use rayon::prelude::*;
 
 use super::model::{act_deriv, min_rows, row_mut, Forward};
 use super::{Backward, FisherMode, LayerStats, Loss, Mlp, Targets, TargetsBuf};
+use crate::cpu::elementwise::dot_f64;
 use crate::cpu::gemm;
 use crate::data::standard_normal;
 use crate::error::Result;
@@ -111,6 +112,26 @@ impl Mlp {
         self.check_targets(OP, targets, fwd.batch_size())?;
         let (_, grad, loss) = self.errors_and_grad(fwd, targets, true)?;
         Ok((grad, loss))
+    }
+
+    /// Backward pass for the data `targets` without the flat gradient: per layer `A_l` and
+    /// `E_l` (as in [`Mlp::backward`], so `G_l = (1/m) E_lᵀ A_l`) and the mean loss. For
+    /// consumers that take each gradient by its factors
+    /// ([`crate::optim::kron::KronGrad::Factored`]) and would otherwise pay `2m·d_out·d_in`
+    /// flops a layer to form it; [`LayerStats::gradient_norm_sq`] gives its norm.
+    ///
+    /// # Errors
+    /// As [`Mlp::backward`].
+    pub fn backward_factors(
+        &self,
+        fwd: &Forward,
+        targets: Targets<'_>,
+    ) -> Result<(Vec<LayerStats>, f32)> {
+        const OP: &str = "Mlp::backward_factors";
+        self.check_forward(OP, fwd)?;
+        self.check_targets(OP, targets, fwd.batch_size())?;
+        let b = self.backward_stats(fwd, targets, false)?;
+        Ok((b.layers, b.loss))
     }
 
     /// Backward pass for the data `targets`: per layer `A_l` (`m x (d_l+1)`) and `E_l`
@@ -258,4 +279,33 @@ pub fn sample_class(p: &[f32], u: f64) -> usize {
         }
     }
     last
+}
+
+impl LayerStats {
+    /// `‖(1/m) eᵀa‖_F²` (`m` = rows) in `f64`, the squared norm of the gradient these data
+    /// statistics factor. When the two `m x m` Gram matrices cost fewer flops than the
+    /// `d_out x d_in` product (`m·(d_out + d_in) < d_out·d_in`) it is `⟨eeᵀ, aaᵀ⟩/m²`
+    /// (`‖eᵀa‖² = tr(aᵀe·eᵀa) = tr(eeᵀ·aaᵀ)`), else the product is formed. Both are f32
+    /// GEMMs summed in f64: off by about `k·2⁻²⁴` (`k` the inner dimension) relative to the same
+    /// sum on absolute values.
+    ///
+    /// # Errors
+    /// Allocation failures ([`crate::Error::OutOfMemory`]).
+    pub fn gradient_norm_sq(&self) -> Result<f64> {
+        let (m, d_out, d_in) = (self.e.rows(), self.e.cols(), self.a.cols());
+        let inv_m = 1.0 / m.max(1) as f32;
+        let product = |x: &Mat, tx: Trans, y: &Mat, ty: Trans, r: usize, c: usize| {
+            let mut out = Mat::zeros(r, c);
+            gemm(tx, ty, inv_m, x.as_ref(), y.as_ref(), 0.0, out.as_mut())?;
+            Ok::<Mat, crate::Error>(out)
+        };
+        if m * (d_out + d_in) < d_out * d_in {
+            let ee = product(&self.e, Trans::No, &self.e, Trans::Yes, m, m)?;
+            let aa = product(&self.a, Trans::No, &self.a, Trans::Yes, m, m)?;
+            Ok(dot_f64(ee.as_slice(), aa.as_slice()))
+        } else {
+            let g = product(&self.e, Trans::Yes, &self.a, Trans::No, d_out, d_in)?;
+            Ok(dot_f64(g.as_slice(), g.as_slice()))
+        }
+    }
 }
