@@ -27,7 +27,7 @@ use grng::cuda::CudaDevice;
 use grng::ops::elementwise::{AdamWCoeffs, MultiState};
 use grng::ops::kalman::{JacobianElement, KalmanOptions, KalmanState};
 use grng::ops::newton::{NewtonOptions, Precision};
-use grng::optim::kron::{KronConfig, KronOptimizer};
+use grng::optim::kron::{KronConfig, KronGrad, KronOptimizer};
 use grng::optim::KronStats;
 use grng::{Device, Trans};
 use half::bf16;
@@ -1124,11 +1124,17 @@ fn step_section(b: &Bench) -> Res<()> {
         }
         let stats: Vec<KronStats<'_>> =
             mats.iter().map(|(a, e, _, _)| KronStats { a, e }).collect();
-        let grads: Vec<&grng::Matrix> = mats.iter().map(|(_, _, g, _)| g).collect();
-        for (variant, base) in [
-            ("RING", KronConfig::ring()),
-            ("RENG", KronConfig::reng()),
-            ("NGD", KronConfig::ngd()),
+        // RENG's regularized gradient is dense; RING and NGD take the batch factors of
+        // `G = (1/m) EᵀA`, as the trainer hands them over (`KronGrad::Factored`).
+        let dense: Vec<KronGrad<'_>> = mats.iter().map(|(_, _, g, _)| KronGrad::Dense(g)).collect();
+        let factored: Vec<KronGrad<'_>> = mats
+            .iter()
+            .map(|(a, e, _, _)| KronGrad::Factored { e, a })
+            .collect();
+        for (variant, base, grads) in [
+            ("RING", KronConfig::ring(), &factored),
+            ("RENG", KronConfig::reng(), &dense),
+            ("NGD", KronConfig::ngd(), &factored),
         ] {
             for skip in [1, 8] {
                 let cfg = KronConfig { skip, ..base };
@@ -1142,7 +1148,7 @@ fn step_section(b: &Bench) -> Res<()> {
                 let mut cycle = || -> Res<()> {
                     for _ in 0..skip {
                         let st = opt.needs_stats().then_some(&stats[..]);
-                        opt.step(&mut params, &grads, st)?;
+                        opt.step_grads(&mut params, grads, st)?;
                     }
                     Ok(())
                 };

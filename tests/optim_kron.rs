@@ -14,7 +14,7 @@ use grng::optim::kron::{
 use grng::optim::KronStats;
 use grng::{Device, Error, Mat, Matrix, Trans};
 use proptest::prelude::*;
-use rand::SeedableRng;
+use rand::{Rng, SeedableRng};
 use rand_chacha::ChaCha8Rng;
 
 const DEV: Device = Device::Cpu;
@@ -392,6 +392,52 @@ proptest! {
         let (a_, b_) = (qf.predicted_change as f64, qd.predicted_change as f64);
         prop_assert!((a_ - b_).abs() <= 2.0 * unit * qmag + 1e-30,
             "q factored {a_} vs dense {b_}, magnitude {qmag:e}");
+    }
+}
+
+/// On the kernel devices (emulator; CUDA when present) a factored gradient is formed as
+/// `G = (1/m) EᵀA` by the device GEMM and preconditioned by the dense route (the factored
+/// products would run the SIMT GEMM there, see `factored_is_cheaper`): the step equals the
+/// dense step on that `G` bit for bit, the predicted change included.
+#[test]
+fn factored_gradient_on_kernel_devices_is_the_dense_route() {
+    let mut rng = common::seeded_rng();
+    for dev in common::devices()
+        .into_iter()
+        .filter(|d| !matches!(d, Device::Cpu))
+    {
+        for _ in 0..3 {
+            let (d_out, d_in, m) = (
+                rng.random_range(1..=70),
+                rng.random_range(1..=70),
+                rng.random_range(1..=20),
+            );
+            let up = |rng: &mut ChaCha8Rng, r: usize, c: usize| {
+                dev.upload(r, c, &common::vals(rng, r * c)).unwrap()
+            };
+            let (sa, se) = (up(&mut rng, m, d_in), up(&mut rng, m, d_out));
+            let stats = [KronStats { a: &sa, e: &se }];
+            let (a, e) = (up(&mut rng, m, d_in), up(&mut rng, m, d_out));
+            let mut g = dev.zeros(d_out, d_in).unwrap();
+            dev.gemm(Trans::Yes, Trans::No, 1.0 / m as f32, &e, &a, 0.0, &mut g)
+                .unwrap();
+            let w0 = up(&mut rng, d_out, d_in);
+            let shapes = [(d_out, d_in)];
+            let mut wf = vec![w0.try_clone().unwrap()];
+            let mut wd = vec![w0];
+            let cfg = KronConfig::ring();
+            let mut opt_f = KronOptimizer::new(&dev, &shapes, cfg).unwrap();
+            let mut opt_d = KronOptimizer::new(&dev, &shapes, cfg).unwrap();
+            let grads = [KronGrad::Factored { e: &e, a: &a }];
+            let qf = opt_f.step_grads(&mut wf, &grads, Some(&stats)).unwrap();
+            let qd = opt_d.step(&mut wd, &[&g], Some(&stats)).unwrap();
+            assert_eq!(
+                host(&wf[0]),
+                host(&wd[0]),
+                "{dev:?} {d_out}x{d_in}, m = {m}"
+            );
+            assert_eq!(qf.predicted_change.to_bits(), qd.predicted_change.to_bits());
+        }
     }
 }
 

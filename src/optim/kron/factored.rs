@@ -15,7 +15,8 @@
 //! `4·d_out·d_in·(d_out + d_in)` (two products for `P`, two for `ΓPΛ`), the factored one
 //! `2m·(2d_out² + 2d_in² + d_out·d_in) + 8m²·(d_out + d_in)`; at `m = 256`,
 //! `d_out = d_in = 1024` that is 3.2 against 8.6 GFLOP. [`factored_is_cheaper`] picks per
-//! layer; when it says no, `G` is formed (`2m·d_out·d_in`) and the dense route runs.
+//! layer (on the CPU; see there for the kernel devices); when it says no, `G` is formed
+//! (`2m·d_out·d_in`) and the dense route runs.
 
 use crate::device::{Device, Matrix};
 use crate::error::Result;
@@ -39,10 +40,25 @@ pub enum KronGrad<'a> {
     },
 }
 
-/// True when the factored route (module docs) costs fewer flops than forming `G` and taking
-/// the dense one, for a `d_out x d_in` layer and `m` samples. `with_model`: the quadratic
-/// model's terms are needed too (a step, not a bare preconditioning).
-pub(super) fn factored_is_cheaper(m: usize, d_out: usize, d_in: usize, with_model: bool) -> bool {
+/// True when the factored route (module docs) is the faster one on `d` for a `d_out x d_in`
+/// layer and `m` samples. `with_model`: the quadratic model's terms are needed too (a step,
+/// not a bare preconditioning).
+///
+/// On the CPU every product runs the same GEMM, so fewer flops is faster. On the kernel
+/// devices the dense route's preconditioning runs the f32-accurate tensor-core products
+/// (`precond_gemm3_tc`) while [`Device::gemm`] on `f32` — what the factored route would use —
+/// is the SIMT kernel, several times slower per flop (`docs/gpu.md`): there the dense route is
+/// kept until the factored products have a tensor-core path and a GPU bench shows the gain.
+pub(super) fn factored_is_cheaper(
+    d: &Device,
+    m: usize,
+    d_out: usize,
+    d_in: usize,
+    with_model: bool,
+) -> bool {
+    if !matches!(d, Device::Cpu) {
+        return false;
+    }
     let (m, o, i) = (m as f64, d_out as f64, d_in as f64);
     let (mut factored, mut dense) = (2.0 * m * (o * o + i * i + o * i), 2.0 * o * i * (o + i));
     if with_model {
@@ -93,7 +109,7 @@ pub(super) fn precondition(
 ) -> Result<Preconditioned> {
     let (o, i) = (v.gamma.rows(), v.lambda.rows());
     match g {
-        KronGrad::Factored { e, a } if factored_is_cheaper(e.rows(), o, i, with_model) => {
+        KronGrad::Factored { e, a } if factored_is_cheaper(d, e.rows(), o, i, with_model) => {
             factored(d, v, e, a, with_model)
         }
         KronGrad::Factored { e, a } => {
