@@ -5,7 +5,10 @@
 //! - `GRNG_BENCH_SHAPE`: MLP widths `d_0-…-d_L` (default `784-1024-1024-10`, tanh);
 //! - `GRNG_BENCH_BATCH`: mini-batch of the gradient methods (default 256);
 //! - `GRNG_BENCH_ACT`: `tanh` (default) or `relu`;
-//! - `GRNG_BENCH_ONLY`: comma-separated subset of `ring,reng,ngd,rkalman,kalman,adamw,sgd,sophia`.
+//! - `GRNG_BENCH_ONLY`: comma-separated subset of `ring,reng,ngd,rkalman,kalman,adamw,sgd,sophia`;
+//! - `GRNG_BENCH_EMA`: the Kronecker factors' EMA `ε` (default: the method's, 0 = replaced at
+//!   each refresh; kfac-jax's default is 0.95). With `ε > 0` the factors are full rank, so the
+//!   low-rank paths of a refresh (the Woodbury inverse, the Gram norm) do not apply.
 //!
 //! RING and RENG run at `S = 1` (factors and inverses every step) and `S = 8` (the amortized
 //! lazy cost: criterion averages over many consecutive steps). The Kalman methods take ONE
@@ -67,6 +70,11 @@ fn variants(batch: usize) -> Vec<(String, MethodConfig)> {
             };
             c.set(Knob::Lr, lr)
                 .expect("gradient methods have a learning rate");
+        }
+        if let (true, Ok(ema)) = (method.is_kronecker(), std::env::var("GRNG_BENCH_EMA")) {
+            let ema: f32 = ema.parse().expect("GRNG_BENCH_EMA: a number in [0, 1)");
+            c.set(Knob::Ema, ema)
+                .expect("GRNG_BENCH_EMA: the Kronecker methods take 0 <= ema < 1");
         }
         match (method, c.optimizer) {
             (Method::Ring | Method::Reng, OptimizerConfig::Kron(k)) => {
