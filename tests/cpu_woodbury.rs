@@ -1,6 +1,6 @@
 //! The low-rank (Woodbury) damped inverse `(XᵀX/m + λI)⁻¹` on the CPU
 //! (`grng::cpu::low_rank_damped_inverse`) against an `f64` Cholesky reference, its `bf16`
-//! input and its typed errors.
+//! input, its typed errors, and its use by `KronOptimizer` at a refresh.
 //!
 //! # Tolerance
 //! The result is rounded once from `f64`: `2⁻²⁴·|Z_ij| ≤ 2⁻²⁴/λ` per entry. Before that, the
@@ -13,12 +13,16 @@
 
 mod common;
 
-use grng::{Error, MatRef};
+use grng::ops::newton::Precision;
+use grng::optim::kron::{InverseMethod, KronConfig, KronOptimizer, KronState};
+use grng::optim::KronStats;
+use grng::{Device, Error, MatRef, Matrix};
 use half::bf16;
 use proptest::prelude::*;
 use rand::{Rng, SeedableRng};
 use rand_chacha::ChaCha8Rng;
 
+const DEV: Device = Device::Cpu;
 const U64: f64 = f64::EPSILON / 2.0;
 
 /// `(XᵀX/m + λI)⁻¹` in f64 for row-major `m x n` `x`.
@@ -144,4 +148,174 @@ fn bad_inputs_are_typed_errors() {
         grng::cpu::low_rank_damped_inverse(MatRef::new(&none, 0, 3).unwrap(), 1.0),
         Err(Error::Shape { arg: "x", .. })
     ));
+}
+
+// ---------- in the optimizer ----------
+
+/// `(d_out, d_in)` of the one layer, and the rows of its statistics: `m ≤ n/2` for both
+/// factors (the low-rank path), or `m_a` above `d_in / 2` for `Λ` (Cholesky).
+const SHAPE: (usize, usize) = (24, 40);
+
+struct Problem {
+    a: Matrix,
+    e: Matrix,
+    g: Matrix,
+    w0: Vec<f32>,
+}
+
+fn problem(rng: &mut ChaCha8Rng, m_a: usize, m_e: usize) -> Problem {
+    let (o, i) = SHAPE;
+    let mut up = |r, c| DEV.upload(r, c, &common::vals(rng, r * c)).unwrap();
+    let (a, e, g) = (up(m_a, i), up(m_e, o), up(o, i));
+    Problem {
+        a,
+        e,
+        g,
+        w0: common::vals(rng, o * i),
+    }
+}
+
+/// One RENG step (damping `√ρ` on both factors) with `stats`; returns the optimizer and the
+/// preconditioned gradient it applied, `(W₀ − W₁)/η`.
+fn step(opt: &mut KronOptimizer, p: &Problem, stats: &[KronStats<'_>]) -> Vec<f64> {
+    let (o, i) = SHAPE;
+    let mut w = vec![DEV.upload(o, i, &p.w0).unwrap()];
+    let info = opt.step(&mut w, &[&p.g], Some(stats)).unwrap();
+    let w1 = w[0].to_vec().unwrap();
+    p.w0.iter()
+        .zip(&w1)
+        .map(|(a, b)| (*a as f64 - *b as f64) / info.lr as f64)
+        .collect()
+}
+
+fn host(m: &Matrix) -> Vec<f32> {
+    m.to_vec().unwrap()
+}
+
+fn reng(ema: f32) -> KronConfig {
+    KronConfig {
+        ema,
+        skip: 1,
+        ..KronConfig::reng()
+    }
+}
+
+/// Checks the state's inverses against the f64 inverses from the rows `a`, `e` (as the
+/// factors read them), within the bound of the module docs, and the applied `P` against `Γ̃⁻¹GΛ̃⁻¹` from those f64 inverses, within the rounding of the f32
+/// inverses and of the two preconditioning GEMMs.
+fn check_against_rows(st: &KronState, a: &[f32], e: &[f32], p: &Problem, applied: &[f64]) {
+    let (o, i) = SHAPE;
+    let (sl, sg) = (&st.layers[0].lambda, &st.layers[0].gamma);
+    let (ma, me) = (a.len() / i, e.len() / o);
+    let zl = reference(a, ma, i, sl.damping);
+    let zg = reference(e, me, o, sg.damping);
+    let wl = worst_ratio(&host(&sl.inverse), &zl, i, tolerance(a, ma, i, sl.damping));
+    let wg = worst_ratio(&host(&sg.inverse), &zg, o, tolerance(e, me, o, sg.damping));
+    assert!(
+        wl <= 1.0 && wg <= 1.0,
+        "inverse errors {wl}x, {wg}x the bound"
+    );
+
+    let g: Vec<f64> = host(&p.g).iter().map(|&v| v as f64).collect();
+    let want = common::matmul64(&common::matmul64(&zg, &g, o, o, i), &zl, o, i, i);
+    // ‖Z‖₂ ≤ 1/λ for both inverses: P's scale, and each f32 rounding (inverse entries, GEMM
+    // sums of ≤ 40 terms, the update W₀ − ηP) adds ≲ (o + i + 4)·2⁻²⁴ of it per entry.
+    let scale =
+        (g.iter().map(|v| v * v).sum::<f64>()).sqrt() / (sl.damping as f64 * sg.damping as f64);
+    let w_scale = p.w0.iter().map(|v| v.abs() as f64).fold(1.0, f64::max);
+    let tol = 4.0 * (o + i + 4) as f64 * common::U32 * (scale + w_scale);
+    for (k, (x, y)) in applied.iter().zip(&want).enumerate() {
+        assert!((x - y).abs() <= tol, "P[{k}] = {x} vs {y} (tol {tol:e})");
+    }
+}
+
+/// With `ε = 0` and `m ≤ n/2` rows for both factors, a refresh inverts both by the low-rank
+/// path (counted, no Cholesky), every refresh; the step matches the f64 reference from the
+/// rows. `f32` statistics rounded by `stats_precision = Bf16` are inverted as rounded, and
+/// `bf16` statistics give the same bits.
+#[test]
+fn refresh_with_few_rows_uses_the_low_rank_inverse() {
+    let mut rng = common::seeded_rng();
+    let (o, i) = SHAPE;
+    let mut opt = KronOptimizer::new(&DEV, &[SHAPE], reng(0.0)).unwrap();
+    for k in 1..=2u64 {
+        let p = problem(&mut rng, i / 2, o / 2);
+        let applied = step(&mut opt, &p, &[KronStats { a: &p.a, e: &p.e }]);
+        let c = *opt.counters();
+        assert_eq!((c.low_rank_inversions, c.cholesky_inversions), (2 * k, 0));
+        check_against_rows(
+            &opt.state().unwrap(),
+            &host(&p.a),
+            &host(&p.e),
+            &p,
+            &applied,
+        );
+    }
+
+    let p = problem(&mut rng, i / 4, o / 3);
+    let rounded = |m: &Matrix| -> Vec<f32> {
+        host(m)
+            .iter()
+            .map(|&v| bf16::from_f32(v).to_f32())
+            .collect()
+    };
+    let cfg = KronConfig {
+        stats_precision: Precision::Bf16,
+        ..reng(0.0)
+    };
+    let mut opt = KronOptimizer::new(&DEV, &[SHAPE], cfg).unwrap();
+    let applied = step(&mut opt, &p, &[KronStats { a: &p.a, e: &p.e }]);
+    assert_eq!(opt.counters().low_rank_inversions, 2);
+    let st = opt.state().unwrap();
+    check_against_rows(&st, &rounded(&p.a), &rounded(&p.e), &p, &applied);
+
+    let to_bf16 = |m: &Matrix| {
+        let h: Vec<bf16> = host(m).iter().map(|&v| bf16::from_f32(v)).collect();
+        DEV.upload(m.rows(), m.cols(), &h).unwrap()
+    };
+    let (ab, eb) = (to_bf16(&p.a), to_bf16(&p.e));
+    let mut fed = KronOptimizer::new(&DEV, &[SHAPE], reng(0.0)).unwrap();
+    assert_eq!(step(&mut fed, &p, &[KronStats { a: &ab, e: &eb }]), applied);
+    let st2 = fed.state().unwrap();
+    assert_eq!(
+        host(&st2.layers[0].lambda.inverse),
+        host(&st.layers[0].lambda.inverse)
+    );
+    assert_eq!(
+        host(&st2.layers[0].gamma.inverse),
+        host(&st.layers[0].gamma.inverse)
+    );
+}
+
+/// The low-rank path only replaces a Cholesky inversion of a factor formed from `m ≤ n/2`
+/// rows that replaced the old one: more rows, an EMA-blended refresh, or a Newton method
+/// keep their inversion.
+#[test]
+fn low_rank_inverse_only_where_it_applies() {
+    let mut rng = common::seeded_rng();
+    let (o, i) = SHAPE;
+    // Λ from i/2 + 1 rows: Cholesky; Γ from o/2: low rank.
+    let p = problem(&mut rng, i / 2 + 1, o / 2);
+    let mut opt = KronOptimizer::new(&DEV, &[SHAPE], reng(0.0)).unwrap();
+    step(&mut opt, &p, &[KronStats { a: &p.a, e: &p.e }]);
+    let c = *opt.counters();
+    assert_eq!((c.low_rank_inversions, c.cholesky_inversions), (1, 1));
+
+    // ε > 0: the first refresh replaces (low rank), the second blends (Cholesky).
+    let p = problem(&mut rng, 4, 4);
+    let mut opt = KronOptimizer::new(&DEV, &[SHAPE], reng(0.5)).unwrap();
+    for _ in 0..2 {
+        step(&mut opt, &p, &[KronStats { a: &p.a, e: &p.e }]);
+    }
+    let c = *opt.counters();
+    assert_eq!((c.low_rank_inversions, c.cholesky_inversions), (2, 2));
+
+    let cfg = KronConfig {
+        inverse: InverseMethod::Newton(Default::default()),
+        ..reng(0.0)
+    };
+    let mut opt = KronOptimizer::new(&DEV, &[SHAPE], cfg).unwrap();
+    step(&mut opt, &p, &[KronStats { a: &p.a, e: &p.e }]);
+    let c = *opt.counters();
+    assert_eq!((c.low_rank_inversions, c.newton_inversions), (0, 2));
 }
