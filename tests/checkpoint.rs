@@ -747,9 +747,9 @@ fn wrong_sizes_and_kinds_for_each_optimizer() {
 fn kron_checkpoint_without_the_low_rank_counter_loads() {
     let dev = Device::Cpu;
     let mut rng = common::seeded_rng();
-    let (o, i) = (4usize, 8usize);
+    let (o, i) = (66usize, 80usize);
     let mut mat = |r: usize, c: usize| dev.upload(r, c, &common::vals(&mut rng, r * c)).unwrap();
-    // Two rows, at most half of either side: both factors take the low-rank inverse.
+    // Two rows, sides above 64: both factors take the low-rank inverse.
     let (a, e, g, mut w) = (mat(2, i), mat(2, o), mat(o, i), vec![mat(o, i)]);
     let mut opt = KronOptimizer::new(&dev, &[(o, i)], KronConfig::ring()).unwrap();
     opt.step(&mut w, &[&g], Some(&[KronStats { a: &a, e: &e }]))

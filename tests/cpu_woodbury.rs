@@ -85,9 +85,9 @@ proptest! {
 
         let h: Vec<bf16> = x.iter().map(|&v| bf16::from_f32(v)).collect();
         let widened: Vec<f32> = h.iter().map(|v| v.to_f32()).collect();
-        let zb = grng::cpu::low_rank_damped_inverse(MatRef::new(&h, m, n).unwrap(), lambda).unwrap();
-        let zw = grng::cpu::low_rank_damped_inverse(MatRef::new(&widened, m, n).unwrap(), lambda)
-            .unwrap();
+        let (hv, wv) = (MatRef::new(&h, m, n).unwrap(), MatRef::new(&widened, m, n).unwrap());
+        let zb = grng::cpu::low_rank_damped_inverse(hv, lambda).unwrap();
+        let zw = grng::cpu::low_rank_damped_inverse(wv, lambda).unwrap();
         let bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
         prop_assert_eq!(bits(zb.as_slice()), bits(zw.as_slice()));
     }
@@ -152,9 +152,8 @@ fn bad_inputs_are_typed_errors() {
 
 // ---------- in the optimizer ----------
 
-/// `(d_out, d_in)` of the one layer, and the rows of its statistics: `m ≤ n/2` for both
-/// factors (the low-rank path), or `m_a` above `d_in / 2` for `Λ` (Cholesky).
-const SHAPE: (usize, usize) = (24, 40);
+/// `(d_out, d_in)` of the one layer: both sides above the low-rank path's `n > 64`.
+const SHAPE: (usize, usize) = (72, 100);
 
 struct Problem {
     a: Matrix,
@@ -163,8 +162,9 @@ struct Problem {
     w0: Vec<f32>,
 }
 
-fn problem(rng: &mut ChaCha8Rng, m_a: usize, m_e: usize) -> Problem {
-    let (o, i) = SHAPE;
+/// A layer of `shape`, with `m_a` and `m_e` rows of statistics.
+fn problem(rng: &mut ChaCha8Rng, shape: (usize, usize), m_a: usize, m_e: usize) -> Problem {
+    let (o, i) = shape;
     let mut up = |r, c| DEV.upload(r, c, &common::vals(rng, r * c)).unwrap();
     let (a, e, g) = (up(m_a, i), up(m_e, o), up(o, i));
     Problem {
@@ -178,7 +178,7 @@ fn problem(rng: &mut ChaCha8Rng, m_a: usize, m_e: usize) -> Problem {
 /// One RENG step (damping `√ρ` on both factors) with `stats`; returns the optimizer and the
 /// preconditioned gradient it applied, `(W₀ − W₁)/η`.
 fn step(opt: &mut KronOptimizer, p: &Problem, stats: &[KronStats<'_>]) -> Vec<f64> {
-    let (o, i) = SHAPE;
+    let (o, i) = p.g.shape();
     let mut w = vec![DEV.upload(o, i, &p.w0).unwrap()];
     let info = opt.step(&mut w, &[&p.g], Some(stats)).unwrap();
     let w1 = w[0].to_vec().unwrap();
@@ -201,7 +201,8 @@ fn reng(ema: f32) -> KronConfig {
 }
 
 /// Checks the state's inverses against the f64 inverses from the rows `a`, `e` (as the
-/// factors read them), within the bound of the module docs, and the applied `P` against `Γ̃⁻¹GΛ̃⁻¹` from those f64 inverses, within the rounding of the f32
+/// factors read them), within the bound of the module docs, and the applied `P` against
+/// `Γ̃⁻¹GΛ̃⁻¹` from those f64 inverses, within the rounding of the f32
 /// inverses and of the two preconditioning GEMMs.
 fn check_against_rows(st: &KronState, a: &[f32], e: &[f32], p: &Problem, applied: &[f64]) {
     let (o, i) = SHAPE;
@@ -219,7 +220,7 @@ fn check_against_rows(st: &KronState, a: &[f32], e: &[f32], p: &Problem, applied
     let g: Vec<f64> = host(&p.g).iter().map(|&v| v as f64).collect();
     let want = common::matmul64(&common::matmul64(&zg, &g, o, o, i), &zl, o, i, i);
     // ‖Z‖₂ ≤ 1/λ for both inverses: P's scale, and each f32 rounding (inverse entries, GEMM
-    // sums of ≤ 40 terms, the update W₀ − ηP) adds ≲ (o + i + 4)·2⁻²⁴ of it per entry.
+    // sums of ≤ 100 terms, the update W₀ − ηP) adds ≲ (o + i + 4)·2⁻²⁴ of it per entry.
     let scale =
         (g.iter().map(|v| v * v).sum::<f64>()).sqrt() / (sl.damping as f64 * sg.damping as f64);
     let w_scale = p.w0.iter().map(|v| v.abs() as f64).fold(1.0, f64::max);
@@ -239,7 +240,7 @@ fn refresh_with_few_rows_uses_the_low_rank_inverse() {
     let (o, i) = SHAPE;
     let mut opt = KronOptimizer::new(&DEV, &[SHAPE], reng(0.0)).unwrap();
     for k in 1..=2u64 {
-        let p = problem(&mut rng, i / 2, o / 2);
+        let p = problem(&mut rng, SHAPE, i / 2, o / 2);
         let applied = step(&mut opt, &p, &[KronStats { a: &p.a, e: &p.e }]);
         let c = *opt.counters();
         assert_eq!((c.low_rank_inversions, c.cholesky_inversions), (2 * k, 0));
@@ -252,7 +253,7 @@ fn refresh_with_few_rows_uses_the_low_rank_inverse() {
         );
     }
 
-    let p = problem(&mut rng, i / 4, o / 3);
+    let p = problem(&mut rng, SHAPE, i / 4, o / 3);
     let rounded = |m: &Matrix| -> Vec<f32> {
         host(m)
             .iter()
@@ -288,21 +289,28 @@ fn refresh_with_few_rows_uses_the_low_rank_inverse() {
 }
 
 /// The low-rank path only replaces a Cholesky inversion of a factor formed from `m ≤ n/2`
-/// rows that replaced the old one: more rows, an EMA-blended refresh, or a Newton method
-/// keep their inversion.
+/// rows, `n > 64`, that replaced the old one: more rows, smaller factors, an EMA-blended
+/// refresh, or a Newton method keep their inversion.
 #[test]
 fn low_rank_inverse_only_where_it_applies() {
     let mut rng = common::seeded_rng();
     let (o, i) = SHAPE;
     // Λ from i/2 + 1 rows: Cholesky; Γ from o/2: low rank.
-    let p = problem(&mut rng, i / 2 + 1, o / 2);
+    let p = problem(&mut rng, SHAPE, i / 2 + 1, o / 2);
     let mut opt = KronOptimizer::new(&DEV, &[SHAPE], reng(0.0)).unwrap();
     step(&mut opt, &p, &[KronStats { a: &p.a, e: &p.e }]);
     let c = *opt.counters();
     assert_eq!((c.low_rank_inversions, c.cholesky_inversions), (1, 1));
 
+    // n = 64 and 8: below the low-rank path's size, however few the rows.
+    let p = problem(&mut rng, (8, 64), 2, 2);
+    let mut opt = KronOptimizer::new(&DEV, &[(8, 64)], reng(0.0)).unwrap();
+    step(&mut opt, &p, &[KronStats { a: &p.a, e: &p.e }]);
+    let c = *opt.counters();
+    assert_eq!((c.low_rank_inversions, c.cholesky_inversions), (0, 2));
+
     // ε > 0: the first refresh replaces (low rank), the second blends (Cholesky).
-    let p = problem(&mut rng, 4, 4);
+    let p = problem(&mut rng, SHAPE, 4, 4);
     let mut opt = KronOptimizer::new(&DEV, &[SHAPE], reng(0.5)).unwrap();
     for _ in 0..2 {
         step(&mut opt, &p, &[KronStats { a: &p.a, e: &p.e }]);

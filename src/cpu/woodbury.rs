@@ -40,17 +40,21 @@ use crate::error::{check_value, try_vec, Result};
 use crate::mat::{Mat, MatRef};
 
 /// Whether [`low_rank_damped_inverse`] of `m` rows is expected to beat the Cholesky inverse
-/// of the formed `n x n` damped factor ([`super::cholesky_inverse`]): `m ≤ n/2`.
+/// of the formed `n x n` damped factor ([`super::cholesky_inverse`]): `m ≤ n/2` and
+/// `n > 64`.
 ///
 /// By flop count (module docs: `2m²n + mn² + m³/3` against `n³`) the two meet at
-/// `m ≈ 0.48n`. Measured (`benches/newton.rs`, `low_rank_inverse`, 2 busy cores), the
-/// low-rank path still won at `m = n/2` — n = 1024: 30 against 38 ms; n = 256: 0.77
-/// against 1.20 ms — and broke even near `m ≈ 0.6n` (n = 64, 256, 1024; a one-off run with
-/// more shapes, `docs/benchmarks.md` §3): its work is
-/// GEMM-shaped, while half of the Cholesky inverse's is the less efficient inversion of the
-/// factor. `m ≤ n/2` stays on the safe side of both.
+/// `m ≈ 0.48n`. Measured (least time of 30–200 interleaved repetitions on the 2-core
+/// AVX-512 machine of `docs/benchmarks.md` §3, under load), the low-rank path still wins at
+/// `m = n/2` — 1.2x at n = 1024, 1.5–2.1x at n = 256, 1.7x at n = 128 — and breaks even near
+/// `m ≈ 0.6–0.7n`: its work is GEMM-shaped, while half of the Cholesky inverse's is the less
+/// efficient inversion of the factor. At `m = n/4`: 4x at n = 1024, 2.5x at 785, 4.3x at
+/// 256. Up to n = 64 its fixed costs (four faer calls, a parallel rounding pass) eat the
+/// cubic saving (0.3–1.2x, tens of microseconds either way); from n = 72 on it wins (1.2x,
+/// then 1.9x at n = 80). `m ≤ n/2`, `n > 64` stays on the safe side of both.
 pub fn low_rank_is_cheaper(m: usize, n: usize) -> bool {
-    2 * m <= n
+    const MIN_N: usize = 64;
+    n > MIN_N && 2 * m <= n
 }
 
 /// `(XᵀX/m + λI)⁻¹` (`n x n`) for the rows `X` (`m x n`, `f32` or `bf16`) and the damping
@@ -61,8 +65,9 @@ pub fn low_rank_is_cheaper(m: usize, n: usize) -> bool {
 /// the result means nothing (or the factorization fails, below).
 ///
 /// # Errors
-/// [`Error::Shape`](crate::Error::Shape) when `m = 0`, [`Error::NonFinite`](crate::Error::NonFinite)
-/// for NaN/Inf in `x` (found while it is widened), [`Error::Value`](crate::Error::Value)
+/// [`Error::Shape`](crate::Error::Shape) when `m = 0`,
+/// [`Error::NonFinite`](crate::Error::NonFinite) for NaN/Inf in `x` (found while it is
+/// widened), [`Error::Value`](crate::Error::Value)
 /// unless `λ` is a normal positive `f32` (so `1/λ`, the inverse's norm, fits `f32`),
 /// [`Error::OutOfMemory`](crate::Error::OutOfMemory) when a buffer cannot be allocated.
 /// [`Error::NotSpd`](crate::Error::NotSpd) if the Cholesky factorization of

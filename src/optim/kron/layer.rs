@@ -192,8 +192,9 @@ impl Ctx<'_> {
     /// `(F + λI)⁻¹` from the rows `x` (`m x n`) that `F = xᵀx/m` was just formed from, by
     /// the Woodbury identity ([`crate::cpu::low_rank_damped_inverse`], `f64`, ~`2m²n + mn²`
     /// flops against the Cholesky inverse's ~`n³`) — on [`Device::Cpu`] when
-    /// [`crate::cpu::low_rank_is_cheaper`] (`m ≤ n/2`) and `λ` is normal (`λ = 0`, possible
-    /// with a zero damping floor, is left to Cholesky, which reports the singular factor).
+    /// [`crate::cpu::low_rank_is_cheaper`] (`m ≤ n/2`, `n > 64`) and `λ` is normal (`λ = 0`,
+    /// possible with a zero damping floor, is left to Cholesky, which reports the singular
+    /// factor).
     /// `None` when it does not apply: no rows (an EMA blend or a lazy recompute, where `F`
     /// is no Gram matrix of rows at hand), another device (whose Newton or cuSOLVER path stays
     /// on the device), or too many rows (exact Fisher's `m·C` rows often exceed `n`).

@@ -95,7 +95,7 @@ pub struct KronCounters {
     pub cholesky_inversions: u64,
     /// Inverses formed at a refresh by the low-rank (Woodbury) path instead of a Cholesky
     /// inversion: the method resolves to Cholesky on [`crate::Device::Cpu`], the factor was
-    /// replaced (ε = 0 or the first refresh) from `m ≤ n/2` statistics rows
+    /// replaced (ε = 0 or the first refresh) from `m ≤ n/2` statistics rows, `n > 64`
     /// ([`crate::cpu::low_rank_damped_inverse`], [`super::InverseMethod::Auto`]). Not in
     /// [`KronCounters::cholesky_inversions`].
     pub low_rank_inversions: u64,
