@@ -48,8 +48,8 @@ use crate::mat::{Mat, MatRef};
 /// AVX-512 machine of `docs/benchmarks.md` §3, under load), the low-rank path still wins at
 /// `m = n/2` — 1.2x at n = 1024, 1.5–2.1x at n = 256, 1.7x at n = 128 — and breaks even near
 /// `m ≈ 0.6–0.7n`: its work is GEMM-shaped, while half of the Cholesky inverse's is the less
-/// efficient inversion of the factor. At `m = n/4`: 4x at n = 1024, 2.5x at 785, 4.3x at
-/// 256. Up to n = 64 its fixed costs (four faer calls, a parallel rounding pass) eat the
+/// efficient inversion of the factor. At m = 256: ~4x at n = 1024, 2.5x at 785; at
+/// `m = n/4`, 4.3x at n = 256. Up to n = 64 its fixed costs (four faer calls, a parallel rounding pass) eat the
 /// cubic saving (0.3–1.2x, tens of microseconds either way); from n = 72 on it wins (1.2x,
 /// then 1.9x at n = 80). `m ≤ n/2`, `n > 64` stays on the safe side of both.
 pub fn low_rank_is_cheaper(m: usize, n: usize) -> bool {

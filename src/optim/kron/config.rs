@@ -34,7 +34,7 @@ pub enum InverseMethod {
     /// `ε = 0`, the default, or the first refresh) from `m ≤ n/2` statistics rows (`n > 64`,
     /// [`crate::cpu::low_rank_is_cheaper`]) is done without the factor, by the Woodbury
     /// identity from the rows ([`crate::cpu::low_rank_damped_inverse`]: the same exact inverse
-    /// in `f64`, ~`2m²n + mn²` flops against ~`n³`; 2–4x faster at m = 256, n = 785 and 1024,
+    /// in `f64`, ~`2m²n + mn²` flops against ~`n³`; 1.5–4x faster at m = 256, n = 785 and 1024,
     /// `docs/benchmarks.md` §3), counted in [`super::KronCounters::low_rank_inversions`].
     /// Blended factors, lazy recomputes and the Newton fallback invert the formed factor by
     /// Cholesky.
