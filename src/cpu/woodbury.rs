@@ -19,17 +19,17 @@
 //! `λ_min(K) ≥ mλ`), `κ = (λ + ‖|X||X|ᵀ‖₂/m)/λ`: the condition number `(λ + ‖F‖₂)/λ` of
 //! `F + λI`, `F = XᵀX/m`, up to the signs of `X` (and at most `(λ + tr F)/λ`). The
 //! cancellation in `I − WᵀW` — its eigenvalues `λ/(λ + s)`, for the eigenvalues `s` of `F`,
-//! are tiny where `s ≫ λ` — keeps this absolute: `c·(m + n)·ε_f64·κ/λ = c·(m + n)·ε_f64·κ·‖Z‖₂`
-//! on the result `Z` (`‖Z‖₂ ≤ 1/λ`, equal when `m < n`). That is the order, `ε_f64·κ`
-//! relative to `‖Z‖₂`, of the Cholesky inverse of `F + λI`, and below `κ ≈ 5·10⁸/(m + n)`
-//! it is under the final `f32` rounding. The Cholesky path also inverts the `f32`-rounded
-//! factor; this one the exact Gram matrix of the rows. `tests/cpu_woodbury.rs` checks the
-//! bound against an `f64` reference.
+//! are tiny where `s ≫ λ` — keeps this absolute: `c·(m + n)·ε_f64·κ/λ`, i.e.
+//! `c·(m + n)·ε_f64·κ·‖Z‖₂` on the result `Z` (`‖Z‖₂ ≤ 1/λ`, equal when `m < n`). That is
+//! the order, `ε_f64·κ` relative to `‖Z‖₂`, of the Cholesky inverse of `F + λI`, and below
+//! `κ ≈ 5·10⁸/(m + n)` it is under the final `f32` rounding. The Cholesky path also inverts
+//! the `f32`-rounded factor; this one the exact Gram matrix of the rows.
+//! `tests/cpu_woodbury.rs` checks the bound against an `f64` reference.
+
+use std::cmp::Ordering;
 
 use faer::linalg::matmul::triangular::{matmul, BlockStructure};
 use faer::linalg::triangular_solve::solve_lower_triangular_in_place;
-use std::cmp::Ordering;
-
 use faer::{Accum, Par};
 use rayon::prelude::*;
 
@@ -49,9 +49,10 @@ use crate::mat::{Mat, MatRef};
 /// `m = n/2` — 1.2x at n = 1024, 1.5–2.1x at n = 256, 1.7x at n = 128 — and breaks even near
 /// `m ≈ 0.6–0.7n`: its work is GEMM-shaped, while half of the Cholesky inverse's is the less
 /// efficient inversion of the factor. At m = 256: ~4x at n = 1024, 2.5x at 785; at
-/// `m = n/4`, 4.3x at n = 256. Up to n = 64 its fixed costs (four faer calls, a parallel rounding pass) eat the
-/// cubic saving (0.3–1.2x, tens of microseconds either way); from n = 72 on it wins (1.2x,
-/// then 1.9x at n = 80). `m ≤ n/2`, `n > 64` stays on the safe side of both.
+/// `m = n/4`, 4.3x at n = 256. Up to n = 64 its fixed costs (four faer calls, a parallel
+/// rounding pass) eat the cubic saving (0.3–1.2x, tens of microseconds either way); from
+/// n = 72 on it wins (1.2x, then 1.9x at n = 80). `m ≤ n/2`, `n > 64` stays on the safe
+/// side of both.
 pub fn low_rank_is_cheaper(m: usize, n: usize) -> bool {
     const MIN_N: usize = 64;
     n > MIN_N && 2 * m <= n
