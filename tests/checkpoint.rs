@@ -740,6 +740,34 @@ fn wrong_sizes_and_kinds_for_each_optimizer() {
     assert!(msg.contains("ring") && msg.contains("ngd"), "{msg}");
 }
 
+/// `counters.low_rank_inversions` joined the `kron` records after the format was fixed: a
+/// checkpoint without it (as written before) still loads, with the counter 0 and every other
+/// counter as saved; with it, it round-trips.
+#[test]
+fn kron_checkpoint_without_the_low_rank_counter_loads() {
+    let dev = Device::Cpu;
+    let mut rng = common::seeded_rng();
+    let (o, i) = (66usize, 80usize);
+    let mut mat = |r: usize, c: usize| dev.upload(r, c, &common::vals(&mut rng, r * c)).unwrap();
+    // Two rows, sides above 64: both factors take the low-rank inverse.
+    let (a, e, g, mut w) = (mat(2, i), mat(2, o), mat(o, i), vec![mat(o, i)]);
+    let mut opt = KronOptimizer::new(&dev, &[(o, i)], KronConfig::ring()).unwrap();
+    opt.step(&mut w, &[&g], Some(&[KronStats { a: &a, e: &e }]))
+        .unwrap();
+    assert_eq!(opt.counters().low_rank_inversions, 2);
+    let mut wr = Writer::new();
+    opt.save(&mut wr).unwrap();
+    let bytes = wr.to_bytes();
+    let older = without_record(&bytes, "counters.low_rank_inversions");
+    for (file, low_rank) in [(&bytes, 2), (&older, 0)] {
+        let mut fresh = KronOptimizer::new(&dev, &[(o, i)], KronConfig::ring()).unwrap();
+        fresh.load(&Reader::from_bytes(file).unwrap()).unwrap();
+        let mut want = *opt.counters();
+        want.low_rank_inversions = low_rank;
+        assert_eq!(*fresh.counters(), want);
+    }
+}
+
 /// The lazy steps' cached square `X₀·X₀` is not stored: a checkpoint taken between lazy steps
 /// while it is cached (RING, damping drifting every step) loads without it, the resumed
 /// optimizer forms it again at its next lazy step — the same device product of the same `X₀`,

@@ -338,15 +338,7 @@ fn syrk_case(
 
 fn check_syrk(got: &[f32], n: usize, want: &[f64], bound: &[f64]) {
     assert_close(got, want, bound, "syrk_ema");
-    for i in 0..n {
-        for j in 0..i {
-            assert_eq!(
-                got[i * n + j].to_bits(),
-                got[j * n + i].to_bits(),
-                "not symmetric"
-            );
-        }
-    }
+    common::assert_symmetric(got, n);
 }
 
 /// `Q D Qᵀ` in f64 with `Q` the product of two random Householder reflectors.

@@ -13,33 +13,9 @@ use proptest::prelude::*;
 use rand::SeedableRng;
 use rand_chacha::ChaCha8Rng;
 
-/// `A⁻¹` of the given `f32` matrix in `f64` (Cholesky, then `L⁻ᵀ L⁻¹`).
+/// `A⁻¹` of the given `f32` matrix in `f64` ([`common::spd_inverse64`]).
 fn inverse64(a: &[f32], n: usize) -> Vec<f64> {
-    let mut l = vec![0.0f64; n * n];
-    for j in 0..n {
-        let d = a[j * n + j] as f64 - (0..j).map(|k| l[j * n + k].powi(2)).sum::<f64>();
-        assert!(d > 0.0, "test matrix not SPD in f64");
-        l[j * n + j] = d.sqrt();
-        for i in j + 1..n {
-            let s = a[i * n + j] as f64 - (0..j).map(|k| l[i * n + k] * l[j * n + k]).sum::<f64>();
-            l[i * n + j] = s / l[j * n + j];
-        }
-    }
-    let mut li = vec![0.0f64; n * n];
-    for c in 0..n {
-        for i in c..n {
-            let rhs = if i == c { 1.0 } else { 0.0 };
-            let s: f64 = (c..i).map(|k| l[i * n + k] * li[k * n + c]).sum();
-            li[i * n + c] = (rhs - s) / l[i * n + i];
-        }
-    }
-    let mut inv = vec![0.0f64; n * n];
-    for i in 0..n {
-        for j in 0..n {
-            inv[i * n + j] = (i.max(j)..n).map(|k| li[k * n + i] * li[k * n + j]).sum();
-        }
-    }
-    inv
+    common::spd_inverse64(&a.iter().map(|&v| v as f64).collect::<Vec<_>>(), n)
 }
 
 /// `‖I − A X‖_F / √n` in `f64`.

@@ -48,20 +48,6 @@ fn snapshot(opt: &KronOptimizer) -> Snapshot {
 
 // ---------- dense f64 references ----------
 
-/// `(1/m) XᵀX` in f64 for a row-major `m x n` host matrix.
-fn gram64(x: &[f32], m: usize, n: usize) -> Vec<f64> {
-    let mut g = vec![0.0; n * n];
-    for k in 0..m {
-        for i in 0..n {
-            for j in 0..n {
-                g[i * n + j] += x[k * n + i] as f64 * x[k * n + j] as f64;
-            }
-        }
-    }
-    g.iter_mut().for_each(|v| *v /= m as f64);
-    g
-}
-
 /// Largest eigenvalue of a symmetric matrix by cyclic Jacobi rotations (f64).
 fn max_eig64(a: &[f64], n: usize) -> f64 {
     let mut a = a.to_vec();
@@ -221,8 +207,8 @@ proptest! {
         let (sl, sg) = (&st.layers[0].lambda, &st.layers[0].gamma);
 
         // Dampings against the rule in f64 (unless a Newton fallback changed them).
-        let lam = gram64(&host(&a), m, d_in);
-        let gam = gram64(&host(&e), m2, d_out);
+        let lam = common::gram64(&host(&a), m, d_in);
+        let gam = common::gram64(&host(&e), m2, d_out);
         let s = (rho as f64).sqrt();
         let (dl, dg) = match variant {
             KronVariant::Ring => (s * max_eig64(&lam, d_in), s * max_eig64(&gam, d_out)),

@@ -16,6 +16,9 @@
 //! | [`ChaCha8Rng`]  | `chacha8`  | `seed` 32 bytes, `stream` u64, `word_pos` u64s `[lo, hi]`      |
 //! | [`Trainer`](crate::train::Trainer) | `trainer` | `method`, `config`, `steps`, `counters.*`, then `mlp.*`, `optim.*`, `rng.*` (impl in `src/train/trainer.rs`, next to the private state it saves) |
 //!
+//! `kron`'s `counters.low_rank_inversions` may be absent (checkpoints written before that
+//! counter existed): it then loads as 0.
+//!
 //! A Kronecker factor's `inverse` and `damping` are the inverse `X₀` as formed and its damping
 //! `λ₀` (lazy steps derive theirs from them); its cached square `X₀·X₀` is not stored: the
 //! loaded optimizer forms it again, bit for bit, when a lazy step needs it.
@@ -212,6 +215,12 @@ impl Checkpoint for KronOptimizer {
             newton_retries: c.u64("newton_retries")?,
             cholesky_fallbacks: c.u64("cholesky_fallbacks")?,
             cholesky_inversions: c.u64("cholesky_inversions")?,
+            // Absent from checkpoints written before the counter existed: those loaded as 0.
+            low_rank_inversions: if c.contains("low_rank_inversions") {
+                c.u64("low_rank_inversions")?
+            } else {
+                0
+            },
             power_unconverged: c.u64("power_unconverged")?,
             lm_updates: c.u64("lm_updates")?,
             lm_skipped: c.u64("lm_skipped")?,

@@ -8,16 +8,31 @@
 
 use faer::linalg::solvers::{DenseSolveCore, Solve};
 
-use super::check_finite_view;
-use crate::error::{check_shape, try_vec, try_with_capacity, Error, Result};
+use crate::device::Element;
+use crate::error::{check_shape, first_non_finite, try_vec, try_with_capacity, Error, Result};
 use crate::mat::{Mat, MatMut, MatRef};
 
-/// Widens rows of a view to a contiguous row-major `f64` buffer.
-fn widen(a: MatRef<'_, f32>) -> Result<Vec<f64>> {
+/// Widens a view to a contiguous row-major `f64` buffer (exact for `f32` and `bf16`),
+/// rejecting NaN/Inf (flat index `i * cols + j`) row by row on the way: each row is scanned
+/// while it is in cache, so the check costs no extra pass over `a`.
+pub(super) fn widen_finite<T: Element>(
+    op: &'static str,
+    arg: &'static str,
+    a: MatRef<'_, T>,
+) -> Result<Vec<f64>> {
     let (rows, cols) = a.shape();
     let mut w = try_with_capacity("host", rows, cols)?;
     for i in 0..rows {
-        w.extend(a.row(i).iter().map(|&v| v as f64));
+        let row = a.row(i);
+        if let Some(j) = first_non_finite(row) {
+            return Err(Error::NonFinite {
+                op,
+                arg,
+                index: i * cols + j,
+                value: row[j].to_f32(),
+            });
+        }
+        w.extend(row.iter().map(|v| v.to_f32() as f64));
     }
     Ok(w)
 }
@@ -26,13 +41,16 @@ fn widen(a: MatRef<'_, f32>) -> Result<Vec<f64>> {
 fn widen_square(op: &'static str, arg: &'static str, a: MatRef<'_, f32>) -> Result<Vec<f64>> {
     let n = a.rows();
     check_shape(op, arg, a.shape(), (n, n))?;
-    check_finite_view(op, arg, a)?;
-    widen(a)
+    widen_finite(op, arg, a)
 }
 
 /// faer's lower Cholesky factor of the row-major `n x n` `w` (only its lower triangle is read),
 /// or [`Error::NotSpd`] with the first pivot that is not positive.
-fn factor(op: &'static str, w: &[f64], n: usize) -> Result<faer::linalg::solvers::Llt<f64>> {
+pub(super) fn factor(
+    op: &'static str,
+    w: &[f64],
+    n: usize,
+) -> Result<faer::linalg::solvers::Llt<f64>> {
     let a = faer::MatRef::from_row_major_slice(w, n, n);
     a.llt(faer::Side::Lower).map_err(|e| {
         let faer::linalg::cholesky::llt::factor::LltError::NonPositivePivot { index } = e;
@@ -116,7 +134,7 @@ pub fn cholesky_solve(l: MatRef<'_, f32>, mut b: MatMut<'_, f32>) -> Result<()> 
     let k = b.cols();
     check_shape(OP, "b", b.shape(), (n, k))?;
     let mut lw = widen_square(OP, "l", l)?;
-    check_finite_view(OP, "b", b.as_ref())?;
+    let bw = widen_finite(OP, "b", b.as_ref())?;
     if let Some(i) = (0..n).find(|&i| lw[i * n + i] <= 0.0) {
         return Err(Error::NotSpd {
             op: OP,
@@ -130,7 +148,6 @@ pub fn cholesky_solve(l: MatRef<'_, f32>, mut b: MatMut<'_, f32>) -> Result<()> 
         lw[i * n + i + 1..(i + 1) * n].fill(0.0);
     }
     let lf = faer::MatRef::from_row_major_slice(&lw, n, n);
-    let bw = widen(b.as_ref())?;
     let mut x = faer::Mat::<f64>::from_fn(n, k, |i, j| bw[i * k + j]);
     // L Lᵀ X = B: forward then backward substitution, reading only the lower triangle of L.
     faer::linalg::triangular_solve::solve_lower_triangular_in_place(

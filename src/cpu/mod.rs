@@ -9,12 +9,14 @@ pub mod math;
 pub mod newton;
 pub mod norm;
 pub mod precond;
+pub mod woodbury;
 
 pub use cholesky::{cholesky, cholesky_inverse, cholesky_solve};
 pub use gemm::gemm;
 pub use kron::{batch_gradient, syrk_ema};
 pub use norm::{spectral_norm, trace};
 pub use precond::{add_diagonal, damped_inverse_update, precondition};
+pub use woodbury::{low_rank_damped_inverse, low_rank_is_cheaper};
 
 use crate::device::Element;
 use crate::error::{first_non_finite, Error, Result};

@@ -158,6 +158,63 @@ pub fn matmul64(a: &[f64], b: &[f64], r: usize, k: usize, c: usize) -> Vec<f64> 
     out
 }
 
+/// Asserts that the row-major `n x n` `a` is exactly (bitwise) symmetric.
+pub fn assert_symmetric(a: &[f32], n: usize) {
+    for i in 0..n {
+        for j in 0..i {
+            assert_eq!(
+                a[i * n + j].to_bits(),
+                a[j * n + i].to_bits(),
+                "not symmetric at ({i}, {j})"
+            );
+        }
+    }
+}
+
+/// `(1/m) XᵀX` in f64 for a row-major `m x n` host matrix.
+pub fn gram64(x: &[f32], m: usize, n: usize) -> Vec<f64> {
+    let mut g = vec![0.0; n * n];
+    for k in 0..m {
+        for i in 0..n {
+            for j in 0..n {
+                g[i * n + j] += x[k * n + i] as f64 * x[k * n + j] as f64;
+            }
+        }
+    }
+    g.iter_mut().for_each(|v| *v /= m as f64);
+    g
+}
+
+/// `A⁻¹` of a symmetric positive definite row-major `n x n` matrix in `f64` (Cholesky, then
+/// `L⁻ᵀ L⁻¹`); only the lower triangle of `a` is read. Panics unless `A` is SPD in f64.
+pub fn spd_inverse64(a: &[f64], n: usize) -> Vec<f64> {
+    let mut l = vec![0.0f64; n * n];
+    for j in 0..n {
+        let d = a[j * n + j] - (0..j).map(|k| l[j * n + k].powi(2)).sum::<f64>();
+        assert!(d > 0.0, "test matrix not SPD in f64");
+        l[j * n + j] = d.sqrt();
+        for i in j + 1..n {
+            let s = a[i * n + j] - (0..j).map(|k| l[i * n + k] * l[j * n + k]).sum::<f64>();
+            l[i * n + j] = s / l[j * n + j];
+        }
+    }
+    let mut li = vec![0.0f64; n * n];
+    for c in 0..n {
+        for i in c..n {
+            let rhs = if i == c { 1.0 } else { 0.0 };
+            let s: f64 = (c..i).map(|k| l[i * n + k] * li[k * n + c]).sum();
+            li[i * n + c] = (rhs - s) / l[i * n + i];
+        }
+    }
+    let mut inv = vec![0.0f64; n * n];
+    for i in 0..n {
+        for j in 0..n {
+            inv[i * n + j] = (i.max(j)..n).map(|k| li[k * n + i] * li[k * n + j]).sum();
+        }
+    }
+    inv
+}
+
 /// `|X₀| + |Δ|·|X₀||X₀|` for the Kronecker factor `s` at the damping target `lambda`
 /// (`Δ = λ − λ₀`, the optimizer's f32 difference): the scale of each entry's f32 rounding in
 /// the lazy steps' first-order inverse `X₀ − Δ·X₀X₀` (the square's GEMM and the axpy).

@@ -27,8 +27,10 @@ use super::state::{KronCounters, KronFactorState};
 use crate::device::{Device, Element, Matrix};
 use crate::error::{Error, Result};
 use crate::mat::Trans;
+use crate::ops::host_ref;
 use crate::ops::newton::{InitialGuess, Precision};
 use crate::optim::StatsView;
+use half::bf16;
 
 /// Largest `|λ − λ₀|·‖X₀‖₂` for which a lazy step uses the first-order inverse
 /// `X₀ − (λ − λ₀)·X₀²` (SPEC §2), `λ₀` the damping `X₀` was formed at; its relative error is
@@ -44,29 +46,33 @@ pub(super) struct Ctx<'a> {
 impl Ctx<'_> {
     /// New undamped factor from the statistics rows `x` (`m x n`): `(1/m) xᵀx`, blended with
     /// `old` by the EMA when there is one, and its scalars for the damping rules. `f32` rows
-    /// are rounded to `bf16` first when [`KronConfig::stats_precision`] says so.
-    pub fn factor(
+    /// are rounded to `bf16` first when [`KronConfig::stats_precision`] says so. When the
+    /// factor is replaced (`ε = 0` or no `old`), also the rows as the SYRK read them, for
+    /// [`Ctx::inverse`]'s low-rank path.
+    pub fn factor<'x>(
         &self,
-        x: StatsView<'_>,
+        x: StatsView<'x>,
         old: Option<&Matrix>,
         c: &mut KronCounters,
-    ) -> Result<(Matrix, FactorScalars)> {
+    ) -> Result<(Matrix, FactorScalars, Option<Rows<'x>>)> {
         let n = x.shape().1;
         let (mut f, eps) = match old {
             Some(o) if self.cfg.ema > 0.0 => (o.try_clone()?, self.cfg.ema),
             // ε = 0 (or the first refresh, which replaces) never reads the old factor.
             _ => (self.device.zeros(n, n)?, 0.0),
         };
+        let rows = match x {
+            StatsView::F32(x) if self.cfg.stats_precision == Precision::Bf16 => {
+                Rows::Rounded(self.device.round_to_bf16(x)?)
+            }
+            x => Rows::Given(x),
+        };
         // RING's `‖F‖₂` from the rows when `F = (1/m) xᵀx` exactly (replaced, not blended) and
         // `m < n`: the `m x m` Gram `(1/m) x xᵀ` has the same nonzero eigenvalues, and each
         // power-iteration step then reads `m²` values instead of `n²` (16x fewer at m = 256,
         // n = 1024, where RING's refresh spent most of its time in these matrix-vector passes).
         let gram_norm = self.cfg.variant == KronVariant::Ring && eps == 0.0 && x.shape().0 < n;
-        let norm = match x {
-            StatsView::F32(x) if self.cfg.stats_precision == Precision::Bf16 => {
-                let x = self.device.round_to_bf16(x)?;
-                self.accumulate(&x, eps, &mut f, gram_norm, c)?
-            }
+        let norm = match rows.view() {
             StatsView::F32(x) => self.accumulate(x, eps, &mut f, gram_norm, c)?,
             StatsView::Bf16(x) => self.accumulate(x, eps, &mut f, gram_norm, c)?,
         };
@@ -77,14 +83,12 @@ impl Ctx<'_> {
             KronVariant::Reng => (0.0, 0.0),
             KronVariant::Ngd => (0.0, self.device.trace(&f)?),
         };
-        Ok((
-            f,
-            FactorScalars {
-                dim: n,
-                norm,
-                trace,
-            },
-        ))
+        let scalars = FactorScalars {
+            dim: n,
+            norm,
+            trace,
+        };
+        Ok((f, scalars, (eps == 0.0).then_some(rows)))
     }
 
     /// `f ← ε f + (1−ε)(1/m) xᵀx` for the rows `x` (`m x n`); with `gram_norm`, also returns
@@ -119,7 +123,9 @@ impl Ctx<'_> {
     }
 
     /// A fresh inverse of `factor + damping·I` and its norm bound. `norm`: `‖factor‖₂` when
-    /// already computed (RING's damping), handed to Newton as its `λ_max` estimate.
+    /// already computed (RING's damping), handed to Newton as its `λ_max` estimate. `rows`:
+    /// the statistics `factor` was just formed from, when it replaced the old factor
+    /// ([`Ctx::factor`]), for the low-rank path of [`Ctx::low_rank_inverse`].
     ///
     /// `‖X‖₂` is not measured: the factor is PSD (an EMA of Gram matrices), so the damped
     /// factor's smallest eigenvalue is at least its damping `λ` and `‖(F + λI)⁻¹‖₂ ≤ 1/λ`,
@@ -136,9 +142,10 @@ impl Ctx<'_> {
         damping: f32,
         norm: Option<f32>,
         warm: Option<&Matrix>,
+        rows: Option<&Rows<'_>>,
         c: &mut KronCounters,
     ) -> Result<InverseUpdate> {
-        let (inverse, damping) = self.invert(factor, damping, norm, warm, c)?;
+        let (inverse, damping) = self.invert(factor, damping, norm, warm, rows, c)?;
         Ok(InverseUpdate {
             inverse,
             damping,
@@ -146,7 +153,8 @@ impl Ctx<'_> {
         })
     }
 
-    /// `(F + λI)⁻¹` by the configured method. Newton that diverges is retried once with
+    /// `(F + λI)⁻¹` by the configured method. Cholesky takes the low-rank path from `rows`
+    /// when [`Ctx::low_rank_inverse`] applies. Newton that diverges is retried once with
     /// `NEWTON_RETRY_DAMPING·λ`, then replaced by Cholesky at `λ`; each step is counted.
     /// Returns the inverse and the damping it corresponds to.
     fn invert(
@@ -155,6 +163,7 @@ impl Ctx<'_> {
         damping: f32,
         norm: Option<f32>,
         warm: Option<&Matrix>,
+        rows: Option<&Rows<'_>>,
         c: &mut KronCounters,
     ) -> Result<(Matrix, f32)> {
         let damped = |lambda: f32| -> Result<Matrix> {
@@ -166,6 +175,10 @@ impl Ctx<'_> {
             InverseMethod::Newton(o) => o,
             // Cholesky (resolve() never returns Auto).
             _ => {
+                if let Some(inverse) = self.low_rank_inverse(rows, damping)? {
+                    c.low_rank_inversions += 1;
+                    return Ok((inverse, damping));
+                }
                 c.cholesky_inversions += 1;
                 return Ok((self.device.cholesky_inverse(&damped(damping)?)?, damping));
             }
@@ -204,6 +217,37 @@ impl Ctx<'_> {
         Ok((self.device.cholesky_inverse(&damped(damping)?)?, damping))
     }
 
+    /// `(F + λI)⁻¹` from the rows `x` (`m x n`) that `F = xᵀx/m` was just formed from, by
+    /// the Woodbury identity ([`crate::cpu::low_rank_damped_inverse`], `f64`, ~`2m²n + mn²`
+    /// flops against the Cholesky inverse's ~`n³`) — on [`Device::Cpu`] when
+    /// [`crate::cpu::low_rank_is_cheaper`] (`m ≤ n/2`, `n > 64`) and `λ` is normal (`λ = 0`,
+    /// possible with a zero damping floor, is left to Cholesky, which reports the singular
+    /// factor).
+    /// `None` when it does not apply: no rows (an EMA blend or a lazy recompute, where `F`
+    /// is no Gram matrix of rows at hand), another device (whose Newton or cuSOLVER path stays
+    /// on the device), or too many rows (exact Fisher's `m·C` rows often exceed `n`).
+    /// It inverts the exact Gram matrix of the rows rather than the `f32`-rounded `F`; the two
+    /// differ by `F`'s rounding (`≲ m·2⁻²⁴` of `|x|ᵀ|x|/m` per entry), which moves the inverse
+    /// by that times `κ` relative: the error the Cholesky inverse of `F` has against the rows'
+    /// Gram matrix anyway.
+    fn low_rank_inverse(&self, rows: Option<&Rows<'_>>, damping: f32) -> Result<Option<Matrix>> {
+        let Some(rows) = rows else {
+            return Ok(None);
+        };
+        let (m, n) = rows.view().shape();
+        if !matches!(self.device, Device::Cpu)
+            || !crate::cpu::low_rank_is_cheaper(m, n)
+            || !damping.is_normal()
+        {
+            return Ok(None);
+        }
+        let inverse = match rows.view() {
+            StatsView::F32(x) => crate::cpu::low_rank_damped_inverse(host_ref(x)?, damping)?,
+            StatsView::Bf16(x) => crate::cpu::low_rank_damped_inverse(host_ref(x)?, damping)?,
+        };
+        Matrix::from_host_vec(n, n, inverse.into_vec()).map(Some)
+    }
+
     /// `s`'s inverse at the damping `target` on a lazy step (module docs): the one as formed
     /// when `target` is its damping, the first-order `X₀ − (target − λ₀)·S₀` when
     /// `|target − λ₀|·‖X₀‖₂ ≤ 1/2` (forming `S₀ = X₀·X₀` if `s` has none yet), otherwise a
@@ -238,8 +282,15 @@ impl Ctx<'_> {
             });
         }
         c.lazy_recomputes += 1;
-        self.inverse(&s.factor, target, known_norm(s.norm), Some(&s.inverse), c)
-            .map(Retarget::Formed)
+        self.inverse(
+            &s.factor,
+            target,
+            known_norm(s.norm),
+            Some(&s.inverse),
+            None,
+            c,
+        )
+        .map(Retarget::Formed)
     }
 
     /// `S₀ = X₀·X₀` of a formed inverse (`X₀` is checked state: the product's result check
@@ -254,6 +305,25 @@ impl Ctx<'_> {
 /// `‖F‖₂` as stored in a factor state: RENG and NGD store `0` (never computed).
 pub(super) fn known_norm(norm: f32) -> Option<f32> {
     (norm > 0.0).then_some(norm)
+}
+
+/// The statistics rows of a factor as its SYRK read them ([`Ctx::factor`]): the low-rank
+/// inverse must invert the same factor, so `f32` rows rounded to `bf16` by
+/// [`KronConfig::stats_precision`] are kept rounded.
+pub(super) enum Rows<'x> {
+    /// The caller's statistics, as given.
+    Given(StatsView<'x>),
+    /// `f32` statistics rounded to `bf16`.
+    Rounded(Matrix<bf16>),
+}
+
+impl Rows<'_> {
+    fn view(&self) -> StatsView<'_> {
+        match self {
+            Rows::Given(x) => *x,
+            Rows::Rounded(x) => StatsView::Bf16(x),
+        }
+    }
 }
 
 /// A factor's inverse on a lazy step ([`Ctx::retarget`]).

@@ -590,14 +590,15 @@ impl KronOptimizer {
         let mut layers = Vec::with_capacity(self.shapes.len());
         for (l, s) in stats.iter().enumerate() {
             let old = self.st.layers.get(l);
-            let (fl, sl) = ctx.factor(s.a.view(), old.map(|o| &o.lambda.factor), c)?;
-            let (fg, sg) = ctx.factor(s.e.view(), old.map(|o| &o.gamma.factor), c)?;
+            let (fl, sl, rl) = ctx.factor(s.a.view(), old.map(|o| &o.lambda.factor), c)?;
+            let (fg, sg, rg) = ctx.factor(s.e.view(), old.map(|o| &o.gamma.factor), c)?;
             let (dl, dg) = factor_dampings(&self.config, rho, sl, sg);
             let il = ctx.inverse(
                 &fl,
                 dl,
                 known_norm(sl.norm),
                 old.map(|o| &o.lambda.inverse),
+                rl.as_ref(),
                 c,
             )?;
             let ig = ctx.inverse(
@@ -605,6 +606,7 @@ impl KronOptimizer {
                 dg,
                 known_norm(sg.norm),
                 old.map(|o| &o.gamma.inverse),
+                rg.as_ref(),
                 c,
             )?;
             layers.push(KronLayerState {

@@ -90,8 +90,15 @@ pub struct KronCounters {
     pub newton_retries: u64,
     /// Fallback 2: the retry diverged too and the factor was inverted by Cholesky.
     pub cholesky_fallbacks: u64,
-    /// Cholesky inversions, both as the configured method and as a fallback.
+    /// Cholesky inversions of a formed damped factor, both as the configured method and as a
+    /// fallback.
     pub cholesky_inversions: u64,
+    /// Inverses formed at a refresh by the low-rank (Woodbury) path instead of a Cholesky
+    /// inversion: the method resolves to Cholesky on [`crate::Device::Cpu`], the factor was
+    /// replaced (ε = 0 or the first refresh) from `m ≤ n/2` statistics rows, `n > 64`
+    /// ([`crate::cpu::low_rank_damped_inverse`], [`super::InverseMethod::Auto`]). Not in
+    /// [`KronCounters::cholesky_inversions`].
+    pub low_rank_inversions: u64,
     /// Power iterations that stopped at their budget (their estimate was still used).
     pub power_unconverged: u64,
     /// Levenberg–Marquardt updates applied.
@@ -110,7 +117,7 @@ impl KronCounters {
     }
 
     /// The counters as `(name, value)` pairs, in declaration order.
-    pub fn named(&self) -> [(&'static str, u64); 13] {
+    pub fn named(&self) -> [(&'static str, u64); 14] {
         [
             ("refreshes", self.refreshes),
             ("first_order_updates", self.first_order_updates),
@@ -121,6 +128,7 @@ impl KronCounters {
             ("newton_retries", self.newton_retries),
             ("cholesky_fallbacks", self.cholesky_fallbacks),
             ("cholesky_inversions", self.cholesky_inversions),
+            ("low_rank_inversions", self.low_rank_inversions),
             ("power_unconverged", self.power_unconverged),
             ("lm_updates", self.lm_updates),
             ("lm_skipped", self.lm_skipped),

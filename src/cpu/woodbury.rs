@@ -1,0 +1,159 @@
+//! Exact inverse of a damped Gram matrix of low rank by the Woodbury identity, in `f64`:
+//! `(λI + XᵀX/m)⁻¹` from the `m x n` rows `X` when `m` is well below `n`, at a fraction of a
+//! Cholesky inverse's `~n³` flops.
+//!
+//! # Algorithm
+//! With `U = X/√m`, `(λI + UᵀU)⁻¹ = (1/λ)·(I − Wᵀ W)`, `W = L⁻¹U`, `L Lᵀ = λI_m + U Uᵀ`
+//! (push-through: `Uᵀ(λI + UUᵀ)⁻¹U = I − λ(λI + UᵀU)⁻¹`). The scaling is folded into the
+//! small system — `K = X Xᵀ + mλ·I_m = m(λI_m + UUᵀ)`, `W = L_K⁻¹ X` — so `X` is used exactly
+//! as widened. Flops: `m²n` (lower triangle of `X Xᵀ`) + `m³/3` (Cholesky of `K`) + `m²n`
+//! (triangular solve) + `mn²` (lower triangle of `Wᵀ W`), against `~n³` for the Cholesky
+//! inverse of `F + λI` ([`super::cholesky_inverse`]: `n³/3` factor, `2n³/3` inverse), so it
+//! pays below `m ≈ 0.48n` by flop count; [`low_rank_is_cheaper`] has the measured crossover.
+//!
+//! # Error
+//! `X` widens exactly; everything runs in `f64` and is rounded once to `f32`. The computed
+//! `L`, `W` are exact for a perturbed `K + E`, `‖E‖ ≲ c·(m + n)·ε_f64·‖|X||X|ᵀ‖₂` (the Gram's
+//! sums of `n` products; Cholesky and the triangular solve are backward stable), which moves
+//! `WᵀW = XᵀK⁻¹X` by about `‖W‖₂²·‖E‖/λ_min(K) ≤ c·(m + n)·ε_f64·κ` (`‖W‖₂ < 1`,
+//! `λ_min(K) ≥ mλ`), `κ = (λ + ‖|X||X|ᵀ‖₂/m)/λ`: the condition number `(λ + ‖F‖₂)/λ` of
+//! `F + λI`, `F = XᵀX/m`, up to the signs of `X` (and at most `(λ + tr F)/λ`). The
+//! cancellation in `I − WᵀW` — its eigenvalues `λ/(λ + s)`, for the eigenvalues `s` of `F`,
+//! are tiny where `s ≫ λ` — keeps this absolute: `c·(m + n)·ε_f64·κ/λ`, i.e.
+//! `c·(m + n)·ε_f64·κ·‖Z‖₂` on the result `Z` (`‖Z‖₂ ≤ 1/λ`, equal when `m < n`). That is
+//! the order, `ε_f64·κ` relative to `‖Z‖₂`, of the Cholesky inverse of `F + λI`, and below
+//! `κ ≈ 5·10⁸/(m + n)` it is under the final `f32` rounding. The Cholesky path also inverts
+//! the `f32`-rounded factor; this one the exact Gram matrix of the rows.
+//! `tests/cpu_woodbury.rs` checks the bound against an `f64` reference.
+
+use std::cmp::Ordering;
+
+use faer::linalg::matmul::triangular::{matmul, BlockStructure};
+use faer::linalg::triangular_solve::solve_lower_triangular_in_place;
+use faer::{Accum, Par};
+use rayon::prelude::*;
+
+use super::cholesky::{factor, widen_finite};
+use super::kron::check_batch;
+use crate::device::Element;
+use crate::error::{check_value, try_vec, Result};
+use crate::mat::{Mat, MatRef};
+
+/// Whether [`low_rank_damped_inverse`] of `m` rows is expected to beat the Cholesky inverse
+/// of the formed `n x n` damped factor ([`super::cholesky_inverse`]): `m ≤ n/2` and
+/// `n > 64`.
+///
+/// By flop count (module docs: `2m²n + mn² + m³/3` against `n³`) the two meet at
+/// `m ≈ 0.48n`. Measured (least time of 30–200 interleaved repetitions on the 2-core
+/// AVX-512 machine of `docs/benchmarks.md` §3, under load), the low-rank path still wins at
+/// `m = n/2` — 1.2x at n = 1024, 1.5–2.1x at n = 256, 1.7x at n = 128 — and breaks even near
+/// `m ≈ 0.6–0.7n`: its work is GEMM-shaped, while half of the Cholesky inverse's is the less
+/// efficient inversion of the factor. At m = 256: ~4x at n = 1024, 2.5x at 785; at
+/// `m = n/4`, 4.3x at n = 256. Up to n = 64 its fixed costs (four faer calls, a parallel
+/// rounding pass) eat the cubic saving (0.3–1.2x, tens of microseconds either way); from
+/// n = 72 on it wins (1.2x, then 1.9x at n = 80). `m ≤ n/2`, `n > 64` stays on the safe
+/// side of both.
+pub fn low_rank_is_cheaper(m: usize, n: usize) -> bool {
+    const MIN_N: usize = 64;
+    n > MIN_N && 2 * m <= n
+}
+
+/// `(XᵀX/m + λI)⁻¹` (`n x n`) for the rows `X` (`m x n`, `f32` or `bf16`) and the damping
+/// `λ` by the Woodbury identity in `f64` (module docs), rounded once to `f32`, exactly
+/// symmetric. Exact for any `m ≥ 1`; cheaper than [`super::cholesky_inverse`] of the formed
+/// factor when [`low_rank_is_cheaper`]. Accuracy: `~(m + n)·ε_f64·κ` relative to `1/λ`
+/// before the final rounding, `κ ≈ (λ + ‖XᵀX/m‖₂)/λ` (module docs). Beyond `κ ~ 1/ε_f64`
+/// the result means nothing (or the factorization fails, below).
+///
+/// # Errors
+/// [`Error::Shape`](crate::Error::Shape) when `m = 0`,
+/// [`Error::NonFinite`](crate::Error::NonFinite) for NaN/Inf in `x` (found while it is
+/// widened), [`Error::Value`](crate::Error::Value)
+/// unless `λ` is a normal positive `f32` (so `1/λ`, the inverse's norm, fits `f32`),
+/// [`Error::OutOfMemory`](crate::Error::OutOfMemory) when a buffer cannot be allocated.
+/// [`Error::NotSpd`](crate::Error::NotSpd) if the Cholesky factorization of
+/// `XXᵀ + mλI` fails: it cannot in exact arithmetic (its eigenvalues are at least
+/// `mλ > 0`), and in `f64` only if rounding made a pivot non-positive, which needs
+/// `κ ≳ 1/ε_f64`.
+pub fn low_rank_damped_inverse<T: Element>(x: MatRef<'_, T>, lambda: f32) -> Result<Mat> {
+    const OP: &str = "cpu::low_rank_damped_inverse";
+    let (m, n) = x.shape();
+    check_batch(OP, "x", (m, n))?;
+    check_value(
+        OP,
+        "lambda",
+        lambda as f64,
+        lambda.is_normal() && lambda > 0.0,
+        "a normal lambda > 0 (1/lambda, the inverse's norm, fits f32)",
+    )?;
+    let par = Par::rayon(0);
+    // All row-major: X (m x n, solved in place into W), K (m x m), R (n x n).
+    let mut w = widen_finite(OP, "x", x)?;
+    let mut k = try_vec(m, m, 0.0f64)?;
+    let mut r = try_vec(n, n, 0.0f64)?;
+    let xv = faer::MatRef::from_row_major_slice(&w, m, n);
+    matmul(
+        faer::MatMut::from_row_major_slice_mut(&mut k, m, m),
+        BlockStructure::TriangularLower,
+        Accum::Replace,
+        xv,
+        BlockStructure::Rectangular,
+        xv.transpose(),
+        BlockStructure::Rectangular,
+        1.0,
+        par,
+    );
+    let shift = m as f64 * lambda as f64;
+    (0..m).for_each(|i| k[i * m + i] += shift);
+    // `factor` reads the lower triangle only, the one computed.
+    let llt = factor(OP, &k, m)?;
+    solve_lower_triangular_in_place(
+        llt.L(),
+        faer::MatMut::from_row_major_slice_mut(&mut w, m, n),
+        par,
+    );
+    let wv = faer::MatRef::from_row_major_slice(&w, m, n);
+    let inv_lambda = 1.0 / lambda as f64;
+    matmul(
+        faer::MatMut::from_row_major_slice_mut(&mut r, n, n),
+        BlockStructure::TriangularLower,
+        Accum::Replace,
+        wv.transpose(),
+        BlockStructure::Rectangular,
+        wv,
+        BlockStructure::Rectangular,
+        -inv_lambda,
+        par,
+    );
+    round_mirrored(&r, n, inv_lambda)
+}
+
+/// The row-major `n x n` `f32` matrix whose both triangles are the lower one of `r` (row-major
+/// `f64`), `diag` added to the diagonal, each entry rounded once: exactly symmetric. One
+/// rayon task per block of `TILE` output rows, reading the upper triangle's sources
+/// `TILE x TILE` at a time (cache-resident): 1.3 ms at n = 1024 on 2 cores, where entry by
+/// entry in row order (strided reads) took 2.0 ms, a fifth of the whole inverse.
+fn round_mirrored(r: &[f64], n: usize, diag: f64) -> Result<Mat> {
+    const TILE: usize = 32;
+    let mut out = try_vec(n, n, 0.0f32)?;
+    // `max(1)`: a chunk size of 0 panics, and n = 0 leaves nothing to write.
+    out.par_chunks_mut((TILE * n).max(1))
+        .enumerate()
+        .for_each(|(b, rows)| {
+            let i0 = b * TILE;
+            for j0 in (0..n).step_by(TILE) {
+                for (di, row) in rows.chunks_mut(n).enumerate() {
+                    let i = i0 + di;
+                    for (j, o) in row.iter_mut().enumerate().skip(j0).take(TILE) {
+                        let v = match i.cmp(&j) {
+                            Ordering::Greater => r[i * n + j],
+                            Ordering::Less => r[j * n + i],
+                            Ordering::Equal => diag + r[i * n + i],
+                        };
+                        *o = v as f32;
+                    }
+                }
+            }
+        });
+    Mat::from_vec(out, n, n)
+}

@@ -1,0 +1,329 @@
+//! The low-rank (Woodbury) damped inverse `(XᵀX/m + λI)⁻¹` on the CPU
+//! (`grng::cpu::low_rank_damped_inverse`) against an `f64` Cholesky reference, its `bf16`
+//! input, its typed errors, and its use by `KronOptimizer` at a refresh.
+//!
+//! # Tolerance
+//! The result is rounded once from `f64`: `2⁻²⁴·|Z_ij| ≤ 2⁻²⁴/λ` per entry. Before that, the
+//! `f64` Woodbury path is exact for a perturbed `XXᵀ + mλI + E` with `‖E‖ ≲ (m + n)·ε_f64·
+//! ‖|X||X|ᵀ‖` (Gram, Cholesky and triangular solve are backward stable; the absolute values
+//! because the Gram sums signed products), which moves `Z` by `≲ (m + n)·ε_f64·κ/λ` with
+//! `κ = (λ + ‖X‖_F²/m)/λ ≥ (λ + ‖|X||X|ᵀ‖₂/m)/λ` (the `f64` reference's own error is of the
+//! same form). The bound below takes four times that constant and twice the sum, so it does
+//! not fail by chance: worst-case rounding bounds are far from the typical `√n`-sized errors.
+
+mod common;
+
+use grng::ops::newton::Precision;
+use grng::optim::kron::{InverseMethod, KronConfig, KronOptimizer, KronState};
+use grng::optim::KronStats;
+use grng::{Device, Error, MatRef, Matrix};
+use half::bf16;
+use proptest::prelude::*;
+use rand::{Rng, SeedableRng};
+use rand_chacha::ChaCha8Rng;
+
+const DEV: Device = Device::Cpu;
+const U64: f64 = f64::EPSILON / 2.0;
+
+/// `(XᵀX/m + λI)⁻¹` in f64 for row-major `m x n` `x`.
+fn reference(x: &[f32], m: usize, n: usize, lambda: f32) -> Vec<f64> {
+    let mut a = common::gram64(x, m, n);
+    (0..n).for_each(|i| a[i * n + i] += lambda as f64);
+    common::spd_inverse64(&a, n)
+}
+
+/// The per-entry error bound of the module docs for `x` (`m x n`) and `λ`.
+fn tolerance(x: &[f32], m: usize, n: usize, lambda: f32) -> f64 {
+    let l = lambda as f64;
+    let trace = x.iter().map(|&v| (v as f64).powi(2)).sum::<f64>() / m as f64;
+    let kappa = (l + trace) / l;
+    2.0 * (common::U32 + 4.0 * (m + n) as f64 * U64 * kappa) / l
+}
+
+/// Largest `|Z_ij − R_ij| / tol`; also asserts `Z` is exactly symmetric.
+fn worst_ratio(z: &[f32], r: &[f64], n: usize, tol: f64) -> f64 {
+    common::assert_symmetric(z, n);
+    z.iter()
+        .zip(r)
+        .map(|(a, b)| (*a as f64 - b).abs() / tol)
+        .fold(0.0, f64::max)
+}
+
+proptest! {
+    #![proptest_config(common::proptest_config(64))]
+
+    /// Ragged sizes with `m` below and above `n`, entries spanning four decades of scale,
+    /// `λ` over six decades relative to it, `f32` rows stored `pad` floats apart: the inverse
+    /// matches the f64 reference within the module-docs bound, and `bf16` rows give the
+    /// bits of their widened `f32` copy.
+    #[test]
+    fn matches_f64_reference(
+        seed in any::<u64>(),
+        n in 1usize..=200,
+        m_frac in 0.0f64..1.3,
+        log_scale in -2.0f64..2.0,
+        log_lambda in -5.0f64..1.0,
+        pad in 0usize..3,
+    ) {
+        let mut rng = ChaCha8Rng::seed_from_u64(seed);
+        let m = ((m_frac * n as f64).round() as usize).max(1);
+        let scale = 10f64.powf(log_scale) as f32;
+        let x: Vec<f32> = common::vals(&mut rng, m * n).iter().map(|v| v * scale).collect();
+        let lambda = (10f64.powf(log_lambda) * (scale as f64).powi(2)) as f32;
+
+        let ld = n + pad;
+        let mut padded = vec![f32::NAN; m * ld];
+        for i in 0..m {
+            padded[i * ld..i * ld + n].copy_from_slice(&x[i * n..(i + 1) * n]);
+        }
+        let view = MatRef::with_ld(&padded, m, n, ld).unwrap();
+        let z = grng::cpu::low_rank_damped_inverse(view, lambda).unwrap();
+        prop_assert_eq!(z.shape(), (n, n));
+        let r = reference(&x, m, n, lambda);
+        let worst = worst_ratio(z.as_slice(), &r, n, tolerance(&x, m, n, lambda));
+        prop_assert!(worst <= 1.0, "m {} n {} λ {:e}: error {}x the bound", m, n, lambda, worst);
+
+        let h: Vec<bf16> = x.iter().map(|&v| bf16::from_f32(v)).collect();
+        let widened: Vec<f32> = h.iter().map(|v| v.to_f32()).collect();
+        let (hv, wv) = (MatRef::new(&h, m, n).unwrap(), MatRef::new(&widened, m, n).unwrap());
+        let zb = grng::cpu::low_rank_damped_inverse(hv, lambda).unwrap();
+        let zw = grng::cpu::low_rank_damped_inverse(wv, lambda).unwrap();
+        let bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
+        prop_assert_eq!(bits(zb.as_slice()), bits(zw.as_slice()));
+    }
+}
+
+/// NaN/Inf in `x` (f32 or bf16) are `NonFinite` at their flat index; `λ` that is not a
+/// normal positive number is `Value`; no rows is `Shape` (no columns: the empty inverse); a
+/// `K = XXᵀ + mλI` that rounding left singular is `NotSpd`.
+#[test]
+fn bad_inputs_are_typed_errors() {
+    let mut rng = common::seeded_rng();
+    let (m, n) = (rng.random_range(1..20), rng.random_range(1..40));
+    let x = common::vals(&mut rng, m * n);
+    for bad in [f32::NAN, f32::INFINITY, f32::NEG_INFINITY] {
+        let at = rng.random_range(0..m * n);
+        let mut y = x.clone();
+        y[at] = bad;
+        let h: Vec<bf16> = y.iter().map(|&v| bf16::from_f32(v)).collect();
+        let errs = [
+            grng::cpu::low_rank_damped_inverse(MatRef::new(&y, m, n).unwrap(), 0.1),
+            grng::cpu::low_rank_damped_inverse(MatRef::new(&h, m, n).unwrap(), 0.1),
+        ];
+        for e in errs {
+            match e {
+                Err(Error::NonFinite {
+                    arg, index, value, ..
+                }) => {
+                    assert_eq!((arg, index), ("x", at));
+                    assert_eq!(value.to_bits(), bad.to_bits());
+                }
+                other => panic!("{bad} at {at}: {other:?}"),
+            }
+        }
+    }
+    let good = MatRef::new(&x, m, n).unwrap();
+    for lambda in [0.0, -1.0, f32::NAN, f32::INFINITY, f32::MIN_POSITIVE / 2.0] {
+        assert!(
+            matches!(
+                grng::cpu::low_rank_damped_inverse(good, lambda),
+                Err(Error::Value { arg: "lambda", .. })
+            ),
+            "λ = {lambda}"
+        );
+    }
+    // Two equal rows of ones (n = 4): `XXᵀ` is all 4s, and `mλ = 2·f32::MIN_POSITIVE` is far
+    // below the f64 rounding of 4, so the second Cholesky pivot is exactly `4 − 2·2 = 0`
+    // (every operation exact on these powers of two).
+    let ones = [1.0f32; 8];
+    assert!(matches!(
+        grng::cpu::low_rank_damped_inverse(MatRef::new(&ones, 2, 4).unwrap(), f32::MIN_POSITIVE),
+        Err(Error::NotSpd { index: 1, .. })
+    ));
+    // Rows of no column: the 0 x 0 inverse.
+    let empty = grng::cpu::low_rank_damped_inverse(MatRef::<f32>::new(&[], 3, 0).unwrap(), 1.0);
+    assert_eq!(empty.unwrap().shape(), (0, 0));
+    let none: [f32; 0] = [];
+    assert!(matches!(
+        grng::cpu::low_rank_damped_inverse(MatRef::new(&none, 0, 3).unwrap(), 1.0),
+        Err(Error::Shape { arg: "x", .. })
+    ));
+}
+
+// ---------- in the optimizer ----------
+
+/// `(d_out, d_in)` of the one layer: both sides above the low-rank path's `n > 64`.
+const SHAPE: (usize, usize) = (72, 100);
+
+struct Problem {
+    a: Matrix,
+    e: Matrix,
+    g: Matrix,
+    w0: Vec<f32>,
+}
+
+/// A layer of `shape`, with `m_a` and `m_e` rows of statistics.
+fn problem(rng: &mut ChaCha8Rng, shape: (usize, usize), m_a: usize, m_e: usize) -> Problem {
+    let (o, i) = shape;
+    let mut up = |r, c| DEV.upload(r, c, &common::vals(rng, r * c)).unwrap();
+    let (a, e, g) = (up(m_a, i), up(m_e, o), up(o, i));
+    Problem {
+        a,
+        e,
+        g,
+        w0: common::vals(rng, o * i),
+    }
+}
+
+/// One RENG step (damping `√ρ` on both factors) with `stats`; returns the optimizer and the
+/// preconditioned gradient it applied, `(W₀ − W₁)/η`.
+fn step(opt: &mut KronOptimizer, p: &Problem, stats: &[KronStats<'_>]) -> Vec<f64> {
+    let (o, i) = p.g.shape();
+    let mut w = vec![DEV.upload(o, i, &p.w0).unwrap()];
+    let info = opt.step(&mut w, &[&p.g], Some(stats)).unwrap();
+    let w1 = w[0].to_vec().unwrap();
+    p.w0.iter()
+        .zip(&w1)
+        .map(|(a, b)| (*a as f64 - *b as f64) / info.lr as f64)
+        .collect()
+}
+
+fn host(m: &Matrix) -> Vec<f32> {
+    m.to_vec().unwrap()
+}
+
+fn reng(ema: f32) -> KronConfig {
+    KronConfig {
+        ema,
+        skip: 1,
+        ..KronConfig::reng()
+    }
+}
+
+/// Checks the state's inverses against the f64 inverses from the rows `a`, `e` (as the
+/// factors read them), within the bound of the module docs, and the applied `P` against
+/// `Γ̃⁻¹GΛ̃⁻¹` from those f64 inverses, within the rounding of the f32
+/// inverses and of the two preconditioning GEMMs.
+fn check_against_rows(st: &KronState, a: &[f32], e: &[f32], p: &Problem, applied: &[f64]) {
+    let (o, i) = SHAPE;
+    let (sl, sg) = (&st.layers[0].lambda, &st.layers[0].gamma);
+    let (ma, me) = (a.len() / i, e.len() / o);
+    let zl = reference(a, ma, i, sl.damping);
+    let zg = reference(e, me, o, sg.damping);
+    let wl = worst_ratio(&host(&sl.inverse), &zl, i, tolerance(a, ma, i, sl.damping));
+    let wg = worst_ratio(&host(&sg.inverse), &zg, o, tolerance(e, me, o, sg.damping));
+    assert!(
+        wl <= 1.0 && wg <= 1.0,
+        "inverse errors {wl}x, {wg}x the bound"
+    );
+
+    let g: Vec<f64> = host(&p.g).iter().map(|&v| v as f64).collect();
+    let want = common::matmul64(&common::matmul64(&zg, &g, o, o, i), &zl, o, i, i);
+    // ‖Z‖₂ ≤ 1/λ for both inverses: P's scale, and each f32 rounding (inverse entries, GEMM
+    // sums of ≤ 100 terms, the update W₀ − ηP) adds ≲ (o + i + 4)·2⁻²⁴ of it per entry.
+    let scale =
+        (g.iter().map(|v| v * v).sum::<f64>()).sqrt() / (sl.damping as f64 * sg.damping as f64);
+    let w_scale = p.w0.iter().map(|v| v.abs() as f64).fold(1.0, f64::max);
+    let tol = 4.0 * (o + i + 4) as f64 * common::U32 * (scale + w_scale);
+    for (k, (x, y)) in applied.iter().zip(&want).enumerate() {
+        assert!((x - y).abs() <= tol, "P[{k}] = {x} vs {y} (tol {tol:e})");
+    }
+}
+
+/// With `ε = 0` and `m ≤ n/2` rows for both factors, a refresh inverts both by the low-rank
+/// path (counted, no Cholesky), every refresh; the step matches the f64 reference from the
+/// rows. `f32` statistics rounded by `stats_precision = Bf16` are inverted as rounded, and
+/// `bf16` statistics give the same bits.
+#[test]
+fn refresh_with_few_rows_uses_the_low_rank_inverse() {
+    let mut rng = common::seeded_rng();
+    let (o, i) = SHAPE;
+    let mut opt = KronOptimizer::new(&DEV, &[SHAPE], reng(0.0)).unwrap();
+    for k in 1..=2u64 {
+        let p = problem(&mut rng, SHAPE, i / 2, o / 2);
+        let applied = step(&mut opt, &p, &[KronStats { a: &p.a, e: &p.e }]);
+        let c = *opt.counters();
+        assert_eq!((c.low_rank_inversions, c.cholesky_inversions), (2 * k, 0));
+        check_against_rows(
+            &opt.state().unwrap(),
+            &host(&p.a),
+            &host(&p.e),
+            &p,
+            &applied,
+        );
+    }
+
+    let p = problem(&mut rng, SHAPE, i / 4, o / 3);
+    let rounded = |m: &Matrix| -> Vec<f32> {
+        host(m)
+            .iter()
+            .map(|&v| bf16::from_f32(v).to_f32())
+            .collect()
+    };
+    let cfg = KronConfig {
+        stats_precision: Precision::Bf16,
+        ..reng(0.0)
+    };
+    let mut opt = KronOptimizer::new(&DEV, &[SHAPE], cfg).unwrap();
+    let applied = step(&mut opt, &p, &[KronStats { a: &p.a, e: &p.e }]);
+    assert_eq!(opt.counters().low_rank_inversions, 2);
+    let st = opt.state().unwrap();
+    check_against_rows(&st, &rounded(&p.a), &rounded(&p.e), &p, &applied);
+
+    let to_bf16 = |m: &Matrix| {
+        let h: Vec<bf16> = host(m).iter().map(|&v| bf16::from_f32(v)).collect();
+        DEV.upload(m.rows(), m.cols(), &h).unwrap()
+    };
+    let (ab, eb) = (to_bf16(&p.a), to_bf16(&p.e));
+    let mut fed = KronOptimizer::new(&DEV, &[SHAPE], reng(0.0)).unwrap();
+    assert_eq!(step(&mut fed, &p, &[KronStats { a: &ab, e: &eb }]), applied);
+    let st2 = fed.state().unwrap();
+    assert_eq!(
+        host(&st2.layers[0].lambda.inverse),
+        host(&st.layers[0].lambda.inverse)
+    );
+    assert_eq!(
+        host(&st2.layers[0].gamma.inverse),
+        host(&st.layers[0].gamma.inverse)
+    );
+}
+
+/// The low-rank path only replaces a Cholesky inversion of a factor formed from `m ≤ n/2`
+/// rows, `n > 64`, that replaced the old one: more rows, smaller factors, an EMA-blended
+/// refresh, or a Newton method keep their inversion.
+#[test]
+fn low_rank_inverse_only_where_it_applies() {
+    let mut rng = common::seeded_rng();
+    let (o, i) = SHAPE;
+    // Λ from i/2 + 1 rows: Cholesky; Γ from o/2: low rank.
+    let p = problem(&mut rng, SHAPE, i / 2 + 1, o / 2);
+    let mut opt = KronOptimizer::new(&DEV, &[SHAPE], reng(0.0)).unwrap();
+    step(&mut opt, &p, &[KronStats { a: &p.a, e: &p.e }]);
+    let c = *opt.counters();
+    assert_eq!((c.low_rank_inversions, c.cholesky_inversions), (1, 1));
+
+    // n = 64 and 8: below the low-rank path's size, however few the rows.
+    let p = problem(&mut rng, (8, 64), 2, 2);
+    let mut opt = KronOptimizer::new(&DEV, &[(8, 64)], reng(0.0)).unwrap();
+    step(&mut opt, &p, &[KronStats { a: &p.a, e: &p.e }]);
+    let c = *opt.counters();
+    assert_eq!((c.low_rank_inversions, c.cholesky_inversions), (0, 2));
+
+    // ε > 0: the first refresh replaces (low rank), the second blends (Cholesky).
+    let p = problem(&mut rng, SHAPE, 4, 4);
+    let mut opt = KronOptimizer::new(&DEV, &[SHAPE], reng(0.5)).unwrap();
+    for _ in 0..2 {
+        step(&mut opt, &p, &[KronStats { a: &p.a, e: &p.e }]);
+    }
+    let c = *opt.counters();
+    assert_eq!((c.low_rank_inversions, c.cholesky_inversions), (2, 2));
+
+    let cfg = KronConfig {
+        inverse: InverseMethod::Newton(Default::default()),
+        ..reng(0.0)
+    };
+    let mut opt = KronOptimizer::new(&DEV, &[SHAPE], cfg).unwrap();
+    step(&mut opt, &p, &[KronStats { a: &p.a, e: &p.e }]);
+    let c = *opt.counters();
+    assert_eq!((c.low_rank_inversions, c.newton_inversions), (0, 2));
+}
