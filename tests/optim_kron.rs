@@ -14,7 +14,7 @@ use grng::optim::kron::{
 use grng::optim::KronStats;
 use grng::{Device, Error, Mat, Matrix, Trans};
 use proptest::prelude::*;
-use rand::{Rng, SeedableRng};
+use rand::SeedableRng;
 use rand_chacha::ChaCha8Rng;
 
 const DEV: Device = Device::Cpu;
@@ -297,17 +297,112 @@ fn dot64(x: &[f64], y: &[f64]) -> f64 {
     x.iter().zip(y).map(|(a, b)| a * b).sum()
 }
 
+/// `KronGrad::Factored { e, a }` (`G = (1/m) EᵀA`) gives the `P` and the predicted change of
+/// the dense route on `G`, on optimizers in the same state, on `dev`. Sizes span both routes
+/// (the optimizer takes the factored one only where it is cheaper: small `m`, wide layers).
+/// Bounds: each route is a chain of f32 products whose inner dimensions sum to
+/// `k = m + d_out + d_in` (plus the `m x m` products of the model terms), each within
+/// `(k + 8)·2⁻²⁴` of the exact value relative to the same chain on absolute values (the
+/// `+ 8` covers the kernel devices' split3 tensor-core preconditioning) — for `P`:
+/// `|Γ̃⁻¹||E|ᵀ|A||Λ̃⁻¹|/m`; for the terms: the same inner products of those absolute chains.
+/// Two routes, a factor 2 margin: `4(k + 8)·2⁻²⁴` times the absolute chain.
+#[allow(clippy::too_many_arguments)]
+fn factored_matches_dense_on(
+    dev: &Device,
+    seed: u64,
+    d_out: usize,
+    d_in: usize,
+    m: usize,
+    m2: usize,
+    variant: KronVariant,
+) -> Result<(), TestCaseError> {
+    let mut rng = ChaCha8Rng::seed_from_u64(seed);
+    let mut cfg = variant_config(variant);
+    cfg.inverse = InverseMethod::Cholesky;
+    cfg.lr = 0.7;
+    let up = |rng: &mut ChaCha8Rng, r: usize, c: usize| {
+        dev.upload(r, c, &common::vals(rng, r * c)).unwrap()
+    };
+    let (sa, se) = (up(&mut rng, m2, d_in), up(&mut rng, m2, d_out));
+    let stats = [KronStats { a: &sa, e: &se }];
+    let (a, e) = (up(&mut rng, m, d_in), up(&mut rng, m, d_out));
+    // G = (1/m) EᵀA in f64, rounded once: the dense route's input.
+    let (a64, e64) = (f64s(&a), f64s(&e));
+    let g64 = common::matmul64(&transpose64(&e64, m, d_out), &a64, d_out, m, d_in);
+    let gh: Vec<f32> = g64.iter().map(|v| (v / m as f64) as f32).collect();
+    let g = dev.upload(d_out, d_in, &gh).unwrap();
+    let factored = [KronGrad::Factored { e: &e, a: &a }];
+    let shapes = [(d_out, d_in)];
+
+    let mut opt_f = KronOptimizer::new(dev, &shapes, cfg).unwrap();
+    let mut opt_d = KronOptimizer::new(dev, &shapes, cfg).unwrap();
+    let pf = host(&opt_f.precondition_grads(&factored, Some(&stats)).unwrap()[0]);
+    let pd = host(&opt_d.precondition(&[&g], Some(&stats)).unwrap()[0]);
+
+    // The absolute chains, from the state's inverses and factors.
+    let st = opt_f.state().unwrap();
+    let l = &st.layers[0];
+    let (xg, xl) = (abs64(&l.gamma.inverse), abs64(&l.lambda.inverse));
+    let (fg, fl) = (abs64(&l.gamma.factor), abs64(&l.lambda.factor));
+    let ea = transpose64(&e64.iter().map(|v| v.abs()).collect::<Vec<_>>(), m, d_out);
+    let aa: Vec<f64> = a64.iter().map(|v| v.abs()).collect();
+    let u = common::matmul64(&xg, &ea, d_out, d_out, m);
+    let w = common::matmul64(&aa, &xl, m, d_in, d_in);
+    let chain: Vec<f64> = common::matmul64(&u, &w, d_out, m, d_in)
+        .iter()
+        .map(|v| v / m as f64)
+        .collect();
+    let k = (m + d_out + d_in + 8) as f64;
+    let unit = 4.0 * k * f32::EPSILON as f64 / 2.0;
+    for (idx, ((x, y), c)) in pf.iter().zip(&pd).zip(&chain).enumerate() {
+        let tol = unit * c + f32::MIN_POSITIVE as f64;
+        prop_assert!(
+            (*x as f64 - *y as f64).abs() <= tol,
+            "{dev:?} P[{idx}]: factored {x} vs dense {y}, tol {tol:e}"
+        );
+    }
+
+    // The predicted change of a step from the same state on each route.
+    let w0 = common::vals(&mut rng, d_out * d_in);
+    let mut wf = vec![dev.upload(d_out, d_in, &w0).unwrap()];
+    let mut wd = vec![dev.upload(d_out, d_in, &w0).unwrap()];
+    let mut opt_f = KronOptimizer::new(dev, &shapes, cfg).unwrap();
+    let mut opt_d = KronOptimizer::new(dev, &shapes, cfg).unwrap();
+    let qf = opt_f.step_grads(&mut wf, &factored, Some(&stats)).unwrap();
+    let qd = opt_d.step(&mut wd, &[&g], Some(&stats)).unwrap();
+    prop_assert_eq!(qf.lr, qd.lr);
+    let eta = qf.lr as f64;
+    // |lin| ≤ ⟨|G|, |P|⟩ chains; |curv| ≤ ⟨|P|, |Γ||P||Λ|⟩; ‖P‖² ≤ ‖chain‖².
+    let gabs: Vec<f64> = common::matmul64(&ea, &aa, d_out, m, d_in)
+        .iter()
+        .map(|v| v / m as f64)
+        .collect();
+    let lin = dot64(&gabs, &chain);
+    let gpl = common::matmul64(
+        &common::matmul64(&fg, &chain, d_out, d_out, d_in),
+        &fl,
+        d_out,
+        d_in,
+        d_in,
+    );
+    let curv = dot64(&chain, &gpl);
+    let sq = dot64(&chain, &chain);
+    let lambda = l.lambda.damping as f64 * l.gamma.damping as f64;
+    let qmag = eta * lin + 0.5 * eta * eta * (curv + lambda * sq);
+    let (a_, b_) = (qf.predicted_change as f64, qd.predicted_change as f64);
+    prop_assert!(
+        (a_ - b_).abs() <= 2.0 * unit * qmag + 1e-30,
+        "{dev:?} q factored {a_} vs dense {b_}, magnitude {qmag:e}"
+    );
+    Ok(())
+}
+
 proptest! {
     #![proptest_config(common::proptest_config(64))]
 
-    /// `KronGrad::Factored { e, a }` (`G = (1/m) EᵀA`) gives the `P` and the predicted change
-    /// of the dense route on `G`, on optimizers in the same state. Sizes span both routes
-    /// (the optimizer takes the factored one only where it costs fewer flops: small `m`, wide
-    /// layers). Bounds: each route is a chain of f32 GEMMs whose inner dimensions sum to
-    /// `k = m + d_out + d_in` (plus the `m x m` products of the model terms), so each is off
-    /// the exact value by at most `≈ k·2⁻²⁴` times the same chain on absolute values — for
-    /// `P`: `|Γ̃⁻¹||E|ᵀ|A||Λ̃⁻¹|/m`; for the terms: the same inner products of those absolute
-    /// chains. Two routes, a factor 2 margin: `4(k + 4)·2⁻²⁴` times the absolute chain.
+    /// [`factored_matches_dense_on`] on every device (the CPU, the emulated kernels, CUDA
+    /// when present): the factored products run the device's GEMM, the dense route its
+    /// preconditioning.
     #[test]
     fn factored_gradient_matches_dense(
         seed in any::<u64>(),
@@ -317,112 +412,8 @@ proptest! {
         m2 in 1usize..=24,
         variant in prop_oneof![Just(KronVariant::Ring), Just(KronVariant::Ngd)],
     ) {
-        let mut rng = ChaCha8Rng::seed_from_u64(seed);
-        let mut cfg = variant_config(variant);
-        cfg.inverse = InverseMethod::Cholesky;
-        cfg.lr = 0.7;
-        let (sa, se) = (rand_mat(&mut rng, m2, d_in), rand_mat(&mut rng, m2, d_out));
-        let stats = [KronStats { a: &sa, e: &se }];
-        let (a, e) = (rand_mat(&mut rng, m, d_in), rand_mat(&mut rng, m, d_out));
-        // G = (1/m) EᵀA in f64, rounded once: the dense route's input.
-        let (a64, e64) = (f64s(&a), f64s(&e));
-        let g64 = common::matmul64(&transpose64(&e64, m, d_out), &a64, d_out, m, d_in);
-        let gh: Vec<f32> = g64.iter().map(|v| (v / m as f64) as f32).collect();
-        let g = DEV.upload(d_out, d_in, &gh).unwrap();
-        let factored = [KronGrad::Factored { e: &e, a: &a }];
-        let shapes = [(d_out, d_in)];
-
-        let mut opt_f = KronOptimizer::new(&DEV, &shapes, cfg).unwrap();
-        let mut opt_d = KronOptimizer::new(&DEV, &shapes, cfg).unwrap();
-        let pf = host(&opt_f.precondition_grads(&factored, Some(&stats)).unwrap()[0]);
-        let pd = host(&opt_d.precondition(&[&g], Some(&stats)).unwrap()[0]);
-
-        // The absolute chains, from the state's inverses and factors.
-        let st = opt_f.state().unwrap();
-        let l = &st.layers[0];
-        let (xg, xl) = (abs64(&l.gamma.inverse), abs64(&l.lambda.inverse));
-        let (fg, fl) = (abs64(&l.gamma.factor), abs64(&l.lambda.factor));
-        let (ea, aa) = (transpose64(&e64.iter().map(|v| v.abs()).collect::<Vec<_>>(), m, d_out),
-            a64.iter().map(|v| v.abs()).collect::<Vec<_>>());
-        let u = common::matmul64(&xg, &ea, d_out, d_out, m);
-        let w = common::matmul64(&aa, &xl, m, d_in, d_in);
-        let chain: Vec<f64> = common::matmul64(&u, &w, d_out, m, d_in)
-            .iter().map(|v| v / m as f64).collect();
-        let k = (m + d_out + d_in + 4) as f64;
-        let unit = 4.0 * k * f32::EPSILON as f64 / 2.0;
-        for (idx, ((x, y), c)) in pf.iter().zip(&pd).zip(&chain).enumerate() {
-            let tol = unit * c + f32::MIN_POSITIVE as f64;
-            prop_assert!((*x as f64 - *y as f64).abs() <= tol,
-                "P[{idx}]: factored {x} vs dense {y}, tol {tol:e}");
-        }
-
-        // The predicted change of a step from the same state on each route.
-        let w0 = common::vals(&mut rng, d_out * d_in);
-        let mut wf = vec![DEV.upload(d_out, d_in, &w0).unwrap()];
-        let mut wd = vec![DEV.upload(d_out, d_in, &w0).unwrap()];
-        let mut opt_f = KronOptimizer::new(&DEV, &shapes, cfg).unwrap();
-        let mut opt_d = KronOptimizer::new(&DEV, &shapes, cfg).unwrap();
-        let qf = opt_f.step_grads(&mut wf, &factored, Some(&stats)).unwrap();
-        let qd = opt_d.step(&mut wd, &[&g], Some(&stats)).unwrap();
-        prop_assert_eq!(qf.lr, qd.lr);
-        let eta = qf.lr as f64;
-        // |lin| ≤ ⟨|G|, |P|⟩ chains; |curv| ≤ ⟨|P|, |Γ||P||Λ|⟩; ‖P‖² ≤ ‖chain‖².
-        let gabs: Vec<f64> = common::matmul64(&ea, &aa, d_out, m, d_in)
-            .iter().map(|v| v / m as f64).collect();
-        let lin = dot64(&gabs, &chain);
-        let gpl = common::matmul64(&common::matmul64(&fg, &chain, d_out, d_out, d_in), &fl, d_out, d_in, d_in);
-        let curv = dot64(&chain, &gpl);
-        let sq = dot64(&chain, &chain);
-        let lambda = l.lambda.damping as f64 * l.gamma.damping as f64;
-        let qmag = eta * lin + 0.5 * eta * eta * (curv + lambda * sq);
-        let (a_, b_) = (qf.predicted_change as f64, qd.predicted_change as f64);
-        prop_assert!((a_ - b_).abs() <= 2.0 * unit * qmag + 1e-30,
-            "q factored {a_} vs dense {b_}, magnitude {qmag:e}");
-    }
-}
-
-/// On the kernel devices (emulator; CUDA when present) a factored gradient is formed as
-/// `G = (1/m) EᵀA` by the device GEMM and preconditioned by the dense route (the factored
-/// products would run the SIMT GEMM there, see `factored_is_cheaper`): the step equals the
-/// dense step on that `G` bit for bit, the predicted change included.
-#[test]
-fn factored_gradient_on_kernel_devices_is_the_dense_route() {
-    let mut rng = common::seeded_rng();
-    for dev in common::devices()
-        .into_iter()
-        .filter(|d| !matches!(d, Device::Cpu))
-    {
-        for _ in 0..3 {
-            let (d_out, d_in, m) = (
-                rng.random_range(1..=70),
-                rng.random_range(1..=70),
-                rng.random_range(1..=20),
-            );
-            let up = |rng: &mut ChaCha8Rng, r: usize, c: usize| {
-                dev.upload(r, c, &common::vals(rng, r * c)).unwrap()
-            };
-            let (sa, se) = (up(&mut rng, m, d_in), up(&mut rng, m, d_out));
-            let stats = [KronStats { a: &sa, e: &se }];
-            let (a, e) = (up(&mut rng, m, d_in), up(&mut rng, m, d_out));
-            let mut g = dev.zeros(d_out, d_in).unwrap();
-            dev.gemm(Trans::Yes, Trans::No, 1.0 / m as f32, &e, &a, 0.0, &mut g)
-                .unwrap();
-            let w0 = up(&mut rng, d_out, d_in);
-            let shapes = [(d_out, d_in)];
-            let mut wf = vec![w0.try_clone().unwrap()];
-            let mut wd = vec![w0];
-            let cfg = KronConfig::ring();
-            let mut opt_f = KronOptimizer::new(&dev, &shapes, cfg).unwrap();
-            let mut opt_d = KronOptimizer::new(&dev, &shapes, cfg).unwrap();
-            let grads = [KronGrad::Factored { e: &e, a: &a }];
-            let qf = opt_f.step_grads(&mut wf, &grads, Some(&stats)).unwrap();
-            let qd = opt_d.step(&mut wd, &[&g], Some(&stats)).unwrap();
-            assert_eq!(
-                host(&wf[0]),
-                host(&wd[0]),
-                "{dev:?} {d_out}x{d_in}, m = {m}"
-            );
-            assert_eq!(qf.predicted_change.to_bits(), qd.predicted_change.to_bits());
+        for dev in common::devices() {
+            factored_matches_dense_on(&dev, seed, d_out, d_in, m, m2, variant)?;
         }
     }
 }

@@ -15,8 +15,8 @@
 //! `4·d_out·d_in·(d_out + d_in)` (two products for `P`, two for `ΓPΛ`), the factored one
 //! `2m·(2d_out² + 2d_in² + d_out·d_in) + 8m²·(d_out + d_in)`; at `m = 256`,
 //! `d_out = d_in = 1024` that is 3.2 against 8.6 GFLOP. [`factored_is_cheaper`] picks per
-//! layer (on the CPU; see there for the kernel devices); when it says no, `G` is formed
-//! (`2m·d_out·d_in`) and the dense route runs.
+//! layer (weighing the kernel devices' faster dense preconditioning); when it says no, `G`
+//! is formed (`2m·d_out·d_in`) and the dense route runs.
 
 use crate::device::{Device, Matrix};
 use crate::error::Result;
@@ -40,15 +40,22 @@ pub enum KronGrad<'a> {
     },
 }
 
+/// How many times faster per flop the dense route's preconditioning runs than a
+/// [`Device::gemm`] on `f32` (what every other product here uses): 1 on the CPU (one GEMM for
+/// all); 2 on the kernel devices, where it runs the f32-accurate tensor-core products
+/// (`precond_gemm3_tc`, 6 bf16 products) against the SIMT fp32 GEMM — the ratio of their
+/// floors in `docs/gpu.md` (designed, not measured).
+fn precondition_speedup(d: &Device) -> f64 {
+    match d {
+        Device::Cpu => 1.0,
+        Device::Emulated | Device::Cuda(_) => 2.0,
+    }
+}
+
 /// True when the factored route (module docs) is the faster one on `d` for a `d_out x d_in`
-/// layer and `m` samples. `with_model`: the quadratic model's terms are needed too (a step,
-/// not a bare preconditioning).
-///
-/// On the CPU every product runs the same GEMM, so fewer flops is faster. On the kernel
-/// devices the dense route's preconditioning runs the f32-accurate tensor-core products
-/// (`precond_gemm3_tc`) while [`Device::gemm`] on `f32` — what the factored route would use —
-/// is the SIMT kernel, several times slower per flop (`docs/gpu.md`): there the dense route is
-/// kept until the factored products have a tensor-core path and a GPU bench shows the gain.
+/// layer and `m` samples: its flops against the dense route's, whose preconditioning
+/// products count `1 /` [`precondition_speedup`]. `with_model`: the quadratic model's terms
+/// are needed too (a step, not a bare preconditioning).
 pub(super) fn factored_is_cheaper(
     d: &Device,
     m: usize,
@@ -56,16 +63,14 @@ pub(super) fn factored_is_cheaper(
     d_in: usize,
     with_model: bool,
 ) -> bool {
-    if !matches!(d, Device::Cpu) {
-        return false;
-    }
     let (m, o, i) = (m as f64, d_out as f64, d_in as f64);
-    let (mut factored, mut dense) = (2.0 * m * (o * o + i * i + o * i), 2.0 * o * i * (o + i));
+    let mut factored = 2.0 * m * (o * o + i * i + o * i);
+    let mut dense = 2.0 * m * o * i + 2.0 * o * i * (o + i) / precondition_speedup(d);
     if with_model {
         factored += 2.0 * m * (o * o + i * i) + 8.0 * m * m * (o + i);
         dense += 2.0 * o * i * (o + i);
     }
-    factored < dense + 2.0 * m * o * i
+    factored < dense
 }
 
 /// The matrices one layer's preconditioning reads: the undamped factors (the model's
