@@ -343,95 +343,61 @@ fn elementwise_ops(t: &mut Tally, rng: &mut ChaCha8Rng, n: usize) {
     let s1 = |m: &Matrix| snap_mats(&[m]);
 
     let mut y = mat(rng, n, 1);
-    let tgt = "Device::axpy";
     let _ = F;
-    t.probe(
-        tgt,
-        "x one row longer",
-        Expect::Err(&["x"]),
-        &mut y,
-        s1,
-        |y| DEV.axpy(0.5, &wrong, y),
-    );
-    t.probe(
-        tgt,
-        &format!("x holds {xd}"),
-        Expect::Err(&["x"]),
-        &mut y,
-        s1,
-        |y| DEV.axpy(0.5, &xs, y),
-    );
-    let a = bad_scalar(rng);
-    t.probe(
-        tgt,
-        &format!("alpha = {a}"),
-        Expect::Err(&["alpha"]),
-        &mut y,
-        s1,
-        |y| DEV.axpy(a, &x, y),
-    );
-    let (mut ys, yd) = poisoned(rng, n, 1);
-    t.probe(
-        tgt,
-        &format!("y holds {yd}"),
-        Expect::Err(&["y"]),
-        &mut ys,
-        s1,
-        |y| DEV.axpy(0.5, &x, y),
-    );
-    let mut yh = filled(n, 1, HUGE);
-    t.probe(
-        tgt,
-        "alpha = 1e30, x = y = 1e30",
-        Expect::ErrOrFinite,
-        &mut yh,
-        s1,
-        |y| DEV.axpy(HUGE, &huge, y),
-    );
-
-    // axpy_new writes a new matrix: `y` is the operand that must stay unchanged.
-    let tgt = "Device::axpy_new";
-    t.probe(
-        tgt,
-        "x one row longer",
-        Expect::Err(&["x"]),
-        &mut y,
-        s1,
-        |y| DEV.axpy_new(0.5, &wrong, y).map(drop),
-    );
-    t.probe(
-        tgt,
-        &format!("x holds {xd}"),
-        Expect::Err(&["x"]),
-        &mut y,
-        s1,
-        |y| DEV.axpy_new(0.5, &xs, y).map(drop),
-    );
-    let a = bad_scalar(rng);
-    t.probe(
-        tgt,
-        &format!("alpha = {a}"),
-        Expect::Err(&["alpha"]),
-        &mut y,
-        s1,
-        |y| DEV.axpy_new(a, &x, y).map(drop),
-    );
-    t.probe(
-        tgt,
-        &format!("y holds {yd}"),
-        Expect::Err(&["y"]),
-        &mut ys,
-        s1,
-        |y| DEV.axpy_new(0.5, &x, y).map(drop),
-    );
-    t.probe(
-        tgt,
-        "alpha = 1e30, x = y = 1e30",
-        Expect::ErrOrFinite,
-        &mut yh,
-        s1,
-        |y| DEV.axpy_new(HUGE, &huge, y).map(drop),
-    );
+    // `axpy` writes `y` in place and `axpy_new` a new matrix; `y` must stay unchanged on error
+    // either way, so both get the same probes.
+    type Axpy = fn(f32, &Matrix, &mut Matrix) -> Result<()>;
+    let axpys: [(&'static str, Axpy); 2] = [
+        ("Device::axpy", |a, x, y| DEV.axpy(a, x, y)),
+        ("Device::axpy_new", |a, x, y| {
+            DEV.axpy_new(a, x, y).map(drop)
+        }),
+    ];
+    for (tgt, op) in axpys {
+        t.probe(
+            tgt,
+            "x one row longer",
+            Expect::Err(&["x"]),
+            &mut y,
+            s1,
+            |y| op(0.5, &wrong, y),
+        );
+        t.probe(
+            tgt,
+            &format!("x holds {xd}"),
+            Expect::Err(&["x"]),
+            &mut y,
+            s1,
+            |y| op(0.5, &xs, y),
+        );
+        let a = bad_scalar(rng);
+        t.probe(
+            tgt,
+            &format!("alpha = {a}"),
+            Expect::Err(&["alpha"]),
+            &mut y,
+            s1,
+            |y| op(a, &x, y),
+        );
+        let (mut ys, yd) = poisoned(rng, n, 1);
+        t.probe(
+            tgt,
+            &format!("y holds {yd}"),
+            Expect::Err(&["y"]),
+            &mut ys,
+            s1,
+            |y| op(0.5, &x, y),
+        );
+        let mut yh = filled(n, 1, HUGE);
+        t.probe(
+            tgt,
+            "alpha = 1e30, x = y = 1e30",
+            Expect::ErrOrFinite,
+            &mut yh,
+            s1,
+            |y| op(HUGE, &huge, y),
+        );
+    }
 
     let tgt = "Device::scale";
     let a = bad_scalar(rng);
