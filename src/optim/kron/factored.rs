@@ -13,7 +13,7 @@
 //! These are identities, not approximations: the same `P` and the same model terms (SPEC §2)
 //! up to rounding. Flops (a GEMM `p x q x r` counted `2pqr`): the dense route costs
 //! `4·d_out·d_in·(d_out + d_in)` (two products for `P`, two for `ΓPΛ`), the factored one
-//! `2m·(2d_out² + 2d_in² + d_out·d_in) + 8m²·(d_out + d_in)`; at `m = 256`,
+//! `2m·(2d_out² + 2d_in² + d_out·d_in) + 4m²·(d_out + d_in)`; at `m = 256`,
 //! `d_out = d_in = 1024` that is 3.2 against 8.6 GFLOP. [`factored_is_cheaper`] picks per
 //! layer (weighing the kernel devices' faster dense preconditioning); when it says no, `G`
 //! is formed (`2m·d_out·d_in`) and the dense route runs.
@@ -67,7 +67,7 @@ pub(super) fn factored_is_cheaper(
     let mut factored = 2.0 * m * (o * o + i * i + o * i);
     let mut dense = 2.0 * m * o * i + 2.0 * o * i * (o + i) / precondition_speedup(d);
     if with_model {
-        factored += 2.0 * m * (o * o + i * i) + 8.0 * m * m * (o + i);
+        factored += 2.0 * m * (o * o + i * i) + 4.0 * m * m * (o + i);
         dense += 2.0 * o * i * (o + i);
     }
     factored < dense
