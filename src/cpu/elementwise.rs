@@ -12,9 +12,7 @@
 
 use rayon::prelude::*;
 
-use std::sync::atomic::{AtomicBool, Ordering};
-
-use crate::error::{check_finite, check_len, check_value, try_with_capacity, Result};
+use crate::error::{check_finite, check_len, check_value, try_vec, Result};
 use crate::params::elementwise::{
     check_beta, AdamWCoeffs, MultiLayout, MultiUpdate, SgdCoeffs, SophiaCoeffs,
 };
@@ -54,10 +52,10 @@ pub fn axpy(alpha: f32, x: &[f32], y: &mut [f32]) -> Result<()> {
     Ok(())
 }
 
-/// `y + α x` as a new vector, in one pass that writes it (no zero fill) and flags a
-/// non-finite result; only a flagged call reads the inputs again, to name the first bad
-/// value. A non-finite `x` or `y` always gives a non-finite result (`α` is finite), so the
-/// one flag covers the inputs too.
+/// `y + α x` as a new vector, in one pass that writes it and flags a non-finite result
+/// (per chunk, a branch-free flag the loop vectorizes with); only a flagged call reads the
+/// inputs again, to name the first bad value. A non-finite `x` or `y` always gives a
+/// non-finite result (`α` is finite), so the one flag covers the inputs too.
 ///
 /// # Errors
 /// As [`axpy`], plus [`Error::NonFinite`](crate::Error::NonFinite) with `arg`
@@ -67,21 +65,24 @@ pub fn axpy_new(alpha: f32, x: &[f32], y: &[f32]) -> Result<Vec<f32>> {
     const OP: &str = "cpu::axpy_new";
     check_len(OP, "x", x.len(), y.len())?;
     check_value(OP, "alpha", alpha as f64, true, "a finite number")?;
-    let bad = AtomicBool::new(false);
-    let f = |(&x, &y): (&f32, &f32)| {
-        let v = y + alpha * x;
-        if !v.is_finite() {
-            bad.store(true, Ordering::Relaxed);
+    let chunk = |o: &mut [f32], x: &[f32], y: &[f32]| {
+        let mut ok = true;
+        for ((o, &x), &y) in o.iter_mut().zip(x).zip(y) {
+            *o = y + alpha * x;
+            ok &= o.abs() < f32::INFINITY;
         }
-        v
+        ok
     };
-    let mut out = try_with_capacity("host", x.len(), 1)?;
-    if x.len() < PAR_MIN {
-        out.extend(x.iter().zip(y).map(f));
+    let mut out = try_vec(x.len(), 1, 0.0f32)?;
+    let ok = if x.len() < PAR_MIN {
+        chunk(&mut out, x, y)
     } else {
-        out.par_extend(x.par_iter().zip(y.par_iter()).with_min_len(CHUNK).map(f));
-    }
-    if bad.into_inner() {
+        out.par_chunks_mut(CHUNK)
+            .zip(x.par_chunks(CHUNK).zip(y.par_chunks(CHUNK)))
+            .map(|(o, (x, y))| chunk(o, x, y))
+            .reduce(|| true, |a, b| a & b)
+    };
+    if !ok {
         check_finite(OP, "x", x)?;
         check_finite(OP, "y", y)?;
         check_finite(OP, "result (overflow)", &out)?;
