@@ -1,11 +1,16 @@
 //! Full training step through candle (feature `candle`): forward, backward, the method's
 //! statistics, the update (and for RING the loss-after evaluation of the Levenberg–Marquardt
-//! rule) of the MLP 784-1024-1024-10 tanh at batch 256, on the CPU:
+//! rule) of the MLP 784-1024-1024-10 tanh at batch 256, on the CPU (`candle-step/…`) and, with
+//! the `candle-cuda` feature, on candle's CUDA GPU 0 (`candle-step-cuda/…`, bench filter
+//! `cuda`; skipped with a note without a GPU, an error under `GRNG_REQUIRE_CUDA=1`):
 //!
 //! - `candle-adamw`: candle's own `candle_nn::AdamW` (the baseline);
 //! - `grng-adamw`: grng's AdamW through `GrngOptimizer`;
 //! - `grng-ring/S=8`: RING, factors and inverses every 8th step (criterion averages over
 //!   consecutive steps), `KronLinear` + `capture_fisher` + `GrngOptimizer::step_observed`.
+//!
+//! Each step ends with the device synchronized, so a GPU step is timed to its end, not to the
+//! queueing of its kernels.
 //!
 //! `cargo bench --features candle --bench candle_step -- --warm-up-time 1 --measurement-time 3`
 //! (`GRNG_BENCH_SHAPE` / `GRNG_BENCH_BATCH` as in `benches/step.rs`). Tiny learning rates keep
@@ -64,19 +69,33 @@ fn forward(layers: &[KronLinear], x: &Tensor, record: bool) -> Tensor {
 }
 
 fn bench(c: &mut Criterion) {
+    rows(c, &CDevice::Cpu, "candle-step");
+    #[cfg(feature = "candle-cuda")]
+    match grng::candle::candle_device("cuda") {
+        Ok(dev) => rows(c, &dev, "candle-step-cuda"),
+        Err(e) => {
+            let required = std::env::var("GRNG_REQUIRE_CUDA").is_ok_and(|v| v == "1");
+            assert!(!required, "GRNG_REQUIRE_CUDA=1 but no usable GPU: {e}");
+            eprintln!("candle_step: CUDA rows skipped (no GPU: {e})");
+        }
+    }
+}
+
+/// The rows on candle device `dev`, in benchmark group `prefix/<shape>/batch=<m>`.
+fn rows(c: &mut Criterion, dev: &CDevice, prefix: &str) {
     let sizes = sizes();
     let batch: usize = env_or("GRNG_BENCH_BATCH", "256")
         .parse()
         .expect("GRNG_BENCH_BATCH");
-    let dev = CDevice::Cpu;
+    let sync = || dev.synchronize().expect("synchronize");
     let mut rng = ChaCha8Rng::seed_from_u64(7);
     let (d0, classes) = (sizes[0], sizes[sizes.len() - 1]);
     let x: Vec<f32> = (0..batch * d0).map(|_| rng.random::<f32>()).collect();
-    let x = Tensor::from_vec(x, (batch, d0), &dev).expect("batch");
+    let x = Tensor::from_vec(x, (batch, d0), dev).expect("batch");
     let labels: Vec<u32> = (0..batch)
         .map(|_| rng.random_range(0..classes as u32))
         .collect();
-    let y = Tensor::from_slice(&labels, batch, &dev).expect("labels");
+    let y = Tensor::from_slice(&labels, batch, dev).expect("labels");
     let loss = |logits: &Tensor| candle_nn::loss::cross_entropy(logits, &y).expect("loss");
 
     let name = sizes
@@ -84,10 +103,10 @@ fn bench(c: &mut Criterion) {
         .map(usize::to_string)
         .collect::<Vec<_>>()
         .join("-");
-    let mut group = c.benchmark_group(format!("candle-step/{name}/batch={batch}"));
+    let mut group = c.benchmark_group(format!("{prefix}/{name}/batch={batch}"));
     group.sample_size(10);
 
-    let layers = model(&sizes, &dev);
+    let layers = model(&sizes, dev);
     let vars = layers.iter().map(|l| l.weight().clone()).collect();
     let params = candle_nn::ParamsAdamW {
         lr: 1e-5,
@@ -98,6 +117,7 @@ fn bench(c: &mut Criterion) {
         b.iter(|| {
             let l = loss(&forward(&layers, &x, false));
             adamw.backward_step(&l).expect("step");
+            sync();
             black_box(l)
         })
     });
@@ -111,7 +131,7 @@ fn bench(c: &mut Criterion) {
         };
         GrngOptimizer::try_new(vars, config).expect("optimizer")
     };
-    let layers = model(&sizes, &dev);
+    let layers = model(&sizes, dev);
     let adamw_cfg = AdamWConfig {
         lr: 1e-5,
         ..AdamWConfig::default()
@@ -122,11 +142,12 @@ fn bench(c: &mut Criterion) {
             let l = loss(&forward(&layers, &x, false));
             opt.try_step(&l.backward().expect("backward"))
                 .expect("step");
+            sync();
             black_box(l)
         })
     });
 
-    let layers = model(&sizes, &dev);
+    let layers = model(&sizes, dev);
     let ring = KronConfig {
         lr: 1e-3,
         skip: 8,
@@ -151,7 +172,9 @@ fn bench(c: &mut Criterion) {
                 .expect("statistics");
             }
             let after = || Ok(loss(&forward(&layers, &x, false)).to_scalar::<f32>()?);
-            black_box(opt.step_observed(&grads, before, after).expect("step"))
+            let observed = opt.step_observed(&grads, before, after).expect("step");
+            sync();
+            black_box(observed)
         })
     });
     group.finish();

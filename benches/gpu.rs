@@ -466,10 +466,24 @@ fn set_math_mode(blas: &CudaBlas, mode: cublasMath_t) -> Res<()> {
     Ok(())
 }
 
+/// Whether the CUDA library of cudarc module `sys` can be called. cudarc loads the libraries
+/// on first use and would panic on a missing one (`is_culib_present` probes); a `candle-cuda`
+/// build links them instead (cudarc's `dynamic-linking`, which has no probes), so a binary
+/// that started has them.
+macro_rules! culib_present {
+    ($($sys:ident)::+) => {{
+        #[cfg(not(feature = "candle-cuda"))]
+        // SAFETY: only probes whether the library can be loaded (calls would panic otherwise).
+        let present = unsafe { $($sys)::+::is_culib_present() };
+        #[cfg(feature = "candle-cuda")]
+        let present = true;
+        present
+    }};
+}
+
 /// A cuBLAS handle on grng's stream, or `None` (said in a row) when libcublas cannot be loaded.
 fn cublas(b: &Bench, section: &str) -> Res<Option<CudaBlas>> {
-    // SAFETY: only probes whether libcublas can be loaded (calls would panic otherwise).
-    if unsafe { cudarc::cublas::sys::is_culib_present() } {
+    if culib_present!(cudarc::cublas::sys) {
         Ok(Some(CudaBlas::new(b.cuda.stream().clone())?))
     } else {
         missing(section, "cuBLAS");
@@ -559,8 +573,7 @@ struct Lt {
 impl Lt {
     /// `None` (said in a row) when libcublasLt cannot be loaded.
     fn new(b: &Bench, section: &str) -> Res<Option<Self>> {
-        // SAFETY: only probes whether libcublasLt can be loaded (calls would panic otherwise).
-        if !unsafe { lts::is_culib_present() } {
+        if !culib_present!(lts) {
             missing(section, "cublasLt");
             return Ok(None);
         }
@@ -876,8 +889,7 @@ struct Solver {
 
 impl Solver {
     fn new(cuda: &CudaDevice) -> Res<Option<Self>> {
-        // SAFETY: only probes whether libcusolver can be loaded (calls would panic otherwise).
-        if !unsafe { cudarc::cusolver::sys::is_culib_present() } {
+        if !culib_present!(cudarc::cusolver::sys) {
             missing("newton", "cuSOLVER");
             return Ok(None);
         }

@@ -63,7 +63,7 @@ struct Args {
     /// Output folder of the SVG.
     #[arg(long, default_value = "out")]
     out: std::path::PathBuf,
-    /// `cpu` (`cuda` needs candle's CUDA build, not supported by grng::candle yet).
+    /// `cpu`; `cuda` or `cuda:N` when built with `--features candle-cuda`.
     #[arg(long, default_value = "cpu")]
     device: String,
 }

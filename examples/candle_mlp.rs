@@ -33,7 +33,7 @@ struct Args {
     /// Seed of the split, the initial weights, the batches and the sampled labels.
     #[arg(long, default_value_t = 0)]
     seed: u64,
-    /// `cpu` (`cuda` needs candle's CUDA build, not supported by grng::candle yet).
+    /// `cpu`; `cuda` or `cuda:N` when built with `--features candle-cuda`.
     #[arg(long, default_value = "cpu")]
     device: String,
 }

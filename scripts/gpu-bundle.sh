@@ -1,12 +1,18 @@
 #!/usr/bin/env bash
 # Builds everything a GPU machine needs to test and time grng — such a machine has the NVIDIA
 # driver, the CUDA toolkit and PyTorch but no Rust toolchain and no network — into DIR:
-#   tests/*.gz   every integration-test binary (gzip) (the emu_* ones also run their Device::Cuda arms)
-#   bench/gpu.gz the GPU benchmark (benches/gpu.rs), when the project has one
-#   bin/grng.gz  the main job
+#   tests/*.xz   every integration-test binary (the emu_* ones also run their Device::Cuda arms);
+#                candle_grng built with `--features candle-cuda` (its CUDA arms)
+#   bench/gpu.xz the GPU benchmark (benches/gpu.rs), when the project has one
+#   bench/candle_step.xz  the candle training-step bench, `--features candle-cuda` (CUDA rows)
+#   bin/grng.xz  the main job
+#   bin/candle_mlp.xz  the digits MLP through candle, `--features candle-cuda`
 #   run-all.sh  runs them all there: `DIR/run-all.sh OUT [--ncu] [--bench-args "ARGS"]`
-# The kernels are embedded as PTX (the pip CUDA tools are installed first if needed); the
-# binaries are stripped and the bundle must stay within 60 MiB.
+# grng's kernels are embedded as PTX (the pip CUDA tools are installed first if needed);
+# candle's are compiled by nvcc 13.0 (`install-cuda-tools.sh --candle`: pip wheels unless a
+# system nvcc 13.0 exists) for sm_90a, the H100/H200 of the GPU machines. The binaries are
+# stripped and xz-compressed (gzip left the candle-cuda ones at 14 MB each, xz at 6.5; the
+# grng ones at 60% of their gzip size): the bundle must stay within 60 MiB.
 #
 # Usage: scripts/gpu-bundle.sh DIR
 set -euo pipefail
@@ -32,9 +38,23 @@ for line in sys.stdin:
 ' "$1"
 }
 
+# Every binary is stripped and compressed (about 8x) to stay within 60 MiB; run-all.sh unpacks
+# them into OUT.
+pack() { strip -o "$2" "$1" && xz -9 -T1 "$2"; }
+# pack_all DIR <<< "NAME PATH" lines
+pack_all() {
+    while read -r name exe; do
+        [[ -n "$name" ]] && pack "$exe" "$1/$name"
+    done
+}
+rm -rf "$dest"
+mkdir -p "$dest/tests" "$dest/bench" "$dest/bin"
+
 echo "gpu-bundle: building (release, kernels embedded)" >&2
 cargo build --release --bin grng
-tests="$(cargo test --release --no-run --tests --message-format=json | executables test)"
+# candle_grng comes from the candle-cuda build below (without the feature it holds no test).
+tests="$(cargo test --release --no-run --tests --message-format=json | executables test |
+    grep -v '^candle_grng ')"
 bench=""
 if [[ -f benches/gpu.rs ]]; then
     bench="$(cargo bench --no-run --bench gpu --message-format=json | executables bench)"
@@ -45,19 +65,27 @@ if ! grep -aq '\.target sm_' "$main"; then
     echo "gpu-bundle: $main has no embedded PTX (kernels not built)" >&2
     exit 1
 fi
-
-rm -rf "$dest"
-mkdir -p "$dest/tests" "$dest/bench" "$dest/bin"
-# Every binary is stripped and compressed (about 3x) to stay within 60 MiB; run-all.sh unpacks
-# them into OUT.
-pack() { strip -o "$2" "$1" && gzip -9 "$2"; }
+# Packed now: the candle-cuda test build below relinks target/release/grng with the feature.
 pack "$main" "$dest/bin/grng"
-while read -r name exe; do
-    [[ -n "$name" ]] && pack "$exe" "$dest/tests/$name"
-done <<<"$tests"
-while read -r name exe; do
-    [[ -n "$name" ]] && pack "$exe" "$dest/bench/$name"
-done <<<"$bench"
+pack_all "$dest/tests" <<<"$tests"
+pack_all "$dest/bench" <<<"$bench"
+
+# The candle-cuda binaries, built in the environment of install-cuda-tools.sh --candle only
+# (a subshell): the builds above keep theirs, so nothing of them is rebuilt.
+candle_cuda() {
+    (
+        eval "$(scripts/install-cuda-tools.sh --quiet --candle)"
+        cargo "$@" --features candle-cuda --message-format=json
+    )
+}
+echo "gpu-bundle: building the candle-cuda binaries (candle's kernels: nvcc, minutes the first time)" >&2
+# Assigned first: a failed build then stops the script (set -e), not a silently missing binary.
+candle_test="$(candle_cuda test --release --no-run --test candle_grng | executables test)"
+candle_bench="$(candle_cuda bench --no-run --bench candle_step | executables bench)"
+candle_mlp="$(candle_cuda build --release --example candle_mlp | executables example)"
+pack_all "$dest/tests" <<<"$candle_test"
+pack_all "$dest/bench" <<<"$candle_bench"
+pack_all "$dest/bin" <<<"$candle_mlp"
 cp scripts/gpu-run-all.sh "$dest/run-all.sh"
 chmod +x "$dest/run-all.sh"
 git rev-parse HEAD >"$dest/COMMIT" 2>/dev/null || echo unknown >"$dest/COMMIT"

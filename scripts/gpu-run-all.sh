@@ -1,13 +1,17 @@
 #!/usr/bin/env bash
 # run-all.sh of a GPU bundle (built by scripts/gpu-bundle.sh; do not run it from the source tree).
-# Runs every test binary, the GPU bench, the main job on CUDA and compute-sanitizer (memcheck,
-# racecheck) over one small test binary; writes one log each and summary.txt into OUT; exits
-# non-zero when anything failed, and with status 3 when there is no usable GPU.
+# Runs every test binary (candle_grng with its candle CUDA arms), the GPU bench, the candle
+# training-step bench's CUDA rows, the main job and the candle digits MLP on CUDA, and
+# compute-sanitizer (memcheck, racecheck) over one small test binary; writes one log each and
+# summary.txt into OUT; exits non-zero when anything failed, and with status 3 when there is no
+# usable GPU.
 #
 # Usage: run-all.sh OUT [--ncu] [--bench-args "ARGS"]
 #   --ncu               also run `ncu --print-summary per-kernel` over the bench (--quick)
 #   --bench-args ARGS   arguments of the bench (a section filter, --quick), e.g. "gemm --quick"
 #   GRNG_MAIN_ARGS      arguments of the main job (default: --epochs 2)
+#   GRNG_CANDLE_MLP_ARGS  arguments of the candle digits MLP besides --device cuda (default: none,
+#                       i.e. every method, 10 epochs)
 set -uo pipefail
 here="$(cd "$(dirname "$0")" && pwd)"
 if [[ $# -lt 1 ]]; then
@@ -74,10 +78,12 @@ for d in "${libdirs[@]}"; do
     LD_LIBRARY_PATH="$d${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
 done
 export LD_LIBRARY_PATH="${LD_LIBRARY_PATH:-}"
-# What the dynamic loader will pick for each name cudarc opens (first LD_LIBRARY_PATH hit,
+# What the dynamic loader will pick for each name cudarc opens (or, in the candle-cuda binaries,
+# links: libcudart, libcurand and the .so.13/.so.12 names of CUDA 13 too) (first LD_LIBRARY_PATH hit,
 # else ldconfig), with its real file and the version in that file's name. The bench prints
 # the ones it actually mapped ("loaded:" lines, copied into the summary below).
-for lib in libcuda.so.1 libnvrtc.so libcublas.so libcublasLt.so libcusolver.so; do
+for lib in libcuda.so.1 libnvrtc.so libcublas.so libcublasLt.so libcusolver.so \
+    libcudart.so.13 libcurand.so.10 libcublas.so.13 libcublasLt.so.13 libcusolver.so.12; do
     found=""
     IFS=: read -ra dirs <<<"$LD_LIBRARY_PATH"
     for d in "${dirs[@]}"; do
@@ -112,17 +118,25 @@ run() {
 }
 
 mkdir -p "$out/tests" "$out/bin"
-# The bundle's binaries are gzipped: each is unpacked into OUT/bin as NAME.
+# The bundle's binaries are xz-compressed: each is unpacked into OUT/bin as NAME (Python's lzma
+# where the xz tool is missing).
+unxz_to() {
+    if command -v xz >/dev/null 2>&1; then
+        xz -dc "$1" >"$2"
+    else
+        python3 -c 'import lzma, shutil, sys; shutil.copyfileobj(lzma.open(sys.argv[1]), sys.stdout.buffer)' "$1" >"$2"
+    fi
+}
 unpack() {
     local t="$out/bin/$2"
-    gunzip -c "$1" >"$t" && chmod +x "$t" && echo "$t"
+    unxz_to "$1" "$t" && chmod +x "$t" && echo "$t"
 }
-for z in "$here"/tests/*.gz; do
-    t=$(unpack "$z" "$(basename "$z" .gz)")
+for z in "$here"/tests/*.xz; do
+    t=$(unpack "$z" "$(basename "$z" .xz)")
     run "test $(basename "$t")" "$out/tests/$(basename "$t").log" "$t"
 done
 bench_bin=""
-[[ -f "$here/bench/gpu.gz" ]] && bench_bin=$(unpack "$here/bench/gpu.gz" bench-gpu)
+[[ -f "$here/bench/gpu.xz" ]] && bench_bin=$(unpack "$here/bench/gpu.xz" bench-gpu)
 if [[ -n "$bench_bin" ]]; then
     # shellcheck disable=SC2086 # bench_args is a word list by design
     run "bench gpu $bench_args" "$out/bench-gpu.log" "$bench_bin" $bench_args
@@ -135,9 +149,28 @@ if [[ -n "$bench_bin" ]]; then
 else
     say "SKIP bench gpu (not in this bundle)"
 fi
+# The candle training step on CUDA (criterion filter `cuda`: its CUDA rows only): RING S=8,
+# grng's and candle's AdamW on the MLP 784-1024-1024-10 at m = 256 (issue 11's H100 target:
+# RING S=8 below ASDL's 1.26 ms).
+if [[ -f "$here/bench/candle_step.xz" ]]; then
+    CRITERION_HOME="$out/criterion" run "bench candle_step cuda" "$out/bench-candle-step.log" \
+        "$(unpack "$here/bench/candle_step.xz" bench-candle-step)" --bench cuda \
+        --warm-up-time 1 --measurement-time 3
+    grep -A2 '^candle-step-cuda' "$out/bench-candle-step.log" | tee -a "$summary"
+else
+    say "SKIP bench candle_step (not in this bundle)"
+fi
 # shellcheck disable=SC2086 # GRNG_MAIN_ARGS is a word list by design
 run "main job --device cuda" "$out/main.log" \
-    "$(unpack "$here/bin/grng.gz" grng)" --device cuda --out "$out/main" ${GRNG_MAIN_ARGS:---epochs 2}
+    "$(unpack "$here/bin/grng.xz" grng)" --device cuda --out "$out/main" ${GRNG_MAIN_ARGS:---epochs 2}
+if [[ -f "$here/bin/candle_mlp.xz" ]]; then
+    # shellcheck disable=SC2086 # GRNG_CANDLE_MLP_ARGS is a word list by design
+    run "candle_mlp --device cuda" "$out/candle-mlp.log" \
+        "$(unpack "$here/bin/candle_mlp.xz" candle_mlp)" --device cuda ${GRNG_CANDLE_MLP_ARGS:-}
+    tail -n 12 "$out/candle-mlp.log" | tee -a "$summary"
+else
+    say "SKIP candle_mlp (not in this bundle)"
+fi
 small="$out/bin/emu_elementwise"
 if command -v compute-sanitizer >/dev/null 2>&1; then
     for tool in memcheck racecheck; do

@@ -241,6 +241,13 @@ impl<T: Element> Matrix<T> {
             Storage::Cuda(_) => None,
         }
     }
+    /// GPU elements, when the storage is on a GPU (the Cuda device).
+    pub fn cuda_slice(&self) -> Option<&cudarc::driver::CudaSlice<T>> {
+        match &self.storage {
+            Storage::Host(_) => None,
+            Storage::Cuda(s) => Some(s),
+        }
+    }
     /// Wraps a row-major `rows x cols` host buffer without copying it (a matrix of the Cpu or
     /// Emulated device): how `grng::candle` views a candle tensor's storage in place.
     ///
@@ -253,6 +260,38 @@ impl<T: Element> Matrix<T> {
             cols,
             storage: Storage::Host(data),
         })
+    }
+    /// Wraps a row-major `rows x cols` GPU buffer without copying it (a matrix of the Cuda
+    /// device whose context the buffer belongs to): how `grng::candle` views a candle CUDA
+    /// tensor's storage in place.
+    ///
+    /// # Errors
+    /// [`Error::Shape`] when `data.len() != rows * cols`.
+    pub fn from_cuda_slice(
+        rows: usize,
+        cols: usize,
+        data: cudarc::driver::CudaSlice<T>,
+    ) -> Result<Self> {
+        crate::error::check_len("Matrix::from_cuda_slice", "data", data.len(), rows * cols)?;
+        Ok(Self {
+            rows,
+            cols,
+            storage: Storage::Cuda(data),
+        })
+    }
+    /// The matrix's own GPU buffer (no copy).
+    ///
+    /// # Errors
+    /// [`Error::DeviceMismatch`] for host storage (there is no stream to upload it on).
+    pub fn into_cuda_slice(self) -> Result<cudarc::driver::CudaSlice<T>> {
+        match self.storage {
+            Storage::Cuda(s) => Ok(s),
+            Storage::Host(_) => Err(Error::DeviceMismatch {
+                op: "Matrix::into_cuda_slice",
+                a: "cuda",
+                b: "host memory",
+            }),
+        }
     }
     /// The elements as a host buffer: the matrix's own buffer (no copy) for host storage, a
     /// download for GPU storage.

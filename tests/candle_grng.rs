@@ -63,6 +63,35 @@ fn assert_tensor_error<T: std::fmt::Debug>(r: grng::Result<T>) {
     assert!(matches!(r, Err(Error::Tensor { .. })), "{r:?}");
 }
 
+/// The views of `t` (f32, contiguous, 3 rows) refused with [`Error::Tensor`], nothing lent:
+/// other dtypes, a transpose (strided), row ranges (an offset, part of the storage), one
+/// storage twice.
+fn assert_bad_views_refused(t: &Tensor) {
+    let never = |_: &mut grng::Matrix| -> grng::Result<()> { panic!("must not be lent") };
+    for bad in [
+        t.to_dtype(DType::F64),
+        t.to_dtype(DType::BF16),
+        t.t(),
+        t.narrow(0, 1, 2),
+        t.narrow(0, 0, 2),
+    ] {
+        assert_tensor_error(with_matrix(&bad.unwrap(), ViewAs::Matrix, never));
+    }
+    assert_tensor_error(with_matrices(&[t, &t.clone()], ViewAs::Matrix, |_| Ok(())));
+}
+
+/// A closure that panics while `t` is lent: the panic goes on, and `t` holds zeros of its
+/// length (its buffer was dropped with the matrix), not a buffer shorter than itself.
+fn assert_refilled_after_panic(t: &Tensor) {
+    let lent = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+        with_matrix(t, ViewAs::Matrix, |_| -> grng::Result<()> {
+            panic!("a closure panicking on purpose")
+        })
+    }));
+    assert!(lent.is_err());
+    assert_eq!(host(t), vec![0.0; t.elem_count()]);
+}
+
 /// dtype, strides, offsets, partial storages, ranks, aliasing and failing closures are typed
 /// errors, and the tensors keep their values.
 #[test]
@@ -70,23 +99,7 @@ fn bad_views_are_typed_errors_and_change_nothing() {
     let vals: Vec<f32> = (0..12).map(|i| i as f32).collect();
     let t = tensor(&vals, 3, 4);
     let never = |_: &mut grng::Matrix| -> grng::Result<()> { panic!("must not be lent") };
-    assert_tensor_error(with_matrix(
-        &t.to_dtype(DType::F64).unwrap(),
-        ViewAs::Matrix,
-        never,
-    ));
-    assert_tensor_error(with_matrix(&t.t().unwrap(), ViewAs::Matrix, never));
-    assert_tensor_error(with_matrix(
-        &t.narrow(0, 1, 2).unwrap(),
-        ViewAs::Matrix,
-        never,
-    ));
-    assert_tensor_error(with_matrix(
-        &t.narrow(0, 0, 2).unwrap(),
-        ViewAs::Matrix,
-        never,
-    ));
-    assert_tensor_error(with_matrices(&[&t, &t.clone()], ViewAs::Matrix, |_| Ok(())));
+    assert_bad_views_refused(&t);
     let r3 = t.reshape((3, 2, 2)).unwrap();
     assert!(matches!(
         with_matrix(&r3, ViewAs::Matrix, never),
@@ -112,9 +125,11 @@ fn bad_views_are_typed_errors_and_change_nothing() {
     });
     assert!(matches!(r, Err(Error::Shape { .. })), "{r:?}");
     assert_eq!(host(&t).len(), 12);
-    // Devices: only candle's CPU is viewed (no GPU here to build a mismatching tensor).
+    assert_refilled_after_panic(&tensor(&vals, 3, 4));
+    // Devices: candle's CPU, and CUDA with `candle-cuda` only (its arms are in `mod cuda`).
     assert!(grng::candle::candle_device("cpu").unwrap().is_cpu());
-    for name in ["cuda", "metal", ""] {
+    let cuda_too = (!cfg!(feature = "candle-cuda")).then_some("cuda");
+    for name in ["metal", "", "cuda:x"].into_iter().chain(cuda_too) {
         let r = grng::candle::candle_device(name);
         assert!(matches!(r, Err(Error::DeviceUnavailable(_))), "{name}");
     }
@@ -174,9 +189,21 @@ fn case(sizes: Vec<usize>, m: usize, seed: u64) -> Case {
     }
 }
 
-/// The candle forward pass (recording), logits `m x C` scaled by `scale` when given.
+/// Copies of `layers` (same weights) on candle device `dev`.
+fn layers_on(layers: &[KronLinear], dev: &CDevice) -> Vec<KronLinear> {
+    layers
+        .iter()
+        .map(|l| KronLinear::from_weights(&l.weight().to_device(dev).unwrap()).unwrap())
+        .collect()
+}
+
+/// The candle forward pass (recording) on the layers' device, logits `m x C` scaled by `scale`
+/// when given.
 fn logits(layers: &[KronLinear], x: &Mat, scale: Option<&Var>) -> Tensor {
-    let mut h = tensor(x.as_slice(), x.rows(), x.cols());
+    let dev = layers[0].weight().device();
+    let mut h = tensor(x.as_slice(), x.rows(), x.cols())
+        .to_device(dev)
+        .unwrap();
     for (l, layer) in layers.iter().enumerate() {
         h = layer.forward(&h).unwrap();
         if l + 1 < layers.len() {
@@ -189,9 +216,8 @@ fn logits(layers: &[KronLinear], x: &Mat, scale: Option<&Var>) -> Tensor {
     }
 }
 
-fn labels_tensor(labels: &[usize]) -> Tensor {
-    let l: Vec<u32> = labels.iter().map(|&y| y as u32).collect();
-    Tensor::from_slice(&l, labels.len(), &CDevice::Cpu).unwrap()
+fn labels_tensor(labels: &[usize], dev: &CDevice) -> Tensor {
+    Tensor::from_slice(&u32s(labels), labels.len(), dev).unwrap()
 }
 
 fn u32s(labels: &[usize]) -> Vec<u32> {
@@ -219,7 +245,7 @@ proptest! {
     ) {
         let Case { mlp, layers, x, labels } = case(vec![d0, h, c], m, seed);
         let z = logits(&layers, &x, None);
-        let loss = candle_nn::loss::cross_entropy(&z, &labels_tensor(&labels)).unwrap();
+        let loss = candle_nn::loss::cross_entropy(&z, &labels_tensor(&labels, z.device())).unwrap();
         let grads = loss.backward().unwrap();
         let fwd = mlp.forward(x.as_ref()).unwrap();
         let back = mlp.backward(&fwd, Targets::Classes(&labels)).unwrap();
@@ -246,18 +272,19 @@ proptest! {
 
 // ---- One optimizer step through candle = the same step through grng's API ----
 
-fn mat(t: &Tensor, rows: usize, cols: usize) -> grng::Matrix {
-    Device::Cpu.upload(rows, cols, &host(t)).unwrap()
+fn mat(dev: &Device, t: &Tensor, rows: usize, cols: usize) -> grng::Matrix {
+    dev.upload(rows, cols, &host(t)).unwrap()
 }
 
 /// Two steps of `method` on the case's network (plus a scalar output scale, a non-Kronecker
-/// variable) through `GrngOptimizer`, each checked bit for bit against grng's own optimizers
-/// fed the same weights, gradients and statistics.
-fn step_matches_grng(method: OptimizerConfig) {
+/// variable) on candle device `cdev` through `GrngOptimizer`, each checked bit for bit against
+/// grng's own optimizers on `dev` fed the same weights, gradients and statistics.
+fn step_matches_grng(method: OptimizerConfig, cdev: &CDevice, dev: &Device) {
     let Case {
         layers, x, labels, ..
     } = case(vec![6, 5, 4], 12, common::seed());
-    let scale = Var::from_slice(&[1.0f32], 1, &CDevice::Cpu).unwrap();
+    let layers = layers_on(&layers, cdev);
+    let scale = Var::from_slice(&[1.0f32], 1, cdev).unwrap();
     let rest = AdamWConfig {
         lr: 1e-2,
         warmup_steps: 0,
@@ -273,7 +300,7 @@ fn step_matches_grng(method: OptimizerConfig) {
     let mut opt = GrngOptimizer::try_new(vars.clone(), config).unwrap();
     let shapes: Vec<_> = layers.iter().map(KronLinear::shape).collect();
     let mut kron_ref = match method {
-        OptimizerConfig::Kron(k) => Some(KronOptimizer::new(&Device::Cpu, &shapes, k).unwrap()),
+        OptimizerConfig::Kron(k) => Some(KronOptimizer::new(dev, &shapes, k).unwrap()),
         _ => None,
     };
     // First-order references: one per variable (Kronecker methods: AdamW on the scale only).
@@ -292,24 +319,24 @@ fn step_matches_grng(method: OptimizerConfig) {
         .map(|v| {
             let n = v.elem_count();
             match method {
-                OptimizerConfig::Sgd(c) => R::S(Sgd::new(&Device::Cpu, n, c).unwrap()),
-                OptimizerConfig::Sophia(c) => R::So(Sophia::new(&Device::Cpu, n, c).unwrap()),
-                OptimizerConfig::AdamW(c) => R::A(AdamW::new(&Device::Cpu, n, c).unwrap()),
-                _ => R::A(AdamW::new(&Device::Cpu, n, rest).unwrap()),
+                OptimizerConfig::Sgd(c) => R::S(Sgd::new(dev, n, c).unwrap()),
+                OptimizerConfig::Sophia(c) => R::So(Sophia::new(dev, n, c).unwrap()),
+                OptimizerConfig::AdamW(c) => R::A(AdamW::new(dev, n, c).unwrap()),
+                _ => R::A(AdamW::new(dev, n, rest).unwrap()),
             }
         })
         .collect();
     let mut rng = common::seeded_rng();
     for _ in 0..2 {
         let z = logits(&layers, &x, Some(&scale));
-        let loss = candle_nn::loss::cross_entropy(&z, &labels_tensor(&labels)).unwrap();
+        let loss = candle_nn::loss::cross_entropy(&z, &labels_tensor(&labels, z.device())).unwrap();
         let grads = loss.backward().unwrap();
         if opt.needs_fisher() {
             capture_fisher(&layers, &z, FisherMode::Sampled, &u32s(&labels), &mut rng).unwrap();
         }
         let sampled = opt.needs_sophia_sample().then(|| {
             let y: Vec<usize> = (0..labels.len()).map(|_| rng.random_range(0..4)).collect();
-            let g = candle_nn::loss::cross_entropy(&z, &labels_tensor(&y))
+            let g = candle_nn::loss::cross_entropy(&z, &labels_tensor(&y, z.device()))
                 .unwrap()
                 .backward()
                 .unwrap();
@@ -322,20 +349,20 @@ fn step_matches_grng(method: OptimizerConfig) {
             let mut ws: Vec<_> = layers
                 .iter()
                 .zip(&shapes)
-                .map(|(l, &(r, c))| mat(l.weight(), r, c))
+                .map(|(l, &(r, c))| mat(dev, l.weight(), r, c))
                 .collect();
             let gs: Vec<_> = layers
                 .iter()
                 .zip(&shapes)
-                .map(|(l, &(r, c))| mat(grads.get(l.weight()).unwrap(), r, c))
+                .map(|(l, &(r, c))| mat(dev, grads.get(l.weight()).unwrap(), r, c))
                 .collect();
             let st: Vec<(grng::Matrix, grng::Matrix)> = layers
                 .iter()
                 .filter_map(|l| l.fisher_stats())
                 .map(|(a, e)| {
                     (
-                        mat(&a, a.dims()[0], a.dims()[1]),
-                        mat(&e, e.dims()[0], e.dims()[1]),
+                        mat(dev, &a, a.dims()[0], a.dims()[1]),
+                        mat(dev, &e, e.dims()[0], e.dims()[1]),
                     )
                 })
                 .collect();
@@ -351,13 +378,13 @@ fn step_matches_grng(method: OptimizerConfig) {
             .zip(&mut flat_ref)
             .map(|(v, r)| {
                 let n = v.elem_count();
-                let mut p = mat(v, n, 1);
-                let g = mat(grads.get(v).unwrap(), n, 1);
+                let mut p = mat(dev, v, n, 1);
+                let g = mat(dev, grads.get(v).unwrap(), n, 1);
                 match r {
                     R::A(o) => o.step(&mut p, &g).unwrap(),
                     R::S(o) => o.step(&mut p, &g).unwrap(),
                     R::So(o) => {
-                        let s = sampled.as_ref().map(|s| mat(s.get(v).unwrap(), n, 1));
+                        let s = sampled.as_ref().map(|s| mat(dev, s.get(v).unwrap(), n, 1));
                         let h = s.as_ref().map(|s| SophiaHessian {
                             sampled_grad: s,
                             batch: labels.len(),
@@ -379,29 +406,27 @@ fn step_matches_grng(method: OptimizerConfig) {
     }
 }
 
-#[test]
-fn ring_step_matches_grng() {
-    step_matches_grng(OptimizerConfig::Kron(KronConfig::ring()));
+/// Every method grng runs through candle (two AdamW configurations: a Kronecker method's
+/// other variables use the default one).
+fn methods() -> Vec<OptimizerConfig> {
+    vec![
+        OptimizerConfig::Kron(KronConfig::ring()),
+        OptimizerConfig::Kron(KronConfig::reng()),
+        OptimizerConfig::Kron(KronConfig::ngd()),
+        OptimizerConfig::AdamW(AdamWConfig {
+            lr: 3e-3,
+            ..AdamWConfig::default()
+        }),
+        OptimizerConfig::Sgd(SgdConfig::default()),
+        OptimizerConfig::Sophia(SophiaConfig::default()),
+    ]
 }
 
 #[test]
-fn reng_step_matches_grng() {
-    step_matches_grng(OptimizerConfig::Kron(KronConfig::reng()));
-}
-
-#[test]
-fn ngd_step_matches_grng() {
-    step_matches_grng(OptimizerConfig::Kron(KronConfig::ngd()));
-}
-
-#[test]
-fn first_order_steps_match_grng() {
-    step_matches_grng(OptimizerConfig::AdamW(AdamWConfig {
-        lr: 3e-3,
-        ..AdamWConfig::default()
-    }));
-    step_matches_grng(OptimizerConfig::Sgd(SgdConfig::default()));
-    step_matches_grng(OptimizerConfig::Sophia(SophiaConfig::default()));
+fn steps_match_grng() {
+    for method in methods() {
+        step_matches_grng(method, &CDevice::Cpu, &Device::Cpu);
+    }
 }
 
 // ---- Bad input: typed errors, nothing changed ----
@@ -449,7 +474,7 @@ fn bad_optimizer_input_is_a_typed_error_and_changes_nothing() {
         Err(Error::Shape { .. })
     ));
     let z = logits(&layers, &x, Some(&scale));
-    let loss = candle_nn::loss::cross_entropy(&z, &labels_tensor(&labels)).unwrap();
+    let loss = candle_nn::loss::cross_entropy(&z, &labels_tensor(&labels, z.device())).unwrap();
     let mut grads = loss.backward().unwrap();
     // RING's first step needs statistics.
     assert!(matches!(opt.try_step(&grads), Err(Error::Value { .. })));
@@ -557,7 +582,7 @@ fn step_observed_undoes_a_step_with_a_non_finite_loss() {
     let mut rng = common::seeded_rng();
     let mut step = |after: f32| {
         let z = logits(&layers, &x, None);
-        let loss = candle_nn::loss::cross_entropy(&z, &labels_tensor(&labels)).unwrap();
+        let loss = candle_nn::loss::cross_entropy(&z, &labels_tensor(&labels, z.device())).unwrap();
         let before = loss.to_scalar::<f32>().unwrap();
         let grads = loss.backward().unwrap();
         if opt.needs_fisher() {
@@ -600,7 +625,7 @@ proptest! {
         let opt = GrngOptimizer::try_new(vars.clone(), config).unwrap();
         let grads_now = || {
             let z = logits(&layers, &x, None);
-            Ok(candle_nn::loss::cross_entropy(&z, &labels_tensor(&labels))?.backward()?)
+            Ok(candle_nn::loss::cross_entropy(&z, &labels_tensor(&labels, z.device()))?.backward()?)
         };
         let before: Vec<Vec<f32>> = vars.iter().map(|v| host(v)).collect();
         let mut grads = grads_now().unwrap();
@@ -613,5 +638,184 @@ proptest! {
         let term: f32 = want.iter().zip(&plain).map(|(w, g)| (w - g) * (w - g)).sum::<f32>().sqrt();
         let err: f32 = want.iter().zip(&got).map(|(w, g)| (w - g) * (w - g)).sum::<f32>().sqrt();
         prop_assert!(err <= 2e-2 * term + 1e-5, "err {err}, ‖2c·Hg‖ {term}");
+    }
+}
+
+/// The same tests on candle's CUDA tensors (feature `candle-cuda`), skipped without a GPU as
+/// the `emu_*` tests' CUDA arms are (and failing then under `GRNG_REQUIRE_CUDA=1`).
+#[cfg(feature = "candle-cuda")]
+mod cuda {
+    use super::*;
+    use cudarc::driver::{CudaSlice, DevicePtr};
+    use std::sync::OnceLock;
+
+    /// candle's GPU 0, one for the whole binary (grng's kernels are loaded once for it), or
+    /// `None` without a GPU or without grng's kernels.
+    fn candle_cuda() -> Option<CDevice> {
+        static DEV: OnceLock<Option<CDevice>> = OnceLock::new();
+        DEV.get_or_init(|| {
+            common::gpu(grng::candle::candle_device("cuda").and_then(|d| {
+                grng::candle::grng_device(&d)?;
+                Ok(d)
+            }))
+        })
+        .clone()
+    }
+
+    fn addr(s: &CudaSlice<f32>) -> u64 {
+        s.device_ptr(s.stream()).0
+    }
+
+    /// Device address of a CUDA f32 tensor's buffer.
+    fn buffer_addr(t: &Tensor) -> u64 {
+        match &*t.storage_and_layout().0 {
+            candle_core::Storage::Cuda(s) => addr(s.as_cuda_slice::<f32>().unwrap()),
+            _ => panic!("not a CUDA tensor"),
+        }
+    }
+
+    fn cuda_tensor(vals: &[f32], rows: usize, cols: usize, dev: &CDevice) -> Tensor {
+        Tensor::from_slice(vals, (rows, cols), dev).unwrap()
+    }
+
+    /// grng's device of a candle CUDA device works on candle's own stream; a view is the
+    /// tensor's own device buffer (same address), what grng writes is what the tensor holds,
+    /// and the buffer a matrix ends with is moved (same address) into its tensor.
+    #[test]
+    fn views_are_zero_copy() {
+        let Some(cd) = candle_cuda() else { return };
+        let dev = grng::candle::grng_device(&cd).unwrap();
+        let (Device::Cuda(g), CDevice::Cuda(c)) = (&dev, &cd) else {
+            panic!("{dev:?} for {cd:?}")
+        };
+        assert!(std::sync::Arc::ptr_eq(g.stream(), &c.cuda_stream()));
+        let mut rng = common::seeded_rng();
+        for (rows, cols) in [(1, 1), (3, 7), (64, 33), (1000, 257)] {
+            let x: Vec<f32> = common::vals(&mut rng, rows * cols);
+            let y: Vec<f32> = common::vals(&mut rng, rows * cols);
+            let (tx, ty) = (
+                cuda_tensor(&x, rows, cols, &cd),
+                cuda_tensor(&y, rows, cols, &cd),
+            );
+            let (px, py) = (buffer_addr(&tx), buffer_addr(&ty));
+            let seen = with_matrices(&[&ty, &tx], ViewAs::Matrix, |ms| {
+                let (dst, src) = ms.split_at_mut(1);
+                let ptrs = (
+                    addr(dst[0].cuda_slice().unwrap()),
+                    addr(src[0].cuda_slice().unwrap()),
+                );
+                dev.axpy(0.5, &src[0], &mut dst[0])?; // y ← y + x/2
+                Ok((ptrs, addr(dst[0].cuda_slice().unwrap())))
+            })
+            .unwrap();
+            assert_eq!(seen.0, (py, px));
+            assert_eq!(buffer_addr(&tx), px);
+            assert_eq!(buffer_addr(&ty), seen.1);
+            assert_eq!(host(&tx), x);
+            // The CUDA axpy rounds as the CPU's does (`__fmul_rn`, `__fadd_rn`).
+            let want: Vec<f32> = y.iter().zip(&x).map(|(y, x)| y + 0.5 * x).collect();
+            assert_eq!(host(&ty), want);
+        }
+    }
+
+    /// `A`, `E` (every Fisher mode) and the gradient of `W̄` captured on candle's CUDA tensors
+    /// equal those captured on its CPU tensors from the same weights, batch and label draws.
+    /// Both sides sum at most a few dozen f32 products of O(1) values per element in their
+    /// own orders (cuBLAS, candle's CPU GEMM): 1e-5 is ~100 ulps.
+    #[test]
+    fn captured_statistics_match_the_cpu() {
+        let Some(cd) = candle_cuda() else { return };
+        let seed = common::seed();
+        let Case {
+            layers, x, labels, ..
+        } = case(vec![9, 7, 5], 16, seed);
+        let gpu = layers_on(&layers, &cd);
+        for mode in [
+            FisherMode::Sampled,
+            FisherMode::Empirical,
+            FisherMode::Exact,
+        ] {
+            let [cpu, gpu] = [&layers, &gpu].map(|ls| {
+                let z = logits(ls, &x, None);
+                let y = labels_tensor(&labels, z.device());
+                let grads = candle_nn::loss::cross_entropy(&z, &y)
+                    .unwrap()
+                    .backward()
+                    .unwrap();
+                let mut rng = ChaCha8Rng::seed_from_u64(seed);
+                capture_fisher(ls, &z, mode, &u32s(&labels), &mut rng).unwrap();
+                ls.iter()
+                    .flat_map(|l| {
+                        let (a, e) = l.fisher_stats().unwrap();
+                        assert!(a.device().same_device(l.weight().device()));
+                        let g = host(grads.get(l.weight()).unwrap());
+                        [("A", host(&a)), ("E", host(&e)), ("G", g)]
+                    })
+                    .collect::<Vec<_>>()
+            });
+            for ((what, c), (_, g)) in cpu.iter().zip(&gpu) {
+                let d = max_diff(c, g);
+                assert!(d <= 1e-5, "{mode:?} {what}: {d}");
+            }
+        }
+    }
+
+    /// One `GrngOptimizer` step per method through candle's CUDA tensors equals the same step
+    /// through grng's own optimizers on a `Device::Cuda` of grng's own (same GPU, its own
+    /// stream), bit for bit: the same kernels on the same inputs.
+    #[test]
+    fn steps_match_grng() {
+        let Some(cd) = candle_cuda() else { return };
+        let dev = common::cuda().expect("grng opens the GPU candle opened");
+        for method in methods() {
+            step_matches_grng(method, &cd, &dev);
+        }
+    }
+
+    /// dtype, strides, offsets, a CPU tensor beside a CUDA one (views and optimizer), a CPU
+    /// gradient for a CUDA variable and a matrix swapped for a host one are typed errors, and
+    /// the tensors keep their values (the swapped one its length).
+    #[test]
+    fn bad_input_is_a_typed_error_and_changes_nothing() {
+        let Some(cd) = candle_cuda() else { return };
+        let vals: Vec<f32> = (0..12).map(|i| i as f32).collect();
+        let t = cuda_tensor(&vals, 3, 4, &cd);
+        assert_bad_views_refused(&t);
+        let cpu = tensor(&vals, 3, 4);
+        for pair in [[&t, &cpu], [&cpu, &t]] {
+            let r = with_matrices(&pair, ViewAs::Matrix, |_| -> grng::Result<()> {
+                panic!("must not be lent")
+            });
+            assert!(matches!(r, Err(Error::DeviceMismatch { .. })), "{r:?}");
+        }
+        assert_eq!(host(&t), vals);
+        let r = with_matrix(&t, ViewAs::Matrix, |m| {
+            *m = Device::Cpu.zeros(3, 4)?;
+            Ok(())
+        });
+        assert!(matches!(r, Err(Error::DeviceMismatch { .. })), "{r:?}");
+        assert_eq!(host(&t).len(), 12);
+        assert_refilled_after_panic(&cuda_tensor(&vals, 3, 4, &cd));
+
+        let gpu_var = Var::from_slice(&[1.0f32, 2.0], 2, &cd).unwrap();
+        let cpu_var = Var::from_slice(&[3.0f32], 1, &CDevice::Cpu).unwrap();
+        let config = GrngConfig {
+            method: OptimizerConfig::AdamW(AdamWConfig::default()),
+            rest: AdamWConfig::default(),
+            layers: Vec::new(),
+        };
+        let r = GrngOptimizer::try_new(vec![gpu_var.clone(), cpu_var], config.clone());
+        assert!(matches!(r, Err(Error::DeviceMismatch { .. })), "{r:?}");
+        let mut opt = GrngOptimizer::try_new(vec![gpu_var.clone()], config).unwrap();
+        let mut grads = gpu_var.as_tensor().sum_all().unwrap().backward().unwrap();
+        grads.insert(
+            gpu_var.as_tensor(),
+            Tensor::ones(2, DType::F32, &CDevice::Cpu).unwrap(),
+        );
+        let r = opt.try_step(&grads);
+        assert!(matches!(r, Err(Error::DeviceMismatch { .. })), "{r:?}");
+        assert_eq!(host(&gpu_var), [1.0, 2.0]);
+
+        assert!(grng::candle::candle_device("cuda:0").unwrap().is_cuda());
     }
 }

@@ -9,18 +9,26 @@
 //!   updated by AdamW; [`GrngOptimizer::regularize`] forms RENG's `g + 2c·H_L g` and
 //!   [`GrngOptimizer::step_observed`] adds the reference trainer's rejection and damping rule.
 //!
-//! Scope: candle's CPU tensors (grng's [`Device::Cpu`](crate::Device::Cpu)). CUDA tensors are
-//! refused with [`Error::DeviceUnavailable`](crate::Error::DeviceUnavailable): candle's `cuda`
-//! feature compiles its kernels with `nvcc` at build time, which the machine this was written on
-//! lacks, so that path could not be built. grng's cudarc is already configured to link with
-//! candle's (`fallback-dynamic-loading`).
+//! Scope: candle's CPU tensors (grng's [`Device::Cpu`](crate::Device::Cpu)), and with the
+//! `candle-cuda` feature (candle's `cuda`) its CUDA tensors: grng's
+//! [`Device::Cuda`](crate::Device::Cuda) on candle's own context and stream
+//! ([`CudaDevice::from_stream`](crate::cuda::CudaDevice::from_stream)), matrices holding the
+//! tensors' own device buffers. Without the feature CUDA tensors are refused with
+//! [`Error::DeviceUnavailable`](crate::Error::DeviceUnavailable). candle's CUDA build compiles
+//! its kernels with `nvcc` and links the CUDA libraries (its cudarc uses `dynamic-linking`,
+//! which grng's `fallback-dynamic-loading` gives way to); `scripts/install-cuda-tools.sh
+//! --candle` provides a CUDA 13.0 toolchain from pip. That path is built and its tests
+//! compiled, but has not run on a GPU yet (no GPU where it was written): the CUDA arms of
+//! `tests/candle_grng.rs` skip without one.
 //!
-//! Where things are: `view.rs` (views), `layer.rs` (layer, statistics), `optim.rs`
-//! (optimizer); tests `tests/candle_grng.rs`; examples `examples/candle_{mlp,gpt}.rs`; bench
-//! `benches/candle_step.rs`.
+//! Where things are: `view.rs` (views), `cuda.rs` (CUDA storages, `candle-cuda`), `layer.rs`
+//! (layer, statistics), `optim.rs` (optimizer); tests `tests/candle_grng.rs`; examples
+//! `examples/candle_{mlp,gpt}.rs`; bench `benches/candle_step.rs`.
 //!
 //! [`FisherMode`]: crate::mlp::FisherMode
 
+#[cfg(feature = "candle-cuda")]
+mod cuda;
 mod layer;
 mod optim;
 mod view;

@@ -1,7 +1,9 @@
 //! [`GrngOptimizer`]: grng's optimizers behind `candle_nn::Optimizer`, with parameter groups.
 
 use super::layer::KronLinear;
-use super::view::{from_candle, grng_device, owned, to_candle, with_matrices, ViewAs};
+use super::view::{
+    check_same_device, from_candle, grng_device, owned, to_candle, with_matrices, ViewAs,
+};
 use crate::error::{Error, Result};
 use crate::optim::adamw::{AdamW, AdamWConfig};
 use crate::optim::kron::{KronOptimizer, KronStepInfo};
@@ -88,11 +90,19 @@ impl GrngOptimizer {
     ///
     /// # Errors
     /// [`Error::Value`] for a Kalman method or an invalid hyperparameter;
-    /// [`Error::DeviceUnavailable`] for non-CPU variables; [`Error::Tensor`] / [`Error::Shape`]
-    /// for variables grng cannot view (non-f32, empty).
+    /// [`Error::DeviceUnavailable`] for variables on a device grng does not view (see
+    /// [`grng_device`](super::grng_device)); [`Error::DeviceMismatch`] for variables on
+    /// different devices; [`Error::Tensor`] / [`Error::Shape`] for variables grng cannot view
+    /// (non-f32, empty).
     pub fn try_new(vars: Vec<Var>, config: GrngConfig) -> Result<Self> {
         const OP: &str = "GrngOptimizer::new";
-        let device = match vars.first().or(config.layers.first().map(|l| l.weight())) {
+        let all: Vec<&Tensor> = vars
+            .iter()
+            .chain(config.layers.iter().map(KronLinear::weight))
+            .map(|v| v.as_tensor())
+            .collect();
+        check_same_device(OP, &all)?;
+        let device = match all.first() {
             Some(v) => grng_device(v.device())?,
             None => Device::Cpu,
         };

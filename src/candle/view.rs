@@ -1,17 +1,27 @@
 //! Zero-copy views: a candle tensor's buffer lent to grng as a [`Matrix`] and given back.
 //!
-//! A [`Matrix`] owns its buffer, so a view *moves* the tensor's `Vec` into a matrix for the
+//! A [`Matrix`] owns its buffer, so a view *moves* the tensor's buffer — the `Vec` of a CPU
+//! tensor, the `CudaSlice` of a CUDA one (feature `candle-cuda`) — into a matrix for the
 //! duration of a closure and moves it back afterwards (inside candle's [`InplaceOp1`], which
 //! holds the tensor's write lock meanwhile): no element is copied, the pointer is the same, and
 //! no other user of the tensor can observe the lent-out state.
 //!
-//! Only candle's CPU tensors are viewed today (grng's [`Device::Cpu`]); CUDA tensors are
-//! refused with [`Error::DeviceUnavailable`] (see the module docs of [`crate::candle`]).
+//! Without the `candle-cuda` feature, CUDA tensors are refused with
+//! [`Error::DeviceUnavailable`] (see the module docs of [`crate::candle`]); Metal tensors
+//! always are.
 
 use crate::error::{check_len, Error, Result};
 use crate::{Device, Matrix};
 use candle_core::{CpuStorage, DType, InplaceOp1, Layout, Storage, Tensor};
 use std::cell::RefCell;
+use std::panic::AssertUnwindSafe;
+
+/// The candle devices whose tensors grng views, for messages.
+const VIEWED: &str = if cfg!(feature = "candle-cuda") {
+    "CPU and CUDA"
+} else {
+    "CPU"
+};
 
 /// How a tensor is seen as a matrix.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -23,31 +33,40 @@ pub enum ViewAs {
     Column,
 }
 
-/// The grng device that works on the buffers of candle `device`.
+/// The grng device that works on the buffers of candle `device`: [`Device::Cpu`] for candle's
+/// CPU; with the `candle-cuda` feature, for a candle CUDA device, a [`Device::Cuda`] on
+/// candle's own context and stream
+/// ([`CudaDevice::from_stream`](crate::cuda::CudaDevice::from_stream)), the same one (module
+/// cache included) for every call with that candle device.
 ///
 /// # Errors
-/// [`Error::DeviceUnavailable`] for a CUDA or Metal device: grng views candle's CPU tensors only.
+/// [`Error::DeviceUnavailable`] for a Metal device, and for a CUDA device without the
+/// `candle-cuda` feature or when grng's kernels were not built.
 pub fn grng_device(device: &candle_core::Device) -> Result<Device> {
     match device {
         candle_core::Device::Cpu => Ok(Device::Cpu),
+        #[cfg(feature = "candle-cuda")]
+        candle_core::Device::Cuda(d) => super::cuda::grng_device(d).map(Device::Cuda),
         other => Err(Error::DeviceUnavailable(format!(
-            "grng::candle views CPU tensors only, got a tensor on {:?}",
+            "grng::candle views {VIEWED} tensors only, got a tensor on {:?}",
             other.location()
         ))),
     }
 }
 
 /// The candle device named `name` that grng can work with (the examples' `--device`):
-/// `cpu`.
+/// `cpu`; with the `candle-cuda` feature also `cuda` (GPU 0) and `cuda:N`.
 ///
 /// # Errors
-/// [`Error::DeviceUnavailable`] for `cuda` (candle's CUDA tensors are not viewed yet) and any
-/// other name.
+/// [`Error::DeviceUnavailable`] for any other name, and for `cuda` without the feature or
+/// where candle cannot open the GPU (no driver, no such GPU).
 pub fn candle_device(name: &str) -> Result<candle_core::Device> {
     match name {
         "cpu" => Ok(candle_core::Device::Cpu),
+        #[cfg(feature = "candle-cuda")]
+        cuda if cuda == "cuda" || cuda.starts_with("cuda:") => super::cuda::candle_device(cuda),
         other => Err(Error::DeviceUnavailable(format!(
-            "device {other:?}: grng::candle works on candle's CPU tensors only"
+            "device {other:?}: grng::candle works on candle's {VIEWED} tensors only"
         ))),
     }
 }
@@ -114,11 +133,14 @@ fn check_tensor(op: &'static str, arg: &str, t: &Tensor, how: ViewAs) -> Result<
             ),
         ));
     }
-    // The storage must be exactly the tensor: the whole `Vec` is lent out.
-    let (storage, _) = t.storage_and_layout();
-    let len = match &*storage {
-        Storage::Cpu(CpuStorage::F32(v)) => v.len(),
-        _ => return Err(bad("an f32 CPU storage", "another storage".into())),
+    // The storage must be exactly the tensor: the whole buffer is lent out.
+    let Some((len, _)) = f32_buffer(&t.storage_and_layout().0) else {
+        let expected = if cfg!(feature = "candle-cuda") {
+            "an f32 CPU or CUDA storage"
+        } else {
+            "an f32 CPU storage"
+        };
+        return Err(bad(expected, "another storage".into()));
     };
     if len != t.elem_count() {
         return Err(bad(
@@ -129,23 +151,52 @@ fn check_tensor(op: &'static str, arg: &str, t: &Tensor, how: ViewAs) -> Result<
     Ok(shape)
 }
 
-/// `t` itself when it can be viewed in place, else a copy that can (a strided or offset
-/// gradient, a view into a larger storage): for statistics and gradients, which grng only reads.
+/// `t` itself when it can be viewed in place, else a copy on its device that can (a strided or
+/// offset gradient, a view into a larger storage): for statistics and gradients, which grng
+/// only reads.
 pub(crate) fn owned(t: &Tensor) -> Result<Tensor> {
     if check_tensor("grng::candle::owned", "t", t, ViewAs::Column).is_ok() {
         return Ok(t.clone());
     }
-    (|| Tensor::from_vec(t.flatten_all()?.to_vec1::<f32>()?, t.shape(), t.device()))()
-        .map_err(from_candle)
+    (|| Ok(t.force_contiguous()?.detach()))().map_err(from_candle)
 }
 
-/// Address of the buffer of a checked CPU f32 tensor (to refuse lending one storage twice,
-/// which would deadlock on its lock).
-fn buffer_addr(t: &Tensor) -> usize {
-    let (storage, _) = t.storage_and_layout();
-    match &*storage {
-        Storage::Cpu(CpuStorage::F32(v)) => v.as_ptr() as usize,
-        _ => 0,
+/// Element count and address of the f32 buffer a storage holds — the `Vec` of a CPU storage,
+/// the device allocation of a CUDA one (`candle-cuda`) — or `None` for any other storage.
+fn f32_buffer(storage: &Storage) -> Option<(usize, u64)> {
+    match storage {
+        Storage::Cpu(CpuStorage::F32(v)) => Some((v.len(), v.as_ptr() as u64)),
+        #[cfg(feature = "candle-cuda")]
+        Storage::Cuda(s) => super::cuda::f32_buffer(s),
+        _ => None,
+    }
+}
+
+/// [`Error::DeviceMismatch`] unless every tensor is on the device of the first (candle's
+/// `same_device`: one CPU, one CUDA device object), checked before anything is lent: grng's
+/// own check of a launch's operands sees only CPU against CUDA.
+pub(crate) fn check_same_device(op: &'static str, tensors: &[&Tensor]) -> Result<()> {
+    let Some((first, rest)) = tensors.split_first() else {
+        return Ok(());
+    };
+    match rest
+        .iter()
+        .find(|t| !t.device().same_device(first.device()))
+    {
+        None => Ok(()),
+        Some(t) => Err(Error::DeviceMismatch {
+            op,
+            a: device_name(first.device()),
+            b: device_name(t.device()),
+        }),
+    }
+}
+
+fn device_name(device: &candle_core::Device) -> &'static str {
+    match device {
+        candle_core::Device::Cpu => "cpu",
+        candle_core::Device::Cuda(_) => "cuda",
+        candle_core::Device::Metal(_) => "metal",
     }
 }
 
@@ -159,9 +210,10 @@ fn buffer_addr(t: &Tensor) -> usize {
 /// # Errors
 /// [`Error::Tensor`] for a non-f32, strided, offset or partial-storage tensor or one storage
 /// passed twice; [`Error::Shape`] for a rank above 2 with [`ViewAs::Matrix`], an empty tensor,
-/// or when `f` replaced a matrix by one of another shape (the tensor is zero-filled then);
-/// [`Error::DeviceUnavailable`] for a non-CPU tensor; whatever `f` returns. Nothing is lent
-/// when a check fails.
+/// or when `f` replaced a matrix by one of another shape or device (the tensor is zero-filled
+/// then); [`Error::DeviceUnavailable`] for a tensor on a device grng does not view (see
+/// [`grng_device`]); [`Error::DeviceMismatch`] for tensors on different devices; whatever `f`
+/// returns. Nothing is lent when a check fails.
 pub fn with_matrices<R>(
     tensors: &[&Tensor],
     how: ViewAs,
@@ -172,7 +224,11 @@ pub fn with_matrices<R>(
     for (i, t) in tensors.iter().enumerate() {
         shapes.push(check_tensor(OP, &format!("tensors[{i}]"), t, how)?);
     }
-    let mut addrs: Vec<usize> = tensors.iter().map(|t| buffer_addr(t)).collect();
+    check_same_device(OP, tensors)?;
+    let mut addrs: Vec<u64> = tensors
+        .iter()
+        .filter_map(|t| f32_buffer(&t.storage_and_layout().0).map(|(_, addr)| addr))
+        .collect();
     addrs.sort_unstable();
     if let Some(w) = addrs.windows(2).find(|w| w[0] == w[1]) {
         return Err(Error::Tensor {
@@ -234,7 +290,7 @@ fn lend_rec<R>(
         .unwrap_or_else(|| Err(Error::Candle("the in-place op did not run".into())))
 }
 
-/// The [`InplaceOp1`] that moves the storage's `Vec` into a matrix, runs `body` and moves the
+/// The [`InplaceOp1`] that moves the storage's buffer into a matrix, runs `body` and moves the
 /// (possibly replaced) buffer back.
 struct Lend<B, R> {
     rows: usize,
@@ -243,41 +299,118 @@ struct Lend<B, R> {
     out: RefCell<Option<Result<R>>>,
 }
 
+/// A storage's f32 buffer as [`Lend`] moves it: the `Vec` of candle's CPU storage, the
+/// `CudaSlice` of its CUDA one (`candle-cuda`).
+pub(super) trait Buffer: Sized {
+    fn len(&self) -> usize;
+    /// `len` zeros on the device of `self`, in place of a buffer the body did not give back.
+    fn zeros(&self, len: usize) -> Result<Self>;
+    fn into_matrix(self, rows: usize, cols: usize) -> Result<Matrix>;
+    /// The matrix's buffer, when it is of this kind (a download for a GPU matrix into a `Vec`).
+    fn from_matrix(m: Matrix) -> Result<Self>;
+}
+
+impl Buffer for Vec<f32> {
+    fn len(&self) -> usize {
+        Vec::len(self)
+    }
+    fn zeros(&self, len: usize) -> Result<Self> {
+        Ok(vec![0.0; len])
+    }
+    fn into_matrix(self, rows: usize, cols: usize) -> Result<Matrix> {
+        Matrix::from_host_vec(rows, cols, self)
+    }
+    fn from_matrix(m: Matrix) -> Result<Self> {
+        m.into_host_vec()
+    }
+}
+
+impl<B: FnOnce(Matrix) -> (Matrix, Result<R>), R> Lend<B, R> {
+    /// Moves `buf` into a matrix, `placeholder` (a buffer on its device, never read: the tensor
+    /// is locked) holding its place, runs the body, and moves back whatever buffer the matrix
+    /// then holds: the body may have swapped in a new one. Returns the placeholder. A buffer of
+    /// another length or kind is not taken back: `buf` becomes zeros of its length and the
+    /// body's result this error. A body that panics leaves zeros too, before the panic goes on
+    /// (and where no zeros can be allocated, this panics). Runs the body once: later calls
+    /// (candle calls an op once) return `placeholder`.
+    pub(super) fn lend<Buf: Buffer>(
+        &self,
+        buf: &mut Buf,
+        placeholder: Buf,
+    ) -> candle_core::Result<Buf> {
+        const OP: &str = "grng::candle::with_matrices";
+        let Some(body) = self.body.borrow_mut().take() else {
+            return Ok(placeholder);
+        };
+        let len = buf.len();
+        // Checked before locking; checked again here, before `buf` is taken, so that the
+        // matrix below cannot fail to be made with the placeholder left in the tensor.
+        check_len(OP, "storage", len, self.rows * self.cols).map_err(to_candle)?;
+        let lent = std::mem::replace(buf, placeholder)
+            .into_matrix(self.rows, self.cols)
+            .map_err(to_candle)?;
+        // A tensor left holding the placeholder would be read past its end (candle's storage
+        // lock does not poison): where the body panics, dropping the buffer with the matrix,
+        // or hands back one that cannot be taken back, the tensor gets zeros of its length.
+        let refill = |buf: &mut Buf| {
+            let zeros = buf.zeros(len).unwrap_or_else(|e| {
+                // Not even zeros can be had: the GPU's memory is exhausted on top of that.
+                panic!("{OP}: no memory to restore a tensor whose buffer is lost: {e}")
+            });
+            std::mem::replace(buf, zeros)
+        };
+        let (m, mut r) = match std::panic::catch_unwind(AssertUnwindSafe(|| body(lent))) {
+            Ok(out) => out,
+            Err(panic) => {
+                refill(buf);
+                std::panic::resume_unwind(panic)
+            }
+        };
+        let shape = m.shape();
+        let back = match Buf::from_matrix(m) {
+            Ok(back) if back.len() == len => Some(back),
+            Ok(_) => {
+                if let (Ok(_), Err(e)) = (&r, check_len(OP, "lent matrix", shape.0 * shape.1, len))
+                {
+                    r = Err(e);
+                }
+                None
+            }
+            Err(e) => {
+                r = Err(e);
+                None
+            }
+        };
+        *self.out.borrow_mut() = Some(r);
+        Ok(match back {
+            Some(back) => std::mem::replace(buf, back),
+            // The body broke the contract: keep the tensor valid and say so (above).
+            None => refill(buf),
+        })
+    }
+}
+
 impl<B: FnOnce(Matrix) -> (Matrix, Result<R>), R> InplaceOp1 for Lend<B, R> {
     fn name(&self) -> &'static str {
         "grng-lend"
     }
 
     fn cpu_fwd(&self, storage: &mut CpuStorage, _layout: &Layout) -> candle_core::Result<()> {
-        const OP: &str = "grng::candle::with_matrices";
         let CpuStorage::F32(v) = storage else {
             // Checked before locking; a dtype change in between is candle's bug, not ours.
-            return Err(candle_core::Error::Msg(format!("{OP}: storage is not f32")));
+            return Err(candle_core::Error::Msg(
+                "grng::candle::with_matrices: storage is not f32".into(),
+            ));
         };
-        let Some(body) = self.body.borrow_mut().take() else {
-            return Ok(());
-        };
-        let len = v.len();
-        let m =
-            Matrix::from_host_vec(self.rows, self.cols, std::mem::take(v)).map_err(to_candle)?;
-        let (m, mut r) = body(m);
-        let shape = m.shape();
-        let mut back = match m.into_host_vec() {
-            Ok(back) => back,
-            Err(e) => {
-                r = Err(e);
-                Vec::new()
-            }
-        };
-        if back.len() != len {
-            // The body broke the contract: keep the tensor valid and say so.
-            back = vec![0.0; len];
-            if let (Ok(_), Err(e)) = (&r, check_len(OP, "lent matrix", shape.0 * shape.1, len)) {
-                r = Err(e);
-            }
-        }
-        *v = back;
-        *self.out.borrow_mut() = Some(r);
-        Ok(())
+        self.lend(v, Vec::new()).map(drop)
+    }
+
+    #[cfg(feature = "candle-cuda")]
+    fn cuda_fwd(
+        &self,
+        storage: &mut candle_core::CudaStorage,
+        _layout: &Layout,
+    ) -> candle_core::Result<()> {
+        super::cuda::lend_storage(storage, |buf, spare| self.lend(buf, spare))
     }
 }

@@ -1,4 +1,4 @@
-//! The GPU path: a CUDA device, its default stream, and kernel launches through the driver
+//! The GPU path: a CUDA device, its stream, and kernel launches through the driver
 //! API (modules loaded lazily from the embedded PTX, functions cached by name).
 
 use super::launch::{check_module_load, ptx_rejected, Kernel, LaunchConfig};
@@ -40,7 +40,20 @@ fn culib_present() -> bool {
         .any(|name| unsafe { libloading::Library::new(*name) }.is_ok())
 }
 
-/// A CUDA GPU with its default stream.
+/// The kernels' PTX is in the binary, or the error saying how to get it there.
+fn kernels_built() -> Result<()> {
+    if super::ptx::BUILT {
+        return Ok(());
+    }
+    Err(Error::DeviceUnavailable(
+        "grng was built without its CUDA kernels (no CUDA compiler at build time): run \
+         scripts/install-cuda-tools.sh, export the GRNG_CUDA_TOOLS it prints, and rebuild"
+            .into(),
+    ))
+}
+
+/// A CUDA GPU with the stream its work is queued on: the context's default stream
+/// ([`CudaDevice::new`]) or one shared with another library ([`CudaDevice::from_stream`]).
 #[derive(Clone)]
 pub struct CudaDevice {
     ctx: Arc<CudaContext>,
@@ -76,25 +89,35 @@ impl CudaDevice {
     /// Opens GPU `ordinal`. Errors (never panics) when the kernels were not compiled at build
     /// time, or libcuda or a GPU is absent.
     pub fn new(ordinal: usize) -> Result<Self> {
-        if !super::ptx::BUILT {
-            return Err(Error::DeviceUnavailable(
-                "grng was built without its CUDA kernels (no CUDA compiler at build time): run \
-                 scripts/install-cuda-tools.sh, export the GRNG_CUDA_TOOLS it prints, and rebuild"
-                    .into(),
-            ));
-        }
+        kernels_built()?;
         if !culib_present() {
             return Err(Error::DeviceUnavailable(
                 "no CUDA driver (libcuda) found on this machine".into(),
             ));
         }
         let ctx = CudaContext::new(ordinal)?;
-        let stream = ctx.default_stream();
-        Ok(Self {
-            ctx,
+        Ok(Self::on(ctx.default_stream()))
+    }
+
+    /// The device of `stream`'s context that queues every launch, allocation and copy on
+    /// `stream`, a stream another library already works on (candle's: `grng::candle` with the
+    /// `candle-cuda` feature). On the same stream grng's kernels run in order with that
+    /// library's own work on the buffers they share — a tensor it has just written is read
+    /// after the write — with no event or synchronization between them, and that still holds
+    /// where its cross-stream event tracking is off (candle's `disable_event_tracking`); on a
+    /// stream of grng's own ([`CudaDevice::new`]) the two would race there. Errors when the
+    /// kernels were not compiled at build time.
+    pub fn from_stream(stream: Arc<CudaStream>) -> Result<Self> {
+        kernels_built()?;
+        Ok(Self::on(stream))
+    }
+
+    fn on(stream: Arc<CudaStream>) -> Self {
+        Self {
+            ctx: stream.context().clone(),
             stream,
             cache: Arc::new(Mutex::new(Cache::default())),
-        })
+        }
     }
 
     /// The cudarc context.

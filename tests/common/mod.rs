@@ -84,9 +84,15 @@ pub fn devices() -> Vec<Device> {
 /// With `GRNG_REQUIRE_CUDA=1` (the GPU bundle's run-all.sh sets it) a missing GPU fails the
 /// test instead: there a skipped arm would pass for a tested kernel.
 pub fn cuda() -> Option<Device> {
+    gpu(CudaDevice::new(0).map(Device::Cuda))
+}
+
+/// The GPU that `open` gave (grng's device, or candle's in `tests/candle_grng.rs`), or `None`
+/// after the skip note of [`cuda`], whose `GRNG_REQUIRE_CUDA` rule it applies.
+pub fn gpu<D, E: std::fmt::Display>(open: Result<D, E>) -> Option<D> {
     static SKIPPED: OnceLock<()> = OnceLock::new();
-    match CudaDevice::new(0) {
-        Ok(c) => Some(Device::Cuda(c)),
+    match open {
+        Ok(d) => Some(d),
         Err(e) => {
             let required = std::env::var("GRNG_REQUIRE_CUDA").is_ok_and(|v| v == "1");
             assert!(!required, "GRNG_REQUIRE_CUDA=1 but no usable GPU: {e}");
