@@ -4,6 +4,7 @@
 
 mod common;
 
+use grng::cuda::launch::{record_launches, take_launches};
 use grng::data::synthetic_classification;
 use grng::mlp::{Activation, FisherMode, Loss, Mlp, MlpConfig, Targets};
 use grng::ops::newton::{InitialGuess, NewtonOptions};
@@ -336,7 +337,19 @@ fn factored_matches_dense_on(
 
     let mut opt_f = KronOptimizer::new(dev, &shapes, cfg).unwrap();
     let mut opt_d = KronOptimizer::new(dev, &shapes, cfg).unwrap();
+    // On the kernel devices every product of the step runs the split3 tensor-core GEMM
+    // (`product_valid_inputs`, the preconditioning), never the SIMT one. Only this test of the
+    // file launches kernels, so the process-wide record holds its own launches.
+    record_launches(true);
     let pf = host(&opt_f.precondition_grads(&factored, Some(&stats)).unwrap()[0]);
+    let launched = take_launches();
+    record_launches(false);
+    let gemms: Vec<_> = launched.iter().filter(|n| n.contains("gemm")).collect();
+    prop_assert!(
+        gemms.iter().all(|n| **n == "precond_gemm3_tc")
+            && (matches!(dev, Device::Cpu) || !gemms.is_empty()),
+        "{dev:?}: {launched:?}"
+    );
     let pd = host(&opt_d.precondition(&[&g], Some(&stats)).unwrap()[0]);
 
     // The absolute chains, from the state's inverses and factors.

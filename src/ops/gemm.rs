@@ -75,6 +75,11 @@ impl Device {
     /// one allocation (the result, which `β = 0` never reads, so no scratch copy is needed to
     /// leave anything unchanged on error), the product and its result check.
     ///
+    /// On the kernel devices, `f32` operands run the f32-accurate split3 tensor-core product
+    /// ([`crate::cuda::precond::gemm3`], error `≤ (k + 8)·2⁻²⁴·|A||B|`, what the
+    /// preconditioning runs), not [`Device::gemm`]'s SIMT kernel: the optimizers' products
+    /// (the Kronecker step's, the cached squares) all run on the tensor cores.
+    ///
     /// # Errors
     /// [`crate::Error::NonFinite`] (`"result (overflow)"`) for a non-finite product, device
     /// and allocation errors.
@@ -89,7 +94,16 @@ impl Device {
         let rows = if ta == Trans::No { a.rows() } else { a.cols() };
         let cols = if tb == Trans::No { b.cols() } else { b.rows() };
         let mut c = self.zeros(rows, cols)?;
-        self.gemm_kernel(ta, tb, alpha, a, b, 0.0, &mut c)?;
+        let (da, db): (&dyn Any, &dyn Any) = (a, b);
+        match (
+            self,
+            da.downcast_ref::<Matrix>().zip(db.downcast_ref::<Matrix>()),
+        ) {
+            (Device::Emulated | Device::Cuda(_), Some((a, b))) => {
+                crate::cuda::precond::gemm3(self, ta, tb, alpha, a, b, 0.0, &mut c)?
+            }
+            _ => self.gemm_kernel(ta, tb, alpha, a, b, 0.0, &mut c)?,
+        }
         self.check_all_finite(OP, &[(OVERFLOW, &c)])?;
         Ok(c)
     }

@@ -15,8 +15,7 @@
 //! `4·d_out·d_in·(d_out + d_in)` (two products for `P`, two for `ΓPΛ`), the factored one
 //! `2m·(2d_out² + 2d_in² + d_out·d_in) + 4m²·(d_out + d_in)`; at `m = 256`,
 //! `d_out = d_in = 1024` that is 3.2 against 8.6 GFLOP. [`factored_is_cheaper`] picks per
-//! layer (weighing the kernel devices' faster dense preconditioning); when it says no, `G`
-//! is formed (`2m·d_out·d_in`) and the dense route runs.
+//! layer; when it says no, `G` is formed (`2m·d_out·d_in`) and the dense route runs.
 
 use crate::device::{Device, Matrix};
 use crate::error::Result;
@@ -40,32 +39,15 @@ pub enum KronGrad<'a> {
     },
 }
 
-/// How many times faster per flop the dense route's preconditioning runs than a
-/// [`Device::gemm`] on `f32` (what every other product here uses): 1 on the CPU (one GEMM for
-/// all); 2 on the kernel devices, where it runs the f32-accurate tensor-core products
-/// (`precond_gemm3_tc`, 6 bf16 products) against the SIMT fp32 GEMM — the ratio of their
-/// floors in `docs/gpu.md` (designed, not measured).
-fn precondition_speedup(d: &Device) -> f64 {
-    match d {
-        Device::Cpu => 1.0,
-        Device::Emulated | Device::Cuda(_) => 2.0,
-    }
-}
-
-/// True when the factored route (module docs) is the faster one on `d` for a `d_out x d_in`
-/// layer and `m` samples: its flops against the dense route's, whose preconditioning
-/// products count `1 /` [`precondition_speedup`]. `with_model`: the quadratic model's terms
-/// are needed too (a step, not a bare preconditioning).
-pub(super) fn factored_is_cheaper(
-    d: &Device,
-    m: usize,
-    d_out: usize,
-    d_in: usize,
-    with_model: bool,
-) -> bool {
+/// True when the factored route (module docs) costs fewer flops than the dense one for a
+/// `d_out x d_in` layer and `m` samples. Both routes run on one engine per device — the CPU's
+/// GEMM, or the kernel devices' split3 tensor-core products (the preconditioning's, and
+/// [`Device::product_valid_inputs`] for every other product) — so flops decide. `with_model`:
+/// the quadratic model's terms are needed too (a step, not a bare preconditioning).
+pub(super) fn factored_is_cheaper(m: usize, d_out: usize, d_in: usize, with_model: bool) -> bool {
     let (m, o, i) = (m as f64, d_out as f64, d_in as f64);
     let mut factored = 2.0 * m * (o * o + i * i + o * i);
-    let mut dense = 2.0 * m * o * i + 2.0 * o * i * (o + i) / precondition_speedup(d);
+    let mut dense = 2.0 * m * o * i + 2.0 * o * i * (o + i);
     if with_model {
         factored += 2.0 * m * (o * o + i * i) + 4.0 * m * m * (o + i);
         dense += 2.0 * o * i * (o + i);
@@ -114,7 +96,7 @@ pub(super) fn precondition(
 ) -> Result<Preconditioned> {
     let (o, i) = (v.gamma.rows(), v.lambda.rows());
     match g {
-        KronGrad::Factored { e, a } if factored_is_cheaper(d, e.rows(), o, i, with_model) => {
+        KronGrad::Factored { e, a } if factored_is_cheaper(e.rows(), o, i, with_model) => {
             factored(d, v, e, a, with_model)
         }
         KronGrad::Factored { e, a } => {
