@@ -377,29 +377,6 @@ fn bad_arguments_are_errors() {
     }
 }
 
-/// The launch record (what `benches/gpu.rs` reports as "which kernel ran") names the kernels
-/// an op launched, in order, and nothing for the CPU backend; switched off, it stays empty.
-#[test]
-fn launch_record_names_the_kernels_run() {
-    use grng::cuda::launch::{record_launches, take_launches};
-    for dev in devices() {
-        let mut x = up(&dev, &[1.0, 2.0, 3.0]);
-        record_launches(true);
-        dev.scale(2.0, &mut x).unwrap();
-        let on = take_launches();
-        record_launches(false);
-        dev.scale(2.0, &mut x).unwrap();
-        assert!(on.contains(&"elementwise_scale"), "{}: {on:?}", dev.name());
-        assert!(take_launches().is_empty(), "{}", dev.name());
-    }
-    let mut x = up(&Device::Cpu, &[1.0]);
-    record_launches(true);
-    Device::Cpu.scale(2.0, &mut x).unwrap();
-    let cpu = take_launches();
-    record_launches(false);
-    assert!(cpu.is_empty(), "the CPU backend launched {cpu:?}");
-}
-
 // ---- Multi-tensor updates (`Device::*_update_many`, one launch over all tensors) ----
 
 /// Held by every test below that launches a multi-tensor kernel, so that
