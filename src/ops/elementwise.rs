@@ -63,9 +63,11 @@ impl Device {
 
     /// `y + α x` for `x`, `y` of one shape, as a new matrix (`y` is not written): what an
     /// update that must keep its old value (to leave state unchanged on error) needs, without
-    /// the copy of `y` that [`Device::axpy`] on a clone would make. On the CPU one pass writes
-    /// the result and flags non-finite values ([`crate::cpu::elementwise::axpy_new`]); on the
-    /// kernel devices it is a device copy of `y` and [`Device::axpy`]'s kernel.
+    /// the scratch copy [`Device::axpy`] on a clone of `y` would add to that clone. On the CPU
+    /// one pass writes the result and flags non-finite values
+    /// ([`crate::cpu::elementwise::axpy_new`]); on the kernel devices it is one device copy of
+    /// `y`, [`Device::axpy`]'s kernel on it (which names a non-finite `x` or `y`) and the
+    /// result check — the copy is the scratch, dropped on error.
     ///
     /// # Errors
     /// As [`Device::axpy`] (an overflowing result is `"result (overflow)"`), plus
@@ -81,7 +83,8 @@ impl Device {
             }
             Device::Emulated | Device::Cuda(_) => {
                 let mut out = y.try_clone()?;
-                self.axpy(alpha, x, &mut out)?;
+                ew::axpy(self, alpha, x, &mut out)?;
+                self.check_all_finite(OP, &[(OVERFLOW, &out)])?;
                 Ok(out)
             }
         }
