@@ -9,7 +9,7 @@ use super::{Backward, FisherMode, LayerStats, Loss, Mlp, Targets, TargetsBuf};
 use crate::cpu::elementwise::dot_f64;
 use crate::cpu::gemm;
 use crate::data::standard_normal;
-use crate::error::Result;
+use crate::error::{try_vec, Result};
 use crate::mat::{Mat, MatMut, Trans};
 
 impl Mlp {
@@ -295,7 +295,7 @@ impl LayerStats {
         let (m, d_out, d_in) = (self.e.rows(), self.e.cols(), self.a.cols());
         let inv_m = 1.0 / m.max(1) as f32;
         let product = |x: &Mat, tx: Trans, y: &Mat, ty: Trans, r: usize, c: usize| {
-            let mut out = Mat::zeros(r, c);
+            let mut out = Mat::from_vec(try_vec(r, c, 0.0f32)?, r, c)?;
             gemm(tx, ty, inv_m, x.as_ref(), y.as_ref(), 0.0, out.as_mut())?;
             Ok::<Mat, crate::Error>(out)
         };
