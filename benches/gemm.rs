@@ -1,5 +1,7 @@
-//! Square f32 GEMM `C = A·B`: grng's CPU GEMM against faer's matmul on the same inputs.
-//! Throughput is in floating-point operations (2n³ per product).
+//! f32 GEMM, grng's CPU GEMM against faer's matmul on the same inputs: square `C = A·B`, and
+//! `C = A·Bᵀ` at the forward-pass shapes of the bench MLP (`A` the `256 x d_in` batch, `B` the
+//! `d_out x d_in` weights), where the transposed `B` used to be packed by one thread.
+//! Throughput is in floating-point operations (`2mnk` per product).
 
 use criterion::{criterion_group, criterion_main, BenchmarkId, Criterion, Throughput};
 use faer::linalg::matmul::matmul;
@@ -11,7 +13,7 @@ use rand_chacha::ChaCha8Rng;
 mod common;
 
 fn random(rng: &mut ChaCha8Rng, n: usize) -> Vec<f32> {
-    (0..n * n).map(|_| rng.random_range(-1.0f32..1.0)).collect()
+    (0..n).map(|_| rng.random_range(-1.0f32..1.0)).collect()
 }
 
 fn bench_gemm(c: &mut Criterion) {
@@ -19,7 +21,7 @@ fn bench_gemm(c: &mut Criterion) {
     let mut rng = ChaCha8Rng::seed_from_u64(1);
     for n in [256usize, 512, 1024, 2048] {
         group.throughput(Throughput::Elements(2 * (n as u64).pow(3)));
-        let (a, b) = (random(&mut rng, n), random(&mut rng, n));
+        let (a, b) = (random(&mut rng, n * n), random(&mut rng, n * n));
 
         let (am, bm) = (
             Mat::from_vec(a.clone(), n, n).unwrap(),
@@ -60,5 +62,55 @@ fn bench_gemm(c: &mut Criterion) {
     group.finish();
 }
 
-criterion_group!(benches, bench_gemm);
+/// `C = A·Bᵀ`, `A` `m x k`, `B` `n x k`: the forward pass `x̄ W̄ᵀ` of a dense layer.
+fn bench_gemm_nt(c: &mut Criterion) {
+    let mut group = common::flat_group(c, "gemm_f32_abt");
+    let mut rng = ChaCha8Rng::seed_from_u64(2);
+    for (m, k, n) in [
+        (256usize, 785usize, 1024usize),
+        (256, 1025, 1024),
+        (1024, 1024, 1024),
+    ] {
+        group.throughput(Throughput::Elements(2 * (m * n * k) as u64));
+        let (a, b) = (random(&mut rng, m * k), random(&mut rng, n * k));
+        let (am, bm) = (
+            Mat::from_vec(a.clone(), m, k).unwrap(),
+            Mat::from_vec(b.clone(), n, k).unwrap(),
+        );
+        let mut cm = Mat::zeros(m, n);
+        let id = format!("{m}x{k}x{n}");
+        group.bench_with_input(BenchmarkId::new("grng", &id), &m, |bch, _| {
+            bch.iter(|| {
+                grng::cpu::gemm(
+                    Trans::No,
+                    Trans::Yes,
+                    1.0,
+                    am.as_ref(),
+                    bm.as_ref(),
+                    0.0,
+                    cm.as_mut(),
+                )
+                .unwrap()
+            })
+        });
+        let fa = faer::Mat::<f32>::from_fn(m, k, |i, j| a[i * k + j]);
+        let fb = faer::Mat::<f32>::from_fn(n, k, |i, j| b[i * k + j]);
+        let mut fc = faer::Mat::<f32>::zeros(m, n);
+        group.bench_with_input(BenchmarkId::new("faer", &id), &m, |bch, _| {
+            bch.iter(|| {
+                matmul(
+                    fc.as_mut(),
+                    Accum::Replace,
+                    fa.as_ref(),
+                    fb.transpose(),
+                    1.0,
+                    Par::rayon(0),
+                )
+            })
+        });
+    }
+    group.finish();
+}
+
+criterion_group!(benches, bench_gemm, bench_gemm_nt);
 criterion_main!(benches);

@@ -144,49 +144,21 @@ proptest! {
         pads in (0usize..3, 0usize..3, 0usize..3),
         alpha in -2.0f32..2.0, beta_kind in 0u8..3, seed: u64,
     ) {
-        let mut rng = ChaCha8Rng::seed_from_u64(seed);
-        let (ta, tb) = (trans(ta), trans(tb));
-        let (ar, ac) = if ta == Trans::No { (m, k) } else { (k, m) };
-        let (br, bc) = if tb == Trans::No { (k, n) } else { (n, k) };
-        let a = T32::random(&mut rng, ar, ac, pads.0);
-        let b = T32::random(&mut rng, br, bc, pads.1);
-        let mut c = T32::random(&mut rng, m, n, pads.2);
-        let beta = match beta_kind {
-            0 => 0.0,
-            1 => 1.0,
-            _ => rng.random_range(-2.0f32..2.0),
-        };
-        if beta == 0.0 {
-            // β = 0 must not read C: poison it.
-            c.data.iter_mut().for_each(|x| *x = f32::NAN);
-        }
-        let c_old = c.dense();
-        let (p, abs) = ref_mm(&a.dense(), ac, ta, &b.dense(), bc, tb, (m, n, k));
-        let want: Vec<f64> = (0..m * n)
-            .map(|i| alpha as f64 * p[i] + if beta == 0.0 { 0.0 } else { beta as f64 * c_old[i] })
-            .collect();
-        let bound: Vec<f64> = (0..m * n)
-            .map(|i| {
-                let cterm = if beta == 0.0 { 0.0 } else { (beta as f64 * c_old[i]).abs() };
-                (k + 4) as f64 * EPS * ((alpha as f64).abs() * abs[i] + cterm)
-            })
-            .collect();
+        gemm_case((m, n, k), (trans(ta), trans(tb)), pads, alpha, beta_kind, seed)?;
+    }
 
-        let mut c1 = c.clone();
-        cpu::gemm(ta, tb, alpha, a.view(), b.view(), beta, c1.view_mut()).unwrap();
-        assert_close(&c1.contiguous(), &want, &bound, "cpu::gemm");
-        // The padding between rows is never written.
-        for i in 0..m.saturating_sub(1) {
-            for j in n..c.ld {
-                let (x, y) = (c1.data[i * c.ld + j], c.data[i * c.ld + j]);
-                prop_assert!(x.to_bits() == y.to_bits(), "padding written");
-            }
-        }
-
-        let (da, db) = (a.upload(), b.upload());
-        let mut dc = Device::Cpu.upload(m, n, &c.contiguous()).unwrap();
-        Device::Cpu.gemm(ta, tb, alpha, &da, &db, beta, &mut dc).unwrap();
-        assert_close(&dc.to_vec().unwrap(), &want, &bound, "Device::gemm");
+    /// The column-block path of `cpu::gemm` (a transposed `B`, ≥ 2 threads, ≥ 2^21
+    /// multiply-adds, ≥ 128 columns: blocks computed as separate single-threaded products),
+    /// run in a 3-thread pool so the blocks are uneven among threads, at ragged widths.
+    #[test]
+    fn gemm_column_blocks_match_reference(
+        m in 1usize..=40, n in 128usize..=300, extra_k in 0usize..40, ta: bool,
+        pads in (0usize..3, 0usize..3, 0usize..3),
+        alpha in -2.0f32..2.0, beta_kind in 0u8..3, seed: u64,
+    ) {
+        let k = (1usize << 21).div_ceil(m * n) + extra_k;
+        let pool = rayon::ThreadPoolBuilder::new().num_threads(3).build().unwrap();
+        pool.install(|| gemm_case((m, n, k), (trans(ta), Trans::Yes), pads, alpha, beta_kind, seed))?;
     }
 
     #[test]
@@ -304,6 +276,75 @@ proptest! {
         let got = Device::Cpu.trace(&dx).unwrap() as f64;
         prop_assert!((got - tr).abs() <= (n + 2) as f64 * EPS * (tr.abs() + n as f64 * 4.0));
     }
+}
+
+/// One `cpu::gemm` / `Device::gemm` case against the f64 reference: random operands with
+/// padded leading dimensions, `β ∈ {0 (C poisoned with NaN), 1, random}`, the padding of C
+/// never written.
+fn gemm_case(
+    (m, n, k): (usize, usize, usize),
+    (ta, tb): (Trans, Trans),
+    pads: (usize, usize, usize),
+    alpha: f32,
+    beta_kind: u8,
+    seed: u64,
+) -> Result<(), TestCaseError> {
+    let mut rng = ChaCha8Rng::seed_from_u64(seed);
+    let (ar, ac) = if ta == Trans::No { (m, k) } else { (k, m) };
+    let (br, bc) = if tb == Trans::No { (k, n) } else { (n, k) };
+    let a = T32::random(&mut rng, ar, ac, pads.0);
+    let b = T32::random(&mut rng, br, bc, pads.1);
+    let mut c = T32::random(&mut rng, m, n, pads.2);
+    let beta = match beta_kind {
+        0 => 0.0,
+        1 => 1.0,
+        _ => rng.random_range(-2.0f32..2.0),
+    };
+    if beta == 0.0 {
+        // β = 0 must not read C: poison it.
+        c.data.iter_mut().for_each(|x| *x = f32::NAN);
+    }
+    let c_old = c.dense();
+    let (p, abs) = ref_mm(&a.dense(), ac, ta, &b.dense(), bc, tb, (m, n, k));
+    let want: Vec<f64> = (0..m * n)
+        .map(|i| {
+            alpha as f64 * p[i]
+                + if beta == 0.0 {
+                    0.0
+                } else {
+                    beta as f64 * c_old[i]
+                }
+        })
+        .collect();
+    let bound: Vec<f64> = (0..m * n)
+        .map(|i| {
+            let cterm = if beta == 0.0 {
+                0.0
+            } else {
+                (beta as f64 * c_old[i]).abs()
+            };
+            (k + 4) as f64 * EPS * ((alpha as f64).abs() * abs[i] + cterm)
+        })
+        .collect();
+
+    let mut c1 = c.clone();
+    cpu::gemm(ta, tb, alpha, a.view(), b.view(), beta, c1.view_mut()).unwrap();
+    assert_close(&c1.contiguous(), &want, &bound, "cpu::gemm");
+    // The padding between rows is never written.
+    for i in 0..m.saturating_sub(1) {
+        for j in n..c.ld {
+            let (x, y) = (c1.data[i * c.ld + j], c.data[i * c.ld + j]);
+            prop_assert!(x.to_bits() == y.to_bits(), "padding written");
+        }
+    }
+
+    let (da, db) = (a.upload(), b.upload());
+    let mut dc = Device::Cpu.upload(m, n, &c.contiguous()).unwrap();
+    Device::Cpu
+        .gemm(ta, tb, alpha, &da, &db, beta, &mut dc)
+        .unwrap();
+    assert_close(&dc.to_vec().unwrap(), &want, &bound, "Device::gemm");
+    Ok(())
 }
 
 /// Old factor (symmetric random, or NaN when ε = 0), the f64 reference and the error bound.
