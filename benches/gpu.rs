@@ -58,7 +58,7 @@ impl Opts {
     }
 
     fn runs(&self, section: &str) -> bool {
-        self.filter.as_deref().map_or(true, |f| section.contains(f))
+        self.filter.as_deref().is_none_or(|f| section.contains(f))
     }
 
     fn samples(&self) -> usize {

@@ -233,29 +233,31 @@ pub(crate) fn check_len(
     check_eq(op, arg, got, expected, |n| format!("length {n}"))
 }
 
-/// Index of the first NaN/Inf of `xs`: the one host finiteness scan of the crate (slices here,
-/// row-major views in [`crate::cpu::check_finite_view`], host-resident matrices in
-/// [`crate::Device::check_finite`]).
-///
-/// A branch-free exponent test over blocks of 64 elements vectorizes; the culprit is located
-/// only in a block that holds one, so a clean scan costs one pass at memory speed.
-pub(crate) fn first_non_finite<T: crate::device::Element>(xs: &[T]) -> Option<usize> {
-    // NaN and ±Inf are exactly the values whose f32 exponent bits are all ones (bf16 widens
-    // exactly, so the same test holds for it).
-    const EXP: u32 = 0x7f80_0000;
-    const BLOCK: usize = 64;
-    xs.chunks(BLOCK).enumerate().find_map(|(b, blk)| {
-        let bad = blk
-            .iter()
-            .fold(false, |bad, v| bad | (v.to_f32().to_bits() & EXP == EXP));
-        bad.then(|| {
-            b * BLOCK
-                + blk
-                    .iter()
-                    .position(|v| !v.to_f32().is_finite())
-                    .unwrap_or(0)
+crate::cpu::simd::multiversion! {
+    /// Index of the first NaN/Inf of `xs`: the one host finiteness scan of the crate (slices here,
+    /// row-major views in [`crate::cpu::check_finite_view`], host-resident matrices in
+    /// [`crate::Device::check_finite`]).
+    ///
+    /// A branch-free exponent test over blocks of 64 elements vectorizes; the culprit is located
+    /// only in a block that holds one, so a clean scan costs one pass at memory speed.
+    pub(crate) fn first_non_finite<T: crate::device::Element>(xs: &[T]) -> Option<usize> {
+        // NaN and ±Inf are exactly the values whose f32 exponent bits are all ones (bf16 widens
+        // exactly, so the same test holds for it).
+        const EXP: u32 = 0x7f80_0000;
+        const BLOCK: usize = 64;
+        xs.chunks(BLOCK).enumerate().find_map(|(b, blk)| {
+            let bad = blk
+                .iter()
+                .fold(false, |bad, v| bad | (v.to_f32().to_bits() & EXP == EXP));
+            bad.then(|| {
+                b * BLOCK
+                    + blk
+                        .iter()
+                        .position(|v| !v.to_f32().is_finite())
+                        .unwrap_or(0)
+            })
         })
-    })
+    }
 }
 
 /// Finiteness check: the first NaN/Inf is reported with its index.

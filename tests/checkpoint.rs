@@ -801,7 +801,7 @@ fn kron_resume_with_a_cached_square_is_bit_for_bit() {
         let g: Vec<&Matrix> = grads[k].iter().collect();
         let s = opt.needs_stats().then_some(&ks[..]);
         let q = opt.step(w, &g, s).unwrap().predicted_change;
-        let r = if k % 2 == 0 { 1.0 } else { 0.0 };
+        let r = if k.is_multiple_of(2) { 1.0 } else { 0.0 };
         opt.observe_loss(1.0, 1.0 + r * q).unwrap();
     };
     let squares = |opt: &KronOptimizer| -> Vec<Vec<u32>> {

@@ -372,7 +372,7 @@ proptest! {
         }
         if let Some(f) = bad {
             let i = ((f * n as f64) as usize).min(n - 1);
-            a[i * n + i] = if i % 2 == 0 { f32::NAN } else { f32::NEG_INFINITY };
+            a[i * n + i] = if i.is_multiple_of(2) { f32::NAN } else { f32::NEG_INFINITY };
             let j = (i + 1).min(n - 1);
             a[j * n + j] = f32::INFINITY;
         }

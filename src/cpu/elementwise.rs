@@ -12,6 +12,7 @@
 
 use rayon::prelude::*;
 
+use super::simd::multiversion;
 use crate::error::{check_finite, check_len, check_value, try_vec, Result};
 use crate::params::elementwise::{
     check_beta, AdamWCoeffs, MultiLayout, MultiUpdate, SgdCoeffs, SophiaCoeffs,
@@ -46,9 +47,7 @@ pub fn axpy(alpha: f32, x: &[f32], y: &mut [f32]) -> Result<()> {
     check_value(OP, "alpha", alpha as f64, true, "a finite number")?;
     check_finite(OP, "x", x)?;
     check_finite(OP, "y", y)?;
-    zip2(y, x, |y, x| {
-        y.iter_mut().zip(x).for_each(|(y, &x)| *y += alpha * x);
-    });
+    zip2(y, x, |y, x| axpy_chunk(alpha, x, y));
     Ok(())
 }
 
@@ -65,14 +64,7 @@ pub fn axpy_new(alpha: f32, x: &[f32], y: &[f32]) -> Result<Vec<f32>> {
     const OP: &str = "cpu::axpy_new";
     check_len(OP, "x", x.len(), y.len())?;
     check_value(OP, "alpha", alpha as f64, true, "a finite number")?;
-    let chunk = |o: &mut [f32], x: &[f32], y: &[f32]| {
-        let mut ok = true;
-        for ((o, &x), &y) in o.iter_mut().zip(x).zip(y) {
-            *o = y + alpha * x;
-            ok &= o.abs() < f32::INFINITY;
-        }
-        ok
-    };
+    let chunk = |o: &mut [f32], x: &[f32], y: &[f32]| axpy_new_chunk(alpha, x, y, o);
     let mut out = try_vec(x.len(), 1, 0.0f32)?;
     let ok = if x.len() < PAR_MIN {
         chunk(&mut out, x, y)
@@ -99,7 +91,7 @@ pub fn scale(alpha: f32, x: &mut [f32]) -> Result<()> {
     const OP: &str = "cpu::scale";
     check_value(OP, "alpha", alpha as f64, true, "a finite number")?;
     check_finite(OP, "x", x)?;
-    let f = |x: &mut [f32]| x.iter_mut().for_each(|v| *v *= alpha);
+    let f = |x: &mut [f32]| scale_chunk(alpha, x);
     if x.len() < PAR_MIN {
         f(x);
     } else {
@@ -119,22 +111,50 @@ pub fn copy(src: &[f32], dst: &mut [f32]) -> Result<()> {
     Ok(())
 }
 
-/// `Σ xᵢ yᵢ` of one chunk in `f64`, four independent lanes (vectorizes without fast-math).
-/// Also the Kalman backend's inner product ([`crate::cpu::kalman`]).
-pub(crate) fn dot_chunk(x: &[f32], y: &[f32]) -> f64 {
-    let mut acc = [0.0f64; 4];
-    let split = x.len() - x.len() % 4;
-    for (xs, ys) in x[..split].chunks_exact(4).zip(y[..split].chunks_exact(4)) {
-        for k in 0..4 {
-            acc[k] += xs[k] as f64 * ys[k] as f64;
-        }
+multiversion! {
+    /// `y ← y + α x` over one chunk.
+    fn axpy_chunk(alpha: f32, x: &[f32], y: &mut [f32]) {
+        y.iter_mut().zip(x).for_each(|(y, &x)| *y += alpha * x);
     }
-    let tail: f64 = x[split..]
-        .iter()
-        .zip(&y[split..])
-        .map(|(&a, &b)| a as f64 * b as f64)
-        .sum();
-    (acc[0] + acc[1]) + (acc[2] + acc[3]) + tail
+}
+
+multiversion! {
+    /// `o ← y + α x` over one chunk; whether every result is finite (a branch-free flag).
+    fn axpy_new_chunk(alpha: f32, x: &[f32], y: &[f32], o: &mut [f32]) -> bool {
+        let mut ok = true;
+        for ((o, &x), &y) in o.iter_mut().zip(x).zip(y) {
+            *o = y + alpha * x;
+            ok &= o.abs() < f32::INFINITY;
+        }
+        ok
+    }
+}
+
+multiversion! {
+    /// `x ← α x` over one chunk.
+    fn scale_chunk(alpha: f32, x: &mut [f32]) {
+        x.iter_mut().for_each(|v| *v *= alpha);
+    }
+}
+
+multiversion! {
+    /// `Σ xᵢ yᵢ` of one chunk in `f64`, four independent lanes (vectorizes without fast-math).
+    /// Also the Kalman backend's inner product ([`crate::cpu::kalman`]).
+    pub(crate) fn dot_chunk(x: &[f32], y: &[f32]) -> f64 {
+        let mut acc = [0.0f64; 4];
+        let split = x.len() - x.len() % 4;
+        for (xs, ys) in x[..split].chunks_exact(4).zip(y[..split].chunks_exact(4)) {
+            for k in 0..4 {
+                acc[k] += xs[k] as f64 * ys[k] as f64;
+            }
+        }
+        let tail: f64 = x[split..]
+            .iter()
+            .zip(&y[split..])
+            .map(|(&a, &b)| a as f64 * b as f64)
+            .sum();
+        (acc[0] + acc[1]) + (acc[2] + acc[3]) + tail
+    }
 }
 
 /// `Σ xᵢ yᵢ` in `f64` over chunks of [`CHUNK`], chunk sums added in index order.
@@ -495,39 +515,7 @@ pub(crate) fn multi_update(
             s1: s1.map_or(&[][..], |s1| &s1[base..base + n]),
             gh: sampled.as_ref().map_or(&[][..], |gh| &gh[t][i0..i0 + n]),
         };
-        let outs = (pc, oc, o1c.unwrap_or(&mut []));
-        match *upd {
-            MultiUpdate::Sgd(c) => {
-                fused_chunk::<false, false, false>(ins, outs, |p, g, b, _, _| {
-                    let (mut p, mut b) = (p, b);
-                    sgd_elem(&c, &mut p, g, &mut b);
-                    (p, b, 0.0)
-                })
-            }
-            MultiUpdate::AdamW(c) => {
-                let bc = c.bias_corrections();
-                fused_chunk::<true, false, true>(ins, outs, |p, g, m, v, _| {
-                    let (mut p, mut m, mut v) = (p, m, v);
-                    adamw_elem(&c, bc, &mut p, g, &mut m, &mut v);
-                    (p, m, v)
-                })
-            }
-            MultiUpdate::Sophia(c, None) => {
-                fused_chunk::<true, false, false>(ins, outs, |p, g, m, h, _| {
-                    let (mut p, mut m) = (p, m);
-                    sophia_elem(&c, &mut p, g, &mut m, h);
-                    (p, m, h)
-                })
-            }
-            MultiUpdate::Sophia(c, Some((beta2, batch))) => {
-                fused_chunk::<true, true, true>(ins, outs, |p, g, m, h, gh| {
-                    let (mut p, mut m, mut h) = (p, m, h);
-                    hessian_ema_elem(beta2, batch, &mut h, gh);
-                    sophia_elem(&c, &mut p, g, &mut m, h);
-                    (p, m, h)
-                })
-            }
-        }
+        update_chunk(upd, ins, (pc, oc, o1c.unwrap_or(&mut [])))
     };
     let clean = if layout.total() < PAR_MIN {
         items.into_iter().map(run).fold(true, |a, b| a & b)
@@ -562,6 +550,49 @@ pub(crate) fn multi_update(
     {
         Some((slot, (pos, value))) => Err(upd.error(op, layout, slot, pos, value)),
         None => Ok(()),
+    }
+}
+
+multiversion! {
+    /// One chunk of a multi-tensor update (see [`fused_chunk`]): whether every value read
+    /// and written is finite.
+    fn update_chunk(
+        upd: &MultiUpdate,
+        ins: ChunkIn<'_>,
+        outs: (&mut [f32], &mut [f32], &mut [f32]),
+    ) -> bool {
+        match *upd {
+        MultiUpdate::Sgd(c) => {
+            fused_chunk::<false, false, false>(ins, outs, |p, g, b, _, _| {
+                let (mut p, mut b) = (p, b);
+                sgd_elem(&c, &mut p, g, &mut b);
+                (p, b, 0.0)
+            })
+        }
+        MultiUpdate::AdamW(c) => {
+            let bc = c.bias_corrections();
+            fused_chunk::<true, false, true>(ins, outs, |p, g, m, v, _| {
+                let (mut p, mut m, mut v) = (p, m, v);
+                adamw_elem(&c, bc, &mut p, g, &mut m, &mut v);
+                (p, m, v)
+            })
+        }
+        MultiUpdate::Sophia(c, None) => {
+            fused_chunk::<true, false, false>(ins, outs, |p, g, m, h, _| {
+                let (mut p, mut m) = (p, m);
+                sophia_elem(&c, &mut p, g, &mut m, h);
+                (p, m, h)
+            })
+        }
+        MultiUpdate::Sophia(c, Some((beta2, batch))) => {
+            fused_chunk::<true, true, true>(ins, outs, |p, g, m, h, gh| {
+                let (mut p, mut m, mut h) = (p, m, h);
+                hessian_ema_elem(beta2, batch, &mut h, gh);
+                sophia_elem(&c, &mut p, g, &mut m, h);
+                (p, m, h)
+            })
+        }
+        }
     }
 }
 

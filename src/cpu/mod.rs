@@ -9,6 +9,7 @@ pub mod math;
 pub mod newton;
 pub mod norm;
 pub mod precond;
+pub mod simd;
 pub mod woodbury;
 
 pub use cholesky::{cholesky, cholesky_inverse, cholesky_solve};

@@ -413,7 +413,7 @@ pub fn kalman_step<T: JacobianElement>(
         // 256-byte aligned; emulator host buffers only 4).
         let off = status
             .host()
-            .map_or(0, |v| usize::from(v.as_ptr() as usize % 8 != 0));
+            .map_or(0, |v| usize::from(!(v.as_ptr() as usize).is_multiple_of(8)));
         let (lo, hi) = (s[off + 2 * k].to_bits(), s[off + 2 * k + 1].to_bits());
         f64::from_bits(u64::from(lo) | (u64::from(hi) << 32))
     };

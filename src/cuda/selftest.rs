@@ -116,7 +116,7 @@ pub fn shfl(
     const OP: &str = "selftest::shfl";
     let n = input.len();
     let block = 32 * warps_per_block;
-    if warps_per_block == 0 || warps_per_block > 32 || n == 0 || n % block as usize != 0 {
+    if warps_per_block == 0 || warps_per_block > 32 || n == 0 || !n.is_multiple_of(block as usize) {
         return Err(value_err(
             OP,
             "input",
@@ -124,7 +124,7 @@ pub fn shfl(
             "a positive multiple of 32 * warps_per_block",
         ));
     }
-    if cases.len() % 3 != 0 {
+    if !cases.len().is_multiple_of(3) {
         return Err(value_err(OP, "cases", cases.len(), "a multiple of 3"));
     }
     let ncases = cases.len() / 3;
@@ -159,7 +159,12 @@ pub fn vote(
 ) -> Result<()> {
     const OP: &str = "selftest::vote";
     let n = input.len();
-    if block == 0 || block % 32 != 0 || block > 1024 || n == 0 || n % block as usize != 0 {
+    if block == 0
+        || !block.is_multiple_of(32)
+        || block > 1024
+        || n == 0
+        || !n.is_multiple_of(block as usize)
+    {
         return Err(value_err(
             OP,
             "input",
@@ -334,7 +339,12 @@ pub fn barriers(
 ) -> Result<()> {
     const OP: &str = "selftest::barriers";
     let n = x.len();
-    if block == 0 || block % 32 != 0 || block > 1024 || n == 0 || n % block as usize != 0 {
+    if block == 0
+        || !block.is_multiple_of(32)
+        || block > 1024
+        || n == 0
+        || !n.is_multiple_of(block as usize)
+    {
         return Err(value_err(
             OP,
             "x",

@@ -4,7 +4,7 @@
 use rand::Rng;
 use rayon::prelude::*;
 
-use super::model::{act_deriv, min_rows, row_mut, Forward};
+use super::model::{min_rows, mul_act_deriv, row_mut, Forward};
 use super::{Backward, FisherMode, LayerStats, Loss, Mlp, Targets, TargetsBuf};
 use crate::cpu::elementwise::dot_f64;
 use crate::cpu::gemm;
@@ -39,11 +39,7 @@ impl Mlp {
                 .par_chunks_mut(d_in)
                 .enumerate()
                 .with_min_len(min_rows(d_in))
-                .for_each(|(i, row)| {
-                    for (v, &hv) in row.iter_mut().zip(h.row(i / r)) {
-                        *v *= act_deriv(act, hv);
-                    }
-                });
+                .for_each(|(i, row)| mul_act_deriv(act, row, h.row(i / r)));
             es.push(cur);
             cur = next;
         }

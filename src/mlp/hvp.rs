@@ -12,7 +12,7 @@
 //!
 //! `R{G}` is `H_L v`. For ReLU, `φ'' = 0` away from the kinks.
 
-use super::model::{act_deriv, act_second_deriv, check_nonneg, row_mut, Forward};
+use super::model::{act_deriv, act_second_deriv, check_nonneg, mul_act_deriv, row_mut, Forward};
 use super::{Loss, Mlp, Targets};
 use crate::cpu::gemm;
 use crate::error::{check_finite, check_len, Result};
@@ -136,9 +136,7 @@ impl Mlp {
                 let mut next = z.clone();
                 let h = fwd.a[l + 1].as_ref();
                 for k in 0..m {
-                    for (r, &hv) in row_mut(&mut next, k).iter_mut().zip(h.row(k)) {
-                        *r *= act_deriv(act, hv);
-                    }
+                    mul_act_deriv(act, row_mut(&mut next, k), h.row(k));
                 }
                 rx.push(next);
             }

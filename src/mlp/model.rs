@@ -293,7 +293,7 @@ impl Mlp {
                         let z = &mut row[..d_out];
                         match act {
                             Activation::Tanh => math::tanh_in_place(z),
-                            Activation::Relu => z.iter_mut().for_each(|v| *v = v.max(0.0)),
+                            Activation::Relu => relu_in_place(z),
                         }
                         row[d_out] = 1.0;
                     });
@@ -511,7 +511,24 @@ fn softmax_in_place(row: &mut [f32]) {
     }
 }
 
+crate::cpu::simd::multiversion! {
+    /// `row ← row ⊙ φ'(z)`, `φ'` read off the activations `h = φ(z)` ([`act_deriv`]).
+    pub(crate) fn mul_act_deriv(act: Activation, row: &mut [f32], h: &[f32]) {
+        for (v, &hv) in row.iter_mut().zip(h) {
+            *v *= act_deriv(act, hv);
+        }
+    }
+}
+
+crate::cpu::simd::multiversion! {
+    /// `z ← max(z, 0)`.
+    fn relu_in_place(z: &mut [f32]) {
+        z.iter_mut().for_each(|v| *v = v.max(0.0));
+    }
+}
+
 /// `φ'(z)` from the activation's value `h = φ(z)`: `1 − h²` for tanh, `[h > 0]` for ReLU.
+#[inline(always)]
 pub(crate) fn act_deriv(act: Activation, h: f32) -> f32 {
     match act {
         Activation::Tanh => 1.0 - h * h,

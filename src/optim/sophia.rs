@@ -155,7 +155,7 @@ impl Sophia {
 
     /// True when the coming step must be given a Hessian sample (`steps mod k == 0`).
     pub fn needs_hessian(&self) -> bool {
-        self.steps % self.config.hessian_every == 0
+        self.steps.is_multiple_of(self.config.hessian_every)
     }
 
     /// One step of an optimizer made by [`Sophia::new`] with the mini-batch gradient `grad`

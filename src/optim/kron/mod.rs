@@ -176,7 +176,7 @@ impl KronOptimizer {
     /// True when the coming step refreshes the Fisher (`step mod S == 0`, or no factors yet):
     /// `stats` must be passed then. Statistics passed on other steps refresh too.
     pub fn needs_stats(&self) -> bool {
-        self.st.layers.is_empty() || self.st.steps % self.config.skip as u64 == 0
+        self.st.layers.is_empty() || self.st.steps.is_multiple_of(self.config.skip as u64)
     }
 
     /// Preconditioner only: returns `P_l = Γ̃_l⁻¹ G_l Λ̃_l⁻¹` for any
