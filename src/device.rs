@@ -241,6 +241,17 @@ impl<T: Element> Matrix<T> {
             Storage::Cuda(_) => None,
         }
     }
+    /// Exchanges the host buffer with `v` (O(1), no copy) when the storage is on the host and
+    /// `v` has the same length; returns whether it did (GPU storage or another length: no).
+    pub(crate) fn swap_host_vec(&mut self, v: &mut Vec<T>) -> bool {
+        match &mut self.storage {
+            Storage::Host(h) if h.len() == v.len() => {
+                std::mem::swap(h, v);
+                true
+            }
+            _ => false,
+        }
+    }
     /// GPU elements, when the storage is on a GPU (the Cuda device).
     pub fn cuda_slice(&self) -> Option<&cudarc::driver::CudaSlice<T>> {
         match &self.storage {

@@ -437,6 +437,47 @@ proptest! {
     }
 }
 
+/// A first-order update that overflows the parameters is a skipped step that changes
+/// nothing: on the CPU the optimizer steps the network's own parameter vector, swapped in for
+/// the update, and it must come back untouched, bit for bit, with the optimizer state. A
+/// decoupled weight decay of `lr·λ = 1e19` takes one weight of 100 to about 1e21 in the
+/// first step (applied: the buffers then differ) and past `f32::MAX` in the second.
+#[test]
+fn overflowing_first_order_update_skips_and_changes_nothing() {
+    let data = synthetic_classification(48, 5, 3, 3).unwrap();
+    for method in [Method::Sgd, Method::AdamW, Method::Sophia] {
+        let mut config = MethodConfig::tuned(method);
+        config.batch_size = 8;
+        match &mut config.optimizer {
+            OptimizerConfig::Sgd(c) => (c.lr, c.weight_decay) = (1e19, 1.0),
+            OptimizerConfig::AdamW(c) => (c.lr, c.weight_decay, c.warmup_steps) = (1e19, 1.0, 0),
+            OptimizerConfig::Sophia(c) => (c.lr, c.weight_decay) = (1e19, 1.0),
+            _ => unreachable!(),
+        }
+        let mut mlp = network(5);
+        mlp.params_mut()[3] = 100.0;
+        let mut t = Trainer::new(&Device::Cpu, mlp, config, 5).unwrap();
+        let (x, l) = batch_of(&data, &t, 0);
+        assert!(
+            !step(&mut t, &x, &l).skipped,
+            "{method}: first step skipped"
+        );
+        let before = state_without_skip_counter(&t);
+        let params: Vec<u32> = t.mlp().params().iter().map(|v| v.to_bits()).collect();
+        let (x, l) = batch_of(&data, &t, 1);
+        let r = step(&mut t, &x, &l);
+        assert!(r.skipped, "{method}: overflow not skipped");
+        assert_eq!(t.counters().skipped_nonfinite, 1, "{method}");
+        assert_eq!(t.steps(), 1, "{method}");
+        assert!(
+            same_state(&before, &state_without_skip_counter(&t)),
+            "{method} changed"
+        );
+        let after: Vec<u32> = t.mlp().params().iter().map(|v| v.to_bits()).collect();
+        assert_eq!(after, params, "{method}: network parameters changed");
+    }
+}
+
 #[test]
 fn skips_are_counted_across_a_checkpoint_and_reported() {
     let data = synthetic_classification(48, 5, 3, 9).unwrap();

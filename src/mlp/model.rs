@@ -220,6 +220,19 @@ impl Mlp {
         Ok(())
     }
 
+    /// Exchanges the parameter vector with the host buffer of the `n x 1` matrix `m` (O(1), no
+    /// copy; the parameters count as changed): how a trainer lets an optimizer step the
+    /// network's own vector on a host device. Returns whether it did (GPU storage or another
+    /// length: nothing changes). The caller vouches for what it swaps in: the values are not
+    /// checked (the swap exists to avoid that pass), which is why this is crate-internal.
+    pub(crate) fn swap_params(&mut self, m: &mut crate::Matrix) -> bool {
+        let swapped = m.swap_host_vec(&mut self.params);
+        if swapped {
+            self.stamp = next_stamp();
+        }
+        swapped
+    }
+
     /// Overwrites all parameters from per-layer slices (`W̄_l` row-major, layer 0 first): what
     /// [`Mlp::set_params`] does with their concatenation, without building it.
     ///

@@ -111,18 +111,21 @@ enum Engine {
         opt: Box<KronOptimizer>,
         params: Vec<Matrix>,
     },
-    /// First-order methods: per-layer `W̄_l` too, all stepped by one device op (one launch).
+    /// First-order methods: the flat `n x 1` parameter vector (element-wise updates need no
+    /// layer structure), stepped by one device op. On a host device it is the network's own
+    /// vector, swapped in for the step ([`step_network`]); `params` is then the optimizer's
+    /// spare buffer, not a copy.
     Sgd {
         opt: Sgd,
-        params: Vec<Matrix>,
+        params: Matrix,
     },
     AdamW {
         opt: AdamW,
-        params: Vec<Matrix>,
+        params: Matrix,
     },
     Sophia {
         opt: Sophia,
-        params: Vec<Matrix>,
+        params: Matrix,
     },
     /// The filter's mean `μ` is the parameter vector.
     Kalman {
@@ -133,7 +136,8 @@ enum Engine {
 /// Trains an [`Mlp`] with one method.
 ///
 /// The device holds the optimizer state and its copy of the parameters; the MLP (host, CPU)
-/// runs the forward/backward passes and is synchronized from the device after every update.
+/// runs the forward/backward passes and is synchronized from the device after every update
+/// (on a host device the first-order methods step the network's own vector: no copy).
 /// All randomness (sampled Fisher labels, Sophia's sampled labels) comes from a ChaCha8 stream
 /// stored here, so the state is explicit and a run is reproducible from its seed.
 #[derive(Debug)]
@@ -183,7 +187,8 @@ impl Trainer {
             "batch_size >= 1",
         )?;
         let shapes = mlp.layer_shapes();
-        let layers = || upload_layers(device, &mlp, mlp.params());
+        let n = mlp.num_params();
+        let flat = || device.upload(n, 1, mlp.params());
         let engine = match (config.method, config.optimizer) {
             (Method::Ring | Method::Reng | Method::Ngd, OptimizerConfig::Kron(c)) => {
                 let opt = KronOptimizer::new(device, &shapes, c)?;
@@ -199,16 +204,16 @@ impl Trainer {
                 }
             }
             (Method::Sgd, OptimizerConfig::Sgd(c)) => Engine::Sgd {
-                opt: Sgd::for_tensors(device, &shapes, c)?,
-                params: layers()?,
+                opt: Sgd::new(device, n, c)?,
+                params: flat()?,
             },
             (Method::AdamW, OptimizerConfig::AdamW(c)) => Engine::AdamW {
-                opt: AdamW::for_tensors(device, &shapes, c)?,
-                params: layers()?,
+                opt: AdamW::new(device, n, c)?,
+                params: flat()?,
             },
             (Method::Sophia, OptimizerConfig::Sophia(c)) => Engine::Sophia {
-                opt: Sophia::for_tensors(device, &shapes, c)?,
-                params: layers()?,
+                opt: Sophia::new(device, n, c)?,
+                params: flat()?,
             },
             (Method::RKalman | Method::Kalman, OptimizerConfig::Kalman(c)) => {
                 let d_o = config.batch_size * mlp.output_dim();
@@ -460,26 +465,24 @@ impl Trainer {
                 if !loss.is_finite() || !gn.is_finite() {
                     return Ok(Outcome::skip(loss, gn));
                 }
-                let g = upload_layers(device, mlp, &b.grad)?;
+                let g = flat_tensor(device, b.grad)?;
                 let refresh = opt.needs_hessian();
                 let sampled = if refresh {
                     let s = skip_nonfinite!(mlp.backward_sampled(&fwd, rng), loss, gn);
                     if !all_finite(&s.grad) {
                         return Ok(Outcome::skip(loss, gn));
                     }
-                    Some(upload_layers(device, mlp, &s.grad)?)
+                    Some(flat_tensor(device, s.grad)?)
                 } else {
                     None
                 };
-                let sampled: Option<Vec<&Matrix>> = sampled.as_ref().map(|s| s.iter().collect());
+                let sampled: Option<[&Matrix; 1]> = sampled.as_ref().map(|s| [s]);
                 let hess = sampled.as_ref().map(|s| SophiaHessians {
                     sampled_grads: s,
                     batch: m,
                 });
-                let g: Vec<&Matrix> = g.iter().collect();
-                let mut p: Vec<&mut Matrix> = params.iter_mut().collect();
-                skip_nonfinite!(opt.step_many(&mut p, &g, hess), loss, gn);
-                sync_layers(mlp, params)?;
+                let r = step_network(mlp, params, |p| opt.step_many(&mut [p], &[&g], hess));
+                skip_nonfinite!(r, loss, gn);
                 Outcome::applied(loss, gn, refresh)
             }
             Engine::Kalman { filter } => {
@@ -539,14 +542,14 @@ impl Outcome {
     }
 }
 
-/// One plain-gradient step of a first-order optimizer over the layers (SGD, AdamW): the
-/// mini-batch gradient, uploaded per layer, handed to `step` (one device op for all layers);
-/// skipped (nothing changed) on a non-finite value.
+/// One plain-gradient step of a first-order optimizer (SGD, AdamW): the flat mini-batch
+/// gradient handed to `step` with the flat parameters ([`step_network`]); skipped (nothing
+/// changed) on a non-finite value.
 fn first_order_step(
     device: &Device,
     mlp: &mut Mlp,
     batch: Batch<'_>,
-    params: &mut [Matrix],
+    params: &mut Matrix,
     step: impl FnOnce(&mut [&mut Matrix], &[&Matrix]) -> Result<()>,
 ) -> Result<Outcome> {
     let (loss, grad) = skip_nonfinite!(plain_gradient(mlp, batch), f32::NAN, f32::NAN);
@@ -554,12 +557,45 @@ fn first_order_step(
     if !loss.is_finite() || !gn.is_finite() {
         return Ok(Outcome::skip(loss, gn));
     }
-    let g = upload_layers(device, mlp, &grad)?;
-    let g: Vec<&Matrix> = g.iter().collect();
-    let mut p: Vec<&mut Matrix> = params.iter_mut().collect();
-    skip_nonfinite!(step(&mut p, &g), loss, gn);
-    sync_layers(mlp, params)?;
+    let g = flat_tensor(device, grad)?;
+    skip_nonfinite!(
+        step_network(mlp, params, |p| step(&mut [p], &[&g])),
+        loss,
+        gn
+    );
     Ok(Outcome::applied(loss, gn, false))
+}
+
+/// A flat host vector as an `n x 1` tensor on `device`: the vector itself (no copy) on the
+/// CPU, an upload elsewhere.
+fn flat_tensor(device: &Device, v: Vec<f32>) -> Result<Matrix> {
+    match device {
+        Device::Cpu => Matrix::from_host_vec(v.len(), 1, v),
+        _ => device.upload(v.len(), 1, &v),
+    }
+}
+
+/// Runs `step` on the flat `n x 1` parameters and brings the network up to date with its
+/// result; on error the network keeps its parameters.
+///
+/// With host storage nothing is copied: the network's vector is swapped into `params`
+/// (whatever `params` held goes to the network meanwhile), stepped — the optimizer computes
+/// into its spare buffer and swaps that in, or leaves `params` untouched on error — and
+/// swapped back, so the network holds the new (or, on error, its own) parameters. The update
+/// checks that every value it writes is finite, which is what the network's own
+/// [`Mlp::set_params`] would check. On a GPU the result is downloaded into the network.
+fn step_network(
+    mlp: &mut Mlp,
+    params: &mut Matrix,
+    step: impl FnOnce(&mut Matrix) -> Result<()>,
+) -> Result<()> {
+    if mlp.swap_params(params) {
+        let r = step(params);
+        mlp.swap_params(params);
+        return r;
+    }
+    step(params)?;
+    sync_flat(mlp, params)
 }
 
 fn all_finite(v: &[f32]) -> bool {
@@ -714,6 +750,7 @@ impl Engine {
 /// committed.
 enum DeviceParams {
     Layers(Vec<Matrix>),
+    Flat(Matrix),
     /// The Kalman filter's `μ` is its own state, restored with it.
     Filter,
 }
@@ -736,7 +773,8 @@ fn bits_equal(a: &[f32], b: &[f32]) -> bool {
 /// | `rng.*`     | the sampled-label stream ([`ChaCha8Rng`])                            |
 ///
 /// `load` checks the tag, the method and the configuration, rebuilds the device copy of the
-/// parameters from the stored network (per layer; for the Kalman methods the stored network
+/// parameters from the stored network (per layer for the Kronecker methods, flat for the
+/// first-order ones; for the Kalman methods the stored network
 /// must equal the filter's `μ` bit for bit), and only then loads network, optimizer and stream all or nothing
 /// ([`load_all`]) and commits: on any error the trainer is unchanged.
 impl Checkpoint for Trainer {
@@ -792,11 +830,11 @@ impl Checkpoint for Trainer {
         let mlp_r = r.scope("mlp");
         let params = mlp_r.tensor("params", &[n])?;
         let device_params = match &self.engine {
-            Engine::Kron { .. }
-            | Engine::Sgd { .. }
-            | Engine::AdamW { .. }
-            | Engine::Sophia { .. } => {
+            Engine::Kron { .. } => {
                 DeviceParams::Layers(upload_layers(&self.device, &self.mlp, params)?)
+            }
+            Engine::Sgd { .. } | Engine::AdamW { .. } | Engine::Sophia { .. } => {
+                DeviceParams::Flat(self.device.upload(n, 1, params)?)
             }
             Engine::Kalman { .. } => {
                 let optim_r = r.scope("optim");
@@ -824,15 +862,15 @@ impl Checkpoint for Trainer {
         )?;
         // Built from the same engine above: the variants correspond (the Kalman filter's μ
         // was restored with it).
-        if let (
-            Engine::Kron { params, .. }
-            | Engine::Sgd { params, .. }
-            | Engine::AdamW { params, .. }
-            | Engine::Sophia { params, .. },
-            DeviceParams::Layers(p),
-        ) = (engine, device_params)
-        {
-            *params = p;
+        match (engine, device_params) {
+            (Engine::Kron { params, .. }, DeviceParams::Layers(p)) => *params = p,
+            (
+                Engine::Sgd { params, .. }
+                | Engine::AdamW { params, .. }
+                | Engine::Sophia { params, .. },
+                DeviceParams::Flat(p),
+            ) => *params = p,
+            _ => {}
         }
         self.steps = steps;
         self.counters = counters;
