@@ -257,7 +257,7 @@ proptest! {
     }
 
     /// [`Mlp::backward_factors`] is [`Mlp::backward`] without the flat gradient (same layers,
-    /// same loss, bit for bit), and [`LayerStats::gradient_norm_sq`] is `‖G_l‖²` of the flat
+    /// same loss, bit for bit), [`Mlp::gradient_into`] its gradient, and [`LayerStats::gradient_norm_sq`] is `‖G_l‖²` of the flat
     /// gradient's slice. Hidden widths up to 40 with batches of 1–8 take both of its routes
     /// (Gram matrices when `m·(d_out + d_in) < d_out·d_in`). Bound: f32 GEMMs with inner
     /// dimension `k ≤ max(m, d_out + d_in)` and the flat gradient's own rounding, each within
@@ -271,6 +271,15 @@ proptest! {
         let (layers, loss) = c.mlp.backward_factors(&fwd, c.targets.as_targets()).unwrap();
         prop_assert_eq!(loss.to_bits(), b.loss.to_bits());
         prop_assert_eq!(&layers, &b.layers);
+        // `gradient_into` overwrites a reused buffer of the right length completely (NaN
+        // poison) and fills one of another length: `backward`'s gradient bit for bit.
+        let bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
+        for start in [vec![f32::NAN; c.mlp.num_params()], vec![1.0; 3]] {
+            let mut grad = start;
+            let l2 = c.mlp.gradient_into(&fwd, c.targets.as_targets(), &mut grad).unwrap();
+            prop_assert_eq!(l2.to_bits(), b.loss.to_bits());
+            prop_assert_eq!(bits(&grad), bits(&b.grad));
+        }
         for (l, s) in layers.iter().enumerate() {
             let range = c.mlp.layer_range(l).unwrap();
             let g = &b.grad[range];

@@ -48,19 +48,22 @@ impl Mlp {
         Ok(es)
     }
 
-    /// Per-layer `E_l`, the flat mean-loss gradient (empty unless `with_grad`) and the loss.
+    /// Per-layer `E_l` and the loss; with `grad`, the flat mean-loss gradient written there.
     fn errors_and_grad(
         &self,
         fwd: &Forward,
         targets: Targets<'_>,
-        with_grad: bool,
-    ) -> Result<(Vec<Mat>, Vec<f32>, f32)> {
+        grad: Option<&mut Vec<f32>>,
+    ) -> Result<(Vec<Mat>, f32)> {
         let m = fwd.batch_size();
         let (e, loss) = self.output_grad(fwd, targets);
         let es = self.backprop(fwd, e, 1)?;
-        let mut grad = Vec::new();
-        if with_grad {
-            grad = crate::error::try_vec(self.num_params(), 1, 0.0f32)?;
+        if let Some(grad) = grad {
+            // Reused when it has the length: the layers' ranges tile it and every product
+            // below has β = 0, so each element is written without being read.
+            if grad.len() != self.num_params() {
+                *grad = crate::error::try_vec(self.num_params(), 1, 0.0f32)?;
+            }
             for (l, e_l) in es.iter().enumerate() {
                 let (rows, cols) = self.layer_shape(l)?;
                 let range = self.layer_range(l)?;
@@ -76,7 +79,7 @@ impl Mlp {
                 )?;
             }
         }
-        Ok((es, grad, loss))
+        Ok((es, loss))
     }
 
     /// Per-layer statistics, the flat mean-loss gradient (empty unless `with_grad`) and the loss.
@@ -86,7 +89,8 @@ impl Mlp {
         targets: Targets<'_>,
         with_grad: bool,
     ) -> Result<Backward> {
-        let (es, grad, loss) = self.errors_and_grad(fwd, targets, with_grad)?;
+        let mut grad = Vec::new();
+        let (es, loss) = self.errors_and_grad(fwd, targets, with_grad.then_some(&mut grad))?;
         let layers = fwd
             .a
             .iter()
@@ -103,11 +107,27 @@ impl Mlp {
     /// # Errors
     /// As [`Mlp::backward`].
     pub fn gradient(&self, fwd: &Forward, targets: Targets<'_>) -> Result<(Vec<f32>, f32)> {
+        let mut grad = Vec::new();
+        let loss = self.gradient_into(fwd, targets, &mut grad)?;
+        Ok((grad, loss))
+    }
+
+    /// [`Mlp::gradient`] into a caller's buffer, reused (not reallocated, not cleared) when it
+    /// has `num_params()` elements: a training loop's per-step gradient without an allocation
+    /// and a zeroing pass. Returns the mean loss; on error `grad`'s contents are unspecified.
+    ///
+    /// # Errors
+    /// As [`Mlp::backward`].
+    pub fn gradient_into(
+        &self,
+        fwd: &Forward,
+        targets: Targets<'_>,
+        grad: &mut Vec<f32>,
+    ) -> Result<f32> {
         const OP: &str = "Mlp::gradient";
         self.check_forward(OP, fwd)?;
         self.check_targets(OP, targets, fwd.batch_size())?;
-        let (_, grad, loss) = self.errors_and_grad(fwd, targets, true)?;
-        Ok((grad, loss))
+        Ok(self.errors_and_grad(fwd, targets, Some(grad))?.1)
     }
 
     /// Backward pass for the data `targets` without the flat gradient: per layer `A_l` and

@@ -115,13 +115,16 @@ enum Engine {
     /// layer structure), stepped by one device op. On a host device it is the network's own
     /// vector, swapped in for the step ([`step_network`]); `params` is then the optimizer's
     /// spare buffer, not a copy.
+    /// `grad`: the flat gradient's buffer, reused from step to step (scratch, not state).
     Sgd {
         opt: Sgd,
         params: Matrix,
+        grad: Vec<f32>,
     },
     AdamW {
         opt: AdamW,
         params: Matrix,
+        grad: Vec<f32>,
     },
     Sophia {
         opt: Sophia,
@@ -206,10 +209,12 @@ impl Trainer {
             (Method::Sgd, OptimizerConfig::Sgd(c)) => Engine::Sgd {
                 opt: Sgd::new(device, n, c)?,
                 params: flat()?,
+                grad: Vec::new(),
             },
             (Method::AdamW, OptimizerConfig::AdamW(c)) => Engine::AdamW {
                 opt: AdamW::new(device, n, c)?,
                 params: flat()?,
+                grad: Vec::new(),
             },
             (Method::Sophia, OptimizerConfig::Sophia(c)) => Engine::Sophia {
                 opt: Sophia::new(device, n, c)?,
@@ -452,11 +457,11 @@ impl Trainer {
                     }
                 }
             }
-            Engine::Sgd { opt, params } => {
-                first_order_step(device, mlp, batch, params, |p, g| opt.step_many(p, g))?
+            Engine::Sgd { opt, params, grad } => {
+                first_order_step(device, mlp, batch, params, grad, |p, g| opt.step_many(p, g))?
             }
-            Engine::AdamW { opt, params } => {
-                first_order_step(device, mlp, batch, params, |p, g| opt.step_many(p, g))?
+            Engine::AdamW { opt, params, grad } => {
+                first_order_step(device, mlp, batch, params, grad, |p, g| opt.step_many(p, g))?
             }
             Engine::Sophia { opt, params } => {
                 let fwd = mlp.forward(batch.x)?;
@@ -543,26 +548,33 @@ impl Outcome {
 }
 
 /// One plain-gradient step of a first-order optimizer (SGD, AdamW): the flat mini-batch
-/// gradient handed to `step` with the flat parameters ([`step_network`]); skipped (nothing
-/// changed) on a non-finite value.
+/// gradient, computed into `grad`, handed to `step` with the flat parameters
+/// ([`step_network`]); skipped (nothing changed) on a non-finite value.
 fn first_order_step(
     device: &Device,
     mlp: &mut Mlp,
     batch: Batch<'_>,
     params: &mut Matrix,
+    grad: &mut Vec<f32>,
     step: impl FnOnce(&mut [&mut Matrix], &[&Matrix]) -> Result<()>,
 ) -> Result<Outcome> {
-    let (loss, grad) = skip_nonfinite!(plain_gradient(mlp, batch), f32::NAN, f32::NAN);
-    let gn = norm(&grad);
+    let fwd = skip_nonfinite!(mlp.forward(batch.x), f32::NAN, f32::NAN);
+    let loss = skip_nonfinite!(
+        mlp.gradient_into(&fwd, batch.targets, grad),
+        f32::NAN,
+        f32::NAN
+    );
+    let gn = norm(grad);
     if !loss.is_finite() || !gn.is_finite() {
         return Ok(Outcome::skip(loss, gn));
     }
-    let g = flat_tensor(device, grad)?;
-    skip_nonfinite!(
-        step_network(mlp, params, |p| step(&mut [p], &[&g])),
-        loss,
-        gn
-    );
+    // On the CPU the buffer itself is the tensor, moved in and back (no copy).
+    let g = flat_tensor(device, std::mem::take(grad))?;
+    let r = step_network(mlp, params, |p| step(&mut [p], &[&g]));
+    if g.host().is_some() {
+        *grad = g.into_host_vec()?;
+    }
+    skip_nonfinite!(r, loss, gn);
     Ok(Outcome::applied(loss, gn, false))
 }
 
