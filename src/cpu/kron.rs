@@ -86,6 +86,22 @@ pub fn syrk_ema<T: Element>(a: MatRef<'_, T>, eps: f32, factor: MatMut<'_, f32>)
     syrk::syrk_lower_mirror(a, ((1.0 - eps) / m as f32, eps), factor)
 }
 
+/// `C ← α·AᵀA` for `A` `m x n` and `C` `n x n`, by the SYRK of [`syrk_ema`] (lower triangle,
+/// mirrored: exactly symmetric, half a GEMM's flops) for operands the caller has validated;
+/// `C` is not read.
+///
+/// # Errors
+/// [`Error::Shape`] unless `C` is `n x n`, [`Error::OutOfMemory`] for the panel buffers;
+/// `C` is unchanged then.
+pub(crate) fn gram(a: MatRef<'_, f32>, alpha: f32, c: MatMut<'_, f32>) -> Result<()> {
+    let n = a.cols();
+    check_shape("cpu::gram", "c", c.shape(), (n, n))?;
+    if n == 0 || a.rows() == 0 {
+        return Ok(());
+    }
+    syrk::syrk_lower_mirror(a, (alpha, 0.0), c)
+}
+
 /// Batch gradient `G = (1/m) Eᵀ A` for `E` of shape `m x d_out` (per-sample output gradients,
 /// not divided by m) and `A` of shape `m x d_in`; `G` is `d_out x d_in`.
 ///

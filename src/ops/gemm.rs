@@ -78,7 +78,9 @@ impl Device {
     /// On the kernel devices, `f32` operands run the f32-accurate split3 tensor-core product
     /// ([`crate::cuda::precond::gemm3`], error `≤ (k + 8)·2⁻²⁴·|A||B|`, what the
     /// preconditioning runs), not [`Device::gemm`]'s SIMT kernel: the optimizers' products
-    /// (the Kronecker step's, the cached squares) all run on the tensor cores.
+    /// (the Kronecker step's, the cached squares) all run on the tensor cores. On the CPU a
+    /// Gram `AᵀA` (`ta = Yes`, `tb = No`, `a` and `b` the same matrix) runs the SYRK
+    /// ([`crate::cpu::syrk_ema`]'s kernel): half the flops, exactly symmetric.
     ///
     /// # Errors
     /// [`crate::Error::NonFinite`] (`"result (overflow)"`) for a non-finite product, device
@@ -101,6 +103,13 @@ impl Device {
         ) {
             (Device::Emulated | Device::Cuda(_), Some((a, b))) => {
                 crate::cuda::precond::gemm3(self, ta, tb, alpha, a, b, 0.0, &mut c)?
+            }
+            // `AᵀA` of one matrix is symmetric: the CPU's SYRK computes the lower triangle and
+            // mirrors it, half the flops of the GEMM.
+            (Device::Cpu, Some((a, b)))
+                if (ta, tb) == (Trans::Yes, Trans::No) && std::ptr::eq(a, b) =>
+            {
+                crate::cpu::kron::gram(host_ref(a)?, alpha, host_mut(&mut c)?)?
             }
             _ => self.gemm_kernel(ta, tb, alpha, a, b, 0.0, &mut c)?,
         }
