@@ -625,6 +625,28 @@ fn bad_input_gets_typed_errors_and_changes_nothing() {
     let other = c.mlp.clone();
     let fwd2 = c.mlp.forward(c.x.as_ref()).unwrap();
     assert!(other.backward(&fwd2, t).is_err());
+    // A forward pass checks the parameters once per change (a cached stamp): a NaN written
+    // through the mutable accessors after a clean pass is still caught, and so is one in a
+    // single layer, and a clone checks its own copy.
+    let k = c.mlp.num_params() - 1;
+    c.mlp.params_mut()[k] = f32::NAN;
+    assert!(matches!(
+        c.mlp.forward(c.x.as_ref()),
+        Err(Error::NonFinite { arg: "params", index, .. }) if index == k
+    ));
+    c.mlp.params_mut()[k] = 0.5;
+    c.mlp.forward(c.x.as_ref()).unwrap();
+    c.mlp.layer_mut(0).unwrap().data_mut()[0] = f32::INFINITY;
+    let inf_clone = c.mlp.clone();
+    assert!(matches!(
+        c.mlp.forward(c.x.as_ref()),
+        Err(Error::NonFinite {
+            arg: "params",
+            index: 0,
+            ..
+        })
+    ));
+    assert!(inf_clone.forward(c.x.as_ref()).is_err());
     // Bad configurations.
     let cfg = |sizes: Vec<usize>| MlpConfig {
         sizes,

@@ -33,6 +33,10 @@ pub struct Mlp {
     /// `offsets[l]..offsets[l + 1]` is layer `l`'s `W̄_l`.
     offsets: Vec<usize>,
     stamp: u64,
+    /// The stamp whose parameters are known finite (checked by a forward pass or
+    /// [`Mlp::set_params`], or vouched for by the caller of [`Mlp::swap_params`]; 0: none), so
+    /// a forward pass scans them once per change, not once per call.
+    finite: AtomicU64,
 }
 
 impl Clone for Mlp {
@@ -42,6 +46,7 @@ impl Clone for Mlp {
             params: self.params.clone(),
             offsets: self.offsets.clone(),
             stamp: next_stamp(),
+            finite: AtomicU64::new(0),
         }
     }
 }
@@ -133,6 +138,7 @@ impl Mlp {
             params,
             offsets,
             stamp: next_stamp(),
+            finite: AtomicU64::new(0),
         })
     }
 
@@ -217,18 +223,24 @@ impl Mlp {
         check_finite("Mlp::set_params", "params", params)?;
         self.params.copy_from_slice(params);
         self.stamp = next_stamp();
+        self.finite.store(self.stamp, Ordering::Relaxed);
         Ok(())
     }
 
     /// Exchanges the parameter vector with the host buffer of the `n x 1` matrix `m` (O(1), no
     /// copy; the parameters count as changed): how a trainer lets an optimizer step the
     /// network's own vector on a host device. Returns whether it did (GPU storage or another
-    /// length: nothing changes). The caller vouches for what it swaps in: the values are not
-    /// checked (the swap exists to avoid that pass), which is why this is crate-internal.
-    pub(crate) fn swap_params(&mut self, m: &mut crate::Matrix) -> bool {
+    /// length: nothing changes). `finite`: the caller vouches that every value swapped in is
+    /// finite (an update that checked its results), so the next forward pass need not scan
+    /// them; the values are not checked here (the swap exists to avoid that pass), which is
+    /// why this is crate-internal.
+    pub(crate) fn swap_params(&mut self, m: &mut crate::Matrix, finite: bool) -> bool {
         let swapped = m.swap_host_vec(&mut self.params);
         if swapped {
             self.stamp = next_stamp();
+            if finite {
+                self.finite.store(self.stamp, Ordering::Relaxed);
+            }
         }
         swapped
     }
@@ -250,6 +262,7 @@ impl Mlp {
             self.params[self.offsets[l]..self.offsets[l + 1]].copy_from_slice(w);
         }
         self.stamp = next_stamp();
+        self.finite.store(self.stamp, Ordering::Relaxed);
         Ok(())
     }
 
@@ -273,7 +286,7 @@ impl Mlp {
     pub fn forward(&self, x: MatRef<'_, f32>) -> Result<Forward> {
         const OP: &str = "Mlp::forward";
         self.check_input(OP, x)?;
-        check_finite(OP, "params", &self.params)?;
+        self.check_params_finite(OP)?;
         let m = x.rows();
         let nl = self.num_layers();
         let mut a = Vec::with_capacity(nl);
@@ -333,6 +346,17 @@ impl Mlp {
             y,
             stamp: self.stamp,
         })
+    }
+
+    /// `Err(Error::NonFinite)` for NaN/Inf in the parameters: one scan per parameter change
+    /// (the `finite` stamp), the parameters' mutable accessors being the only way to change
+    /// them without a check.
+    fn check_params_finite(&self, op: &'static str) -> Result<()> {
+        if self.finite.load(Ordering::Relaxed) != self.stamp {
+            check_finite(op, "params", &self.params)?;
+            self.finite.store(self.stamp, Ordering::Relaxed);
+        }
+        Ok(())
     }
 
     pub(crate) fn check_input(&self, op: &'static str, x: MatRef<'_, f32>) -> Result<()> {

@@ -601,9 +601,10 @@ fn step_network(
     params: &mut Matrix,
     step: impl FnOnce(&mut Matrix) -> Result<()>,
 ) -> Result<()> {
-    if mlp.swap_params(params) {
+    if mlp.swap_params(params, false) {
         let r = step(params);
-        mlp.swap_params(params);
+        // On success the update checked every value it wrote.
+        mlp.swap_params(params, r.is_ok());
         return r;
     }
     step(params)?;
