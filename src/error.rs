@@ -182,7 +182,10 @@ pub(crate) fn try_vec<T: Clone>(rows: usize, cols: usize, fill: T) -> Result<Vec
 
 /// `xs.to_vec()`, or [`Error::OutOfMemory`] ([`try_with_capacity`]).
 pub(crate) fn try_to_vec<T: Clone>(xs: &[T]) -> Result<Vec<T>> {
-    try_collect(xs.iter().cloned())
+    let mut v = try_with_capacity("host", xs.len(), 1)?;
+    // A slice copy (memcpy for `Copy` types), not an element-by-element extend.
+    v.extend_from_slice(xs);
+    Ok(v)
 }
 
 /// Collects an iterator of known length into a host vector, or [`Error::OutOfMemory`]

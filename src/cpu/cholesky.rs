@@ -7,6 +7,7 @@
 //! to faer as row-major views (no transposition copy).
 
 use faer::linalg::solvers::{DenseSolveCore, Solve};
+use rayon::prelude::*;
 
 use crate::device::Element;
 use crate::error::{check_shape, first_non_finite, try_vec, try_with_capacity, Error, Result};
@@ -178,6 +179,32 @@ pub fn cholesky_inverse(a: MatRef<'_, f32>) -> Result<Mat> {
     let n = a.rows();
     let w = widen_square(OP, "a", a)?;
     let x = factor(OP, &w, n)?.inverse();
-    // Exact symmetry: both triangles come from the rounded mean of the two f64 entries.
-    round(n, n, |i, j| 0.5 * (x[(i, j)] + x[(j, i)]))
+    round_symmetric(&x)
+}
+
+/// `X` rounded to `f32` with both triangles from the rounded mean of the two `f64` entries
+/// (exactly symmetric), by bands of rows in parallel: in a refresh of six ~1000² factors the
+/// sequential, index-checked version of this pass cost about a tenth of the Cholesky itself.
+fn round_symmetric(x: &faer::Mat<f64>) -> Result<Mat> {
+    const TILE: usize = 64;
+    let n = x.nrows();
+    let mut data = try_vec(n * n, 1, 0.0f32)?;
+    // faer stores columns contiguously: x(i, j) = col[j][i].
+    let col: Vec<&[f64]> = (0..n).map(|j| x.col_as_slice(j)).collect();
+    data.par_chunks_mut(TILE * n.max(1))
+        .enumerate()
+        .for_each(|(b, band)| {
+            for j0 in (0..n).step_by(TILE) {
+                let j1 = (j0 + TILE).min(n);
+                for (di, row) in band.chunks_mut(n).enumerate() {
+                    let i = b * TILE + di;
+                    let ci = col[i];
+                    for (j, v) in row[j0..j1].iter_mut().enumerate() {
+                        let j = j0 + j;
+                        *v = (0.5 * (col[j][i] + ci[j])) as f32;
+                    }
+                }
+            }
+        });
+    Mat::from_vec(data, n, n)
 }
