@@ -7,7 +7,6 @@
 //! to faer as row-major views (no transposition copy).
 
 use faer::linalg::solvers::{DenseSolveCore, Solve};
-use rayon::prelude::*;
 
 use crate::device::Element;
 use crate::error::{check_shape, first_non_finite, try_vec, try_with_capacity, Error, Result};
@@ -182,29 +181,21 @@ pub fn cholesky_inverse(a: MatRef<'_, f32>) -> Result<Mat> {
     round_symmetric(&x)
 }
 
-/// `X` rounded to `f32` with both triangles from the rounded mean of the two `f64` entries
-/// (exactly symmetric), by bands of rows in parallel: in a refresh of six ~1000² factors the
-/// sequential, index-checked version of this pass cost about a tenth of the Cholesky itself.
+/// The symmetric `X` rounded to `f32`, row `i` from column `i` (contiguous in faer's
+/// column-major storage). faer's inverse is exactly symmetric (its
+/// `make_self_adjoint` mirrors the computed triangle), so this is the row-major `X` and the
+/// result is exactly symmetric (`cpu_dense::cholesky_factor_solve_inverse` checks it bit for
+/// bit). One sequential pass: reading rows of the column-major matrix instead (the former
+/// mean of both triangles) cost ~10% of the whole inverse at n = 1024, and spreading this pass
+/// over rayon threads made it slower (the fresh pages fault in parallel), measured with
+/// `cargo bench --bench newton -- grng_cholesky_inverse/1024`.
 fn round_symmetric(x: &faer::Mat<f64>) -> Result<Mat> {
-    const TILE: usize = 64;
     let n = x.nrows();
     let mut data = try_vec(n * n, 1, 0.0f32)?;
-    // faer stores columns contiguously: x(i, j) = col[j][i].
-    let col: Vec<&[f64]> = (0..n).map(|j| x.col_as_slice(j)).collect();
-    data.par_chunks_mut(TILE * n.max(1))
-        .enumerate()
-        .for_each(|(b, band)| {
-            for j0 in (0..n).step_by(TILE) {
-                let j1 = (j0 + TILE).min(n);
-                for (di, row) in band.chunks_mut(n).enumerate() {
-                    let i = b * TILE + di;
-                    let ci = col[i];
-                    for (j, v) in row[j0..j1].iter_mut().enumerate() {
-                        let j = j0 + j;
-                        *v = (0.5 * (col[j][i] + ci[j])) as f32;
-                    }
-                }
-            }
-        });
+    for (i, row) in data.chunks_mut(n.max(1)).enumerate() {
+        for (v, &w) in row.iter_mut().zip(x.col_as_slice(i)) {
+            *v = w as f32;
+        }
+    }
     Mat::from_vec(data, n, n)
 }

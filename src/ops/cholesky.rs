@@ -32,9 +32,10 @@ impl Device {
         self.check_on(OP, a)?;
         check_shape(OP, "a", a.shape(), (a.rows(), a.rows()))?;
         match self {
+            // The result's own buffer becomes the matrix (no copy).
             Device::Cpu => {
                 let inv = crate::cpu::cholesky_inverse(host_ref(a)?)?;
-                self.upload(a.rows(), a.rows(), inv.as_slice())
+                Matrix::from_host_vec(a.rows(), a.rows(), inv.into_vec())
             }
             Device::Emulated => {
                 cusolver::note_host_fallback("the emulator has no cuSOLVER");
