@@ -562,36 +562,36 @@ multiversion! {
         outs: (&mut [f32], &mut [f32], &mut [f32]),
     ) -> bool {
         match *upd {
-        MultiUpdate::Sgd(c) => {
-            fused_chunk::<false, false, false>(ins, outs, |p, g, b, _, _| {
-                let (mut p, mut b) = (p, b);
-                sgd_elem(&c, &mut p, g, &mut b);
-                (p, b, 0.0)
-            })
-        }
-        MultiUpdate::AdamW(c) => {
-            let bc = c.bias_corrections();
-            fused_chunk::<true, false, true>(ins, outs, |p, g, m, v, _| {
-                let (mut p, mut m, mut v) = (p, m, v);
-                adamw_elem(&c, bc, &mut p, g, &mut m, &mut v);
-                (p, m, v)
-            })
-        }
-        MultiUpdate::Sophia(c, None) => {
-            fused_chunk::<true, false, false>(ins, outs, |p, g, m, h, _| {
-                let (mut p, mut m) = (p, m);
-                sophia_elem(&c, &mut p, g, &mut m, h);
-                (p, m, h)
-            })
-        }
-        MultiUpdate::Sophia(c, Some((beta2, batch))) => {
-            fused_chunk::<true, true, true>(ins, outs, |p, g, m, h, gh| {
-                let (mut p, mut m, mut h) = (p, m, h);
-                hessian_ema_elem(beta2, batch, &mut h, gh);
-                sophia_elem(&c, &mut p, g, &mut m, h);
-                (p, m, h)
-            })
-        }
+            MultiUpdate::Sgd(c) => {
+                fused_chunk::<false, false, false>(ins, outs, |p, g, b, _, _| {
+                    let (mut p, mut b) = (p, b);
+                    sgd_elem(&c, &mut p, g, &mut b);
+                    (p, b, 0.0)
+                })
+            }
+            MultiUpdate::AdamW(c) => {
+                let bc = c.bias_corrections();
+                fused_chunk::<true, false, true>(ins, outs, |p, g, m, v, _| {
+                    let (mut p, mut m, mut v) = (p, m, v);
+                    adamw_elem(&c, bc, &mut p, g, &mut m, &mut v);
+                    (p, m, v)
+                })
+            }
+            MultiUpdate::Sophia(c, None) => {
+                fused_chunk::<true, false, false>(ins, outs, |p, g, m, h, _| {
+                    let (mut p, mut m) = (p, m);
+                    sophia_elem(&c, &mut p, g, &mut m, h);
+                    (p, m, h)
+                })
+            }
+            MultiUpdate::Sophia(c, Some((beta2, batch))) => {
+                fused_chunk::<true, true, true>(ins, outs, |p, g, m, h, gh| {
+                    let (mut p, mut m, mut h) = (p, m, h);
+                    hessian_ema_elem(beta2, batch, &mut h, gh);
+                    sophia_elem(&c, &mut p, g, &mut m, h);
+                    (p, m, h)
+                })
+            }
         }
     }
 }

@@ -93,10 +93,15 @@ pub fn syrk_ema<T: Element>(a: MatRef<'_, T>, eps: f32, factor: MatMut<'_, f32>)
 /// # Errors
 /// [`Error::Shape`] unless `C` is `n x n`, [`Error::OutOfMemory`] for the panel buffers;
 /// `C` is unchanged then.
-pub(crate) fn gram(a: MatRef<'_, f32>, alpha: f32, c: MatMut<'_, f32>) -> Result<()> {
+pub(crate) fn gram(a: MatRef<'_, f32>, alpha: f32, mut c: MatMut<'_, f32>) -> Result<()> {
     let n = a.cols();
     check_shape("cpu::gram", "c", c.shape(), (n, n))?;
-    if n == 0 || a.rows() == 0 {
+    if n == 0 {
+        return Ok(());
+    }
+    if a.rows() == 0 {
+        // No rows: AᵀA = 0 (the SYRK, which scales C on its first panel, would leave C as is).
+        (0..n).for_each(|i| c.row_mut(i).fill(0.0));
         return Ok(());
     }
     syrk::syrk_lower_mirror(a, (alpha, 0.0), c)

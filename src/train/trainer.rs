@@ -115,15 +115,16 @@ enum Engine {
     /// layer structure), stepped by one device op. On a host device it is the network's own
     /// vector, swapped in for the step ([`step_network`]); `params` is then the optimizer's
     /// spare buffer, not a copy.
-    /// `grad`: the flat gradient's buffer, reused from step to step (scratch, not state).
     Sgd {
         opt: Sgd,
         params: Matrix,
+        /// The flat gradient's buffer, reused from step to step (scratch, not state).
         grad: Vec<f32>,
     },
     AdamW {
         opt: AdamW,
         params: Matrix,
+        /// As [`Engine::Sgd`]'s.
         grad: Vec<f32>,
     },
     Sophia {
@@ -465,12 +466,14 @@ impl Trainer {
             }
             Engine::Sophia { opt, params } => {
                 let fwd = mlp.forward(batch.x)?;
-                let b = skip_nonfinite!(mlp.backward(&fwd, batch.targets), f32::NAN, f32::NAN);
-                let (loss, gn) = (b.loss, norm(&b.grad));
+                // The gradient only: `backward` would also copy every layer's inputs `A_l`.
+                let r = mlp.gradient(&fwd, batch.targets);
+                let (grad, loss) = skip_nonfinite!(r, f32::NAN, f32::NAN);
+                let gn = norm(&grad);
                 if !loss.is_finite() || !gn.is_finite() {
                     return Ok(Outcome::skip(loss, gn));
                 }
-                let g = flat_tensor(device, b.grad)?;
+                let g = flat_tensor(device, grad)?;
                 let refresh = opt.needs_hessian();
                 let sampled = if refresh {
                     let s = skip_nonfinite!(mlp.backward_sampled(&fwd, rng), loss, gn);

@@ -295,9 +295,9 @@ impl Ctx<'_> {
 
     /// `S₀ = X₀ᵀX₀` of a formed inverse: `X₀²` for the symmetric Cholesky and Woodbury
     /// inverses, and equal to it up to rounding for a Newton inverse, symmetric only to
-    /// rounding (`X₀` is checked state: the product's result check only). A Gram, so on the CPU the SYRK (`n³` flops, exactly
-    /// symmetric) and elsewhere one `2n³`-flop product per formation; the same device product
-    /// every time, so the same bits for the same `X₀`.
+    /// rounding (`X₀` is checked state: the product's result check only). A Gram, so on the
+    /// CPU the SYRK (`n³` flops, exactly symmetric) and elsewhere one `2n³`-flop product per
+    /// formation; the same device product every time, so the same bits for the same `X₀`.
     pub fn square(&self, x: &Matrix) -> Result<Matrix> {
         self.device
             .product_valid_inputs(Trans::Yes, Trans::No, 1.0, x, x)
