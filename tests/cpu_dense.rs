@@ -520,6 +520,30 @@ proptest! {
         prop_assert_eq!(dinv.to_vec().unwrap(), inv.into_vec());
     }
 
+    /// The inverse at sizes where faer runs in parallel (n ≥ 512; `dim()` stops at 300),
+    /// called from a thread outside the rayon pool (the test thread) and from inside it: the
+    /// bound of `cholesky_factor_solve_inverse`, exact symmetry, and the same bits both ways.
+    #[test]
+    fn cholesky_inverse_parallel_sizes(n in 512usize..=540, log_kappa in 0.0f64..3.0, seed: u64) {
+        let mut rng = ChaCha8Rng::seed_from_u64(seed);
+        let a = T32::from_f64(&random_spd(&mut rng, n, 10f64.powf(log_kappa)), n, n);
+        let a64 = a.dense();
+        let inv = cpu::cholesky_inverse(a.view()).unwrap();
+        let iv: Vec<f64> = inv.as_slice().iter().map(|&x| x as f64).collect();
+        for i in 0..n {
+            for j in 0..i {
+                prop_assert_eq!(iv[i * n + j], iv[j * n + i]);
+            }
+        }
+        let ai = common::matmul64(&a64, &iv, n, n, n);
+        let bound: Vec<f64> = common::matmul64(&abs64(&a64), &abs64(&iv), n, n, n)
+            .iter().map(|x| 4.0 * EPS * x + 1e-12).collect();
+        let eye: Vec<f32> = (0..n * n).map(|i| if i / n == i % n { 1.0 } else { 0.0 }).collect();
+        assert_close(&eye, &ai, &bound, "A A⁻¹ vs I");
+        let in_pool = rayon::scope(|_| cpu::cholesky_inverse(a.view())).unwrap();
+        prop_assert_eq!(in_pool.into_vec(), inv.into_vec());
+    }
+
     #[test]
     fn cholesky_rejects_indefinite(n in 2usize..=150, seed: u64) {
         let mut rng = ChaCha8Rng::seed_from_u64(seed);

@@ -106,9 +106,9 @@ pub fn low_rank_damped_inverse<T: Element>(x: MatRef<'_, T>, lambda: f32) -> Res
     let shift = m as f64 * lambda as f64;
     (0..m).for_each(|i| k[i * m + i] += shift);
     // `factor` reads the lower triangle only, the one computed.
-    let llt = factor(OP, &k, m)?;
+    let l = factor(OP, &k, m)?;
     solve_lower_triangular_in_place(
-        llt.L(),
+        l.as_ref(),
         faer::MatMut::from_row_major_slice_mut(&mut w, m, n),
         par,
     );

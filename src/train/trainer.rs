@@ -321,11 +321,22 @@ impl Trainer {
             check_len(OP, "batch.x rows", m, self.config.batch_size)?;
         }
         let rng_before = self.rng.clone();
-        let outcome = if batch_is_finite(&self.mlp, batch)? {
-            self.update(batch)?
+        // The step's largest product: a layer's forward pass over the batch, or for the
+        // Kalman methods its Jacobian backpropagation (`m·d_L` rows).
+        let rows = if self.method().is_kalman() {
+            m * self.mlp.config().sizes.last().copied().unwrap_or(1)
         } else {
-            Outcome::skip(f32::NAN, f32::NAN)
+            m
         };
+        let largest = self.mlp.layer_shapes().iter().map(|&(r, c)| r * c).max();
+        let work = rows * largest.unwrap_or(0);
+        let outcome = crate::cpu::on_pool(work, || -> Result<Outcome> {
+            Ok(if batch_is_finite(&self.mlp, batch)? {
+                self.update(batch)?
+            } else {
+                Outcome::skip(f32::NAN, f32::NAN)
+            })
+        })?;
         if outcome.skipped {
             // Sampled labels drawn before the skip are given back: a skipped step leaves the
             // random stream where it was.

@@ -224,6 +224,24 @@ impl KronOptimizer {
         grads: &[KronGrad<'_>],
         stats: Option<&[KronStats<'_>]>,
     ) -> Result<Vec<Matrix>> {
+        crate::cpu::on_pool(self.largest_product(), || {
+            self.precondition_on_pool(op, grads, stats)
+        })
+    }
+
+    /// Multiply-adds of the step's largest product, `Γ̃⁻¹·G·Λ̃⁻¹`'s larger half
+    /// (`d_out·d_in·max(d_out, d_in)`): the size [`crate::cpu::on_pool`] decides by.
+    fn largest_product(&self) -> usize {
+        let work = |&(r, c): &(usize, usize)| r * c * r.max(c);
+        self.shapes.iter().map(work).max().unwrap_or(0)
+    }
+
+    fn precondition_on_pool(
+        &mut self,
+        op: &'static str,
+        grads: &[KronGrad<'_>],
+        stats: Option<&[KronStats<'_>]>,
+    ) -> Result<Vec<Matrix>> {
         self.check_inputs(op, grads, stats)?;
         let mut counters = self.st.counters;
         let plan = self.plan(stats, &mut counters)?;
@@ -268,6 +286,18 @@ impl KronOptimizer {
     }
 
     fn step_impl(
+        &mut self,
+        op: &'static str,
+        params: &mut [Matrix],
+        grads: &[KronGrad<'_>],
+        stats: Option<&[KronStats<'_>]>,
+    ) -> Result<KronStepInfo> {
+        crate::cpu::on_pool(self.largest_product(), || {
+            self.step_on_pool(op, params, grads, stats)
+        })
+    }
+
+    fn step_on_pool(
         &mut self,
         op: &'static str,
         params: &mut [Matrix],
