@@ -14,7 +14,7 @@
 //! slow path.
 
 use std::sync::atomic::{AtomicU64, Ordering};
-use std::sync::{Once, OnceLock};
+use std::sync::Once;
 
 use cudarc::cusolver::sys::{
     self as cs, cublasFillMode_t::CUBLAS_FILL_MODE_UPPER, cusolverStatus_t,
@@ -50,23 +50,23 @@ pub(crate) fn note_host_fallback(why: &str) {
 }
 
 /// Whether `libcusolver` loads (with the cuBLAS/cuSPARSE libraries it links): cudarc's
-/// dynamically loaded bindings would panic on the first call otherwise. Probed once.
+/// dynamically loaded bindings would panic on the first call otherwise. Probed once, by
+/// cudarc's own probe, which tries exactly the names its loader tries (a list of our own
+/// once held `libcusolver.so.13`, which cudarc built for CUDA 12 never loads: "available",
+/// then a panic on the first call). Under candle's CUDA build cudarc links libcusolver
+/// (`dynamic-linking`), so a running program has it.
 pub fn available() -> bool {
-    static PRESENT: OnceLock<bool> = OnceLock::new();
-    *PRESENT.get_or_init(|| {
-        [
-            "libcusolver.so",
-            "libcusolver.so.12",
-            "libcusolver.so.11",
-            "libcusolver.so.13",
-            "cusolver64_12.dll",
-            "cusolver64_11.dll",
-        ]
-        .iter()
+    #[cfg(feature = "candle-cuda")]
+    {
+        true
+    }
+    #[cfg(not(feature = "candle-cuda"))]
+    {
+        static PRESENT: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
         // SAFETY: loading libcusolver runs only its (and its dependencies') initialisers, as
-        // cudarc's own loader does on first use.
-        .any(|name| unsafe { libloading::Library::new(*name) }.is_ok())
-    })
+        // cudarc's loader does on first use.
+        *PRESENT.get_or_init(|| unsafe { cs::is_culib_present() })
+    }
 }
 
 /// The shared signature of `cusolverDnSpotrf` and `cusolverDnSpotri`: handle, fill mode, n,
