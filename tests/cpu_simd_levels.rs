@@ -69,10 +69,25 @@ fn digests() -> Vec<(String, u64)> {
     let (mut ps, mut pa, mut po) = (ups(&mut rng, 2.0), ups(&mut rng, 2.0), ups(&mut rng, 2.0));
     let [mut s_sgd, mut s_adam, mut s_soph] =
         [1, 2, 2].map(|k| MultiState::new(&dev, &shapes, k).unwrap());
+    let flat =
+        |ps: &[Matrix]| -> Vec<f32> { ps.iter().flat_map(|m| m.to_vec().unwrap()).collect() };
+    // The single-tensor updates on the same values, flattened (past the parallel threshold):
+    // equal bit for bit to the multi-tensor ones at every level (asserted below).
+    let total: usize = shapes.iter().map(|&(r, c)| r * c).sum();
+    let (mut fs, mut fa, mut fo) = (flat(&ps), flat(&pa), flat(&po));
+    let (mut b1, mut m1, mut v1, mut m2, mut h2) = (
+        vec![0.0f32; total],
+        vec![0.0f32; total],
+        vec![0.0f32; total],
+        vec![0.0f32; total],
+        vec![0.0f32; total],
+    );
     for step in 1..=3u64 {
         let g = ups(&mut rng, 3.0);
+        let g_flat = flat(&g);
         let g: Vec<&Matrix> = g.iter().collect();
         let gh = ups(&mut rng, 1.0);
+        let gh_flat = flat(&gh);
         let gh: Vec<&Matrix> = gh.iter().collect();
         let sgd = SgdCoeffs {
             lr: 0.1,
@@ -116,9 +131,29 @@ fn digests() -> Vec<(String, u64)> {
             &soph,
         )
         .unwrap();
+        ew::sgd_update(&mut fs, &g_flat, &mut b1, &sgd).unwrap();
+        ew::adamw_update(&mut fa, &g_flat, &mut m1, &mut v1, &adam).unwrap();
+        if step != 2 {
+            ew::sophia_hessian_ema(&mut h2, &gh_flat, 0.98, 5).unwrap();
+        }
+        ew::sophia_update(&mut fo, &g_flat, &mut m2, &h2, &soph).unwrap();
     }
-    let flat =
-        |ps: &[Matrix]| -> Vec<f32> { ps.iter().flat_map(|m| m.to_vec().unwrap()).collect() };
+    let bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
+    for (name, single, multi) in [
+        ("sgd params", &fs, flat(&ps)),
+        ("sgd momentum", &b1, s_sgd.to_host(0).unwrap()),
+        ("adamw params", &fa, flat(&pa)),
+        ("adamw m", &m1, s_adam.to_host(0).unwrap()),
+        ("adamw v", &v1, s_adam.to_host(1).unwrap()),
+        ("sophia params", &fo, flat(&po)),
+        ("sophia m", &m2, s_soph.to_host(0).unwrap()),
+        ("sophia h", &h2, s_soph.to_host(1).unwrap()),
+    ] {
+        assert!(
+            bits(single) == bits(&multi),
+            "{name}: single-tensor != multi-tensor"
+        );
+    }
     for (name, v) in [
         ("sgd params", flat(&ps)),
         ("sgd momentum", s_sgd.to_host(0).unwrap()),

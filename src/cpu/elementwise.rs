@@ -229,11 +229,7 @@ pub fn sgd_update(
     check_finite(OP, "params", params)?;
     check_finite(OP, "grad", grad)?;
     check_finite(OP, "momentum_buf", momentum_buf)?;
-    let f = |p: &mut [f32], g: &[f32], b: &mut [f32]| {
-        for ((p, &g), b) in p.iter_mut().zip(g).zip(b.iter_mut()) {
-            sgd_elem(c, p, g, b);
-        }
-    };
+    let f = |p: &mut [f32], g: &[f32], b: &mut [f32]| sgd_chunk(c, p, g, b);
     if n < PAR_MIN {
         f(params, grad, momentum_buf);
     } else {
@@ -282,11 +278,7 @@ pub fn adamw_update(
     check_finite(OP, "v", v)?;
     check_nonnegative(OP, "v", v)?;
     let bc = c.bias_corrections();
-    let f = |p: &mut [f32], g: &[f32], m: &mut [f32], v: &mut [f32]| {
-        for (((p, &g), m), v) in p.iter_mut().zip(g).zip(m.iter_mut()).zip(v.iter_mut()) {
-            adamw_elem(c, bc, p, g, m, v);
-        }
-    };
+    let f = |p: &mut [f32], g: &[f32], m: &mut [f32], v: &mut [f32]| adamw_chunk(c, bc, p, g, m, v);
     if n < PAR_MIN {
         f(params, grad, m, v);
     } else {
@@ -333,11 +325,7 @@ pub fn sophia_update(
     check_finite(OP, "m", m)?;
     check_finite(OP, "h", h)?;
     check_nonnegative(OP, "h", h)?;
-    let f = |p: &mut [f32], g: &[f32], m: &mut [f32], h: &[f32]| {
-        for (((p, &g), m), &h) in p.iter_mut().zip(g).zip(m.iter_mut()).zip(h) {
-            sophia_elem(c, p, g, m, h);
-        }
-    };
+    let f = |p: &mut [f32], g: &[f32], m: &mut [f32], h: &[f32]| sophia_chunk(c, p, g, m, h);
     if n < PAR_MIN {
         f(params, grad, m, h);
     } else {
@@ -381,6 +369,41 @@ pub fn sophia_hessian_ema(
         }
     });
     Ok(())
+}
+
+// The in-place loops of the single-tensor updates, compiled per instruction-set level like
+// the multi-tensor `update_chunk` (same per-element formulas, so the same bits:
+// `tests/cpu_simd_levels.rs` checks both).
+
+multiversion! {
+    fn sgd_chunk(c: &SgdCoeffs, p: &mut [f32], g: &[f32], b: &mut [f32]) {
+        for ((p, &g), b) in p.iter_mut().zip(g).zip(b.iter_mut()) {
+            sgd_elem(c, p, g, b);
+        }
+    }
+}
+
+multiversion! {
+    fn adamw_chunk(
+        c: &AdamWCoeffs,
+        bc: (f32, f32),
+        p: &mut [f32],
+        g: &[f32],
+        m: &mut [f32],
+        v: &mut [f32],
+    ) {
+        for (((p, &g), m), v) in p.iter_mut().zip(g).zip(m.iter_mut()).zip(v.iter_mut()) {
+            adamw_elem(c, bc, p, g, m, v);
+        }
+    }
+}
+
+multiversion! {
+    fn sophia_chunk(c: &SophiaCoeffs, p: &mut [f32], g: &[f32], m: &mut [f32], h: &[f32]) {
+        for (((p, &g), m), &h) in p.iter_mut().zip(g).zip(m.iter_mut()).zip(h) {
+            sophia_elem(c, p, g, m, h);
+        }
+    }
 }
 
 // The per-element formulas of the fused updates (shared by the one- and multi-tensor paths;
