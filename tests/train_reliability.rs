@@ -478,6 +478,63 @@ fn overflowing_first_order_update_skips_and_changes_nothing() {
     }
 }
 
+/// A Kronecker step whose new parameters are finite but whose loss after the step is not is
+/// rejected, and the network gets its parameters back bit for bit (the trainer swaps the
+/// stepped ones in for the loss after and swaps them out again), and the optimizer's own
+/// copy with them: the next step starts from the parameters before the rejected one. A huge
+/// learning rate can leave every new weight finite (~1e19) and the predicted change too, while
+/// the squared error of outputs that large overflows; the test scans learning rates for one
+/// that does exactly that. (Under cross-entropy the predicted change overflows first: the
+/// step is then refused before any parameter moves.)
+#[test]
+fn kron_step_with_non_finite_loss_after_is_rejected_and_restores_the_network() {
+    let data = synthetic_classification(48, 5, 3, 3).unwrap();
+    {
+        let method = Method::Ring;
+        let found = (40..=152).rev().find_map(|e4| {
+            let e = e4 as f32 / 4.0;
+            let mut config = MethodConfig::tuned(method);
+            config.batch_size = 8;
+            if let OptimizerConfig::Kron(k) = &mut config.optimizer {
+                k.lr = 10f32.powf(e);
+            }
+            let mlp = Mlp::new(
+                MlpConfig {
+                    sizes: vec![5, 8, 3],
+                    activation: Activation::Tanh,
+                    loss: Loss::SquaredError,
+                },
+                5,
+            )
+            .unwrap();
+            let mut t = Trainer::new(&Device::Cpu, mlp, config, 5).unwrap();
+            let (x, l) = batch_of(&data, &t, 0);
+            let params: Vec<u32> = t.mlp().params().iter().map(|v| v.to_bits()).collect();
+            let r = step(&mut t, &x, &l);
+            r.loss_after
+                .is_some_and(|a| !a.is_finite())
+                .then_some((t, params, r, x, l))
+        });
+        let (mut t, params, r, x, l) =
+            found.unwrap_or_else(|| panic!("{method}: no learning rate overflowed the loss after"));
+        assert!(r.skipped, "{method}: {r:?}");
+        assert_eq!(t.counters().rejected_updates, 1, "{method}");
+        let bits =
+            |t: &Trainer| -> Vec<u32> { t.mlp().params().iter().map(|v| v.to_bits()).collect() };
+        assert_eq!(
+            bits(&t),
+            params,
+            "{method}: network parameters not restored"
+        );
+        // The optimizer's copy was restored too: the same step again overflows the same way
+        // from the same parameters (were it stepped from the rejected ones, the loss before
+        // would not be finite and the step would be skipped without a loss after).
+        let again = step(&mut t, &x, &l);
+        assert!(again.loss.is_finite(), "{method}: {again:?}");
+        assert_eq!(bits(&t).len(), params.len());
+    }
+}
+
 #[test]
 fn skips_are_counted_across_a_checkpoint_and_reported() {
     let data = synthetic_classification(48, 5, 3, 9).unwrap();

@@ -245,24 +245,19 @@ impl Mlp {
         swapped
     }
 
-    /// Overwrites all parameters from per-layer slices (`W̄_l` row-major, layer 0 first): what
-    /// [`Mlp::set_params`] does with their concatenation, without building it.
+    /// Swaps the flat parameter vector with `v` (O(1)): the network takes `v`'s values, `v`
+    /// the network's. `finite`: the caller vouches that `v` holds no NaN/Inf (checked
+    /// already), so the next forward pass skips its scan; otherwise it scans once.
     ///
     /// # Errors
-    /// [`Error::Shape`] on a wrong count or length, [`Error::NonFinite`] on NaN/Inf (index
-    /// within its layer); nothing changes then.
-    pub fn set_layers(&mut self, layers: &[&[f32]]) -> Result<()> {
-        const OP: &str = "Mlp::set_layers";
-        check_len(OP, "layers", layers.len(), self.num_layers())?;
-        for (l, w) in layers.iter().enumerate() {
-            check_len(OP, "layer", w.len(), self.offsets[l + 1] - self.offsets[l])?;
-            check_finite(OP, "layer", w)?;
-        }
-        for (l, w) in layers.iter().enumerate() {
-            self.params[self.offsets[l]..self.offsets[l + 1]].copy_from_slice(w);
-        }
+    /// [`Error::Shape`] unless `v` has `num_params()` elements; nothing changes then.
+    pub(crate) fn swap_flat(&mut self, v: &mut Vec<f32>, finite: bool) -> Result<()> {
+        check_len("Mlp::swap_flat", "v", v.len(), self.params.len())?;
+        std::mem::swap(&mut self.params, v);
         self.stamp = next_stamp();
-        self.finite.store(self.stamp, Ordering::Relaxed);
+        if finite {
+            self.finite.store(self.stamp, Ordering::Relaxed);
+        }
         Ok(())
     }
 

@@ -110,6 +110,9 @@ enum Engine {
     Kron {
         opt: Box<KronOptimizer>,
         params: Vec<Matrix>,
+        /// The flat buffer the stepped layers are gathered into and swapped with the network's
+        /// vector, which it then holds until the loss after the step decides (scratch).
+        flat: Vec<f32>,
     },
     /// First-order methods: the flat `n x 1` parameter vector (element-wise updates need no
     /// layer structure), stepped by one device op. On a host device it is the network's own
@@ -205,6 +208,7 @@ impl Trainer {
                 Engine::Kron {
                     opt: Box::new(opt),
                     params,
+                    flat: Vec::new(),
                 }
             }
             (Method::Sgd, OptimizerConfig::Sgd(c)) => Engine::Sgd {
@@ -369,7 +373,7 @@ impl Trainer {
         let mlp = &mut self.mlp;
         let rng = &mut self.rng;
         let outcome = match &mut self.engine {
-            Engine::Kron { opt, params } => {
+            Engine::Kron { opt, params, flat } => {
                 let refresh = opt.needs_stats();
                 // One forward pass serves the gradient and, on refresh steps, the Fisher
                 // statistics: same parameters, same batch, so the same numbers as two passes.
@@ -436,17 +440,16 @@ impl Trainer {
                     }
                     Err(e) => return Err(e),
                 }
-                let before = mlp.params().to_vec();
+                // The stepped layers go into the network by a swap of flat vectors: `flat`
+                // then holds the parameters before the step, to swap back if it is rejected
+                // (no copy of them, no second check: the step checked every value it wrote).
+                gather_layers(mlp, params, flat)?;
+                mlp.swap_flat(flat, true)?;
                 // The LM rule compares plain losses, also for RENG (its regularized loss
-                // would need a second backward pass after the step). Parameters that overflow
-                // count as a non-finite loss after the step.
-                let after = match sync_layers(mlp, params) {
-                    Ok(()) => match mlp.evaluate(batch.x, batch.targets) {
-                        Err(Error::NonFinite { .. }) => f32::NAN,
-                        r => r?,
-                    },
+                // would need a second backward pass after the step).
+                let after = match mlp.evaluate(batch.x, batch.targets) {
                     Err(Error::NonFinite { .. }) => f32::NAN,
-                    Err(e) => return Err(e),
+                    r => r?,
                 };
                 // A non-finite `after` raises ρ.
                 opt.observe_loss(loss, after)?;
@@ -459,8 +462,10 @@ impl Trainer {
                         skipped: false,
                     }
                 } else {
-                    mlp.set_params(&before)?;
-                    *params = upload_layers(device, mlp, &before)?;
+                    // Both vectors were checked: the network's when it was set, the step's by
+                    // the step.
+                    mlp.swap_flat(flat, true)?;
+                    *params = upload_layers(device, mlp, mlp.params())?;
                     self.counters.rejected_updates += 1;
                     Outcome {
                         loss_after: Some(after),
@@ -691,22 +696,26 @@ fn upload_stats(device: &Device, layers: &[LayerStats]) -> Result<Vec<(Matrix, M
         .collect()
 }
 
-/// Copies per-layer device parameters into the network.
-fn sync_layers(mlp: &mut Mlp, params: &[Matrix]) -> Result<()> {
+/// The per-layer parameters concatenated into `flat` (the network's flat layout, layer 0
+/// first), reusing its allocation.
+fn gather_layers(mlp: &Mlp, params: &[Matrix], flat: &mut Vec<f32>) -> Result<()> {
     // Host matrices are read in place; device ones are read back once each.
-    let fetched = params
-        .iter()
-        .map(|p| match p.host() {
-            Some(_) => Ok(None),
-            None => p.to_vec().map(Some),
-        })
-        .collect::<Result<Vec<_>>>()?;
-    let layers: Vec<&[f32]> = params
-        .iter()
-        .zip(&fetched)
-        .map(|(p, f)| f.as_deref().or(p.host()).unwrap_or_default())
-        .collect();
-    mlp.set_layers(&layers)
+    flat.clear();
+    flat.try_reserve_exact(mlp.num_params()).map_err(|_| {
+        crate::error::out_of_memory::<f32>(
+            "host",
+            mlp.num_params(),
+            1,
+            "the flat parameters".into(),
+        )
+    })?;
+    for p in params {
+        match p.host() {
+            Some(h) => flat.extend_from_slice(h),
+            None => flat.extend_from_slice(&p.to_vec()?),
+        }
+    }
+    Ok(())
 }
 
 /// Copies a flat `n x 1` device parameter vector into the network.
