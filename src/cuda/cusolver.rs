@@ -111,6 +111,10 @@ pub(crate) fn cholesky_inverse(dev: &Device, a: &Matrix) -> Result<Option<Matrix
     }
     let stream = cuda.stream();
     let handle = cuda.cusolver_handle()?;
+    // The raw cuSOLVER calls below run in the calling thread's current context, which cudarc
+    // makes current only inside its own calls: bind it here, whatever thread this is (a rayon
+    // worker under `cpu::on_pool`, a user's thread).
+    stream.context().bind_to_thread()?;
     let mut info = stream.alloc_zeros::<i32>(1)?;
     {
         let Storage::Cuda(xs) = &mut x.storage else {
