@@ -135,6 +135,29 @@ fn dim() -> impl Strategy<Value = usize> {
     prop_oneof![1usize..=17, 18usize..=300]
 }
 
+/// `inv`, the `f32` inverse of the `n x n` `a64` (row-major) by an exact `f64` inverse rounded
+/// once: exactly symmetric, and `|A X̂ − I| ≤ u|A||X̂|` (+ the f64 error `κ·2⁻⁵³`) with a 4x
+/// margin.
+fn check_spd_inverse(a64: &[f64], inv: &Mat) -> Result<(), TestCaseError> {
+    let n = inv.rows();
+    let iv: Vec<f64> = inv.as_slice().iter().map(|&x| x as f64).collect();
+    for i in 0..n {
+        for j in 0..i {
+            prop_assert_eq!(iv[i * n + j], iv[j * n + i]);
+        }
+    }
+    let ai = common::matmul64(a64, &iv, n, n, n);
+    let bound: Vec<f64> = common::matmul64(&abs64(a64), &abs64(&iv), n, n, n)
+        .iter()
+        .map(|x| 4.0 * EPS * x + 1e-12)
+        .collect();
+    let eye: Vec<f32> = (0..n * n)
+        .map(|i| if i / n == i % n { 1.0 } else { 0.0 })
+        .collect();
+    assert_close(&eye, &ai, &bound, "A A⁻¹ vs I");
+    Ok(())
+}
+
 proptest! {
     #![proptest_config(common::proptest_config(40))]
 
@@ -502,20 +525,8 @@ proptest! {
         let bound: Vec<f64> = common::matmul64(&m, &abs64(&xd), n, n, k).iter().map(|x| 4.0 * EPS * x).collect();
         assert_close(&b.data, &ax, &bound, "A X vs B");
 
-        // Inverse: exact in f64 then rounded, so |A X̂ − I| ≤ u|A||X̂| (+ f64 error κ·2⁻⁵³);
-        // 4x margin. Exactly symmetric.
         let inv = cpu::cholesky_inverse(a.view()).unwrap();
-        let iv: Vec<f64> = inv.as_slice().iter().map(|&x| x as f64).collect();
-        for i in 0..n {
-            for j in 0..i {
-                prop_assert_eq!(iv[i * n + j], iv[j * n + i]);
-            }
-        }
-        let ai = common::matmul64(&a64, &iv, n, n, n);
-        let bound: Vec<f64> = common::matmul64(&abs64(&a64), &abs64(&iv), n, n, n)
-            .iter().map(|x| 4.0 * EPS * x + 1e-12).collect();
-        let eye: Vec<f32> = (0..n * n).map(|i| if i / n == i % n { 1.0 } else { 0.0 }).collect();
-        assert_close(&eye, &ai, &bound, "A A⁻¹ vs I");
+        check_spd_inverse(&a64, &inv)?;
         let dinv = Device::Cpu.cholesky_inverse(&a.upload()).unwrap();
         prop_assert_eq!(dinv.to_vec().unwrap(), inv.into_vec());
     }
@@ -529,17 +540,7 @@ proptest! {
         let a = T32::from_f64(&random_spd(&mut rng, n, 10f64.powf(log_kappa)), n, n);
         let a64 = a.dense();
         let inv = cpu::cholesky_inverse(a.view()).unwrap();
-        let iv: Vec<f64> = inv.as_slice().iter().map(|&x| x as f64).collect();
-        for i in 0..n {
-            for j in 0..i {
-                prop_assert_eq!(iv[i * n + j], iv[j * n + i]);
-            }
-        }
-        let ai = common::matmul64(&a64, &iv, n, n, n);
-        let bound: Vec<f64> = common::matmul64(&abs64(&a64), &abs64(&iv), n, n, n)
-            .iter().map(|x| 4.0 * EPS * x + 1e-12).collect();
-        let eye: Vec<f32> = (0..n * n).map(|i| if i / n == i % n { 1.0 } else { 0.0 }).collect();
-        assert_close(&eye, &ai, &bound, "A A⁻¹ vs I");
+        check_spd_inverse(&a64, &inv)?;
         let in_pool = rayon::scope(|_| cpu::cholesky_inverse(a.view())).unwrap();
         prop_assert_eq!(in_pool.into_vec(), inv.into_vec());
     }
