@@ -212,16 +212,15 @@ pub fn cholesky_solve(l: MatRef<'_, f32>, mut b: MatMut<'_, f32>) -> Result<()> 
     let lf = faer::MatRef::from_row_major_slice(&lw, n, n);
     let mut x = faer::Mat::<f64>::from_fn(n, k, |i, j| bw[i * k + j]);
     // L Lᵀ X = B: forward then backward substitution, reading only the lower triangle of L.
-    faer::linalg::triangular_solve::solve_lower_triangular_in_place(
-        lf,
-        x.as_mut(),
-        faer::Par::rayon(0),
-    );
-    faer::linalg::triangular_solve::solve_upper_triangular_in_place(
-        lf.transpose(),
-        x.as_mut(),
-        faer::Par::rayon(0),
-    );
+    let par = faer_par(n);
+    super::on_pool(n.saturating_mul(n).saturating_mul(k), || {
+        faer::linalg::triangular_solve::solve_lower_triangular_in_place(lf, x.as_mut(), par);
+        faer::linalg::triangular_solve::solve_upper_triangular_in_place(
+            lf.transpose(),
+            x.as_mut(),
+            par,
+        );
+    });
     for i in 0..n {
         for (j, v) in b.row_mut(i).iter_mut().enumerate() {
             *v = x[(i, j)] as f32;

@@ -86,6 +86,15 @@ pub fn low_rank_damped_inverse<T: Element>(x: MatRef<'_, T>, lambda: f32) -> Res
         lambda.is_normal() && lambda > 0.0,
         "a normal lambda > 0 (1/lambda, the inverse's norm, fits f32)",
     )?;
+    // The largest product is the `n x n` SYRK, `m·n²/2` multiply-adds.
+    let work = m.saturating_mul(n).saturating_mul(n) / 2;
+    super::on_pool(work, || low_rank_inverse(x, lambda))
+}
+
+/// [`low_rank_damped_inverse`] after its argument checks.
+fn low_rank_inverse<T: Element>(x: MatRef<'_, T>, lambda: f32) -> Result<Mat> {
+    const OP: &str = "cpu::low_rank_damped_inverse";
+    let (m, n) = x.shape();
     let par = Par::rayon(0);
     // All row-major: X (m x n, solved in place into W), K (m x m), R (n x n).
     let mut w = widen_finite(OP, "x", x)?;
