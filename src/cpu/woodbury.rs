@@ -30,10 +30,10 @@ use std::cmp::Ordering;
 
 use faer::linalg::matmul::triangular::{matmul, BlockStructure};
 use faer::linalg::triangular_solve::solve_lower_triangular_in_place;
-use faer::{Accum, Par};
+use faer::Accum;
 use rayon::prelude::*;
 
-use super::cholesky::{factor, widen_finite};
+use super::cholesky::{factor, faer_par, widen_finite};
 use super::kron::check_batch;
 use crate::device::Element;
 use crate::error::{check_value, try_vec, Result};
@@ -95,7 +95,9 @@ pub fn low_rank_damped_inverse<T: Element>(x: MatRef<'_, T>, lambda: f32) -> Res
 fn low_rank_inverse<T: Element>(x: MatRef<'_, T>, lambda: f32) -> Result<Mat> {
     const OP: &str = "cpu::low_rank_damped_inverse";
     let (m, n) = x.shape();
-    let par = Par::rayon(0);
+    // One thread for small factors, as for the Cholesky (`faer_par`): faer's parallel
+    // products at n = 65 cost more in rayon hand-offs than they compute.
+    let par = faer_par(n);
     // All row-major: X (m x n, solved in place into W), K (m x m), R (n x n).
     let mut w = widen_finite(OP, "x", x)?;
     let mut k = try_vec(m, m, 0.0f64)?;
