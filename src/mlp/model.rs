@@ -202,7 +202,7 @@ impl Mlp {
     /// Layer `l`'s `W̄_l`, mutable (the parameters count as changed).
     pub fn layer_mut(&mut self, l: usize) -> Result<MatMut<'_, f32>> {
         let (r, c) = self.layer_shape(l)?;
-        self.stamp = next_stamp();
+        self.changed(false);
         MatMut::new(&mut self.params[self.offsets[l]..self.offsets[l + 1]], r, c)
     }
     /// The flat parameter vector (layout in the module docs).
@@ -211,7 +211,7 @@ impl Mlp {
     }
     /// The flat parameter vector, mutable (the parameters count as changed).
     pub fn params_mut(&mut self) -> &mut [f32] {
-        self.stamp = next_stamp();
+        self.changed(false);
         &mut self.params
     }
     /// Overwrites all parameters.
@@ -222,9 +222,18 @@ impl Mlp {
         check_len("Mlp::set_params", "params", params.len(), self.params.len())?;
         check_finite("Mlp::set_params", "params", params)?;
         self.params.copy_from_slice(params);
-        self.stamp = next_stamp();
-        self.finite.store(self.stamp, Ordering::Relaxed);
+        self.changed(true);
         Ok(())
+    }
+
+    /// Marks the parameters changed (a new stamp, so cached forward passes go stale);
+    /// `finite`: their values are known to be free of NaN/Inf (checked, or vouched for by a
+    /// crate-internal caller), so the next forward pass skips its scan.
+    fn changed(&mut self, finite: bool) {
+        self.stamp = next_stamp();
+        if finite {
+            self.finite.store(self.stamp, Ordering::Relaxed);
+        }
     }
 
     /// Exchanges the parameter vector with the host buffer of the `n x 1` matrix `m` (O(1), no
@@ -237,10 +246,7 @@ impl Mlp {
     pub(crate) fn swap_params(&mut self, m: &mut crate::Matrix, finite: bool) -> bool {
         let swapped = m.swap_host_vec(&mut self.params);
         if swapped {
-            self.stamp = next_stamp();
-            if finite {
-                self.finite.store(self.stamp, Ordering::Relaxed);
-            }
+            self.changed(finite);
         }
         swapped
     }
@@ -254,10 +260,7 @@ impl Mlp {
     pub(crate) fn swap_flat(&mut self, v: &mut Vec<f32>, finite: bool) -> Result<()> {
         check_len("Mlp::swap_flat", "v", v.len(), self.params.len())?;
         std::mem::swap(&mut self.params, v);
-        self.stamp = next_stamp();
-        if finite {
-            self.finite.store(self.stamp, Ordering::Relaxed);
-        }
+        self.changed(finite);
         Ok(())
     }
 

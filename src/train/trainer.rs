@@ -701,14 +701,9 @@ fn upload_stats(device: &Device, layers: &[LayerStats]) -> Result<Vec<(Matrix, M
 fn gather_layers(mlp: &Mlp, params: &[Matrix], flat: &mut Vec<f32>) -> Result<()> {
     // Host matrices are read in place; device ones are read back once each.
     flat.clear();
-    flat.try_reserve_exact(mlp.num_params()).map_err(|_| {
-        crate::error::out_of_memory::<f32>(
-            "host",
-            mlp.num_params(),
-            1,
-            "the flat parameters".into(),
-        )
-    })?;
+    if flat.capacity() < mlp.num_params() {
+        *flat = crate::error::try_with_capacity("host", mlp.num_params(), 1)?;
+    }
     for p in params {
         match p.host() {
             Some(h) => flat.extend_from_slice(h),
