@@ -292,6 +292,43 @@ __device__ __forceinline__ float ew_lane(const float4& x, int k) {
     return k == 0 ? x.x : k == 1 ? x.y : k == 2 ? x.z : x.w;
 }
 
+// out ← y + α x (n elements) into a new buffer, checking while it streams: status slots 0, 1,
+// 2 ← the first index of a NaN/Inf in x, y and out (the CPU's axpy_new reports them in that
+// order). One pass: no separate check of the inputs or of the result.
+extern "C" __global__ void elementwise_axpy_new(float* __restrict__ out,
+                                                const float* __restrict__ x,
+                                                const float* __restrict__ y, float alpha, int n,
+                                                int* __restrict__ status) {
+    EwBad bad;
+    const int n4 = ew_aligned16(out, x, y) ? n / 4 : 0;
+    for (int k = EW_TID; k < n4; k += EW_STRIDE) {
+        const float4 a = reinterpret_cast<const float4*>(x)[k];
+        float4 b = reinterpret_cast<const float4*>(y)[k];
+GRNG_UNROLL
+        for (int e = 0; e < 4; ++e) {
+            bad.note(0, ew_lane(a, e), 4 * k + e);
+            bad.note(1, ew_lane(b, e), 4 * k + e);
+        }
+        b.x = __fadd_rn(b.x, __fmul_rn(alpha, a.x));
+        b.y = __fadd_rn(b.y, __fmul_rn(alpha, a.y));
+        b.z = __fadd_rn(b.z, __fmul_rn(alpha, a.z));
+        b.w = __fadd_rn(b.w, __fmul_rn(alpha, a.w));
+GRNG_UNROLL
+        for (int e = 0; e < 4; ++e) bad.note(2, ew_lane(b, e), 4 * k + e);
+        reinterpret_cast<float4*>(out)[k] = b;
+    }
+    for (int i = 4 * n4 + EW_TID; i < n; i += EW_STRIDE) {
+        const float a = x[i], b = y[i];
+        bad.note(0, a, i);
+        bad.note(1, b, i);
+        const float v = __fadd_rn(b, __fmul_rn(alpha, a));
+        bad.note(2, v, i);
+        out[i] = v;
+    }
+    bad.flush(status);
+}
+GRNG_EMU_ENTRY(elementwise_axpy_new, (float*, const float*, const float*, float, int, int*))
+
 // θ', b' ← fused SGD step (EwSgd) of θ, g, b over n elements; status slots 0..2 = p, g, b.
 extern "C" __global__ void elementwise_sgd(const float* __restrict__ p, const float* __restrict__ g,
                                            const float* __restrict__ b, float* __restrict__ po,

@@ -222,6 +222,7 @@ impl<T: Element> Matrix<T> {
     }
     /// Copies the elements back to the host (row-major).
     pub fn to_vec(&self) -> Result<Vec<T>> {
+        crate::cuda::launch::count_read_back();
         match &self.storage {
             Storage::Host(v) => crate::error::try_to_vec(v),
             Storage::Cuda(s) => Ok(s.stream().clone_dtoh(s)?),

@@ -295,3 +295,6 @@ pub(crate) fn check_value(
         })
     }
 }
+
+/// The `arg` of the error an op returns when finite inputs give a non-finite result.
+pub(crate) const OVERFLOW: &str = "result (overflow)";

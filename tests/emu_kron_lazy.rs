@@ -191,7 +191,7 @@ fn lazy_steps_match_cpu_with_one_axpy_per_factor() {
                 dev.name()
             );
             assert_eq!(
-                count(&|n| n == "elementwise_axpy"),
+                count(&|n| n == "elementwise_axpy_new"),
                 drifting + layers,
                 "{}: step {k}: axpy launches {launched:?}",
                 dev.name()

@@ -15,6 +15,7 @@
 //!
 //! Matrices hold `f32`; integer slots of the status live in an `f32` matrix as bit patterns.
 
+use super::deferred::{self, Scalar};
 use super::launch::{kernel, launch, KernelArgs, LaunchConfig};
 use std::any::Any;
 
@@ -26,6 +27,7 @@ use crate::params::elementwise::{
 use half::bf16;
 
 kernel!(pub(crate) AXPY = ELEMENTWISE::elementwise_axpy;);
+kernel!(pub(crate) AXPY_NEW = ELEMENTWISE::elementwise_axpy_new;);
 kernel!(pub(crate) SCALE = ELEMENTWISE::elementwise_scale;);
 kernel!(pub(crate) COPY = ELEMENTWISE::elementwise_copy;);
 kernel!(pub(crate) DOT_PARTIAL = ELEMENTWISE::elementwise_dot_partial;);
@@ -81,13 +83,14 @@ fn new_status(dev: &Device) -> Result<Matrix> {
 /// `v ≤ 0`, otherwise `v < 0`.
 type SignCheck = Option<(usize, bool)>;
 
-/// Queues `elementwise_check` over `arrays` (1..=4 of one length) into `status`.
+/// Queues `elementwise_check` over `arrays` (1..=4 of one length) into the 5 status slots
+/// of `status` from float `at` on.
 fn queue_check(
     dev: &Device,
     op: &'static str,
     arrays: &[(&'static str, &Matrix)],
     sign: SignCheck,
-    status: &mut Matrix,
+    (status, at): (&mut Matrix, usize),
 ) -> Result<()> {
     let n = arrays[0].1.len();
     let ptr = |a: usize| arrays[a.min(arrays.len() - 1)].1;
@@ -101,11 +104,12 @@ fn queue_check(
         .scalar(sign_arr)
         .scalar(strict)
         .scalar(to_i32(op, arrays[0].0, n)?)
-        .output(op, status)?;
+        .output_at(op, status, at, 5)?;
     // SAFETY: elementwise_check(const float* a0, const float* a1, const float* a2,
     // const float* a3, int narr, int sign_arr, int strict, int n, int* status): the four
     // pointers are matrices of n floats (callers pass arrays of one length; unused slots
-    // repeat the last one and are not read, narr = arrays.len() <= 4); status holds 5 ints;
+    // repeat the last one and are not read, narr = arrays.len() <= 4); status points at 5
+    // ints inside its buffer (`output_at`);
     // threads read index i < n only.
     unsafe { launch(&CHECK, stream_config(n)?, args) }
 }
@@ -162,7 +166,7 @@ pub(crate) fn validate(
         return Ok(());
     }
     let mut status = new_status(dev)?;
-    queue_check(dev, op, arrays, sign, &mut status)?;
+    queue_check(dev, op, arrays, sign, (&mut status, 0))?;
     status_result(op, arrays, sign, &status)
 }
 
@@ -170,7 +174,8 @@ pub(crate) fn validate(
 /// NaN/Inf of each matrix, in `arrays` order. Consecutive `f32` matrices of one length are
 /// checked by one `elementwise_check` launch (up to 4 at once), a `bf16` matrix by
 /// `elementwise_check_bf16`; each launch costs one 20-byte status read-back (a stream
-/// synchronization on a GPU). Read-only.
+/// synchronization on a GPU) — or, inside [`crate::Device::deferred`], none: the launch
+/// writes into the scope's ledger and the scope reads it once (`cuda::deferred`). Read-only.
 pub(crate) fn check_finite<T: Element>(
     dev: &Device,
     op: &'static str,
@@ -189,7 +194,13 @@ pub(crate) fn check_finite<T: Element>(
                 }
             }
             rest = &rest[group.len()..];
-            validate(dev, op, &group, None)?;
+            let queued = deferred::queue_check(dev, 5, |status, at| {
+                queue_check(dev, op, &group, None, (status, at))
+            });
+            match queued {
+                Some(r) => r?,
+                None => validate(dev, op, &group, None)?,
+            }
         } else if let Some(m) = any.downcast_ref::<Matrix<bf16>>() {
             rest = &rest[1..];
             check_bf16(dev, op, arg, m)?;
@@ -209,12 +220,19 @@ fn check_bf16(dev: &Device, op: &'static str, arg: &'static str, m: &Matrix<bf16
     if n == 0 {
         return Ok(());
     }
+    let queue = |status: &mut Matrix, at: usize| {
+        let mut args = KernelArgs::new(dev);
+        args.input(op, m)?.scalar(n).output_at(op, status, at, 1)?;
+        // SAFETY: elementwise_check_bf16(const __nv_bfloat16* a, int n, int* status): a holds
+        // n bf16 values, status points at an int inside its buffer (`output_at`), the only
+        // one written; threads read index i < n only.
+        unsafe { launch(&CHECK_BF16, stream_config(m.len())?, args) }
+    };
+    if let Some(r) = deferred::queue_check(dev, 1, queue) {
+        return r;
+    }
     let mut status = new_status(dev)?;
-    let mut args = KernelArgs::new(dev);
-    args.input(op, m)?.scalar(n).output(op, &mut status)?;
-    // SAFETY: elementwise_check_bf16(const __nv_bfloat16* a, int n, int* status): a holds n
-    // bf16 values, status 5 ints (slot 0 written); threads read index i < n only.
-    unsafe { launch(&CHECK_BF16, stream_config(m.len())?, args)? };
+    queue(&mut status, 0)?;
     let first = status.to_vec()?[0].to_bits() as i32;
     if first == NONE {
         return Ok(());
@@ -240,7 +258,7 @@ pub(crate) fn axpy(dev: &Device, alpha: f32, x: &Matrix, y: &mut Matrix) -> Resu
     }
     let cfg = stream_config(y.len())?;
     let mut status = new_status(dev)?;
-    queue_check(dev, OP, &[("x", x), ("y", &*y)], None, &mut status)?;
+    queue_check(dev, OP, &[("x", x), ("y", &*y)], None, (&mut status, 0))?;
     let mut args = KernelArgs::new(dev);
     args.output(OP, y)?
         .input(OP, x)?
@@ -253,6 +271,49 @@ pub(crate) fn axpy(dev: &Device, alpha: f32, x: &Matrix, y: &mut Matrix) -> Resu
     status_result(OP, &[("x", x), ("y", &*y)], None, &status)
 }
 
+/// `y + α x` (same length) into a new matrix of `y`'s shape, checked while it streams
+/// (`elementwise_axpy_new`): `Err(Error::NonFinite)` at the first NaN/Inf of `x`, else of
+/// `y`, else of the result (`"result (overflow)"`), as the CPU's `axpy_new` reports them. One
+/// pass and one status read-back, or none inside [`crate::Device::deferred`] (the scope
+/// reads the status). `α` is checked by [`Device::axpy_new`].
+pub(crate) fn axpy_new(dev: &Device, alpha: f32, x: &Matrix, y: &Matrix) -> Result<Matrix> {
+    const OP: &str = "cuda::axpy_new";
+    // Memory safety: the kernel reads x and y and writes out, n = len(y) elements each.
+    check_len(OP, "x", x.len(), y.len())?;
+    let n = to_i32(OP, "y", y.len())?;
+    let mut out = dev.zeros(y.rows(), y.cols())?;
+    if n == 0 {
+        return Ok(out);
+    }
+    let cfg = stream_config(y.len())?;
+    let queue = |out: &mut Matrix, status: &mut Matrix, at: usize| {
+        let mut args = KernelArgs::new(dev);
+        args.output(OP, out)?
+            .input(OP, x)?
+            .input(OP, y)?
+            .scalar(alpha)
+            .scalar(n)
+            .output_at(OP, status, at, 5)?;
+        // SAFETY: elementwise_axpy_new(float* out, const float* x, const float* y, float
+        // alpha, int n, int* status): out, x and y hold n floats (out is y's shape, x checked
+        // above); status points at 5 ints inside its buffer (`output_at`), slots 0..2 written;
+        // indices stay below n.
+        unsafe { launch(&AXPY_NEW, cfg, args) }
+    };
+    if let Some(r) = deferred::queue_check(dev, 5, |status, at| queue(&mut out, status, at)) {
+        return r.map(|()| out);
+    }
+    let mut status = new_status(dev)?;
+    queue(&mut out, &mut status, 0)?;
+    status_result(
+        OP,
+        &[("x", x), ("y", y), (crate::error::OVERFLOW, &out)],
+        None,
+        &status,
+    )?;
+    Ok(out)
+}
+
 /// `x ← α x`; `x` unchanged on error (non-finite `x`). `α` is checked by [`Device::scale`].
 pub(crate) fn scale(dev: &Device, alpha: f32, x: &mut Matrix) -> Result<()> {
     const OP: &str = "cuda::scale";
@@ -262,7 +323,7 @@ pub(crate) fn scale(dev: &Device, alpha: f32, x: &mut Matrix) -> Result<()> {
     }
     let cfg = stream_config(x.len())?;
     let mut status = new_status(dev)?;
-    queue_check(dev, OP, &[("x", &*x)], None, &mut status)?;
+    queue_check(dev, OP, &[("x", &*x)], None, (&mut status, 0))?;
     let mut args = KernelArgs::new(dev);
     args.output(OP, x)?
         .scalar(alpha)
@@ -305,6 +366,24 @@ pub(crate) fn norm2(dev: &Device, x: &Matrix) -> Result<f32> {
     reduce(dev, "cuda::norm2", &[("x", x)], true)
 }
 
+/// [`dot`] queued into the ledger of an enclosing [`crate::Device::deferred`] (no read-back
+/// here), or computed now when there is none.
+pub(crate) fn dot_deferred(dev: &Device, x: &Matrix, y: &Matrix) -> Result<Scalar> {
+    const OP: &str = "cuda::dot";
+    check_len(OP, "y", y.len(), x.len())?;
+    let arrays = [("x", x), ("y", y)];
+    let n = to_i32(OP, "x", x.len())?;
+    if n == 0 {
+        return Ok(Scalar::Value(0.0));
+    }
+    match deferred::queue_scalar(dev, |out, at| {
+        queue_reduce(dev, OP, &arrays, false, (out, at))
+    }) {
+        Some(r) => r,
+        None => reduce(dev, OP, &arrays, false).map(Scalar::Value),
+    }
+}
+
 /// The two-pass f64 reduction of `Σ a[0]ᵢ a[last]ᵢ` (`a` holds one or two arrays).
 fn reduce(
     dev: &Device,
@@ -312,16 +391,36 @@ fn reduce(
     arrays: &[(&'static str, &Matrix)],
     take_sqrt: bool,
 ) -> Result<f32> {
-    let (x, y) = (arrays[0].1, arrays[arrays.len() - 1].1);
-    let n = to_i32(op, arrays[0].0, x.len())?;
+    let n = to_i32(op, arrays[0].0, arrays[0].1.len())?;
     if n == 0 {
         return Ok(0.0);
     }
+    let mut out = dev.upload(2, 1, &[f32::NAN; 2])?;
+    queue_reduce(dev, op, arrays, take_sqrt, (&mut out, 0))?;
+    let o = out.to_vec()?;
+    if o[1] != 1.0 {
+        // A non-finite f64 sum needs a NaN/Inf input (finite f32 products cannot overflow
+        // f64): report it as the CPU does, first array first.
+        validate(dev, op, arrays, None)?;
+    }
+    Ok(o[0])
+}
+
+/// Queues [`reduce`]'s two passes over `n ≥ 1` elements; pass 2 writes `(sum, finite flag)`
+/// into `out` from float `at` on.
+fn queue_reduce(
+    dev: &Device,
+    op: &'static str,
+    arrays: &[(&'static str, &Matrix)],
+    take_sqrt: bool,
+    (out, at): (&mut Matrix, usize),
+) -> Result<()> {
+    let (x, y) = (arrays[0].1, arrays[arrays.len() - 1].1);
+    let n = to_i32(op, arrays[0].0, x.len())?;
     let blocks = x.len().div_ceil(4 * BLOCK as usize).clamp(1, REDUCE_BLOCKS);
     // f64 partials in an f32 buffer, one spare float for the kernel's 8-byte alignment; NaN
     // so that a partial the kernel failed to write poisons the result.
     let mut partial = dev.upload(2 * blocks + 1, 1, &vec![f32::NAN; 2 * blocks + 1])?;
-    let mut out = dev.upload(2, 1, &[f32::NAN; 2])?;
     let mut args = KernelArgs::new(dev);
     args.input(op, x)?
         .input(op, y)?
@@ -340,7 +439,7 @@ fn reduce(
     args.input(op, &partial)?
         .scalar(blocks as i32)
         .scalar(i32::from(take_sqrt))
-        .output(op, &mut out)?;
+        .output_at(op, out, at, 2)?;
     let cfg = LaunchConfig {
         grid: (1, 1, 1),
         block: (BLOCK, 1, 1),
@@ -348,15 +447,8 @@ fn reduce(
     };
     // SAFETY: elementwise_dot_final(const float* partial, int nblocks, int take_sqrt, float*
     // out): reads the `blocks` f64 partials written above (inside 2*blocks+1 floats), thread 0
-    // writes out[0..2].
-    unsafe { launch(&DOT_FINAL, cfg, args)? };
-    let o = out.to_vec()?;
-    if o[1] != 1.0 {
-        // A non-finite f64 sum needs a NaN/Inf input (finite f32 products cannot overflow
-        // f64): report it as the CPU does, first array first.
-        validate(dev, op, arrays, None)?;
-    }
-    Ok(o[0])
+    // writes out[0..2], two floats inside `out`'s buffer (`output_at`).
+    unsafe { launch(&DOT_FINAL, cfg, args) }
 }
 
 /// The prologue and epilogue the four fused optimizer updates share: in order, the length

@@ -59,6 +59,27 @@ pub fn take_launches() -> Vec<&'static str> {
     std::mem::take(&mut *LAUNCHED.lock().unwrap_or_else(PoisonError::into_inner))
 }
 
+thread_local! {
+    /// Matrices this thread copied to the host with `Matrix::to_vec` ([`read_backs`]).
+    static READ_BACKS: std::cell::Cell<u64> = const { std::cell::Cell::new(0) };
+}
+
+/// Counts one `Matrix::to_vec` on this thread.
+pub(crate) fn count_read_back() {
+    READ_BACKS.with(|c| c.set(c.get() + 1));
+}
+
+/// How many matrices this thread has read to the host with `Matrix::to_vec` so far: every
+/// status, scalar and result read-back of the kernel devices goes through it, and on a GPU
+/// each is a device→host copy that waits for the stream. Per thread, so tests running in
+/// parallel do not see each other's reads; CPU-device matrices count too (a host copy), so
+/// compare counts around work on one kernel device. For tests of the synchronizations an op
+/// costs (`tests/emu_deferred.rs`).
+#[doc(hidden)]
+pub fn read_backs() -> u64 {
+    READ_BACKS.with(std::cell::Cell::get)
+}
+
 /// Whether a PTX rejection is being injected ([`inject_ptx_reject`]): one relaxed load per
 /// emulated launch, and per module load on a GPU, when off.
 static INJECTING: AtomicBool = AtomicBool::new(false);
@@ -295,6 +316,33 @@ impl<'a> KernelArgs<'a> {
     ) -> Result<&mut Self> {
         let addr = self.address_mut(op, m)?;
         self.slots.push(addr);
+        Ok(self)
+    }
+
+    /// Appends a `T*` parameter the kernel may write: `m`'s element `offset`, for a kernel
+    /// that touches `len` elements from there (a slot of a shared status buffer, see
+    /// `cuda::deferred`). Errors if `m` does not live on the launch's device or
+    /// `offset + len` exceeds `m.len()`, so the pointer and the `len` elements after it stay
+    /// inside `m`.
+    pub fn output_at<T: Element>(
+        &mut self,
+        op: &'static str,
+        m: &'a mut Matrix<T>,
+        offset: usize,
+        len: usize,
+    ) -> Result<&mut Self> {
+        let total = m.len();
+        if offset.checked_add(len).is_none_or(|end| end > total) {
+            return Err(Error::Shape {
+                op,
+                arg: "status slot",
+                expected: format!("{len} elements inside a buffer of {total}"),
+                got: format!("offset {offset}"),
+            });
+        }
+        let addr = self.address_mut(op, m)?;
+        self.slots
+            .push(addr + (offset * std::mem::size_of::<T>()) as u64);
         Ok(self)
     }
 

@@ -9,6 +9,7 @@
 //! above it (see `kernels/README.md`).
 
 pub mod cusolver;
+pub(crate) mod deferred;
 pub mod driver;
 pub mod elementwise;
 pub mod emu;

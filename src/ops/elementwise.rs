@@ -19,7 +19,7 @@
 use crate::cuda::elementwise as ew;
 use crate::device::{Device, Matrix};
 use crate::error::{check_shape, check_value, Error, Result};
-use crate::ops::{check_finite_scalar, finite_result, OVERFLOW};
+use crate::ops::{check_finite_scalar, finite_result, Scalar, OVERFLOW};
 use crate::params::elementwise::{check_beta, MultiUpdate};
 pub use crate::params::elementwise::{AdamWCoeffs, MultiLayout, SgdCoeffs, SophiaCoeffs};
 
@@ -65,9 +65,9 @@ impl Device {
     /// update that must keep its old value (to leave state unchanged on error) needs, without
     /// the scratch copy [`Device::axpy`] on a clone of `y` would add to that clone. On the CPU
     /// one pass writes the result and flags non-finite values
-    /// ([`crate::cpu::elementwise::axpy_new`]); on the kernel devices it is one device copy of
-    /// `y`, [`Device::axpy`]'s kernel on it (which names a non-finite `x` or `y`) and the
-    /// result check — the copy is the scratch, dropped on error.
+    /// ([`crate::cpu::elementwise::axpy_new`]); on the kernel devices likewise, one kernel
+    /// (`elementwise_axpy_new`) that writes the result and flags NaN/Inf in `x`, `y` and the
+    /// result as it streams — the new matrix is the scratch, dropped on error.
     ///
     /// # Errors
     /// As [`Device::axpy`] (an overflowing result is `"result (overflow)"`), plus
@@ -81,12 +81,7 @@ impl Device {
                 let v = crate::cpu::elementwise::axpy_new(alpha, host(x)?, host(y)?)?;
                 Matrix::from_host_vec(y.rows(), y.cols(), v)
             }
-            Device::Emulated | Device::Cuda(_) => {
-                let mut out = y.try_clone()?;
-                ew::axpy(self, alpha, x, &mut out)?;
-                self.check_all_finite(OP, &[(OVERFLOW, &out)])?;
-                Ok(out)
-            }
+            Device::Emulated | Device::Cuda(_) => ew::axpy_new(self, alpha, x, y),
         }
     }
 
@@ -118,6 +113,25 @@ impl Device {
             Device::Emulated | Device::Cuda(_) => ew::dot(self, x, y),
         }?;
         finite_result(OP, r)
+    }
+
+    /// [`Device::dot`], deferred inside [`Device::deferred`] on a kernel device (resolve it
+    /// with the scope's [`Readout`]), computed now otherwise.
+    ///
+    /// # Errors
+    /// As [`Device::dot`]; inside a scope a non-finite value surfaces as the scope's error.
+    pub(crate) fn dot_deferred(&self, x: &Matrix, y: &Matrix) -> Result<Scalar> {
+        const OP: &str = "Device::dot";
+        match self {
+            Device::Cpu => self.dot(x, y).map(Scalar::Value),
+            Device::Emulated | Device::Cuda(_) => {
+                self.check_same(OP, &[("x", x), ("y", y)])?;
+                match crate::cuda::elementwise::dot_deferred(self, x, y)? {
+                    Scalar::Value(v) => finite_result(OP, v).map(Scalar::Value),
+                    deferred => Ok(deferred),
+                }
+            }
+        }
     }
 
     /// Euclidean (Frobenius) norm `√(Σ xᵢ²)`, accumulated in `f64`.

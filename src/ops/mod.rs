@@ -26,6 +26,7 @@ pub mod newton;
 pub mod norm;
 pub mod precond;
 
+pub(crate) use crate::cuda::deferred::{Readout, Scalar};
 use crate::device::{Device, Element, Matrix};
 use crate::error::{Error, Result};
 use crate::mat::{MatMut, MatRef};
@@ -129,13 +130,32 @@ impl Device {
     }
 }
 
+impl Device {
+    /// Runs `body` with the finiteness checks and the [`Device::dot_deferred`] reductions of
+    /// the ops it calls on this device deferred. On the kernel devices they write into one
+    /// device buffer that is read back once at the end instead of once per op (a stream
+    /// synchronization each on a GPU; `cuda::deferred`); on the CPU a check is a host scan
+    /// that synchronizes nothing, and `body` simply runs. If a check flagged, a reduction was
+    /// not finite or `body` failed, `body` runs again without deferral, so the result — an
+    /// error included — is exactly the eager one.
+    ///
+    /// `body` must commit nothing (write no state it does not create): inside it an op may
+    /// return `Ok` for inputs or results that are not finite. The returned [`Readout`]
+    /// resolves the deferred [`Scalar`]s `body` returned.
+    pub(crate) fn deferred<R>(&self, mut body: impl FnMut() -> Result<R>) -> Result<(R, Readout)> {
+        match self {
+            Device::Cpu => body().map(|r| (r, Readout::default())),
+            Device::Emulated | Device::Cuda(_) => crate::cuda::deferred::scope(self, body),
+        }
+    }
+}
+
 /// `Err(Error::Value)` unless the scalar argument `v` is finite.
 pub(crate) fn check_finite_scalar(op: &'static str, arg: &'static str, v: f32) -> Result<()> {
     crate::error::check_value(op, arg, v as f64, true, "a finite number")
 }
 
-/// The `arg` of the error an op returns when finite inputs give a non-finite result.
-pub(crate) const OVERFLOW: &str = "result (overflow)";
+pub(crate) use crate::error::OVERFLOW;
 
 /// `Ok(v)` for a finite scalar result, else `Err(Error::NonFinite)` naming [`OVERFLOW`]
 /// (the inputs were checked finite, so only overflow is left).

@@ -20,6 +20,7 @@
 use crate::device::{Device, Matrix};
 use crate::error::Result;
 use crate::mat::Trans;
+use crate::ops::{Readout, Scalar};
 
 /// One layer's gradient as [`super::KronOptimizer::step_grads`] and
 /// [`super::KronOptimizer::precondition_grads`] take it.
@@ -65,23 +66,39 @@ pub(super) struct LayerView<'a> {
     pub damping: (f32, f32),
 }
 
-/// `P` of one layer and, when asked for, the model terms `(⟨G, P⟩, ⟨P, ΓPΛ⟩)`.
+/// `P` of one layer and, when asked for, the model terms `(⟨G, P⟩, ⟨P, ΓPΛ⟩)` (deferred
+/// inside [`Device::deferred`]).
 pub(super) struct Preconditioned {
     pub p: Matrix,
-    pub terms: Option<(f64, f64)>,
+    pub terms: Option<(Scalar, Scalar)>,
 }
 
+/// The model's three inner products of one layer: `⟨G, P⟩`, `⟨P, ΓPΛ⟩`, `‖P‖²`.
+pub(super) struct ModelTerms([Scalar; 3]);
+
 impl Preconditioned {
-    /// `q(δ) − q(0) = ⟨G, Δ⟩ + ½⟨Δ, ΓΔΛ⟩ + ½λ‖Δ‖²` for `Δ = −ηP`, `λ = λ_Λλ_Γ` (SPEC §2), in
-    /// `f64`; `None` when the terms were not computed.
-    pub fn model_change(&self, d: &Device, damping: (f32, f32), eta: f32) -> Result<Option<f64>> {
+    /// The terms with `‖P‖²` added (one more reduction); `None` when they were not computed.
+    pub fn model_terms(&self, d: &Device) -> Result<Option<ModelTerms>> {
         let Some((lin, curv)) = self.terms else {
             return Ok(None);
         };
-        let sq = d.dot(&self.p, &self.p)? as f64;
+        Ok(Some(ModelTerms([
+            lin,
+            curv,
+            d.dot_deferred(&self.p, &self.p)?,
+        ])))
+    }
+}
+
+impl ModelTerms {
+    /// `q(δ) − q(0) = ⟨G, Δ⟩ + ½⟨Δ, ΓΔΛ⟩ + ½λ‖Δ‖²` for `Δ = −ηP`, `λ = λ_Λλ_Γ` (SPEC §2), in
+    /// `f64`, with the values `r` resolves (`None` while a deferred one is unknown).
+    pub fn model_change(&self, r: &Readout, damping: (f32, f32), eta: f32) -> Option<f64> {
+        let [lin, curv, sq] = self.0.map(|s| r.get(s).map(f64::from));
+        let (lin, curv, sq) = (lin?, curv?, sq?);
         let eta = eta as f64;
         let lambda = damping.0 as f64 * damping.1 as f64;
-        Ok(Some(-eta * lin + 0.5 * eta * eta * (curv + lambda * sq)))
+        Some(-eta * lin + 0.5 * eta * eta * (curv + lambda * sq))
     }
 }
 
@@ -120,7 +137,7 @@ fn dense(d: &Device, v: &LayerView<'_>, g: &Matrix, with_model: bool) -> Result<
     let terms = if with_model {
         let gp = gemm(d, Trans::No, Trans::No, 1.0, v.gamma, &p)?;
         let gpl = gemm(d, Trans::No, Trans::No, 1.0, &gp, v.lambda)?;
-        Some((d.dot(g, &p)? as f64, d.dot(&p, &gpl)? as f64))
+        Some((d.dot_deferred(g, &p)?, d.dot_deferred(&p, &gpl)?))
     } else {
         None
     };
@@ -148,7 +165,7 @@ fn factored(
         let ugu = gemm(d, Trans::Yes, Trans::No, inv_m, &u, &gu)?;
         let wl = gemm(d, Trans::No, Trans::No, 1.0, &w, v.lambda)?;
         let wlw = gemm(d, Trans::No, Trans::Yes, inv_m, &wl, &w)?;
-        Some((d.dot(&eu, &awt)? as f64, d.dot(&ugu, &wlw)? as f64))
+        Some((d.dot_deferred(&eu, &awt)?, d.dot_deferred(&ugu, &wlw)?))
     } else {
         None
     };

@@ -57,11 +57,12 @@ pub use factored::KronGrad;
 pub use state::{KronCounters, KronFactorState, KronLayerState, KronState, KronStepInfo};
 
 use self::damping::{factor_dampings, FactorScalars};
-use self::factored::{LayerView, Preconditioned};
+use self::factored::{LayerView, ModelTerms, Preconditioned};
 use self::layer::{known_norm, Ctx, Retarget};
 use super::{KronStats, StatsView};
 use crate::device::{Device, Matrix};
 use crate::error::{check_shape, check_value, Error, Result};
+use crate::ops::Readout;
 
 /// RING / RENG / NGD over `L` dense layers on one [`Device`]. See the module docs.
 #[derive(Debug)]
@@ -242,10 +243,15 @@ impl KronOptimizer {
         grads: &[KronGrad<'_>],
         stats: Option<&[KronStats<'_>]>,
     ) -> Result<Vec<Matrix>> {
-        self.check_inputs(op, grads, stats)?;
-        let mut counters = self.st.counters;
-        let plan = self.plan(stats, &mut counters)?;
-        let ps = self.preconditioned(&plan, grads, false)?;
+        // Every check of the call read back once (`Device::deferred`); the body builds new
+        // matrices only, installed below.
+        let ((plan, counters, ps), _) = self.device.deferred(|| {
+            self.check_inputs(op, grads, stats)?;
+            let mut counters = self.st.counters;
+            let plan = self.plan(stats, &mut counters)?;
+            let ps = self.preconditioned(&plan, grads, false)?;
+            Ok((plan, counters, ps))
+        })?;
         self.commit(plan, counters);
         self.st.predicted = None;
         Ok(ps.into_iter().map(|p| p.p).collect())
@@ -304,45 +310,49 @@ impl KronOptimizer {
         grads: &[KronGrad<'_>],
         stats: Option<&[KronStats<'_>]>,
     ) -> Result<KronStepInfo> {
-        self.check_inputs(op, grads, stats)?;
-        self.check_layers(op, "params", params.iter())?;
         let before = self.st.counters;
-        let mut counters = before;
-        let plan = self.plan(stats, &mut counters)?;
-        let ps = self.preconditioned(&plan, grads, true)?;
         let eta = self.effective_lr();
-        let mut q = 0.0f64;
-        for (l, p) in ps.iter().enumerate() {
-            let damping = self.view(&plan, l).damping;
-            q += p.model_change(&self.device, damping, eta)?.unwrap_or(0.0);
-        }
-        let q = q as f32;
-        if !q.is_finite() {
-            // The step overflows: a numerical failure of this batch (not a bad argument), so
-            // callers can skip it and call `reject_step` to raise the damping.
-            return Err(Error::NonFinite {
-                op,
-                arg: "predicted change (the step overflows)",
-                index: 0,
-                value: q,
-            });
-        }
-        // The new weights go into copies first: an update that overflows on a later layer
-        // must leave every layer and the optimizer state as they were.
-        let mut updated = Vec::with_capacity(params.len());
-        for (w, p) in params.iter().zip(&ps) {
-            match self.device.axpy_new(-eta, &p.p, w) {
-                Ok(w) => updated.push(w),
-                Err(e) => {
-                    // Nothing reads the parameters before this update, so NaN/Inf in them
-                    // surfaces here as a non-finite result; name them, checking only on this
-                    // error path (no read-back on a good step).
-                    let all: Vec<_> = params.iter().map(|p| ("params", p)).collect();
-                    self.device.check_all_finite(op, &all)?;
-                    return Err(e);
+        let current: &[Matrix] = params;
+        // The whole step's checks and model reductions are read back once, at the end of
+        // this scope (`Device::deferred`: on a GPU one synchronization per step, not one per
+        // op). The body only builds new matrices; nothing is installed before the scope has
+        // confirmed every check, so a failed step leaves everything as it was.
+        let (step, readout) = self.device.deferred(|| {
+            self.check_inputs(op, grads, stats)?;
+            self.check_layers(op, "params", current.iter())?;
+            let mut counters = before;
+            let plan = self.plan(stats, &mut counters)?;
+            let ps = self.preconditioned(&plan, grads, true)?;
+            let mut terms = Vec::with_capacity(ps.len());
+            for p in &ps {
+                terms.extend(p.model_terms(&self.device)?);
+            }
+            // Where the values are known now (not deferred), an overflowing step is
+            // reported before any update runs.
+            if let Some(q) = self.predicted(&plan, &terms, &Readout::default()) {
+                check_predicted(op, q)?;
+            }
+            // The new weights go into new matrices: an update that overflows on a later
+            // layer must leave every layer and the optimizer state as they were.
+            let mut updated = Vec::with_capacity(current.len());
+            for (w, p) in current.iter().zip(&ps) {
+                match self.device.axpy_new(-eta, &p.p, w) {
+                    Ok(w) => updated.push(w),
+                    Err(e) => {
+                        // Nothing reads the parameters before this update, so NaN/Inf in
+                        // them surfaces here as a non-finite result; name them, checking
+                        // only on this error path (no read-back on a good step).
+                        let all: Vec<_> = current.iter().map(|p| ("params", p)).collect();
+                        self.device.check_all_finite(op, &all)?;
+                        return Err(e);
+                    }
                 }
             }
-        }
+            Ok((plan, counters, terms, updated))
+        })?;
+        let (plan, counters, terms, updated) = step;
+        let q = self.predicted(&plan, &terms, &readout).unwrap_or(f64::NAN);
+        let q = check_predicted(op, q)?;
         let refreshed = matches!(plan, Plan::Refresh(_));
         self.commit(plan, counters);
         self.st.predicted = Some(q);
@@ -359,6 +369,17 @@ impl KronOptimizer {
             lazy_recomputes: delta(|c| c.lazy_recomputes),
             fallbacks: delta(|c| c.fallbacks()),
         })
+    }
+
+    /// The quadratic model's predicted change summed over the layers, `None` while a term is
+    /// deferred (unknown to `r`).
+    fn predicted(&self, plan: &Plan, terms: &[ModelTerms], r: &Readout) -> Option<f64> {
+        let eta = self.effective_lr();
+        let mut q = 0.0f64;
+        for (l, t) in terms.iter().enumerate() {
+            q += t.model_change(r, self.view(plan, l).damping, eta)?;
+        }
+        Some(q)
     }
 
     /// Levenberg–Marquardt update after a [`KronOptimizer::step`]: `before` and `after` are
@@ -697,6 +718,23 @@ impl KronOptimizer {
         }
         self.st.counters = counters;
         self.st.steps += 1;
+    }
+}
+
+/// The predicted change `q` as `f32`, or [`Error::NonFinite`] when the step overflows: a
+/// numerical failure of this batch (not a bad argument), so callers can skip it and call
+/// [`KronOptimizer::reject_step`] to raise the damping.
+fn check_predicted(op: &'static str, q: f64) -> Result<f32> {
+    let q = q as f32;
+    if q.is_finite() {
+        Ok(q)
+    } else {
+        Err(Error::NonFinite {
+            op,
+            arg: "predicted change (the step overflows)",
+            index: 0,
+            value: q,
+        })
     }
 }
 

@@ -1,0 +1,227 @@
+//! One read-back per Kronecker step on the kernel devices (the emulator, and CUDA when a GPU
+//! is present): inside `KronOptimizer::{step, step_grads, precondition}` every finiteness
+//! check and model reduction writes into one device buffer read once at the end of the step
+//! (`cuda::deferred`), where each op used to synchronize on its own status. A failed check
+//! runs the step again eagerly, so the error is the eager one and nothing changes.
+//!
+//! Counted with `grng::cuda::launch::read_backs` (this thread's `Matrix::to_vec` calls; the
+//! steps here are below `cpu::on_pool`'s threshold, so they run on the test's thread).
+
+use grng::cuda::launch::read_backs;
+use grng::optim::kron::{InverseMethod, KronConfig, KronGrad, KronOptimizer, KronVariant};
+use grng::optim::KronStats;
+use grng::{Device, Error, Matrix};
+use rand::Rng;
+use rand_chacha::ChaCha8Rng;
+
+mod common;
+use common::{devices, vals};
+
+/// Ragged layers: a factor spanning two 64-wide tiles, a narrow one, a wide output.
+const SHAPES: [(usize, usize); 3] = [(9, 70), (3, 6), (17, 5)];
+const M: usize = 5;
+
+fn upload_all(dev: &Device, rng: &mut ChaCha8Rng, dims: &[(usize, usize)]) -> Vec<Matrix> {
+    dims.iter()
+        .map(|&(r, c)| dev.upload(r, c, &vals(rng, r * c)).unwrap())
+        .collect()
+}
+
+fn config(variant: KronVariant) -> KronConfig {
+    let base = match variant {
+        KronVariant::Ring => KronConfig::ring(),
+        KronVariant::Reng => KronConfig::reng(),
+        KronVariant::Ngd => KronConfig::ngd(),
+    };
+    KronConfig {
+        rho: 1e-2,
+        rho_min: 1e-8,
+        rho_max: 1.0,
+        phi: 0.8,
+        skip: 1000,
+        inverse: InverseMethod::Cholesky,
+        ..base
+    }
+}
+
+/// Everything a failed step must leave as it was: ρ, the step count, the counters, every
+/// factor, inverse and cached square (bits), and the parameters (bits).
+fn snapshot(opt: &KronOptimizer, params: &[Matrix]) -> String {
+    let st = opt.state().unwrap();
+    let bits =
+        |m: &Matrix| -> Vec<u32> { m.to_vec().unwrap().iter().map(|v| v.to_bits()).collect() };
+    let mut s = format!(
+        "{} {} {:?} {:?}",
+        st.rho.to_bits(),
+        st.steps,
+        st.counters,
+        st.predicted
+    );
+    for l in &st.layers {
+        for f in [&l.lambda, &l.gamma] {
+            let sq = f.square().map(bits);
+            s += &format!(
+                "{:?}{:?}{:?}{}",
+                bits(&f.factor),
+                bits(&f.inverse),
+                sq,
+                f.damping.to_bits()
+            );
+        }
+    }
+    for p in params {
+        s += &format!("{:?}", bits(p));
+    }
+    s
+}
+
+/// A refreshed optimizer whose ρ has moved, so the coming lazy steps retarget their
+/// inverses by the first-order update (an `axpy_new` per factor, and once a square).
+fn refreshed(
+    dev: &Device,
+    rng: &mut ChaCha8Rng,
+    variant: KronVariant,
+) -> (KronOptimizer, Vec<Matrix>) {
+    let mut opt = KronOptimizer::new(dev, &SHAPES, config(variant)).unwrap();
+    let a = upload_all(dev, rng, &SHAPES.map(|(_, i)| (M, i)));
+    let e = upload_all(dev, rng, &SHAPES.map(|(o, _)| (M, o)));
+    let stats: Vec<KronStats> = a.iter().zip(&e).map(|(a, e)| KronStats { a, e }).collect();
+    let grads = upload_all(dev, rng, &SHAPES);
+    let mut params = upload_all(dev, rng, &SHAPES);
+    let g: Vec<&Matrix> = grads.iter().collect();
+    opt.step(&mut params, &g, Some(&stats)).unwrap();
+    // A good step: ρ ← φρ, so the next step's damping target differs from the formation's.
+    opt.observe_loss(1.0, 0.0).unwrap();
+    (opt, params)
+}
+
+/// Lazy steps, dense and factored, and a lazy preconditioning each read back exactly once,
+/// with the first-order inverse update in use (counted), for every variant.
+#[test]
+fn lazy_kron_steps_read_back_once() {
+    let mut rng = common::seeded_rng();
+    for dev in devices() {
+        for variant in [KronVariant::Ring, KronVariant::Reng, KronVariant::Ngd] {
+            let (mut opt, mut params) = refreshed(&dev, &mut rng, variant);
+            for k in 0..4 {
+                let grads = upload_all(&dev, &mut rng, &SHAPES);
+                let e = upload_all(&dev, &mut rng, &SHAPES.map(|(o, _)| (M, o)));
+                let a = upload_all(&dev, &mut rng, &SHAPES.map(|(_, i)| (M, i)));
+                let kg: Vec<KronGrad> = if k % 2 == 0 {
+                    grads.iter().map(KronGrad::Dense).collect()
+                } else {
+                    e.iter()
+                        .zip(&a)
+                        .map(|(e, a)| KronGrad::Factored { e, a })
+                        .collect()
+                };
+                let before = read_backs();
+                let info = opt.step_grads(&mut params, &kg, None).unwrap();
+                let reads = read_backs() - before;
+                assert_eq!(
+                    reads,
+                    1,
+                    "{} {variant:?} lazy step {k}: {info:?}",
+                    dev.name()
+                );
+                assert!(!info.refreshed);
+                assert_eq!(info.first_order_updates, 2 * SHAPES.len() as u32);
+                assert!(info.predicted_change.is_finite() && info.predicted_change < 0.0);
+                // ρ moves every step (up: r < 0; down: r = 1), so every step retargets, and
+                // stays within one factor φ of the formation's (first-order updates).
+                let after = if k % 2 == 0 {
+                    2.0
+                } else {
+                    1.0 + info.predicted_change
+                };
+                opt.observe_loss(1.0, after).unwrap();
+            }
+            let grads = upload_all(&dev, &mut rng, &SHAPES);
+            let g: Vec<&Matrix> = grads.iter().collect();
+            let before = read_backs();
+            let ps = opt.precondition(&g, None).unwrap();
+            assert_eq!(
+                read_backs() - before,
+                1,
+                "{} {variant:?} precondition",
+                dev.name()
+            );
+            assert_eq!(ps.len(), SHAPES.len());
+        }
+    }
+}
+
+/// A NaN/Inf planted at a random place — a gradient, a factored gradient's rows, or the
+/// parameters — on a lazy step: the error is the eager one (the CPU backend's, which checks
+/// as it goes: same argument, index and value) and the optimizer and parameters are
+/// unchanged bit for bit.
+#[test]
+fn a_bad_value_in_a_deferred_step_is_the_eager_error_and_changes_nothing() {
+    let mut rng = common::seeded_rng();
+    for dev in devices() {
+        for case in 0..12 {
+            let variant = [KronVariant::Ring, KronVariant::Reng, KronVariant::Ngd][case % 3];
+            let (mut opt, mut params) = refreshed(&dev, &mut rng, variant);
+            let mut grads = SHAPES.map(|(o, i)| vals(&mut rng, o * i)).to_vec();
+            let mut e = SHAPES.map(|(o, _)| vals(&mut rng, M * o)).to_vec();
+            let mut a = SHAPES.map(|(_, i)| vals(&mut rng, M * i)).to_vec();
+            let mut p = params
+                .iter()
+                .map(|p| p.to_vec().unwrap())
+                .collect::<Vec<_>>();
+            let factored = case % 2 == 1;
+            let layer = rng.random_range(0..SHAPES.len());
+            let bad = [f32::NAN, f32::INFINITY, f32::NEG_INFINITY][rng.random_range(0..3)];
+            let (target, arg) = match rng.random_range(0..3) {
+                0 if factored => (&mut e[layer], "grads.e"),
+                1 if factored => (&mut a[layer], "grads.a"),
+                0 | 1 => (&mut grads[layer], "grads"),
+                _ => (&mut p[layer], "params"),
+            };
+            let index = rng.random_range(0..target.len());
+            target[index] = bad;
+            let up = |v: &[Vec<f32>], dims: &[(usize, usize)]| -> Vec<Matrix> {
+                v.iter()
+                    .zip(dims)
+                    .map(|(v, &(r, c))| dev.upload(r, c, v).unwrap())
+                    .collect()
+            };
+            for (w, v) in params.iter_mut().zip(up(&p, &SHAPES)) {
+                *w = v;
+            }
+            let (gm, em, am) = (
+                up(&grads, &SHAPES),
+                up(&e, &SHAPES.map(|(o, _)| (M, o))),
+                up(&a, &SHAPES.map(|(_, i)| (M, i))),
+            );
+            let kg: Vec<KronGrad> = if factored {
+                em.iter()
+                    .zip(&am)
+                    .map(|(e, a)| KronGrad::Factored { e, a })
+                    .collect()
+            } else {
+                gm.iter().map(KronGrad::Dense).collect()
+            };
+            let before = snapshot(&opt, &params);
+            let err = opt.step_grads(&mut params, &kg, None).unwrap_err();
+            match err {
+                Error::NonFinite {
+                    arg: got,
+                    index: i,
+                    value,
+                    ..
+                } => {
+                    assert_eq!((got, i), (arg, index), "{} case {case}: {err}", dev.name());
+                    assert_eq!(value.to_bits(), bad.to_bits(), "case {case}");
+                }
+                e => panic!("{} case {case}: {e}", dev.name()),
+            }
+            assert_eq!(
+                snapshot(&opt, &params),
+                before,
+                "{} case {case}",
+                dev.name()
+            );
+        }
+    }
+}
