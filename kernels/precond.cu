@@ -9,11 +9,12 @@
 #include "gemm/engine.cuh"
 
 // ---------------------------------------------------------------------------------------
-// *p ← α·acc + β·*p, the GEMM epilogue of both paths (β = 0 never reads *p).
-__device__ __forceinline__ void precond_axpby(float* p, float alpha, float acc, float beta) {
+// *p ← α·acc + β·*p (returned too), the GEMM epilogue of both paths (β = 0 never reads *p).
+__device__ __forceinline__ float precond_axpby(float* p, float alpha, float acc, float beta) {
     float v = alpha * acc;
     if (beta != 0.0f) v = fmaf(beta, *p, v);
     *p = v;
+    return v;
 }
 
 // ---------------------------------------------------------------------------------------
@@ -177,32 +178,44 @@ extern "C" __global__ void __launch_bounds__(256)
 }
 GRNG_EMU_ENTRY(precond_split3, (const float*, __nv_bfloat16*, long long))
 
-// C (M x N, ld ldc) ← α·acc + β·C.
+// C (M x N, ld ldc) ← α·acc + β·C. With a status (not null), the first flat index
+// i·ldc + j of a NaN/Inf written is flagged while the tile is stored (the result check in
+// the same pass: a per-thread minimum, then a warp minimum and one atomicMin per warp that
+// saw one, grng_flag_first); the caller passes ldc = N, so it is the row-major index.
 struct PrecondAxpby {
     float* __restrict__ C;
     int ldc;
     float alpha, beta;
+    int* __restrict__ status;
+    int bad = GRNG_NONE;
     __device__ __forceinline__ void operator()(int i, int j, float acc) {
-        precond_axpby(C + (long long)i * ldc + j, alpha, acc, beta);
+        const float v = precond_axpby(C + (long long)i * ldc + j, alpha, acc, beta);
+        // A thread's elements do not come in index order (fragment layout): keep the least.
+        if (status != nullptr && !isfinite(v)) bad = min(bad, i * ldc + j);
     }
-    __device__ __forceinline__ void finish() {}
+    // Every thread calls it; `status` is the same for the whole grid, so the warp agrees.
+    __device__ __forceinline__ void finish() {
+        if (status != nullptr) grng_flag_first(status, bad);
+    }
 };
 
 // C ← α·op(A)·op(B) + β·C with A, B given as split3 planes (a_plane, b_plane elements
-// apart; lda, ldb the stored row lengths). trans bit 0: op(A) = Aᵀ, bit 1: op(B) = Bᵀ. Grid
+// apart; lda, ldb the stored row lengths). trans bit 0: op(A) = Aᵀ, bit 1: op(B) = Bᵀ.
+// status: null, or an int preset to GRNG_NONE that gets the first flat index of a NaN/Inf
+// in C (PrecondAxpby; M·N must fit an int then). Grid
 // (ceil(N/128), ceil(M/128)), block 256, GRNG_GEMM_SMEM bytes of dynamic shared memory.
 extern "C" __global__ void __launch_bounds__(GRNG_GEMM_THREADS)
     precond_gemm3_tc(const __nv_bfloat16* __restrict__ a, int lda, long long a_plane,
                      const __nv_bfloat16* __restrict__ b, int ldb, long long b_plane,
                      float* __restrict__ c, int ldc, int M, int N, int K, float alpha, float beta,
-                     int trans) {
+                     int trans, int* __restrict__ status) {
     GRNG_DYN_SHARED(__nv_bfloat16, smem);
-    PrecondAxpby epi{c, ldc, alpha, beta};
+    PrecondAxpby epi{c, ldc, alpha, beta, status};
     grng_gemm_tile_any<GRNG_SPLIT3_TERMS>(a, lda, a_plane, b, ldb, b_plane, M, N, K, trans,
                                           smem, epi);
 }
 GRNG_EMU_ENTRY(precond_gemm3_tc, (const __nv_bfloat16*, int, long long, const __nv_bfloat16*, int,
-                                  long long, float*, int, int, int, int, float, float, int))
+                                  long long, float*, int, int, int, int, float, float, int, int*))
 
 // The plain bf16 product (Device::gemm on bf16 operands): precond_gemm3_tc's parameters,
 // layouts, grid, block and shared memory with one term, so a_plane and b_plane are unused.
@@ -210,13 +223,13 @@ extern "C" __global__ void __launch_bounds__(GRNG_GEMM_THREADS)
     precond_gemm_tc(const __nv_bfloat16* __restrict__ a, int lda, long long a_plane,
                     const __nv_bfloat16* __restrict__ b, int ldb, long long b_plane,
                     float* __restrict__ c, int ldc, int M, int N, int K, float alpha, float beta,
-                    int trans) {
+                    int trans, int* __restrict__ status) {
     GRNG_DYN_SHARED(__nv_bfloat16, smem);
-    PrecondAxpby epi{c, ldc, alpha, beta};
+    PrecondAxpby epi{c, ldc, alpha, beta, status};
     grng_gemm_tile_any<1>(a, lda, a_plane, b, ldb, b_plane, M, N, K, trans, smem, epi);
 }
 GRNG_EMU_ENTRY(precond_gemm_tc, (const __nv_bfloat16*, int, long long, const __nv_bfloat16*, int,
-                                 long long, float*, int, int, int, int, float, float, int))
+                                 long long, float*, int, int, int, int, float, float, int, int*))
 
 // ---------------------------------------------------------------------------------------
 // a[i, i] += lambda for i < n (a is n x n with leading dimension ld). Grid-stride over the

@@ -4,10 +4,15 @@
 //! (`cuda::deferred`), where each op used to synchronize on its own status. A failed check
 //! runs the step again eagerly, so the error is the eager one and nothing changes.
 //!
+//! The optimizer's products check their results in the GEMM epilogue, in the same pass
+//! (`product_epilogue_flags_the_first_overflow`).
+//!
 //! Counted with `grng::cuda::launch::read_backs` (this thread's `Matrix::to_vec` calls; the
 //! steps here are below `cpu::on_pool`'s threshold, so they run on the test's thread).
 
 use grng::cuda::launch::read_backs;
+use grng::cuda::precond::product3_checked;
+use grng::mat::Trans;
 use grng::optim::kron::{InverseMethod, KronConfig, KronGrad, KronOptimizer, KronVariant};
 use grng::optim::KronStats;
 use grng::{Device, Error, Matrix};
@@ -222,6 +227,112 @@ fn a_bad_value_in_a_deferred_step_is_the_eager_error_and_changes_nothing() {
                 "{} case {case}",
                 dev.name()
             );
+        }
+    }
+}
+
+/// Stored form of an `r x c` row-major `op(X)`: itself, or its transpose (`c x r`).
+fn stored(op_x: &[f32], r: usize, c: usize, t: Trans) -> (Vec<f32>, (usize, usize)) {
+    match t {
+        Trans::No => (op_x.to_vec(), (r, c)),
+        Trans::Yes => {
+            let mut s = vec![0.0; r * c];
+            for i in 0..r {
+                for j in 0..c {
+                    s[j * r + i] = op_x[i * c + j];
+                }
+            }
+            (s, (c, r))
+        }
+    }
+}
+
+/// The split3 product checks its result in its epilogue (no separate pass over `C`): rows of
+/// `op(A)` and columns of `op(B)` set to `1e30` make exactly their crossings overflow, so the
+/// first non-finite flat index of `C` is `min(rows)·N + min(cols)`, which the error must
+/// name, with a non-finite value; the same product without planted values is `Ok`. Ragged
+/// shapes across 128-wide tiles and every transpose; and a pattern whose least index one
+/// thread reaches after a larger one. (An epilogue that never flags passes the overflow as
+/// `Ok`; one that keeps a thread's first hit instead of its least index fails the pattern.)
+#[test]
+fn product_epilogue_flags_the_first_overflow() {
+    let mut rng = common::seeded_rng();
+    for dev in devices() {
+        for case in 0..10 {
+            // Every fifth case plants the crossing pattern below, which needs m ≥ 16, n ≥ 32.
+            let crossing = case % 5 == 4;
+            let (lo_m, lo_n, lo_k) = if crossing { (16, 32, 2) } else { (1, 1, 1) };
+            let (m, n, k) = (
+                rng.random_range(lo_m..=160),
+                rng.random_range(lo_n..=160),
+                rng.random_range(lo_k..=40),
+            );
+            let (ta, tb) = (
+                [Trans::No, Trans::Yes][rng.random_range(0..2)],
+                [Trans::No, Trans::Yes][rng.random_range(0..2)],
+            );
+            let mut opa = vals(&mut rng, m * k);
+            let mut opb = vals(&mut rng, k * n);
+            let mut expected = None;
+            if crossing {
+                // Only (r, j + 8) and (r + 8, j) overflow: A[r,0]·B[0,j+8] and
+                // A[r+8,1]·B[1,j]; the other products with the huge entries meet entries in
+                // [-1, 1] or 0. With r mod 16 < 8 and j mod 32 < 24 both are stored by one
+                // thread (the mma fragment's rows r, r+8 and 8-column groups of j, j+8 in one
+                // warp tile), which reaches (r + 8, j) first: only the least index is right.
+                let r = 16 * rng.random_range(0..(m - 8) / 16 + usize::from((m - 8) % 16 > 0))
+                    + rng.random_range(0..8);
+                let j = 32 * rng.random_range(0..(n - 8) / 32 + usize::from((n - 8) % 32 > 0))
+                    + rng.random_range(0..24);
+                let (r, j) = (r.min(m - 9), j.min(n - 9));
+                for (row, kk) in [(r, 0), (r + 8, 1)] {
+                    opa[row * k..(row + 1) * k].fill(0.0);
+                    opa[row * k + kk] = 1e30;
+                }
+                for (kk, col, zero) in [(0, j + 8, j), (1, j, j + 8)] {
+                    opb[kk * n + col] = 1e30;
+                    opb[kk * n + zero] = 0.0;
+                }
+                expected = Some(r * n + j + 8);
+            } else if case % 5 != 0 {
+                let rows: Vec<usize> = (0..rng.random_range(1..=3))
+                    .map(|_| rng.random_range(0..m))
+                    .collect();
+                let cols: Vec<usize> = (0..rng.random_range(1..=3))
+                    .map(|_| rng.random_range(0..n))
+                    .collect();
+                for &r in &rows {
+                    opa[r * k..(r + 1) * k].fill(1e30);
+                }
+                for &c in &cols {
+                    for kk in 0..k {
+                        opb[kk * n + c] = 1e30;
+                    }
+                }
+                let (r0, c0) = (rows.iter().min().unwrap(), cols.iter().min().unwrap());
+                expected = Some(r0 * n + c0);
+            }
+            let (sa, sha) = stored(&opa, m, k, ta);
+            let (sb, shb) = stored(&opb, k, n, tb);
+            let a = dev.upload(sha.0, sha.1, &sa).unwrap();
+            let b = dev.upload(shb.0, shb.1, &sb).unwrap();
+            let mut c = dev.zeros(m, n).unwrap();
+            let r = product3_checked(&dev, "test", ta, tb, 1.0, &a, &b, &mut c);
+            let what = format!("{} case {case}: {m}x{n}x{k} {ta:?}{tb:?}", dev.name());
+            match (r, expected) {
+                (Ok(()), None) => {}
+                (
+                    Err(Error::NonFinite {
+                        arg, index, value, ..
+                    }),
+                    Some(first),
+                ) => {
+                    assert_eq!((arg, index), ("result (overflow)", first), "{what}");
+                    // Inf, or NaN where split3's plane products overflow with both signs.
+                    assert!(!value.is_finite(), "{what}: {value}");
+                }
+                (r, e) => panic!("{what}: {r:?}, expected first overflow {e:?}"),
+            }
         }
     }
 }

@@ -29,8 +29,8 @@ use crate::error::Result;
 /// queues about 15 checks and 3 reductions per layer (~80 floats).
 pub(crate) const CHUNK: usize = 2048;
 
-/// "No bad index" in a check slot, as the kernels write it (`EW_NONE`).
-const NONE_BITS: u32 = i32::MAX as u32;
+/// "No bad index" in a check slot, as the kernels write it (`EW_NONE`), as `f32` bits.
+const NONE_BITS: u32 = super::elementwise::NONE as u32;
 
 /// Where a queued check or reduction writes: buffer `chunk`, floats `offset..offset + len`.
 #[derive(Clone, Copy, Debug)]

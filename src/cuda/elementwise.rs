@@ -51,7 +51,7 @@ const MAX_BLOCKS: usize = 4096;
 /// is a function of `n` only, so the summation order (and the result) is device-independent.
 const REDUCE_BLOCKS: usize = 1024;
 /// "No bad index" in a status slot (`EW_NONE` in the kernel file).
-const NONE: i32 = i32::MAX;
+pub(crate) const NONE: i32 = i32::MAX;
 
 /// `n` as the kernels' `int`.
 pub(crate) fn to_i32(op: &'static str, arg: &'static str, n: usize) -> Result<i32> {

@@ -9,10 +9,12 @@
 //! its kernel's memory safety needs (shapes against the dimensions it passes, the kernels'
 //! `int` ranges; device placement is checked by [`KernelArgs`]).
 
+use super::deferred;
+use super::elementwise::NONE;
 use super::launch::{kernel, launch, Kernel, KernelArgs, LaunchConfig};
 use crate::cpu::gemm::gemm_dims;
 use crate::device::{Device, Matrix};
-use crate::error::{check_shape, Error, Result};
+use crate::error::{check_shape, Error, Result, OVERFLOW};
 use crate::mat::Trans;
 use half::bf16;
 
@@ -258,7 +260,61 @@ pub fn gemm3(
         alpha,
         beta,
         c,
+        None,
     )
+}
+
+/// `α·op(A)·op(B)` into `c` (zeros of the product's shape; `β = 0`) like [`gemm3`], with the
+/// result check in the same pass: the epilogue flags the first NaN/Inf it writes, into the
+/// ledger of an enclosing `Device::deferred` scope (no read-back), or else into a status
+/// read here. `Err(Error::NonFinite)` names `op` and `"result (overflow)"` at that index — what a
+/// separate finiteness check of `c` would report, without its pass over `c`.
+///
+/// # Errors
+/// As [`gemm3`], plus that [`Error::NonFinite`]; `c` holds the (rejected) product then.
+#[allow(clippy::too_many_arguments)]
+pub fn product3_checked(
+    dev: &Device,
+    op: &'static str,
+    ta: Trans,
+    tb: Trans,
+    alpha: f32,
+    a: &Matrix,
+    b: &Matrix,
+    c: &mut Matrix,
+) -> Result<()> {
+    gemm_dims(op, ta, a.shape(), tb, b.shape(), c.shape())?;
+    if c.is_empty() {
+        return Ok(());
+    }
+    let split = |x: &Matrix| {
+        if alpha == 0.0 {
+            dev.zeros::<bf16>(1, 1)
+        } else {
+            split3(dev, x)
+        }
+    };
+    let (ap, bp) = (split(a)?, split(b)?);
+    let run = |c: &mut Matrix, status: &mut Matrix, at: usize| {
+        let (a, b) = ((ta, a.shape(), &ap), (tb, b.shape(), &bp));
+        launch_engine(dev, op, &GEMM3_TC, a, b, alpha, 0.0, c, Some((status, at)))
+    };
+    if let Some(r) = deferred::queue_check(dev, 1, |s, at| run(c, s, at)) {
+        return r;
+    }
+    let mut status = dev.upload(1, 1, &[f32::from_bits(NONE as u32)])?;
+    run(c, &mut status, 0)?;
+    let first = status.to_vec()?[0].to_bits() as i32;
+    if first == NONE {
+        return Ok(());
+    }
+    let index = first as usize;
+    Err(Error::NonFinite {
+        op,
+        arg: OVERFLOW,
+        index,
+        value: c.to_vec()?[index],
+    })
 }
 
 /// `C ← α·op(A)·op(B) + β·C` for bf16 `A`, `B` and f32 `C` on the tensor-core GEMM engine
@@ -291,6 +347,7 @@ pub fn gemm_tc(
         alpha,
         beta,
         c,
+        None,
     )
 }
 
@@ -300,7 +357,9 @@ pub fn gemm_tc(
 type Planes<'a> = (Trans, (usize, usize), &'a Matrix<bf16>);
 
 /// Launches `precond_gemm3_tc` (split operands) or `precond_gemm_tc` (bf16 operands, which
-/// ignores the plane offsets) on operands whose shapes passed [`gemm_dims`].
+/// ignores the plane offsets) on operands whose shapes passed [`gemm_dims`]. With `status`
+/// (a buffer and the float offset of an int preset to `NONE`) the kernel flags the first
+/// flat index of a NaN/Inf it writes into C there.
 #[allow(clippy::too_many_arguments)]
 fn launch_engine(
     dev: &Device,
@@ -311,6 +370,7 @@ fn launch_engine(
     alpha: f32,
     beta: f32,
     c: &mut Matrix,
+    status: Option<(&mut Matrix, usize)>,
 ) -> Result<()> {
     let (m, n) = c.shape();
     let k = if ta == Trans::Yes {
@@ -346,6 +406,10 @@ fn launch_engine(
         block: (256, 1, 1),
         shared_mem: super::kron::GEMM_SMEM,
     };
+    if status.is_some() {
+        // The flagged index i·N + j must fit the kernel's int.
+        to_i32(op, "c", c.len())?;
+    }
     let trans = i32::from(ta == Trans::Yes) | (i32::from(tb == Trans::Yes) << 1);
     let plane = |s: (usize, usize)| (s.0 * s.1) as i64;
     let mut args = KernelArgs::new(dev);
@@ -363,9 +427,15 @@ fn launch_engine(
         .scalar(alpha)
         .scalar(beta)
         .scalar(trans);
+    match status {
+        Some((s, at)) => args.output_at(op, s, at, 1)?,
+        None => args.scalar(0u64),
+    };
     // SAFETY: precond_gemm3_tc and precond_gemm_tc(const bf16* a, int lda, long long
     // a_plane, const bf16* b, int ldb, long long b_plane, float* c, int ldc, int M, int N, int
-    // K, float alpha, float beta, int trans). When K > 0 (α ≠ 0) ap holds an a_shape matrix
+    // K, float alpha, float beta, int trans, int* status); status is null (0u64, the 8-byte
+    // pointer slot: the kernel then flags nothing) or one int inside its buffer (`output_at`),
+    // written by atomicMin only. When K > 0 (α ≠ 0) ap holds an a_shape matrix
     // (precond_gemm_tc) or its 3 split3 planes a_plane elements apart (precond_gemm3_tc), each
     // stored like A: (M x K, ld K) or transposed (K x M, ld M), so lda = a_shape.1 and the
     // engine's reads of op(A)(i, kk), i < M, kk < K stay inside each plane (cp.async src-size
@@ -414,5 +484,5 @@ pub fn damped_inverse_update(dev: &Device, inv: &mut Matrix, dlambda: f32) -> Re
     }
     let planes = split3(dev, inv)?;
     let x = (Trans::No, inv.shape(), &planes);
-    launch_engine(dev, OP, &GEMM3_TC, x, x, -dlambda, 1.0, inv)
+    launch_engine(dev, OP, &GEMM3_TC, x, x, -dlambda, 1.0, inv, None)
 }

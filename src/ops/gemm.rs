@@ -78,7 +78,8 @@ impl Device {
     /// On the kernel devices, `f32` operands run the f32-accurate split3 tensor-core product
     /// ([`crate::cuda::precond::gemm3`], error `≤ (k + 8)·2⁻²⁴·|A||B|`, what the
     /// preconditioning runs), not [`Device::gemm`]'s SIMT kernel: the optimizers' products
-    /// (the Kronecker step's, the cached squares) all run on the tensor cores. On the CPU a
+    /// (the Kronecker step's, the cached squares) all run on the tensor cores, and the
+    /// product's epilogue checks the result as it stores it (no check pass). On the CPU a
     /// Gram `AᵀA` (`ta = Yes`, `tb = No`, `a` and `b` the same matrix) runs the SYRK
     /// ([`crate::cpu::syrk_ema`]'s kernel): half the flops, exactly symmetric.
     ///
@@ -101,8 +102,10 @@ impl Device {
             self,
             da.downcast_ref::<Matrix>().zip(db.downcast_ref::<Matrix>()),
         ) {
+            // The epilogue checks the result as it stores it: no separate pass over `c`.
             (Device::Emulated | Device::Cuda(_), Some((a, b))) => {
-                crate::cuda::precond::gemm3(self, ta, tb, alpha, a, b, 0.0, &mut c)?
+                crate::cuda::precond::product3_checked(self, OP, ta, tb, alpha, a, b, &mut c)?;
+                return Ok(c);
             }
             // `AᵀA` of one matrix is symmetric: the CPU's SYRK computes the lower triangle and
             // mirrors it, half the flops of the GEMM.
