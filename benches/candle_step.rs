@@ -7,7 +7,9 @@
 //! - `candle-adamw`: candle's own `candle_nn::AdamW` (the baseline);
 //! - `grng-adamw`: grng's AdamW through `GrngOptimizer`;
 //! - `grng-ring/S=8`: RING, factors and inverses every 8th step (criterion averages over
-//!   consecutive steps), `KronLinear` + `capture_fisher` + `GrngOptimizer::step_observed`.
+//!   consecutive steps), `KronLinear` + `capture_fisher` + `GrngOptimizer::step_observed`,
+//!   each layer's gradient by its batch factors (`GrngOptimizer::set_factored_gradients`);
+//! - `grng-ring-dense/S=8`: the same with candle's dense gradients.
 //!
 //! Each step ends with the device synchronized, so a GPU step is timed to its end, not to the
 //! queueing of its kernels.
@@ -147,36 +149,42 @@ fn rows(c: &mut Criterion, dev: &CDevice, prefix: &str) {
         })
     });
 
-    let layers = model(&sizes, dev);
-    let ring = KronConfig {
-        lr: 1e-3,
-        skip: 8,
-        ..KronConfig::ring()
-    };
-    let mut opt = grng_opt(&layers, OptimizerConfig::Kron(ring));
-    let mut fisher_rng = ChaCha8Rng::seed_from_u64(3);
-    group.bench_function("grng-ring/S=8", |b| {
-        b.iter(|| {
-            let logits = forward(&layers, &x, true);
-            let l = loss(&logits);
-            let before = l.to_scalar::<f32>().expect("loss");
-            let grads = l.backward().expect("backward");
-            if opt.needs_fisher() {
-                capture_fisher(
-                    &layers,
-                    &logits,
-                    FisherMode::Sampled,
-                    &labels,
-                    &mut fisher_rng,
-                )
-                .expect("statistics");
-            }
-            let after = || Ok(loss(&forward(&layers, &x, false)).to_scalar::<f32>()?);
-            let observed = opt.step_observed(&grads, before, after).expect("step");
-            sync();
-            black_box(observed)
-        })
-    });
+    // RING with the gradient by its batch factors (what grng's own trainer passes), and with
+    // the dense gradient candle computed.
+    for (name, factored) in [("grng-ring/S=8", true), ("grng-ring-dense/S=8", false)] {
+        let layers = model(&sizes, dev);
+        let ring = KronConfig {
+            lr: 1e-3,
+            skip: 8,
+            ..KronConfig::ring()
+        };
+        let mut opt = grng_opt(&layers, OptimizerConfig::Kron(ring));
+        opt.set_factored_gradients(factored)
+            .expect("RING takes factors");
+        let mut fisher_rng = ChaCha8Rng::seed_from_u64(3);
+        group.bench_function(name, |b| {
+            b.iter(|| {
+                let logits = forward(&layers, &x, true);
+                let l = loss(&logits);
+                let before = l.to_scalar::<f32>().expect("loss");
+                let grads = l.backward().expect("backward");
+                if opt.needs_fisher() {
+                    capture_fisher(
+                        &layers,
+                        &logits,
+                        FisherMode::Sampled,
+                        &labels,
+                        &mut fisher_rng,
+                    )
+                    .expect("statistics");
+                }
+                let after = || Ok(loss(&forward(&layers, &x, false)).to_scalar::<f32>()?);
+                let observed = opt.step_observed(&grads, before, after).expect("step");
+                sync();
+                black_box(observed)
+            })
+        });
+    }
     group.finish();
 }
 

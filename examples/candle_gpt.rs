@@ -417,6 +417,9 @@ fn train(method: Method, corpus: &Corpus, args: &Args, dev: &CDevice) -> Result<
             layers: model.kron_layers(),
         },
     )?;
+    // RING and NGD take each layer's gradient by its batch factors, as the main job does: the
+    // preconditioning and the model's terms from n x n products where that is cheaper.
+    opt.set_factored_gradients(matches!(method, Method::Ring | Method::Ngd))?;
     let mut rng = ChaCha8Rng::seed_from_u64(args.seed);
     let mut fisher_rng = ChaCha8Rng::seed_from_u64(args.seed ^ 0xF15E);
     let bar = ProgressBar::new(args.steps as u64).with_style(

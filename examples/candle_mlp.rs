@@ -124,6 +124,9 @@ fn train(method: Method, splits: &Splits, args: &Args, dev: &CDevice) -> Result<
             layers: layers.clone(),
         },
     )?;
+    // RING and NGD take each layer's gradient by its batch factors, as the main job does: the
+    // preconditioning and the model's terms from n x n products where that is cheaper.
+    opt.set_factored_gradients(matches!(method, Method::Ring | Method::Ngd))?;
     // The main job's per-method random stream (src/train/run.rs), for the same sampled labels.
     let stream = args.seed ^ 0x9E37_79B9_7F4A_7C15u64.wrapping_mul(method as u64 + 1);
     let mut rng = ChaCha8Rng::seed_from_u64(stream);

@@ -142,7 +142,7 @@ use grng::candle::{capture_fisher, GrngConfig, GrngOptimizer, KronLinear};
 use grng::mat::Mat;
 use grng::mlp::{Activation, FisherMode, Loss, Mlp, MlpConfig, Targets};
 use grng::optim::adamw::{AdamW, AdamWConfig};
-use grng::optim::kron::{KronConfig, KronOptimizer};
+use grng::optim::kron::{KronConfig, KronGrad, KronOptimizer, KronVariant};
 use grng::optim::sgd::{Sgd, SgdConfig};
 use grng::optim::sophia::{Sophia, SophiaConfig, SophiaHessian};
 use grng::optim::KronStats;
@@ -279,7 +279,10 @@ fn mat(dev: &Device, t: &Tensor, rows: usize, cols: usize) -> grng::Matrix {
 /// Two steps of `method` on the case's network (plus a scalar output scale, a non-Kronecker
 /// variable) on candle device `cdev` through `GrngOptimizer`, each checked bit for bit against
 /// grng's own optimizers on `dev` fed the same weights, gradients and statistics.
-fn step_matches_grng(method: OptimizerConfig, cdev: &CDevice, dev: &Device) {
+/// `factored`: the optimizer takes RING's and NGD's gradients by their batch factors
+/// (`GrngOptimizer::set_factored_gradients`), and the reference steps grng's own API with
+/// the same factors (`KronOptimizer::step_grads`).
+fn step_matches_grng(method: OptimizerConfig, cdev: &CDevice, dev: &Device, factored: bool) {
     let Case {
         layers, x, labels, ..
     } = case(vec![6, 5, 4], 12, common::seed());
@@ -298,6 +301,7 @@ fn step_matches_grng(method: OptimizerConfig, cdev: &CDevice, dev: &Device) {
         layers: layers.clone(),
     };
     let mut opt = GrngOptimizer::try_new(vars.clone(), config).unwrap();
+    opt.set_factored_gradients(factored).unwrap();
     let shapes: Vec<_> = layers.iter().map(KronLinear::shape).collect();
     let mut kron_ref = match method {
         OptimizerConfig::Kron(k) => Some(KronOptimizer::new(dev, &shapes, k).unwrap()),
@@ -369,8 +373,28 @@ fn step_matches_grng(method: OptimizerConfig, cdev: &CDevice, dev: &Device) {
             let stats: Option<Vec<KronStats>> = k
                 .needs_stats()
                 .then(|| st.iter().map(|(a, e)| KronStats { a, e }).collect());
-            let g_refs: Vec<&grng::Matrix> = gs.iter().collect();
-            k.step(&mut ws, &g_refs, stats.as_deref()).unwrap();
+            let fs: Vec<(grng::Matrix, grng::Matrix)> = if factored {
+                layers
+                    .iter()
+                    .zip(&gs)
+                    .map(|(l, g)| {
+                        let (e, a) = l.gradient_factors(&grads).unwrap().unwrap();
+                        let (e, a) = (mat2(dev, &e), mat2(dev, &a));
+                        check_factors(&e, &a, g);
+                        (e, a)
+                    })
+                    .collect()
+            } else {
+                Vec::new()
+            };
+            let kg: Vec<KronGrad> = if factored {
+                fs.iter()
+                    .map(|(e, a)| KronGrad::Factored { e, a })
+                    .collect()
+            } else {
+                gs.iter().map(KronGrad::Dense).collect()
+            };
+            k.step_grads(&mut ws, &kg, stats.as_deref()).unwrap();
             want_kron = ws;
         }
         let want_flat: Vec<Vec<f32>> = flat_vars
@@ -406,6 +430,42 @@ fn step_matches_grng(method: OptimizerConfig, cdev: &CDevice, dev: &Device) {
     }
 }
 
+/// A 2-D tensor as a grng matrix.
+fn mat2(dev: &Device, t: &Tensor) -> grng::Matrix {
+    mat(dev, t, t.dims()[0], t.dims()[1])
+}
+
+/// `(1/n)·eᵀa` is the dense gradient `g` candle computed: within `2(n + 2)·u·(1/n)Σ|e||a|` per
+/// entry (candle's f32 product of the probe's gradient, `(n + 1)u`, and `e = n·Ē` rounded,
+/// `u`; the f64 sum here is exact enough), so the factors are the gradient's.
+fn check_factors(e: &grng::Matrix, a: &grng::Matrix, g: &grng::Matrix) {
+    let (n, o, i) = (e.rows(), e.cols(), a.cols());
+    assert_eq!((a.rows(), g.shape()), (n, (o, i)));
+    let (ev, av, gv) = (
+        e.to_vec().unwrap(),
+        a.to_vec().unwrap(),
+        g.to_vec().unwrap(),
+    );
+    let u = f32::EPSILON as f64 / 2.0;
+    for r in 0..o {
+        for c in 0..i {
+            let (mut sum, mut abs) = (0.0f64, 0.0f64);
+            for k in 0..n {
+                let p = ev[k * o + r] as f64 * av[k * i + c] as f64;
+                sum += p;
+                abs += p.abs();
+            }
+            let (sum, abs) = (sum / n as f64, abs / n as f64);
+            let bound = 2.0 * (n + 2) as f64 * u * abs;
+            let got = gv[r * i + c] as f64;
+            assert!(
+                (got - sum).abs() <= bound,
+                "G[{r},{c}] {got} vs factors {sum} (bound {bound})"
+            );
+        }
+    }
+}
+
 /// Every method grng runs through candle (two AdamW configurations: a Kronecker method's
 /// other variables use the default one).
 fn methods() -> Vec<OptimizerConfig> {
@@ -425,7 +485,49 @@ fn methods() -> Vec<OptimizerConfig> {
 #[test]
 fn steps_match_grng() {
     for method in methods() {
-        step_matches_grng(method, &CDevice::Cpu, &Device::Cpu);
+        step_matches_grng(method, &CDevice::Cpu, &Device::Cpu, false);
+    }
+}
+
+/// RING and NGD with factored gradients: the factors give candle's gradient (to rounding)
+/// and the step equals grng's own `step_grads` on them bit for bit, refresh and lazy steps;
+/// RENG and the first-order methods refuse the switch; a layer that recorded two forward
+/// passes (as a layer used twice would) offers no factors.
+#[test]
+fn factored_steps_match_grng() {
+    let c = case(vec![6, 5, 4], 12, common::seed());
+    let once = logits(&c.layers, &c.x, None)
+        .sum_all()
+        .unwrap()
+        .backward()
+        .unwrap();
+    assert!(c.layers[0].gradient_factors(&once).unwrap().is_some());
+    let _first = logits(&c.layers, &c.x, None);
+    let twice = logits(&c.layers, &c.x, None)
+        .sum_all()
+        .unwrap()
+        .backward()
+        .unwrap();
+    assert!(c.layers[0].gradient_factors(&twice).unwrap().is_none());
+    for method in methods() {
+        match method {
+            OptimizerConfig::Kron(KronConfig {
+                variant: KronVariant::Ring | KronVariant::Ngd,
+                ..
+            }) => step_matches_grng(method, &CDevice::Cpu, &Device::Cpu, true),
+            _ => {
+                let layers = case(vec![6, 5, 4], 12, common::seed()).layers;
+                let vars: Vec<Var> = layers.iter().map(|l| l.weight().clone()).collect();
+                let config = GrngConfig {
+                    method,
+                    rest: AdamWConfig::default(),
+                    layers,
+                };
+                let mut opt = GrngOptimizer::try_new(vars, config).unwrap();
+                assert!(opt.set_factored_gradients(true).is_err(), "{method:?}");
+                opt.set_factored_gradients(false).unwrap();
+            }
+        }
     }
 }
 
@@ -768,7 +870,7 @@ mod cuda {
         let Some(cd) = candle_cuda() else { return };
         let dev = common::cuda().expect("grng opens the GPU candle opened");
         for method in methods() {
-            step_matches_grng(method, &cd, &dev);
+            step_matches_grng(method, &cd, &dev, false);
         }
     }
 

@@ -17,6 +17,8 @@ struct Record {
     probe: Option<Var>,
     /// Fisher statistics `(A, E)` captured for the next optimizer step.
     stats: Option<(Tensor, Tensor)>,
+    /// Recording forward passes since the optimizer's last step ([`KronLinear::end_step`]).
+    forwards: usize,
 }
 
 struct Inner {
@@ -117,9 +119,42 @@ impl KronLinear {
         self.record().stats.clone()
     }
 
-    /// Drops the captured statistics (the optimizer does after using them).
-    pub(crate) fn clear_stats(&self) {
-        self.record().stats = None;
+    /// The batch factors of this layer's weight gradient in `grads`, as
+    /// [`crate::optim::kron::KronGrad::Factored`] takes them: `(e, a)` with `a` the rows `x̄`
+    /// of the last recorded forward pass (`n x (d_in + 1)`) and `e = n·∂L/∂z` (`n x d_out`)
+    /// from the gradient of that pass's output probe, so that `(1/n)·eᵀa = ∂L/∂W̄`. `None`
+    /// when `grads` holds no gradient for that probe (it came from another forward pass, or
+    /// the layer does not reach the loss).
+    ///
+    /// Only exact when `grads` is one backward pass of a loss on that forward pass: a store
+    /// whose weight gradients were accumulated over several passes, or changed afterwards
+    /// (RENG's [`super::GrngOptimizer::regularize`]), has a weight gradient these factors do
+    /// not give.
+    ///
+    /// # Errors
+    /// [`Error::Candle`] when candle cannot scale the probe's gradient.
+    pub fn gradient_factors(
+        &self,
+        grads: &candle_core::backprop::GradStore,
+    ) -> Result<Option<(Tensor, Tensor)>> {
+        let r = self.record();
+        let (Some(a), Some(probe), 1) = (&r.a, &r.probe, r.forwards) else {
+            return Ok(None);
+        };
+        let Some(g) = grads.get(probe.as_tensor()) else {
+            return Ok(None);
+        };
+        let n = a.dims()[0];
+        let e = g.affine(n as f64, 0.0).map_err(from_candle)?;
+        Ok(Some((owned(&e)?, owned(a)?)))
+    }
+
+    /// After an optimizer step: drops the captured statistics and restarts the count of
+    /// recorded forward passes ([`KronLinear::gradient_factors`]).
+    pub(crate) fn end_step(&self) {
+        let mut r = self.record();
+        r.stats = None;
+        r.forwards = 0;
     }
 
     /// Forward pass without recording (evaluation).
@@ -184,6 +219,7 @@ impl KronLinear {
         let mut r = self.record();
         r.a = Some(a.detach());
         r.probe = Some(probe);
+        r.forwards += 1;
         Ok(z)
     }
 }

@@ -172,6 +172,12 @@ fn f32_buffer(storage: &Storage) -> Option<(usize, u64)> {
     }
 }
 
+/// The address of `t`'s f32 buffer (CPU or CUDA), the identity [`with_matrices`] refuses
+/// twice; `None` for other storages.
+pub(crate) fn storage_addr(t: &Tensor) -> Option<u64> {
+    f32_buffer(&t.storage_and_layout().0).map(|(_, addr)| addr)
+}
+
 /// [`Error::DeviceMismatch`] unless every tensor is on the device of the first (candle's
 /// `same_device`: one CPU, one CUDA device object), checked before anything is lent: grng's
 /// own check of a launch's operands sees only CPU against CUDA.
@@ -225,10 +231,7 @@ pub fn with_matrices<R>(
         shapes.push(check_tensor(OP, &format!("tensors[{i}]"), t, how)?);
     }
     check_same_device(OP, tensors)?;
-    let mut addrs: Vec<u64> = tensors
-        .iter()
-        .filter_map(|t| f32_buffer(&t.storage_and_layout().0).map(|(_, addr)| addr))
-        .collect();
+    let mut addrs: Vec<u64> = tensors.iter().filter_map(|t| storage_addr(t)).collect();
     addrs.sort_unstable();
     if let Some(w) = addrs.windows(2).find(|w| w[0] == w[1]) {
         return Err(Error::Tensor {
