@@ -466,6 +466,32 @@ pub fn precondition(
     gemm3(dev, Trans::No, Trans::No, 1.0, gamma_inv, &t, 0.0, p)
 }
 
+/// [`precondition`] with `P`'s finiteness checked in the second product's epilogue
+/// ([`product3_checked`]: into the ledger of an enclosing `Device::deferred` scope, or a
+/// status read here), computed into a new matrix that replaces `p` only when clean.
+///
+/// # Errors
+/// As [`precondition`], plus [`Error::NonFinite`] naming `op` and `"result (overflow)"` for
+/// a non-finite `P`; `p` is unchanged on error.
+pub(crate) fn precondition_checked(
+    dev: &Device,
+    op: &'static str,
+    gamma_inv: &Matrix,
+    g: &Matrix,
+    lambda_inv: &Matrix,
+    p: &mut Matrix,
+) -> Result<()> {
+    let (d_out, d_in) = g.shape();
+    // Memory safety of the products rests on their own shape checks; `p` must match too.
+    check_shape(op, "p", p.shape(), (d_out, d_in))?;
+    let mut t = dev.zeros::<f32>(d_out, d_in)?;
+    gemm3(dev, Trans::No, Trans::No, 1.0, g, lambda_inv, 0.0, &mut t)?;
+    let mut out = dev.zeros::<f32>(d_out, d_in)?;
+    product3_checked(dev, op, Trans::No, Trans::No, 1.0, gamma_inv, &t, &mut out)?;
+    *p = out;
+    Ok(())
+}
+
 /// Lazy-Fisher damped-inverse update `X ← X − dλ · X X` for a square `X`: one f32-accurate
 /// tensor-core product ([`gemm3`], `α = −dλ`, `β = 1`, the fused epilogue) reading the split
 /// planes of the old `X`, so it can update `X` in place.

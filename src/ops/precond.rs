@@ -49,17 +49,21 @@ impl Device {
         p: &mut Matrix,
     ) -> Result<()> {
         const OP: &str = "Device::precondition";
-        self.commit_finite(OP, [(OVERFLOW, p, false)], |[p]| match self {
-            Device::Cpu => crate::cpu::precondition(
-                host_ref(gamma_inv)?,
-                host_ref(g)?,
-                host_ref(lambda_inv)?,
-                host_mut(p)?,
-            ),
+        match self {
+            Device::Cpu => self.commit_finite(OP, [(OVERFLOW, p, false)], |[p]| {
+                crate::cpu::precondition(
+                    host_ref(gamma_inv)?,
+                    host_ref(g)?,
+                    host_ref(lambda_inv)?,
+                    host_mut(p)?,
+                )
+            }),
+            // The second product checks `P` in its epilogue as it stores it (no check pass),
+            // into a new matrix installed only when clean.
             Device::Emulated | Device::Cuda(_) => {
-                crate::cuda::precond::precondition(self, gamma_inv, g, lambda_inv, p)
+                crate::cuda::precond::precondition_checked(self, OP, gamma_inv, g, lambda_inv, p)
             }
-        })
+        }
     }
 
     /// Lazy-Fisher damped-inverse update `X ← X − dλ · X X` (SPEC §2) for a square `X`.
