@@ -325,7 +325,7 @@ impl KronOptimizer {
             let ps = self.preconditioned(&plan, grads, true)?;
             let mut terms = Vec::with_capacity(ps.len());
             for p in &ps {
-                terms.extend(p.model_terms(&self.device)?);
+                terms.push(p.model_terms(&self.device)?);
             }
             // Where the values are known now (not deferred), an overflowing step is
             // reported before any update runs.
@@ -371,13 +371,15 @@ impl KronOptimizer {
         })
     }
 
-    /// The quadratic model's predicted change summed over the layers, `None` while a term is
-    /// deferred (unknown to `r`).
-    fn predicted(&self, plan: &Plan, terms: &[ModelTerms], r: &Readout) -> Option<f64> {
+    /// The quadratic model's predicted change summed over the layers (a layer without terms
+    /// adds nothing), `None` while a term is deferred (unknown to `r`).
+    fn predicted(&self, plan: &Plan, terms: &[Option<ModelTerms>], r: &Readout) -> Option<f64> {
         let eta = self.effective_lr();
         let mut q = 0.0f64;
         for (l, t) in terms.iter().enumerate() {
-            q += t.model_change(r, self.view(plan, l).damping, eta)?;
+            if let Some(t) = t {
+                q += t.model_change(r, self.view(plan, l).damping, eta)?;
+            }
         }
         Some(q)
     }
