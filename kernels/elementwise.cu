@@ -153,6 +153,14 @@ extern "C" __global__ void elementwise_scale(float* __restrict__ x, float alpha,
 }
 GRNG_EMU_ENTRY(elementwise_scale, (float*, float, int, const int*))
 
+// x[i] ← the float with bit pattern `bits` (n elements): presets of status slots (EW_NONE)
+// and of reduction scratch (NaN) queued on the stream, where a host upload would stage the
+// bytes through pageable memory on every call (and could not be captured in a CUDA graph).
+extern "C" __global__ void elementwise_fill(float* __restrict__ x, unsigned int bits, int n) {
+    for (int i = EW_TID; i < n; i += EW_STRIDE) reinterpret_cast<unsigned int*>(x)[i] = bits;
+}
+GRNG_EMU_ENTRY(elementwise_fill, (float*, unsigned int, int))
+
 // dst ← src (n elements, bit patterns copied as they are).
 extern "C" __global__ void elementwise_copy(float* __restrict__ dst, const float* __restrict__ src,
                                             int n) {

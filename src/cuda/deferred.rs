@@ -104,9 +104,8 @@ impl Ledger {
     /// `len` fresh floats (preset to [`NONE_BITS`]), in a new chunk when the last is full.
     fn reserve(&mut self, len: usize) -> Result<Slot> {
         if self.used + len > CHUNK {
-            let none = f32::from_bits(NONE_BITS);
             self.chunks
-                .push(self.device.upload(CHUNK, 1, &[none; CHUNK])?);
+                .push(super::elementwise::filled(&self.device, CHUNK, NONE_BITS)?);
             self.used = 0;
         }
         let slot = Slot {

@@ -30,6 +30,7 @@ kernel!(pub(crate) AXPY = ELEMENTWISE::elementwise_axpy;);
 kernel!(pub(crate) AXPY_NEW = ELEMENTWISE::elementwise_axpy_new;);
 kernel!(pub(crate) SCALE = ELEMENTWISE::elementwise_scale;);
 kernel!(pub(crate) COPY = ELEMENTWISE::elementwise_copy;);
+kernel!(pub(crate) FILL = ELEMENTWISE::elementwise_fill;);
 kernel!(pub(crate) DOT_PARTIAL = ELEMENTWISE::elementwise_dot_partial;);
 kernel!(pub(crate) DOT_FINAL = ELEMENTWISE::elementwise_dot_final;);
 kernel!(pub(crate) CHECK = ELEMENTWISE::elementwise_check;);
@@ -76,12 +77,29 @@ fn stream_config(n: usize) -> Result<LaunchConfig> {
 
 /// A fresh 5-slot status (every slot [`NONE`]).
 fn new_status(dev: &Device) -> Result<Matrix> {
-    dev.upload(5, 1, &[f32::from_bits(NONE as u32); 5])
+    filled(dev, 5, NONE as u32)
 }
 
 /// The sign condition of one checked array: `(array index, strict)` — `strict` rejects
 /// `v ≤ 0`, otherwise `v < 0`.
 type SignCheck = Option<(usize, bool)>;
+
+/// A new `n x 1` matrix whose every element has the bit pattern `bits`, filled on the device
+/// (`elementwise_fill`, queued on the stream: no host upload).
+pub(crate) fn filled(dev: &Device, n: usize, bits: u32) -> Result<Matrix> {
+    const OP: &str = "cuda::filled";
+    let len = to_i32(OP, "n", n)?;
+    let mut m = dev.zeros(n, 1)?;
+    if n == 0 {
+        return Ok(m);
+    }
+    let mut args = KernelArgs::new(dev);
+    args.output(OP, &mut m)?.scalar(bits).scalar(len);
+    // SAFETY: elementwise_fill(float* x, unsigned int bits, int n): x holds n floats; threads
+    // write index i < n only.
+    unsafe { launch(&FILL, stream_config(n)?, args)? };
+    Ok(m)
+}
 
 /// Queues `elementwise_check` over `arrays` (1..=4 of one length) into the 5 status slots
 /// of `status` from float `at` on.
@@ -395,7 +413,7 @@ fn reduce(
     if n == 0 {
         return Ok(0.0);
     }
-    let mut out = dev.upload(2, 1, &[f32::NAN; 2])?;
+    let mut out = filled(dev, 2, f32::NAN.to_bits())?;
     queue_reduce(dev, op, arrays, take_sqrt, (&mut out, 0))?;
     let o = out.to_vec()?;
     if o[1] != 1.0 {
@@ -420,7 +438,7 @@ fn queue_reduce(
     let blocks = x.len().div_ceil(4 * BLOCK as usize).clamp(1, REDUCE_BLOCKS);
     // f64 partials in an f32 buffer, one spare float for the kernel's 8-byte alignment; NaN
     // so that a partial the kernel failed to write poisons the result.
-    let mut partial = dev.upload(2 * blocks + 1, 1, &vec![f32::NAN; 2 * blocks + 1])?;
+    let mut partial = filled(dev, 2 * blocks + 1, f32::NAN.to_bits())?;
     let mut args = KernelArgs::new(dev);
     args.input(op, x)?
         .input(op, y)?
@@ -769,7 +787,7 @@ pub(crate) fn multi_update(
     }
 
     let table: Matrix;
-    let mut status = dev.upload(MULTI_SLOTS, 1, &[f32::from_bits(NONE as u32); MULTI_SLOTS])?;
+    let mut status = filled(dev, MULTI_SLOTS, NONE as u32)?;
     let mut args = KernelArgs::new(dev);
     let mut words = vec![0u32; ENTRY * lens.len()];
     let mut item = 0usize;

@@ -302,7 +302,7 @@ pub fn product3_checked(
     if let Some(r) = deferred::queue_check(dev, 1, |s, at| run(c, s, at)) {
         return r;
     }
-    let mut status = dev.upload(1, 1, &[f32::from_bits(NONE as u32)])?;
+    let mut status = super::elementwise::filled(dev, 1, NONE as u32)?;
     run(c, &mut status, 0)?;
     let first = status.to_vec()?[0].to_bits() as i32;
     if first == NONE {
