@@ -175,7 +175,7 @@ extern "C" __global__ void __launch_bounds__(GRNG_WG_THREADS, 1)
     int bi, bj;
     grng_tri_tile(blockIdx.x, bi, bj);
     KronEmaMirror epi{L, n, alpha, eps};
-    grng_wg_gemm_tile<GrngKOuter, GrngKOuter>(A, n, A, n, n, n, m, bi * GRNG_GEMM_BM,
-                                              bj * GRNG_GEMM_BM, smem, epi);
+    grng_wg_gemm_tile<GrngKOuter, GrngKOuter, 1>(A, n, 0, A, n, 0, n, n, m, bi * GRNG_GEMM_BM,
+                                                 bj * GRNG_GEMM_BM, smem, epi);
 }
 #endif

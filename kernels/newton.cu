@@ -145,9 +145,9 @@ __device__ __forceinline__ void newton_gemm_wg_body(const __nv_bfloat16* __restr
                                                     Epi& epi) {
     GRNG_DYN_SHARED(__nv_bfloat16, smem);
     // Full products only, as newton_gemm_tc (NewtonEpi<false>: the mirror is split3-only).
-    grng_wg_gemm_tile<GrngKInner, GrngKOuter>(a, epi.n, b, epi.n, epi.n, epi.n, epi.n,
-                                              blockIdx.y * NEWTON_TILE,
-                                              blockIdx.x * NEWTON_TILE, smem, epi);
+    grng_wg_gemm_tile<GrngKInner, GrngKOuter, 1>(a, epi.n, 0, b, epi.n, 0, epi.n, epi.n,
+                                                 epi.n, blockIdx.y * NEWTON_TILE,
+                                                 blockIdx.x * NEWTON_TILE, smem, epi);
 }
 
 // The sm_90a instance (kernels/gemm/wgmma_sm90.cuh), same parameters, grid and epilogue;

@@ -7,6 +7,7 @@
 // Launchers: src/cuda/precond.rs.
 #include "common.cuh"
 #include "gemm/engine.cuh"
+#include "gemm/wgmma_sm90.cuh"
 
 // ---------------------------------------------------------------------------------------
 // *p ← α·acc + β·*p (returned too), the GEMM epilogue of both paths (β = 0 never reads *p).
@@ -216,6 +217,22 @@ extern "C" __global__ void __launch_bounds__(GRNG_GEMM_THREADS)
 }
 GRNG_EMU_ENTRY(precond_gemm3_tc, (const __nv_bfloat16*, int, long long, const __nv_bfloat16*, int,
                                   long long, float*, int, int, int, int, float, float, int, int*))
+
+#ifdef GRNG_SM90A
+// The sm_90a instance of precond_gemm3_tc (kernels/gemm/wgmma_sm90.cuh, the split products
+// on wgmma): same parameters, grid and epilogue; block 384, GRNG_WG_SMEM bytes of dynamic
+// shared memory. Only in the compute_90a build.
+extern "C" __global__ void __launch_bounds__(GRNG_WG_THREADS, 1)
+    precond_gemm3_wg_tc(const __nv_bfloat16* __restrict__ a, int lda, long long a_plane,
+                        const __nv_bfloat16* __restrict__ b, int ldb, long long b_plane,
+                        float* __restrict__ c, int ldc, int M, int N, int K, float alpha,
+                        float beta, int trans, int* __restrict__ status) {
+    GRNG_DYN_SHARED(__nv_bfloat16, smem);
+    PrecondAxpby epi{c, ldc, alpha, beta, status};
+    grng_wg_gemm_tile_any<GRNG_SPLIT3_TERMS>(a, lda, a_plane, b, ldb, b_plane, M, N, K, trans,
+                                             smem, epi);
+}
+#endif
 
 // The plain bf16 product (Device::gemm on bf16 operands): precond_gemm3_tc's parameters,
 // layouts, grid, block and shared memory with one term, so a_plane and b_plane are unused.

@@ -1,18 +1,21 @@
 #!/usr/bin/env bash
 # Builds everything a GPU machine needs to test and time grng — such a machine has the NVIDIA
 # driver, the CUDA toolkit and PyTorch but no Rust toolchain and no network — into DIR:
-#   tests/*.xz   every integration-test binary (the emu_* ones also run their Device::Cuda arms);
-#                candle_grng built with `--features candle-cuda` (its CUDA arms)
-#   bench/gpu.xz the GPU benchmark (benches/gpu.rs), when the project has one
-#   bench/candle_step.xz  the candle training-step bench, `--features candle-cuda` (CUDA rows)
-#   bin/grng.xz  the main job
-#   bin/candle_mlp.xz  the digits MLP through candle, `--features candle-cuda`
-#   run-all.sh  runs them all there: `DIR/run-all.sh OUT [--ncu] [--bench-args "ARGS"]`
+#   bundle.tar.xz  one archive of
+#     tests/NAME   every integration-test binary (the emu_* ones also run their Device::Cuda
+#                  arms); candle_grng built with `--features candle-cuda` (its CUDA arms)
+#     bench/gpu    the GPU benchmark (benches/gpu.rs), when the project has one
+#     bench/candle_step  the candle training-step bench, `--features candle-cuda` (CUDA rows)
+#     bin/grng     the main job
+#     bin/candle_mlp  the digits MLP through candle, `--features candle-cuda`
+#   run-all.sh  unpacks it and runs them all there: `DIR/run-all.sh OUT [--ncu] [--bench-args "ARGS"]`
 # grng's kernels are embedded as PTX (the pip CUDA tools are installed first if needed);
 # candle's are compiled by nvcc 13.0 (`install-cuda-tools.sh --candle`: pip wheels unless a
 # system nvcc 13.0 exists) for sm_90a, the H100/H200 of the GPU machines. The binaries are
-# stripped and xz-compressed (gzip left the candle-cuda ones at 14 MB each, xz at 6.5; the
-# grng ones at 60% of their gzip size): the bundle must stay within 60 MiB.
+# stripped and packed into ONE xz archive with a 512 MiB dictionary: the ~40 binaries share
+# most of their bytes (the embedded PTX, the standard library, the dependencies), which a
+# solid archive stores once — 15 MB where xz per binary gave 58 MiB (2026-11-24). The bundle
+# must stay within 60 MiB. Packing needs ~6 GB of memory; unpacking 512 MiB.
 #
 # Usage: scripts/gpu-bundle.sh DIR
 set -euo pipefail
@@ -38,9 +41,8 @@ for line in sys.stdin:
 ' "$1"
 }
 
-# Every binary is stripped and compressed (about 8x) to stay within 60 MiB; run-all.sh unpacks
-# them into OUT.
-pack() { strip -o "$2" "$1" && xz -9 -T1 "$2"; }
+# Every binary is stripped into the staging tree; the tree becomes bundle.tar.xz at the end.
+pack() { strip -o "$2" "$1"; }
 # pack_all DIR <<< "NAME PATH" lines
 pack_all() {
     while read -r name exe; do
@@ -48,7 +50,10 @@ pack_all() {
     done
 }
 rm -rf "$dest"
-mkdir -p "$dest/tests" "$dest/bench" "$dest/bin"
+mkdir -p "$dest"
+stage="$(mktemp -d)"
+trap 'rm -rf "$stage"' EXIT
+mkdir -p "$stage/tests" "$stage/bench" "$stage/bin"
 
 echo "gpu-bundle: building (release, kernels embedded)" >&2
 cargo build --release --bin grng
@@ -66,9 +71,9 @@ if ! grep -aq '\.target sm_' "$main"; then
     exit 1
 fi
 # Packed now: the candle-cuda test build below relinks target/release/grng with the feature.
-pack "$main" "$dest/bin/grng"
-pack_all "$dest/tests" <<<"$tests"
-pack_all "$dest/bench" <<<"$bench"
+pack "$main" "$stage/bin/grng"
+pack_all "$stage/tests" <<<"$tests"
+pack_all "$stage/bench" <<<"$bench"
 
 # The candle-cuda binaries, built in the environment of install-cuda-tools.sh --candle only
 # (a subshell): the builds above keep theirs, so nothing of them is rebuilt.
@@ -83,16 +88,18 @@ echo "gpu-bundle: building the candle-cuda binaries (candle's kernels: nvcc, min
 candle_test="$(candle_cuda test --release --no-run --test candle_grng | executables test)"
 candle_bench="$(candle_cuda bench --no-run --bench candle_step | executables bench)"
 candle_mlp="$(candle_cuda build --release --example candle_mlp | executables example)"
-pack_all "$dest/tests" <<<"$candle_test"
-pack_all "$dest/bench" <<<"$candle_bench"
-pack_all "$dest/bin" <<<"$candle_mlp"
+pack_all "$stage/tests" <<<"$candle_test"
+pack_all "$stage/bench" <<<"$candle_bench"
+pack_all "$stage/bin" <<<"$candle_mlp"
+echo "gpu-bundle: packing (xz, 512 MiB dictionary: a few minutes)" >&2
+tar -C "$stage" -cf - tests bench bin | xz -9e -T1 --lzma2=preset=9e,dict=512MiB >"$dest/bundle.tar.xz"
 cp scripts/gpu-run-all.sh "$dest/run-all.sh"
 chmod +x "$dest/run-all.sh"
 git rev-parse HEAD >"$dest/COMMIT" 2>/dev/null || echo unknown >"$dest/COMMIT"
 
 bytes=$(du -sb "$dest" | cut -f1)
 size_mib=$(((bytes + 1048575) / 1048576))
-echo "gpu-bundle: $dest: $(ls "$dest/tests" | wc -l) test binaries, bench: $(ls "$dest/bench" | tr "\n" " "), ${size_mib} MiB" >&2
+echo "gpu-bundle: $dest: $(ls "$stage/tests" | wc -l) test binaries, bench: $(ls "$stage/bench" | tr "\n" " "), ${size_mib} MiB" >&2
 if ((bytes > 60 * 1048576)); then
     echo "gpu-bundle: $dest is ${size_mib} MiB, over the 60 MiB limit" >&2
     exit 1

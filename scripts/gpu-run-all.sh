@@ -117,26 +117,26 @@ run() {
     fi
 }
 
-mkdir -p "$out/tests" "$out/bin"
-# The bundle's binaries are xz-compressed: each is unpacked into OUT/bin as NAME (Python's lzma
-# where the xz tool is missing).
-unxz_to() {
-    if command -v xz >/dev/null 2>&1; then
-        xz -dc "$1" >"$2"
-    else
-        python3 -c 'import lzma, shutil, sys; shutil.copyfileobj(lzma.open(sys.argv[1]), sys.stdout.buffer)' "$1" >"$2"
-    fi
+mkdir -p "$out/tests"
+# The bundle's binaries come in one xz archive (scripts/gpu-bundle.sh); unpacked outside OUT
+# (so they do not travel back with the logs), with Python's tarfile where the xz tool is
+# missing.
+pkg="$(mktemp -d "${TMPDIR:-/tmp}/grng-bundle.XXXXXX")"
+trap 'rm -rf "$pkg"' EXIT
+if command -v xz >/dev/null 2>&1; then
+    tar -C "$pkg" -xJf "$here/bundle.tar.xz"
+else
+    python3 -c 'import sys, tarfile; tarfile.open(sys.argv[1], "r:xz").extractall(sys.argv[2])' \
+        "$here/bundle.tar.xz" "$pkg"
+fi || {
+    say "FAIL unpacking $here/bundle.tar.xz"
+    exit 1
 }
-unpack() {
-    local t="$out/bin/$2"
-    unxz_to "$1" "$t" && chmod +x "$t" && echo "$t"
-}
-for z in "$here"/tests/*.xz; do
-    t=$(unpack "$z" "$(basename "$z" .xz)")
+for t in "$pkg"/tests/*; do
     run "test $(basename "$t")" "$out/tests/$(basename "$t").log" "$t"
 done
 bench_bin=""
-[[ -f "$here/bench/gpu.xz" ]] && bench_bin=$(unpack "$here/bench/gpu.xz" bench-gpu)
+[[ -f "$pkg/bench/gpu" ]] && bench_bin="$pkg/bench/gpu"
 if [[ -n "$bench_bin" ]]; then
     # shellcheck disable=SC2086 # bench_args is a word list by design
     run "bench gpu $bench_args" "$out/bench-gpu.log" "$bench_bin" $bench_args
@@ -152,9 +152,9 @@ fi
 # The candle training step on CUDA (criterion filter `cuda`: its CUDA rows only): RING S=8,
 # grng's and candle's AdamW on the MLP 784-1024-1024-10 at m = 256 (issue 11's H100 target:
 # RING S=8 below ASDL's 1.26 ms).
-if [[ -f "$here/bench/candle_step.xz" ]]; then
+if [[ -f "$pkg/bench/candle_step" ]]; then
     CRITERION_HOME="$out/criterion" run "bench candle_step cuda" "$out/bench-candle-step.log" \
-        "$(unpack "$here/bench/candle_step.xz" bench-candle-step)" --bench cuda \
+        "$pkg/bench/candle_step" --bench cuda \
         --warm-up-time 1 --measurement-time 3
     grep -A2 '^candle-step-cuda' "$out/bench-candle-step.log" | tee -a "$summary"
 else
@@ -162,16 +162,16 @@ else
 fi
 # shellcheck disable=SC2086 # GRNG_MAIN_ARGS is a word list by design
 run "main job --device cuda" "$out/main.log" \
-    "$(unpack "$here/bin/grng.xz" grng)" --device cuda --out "$out/main" ${GRNG_MAIN_ARGS:---epochs 2}
-if [[ -f "$here/bin/candle_mlp.xz" ]]; then
+    "$pkg/bin/grng" --device cuda --out "$out/main" ${GRNG_MAIN_ARGS:---epochs 2}
+if [[ -f "$pkg/bin/candle_mlp" ]]; then
     # shellcheck disable=SC2086 # GRNG_CANDLE_MLP_ARGS is a word list by design
     run "candle_mlp --device cuda" "$out/candle-mlp.log" \
-        "$(unpack "$here/bin/candle_mlp.xz" candle_mlp)" --device cuda ${GRNG_CANDLE_MLP_ARGS:-}
+        "$pkg/bin/candle_mlp" --device cuda ${GRNG_CANDLE_MLP_ARGS:-}
     tail -n 12 "$out/candle-mlp.log" | tee -a "$summary"
 else
     say "SKIP candle_mlp (not in this bundle)"
 fi
-small="$out/bin/emu_elementwise"
+small="$pkg/tests/emu_elementwise"
 if command -v compute-sanitizer >/dev/null 2>&1; then
     for tool in memcheck racecheck; do
         run "compute-sanitizer $tool emu_elementwise" "$out/sanitizer-$tool.log" \

@@ -13,7 +13,9 @@ mod common;
 use grng::cuda::kron::syrk_ema_tc;
 use grng::cuda::launch::{inject_ptx_reject, record_launches, take_launches};
 use grng::cuda::newton::{product_tc, Epilogue, Unused};
+use grng::cuda::precond::gemm3;
 use grng::cuda::sm90::{check, fallbacks, inject_sm90, Sm90Injection};
+use grng::mat::Trans;
 use grng::{Device, Error, Matrix};
 use half::bf16;
 use rand::Rng;
@@ -109,17 +111,60 @@ fn syrk(dev: &Device, rng: &mut ChaCha8Rng, m: usize, n: usize) -> grng::Result<
     Ok(launched)
 }
 
+/// One split3 (f32-accurate) product C = op(A)·op(B) on `dev` through
+/// `cuda::precond::gemm3`, `op(A)` m x k transposed, checked against f64 within the split
+/// products' bound `(k + 8)·2⁻²⁴·Σ|a||b|` (2x margin); returns the launches.
+fn split_product(
+    dev: &Device,
+    rng: &mut ChaCha8Rng,
+    m: usize,
+    n: usize,
+    k: usize,
+) -> grng::Result<Vec<&'static str>> {
+    let (a, b) = (common::vals(rng, k * m), common::vals(rng, k * n));
+    let (am, bm) = (dev.upload(k, m, &a)?, dev.upload(k, n, &b)?);
+    let mut c: Matrix = dev.zeros(m, n)?;
+    take_launches();
+    gemm3(dev, Trans::Yes, Trans::No, 1.0, &am, &bm, 0.0, &mut c)?;
+    let launched = take_launches();
+    let got = c.to_vec()?;
+    for i in 0..m {
+        for j in 0..n {
+            let (mut s, mut abs) = (0.0f64, 0.0f64);
+            for p in 0..k {
+                let t = f64::from(a[p * m + i]) * f64::from(b[p * n + j]);
+                s += t;
+                abs += t.abs();
+            }
+            let tol = 2.0 * (k as f64 + 8.0) * f64::powi(2.0, -24) * abs;
+            let g = f64::from(got[i * n + j]);
+            assert!(
+                (g - s).abs() <= tol,
+                "AᵀB split3: ({i}, {j}) = {g}, want {s} ± {tol:e}"
+            );
+        }
+    }
+    Ok(launched)
+}
+
 /// The self-check's launches up to its first sm_90a failure (`stop`: 0 = none, 1 = Newton
-/// product, 2 = SYRK).
+/// product, 2 = SYRK, 3 = split3 product).
 fn self_check(stop: usize) -> Vec<&'static str> {
     let all = [
         "newton_gemm_tc",
         "newton_gemm_wg_tc",
         "kron_syrk_ema_tc",
         "kron_syrk_ema_wg_tc",
+        "precond_split3",
+        "precond_split3",
+        "precond_gemm3_tc",
+        "precond_split3",
+        "precond_split3",
+        "precond_gemm3_wg_tc",
     ];
     match stop {
         1 => all[..2].to_vec(),
+        2 => all[..4].to_vec(),
         _ => all.to_vec(),
     }
 }
@@ -137,12 +182,12 @@ fn selection_self_check_and_counted_fallback() {
             "selection_self_check_and_counted_fallback",
             &[(CHILD, Some("1")), ("GRNG_TEST_SEED", Some(&seed))],
         );
-        // Exactly one line per fallback (two below), each saying why.
+        // Exactly one line per fallback (three below), each saying why.
         let lines: Vec<&str> = stderr
             .lines()
             .filter(|l| l.starts_with(FALLBACK_LINE))
             .collect();
-        assert_eq!(lines.len(), 2, "{stderr}");
+        assert_eq!(lines.len(), 3, "{stderr}");
         assert!(
             lines[0].contains("newton_gemm_wg_tc: element 0"),
             "{}",
@@ -152,6 +197,11 @@ fn selection_self_check_and_counted_fallback() {
             lines[1].contains("kron_syrk_ema_wg_tc") && lines[1].contains("rejected the PTX"),
             "{}",
             lines[1]
+        );
+        assert!(
+            lines[2].contains("precond_gemm3_wg_tc") && lines[2].contains("rejected the PTX"),
+            "{}",
+            lines[2]
         );
         return;
     }
@@ -177,6 +227,11 @@ fn selection_self_check_and_counted_fallback() {
     let (m, n) = (ragged(&mut rng), ragged(&mut rng));
     assert_eq!(syrk(&dev, &mut rng, m, n).unwrap(), ["kron_syrk_ema_wg_tc"]);
     assert_eq!(product(&dev, &mut rng, n).unwrap(), ["newton_gemm_wg_tc"]);
+    let k = rng.random_range(1..=70usize);
+    assert_eq!(
+        split_product(&dev, &mut rng, m, n, k).unwrap(),
+        ["precond_split3", "precond_split3", "precond_gemm3_wg_tc"]
+    );
     assert!(check(&dev).unwrap());
     assert_eq!(fallbacks(), 0);
 
@@ -219,6 +274,18 @@ fn selection_self_check_and_counted_fallback() {
     assert_eq!(fallbacks(), 2);
     assert_eq!(product(&dev, &mut rng, n).unwrap(), ["newton_gemm_tc"]);
 
+    // The driver rejects the sm_90a module of precond.cu: fall back at the split3 check.
+    inject_sm90(Some(Sm90Injection::Capable));
+    inject_ptx_reject(Some("PRECOND_SM90A"));
+    let (m, n) = (ragged(&mut rng), ragged(&mut rng));
+    // The caller's operands are split before its product's launch runs the self-check.
+    let mut want = vec!["precond_split3", "precond_split3"];
+    want.extend(self_check(3));
+    want.push("precond_gemm3_tc");
+    assert_eq!(split_product(&dev, &mut rng, m, n, 33).unwrap(), want);
+    inject_ptx_reject(None);
+    assert_eq!(fallbacks(), 3);
+
     inject_sm90(None);
     record_launches(false);
 }
@@ -246,6 +313,9 @@ fn sm90a_products_match_f64_on_a_cc90_gpu() {
         let m = rng.random_range(1..=600usize);
         let launched = syrk(&dev, &mut rng, m, n).unwrap();
         assert_eq!(launched, ["kron_syrk_ema_wg_tc"]);
+        let k = rng.random_range(1..=300usize);
+        let launched = split_product(&dev, &mut rng, m, n, k).unwrap();
+        assert_eq!(launched[2], "precond_gemm3_wg_tc");
     }
     record_launches(false);
     assert_eq!(fallbacks(), 0);

@@ -236,22 +236,28 @@ GRNG_UNROLL
     }
 }
 
-// grng_gemm_tile's contract (Terms = 1) on the sm_90a mainloop: the block's 128x128 tile of
+// grng_gemm_tile's contract on the sm_90a mainloop: the block's 128x128 tile of
 // C = op(A)·op(B) at (i0, j0) handed to epi(i, j, value) for i < M, j < N, then epi.finish()
-// by every thread. smem: GRNG_WG_SMEM bytes of dynamic shared memory; every thread of the
-// 384-thread block must call it.
-template <class AL, class BL, class Epi>
+// by every thread. Terms = 1: plain bf16 operands (a_plane, b_plane unused); Terms =
+// GRNG_SPLIT3_TERMS: split3 planes a_plane / b_plane elements apart, and the slices run over
+// the 6 plane products in turn, smallest first — engine.cuh's order, so one accumulator sums
+// them as the sm_80 engine does. smem: GRNG_WG_SMEM bytes of dynamic shared memory; every
+// thread of the 384-thread block must call it.
+template <class AL, class BL, int Terms, class Epi>
 __device__ __forceinline__ void grng_wg_gemm_tile(const __nv_bfloat16* __restrict__ A, int lda,
+                                                  long long a_plane,
                                                   const __nv_bfloat16* __restrict__ B, int ldb,
-                                                  int M, int N, int K, int i0, int j0,
-                                                  __nv_bfloat16* smem, Epi& epi) {
+                                                  long long b_plane, int M, int N, int K, int i0,
+                                                  int j0, __nv_bfloat16* smem, Epi& epi) {
+    static_assert(Terms == 1 || Terms == GRNG_SPLIT3_TERMS, "plain or split3 products");
     __shared__ __align__(8) unsigned long long full[GRNG_WG_STAGES], empty[GRNG_WG_STAGES];
     // Stage s: A tile at base + 2s·TILE, B tile right after it; base 1024-byte aligned.
     unsigned char* smem_raw = reinterpret_cast<unsigned char*>(smem);
     const unsigned raw = grng_smem_addr(smem_raw);
     unsigned char* base = smem_raw + (((raw + 1023u) & ~1023u) - raw);
     const int wg = threadIdx.x / 128, t = threadIdx.x % 128;
-    const int nslices = grng_ceil_div(K, GRNG_WG_BK);
+    const int nk = grng_ceil_div(K, GRNG_WG_BK);
+    const int nslices = Terms * nk;  // slice v: term v / nk, K slice v % nk
     if (threadIdx.x == 0) {
         for (int s = 0; s < GRNG_WG_STAGES; ++s) {
             grng_mbar_init(&full[s], 128);
@@ -267,15 +273,21 @@ GRNG_UNROLL
     if (wg == 0) {
         // Producer. vec: 16-byte cp.async (ld % 8 == 0, 16-byte aligned base); else gathers,
         // made visible by the release of an ordinary arrive.
-        const bool vec = grng_gemm_vec_ok(A, lda) && grng_gemm_vec_ok(B, ldb);
+        // Every plane must be 16-byte aligned for cp.async: the plane strides too.
+        const bool vec = grng_gemm_vec_ok(A, lda) && grng_gemm_vec_ok(B, ldb) &&
+                         (Terms == 1 || ((a_plane | b_plane) & 7) == 0);
         for (int v = 0; v < nslices; ++v) {
             const int s = v % GRNG_WG_STAGES;
             // Slot s was last read in round v / STAGES − 1 (returns at once in round 0).
             grng_mbar_wait<true>(&empty[s], ((v / GRNG_WG_STAGES) & 1) ^ 1);
             unsigned char* st = base + 2 * s * GRNG_WG_TILE_BYTES;
-            const int k0 = v * GRNG_WG_BK;
-            grng_wg_load<AL>(st, A, lda, i0, k0, M, K, vec, t);
-            grng_wg_load<BL>(st + GRNG_WG_TILE_BYTES, B, ldb, j0, k0, N, K, vec, t);
+            const int term = v / nk, k0 = (v - term * nk) * GRNG_WG_BK;
+            const int pa = (GRNG_SPLIT3_A_PLANES >> (2 * term)) & 3;
+            const int pb = (GRNG_SPLIT3_B_PLANES >> (2 * term)) & 3;
+            const __nv_bfloat16* a = Terms == 1 ? A : A + pa * a_plane;
+            const __nv_bfloat16* b = Terms == 1 ? B : B + pb * b_plane;
+            grng_wg_load<AL>(st, a, lda, i0, k0, M, K, vec, t);
+            grng_wg_load<BL>(st + GRNG_WG_TILE_BYTES, b, ldb, j0, k0, N, K, vec, t);
             if (vec)
                 grng_mbar_arrive_cp_async(&full[s]);
             else
@@ -329,6 +341,36 @@ GRNG_UNROLL
             }
     }
     epi.finish();
+}
+
+// grng_gemm_tile_any's layout dispatch (trans bit 0: op(A) = Aᵀ, bit 1: op(B) = Bᵀ) on the
+// sm_90a mainloop, for the block's tile at (blockIdx.y, blockIdx.x).
+template <int Terms, class Epi>
+__device__ __forceinline__ void grng_wg_gemm_tile_any(const __nv_bfloat16* __restrict__ A,
+                                                      int lda, long long a_plane,
+                                                      const __nv_bfloat16* __restrict__ B,
+                                                      int ldb, long long b_plane, int M, int N,
+                                                      int K, int layouts, __nv_bfloat16* smem,
+                                                      Epi& epi) {
+    const int i0 = blockIdx.y * GRNG_GEMM_BM, j0 = blockIdx.x * GRNG_GEMM_BM;
+    switch (layouts & 3) {
+        case 0:
+            grng_wg_gemm_tile<GrngKInner, GrngKOuter, Terms>(A, lda, a_plane, B, ldb, b_plane,
+                                                             M, N, K, i0, j0, smem, epi);
+            break;
+        case 1:
+            grng_wg_gemm_tile<GrngKOuter, GrngKOuter, Terms>(A, lda, a_plane, B, ldb, b_plane,
+                                                             M, N, K, i0, j0, smem, epi);
+            break;
+        case 2:
+            grng_wg_gemm_tile<GrngKInner, GrngKInner, Terms>(A, lda, a_plane, B, ldb, b_plane,
+                                                             M, N, K, i0, j0, smem, epi);
+            break;
+        default:
+            grng_wg_gemm_tile<GrngKOuter, GrngKInner, Terms>(A, lda, a_plane, B, ldb, b_plane,
+                                                             M, N, K, i0, j0, smem, epi);
+            break;
+    }
 }
 
 #endif  // compute_90a

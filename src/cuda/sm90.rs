@@ -4,8 +4,9 @@
 //! A kernel with an sm_90a variant names it in [`Kernel::sm90`]; [`super::launch::launch`]
 //! asks `select` which one to queue. The first such launch on a device runs a self-check:
 //! small ragged products through both paths (`newton_gemm_tc` against `newton_gemm_wg_tc`
-//! on the 16-byte cp.async path, `kron_syrk_ema_tc` against `kron_syrk_ema_wg_tc` on the
-//! element-wise path), compared within the f32 accumulation bound. If the sm_90a module does
+//! on the 16-byte cp.async path, `kron_syrk_ema_tc` against `kron_syrk_ema_wg_tc` and
+//! `precond_gemm3_tc` against `precond_gemm3_wg_tc` (split3 planes, a transposed operand) on
+//! the element-wise path), compared within the f32 accumulation bound. If the sm_90a module does
 //! not load, a launch fails or a product differs, the device falls back to sm_80 for good:
 //! the fallback is counted ([`fallbacks`]), said once on stderr, and never a wrong product.
 //! The launch record (`launch::record_launches`) names the kernels that actually ran.
@@ -18,6 +19,7 @@ use super::launch::{kernel, Kernel, LaunchConfig};
 use super::newton::{product_tc, Epilogue, Unused};
 use crate::device::{Device, Matrix};
 use crate::error::Result;
+use crate::mat::Trans;
 use half::bf16;
 use std::cell::Cell;
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -43,6 +45,7 @@ pub struct Sm90Variant {
 
 kernel!(WG_SYRK_EMA = KRON_SM90A::kron_syrk_ema_wg_tc, emu = kron_syrk_ema_tc;);
 kernel!(WG_GEMM = NEWTON_SM90A::newton_gemm_wg_tc, emu = newton_gemm_tc;);
+kernel!(WG_GEMM3 = PRECOND_SM90A::precond_gemm3_wg_tc, emu = precond_gemm3_tc;);
 
 /// The sm_90a variant of `kron_syrk_ema_tc` ([`super::kron::SYRK_EMA_TC`]).
 pub const SYRK_EMA_WG: Sm90Variant = Sm90Variant {
@@ -53,6 +56,14 @@ pub const SYRK_EMA_WG: Sm90Variant = Sm90Variant {
 /// The sm_90a variant of `newton_gemm_tc` ([`super::newton::GEMM_TC`]).
 pub const GEMM_WG: Sm90Variant = Sm90Variant {
     kernel: WG_GEMM,
+    block: WG_THREADS,
+    shared_mem: WG_SMEM,
+};
+
+/// The sm_90a variant of `precond_gemm3_tc` ([`super::precond::GEMM3_TC`]): the split3
+/// (f32-accurate) products of the optimizers and the preconditioning.
+pub const GEMM3_WG: Sm90Variant = Sm90Variant {
+    kernel: WG_GEMM3,
     block: WG_THREADS,
     shared_mem: WG_SMEM,
 };
@@ -167,7 +178,8 @@ fn decide(device: &Device) -> Result<Path> {
         Device::Cuda(d)
             if d.context().compute_capability().ok() != Some((9, 0))
                 || super::ptx::KRON_SM90A.is_none()
-                || super::ptx::NEWTON_SM90A.is_none() =>
+                || super::ptx::NEWTON_SM90A.is_none()
+                || super::ptx::PRECOND_SM90A.is_none() =>
         {
             Path::Sm80
         }
@@ -304,5 +316,43 @@ fn self_check(dev: &Device, mismatch: bool) -> Result<std::result::Result<(), St
             bound(m, f64::from(alpha), abs)
         })
         .collect();
-    Ok(compare("kron_syrk_ema_wg_tc", &got, &want, &bounds))
+    if let Err(why) = compare("kron_syrk_ema_wg_tc", &got, &want, &bounds) {
+        return Ok(Err(why));
+    }
+
+    // Split3 product C = Aᵀ·B (f32 operands split into bf16 planes, 6 plane products), A
+    // 53 x 131 and B 53 x 70 stored row-major: op(A) k-outer, a ragged K of 53 (one partial
+    // slice per term) and n = 70, 131 not multiples of 8 (the element-wise loads).
+    let (k3, m3, n3) = (53, 131, 70);
+    let f32s = |len, seed| -> Vec<f32> {
+        check_values(len, seed)
+            .iter()
+            .map(|v| v.to_f32() * 1.37)
+            .collect()
+    };
+    let (a3, b3) = (f32s(k3 * m3, 0x3C6E), f32s(k3 * n3, 0x2545));
+    let (a3m, b3m) = (dev.upload(k3, m3, &a3)?, dev.upload(k3, n3, &b3)?);
+    let split = |path| -> Result<Vec<f32>> {
+        let mut c: Matrix = dev.zeros(m3, n3)?;
+        forced(path, || {
+            super::precond::gemm3(dev, Trans::Yes, Trans::No, 1.0, &a3m, &b3m, 0.0, &mut c)
+        })?;
+        c.to_vec()
+    };
+    let want = split(Path::Sm80)?;
+    let got = match split(Path::Sm90) {
+        Ok(v) => v,
+        Err(e) => return Ok(Err(format!("precond_gemm3_wg_tc: {e}"))),
+    };
+    // Each path is within (k + 8)·2⁻²⁴·Σ|a||b| of the exact product (`precond::gemm3`).
+    let bounds: Vec<f64> = (0..m3 * n3)
+        .map(|e| {
+            let (i, j) = (e / n3, e % n3);
+            let abs: f64 = (0..k3)
+                .map(|k| (f64::from(a3[k * m3 + i]) * f64::from(b3[k * n3 + j])).abs())
+                .sum();
+            4.0 * (k3 as f64 + 8.0) * f64::powi(2.0, -24) * abs
+        })
+        .collect();
+    Ok(compare("precond_gemm3_wg_tc", &got, &want, &bounds))
 }
