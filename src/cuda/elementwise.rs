@@ -246,22 +246,32 @@ fn check_bf16(dev: &Device, op: &'static str, arg: &'static str, m: &Matrix<bf16
         // one written; threads read index i < n only.
         unsafe { launch(&CHECK_BF16, stream_config(m.len())?, args) }
     };
-    if let Some(r) = deferred::queue_check(dev, 1, queue) {
-        return r;
+    match first_flagged(dev, queue)? {
+        None => Ok(()),
+        Some(index) => Err(Error::NonFinite {
+            op,
+            arg,
+            index,
+            value: m.to_vec()?[index].to_f32(),
+        }),
     }
-    let mut status = new_status(dev)?;
+}
+
+/// Runs `queue`, a launch that flags the first bad index into one `int` status slot (the
+/// buffer and the slot's float offset): into the ledger inside [`crate::Device::deferred`]
+/// (`Ok(None)`: the scope reads it), else into a fresh status read back here — `Some(index)`
+/// when it flagged one.
+pub(crate) fn first_flagged(
+    dev: &Device,
+    mut queue: impl FnMut(&mut Matrix, usize) -> Result<()>,
+) -> Result<Option<usize>> {
+    if let Some(r) = deferred::queue_check(dev, 1, &mut queue) {
+        return r.map(|()| None);
+    }
+    let mut status = filled(dev, 1, NONE as u32)?;
     queue(&mut status, 0)?;
     let first = status.to_vec()?[0].to_bits() as i32;
-    if first == NONE {
-        return Ok(());
-    }
-    let index = first as usize;
-    Err(Error::NonFinite {
-        op,
-        arg,
-        index,
-        value: m.to_vec()?[index].to_f32(),
-    })
+    Ok((first != NONE).then_some(first as usize))
 }
 
 /// `y ← α x + y` (same length); `y` unchanged on error (non-finite `x` or `y`). `α` is

@@ -9,8 +9,7 @@
 //! its kernel's memory safety needs (shapes against the dimensions it passes, the kernels'
 //! `int` ranges; device placement is checked by [`KernelArgs`]).
 
-use super::deferred;
-use super::elementwise::NONE;
+use super::elementwise::first_flagged;
 use super::launch::{kernel, launch, Kernel, KernelArgs, LaunchConfig};
 use crate::cpu::gemm::gemm_dims;
 use crate::device::{Device, Matrix};
@@ -242,15 +241,10 @@ pub fn gemm3(
     const OP: &str = "cuda::precond::gemm3";
     // Memory safety: the kernel indexes the planes and c by these dimensions.
     gemm_dims(OP, ta, a.shape(), tb, b.shape(), c.shape())?;
-    // α = 0: no K slice at all, so the planes (a placeholder element) are never read.
-    let split = |x: &Matrix| {
-        if alpha == 0.0 {
-            dev.zeros::<bf16>(1, 1)
-        } else {
-            split3(dev, x)
-        }
-    };
-    let (ap, bp) = (split(a)?, split(b)?);
+    let (ap, bp) = (
+        operand_planes(dev, alpha, a)?,
+        operand_planes(dev, alpha, b)?,
+    );
     launch_engine(
         dev,
         OP,
@@ -287,34 +281,33 @@ pub fn product3_checked(
     if c.is_empty() {
         return Ok(());
     }
-    let split = |x: &Matrix| {
-        if alpha == 0.0 {
-            dev.zeros::<bf16>(1, 1)
-        } else {
-            split3(dev, x)
-        }
-    };
-    let (ap, bp) = (split(a)?, split(b)?);
-    let run = |c: &mut Matrix, status: &mut Matrix, at: usize| {
-        let (a, b) = ((ta, a.shape(), &ap), (tb, b.shape(), &bp));
+    let (ap, bp) = (
+        operand_planes(dev, alpha, a)?,
+        operand_planes(dev, alpha, b)?,
+    );
+    let (a, b) = ((ta, a.shape(), &ap), (tb, b.shape(), &bp));
+    let flagged = first_flagged(dev, |status, at| {
         launch_engine(dev, op, &GEMM3_TC, a, b, alpha, 0.0, c, Some((status, at)))
-    };
-    if let Some(r) = deferred::queue_check(dev, 1, |s, at| run(c, s, at)) {
-        return r;
+    })?;
+    match flagged {
+        None => Ok(()),
+        Some(index) => Err(Error::NonFinite {
+            op,
+            arg: OVERFLOW,
+            index,
+            value: c.to_vec()?[index],
+        }),
     }
-    let mut status = super::elementwise::filled(dev, 1, NONE as u32)?;
-    run(c, &mut status, 0)?;
-    let first = status.to_vec()?[0].to_bits() as i32;
-    if first == NONE {
-        return Ok(());
+}
+
+/// The split3 planes of a product's operand, or a placeholder element when `α = 0` (no K
+/// slice runs, so the planes are never read).
+fn operand_planes(dev: &Device, alpha: f32, x: &Matrix) -> Result<Matrix<bf16>> {
+    if alpha == 0.0 {
+        dev.zeros::<bf16>(1, 1)
+    } else {
+        split3(dev, x)
     }
-    let index = first as usize;
-    Err(Error::NonFinite {
-        op,
-        arg: OVERFLOW,
-        index,
-        value: c.to_vec()?[index],
-    })
 }
 
 /// `C ← α·op(A)·op(B) + β·C` for bf16 `A`, `B` and f32 `C` on the tensor-core GEMM engine
@@ -446,33 +439,15 @@ fn launch_engine(
 }
 
 /// `P = Γ̃⁻¹ (G Λ̃⁻¹)` with `Γ̃⁻¹` `d_out x d_out`, `G` `d_out x d_in`, `Λ̃⁻¹` `d_in x d_in`:
-/// two f32-accurate tensor-core products ([`gemm3`]) through a `d_out x d_in` scratch matrix
-/// on the same device.
+/// two f32-accurate tensor-core products through a `d_out x d_in` scratch matrix ([`gemm3`],
+/// then [`product3_checked`], which checks `P`'s finiteness in its epilogue: into the ledger
+/// of an enclosing `Device::deferred` scope, or a status read here), computed into a new
+/// matrix that replaces `p` only when clean.
 ///
 /// # Errors
-/// [`Error::DeviceMismatch`], [`Error::Shape`] (from the products' own checks, so before `p`
-/// is written), allocation/launch errors. `p` is unchanged on error (it is written by the
-/// last launch only).
-pub fn precondition(
-    dev: &Device,
-    gamma_inv: &Matrix,
-    g: &Matrix,
-    lambda_inv: &Matrix,
-    p: &mut Matrix,
-) -> Result<()> {
-    let (d_out, d_in) = g.shape();
-    let mut t = dev.zeros::<f32>(d_out, d_in)?;
-    gemm3(dev, Trans::No, Trans::No, 1.0, g, lambda_inv, 0.0, &mut t)?;
-    gemm3(dev, Trans::No, Trans::No, 1.0, gamma_inv, &t, 0.0, p)
-}
-
-/// [`precondition`] with `P`'s finiteness checked in the second product's epilogue
-/// ([`product3_checked`]: into the ledger of an enclosing `Device::deferred` scope, or a
-/// status read here), computed into a new matrix that replaces `p` only when clean.
-///
-/// # Errors
-/// As [`precondition`], plus [`Error::NonFinite`] naming `op` and `"result (overflow)"` for
-/// a non-finite `P`; `p` is unchanged on error.
+/// [`Error::DeviceMismatch`], [`Error::Shape`] (`p`, and the products' own checks),
+/// allocation/launch errors, [`Error::NonFinite`] naming `op` and `"result (overflow)"` for a
+/// non-finite `P`. `p` is unchanged on error.
 pub(crate) fn precondition_checked(
     dev: &Device,
     op: &'static str,
