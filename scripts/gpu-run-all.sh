@@ -126,8 +126,14 @@ trap 'rm -rf "$pkg"' EXIT
 if command -v xz >/dev/null 2>&1; then
     tar -C "$pkg" -xJf "$here/bundle.tar.xz"
 else
-    python3 -c 'import sys, tarfile; tarfile.open(sys.argv[1], "r:xz").extractall(sys.argv[2])' \
-        "$here/bundle.tar.xz" "$pkg"
+    python3 -c '
+import sys, tarfile
+t = tarfile.open(sys.argv[1], "r:xz")
+try:
+    t.extractall(sys.argv[2], filter="data")
+except TypeError:  # a Python without extraction filters
+    t.extractall(sys.argv[2])
+' "$here/bundle.tar.xz" "$pkg"
 fi || {
     say "FAIL unpacking $here/bundle.tar.xz"
     exit 1
