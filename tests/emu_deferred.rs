@@ -10,17 +10,21 @@
 //! Counted with `grng::cuda::launch::read_backs` (this thread's `Matrix::to_vec` calls; the
 //! steps here are below `cpu::on_pool`'s threshold, so they run on the test's thread).
 
-use grng::cuda::launch::read_backs;
-use grng::cuda::precond::product3_checked;
+use grng::cuda::launch::{read_backs, record_launches, take_launches};
+use grng::cuda::precond::{product3_checked, Split3};
 use grng::mat::Trans;
 use grng::optim::kron::{InverseMethod, KronConfig, KronGrad, KronOptimizer, KronVariant};
 use grng::optim::KronStats;
 use grng::{Device, Error, Matrix};
 use rand::Rng;
 use rand_chacha::ChaCha8Rng;
+use std::sync::{Mutex, PoisonError};
 
 mod common;
 use common::{devices, vals};
+
+/// The launch record is process-wide: the tests of this file take turns.
+static SERIAL: Mutex<()> = Mutex::new(());
 
 /// Ragged layers: a factor spanning two 64-wide tiles, a narrow one, a wide output.
 const SHAPES: [(usize, usize); 3] = [(9, 70), (3, 6), (17, 5)];
@@ -104,6 +108,7 @@ fn refreshed(
 /// with the first-order inverse update in use (counted), for every variant.
 #[test]
 fn lazy_kron_steps_read_back_once() {
+    let _serial = SERIAL.lock().unwrap_or_else(PoisonError::into_inner);
     let mut rng = common::seeded_rng();
     for dev in devices() {
         for variant in [KronVariant::Ring, KronVariant::Reng, KronVariant::Ngd] {
@@ -162,6 +167,7 @@ fn lazy_kron_steps_read_back_once() {
 /// unchanged bit for bit.
 #[test]
 fn a_bad_value_in_a_deferred_step_is_the_eager_error_and_changes_nothing() {
+    let _serial = SERIAL.lock().unwrap_or_else(PoisonError::into_inner);
     let mut rng = common::seeded_rng();
     for dev in devices() {
         for case in 0..12 {
@@ -256,6 +262,7 @@ fn stored(op_x: &[f32], r: usize, c: usize, t: Trans) -> (Vec<f32>, (usize, usiz
 /// `Ok`; one that keeps a thread's first hit instead of its least index fails the pattern.)
 #[test]
 fn product_epilogue_flags_the_first_overflow() {
+    let _serial = SERIAL.lock().unwrap_or_else(PoisonError::into_inner);
     let mut rng = common::seeded_rng();
     for dev in devices() {
         for case in 0..10 {
@@ -317,6 +324,10 @@ fn product_epilogue_flags_the_first_overflow() {
             let a = dev.upload(sha.0, sha.1, &sa).unwrap();
             let b = dev.upload(shb.0, shb.1, &sb).unwrap();
             let mut c = dev.zeros(m, n).unwrap();
+            let (a, b) = (
+                Split3::new(&dev, &a).unwrap(),
+                Split3::new(&dev, &b).unwrap(),
+            );
             let r = product3_checked(&dev, "test", ta, tb, 1.0, &a, &b, &mut c);
             let what = format!("{} case {case}: {m}x{n}x{k} {ta:?}{tb:?}", dev.name());
             match (r, expected) {
@@ -334,5 +345,60 @@ fn product_epilogue_flags_the_first_overflow() {
                 (r, e) => panic!("{what}: {r:?}, expected first overflow {e:?}"),
             }
         }
+    }
+}
+
+/// A factored lazy step splits each product operand once: the 9 products of a factored
+/// layer (3 for `P`, 6 for the model's terms) read 10 distinct operands (`E`, `A`, `Γ̃⁻¹`,
+/// `Λ̃⁻¹`, `U`, `W`, `Γ`, `Λ`, `ΓU`, `WΛ`), so 10 `precond_split3` launches where splitting
+/// per product took 18. One layer the cost model sends down the factored route (`m = 5`,
+/// `9 x 70`), squares already cached, so the step's only other launches are element-wise.
+#[test]
+fn factored_lazy_step_splits_each_operand_once() {
+    let _serial = SERIAL.lock().unwrap_or_else(PoisonError::into_inner);
+    let mut rng = common::seeded_rng();
+    let shape = [(9usize, 70usize)];
+    for dev in devices() {
+        let mut opt = KronOptimizer::new(&dev, &shape, config(KronVariant::Ring)).unwrap();
+        let a = upload_all(&dev, &mut rng, &[(M, 70)]);
+        let e = upload_all(&dev, &mut rng, &[(M, 9)]);
+        let stats = [KronStats { a: &a[0], e: &e[0] }];
+        let mut params = upload_all(&dev, &mut rng, &shape);
+        let mut step =
+            |opt: &mut KronOptimizer, rng: &mut ChaCha8Rng, stats: Option<&[KronStats]>| {
+                let (e, a) = (
+                    upload_all(&dev, rng, &[(M, 9)]),
+                    upload_all(&dev, rng, &[(M, 70)]),
+                );
+                let kg = [KronGrad::Factored { e: &e[0], a: &a[0] }];
+                record_launches(true);
+                let info = opt.step_grads(&mut params, &kg, stats).unwrap();
+                let launched = take_launches();
+                record_launches(false);
+                // Up, then down: ρ moves every step, within the first-order range.
+                let after = if opt.steps().is_multiple_of(2) {
+                    2.0
+                } else {
+                    1.0 + info.predicted_change
+                };
+                opt.observe_loss(1.0, after).unwrap();
+                launched
+            };
+        step(&mut opt, &mut rng, Some(&stats));
+        step(&mut opt, &mut rng, None); // forms and caches the squares
+        let launched = step(&mut opt, &mut rng, None);
+        let count = |f: &dyn Fn(&str) -> bool| launched.iter().filter(|n| f(n)).count();
+        assert_eq!(
+            count(&|n| n.starts_with("precond_gemm3")),
+            9,
+            "{}: {launched:?}",
+            dev.name()
+        );
+        assert_eq!(
+            count(&|n| n == "precond_split3"),
+            10,
+            "{}: {launched:?}",
+            dev.name()
+        );
     }
 }

@@ -258,11 +258,37 @@ pub fn gemm3(
     )
 }
 
-/// `α·op(A)·op(B)` into `c` (zeros of the product's shape; `β = 0`) like [`gemm3`], with the
-/// result check in the same pass: the epilogue flags the first NaN/Inf it writes, into the
-/// ledger of an enclosing `Device::deferred` scope (no read-back), or else into a status
-/// read here. `Err(Error::NonFinite)` names `op` and `"result (overflow)"` at that index — what a
-/// separate finiteness check of `c` would report, without its pass over `c`.
+/// An `f32` matrix with its split3 planes (`precond_split3`), made once so that several
+/// products reading it ([`product3_checked`]) do not split it again.
+pub struct Split3<'a> {
+    m: &'a Matrix,
+    planes: Matrix<bf16>,
+}
+
+impl<'a> Split3<'a> {
+    /// Splits `m` (one launch, 6 bytes written per element).
+    ///
+    /// # Errors
+    /// Allocation and launch errors.
+    pub fn new(dev: &Device, m: &'a Matrix) -> Result<Self> {
+        Ok(Self {
+            m,
+            planes: split3(dev, m)?,
+        })
+    }
+
+    /// The matrix that was split.
+    pub fn matrix(&self) -> &'a Matrix {
+        self.m
+    }
+}
+
+/// `α·op(A)·op(B)` into `c` (zeros of the product's shape; `β = 0`) like [`gemm3`], from
+/// operands split once ([`Split3`]), with the result check in the same pass: the epilogue
+/// flags the first NaN/Inf it writes, into the ledger of an enclosing `Device::deferred`
+/// scope (no read-back), or else into a status read here. `Err(Error::NonFinite)` names `op`
+/// and `"result (overflow)"` at that index — what a separate finiteness check of `c` would
+/// report, without its pass over `c`.
 ///
 /// # Errors
 /// As [`gemm3`], plus that [`Error::NonFinite`]; `c` holds the (rejected) product then.
@@ -273,19 +299,15 @@ pub fn product3_checked(
     ta: Trans,
     tb: Trans,
     alpha: f32,
-    a: &Matrix,
-    b: &Matrix,
+    a: &Split3<'_>,
+    b: &Split3<'_>,
     c: &mut Matrix,
 ) -> Result<()> {
-    gemm_dims(op, ta, a.shape(), tb, b.shape(), c.shape())?;
+    gemm_dims(op, ta, a.m.shape(), tb, b.m.shape(), c.shape())?;
     if c.is_empty() {
         return Ok(());
     }
-    let (ap, bp) = (
-        operand_planes(dev, alpha, a)?,
-        operand_planes(dev, alpha, b)?,
-    );
-    let (a, b) = ((ta, a.shape(), &ap), (tb, b.shape(), &bp));
+    let (a, b) = ((ta, a.m.shape(), &a.planes), (tb, b.m.shape(), &b.planes));
     let flagged = first_flagged(dev, |status, at| {
         launch_engine(dev, op, &GEMM3_TC, a, b, alpha, 0.0, c, Some((status, at)))
     })?;
@@ -462,7 +484,8 @@ pub(crate) fn precondition_checked(
     let mut t = dev.zeros::<f32>(d_out, d_in)?;
     gemm3(dev, Trans::No, Trans::No, 1.0, g, lambda_inv, 0.0, &mut t)?;
     let mut out = dev.zeros::<f32>(d_out, d_in)?;
-    product3_checked(dev, op, Trans::No, Trans::No, 1.0, gamma_inv, &t, &mut out)?;
+    let (gi, t) = (Split3::new(dev, gamma_inv)?, Split3::new(dev, &t)?);
+    product3_checked(dev, op, Trans::No, Trans::No, 1.0, &gi, &t, &mut out)?;
     *p = out;
     Ok(())
 }

@@ -4,6 +4,7 @@ use std::any::Any;
 
 use super::{host_mut, host_ref, OVERFLOW};
 use crate::cpu::gemm::check_gemm;
+use crate::cuda::precond::Split3;
 use crate::device::{Device, Element, Matrix};
 use crate::error::Result;
 use crate::mat::Trans;
@@ -104,7 +105,8 @@ impl Device {
         ) {
             // The epilogue checks the result as it stores it: no separate pass over `c`.
             (Device::Emulated | Device::Cuda(_), Some((a, b))) => {
-                crate::cuda::precond::product3_checked(self, OP, ta, tb, alpha, a, b, &mut c)?;
+                let (a, b) = (Split3::new(self, a)?, Split3::new(self, b)?);
+                crate::cuda::precond::product3_checked(self, OP, ta, tb, alpha, &a, &b, &mut c)?;
                 return Ok(c);
             }
             // `AᵀA` of one matrix is symmetric: the CPU's SYRK computes the lower triangle and
@@ -120,7 +122,63 @@ impl Device {
         Ok(c)
     }
 
-    /// The product itself on this device's backend, writing `c` in place.
+    /// An `f32` operand of several products on this device ([`Device::product_of`]): on the
+    /// kernel devices split into its bf16 planes once, so each product that reads it reuses
+    /// them instead of splitting it again (a launch and 10 bytes per element each); on the CPU
+    /// the matrix itself.
+    ///
+    /// # Errors
+    /// [`crate::Error::DeviceMismatch`], allocation and launch errors.
+    pub(crate) fn operand<'a>(&self, m: &'a Matrix) -> Result<Operand<'a>> {
+        self.check_on(OP, m)?;
+        Ok(match self {
+            Device::Cpu => Operand::Host(m),
+            Device::Emulated | Device::Cuda(_) => Operand::Split(Split3::new(self, m)?),
+        })
+    }
+
+    /// [`Device::product_valid_inputs`] of operands prepared by [`Device::operand`] (the same
+    /// product, the same bits).
+    ///
+    /// # Errors
+    /// As [`Device::product_valid_inputs`]; [`crate::Error::DeviceMismatch`] for operands
+    /// prepared on another kind of device.
+    pub(crate) fn product_of(
+        &self,
+        ta: Trans,
+        tb: Trans,
+        alpha: f32,
+        a: &Operand<'_>,
+        b: &Operand<'_>,
+    ) -> Result<Matrix> {
+        match (self, a, b) {
+            (Device::Cpu, Operand::Host(a), Operand::Host(b)) => {
+                self.product_valid_inputs(ta, tb, alpha, *a, *b)
+            }
+            (Device::Emulated | Device::Cuda(_), Operand::Split(a), Operand::Split(b)) => {
+                let rows = if ta == Trans::No {
+                    a.matrix().rows()
+                } else {
+                    a.matrix().cols()
+                };
+                let cols = if tb == Trans::No {
+                    b.matrix().cols()
+                } else {
+                    b.matrix().rows()
+                };
+                let mut c = self.zeros(rows, cols)?;
+                crate::cuda::precond::product3_checked(self, OP, ta, tb, alpha, a, b, &mut c)?;
+                Ok(c)
+            }
+            _ => Err(crate::Error::DeviceMismatch {
+                op: OP,
+                a: self.name(),
+                b: "an operand prepared for another device",
+            }),
+        }
+    }
+
+    /// The product itself on this device's backend, writing `c` in place.    /// The product itself on this device's backend, writing `c` in place.
     #[allow(clippy::too_many_arguments)]
     fn gemm_kernel<T: Element>(
         &self,
@@ -181,4 +239,12 @@ fn widen(m: &Matrix<bf16>) -> Result<Matrix> {
         *x = v.to_f32();
     }
     Ok(w)
+}
+
+/// An `f32` product operand prepared by [`Device::operand`].
+pub(crate) enum Operand<'a> {
+    /// The CPU's: the matrix itself.
+    Host(&'a Matrix),
+    /// The kernel devices': the matrix with its split3 planes.
+    Split(Split3<'a>),
 }

@@ -153,18 +153,24 @@ fn factored(
     with_model: bool,
 ) -> Result<Preconditioned> {
     let m = e.rows();
-    let u = gemm(d, Trans::No, Trans::Yes, 1.0, v.gamma_inv, e)?;
-    let w = gemm(d, Trans::No, Trans::No, 1.0, a, v.lambda_inv)?;
-    let p = gemm(d, Trans::No, Trans::No, 1.0 / m as f32, &u, &w)?;
+    // Each operand prepared once (on the kernel devices: split into bf16 planes once, where
+    // every product would split both of its operands again): `e`, `a`, `U` and `W` are read
+    // by up to four products each.
+    let (eo, ao) = (d.operand(e)?, d.operand(a)?);
+    let (no, yes) = (Trans::No, Trans::Yes);
+    let u = d.product_of(no, yes, 1.0, &d.operand(v.gamma_inv)?, &eo)?;
+    let w = d.product_of(no, no, 1.0, &ao, &d.operand(v.lambda_inv)?)?;
+    let (uo, wo) = (d.operand(&u)?, d.operand(&w)?);
+    let p = d.product_of(no, no, 1.0 / m as f32, &uo, &wo)?;
     let terms = if with_model {
         // Each m x m pair scaled by 1/m so the inner products need no further 1/m².
         let inv_m = 1.0 / m as f32;
-        let eu = gemm(d, Trans::No, Trans::No, inv_m, e, &u)?;
-        let awt = gemm(d, Trans::No, Trans::Yes, inv_m, a, &w)?;
-        let gu = gemm(d, Trans::No, Trans::No, 1.0, v.gamma, &u)?;
-        let ugu = gemm(d, Trans::Yes, Trans::No, inv_m, &u, &gu)?;
-        let wl = gemm(d, Trans::No, Trans::No, 1.0, &w, v.lambda)?;
-        let wlw = gemm(d, Trans::No, Trans::Yes, inv_m, &wl, &w)?;
+        let eu = d.product_of(no, no, inv_m, &eo, &uo)?;
+        let awt = d.product_of(no, yes, inv_m, &ao, &wo)?;
+        let gu = d.product_of(no, no, 1.0, &d.operand(v.gamma)?, &uo)?;
+        let ugu = d.product_of(yes, no, inv_m, &uo, &d.operand(&gu)?)?;
+        let wl = d.product_of(no, no, 1.0, &wo, &d.operand(v.lambda)?)?;
+        let wlw = d.product_of(no, yes, inv_m, &d.operand(&wl)?, &wo)?;
         Some((d.dot_deferred(&eu, &awt)?, d.dot_deferred(&ugu, &wlw)?))
     } else {
         None
