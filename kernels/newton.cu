@@ -138,27 +138,40 @@ GRNG_EMU_ENTRY(newton_gemm_tc, (const __nv_bfloat16*, const __nv_bfloat16*, cons
 
 #ifdef GRNG_SM90A
 // A template like newton_gemm_body: the dynamic shared memory must be declared with the
-// same linkage in both.
-template <class Epi>
+// same linkage in both. Terms and AllowMirror as there.
+template <int Terms, bool AllowMirror>
 __device__ __forceinline__ void newton_gemm_wg_body(const __nv_bfloat16* __restrict__ a,
                                                     const __nv_bfloat16* __restrict__ b,
-                                                    Epi& epi) {
+                                                    long long plane,
+                                                    NewtonEpi<AllowMirror>& epi) {
     GRNG_DYN_SHARED(__nv_bfloat16, smem);
-    // Full products only, as newton_gemm_tc (NewtonEpi<false>: the mirror is split3-only).
-    grng_wg_gemm_tile<GrngKInner, GrngKOuter, 1>(a, epi.n, 0, b, epi.n, 0, epi.n, epi.n,
-                                                 epi.n, blockIdx.y * NEWTON_TILE,
-                                                 blockIdx.x * NEWTON_TILE, smem, epi);
+    int bi = blockIdx.y, bj = blockIdx.x;
+    if (AllowMirror && (epi.flags & NEWTON_MIRROR)) grng_tri_tile(blockIdx.x, bi, bj);
+    grng_wg_gemm_tile<GrngKInner, GrngKOuter, Terms>(a, epi.n, plane, b, epi.n, plane, epi.n,
+                                                     epi.n, epi.n, bi * NEWTON_TILE,
+                                                     bj * NEWTON_TILE, smem, epi);
 }
 
-// The sm_90a instance (kernels/gemm/wgmma_sm90.cuh), same parameters, grid and epilogue;
-// block 384, GRNG_WG_SMEM bytes of dynamic shared memory. Only in the compute_90a build.
+// The sm_90a instances (kernels/gemm/wgmma_sm90.cuh), same parameters, grids and epilogues
+// as newton_gemm_tc and newton_gemm3_tc; block 384, GRNG_WG_SMEM bytes of dynamic shared
+// memory. Only in the compute_90a build.
 extern "C" __global__ void __launch_bounds__(GRNG_WG_THREADS, 1)
     newton_gemm_wg_tc(const __nv_bfloat16* __restrict__ a, const __nv_bfloat16* __restrict__ b,
                       const float* __restrict__ add1, const float* __restrict__ add2,
                       float* __restrict__ out, __nv_bfloat16* __restrict__ out_bf,
                       float* __restrict__ partial, int n, float alpha, float diag, int flags) {
+    // Full products only, as newton_gemm_tc (NewtonEpi<false>: the mirror is split3-only).
     NewtonEpi<false> epi{add1, add2, out, out_bf, partial, n, alpha, diag, flags, 0.0f};
-    newton_gemm_wg_body(a, b, epi);
+    newton_gemm_wg_body<1, false>(a, b, 0, epi);
+}
+
+extern "C" __global__ void __launch_bounds__(GRNG_WG_THREADS, 1)
+    newton_gemm3_wg_tc(const __nv_bfloat16* __restrict__ a3, const __nv_bfloat16* __restrict__ b3,
+                       const float* __restrict__ add1, const float* __restrict__ add2,
+                       float* __restrict__ out, __nv_bfloat16* __restrict__ out_bf,
+                       float* __restrict__ partial, int n, float alpha, float diag, int flags) {
+    NewtonEpi<true> epi{add1, add2, out, out_bf, partial, n, alpha, diag, flags, 0.0f};
+    newton_gemm_wg_body<GRNG_SPLIT3_TERMS, true>(a3, b3, (long long)n * n, epi);
 }
 #endif
 

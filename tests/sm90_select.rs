@@ -12,7 +12,7 @@ mod common;
 
 use grng::cuda::kron::syrk_ema_tc;
 use grng::cuda::launch::{inject_ptx_reject, record_launches, take_launches};
-use grng::cuda::newton::{product_tc, Epilogue, Unused};
+use grng::cuda::newton::{product_f32, product_tc, Epilogue, Planes, Unused};
 use grng::cuda::precond::gemm3;
 use grng::cuda::sm90::{check, fallbacks, inject_sm90, Sm90Injection};
 use grng::mat::Trans;
@@ -147,8 +147,48 @@ fn split_product(
     Ok(launched)
 }
 
+/// One Newton split3 product C = A·B (f32, n x n) on `dev` through
+/// `cuda::newton::product_f32`, checked against f64 within `(k + 8)·2⁻²⁴·Σ|a||b|` (2x
+/// margin); returns the launches.
+fn newton_f32_product(
+    dev: &Device,
+    rng: &mut ChaCha8Rng,
+    n: usize,
+) -> grng::Result<Vec<&'static str>> {
+    let (a, b) = (common::vals(rng, n * n), common::vals(rng, n * n));
+    let (am, bm) = (dev.upload(n, n, &a)?, dev.upload(n, n, &b)?);
+    let mut out: Matrix = dev.zeros(n, n)?;
+    let mut planes = Planes::new(dev, n)?;
+    let mut unused = Unused::new(dev)?;
+    take_launches();
+    let epi = Epilogue {
+        out: Some(&mut out),
+        ..Epilogue::new()
+    };
+    product_f32(dev, &am, &bm, &mut planes, epi, &mut unused)?;
+    let launched = take_launches();
+    let got = out.to_vec()?;
+    for i in 0..n {
+        for j in 0..n {
+            let (mut s, mut abs) = (0.0f64, 0.0f64);
+            for p in 0..n {
+                let t = f64::from(a[i * n + p]) * f64::from(b[p * n + j]);
+                s += t;
+                abs += t.abs();
+            }
+            let tol = 2.0 * (n as f64 + 8.0) * f64::powi(2.0, -24) * abs;
+            let g = f64::from(got[i * n + j]);
+            assert!(
+                (g - s).abs() <= tol,
+                "A·B split3: ({i}, {j}) = {g}, want {s} ± {tol:e}"
+            );
+        }
+    }
+    Ok(launched)
+}
+
 /// The self-check's launches up to its first sm_90a failure (`stop`: 0 = none, 1 = Newton
-/// product, 2 = SYRK, 3 = split3 product).
+/// product, 2 = SYRK, 3 = split3 product, 4 = Newton's split3 product).
 fn self_check(stop: usize) -> Vec<&'static str> {
     let all = [
         "newton_gemm_tc",
@@ -161,10 +201,17 @@ fn self_check(stop: usize) -> Vec<&'static str> {
         "precond_split3",
         "precond_split3",
         "precond_gemm3_wg_tc",
+        "precond_split3",
+        "precond_split3",
+        "newton_gemm3_tc",
+        "precond_split3",
+        "precond_split3",
+        "newton_gemm3_wg_tc",
     ];
     match stop {
         1 => all[..2].to_vec(),
         2 => all[..4].to_vec(),
+        3 => all[..10].to_vec(),
         _ => all.to_vec(),
     }
 }
@@ -231,6 +278,10 @@ fn selection_self_check_and_counted_fallback() {
     assert_eq!(
         split_product(&dev, &mut rng, m, n, k).unwrap(),
         ["precond_split3", "precond_split3", "precond_gemm3_wg_tc"]
+    );
+    assert_eq!(
+        newton_f32_product(&dev, &mut rng, n).unwrap(),
+        ["precond_split3", "precond_split3", "newton_gemm3_wg_tc"]
     );
     assert!(check(&dev).unwrap());
     assert_eq!(fallbacks(), 0);
@@ -316,6 +367,8 @@ fn sm90a_products_match_f64_on_a_cc90_gpu() {
         let k = rng.random_range(1..=300usize);
         let launched = split_product(&dev, &mut rng, m, n, k).unwrap();
         assert_eq!(launched[2], "precond_gemm3_wg_tc");
+        let launched = newton_f32_product(&dev, &mut rng, n).unwrap();
+        assert_eq!(launched[2], "newton_gemm3_wg_tc");
     }
     record_launches(false);
     assert_eq!(fallbacks(), 0);

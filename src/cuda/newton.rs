@@ -34,7 +34,7 @@ use crate::params::power::{PowerInfo, PowerOptions};
 use half::bf16;
 
 kernel!(pub GEMM_TC = NEWTON::newton_gemm_tc, sm90 = super::sm90::GEMM_WG;);
-kernel!(pub GEMM3_TC = NEWTON::newton_gemm3_tc;);
+kernel!(pub GEMM3_TC = NEWTON::newton_gemm3_tc, sm90 = super::sm90::NEWTON_GEMM3_WG;);
 kernel!(pub RESIDUAL = NEWTON::newton_residual;);
 kernel!(pub SYM_STATS = NEWTON::newton_sym_stats;);
 kernel!(pub ABS_NORMS = NEWTON::newton_abs_norms;);

@@ -5,8 +5,9 @@
 //! asks `select` which one to queue. The first such launch on a device runs a self-check:
 //! small ragged products through both paths (`newton_gemm_tc` against `newton_gemm_wg_tc`
 //! on the 16-byte cp.async path, `kron_syrk_ema_tc` against `kron_syrk_ema_wg_tc` and
-//! `precond_gemm3_tc` against `precond_gemm3_wg_tc` (split3 planes, a transposed operand) on
-//! the element-wise path), compared within the f32 accumulation bound. If the sm_90a module does
+//! `precond_gemm3_tc` against `precond_gemm3_wg_tc` (split3 planes, a transposed operand) and
+//! `newton_gemm3_tc` against `newton_gemm3_wg_tc` on the element-wise path), compared within
+//! the f32 accumulation bound. If the sm_90a module does
 //! not load, a launch fails or a product differs, the device falls back to sm_80 for good:
 //! the fallback is counted ([`fallbacks`]), said once on stderr, and never a wrong product.
 //! The launch record (`launch::record_launches`) names the kernels that actually ran.
@@ -16,7 +17,7 @@
 //! their sm_80 twin's emulator entry with the sm_80 configuration.
 
 use super::launch::{kernel, Kernel, LaunchConfig};
-use super::newton::{product_tc, Epilogue, Unused};
+use super::newton::{product_f32, product_tc, Epilogue, Planes, Unused};
 use crate::device::{Device, Matrix};
 use crate::error::Result;
 use crate::mat::Trans;
@@ -46,6 +47,7 @@ pub struct Sm90Variant {
 kernel!(WG_SYRK_EMA = KRON_SM90A::kron_syrk_ema_wg_tc, emu = kron_syrk_ema_tc;);
 kernel!(WG_GEMM = NEWTON_SM90A::newton_gemm_wg_tc, emu = newton_gemm_tc;);
 kernel!(WG_GEMM3 = PRECOND_SM90A::precond_gemm3_wg_tc, emu = precond_gemm3_tc;);
+kernel!(WG_NEWTON3 = NEWTON_SM90A::newton_gemm3_wg_tc, emu = newton_gemm3_tc;);
 
 /// The sm_90a variant of `kron_syrk_ema_tc` ([`super::kron::SYRK_EMA_TC`]).
 pub const SYRK_EMA_WG: Sm90Variant = Sm90Variant {
@@ -64,6 +66,14 @@ pub const GEMM_WG: Sm90Variant = Sm90Variant {
 /// (f32-accurate) products of the optimizers and the preconditioning.
 pub const GEMM3_WG: Sm90Variant = Sm90Variant {
     kernel: WG_GEMM3,
+    block: WG_THREADS,
+    shared_mem: WG_SMEM,
+};
+
+/// The sm_90a variant of `newton_gemm3_tc` ([`super::newton::GEMM3_TC`]): Newton's
+/// f32-accurate products (f32 mode, the bf16 run's residual and polish).
+pub const NEWTON_GEMM3_WG: Sm90Variant = Sm90Variant {
+    kernel: WG_NEWTON3,
     block: WG_THREADS,
     shared_mem: WG_SMEM,
 };
@@ -354,5 +364,41 @@ fn self_check(dev: &Device, mismatch: bool) -> Result<std::result::Result<(), St
             4.0 * (k3 as f64 + 8.0) * f64::powi(2.0, -24) * abs
         })
         .collect();
-    Ok(compare("precond_gemm3_wg_tc", &got, &want, &bounds))
+    if let Err(why) = compare("precond_gemm3_wg_tc", &got, &want, &bounds) {
+        return Ok(Err(why));
+    }
+
+    // Newton's split3 product C = A·B of the first two f32 operands' 53 x 53 leading blocks
+    // (n % 8 != 0: the element-wise loads; one partial tile and K slice per term).
+    let n4 = k3;
+    let (a4, b4) = (&a3[..n4 * n4], &b3[..n4 * n4]);
+    let (a4m, b4m) = (dev.upload(n4, n4, a4)?, dev.upload(n4, n4, b4)?);
+    let newton3 = |path| -> Result<Vec<f32>> {
+        let mut out = dev.zeros(n4, n4)?;
+        let mut planes = Planes::new(dev, n4)?;
+        let mut unused = Unused::new(dev)?;
+        forced(path, || {
+            let epi = Epilogue {
+                out: Some(&mut out),
+                ..Epilogue::new()
+            };
+            product_f32(dev, &a4m, &b4m, &mut planes, epi, &mut unused)
+        })?;
+        out.to_vec()
+    };
+    let want = newton3(Path::Sm80)?;
+    let got = match newton3(Path::Sm90) {
+        Ok(v) => v,
+        Err(e) => return Ok(Err(format!("newton_gemm3_wg_tc: {e}"))),
+    };
+    let bounds: Vec<f64> = (0..n4 * n4)
+        .map(|e| {
+            let (i, j) = (e / n4, e % n4);
+            let abs: f64 = (0..n4)
+                .map(|k| (f64::from(a4[i * n4 + k]) * f64::from(b4[k * n4 + j])).abs())
+                .sum();
+            4.0 * (n4 as f64 + 8.0) * f64::powi(2.0, -24) * abs
+        })
+        .collect();
+    Ok(compare("newton_gemm3_wg_tc", &got, &want, &bounds))
 }
