@@ -21,7 +21,7 @@ use cudarc::cublas::sys::{
 use cudarc::cublas::{CudaBlas, Gemm, GemmConfig};
 use cudarc::cublaslt::{result as lt, sys as lts};
 use cudarc::driver::{CudaSlice, DevicePtr, DevicePtrMut};
-use grng::cuda::launch::{record_launches, take_launches};
+use grng::cuda::launch::{read_backs, record_launches, take_launches};
 use grng::cuda::precond::gemm_tc;
 use grng::cuda::CudaDevice;
 use grng::ops::elementwise::{AdamWCoeffs, MultiState};
@@ -1166,8 +1166,12 @@ fn step_section(b: &Bench) -> Res<()> {
                 };
                 // Launches per step: times the `launch` section's cost per launch, the step's
                 // launch overhead (eager launches; CUDA graphs are not done, docs/gpu.md).
+                // Read-backs per step (each a stream synchronization): a lazy step's checks
+                // are read once (`Device::deferred`); a refresh adds Newton's stop scalars.
                 record_launches(true);
+                let reads0 = read_backs();
                 let counted = cycle();
+                let reads = (read_backs() - reads0) as f64 / skip as f64;
                 let launches = take_launches().len() / skip;
                 record_launches(false);
                 let mut ours = match counted {
@@ -1175,7 +1179,7 @@ fn step_section(b: &Bench) -> Res<()> {
                     Err(e) => Timed::none(format!("error: {e}")),
                 };
                 ours.secs = ours.secs.map(|s| s / skip as f64);
-                ours.note = format!("per step, {launches} launches");
+                ours.note = format!("per step, {launches} launches, {reads:.1} read-backs");
                 let case = format!("{variant}, S = {skip}, {model}, m = {m}");
                 row("step", &case, &ours, &[], Work::Millis);
             }
