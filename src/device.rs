@@ -167,6 +167,18 @@ impl Device {
     }
 
     /// Checks that `m` lives on this device (host storage for Cpu/Emulated).
+    /// The size by which a step on this device decides whether to run on the rayon pool
+    /// (`cpu::on_pool`): `work` on the CPU backend, whose loops gain from it; 0 on the kernel
+    /// devices, whose host work is launches and would pay the hop (~20–40 µs) for nothing —
+    /// and whose per-thread state (the deferred-check ledger, `cuda::launch::read_backs`)
+    /// then stays on the caller's thread.
+    pub(crate) fn pool_work(&self, work: usize) -> usize {
+        match self {
+            Device::Cpu => work,
+            Device::Emulated | Device::Cuda(_) => 0,
+        }
+    }
+
     pub(crate) fn check_on<T: Element>(&self, op: &'static str, m: &Matrix<T>) -> Result<()> {
         let ok = matches!(
             (self, &m.storage),

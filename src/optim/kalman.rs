@@ -121,7 +121,7 @@ impl RKalman {
         check_shape(OP, "h", h.shape(), (self.d_o(), self.n()))?;
         check_shape(OP, "innovation", innovation.shape(), (self.d_o(), 1))?;
         // The largest product is the innovation covariance `H·diag(σ)·Hᵀ`: `d_o²·n`.
-        let work = self.d_o() * self.d_o() * self.n();
+        let work = self.device.pool_work(self.d_o() * self.d_o() * self.n());
         let (device, state, config) = (&self.device, &mut self.state, &self.config.kalman);
         let info = crate::cpu::on_pool(work, || device.kalman_step(state, h, innovation, config))?;
         self.steps = self.steps.saturating_add(1);

@@ -225,9 +225,8 @@ impl KronOptimizer {
         grads: &[KronGrad<'_>],
         stats: Option<&[KronStats<'_>]>,
     ) -> Result<Vec<Matrix>> {
-        crate::cpu::on_pool(self.largest_product(), || {
-            self.precondition_on_pool(op, grads, stats)
-        })
+        let work = self.device.pool_work(self.largest_product());
+        crate::cpu::on_pool(work, || self.precondition_on_pool(op, grads, stats))
     }
 
     /// Multiply-adds of the step's largest product, `Γ̃⁻¹·G·Λ̃⁻¹`'s larger half
@@ -298,9 +297,8 @@ impl KronOptimizer {
         grads: &[KronGrad<'_>],
         stats: Option<&[KronStats<'_>]>,
     ) -> Result<KronStepInfo> {
-        crate::cpu::on_pool(self.largest_product(), || {
-            self.step_on_pool(op, params, grads, stats)
-        })
+        let work = self.device.pool_work(self.largest_product());
+        crate::cpu::on_pool(work, || self.step_on_pool(op, params, grads, stats))
     }
 
     fn step_on_pool(
