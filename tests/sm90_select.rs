@@ -111,9 +111,35 @@ fn syrk(dev: &Device, rng: &mut ChaCha8Rng, m: usize, n: usize) -> grng::Result<
     Ok(launched)
 }
 
+/// Checks `got` (f32, m x n row-major) against Σ_k x(i, k)·y(k, j) in f64 within the split3
+/// products' bound `(k + 8)·2⁻²⁴·Σ|x||y|` (`cuda::precond::gemm3`), 2x margin.
+fn check_split3(
+    what: &str,
+    got: &[f32],
+    (m, n, k): (usize, usize, usize),
+    x: impl Fn(usize, usize) -> f64,
+    y: impl Fn(usize, usize) -> f64,
+) {
+    for i in 0..m {
+        for j in 0..n {
+            let (mut s, mut abs) = (0.0f64, 0.0f64);
+            for p in 0..k {
+                s += x(i, p) * y(p, j);
+                abs += (x(i, p) * y(p, j)).abs();
+            }
+            let tol = 2.0 * (k as f64 + 8.0) * f64::powi(2.0, -24) * abs;
+            let g = f64::from(got[i * n + j]);
+            assert!(
+                (g - s).abs() <= tol,
+                "{what}: ({i}, {j}) = {g}, want {s} ± {tol:e}"
+            );
+        }
+    }
+}
+
 /// One split3 (f32-accurate) product C = op(A)·op(B) on `dev` through
-/// `cuda::precond::gemm3`, `op(A)` m x k transposed, checked against f64 within the split
-/// products' bound `(k + 8)·2⁻²⁴·Σ|a||b|` (2x margin); returns the launches.
+/// `cuda::precond::gemm3`, `op(A)` m x k transposed, checked against f64 ([`check_split3`]);
+/// returns the launches.
 fn split_product(
     dev: &Device,
     rng: &mut ChaCha8Rng,
@@ -127,29 +153,14 @@ fn split_product(
     take_launches();
     gemm3(dev, Trans::Yes, Trans::No, 1.0, &am, &bm, 0.0, &mut c)?;
     let launched = take_launches();
-    let got = c.to_vec()?;
-    for i in 0..m {
-        for j in 0..n {
-            let (mut s, mut abs) = (0.0f64, 0.0f64);
-            for p in 0..k {
-                let t = f64::from(a[p * m + i]) * f64::from(b[p * n + j]);
-                s += t;
-                abs += t.abs();
-            }
-            let tol = 2.0 * (k as f64 + 8.0) * f64::powi(2.0, -24) * abs;
-            let g = f64::from(got[i * n + j]);
-            assert!(
-                (g - s).abs() <= tol,
-                "AᵀB split3: ({i}, {j}) = {g}, want {s} ± {tol:e}"
-            );
-        }
-    }
+    let x = |i: usize, p: usize| f64::from(a[p * m + i]);
+    let y = |p: usize, j: usize| f64::from(b[p * n + j]);
+    check_split3("AᵀB split3", &c.to_vec()?, (m, n, k), x, y);
     Ok(launched)
 }
 
 /// One Newton split3 product C = A·B (f32, n x n) on `dev` through
-/// `cuda::newton::product_f32`, checked against f64 within `(k + 8)·2⁻²⁴·Σ|a||b|` (2x
-/// margin); returns the launches.
+/// `cuda::newton::product_f32`, checked against f64 ([`check_split3`]); returns the launches.
 fn newton_f32_product(
     dev: &Device,
     rng: &mut ChaCha8Rng,
@@ -167,23 +178,9 @@ fn newton_f32_product(
     };
     product_f32(dev, &am, &bm, &mut planes, epi, &mut unused)?;
     let launched = take_launches();
-    let got = out.to_vec()?;
-    for i in 0..n {
-        for j in 0..n {
-            let (mut s, mut abs) = (0.0f64, 0.0f64);
-            for p in 0..n {
-                let t = f64::from(a[i * n + p]) * f64::from(b[p * n + j]);
-                s += t;
-                abs += t.abs();
-            }
-            let tol = 2.0 * (n as f64 + 8.0) * f64::powi(2.0, -24) * abs;
-            let g = f64::from(got[i * n + j]);
-            assert!(
-                (g - s).abs() <= tol,
-                "A·B split3: ({i}, {j}) = {g}, want {s} ± {tol:e}"
-            );
-        }
-    }
+    let x = |i: usize, p: usize| f64::from(a[i * n + p]);
+    let y = |p: usize, j: usize| f64::from(b[p * n + j]);
+    check_split3("A·B split3", &out.to_vec()?, (n, n, n), x, y);
     Ok(launched)
 }
 

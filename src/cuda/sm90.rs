@@ -261,7 +261,35 @@ fn bound(k: usize, alpha: f64, abs: f64) -> f64 {
     4.0 * (k as f64 + 1.0) * f64::powi(2.0, -23) * alpha * abs
 }
 
-/// The first-use comparison of both sm_90a kernels against sm_80. `Err`: an sm_80 launch
+/// One comparison of the self-check: `run` on sm_80 (an error there is the caller's: `Err`)
+/// and on sm_90a (an error there fails the check), element `e` within `bound(e)`; `corrupt`
+/// adds 1 to the sm_90a result's first element (the `Mismatch` injection).
+fn both_paths(
+    name: &str,
+    run: impl Fn(Path) -> Result<Vec<f32>>,
+    bound: impl Fn(usize) -> f64,
+    corrupt: bool,
+) -> Result<std::result::Result<(), String>> {
+    let want = run(Path::Sm80)?;
+    let mut got = match run(Path::Sm90) {
+        Ok(v) => v,
+        Err(e) => return Ok(Err(format!("{name}: {e}"))),
+    };
+    if corrupt {
+        got[0] += 1.0;
+    }
+    let bounds: Vec<f64> = (0..want.len()).map(bound).collect();
+    Ok(compare(name, &got, &want, &bounds))
+}
+
+/// Bound on |sm_90a − sm_80| for a split3 (f32-accurate) product element whose Σ|a_k·b_k| over
+/// `k` terms is `abs`: each path is within `(k + 8)·2⁻²⁴·abs` of the exact product
+/// (`precond::gemm3`); 2x on top is margin.
+fn split3_bound(k: usize, abs: f64) -> f64 {
+    4.0 * (k as f64 + 8.0) * f64::powi(2.0, -24) * abs
+}
+
+/// The first-use comparison of every sm_90a kernel against sm_80. `Err`: an sm_80 launch
 /// failed (nothing decided); `Ok(Err(why))`: the sm_90a side failed or differs.
 fn self_check(dev: &Device, mismatch: bool) -> Result<std::result::Result<(), String>> {
     // Newton product C = A·B, n = 136 (n % 8 == 0: the cp.async loads; a partial tile).
@@ -280,24 +308,14 @@ fn self_check(dev: &Device, mismatch: bool) -> Result<std::result::Result<(), St
         })?;
         out.to_vec()
     };
-    let want = product(Path::Sm80)?;
-    let mut got = match product(Path::Sm90) {
-        Ok(v) => v,
-        Err(e) => return Ok(Err(format!("newton_gemm_wg_tc: {e}"))),
+    let product_bound = |e: usize| {
+        let (i, j) = (e / n, e % n);
+        let abs = (0..n)
+            .map(|k| f64::from(a[i * n + k].to_f32() * b[k * n + j].to_f32()).abs())
+            .sum();
+        bound(n, 1.0, abs)
     };
-    if mismatch {
-        got[0] += 1.0;
-    }
-    let bounds: Vec<f64> = (0..n * n)
-        .map(|e| {
-            let (i, j) = (e / n, e % n);
-            let abs = (0..n)
-                .map(|k| f64::from(a[i * n + k].to_f32() * b[k * n + j].to_f32()).abs())
-                .sum();
-            bound(n, 1.0, abs)
-        })
-        .collect();
-    if let Err(why) = compare("newton_gemm_wg_tc", &got, &want, &bounds) {
+    if let Err(why) = both_paths("newton_gemm_wg_tc", product, product_bound, mismatch)? {
         return Ok(Err(why));
     }
 
@@ -312,21 +330,14 @@ fn self_check(dev: &Device, mismatch: bool) -> Result<std::result::Result<(), St
         forced(path, || super::kron::syrk_ema_tc(dev, &sm, 0.0, &mut l))?;
         l.to_vec()
     };
-    let want = syrk(Path::Sm80)?;
-    let got = match syrk(Path::Sm90) {
-        Ok(v) => v,
-        Err(e) => return Ok(Err(format!("kron_syrk_ema_wg_tc: {e}"))),
+    let syrk_bound = |e: usize| {
+        let (i, j) = (e / n2, e % n2);
+        let abs = (0..m)
+            .map(|k| f64::from(s[k * n2 + i].to_f32() * s[k * n2 + j].to_f32()).abs())
+            .sum();
+        bound(m, f64::from(alpha), abs)
     };
-    let bounds: Vec<f64> = (0..n2 * n2)
-        .map(|e| {
-            let (i, j) = (e / n2, e % n2);
-            let abs = (0..m)
-                .map(|k| f64::from(s[k * n2 + i].to_f32() * s[k * n2 + j].to_f32()).abs())
-                .sum();
-            bound(m, f64::from(alpha), abs)
-        })
-        .collect();
-    if let Err(why) = compare("kron_syrk_ema_wg_tc", &got, &want, &bounds) {
+    if let Err(why) = both_paths("kron_syrk_ema_wg_tc", syrk, syrk_bound, false)? {
         return Ok(Err(why));
     }
 
@@ -349,22 +360,14 @@ fn self_check(dev: &Device, mismatch: bool) -> Result<std::result::Result<(), St
         })?;
         c.to_vec()
     };
-    let want = split(Path::Sm80)?;
-    let got = match split(Path::Sm90) {
-        Ok(v) => v,
-        Err(e) => return Ok(Err(format!("precond_gemm3_wg_tc: {e}"))),
+    let split_bound = |e: usize| {
+        let (i, j) = (e / n3, e % n3);
+        let abs = (0..k3)
+            .map(|k| (f64::from(a3[k * m3 + i]) * f64::from(b3[k * n3 + j])).abs())
+            .sum();
+        split3_bound(k3, abs)
     };
-    // Each path is within (k + 8)·2⁻²⁴·Σ|a||b| of the exact product (`precond::gemm3`).
-    let bounds: Vec<f64> = (0..m3 * n3)
-        .map(|e| {
-            let (i, j) = (e / n3, e % n3);
-            let abs: f64 = (0..k3)
-                .map(|k| (f64::from(a3[k * m3 + i]) * f64::from(b3[k * n3 + j])).abs())
-                .sum();
-            4.0 * (k3 as f64 + 8.0) * f64::powi(2.0, -24) * abs
-        })
-        .collect();
-    if let Err(why) = compare("precond_gemm3_wg_tc", &got, &want, &bounds) {
+    if let Err(why) = both_paths("precond_gemm3_wg_tc", split, split_bound, false)? {
         return Ok(Err(why));
     }
 
@@ -386,19 +389,12 @@ fn self_check(dev: &Device, mismatch: bool) -> Result<std::result::Result<(), St
         })?;
         out.to_vec()
     };
-    let want = newton3(Path::Sm80)?;
-    let got = match newton3(Path::Sm90) {
-        Ok(v) => v,
-        Err(e) => return Ok(Err(format!("newton_gemm3_wg_tc: {e}"))),
+    let newton3_bound = |e: usize| {
+        let (i, j) = (e / n4, e % n4);
+        let abs = (0..n4)
+            .map(|k| (f64::from(a4[i * n4 + k]) * f64::from(b4[k * n4 + j])).abs())
+            .sum();
+        split3_bound(n4, abs)
     };
-    let bounds: Vec<f64> = (0..n4 * n4)
-        .map(|e| {
-            let (i, j) = (e / n4, e % n4);
-            let abs: f64 = (0..n4)
-                .map(|k| (f64::from(a4[i * n4 + k]) * f64::from(b4[k * n4 + j])).abs())
-                .sum();
-            4.0 * (n4 as f64 + 8.0) * f64::powi(2.0, -24) * abs
-        })
-        .collect();
-    Ok(compare("newton_gemm3_wg_tc", &got, &want, &bounds))
+    both_paths("newton_gemm3_wg_tc", newton3, newton3_bound, false)
 }
