@@ -43,7 +43,9 @@
 //! # Failure
 //! Every entry point validates its inputs and computes into new buffers before committing, so
 //! an error leaves the optimizer exactly as it was. Newton divergence falls back (more damping,
-//! then Cholesky) and is counted in [`KronCounters`].
+//! then Cholesky) and is counted in [`KronCounters`]. On the kernel devices a call's checks
+//! and model reductions are read back once, at its end (`Device::deferred`): a clean lazy step
+//! synchronizes with the GPU once; a failing one runs again eagerly to name its error.
 
 mod config;
 mod damping;
