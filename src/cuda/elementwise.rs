@@ -212,12 +212,9 @@ pub(crate) fn check_finite<T: Element>(
                 }
             }
             rest = &rest[group.len()..];
-            let queued = deferred::queue_check(dev, 5, |status, at| {
-                queue_check(dev, op, &group, None, (status, at))
-            });
-            match queued {
-                Some(r) => r?,
-                None => validate(dev, op, &group, None)?,
+            let queue = |status: &mut Matrix, at| queue_check(dev, op, &group, None, (status, at));
+            if let Some(status) = queued_status(dev, 5, queue)? {
+                status_result(op, &group, None, &status)?;
             }
         } else if let Some(m) = any.downcast_ref::<Matrix<bf16>>() {
             rest = &rest[1..];
@@ -263,15 +260,30 @@ fn check_bf16(dev: &Device, op: &'static str, arg: &'static str, m: &Matrix<bf16
 /// when it flagged one.
 pub(crate) fn first_flagged(
     dev: &Device,
-    mut queue: impl FnMut(&mut Matrix, usize) -> Result<()>,
+    queue: impl FnMut(&mut Matrix, usize) -> Result<()>,
 ) -> Result<Option<usize>> {
-    if let Some(r) = deferred::queue_check(dev, 1, &mut queue) {
-        return r.map(|()| None);
-    }
-    let mut status = filled(dev, 1, NONE as u32)?;
-    queue(&mut status, 0)?;
+    let Some(status) = queued_status(dev, 1, queue)? else {
+        return Ok(None);
+    };
     let first = status.to_vec()?[0].to_bits() as i32;
     Ok((first != NONE).then_some(first as usize))
+}
+
+/// Runs `queue`, a launch that writes a `len`-int status (the buffer and the status's float
+/// offset): into `len` slots of the ledger inside [`crate::Device::deferred`] (`Ok(None)`: the
+/// scope reads them), else into a fresh status preset to [`NONE`], returned for the caller to
+/// read (`Ok(Some(status))`) — the one place a check chooses between the two.
+fn queued_status(
+    dev: &Device,
+    len: usize,
+    mut queue: impl FnMut(&mut Matrix, usize) -> Result<()>,
+) -> Result<Option<Matrix>> {
+    if let Some(r) = deferred::queue_check(dev, len, &mut queue) {
+        return r.map(|()| None);
+    }
+    let mut status = filled(dev, len, NONE as u32)?;
+    queue(&mut status, 0)?;
+    Ok(Some(status))
 }
 
 /// `y ← α x + y` (same length); `y` unchanged on error (non-finite `x` or `y`). `α` is
@@ -328,17 +340,10 @@ pub(crate) fn axpy_new(dev: &Device, alpha: f32, x: &Matrix, y: &Matrix) -> Resu
         // indices stay below n.
         unsafe { launch(&AXPY_NEW, cfg, args) }
     };
-    if let Some(r) = deferred::queue_check(dev, 5, |status, at| queue(&mut out, status, at)) {
-        return r.map(|()| out);
+    if let Some(status) = queued_status(dev, 5, |status, at| queue(&mut out, status, at))? {
+        let arrays = [("x", x), ("y", y), (crate::error::OVERFLOW, &out)];
+        status_result(OP, &arrays, None, &status)?;
     }
-    let mut status = new_status(dev)?;
-    queue(&mut out, &mut status, 0)?;
-    status_result(
-        OP,
-        &[("x", x), ("y", y), (crate::error::OVERFLOW, &out)],
-        None,
-        &status,
-    )?;
     Ok(out)
 }
 
