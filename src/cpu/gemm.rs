@@ -9,7 +9,7 @@ use crate::error::{check_shape, check_value, Error, Result};
 use crate::mat::{MatMut, MatRef, Trans};
 
 /// Shape of `op(X)` for a stored `rows x cols` operand.
-fn op_shape(t: Trans, shape: (usize, usize)) -> (usize, usize) {
+pub(crate) fn op_shape(t: Trans, shape: (usize, usize)) -> (usize, usize) {
     match t {
         Trans::No => shape,
         Trans::Yes => (shape.1, shape.0),

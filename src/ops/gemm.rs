@@ -3,7 +3,7 @@
 use std::any::Any;
 
 use super::{host_mut, host_ref, OVERFLOW};
-use crate::cpu::gemm::check_gemm;
+use crate::cpu::gemm::{check_gemm, op_shape};
 use crate::cuda::precond::Split3;
 use crate::device::{Device, Element, Matrix};
 use crate::error::Result;
@@ -95,20 +95,19 @@ impl Device {
         a: &Matrix<T>,
         b: &Matrix<T>,
     ) -> Result<Matrix> {
-        let rows = if ta == Trans::No { a.rows() } else { a.cols() };
-        let cols = if tb == Trans::No { b.cols() } else { b.rows() };
-        let mut c = self.zeros(rows, cols)?;
         let (da, db): (&dyn Any, &dyn Any) = (a, b);
-        match (
-            self,
-            da.downcast_ref::<Matrix>().zip(db.downcast_ref::<Matrix>()),
-        ) {
-            // The epilogue checks the result as it stores it: no separate pass over `c`.
-            (Device::Emulated | Device::Cuda(_), Some((a, b))) => {
-                let (a, b) = (Split3::new(self, a)?, Split3::new(self, b)?);
-                crate::cuda::precond::product3_checked(self, OP, ta, tb, alpha, &a, &b, &mut c)?;
-                return Ok(c);
-            }
+        let f32s = da.downcast_ref::<Matrix>().zip(db.downcast_ref::<Matrix>());
+        if let (Device::Emulated | Device::Cuda(_), Some((a, b))) = (self, f32s) {
+            // Split once even for a square (`a` is `b`); the epilogue checks the result.
+            let ao = self.operand(a)?;
+            return if std::ptr::eq(a, b) {
+                self.product_of(ta, tb, alpha, &ao, &ao)
+            } else {
+                self.product_of(ta, tb, alpha, &ao, &self.operand(b)?)
+            };
+        }
+        let mut c = self.zeros(op_shape(ta, a.shape()).0, op_shape(tb, b.shape()).1)?;
+        match (self, f32s) {
             // `AᵀA` of one matrix is symmetric: the CPU's SYRK computes the lower triangle and
             // mirrors it, half the flops of the GEMM.
             (Device::Cpu, Some((a, b)))
@@ -156,17 +155,8 @@ impl Device {
                 self.product_valid_inputs(ta, tb, alpha, *a, *b)
             }
             (Device::Emulated | Device::Cuda(_), Operand::Split(a), Operand::Split(b)) => {
-                let rows = if ta == Trans::No {
-                    a.matrix().rows()
-                } else {
-                    a.matrix().cols()
-                };
-                let cols = if tb == Trans::No {
-                    b.matrix().cols()
-                } else {
-                    b.matrix().rows()
-                };
-                let mut c = self.zeros(rows, cols)?;
+                let rows = op_shape(ta, a.matrix().shape()).0;
+                let mut c = self.zeros(rows, op_shape(tb, b.matrix().shape()).1)?;
                 crate::cuda::precond::product3_checked(self, OP, ta, tb, alpha, a, b, &mut c)?;
                 Ok(c)
             }
@@ -178,7 +168,7 @@ impl Device {
         }
     }
 
-    /// The product itself on this device's backend, writing `c` in place.    /// The product itself on this device's backend, writing `c` in place.
+    /// The product itself on this device's backend, writing `c` in place.
     #[allow(clippy::too_many_arguments)]
     fn gemm_kernel<T: Element>(
         &self,
