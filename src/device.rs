@@ -166,7 +166,6 @@ impl Device {
         crate::error::out_of_memory::<T>(self.name(), rows, cols, reason)
     }
 
-    /// Checks that `m` lives on this device (host storage for Cpu/Emulated).
     /// The size by which a step on this device decides whether to run on the rayon pool
     /// (`cpu::on_pool`): `work` on the CPU backend, whose loops gain from it; 0 on the kernel
     /// devices, whose host work is launches and would pay the hop (~20–40 µs) for nothing —
@@ -179,6 +178,7 @@ impl Device {
         }
     }
 
+    /// Checks that `m` lives on this device (host storage for Cpu/Emulated).
     pub(crate) fn check_on<T: Element>(&self, op: &'static str, m: &Matrix<T>) -> Result<()> {
         let ok = matches!(
             (self, &m.storage),

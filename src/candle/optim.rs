@@ -322,9 +322,12 @@ impl GrngOptimizer {
                 // changes.
                 let factors = layers
                     .iter()
-                    .map(|l| match self.factored {
-                        true => l.gradient_factors(grads),
-                        false => Ok(None),
+                    .map(|l| {
+                        if self.factored {
+                            l.gradient_factors(grads)
+                        } else {
+                            Ok(None)
+                        }
                     })
                     .collect::<Result<Vec<_>>>()?;
                 Some((gs, stats, factors))

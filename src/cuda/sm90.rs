@@ -4,11 +4,11 @@
 //! A kernel with an sm_90a variant names it in [`Kernel::sm90`]; [`super::launch::launch`]
 //! asks `select` which one to queue. The first such launch on a device runs a self-check:
 //! small ragged products through both paths (`newton_gemm_tc` against `newton_gemm_wg_tc`
-//! on the 16-byte cp.async path, `kron_syrk_ema_tc` against `kron_syrk_ema_wg_tc` and
+//! on the 16-byte cp.async path; `kron_syrk_ema_tc` against `kron_syrk_ema_wg_tc`,
 //! `precond_gemm3_tc` against `precond_gemm3_wg_tc` (split3 planes, a transposed operand) and
 //! `newton_gemm3_tc` against `newton_gemm3_wg_tc` on the element-wise path), compared within
-//! the f32 accumulation bound. If the sm_90a module does
-//! not load, a launch fails or a product differs, the device falls back to sm_80 for good:
+//! the f32 accumulation bound. If an sm_90a module does not load, a launch fails or a product
+//! differs, the device falls back to sm_80 for good:
 //! the fallback is counted ([`fallbacks`]), said once on stderr, and never a wrong product.
 //! The launch record (`launch::record_launches`) names the kernels that actually ran.
 //!

@@ -227,15 +227,18 @@ impl KronOptimizer {
         grads: &[KronGrad<'_>],
         stats: Option<&[KronStats<'_>]>,
     ) -> Result<Vec<Matrix>> {
-        let work = self.device.pool_work(self.largest_product());
-        crate::cpu::on_pool(work, || self.precondition_on_pool(op, grads, stats))
+        crate::cpu::on_pool(self.pool_work(), || {
+            self.precondition_on_pool(op, grads, stats)
+        })
     }
 
-    /// Multiply-adds of the step's largest product, `Γ̃⁻¹·G·Λ̃⁻¹`'s larger half
-    /// (`d_out·d_in·max(d_out, d_in)`): the size [`crate::cpu::on_pool`] decides by.
-    fn largest_product(&self) -> usize {
+    /// The size [`crate::cpu::on_pool`] decides by ([`Device::pool_work`]): the multiply-adds
+    /// of the step's largest product, `Γ̃⁻¹·G·Λ̃⁻¹`'s larger half
+    /// (`d_out·d_in·max(d_out, d_in)`), on the CPU.
+    fn pool_work(&self) -> usize {
         let work = |&(r, c): &(usize, usize)| r * c * r.max(c);
-        self.shapes.iter().map(work).max().unwrap_or(0)
+        let largest = self.shapes.iter().map(work).max().unwrap_or(0);
+        self.device.pool_work(largest)
     }
 
     fn precondition_on_pool(
@@ -299,8 +302,9 @@ impl KronOptimizer {
         grads: &[KronGrad<'_>],
         stats: Option<&[KronStats<'_>]>,
     ) -> Result<KronStepInfo> {
-        let work = self.device.pool_work(self.largest_product());
-        crate::cpu::on_pool(work, || self.step_on_pool(op, params, grads, stats))
+        crate::cpu::on_pool(self.pool_work(), || {
+            self.step_on_pool(op, params, grads, stats)
+        })
     }
 
     fn step_on_pool(
