@@ -13,7 +13,7 @@
 use grng::cuda::launch::{read_backs, record_launches, take_launches};
 use grng::cuda::precond::{product3_checked, Split3};
 use grng::mat::Trans;
-use grng::optim::kron::{InverseMethod, KronConfig, KronGrad, KronOptimizer, KronVariant};
+use grng::optim::kron::{KronConfig, KronGrad, KronOptimizer, KronVariant};
 use grng::optim::KronStats;
 use grng::{Device, Error, Matrix};
 use rand::Rng;
@@ -42,15 +42,7 @@ fn config(variant: KronVariant) -> KronConfig {
         KronVariant::Reng => KronConfig::reng(),
         KronVariant::Ngd => KronConfig::ngd(),
     };
-    KronConfig {
-        rho: 1e-2,
-        rho_min: 1e-8,
-        rho_max: 1.0,
-        phi: 0.8,
-        skip: 1000,
-        inverse: InverseMethod::Cholesky,
-        ..base
-    }
+    common::drifting_config(base)
 }
 
 /// Everything a failed step must leave as it was: ρ, the step count, the counters, every

@@ -5,7 +5,7 @@
 
 use grng::checkpoint::{Checkpoint, Writer};
 use grng::cuda::launch::{record_launches, take_launches};
-use grng::optim::kron::{InverseMethod, KronConfig, KronFactorState, KronOptimizer};
+use grng::optim::kron::{KronConfig, KronFactorState, KronOptimizer};
 use grng::optim::KronStats;
 use grng::{Device, Matrix};
 use std::sync::{Mutex, PoisonError};
@@ -51,15 +51,7 @@ fn lazy_steps_match_cpu_with_one_axpy_per_factor() {
     let grads: Vec<Vec<Vec<f32>>> = (0..steps)
         .map(|_| shapes.iter().map(|&(o, i)| vals(&mut rng, o * i)).collect())
         .collect();
-    let cfg = KronConfig {
-        rho: 1e-2,
-        rho_min: 1e-8,
-        rho_max: 1.0,
-        phi: 0.8,
-        skip: 1000,
-        inverse: InverseMethod::Cholesky,
-        ..KronConfig::ring()
-    };
+    let cfg = common::drifting_config(KronConfig::ring());
     let upload = |dev: &Device, k: usize| -> Vec<Matrix> {
         shapes
             .iter()

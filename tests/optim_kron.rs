@@ -909,15 +909,7 @@ fn lazy_steps_use_the_first_order_inverse_of_the_formation() {
     let shapes = [(5usize, 7usize), (3, 6)];
     // m < d: singular factors, so ‖E₀‖₂ = 1/λ₀ and the first-order error is largest.
     let (stats, grads) = lazy_problem(&mut rng, &shapes, 4, 8);
-    let cfg = KronConfig {
-        rho: 1e-2,
-        rho_min: 1e-8,
-        rho_max: 1.0,
-        phi: 0.8,
-        skip: 1000,
-        inverse: InverseMethod::Cholesky,
-        ..KronConfig::ring()
-    };
+    let cfg = common::drifting_config(KronConfig::ring());
     let mut opt = KronOptimizer::new(&DEV, &shapes, cfg).unwrap();
     let ks: Vec<KronStats<'_>> = stats.iter().map(|(a, e)| KronStats { a, e }).collect();
     let g: Vec<&Matrix> = grads[0].iter().collect();

@@ -5,7 +5,7 @@
 use std::sync::OnceLock;
 
 use grng::cuda::CudaDevice;
-use grng::optim::kron::KronFactorState;
+use grng::optim::kron::{InverseMethod, KronConfig, KronFactorState};
 use grng::{Device, Trans};
 use proptest::test_runner::{Config, RngSeed};
 use rand::{Rng, SeedableRng};
@@ -316,4 +316,19 @@ pub fn run_child(name: &str, env: &[(&str, Option<&str>)]) -> String {
         "child failed:\n{stdout}\n{stderr}"
     );
     stderr
+}
+
+/// `base` set up for lazy-step tests whose ρ drifts: ρ = 1e-2 free in [1e-8, 1], φ = 0.8 (each
+/// observed step moves the damping target), no refresh after the first (S = 1000) and exact
+/// (Cholesky) inverses, so a lazy step's first-order inverse is the only approximation.
+pub fn drifting_config(base: KronConfig) -> KronConfig {
+    KronConfig {
+        rho: 1e-2,
+        rho_min: 1e-8,
+        rho_max: 1.0,
+        phi: 0.8,
+        skip: 1000,
+        inverse: InverseMethod::Cholesky,
+        ..base
+    }
 }
