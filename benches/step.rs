@@ -8,11 +8,16 @@
 //! - `GRNG_BENCH_ONLY`: comma-separated subset of `ring,reng,ngd,rkalman,kalman,adamw,sgd,sophia`;
 //! - `GRNG_BENCH_EMA`: the Kronecker factors' EMA `ε` (default: the method's, 0 = replaced at
 //!   each refresh; kfac-jax's default is 0.95). With `ε > 0` the factors are full rank, so the
-//!   low-rank paths of a refresh (the Woodbury inverse, the Gram norm) do not apply.
+//!   low-rank paths of a refresh (the Woodbury inverse, the Gram norm) do not apply;
+//! - `GRNG_BENCH_SKIPS`: comma-separated skip frequencies `S` of RING and RENG (default `1,8`);
+//! - `GRNG_BENCH_LM_INTERVAL`: the Kronecker methods' Levenberg–Marquardt interval `T`
+//!   (`KronConfig::damping_interval`; default the method's, 1: the model and the loss after
+//!   every step; Martens & Grosse adapt every 5).
 //!
 //! RING and RENG run at `S = 1` (factors and inverses every step) and `S = 8` (the amortized
-//! lazy cost: criterion averages over many consecutive steps). The Kalman methods take ONE
-//! sample per step (SPEC §6), so their time is per sample, not per batch.
+//! lazy cost: criterion averages over many consecutive steps); a large `S` (say 100000)
+//! measures the lazy step alone. The Kalman methods take ONE sample per step (SPEC §6), so
+//! their time is per sample, not per batch.
 //! Quick smoke run: `GRNG_BENCH_SHAPE=64-32-10 GRNG_BENCH_BATCH=32 cargo bench --bench step`.
 //!
 //! The learning rates are tiny so thousands of repeated steps on one batch stay finite; they
@@ -51,6 +56,20 @@ fn shape() -> Vec<usize> {
     sizes
 }
 
+/// The skip frequencies `S` of RING and RENG (`GRNG_BENCH_SKIPS`).
+fn skips() -> Vec<usize> {
+    env_or("GRNG_BENCH_SKIPS", "1,8")
+        .split(',')
+        .map(|w| {
+            w.trim()
+                .parse()
+                .ok()
+                .filter(|&s| s >= 1)
+                .expect("GRNG_BENCH_SKIPS: skip frequencies like 1,8")
+        })
+        .collect()
+}
+
 /// `(label, config)` for every benchmarked variant.
 fn variants(batch: usize) -> Vec<(String, MethodConfig)> {
     let only = std::env::var("GRNG_BENCH_ONLY")
@@ -76,9 +95,16 @@ fn variants(batch: usize) -> Vec<(String, MethodConfig)> {
             c.set(Knob::Ema, ema)
                 .expect("GRNG_BENCH_EMA: the Kronecker methods take 0 <= ema < 1");
         }
+        if let (OptimizerConfig::Kron(k), Ok(t)) =
+            (&mut c.optimizer, std::env::var("GRNG_BENCH_LM_INTERVAL"))
+        {
+            k.damping_interval = t
+                .parse()
+                .expect("GRNG_BENCH_LM_INTERVAL: an interval T >= 1");
+        }
         match (method, c.optimizer) {
             (Method::Ring | Method::Reng, OptimizerConfig::Kron(k)) => {
-                for s in [1, 8] {
+                for s in skips() {
                     let mut k = k;
                     k.skip = s;
                     let mut cs = c;

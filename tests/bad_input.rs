@@ -254,7 +254,7 @@ impl Outputs for grng::ops::kalman::KalmanInfo {
 }
 impl Outputs for grng::optim::kron::KronStepInfo {
     fn finite(&self) -> bool {
-        self.predicted_change.is_finite()
+        self.predicted_change.is_some_and(f32::is_finite)
     }
 }
 

@@ -705,6 +705,58 @@ fn step_observed_undoes_a_step_with_a_non_finite_loss() {
     assert!(!same);
 }
 
+/// `step_observed` with a Levenberg–Marquardt interval `T = 2`: the steps that form no model
+/// stand without calling `loss_after` (even one that would report a non-finite loss), the
+/// others read it and are undone when it is not finite.
+#[test]
+fn step_observed_reads_the_loss_after_only_on_adapting_steps() {
+    let Case {
+        layers, x, labels, ..
+    } = case(vec![5, 4, 3], 8, common::seed());
+    let vars: Vec<Var> = layers.iter().map(|l| l.weight().clone()).collect();
+    let config = GrngConfig {
+        method: OptimizerConfig::Kron(KronConfig {
+            damping_interval: 2,
+            ..KronConfig::ring()
+        }),
+        rest: AdamWConfig::default(),
+        layers: layers.clone(),
+    };
+    let mut opt = GrngOptimizer::try_new(vars.clone(), config).unwrap();
+    let mut rng = common::seeded_rng();
+    for k in 0..5 {
+        let z = logits(&layers, &x, None);
+        let loss = candle_nn::loss::cross_entropy(&z, &labels_tensor(&labels, z.device())).unwrap();
+        let before = loss.to_scalar::<f32>().unwrap();
+        let grads = loss.backward().unwrap();
+        if opt.needs_fisher() {
+            capture_fisher(&layers, &z, FisherMode::Sampled, &u32s(&labels), &mut rng).unwrap();
+        }
+        let w0: Vec<Vec<f32>> = vars.iter().map(|v| host(v)).collect();
+        let mut called = false;
+        let r = opt
+            .step_observed(&grads, before, || {
+                called = true;
+                Ok(f32::NAN)
+            })
+            .unwrap();
+        let same = w0 == vars.iter().map(|v| host(v)).collect::<Vec<_>>();
+        if k % 2 == 0 {
+            assert!(called, "step {k}");
+            assert_eq!(r, grng::candle::Observed::Rejected, "step {k}");
+            assert!(same, "step {k}");
+        } else {
+            assert!(!called, "step {k}");
+            assert_eq!(
+                r,
+                grng::candle::Observed::Applied { after: None },
+                "step {k}"
+            );
+            assert!(!same, "step {k}");
+        }
+    }
+}
+
 proptest! {
     #![proptest_config(common::proptest_config(8))]
 

@@ -800,7 +800,7 @@ fn kron_resume_with_a_cached_square_is_bit_for_bit() {
         let ks: Vec<KronStats<'_>> = stats.iter().map(|(a, e)| KronStats { a, e }).collect();
         let g: Vec<&Matrix> = grads[k].iter().collect();
         let s = opt.needs_stats().then_some(&ks[..]);
-        let q = opt.step(w, &g, s).unwrap().predicted_change;
+        let q = opt.step(w, &g, s).unwrap().predicted_change.unwrap();
         let r = if k.is_multiple_of(2) { 1.0 } else { 0.0 };
         opt.observe_loss(1.0, 1.0 + r * q).unwrap();
     };

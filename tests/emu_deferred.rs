@@ -128,13 +128,16 @@ fn lazy_kron_steps_read_back_once() {
                 );
                 assert!(!info.refreshed);
                 assert_eq!(info.first_order_updates, 2 * SHAPES.len() as u32);
-                assert!(info.predicted_change.is_finite() && info.predicted_change < 0.0);
+                assert!(
+                    info.predicted_change.unwrap().is_finite()
+                        && info.predicted_change.unwrap() < 0.0
+                );
                 // ρ moves every step (up: r < 0; down: r = 1), so every step retargets, and
                 // stays within one factor φ of the formation's (first-order updates).
                 let after = if k % 2 == 0 {
                     2.0
                 } else {
-                    1.0 + info.predicted_change
+                    1.0 + info.predicted_change.unwrap()
                 };
                 opt.observe_loss(1.0, after).unwrap();
             }
@@ -371,7 +374,7 @@ fn factored_lazy_step_splits_each_operand_once() {
                 let after = if opt.steps().is_multiple_of(2) {
                     2.0
                 } else {
-                    1.0 + info.predicted_change
+                    1.0 + info.predicted_change.unwrap()
                 };
                 opt.observe_loss(1.0, after).unwrap();
                 launched

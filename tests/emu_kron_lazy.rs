@@ -78,7 +78,8 @@ fn lazy_steps_match_cpu_with_one_axpy_per_factor() {
     let q = base
         .step(&mut zeros(&cpu), &g0, Some(&ks))
         .unwrap()
-        .predicted_change;
+        .predicted_change
+        .unwrap();
     base.observe_loss(1.0, 1.0 + q).unwrap();
     let mut saved = Writer::new();
     base.save(&mut saved).unwrap();
@@ -189,10 +190,10 @@ fn lazy_steps_match_cpu_with_one_axpy_per_factor() {
                 dev.name()
             );
             on_cpu
-                .observe_loss(1.0, 1.0 + r * ic.predicted_change)
+                .observe_loss(1.0, 1.0 + r * ic.predicted_change.unwrap())
                 .unwrap();
             on_dev
-                .observe_loss(1.0, 1.0 + r * id.predicted_change)
+                .observe_loss(1.0, 1.0 + r * id.predicted_change.unwrap())
                 .unwrap();
         }
         assert_eq!(squared, [[true; 2]; 2], "every factor drifted");

@@ -278,9 +278,9 @@ proptest! {
         let q = -eta * lin + 0.5 * eta * eta * (curv + sl.damping as f64 * sg.damping as f64 * sq);
         // Each term is a sum of f32 products (≈ 2⁻²⁴ relative per factor, summed in f64).
         let qmag = eta * lin.abs() + 0.5 * eta * eta * (curv.abs() + sl.damping as f64 * sg.damping as f64 * sq);
-        prop_assert!((info.predicted_change as f64 - q).abs() <= 1e-5 * qmag + 1e-30,
-            "q {} vs {q}", info.predicted_change);
-        prop_assert!(info.predicted_change < 0.0 || lin == 0.0);
+        prop_assert!((info.predicted_change.unwrap() as f64 - q).abs() <= 1e-5 * qmag + 1e-30,
+            "q {} vs {q}", info.predicted_change.unwrap());
+        prop_assert!(info.predicted_change.unwrap() < 0.0 || lin == 0.0);
     }
 }
 
@@ -405,7 +405,10 @@ fn factored_matches_dense_on(
     let sq = dot64(&chain, &chain);
     let lambda = l.lambda.damping as f64 * l.gamma.damping as f64;
     let qmag = eta * lin + 0.5 * eta * eta * (curv + lambda * sq);
-    let (a_, b_) = (qf.predicted_change as f64, qd.predicted_change as f64);
+    let (a_, b_) = (
+        qf.predicted_change.unwrap() as f64,
+        qd.predicted_change.unwrap() as f64,
+    );
     prop_assert!(
         (a_ - b_).abs() <= 2.0 * unit * qmag + 1e-30,
         "{dev:?} q factored {a_} vs dense {b_}, magnitude {qmag:e}"
@@ -557,7 +560,7 @@ fn run(p: &Problem, cfg: KronConfig, fresh_each_step: bool) -> Vec<Vec<Vec<f32>>
         let st = stats_of(p, k);
         let stats = opt.needs_stats().then_some(&st[..]);
         let info = opt.step(&mut params, &grads, stats).unwrap();
-        let q = info.predicted_change;
+        let q = info.predicted_change.unwrap();
         let r = if k % 3 == 2 { 0.0 } else { 1.0 };
         opt.observe_loss(1.0, 1.0 + r * q).unwrap();
         out.push(params.iter().map(host).collect());
@@ -628,7 +631,8 @@ fn lazy_steps_reuse_inverses_when_damping_is_fixed() {
             .step(&mut params, &grads, need.then_some(&st[..]))
             .unwrap();
         refreshed.push(info.refreshed);
-        opt.observe_loss(1.0, 1.0 + info.predicted_change).unwrap();
+        opt.observe_loss(1.0, 1.0 + info.predicted_change.unwrap())
+            .unwrap();
         let snap = snapshot(&opt).0;
         match (k, &first) {
             (0, _) => first = Some(snap),
@@ -755,7 +759,7 @@ fn lazy_error_moving(phi: f32, grow: bool) -> (f64, f64, KronOptimizer) {
     let after = if grow {
         1.0
     } else {
-        1.0 + info.predicted_change
+        1.0 + info.predicted_change.unwrap()
     };
     opt.observe_loss(1.0, after).unwrap();
     let x0 = opt.state().unwrap().layers[0].lambda.inverse_norm as f64;
@@ -924,7 +928,7 @@ fn lazy_steps_use_the_first_order_inverse_of_the_formation() {
     // r = 1 lowers ρ by φ, r = 0 raises it by 1/φ: λ/λ₀ = √(ρ/ρ₀) runs 0.89, 0.8, 0.89, 1,
     // 1.12, 1.25, 1.12 over the lazy steps.
     let moves = [1.0f32, 1.0, 0.0, 0.0, 0.0, 0.0, 1.0];
-    opt.observe_loss(1.0, 1.0 + moves[0] * info.predicted_change)
+    opt.observe_loss(1.0, 1.0 + moves[0] * info.predicted_change.unwrap())
         .unwrap();
     let (mut worst, mut drifted, mut t_max) = (0.0f64, 0, 0.0f64);
     for (k, &r) in moves[1..].iter().enumerate() {
@@ -999,7 +1003,7 @@ fn lazy_steps_use_the_first_order_inverse_of_the_formation() {
         }
         assert_eq!(info.first_order_updates, moved, "step {k}");
         drifted += moved;
-        opt.observe_loss(1.0, 1.0 + r * info.predicted_change)
+        opt.observe_loss(1.0, 1.0 + r * info.predicted_change.unwrap())
             .unwrap();
     }
     eprintln!("first-order P: worst error / tolerance {worst:.3}; largest t {t_max:.3}");
@@ -1037,7 +1041,8 @@ fn drift_since_the_formation_beyond_the_limit_recomputes() {
     let g: Vec<&Matrix> = grads[0].iter().collect();
     let mut w = zeros(&shapes);
     let info = opt.step(&mut w, &g, Some(&ks)).unwrap();
-    opt.observe_loss(1.0, 1.0 + info.predicted_change).unwrap();
+    opt.observe_loss(1.0, 1.0 + info.predicted_change.unwrap())
+        .unwrap();
     let lambda0 = opt.state().unwrap().layers[0].lambda.damping;
     for k in 1..=8 {
         let info = opt.step(&mut w, &g, None).unwrap();
@@ -1074,7 +1079,8 @@ fn drift_since_the_formation_beyond_the_limit_recomputes() {
                 }
             }
         }
-        opt.observe_loss(1.0, 1.0 + info.predicted_change).unwrap();
+        opt.observe_loss(1.0, 1.0 + info.predicted_change.unwrap())
+            .unwrap();
     }
     assert_eq!(opt.counters().lazy_recomputes, 2);
     assert_eq!(opt.counters().first_order_updates, 14);
@@ -1107,7 +1113,8 @@ fn failed_lazy_step_leaves_inverse_square_and_counters_untouched() {
         .map(|&(o, i)| rand_mat(&mut rng, o, i))
         .collect();
     let info = opt.step(&mut w, &g, Some(&ks)).unwrap();
-    opt.observe_loss(1.0, 1.0 + info.predicted_change).unwrap(); // λ → 0.8λ₀
+    opt.observe_loss(1.0, 1.0 + info.predicted_change.unwrap())
+        .unwrap(); // λ → 0.8λ₀
     let fails = |opt: &mut KronOptimizer, w: &mut Vec<Matrix>, what: &str| {
         let before = snapshot(opt);
         let w_before: Vec<Vec<f32>> = w.iter().map(host).collect();
@@ -1131,8 +1138,9 @@ fn failed_lazy_step_leaves_inverse_square_and_counters_untouched() {
     let info = opt.step(&mut w, &g, None).unwrap();
     assert_eq!(info.first_order_updates, 4);
     assert_eq!(squares(&opt), [true; 4]);
-    opt.observe_loss(1.0, 1.0 + info.predicted_change).unwrap(); // λ → 0.64λ₀
-                                                                 // 2. S₀ cached: the failed step must keep it.
+    opt.observe_loss(1.0, 1.0 + info.predicted_change.unwrap())
+        .unwrap(); // λ → 0.64λ₀
+                   // 2. S₀ cached: the failed step must keep it.
     fails(&mut opt, &mut w, "first-order step with S₀ cached");
     // 3. Five rejections: λ → 0.64λ₀/0.8⁵ ≈ 1.95λ₀, past the guard: the step would
     // recompute.
@@ -1208,6 +1216,92 @@ fn levenberg_marquardt_moves_rho_in_the_right_direction() {
     assert_eq!(opt.counters().lm_updates, 10);
 }
 
+/// With a Levenberg–Marquardt interval `T`, only steps `k ≡ 0 (mod T)` form the model; a
+/// step that forms none updates exactly as one that does (the model never enters the
+/// update), a loss after it is refused and changes nothing, and each adaptation moves ρ by
+/// `φᵀ`: the run equals a `T = 1` optimizer with `φᵀ` observed on the same steps, bit for bit
+/// (φ = 1/2, so `φᵀ` is exact in `f32` as well), for every variant and `S ∈ {1, 2, 3}`.
+#[test]
+fn damping_interval_forms_the_model_every_t_steps() {
+    let p = problem(21, 13);
+    let zeros = || -> Vec<Matrix> {
+        p.shapes
+            .iter()
+            .map(|&(o, i)| DEV.zeros(o, i).unwrap())
+            .collect()
+    };
+    for variant in [KronVariant::Ring, KronVariant::Reng, KronVariant::Ngd] {
+        for (t, skip) in [(2usize, 1usize), (3, 2), (4, 3)] {
+            let base = KronConfig {
+                phi: 0.5,
+                rho_min: 1e-9,
+                skip,
+                inverse: InverseMethod::Cholesky,
+                ..variant_config(variant)
+            };
+            let cfg = KronConfig {
+                damping_interval: t,
+                ..base
+            };
+            let reference = KronConfig {
+                phi: 0.5f32.powi(t as i32),
+                ..base
+            };
+            let mut opt = KronOptimizer::new(&DEV, &p.shapes, cfg).unwrap();
+            let mut refo = KronOptimizer::new(&DEV, &p.shapes, reference).unwrap();
+            let (mut w, mut wr) = (zeros(), zeros());
+            for k in 0..p.grads.len() {
+                let adapts = k % t == 0;
+                assert_eq!(
+                    opt.adapts_damping(),
+                    adapts,
+                    "{variant:?} T = {t}, step {k}"
+                );
+                let grads: Vec<&Matrix> = p.grads[k].iter().collect();
+                let st = stats_of(&p, k);
+                let stats = opt.needs_stats().then_some(&st[..]);
+                let info = opt.step(&mut w, &grads, stats).unwrap();
+                let ir = refo.step(&mut wr, &grads, stats).unwrap();
+                let ctx = format!("{variant:?} T = {t}, S = {skip}, step {k}");
+                assert_eq!(
+                    w.iter().map(host).collect::<Vec<_>>(),
+                    wr.iter().map(host).collect::<Vec<_>>(),
+                    "{ctx}"
+                );
+                assert_eq!(info.predicted_change.is_some(), adapts, "{ctx}");
+                assert_eq!(opt.pending_prediction(), info.predicted_change, "{ctx}");
+                // Alternate good and poor agreement so that ρ moves both ways.
+                let r = if k % (2 * t) == 0 { 1.0 } else { 0.0 };
+                if let Some(q) = info.predicted_change {
+                    assert_eq!(q, ir.predicted_change.unwrap(), "{ctx}");
+                    opt.observe_loss(1.0, 1.0 + r * q).unwrap();
+                    refo.observe_loss(1.0, 1.0 + r * q).unwrap();
+                } else {
+                    let before = snapshot(&opt);
+                    let err = opt.observe_loss(1.0, 0.5).unwrap_err();
+                    assert!(
+                        matches!(
+                            err,
+                            Error::Value {
+                                arg: "predicted change",
+                                ..
+                            }
+                        ),
+                        "{ctx}: {err}"
+                    );
+                    assert_eq!(snapshot(&opt), before, "{ctx}");
+                }
+                assert_eq!(opt.rho().to_bits(), refo.rho().to_bits(), "{ctx}");
+            }
+            assert_eq!(
+                opt.counters().lm_updates,
+                p.grads.len().div_ceil(t) as u64,
+                "{variant:?} T = {t}"
+            );
+        }
+    }
+}
+
 /// One step on problem step `k` (statistics when needed); returns the predicted change.
 fn lm_step(p: &Problem, k: &mut usize, opt: &mut KronOptimizer, w: &mut [Matrix]) -> f32 {
     let st = stats_of(p, *k);
@@ -1217,6 +1311,7 @@ fn lm_step(p: &Problem, k: &mut usize, opt: &mut KronOptimizer, w: &mut [Matrix]
     opt.step(w, &grads, need.then_some(&st[..]))
         .unwrap()
         .predicted_change
+        .unwrap()
 }
 
 // ---------- fallbacks ----------
@@ -1269,7 +1364,8 @@ fn warmed(seed: u64) -> (KronOptimizer, Problem, Vec<Matrix>) {
         let q = opt
             .step(&mut w, &grads, need.then_some(&st[..]))
             .unwrap()
-            .predicted_change;
+            .predicted_change
+            .unwrap();
         if k < 2 {
             opt.observe_loss(1.0, 1.0 + 0.9 * q).unwrap();
         }
@@ -1401,6 +1497,13 @@ fn bad_configs_are_rejected() {
             },
         ),
         (
+            "damping_interval",
+            KronConfig {
+                damping_interval: 0,
+                ..KronConfig::ring()
+            },
+        ),
+        (
             "rho",
             KronConfig {
                 rho: -1e-3,
@@ -1504,9 +1607,9 @@ fn state_restore_round_trip() {
         let ia = a.step(&mut wa, &grads, s).unwrap();
         let ib = b.step(&mut wb, &grads, s).unwrap();
         assert_eq!(ia, ib, "step {k}");
-        a.observe_loss(1.0, 1.0 + 0.2 * ia.predicted_change)
+        a.observe_loss(1.0, 1.0 + 0.2 * ia.predicted_change.unwrap())
             .unwrap();
-        b.observe_loss(1.0, 1.0 + 0.2 * ib.predicted_change)
+        b.observe_loss(1.0, 1.0 + 0.2 * ib.predicted_change.unwrap())
             .unwrap();
     }
     assert_eq!(snapshot(&a), snapshot(&b));

@@ -83,6 +83,49 @@ fn steps_for(method: Method) -> usize {
 }
 
 proptest! {
+    #![proptest_config(common::proptest_config(4))]
+
+    /// With a Levenberg–Marquardt interval `T`, a Kronecker trainer evaluates the loss after
+    /// the steps that form the model only, observes each of them, and still trains.
+    #[test]
+    fn damping_interval_evaluates_the_loss_after_every_t_steps(
+        seed in 0u64..1_000_000, d in 4usize..9, t in 2usize..5,
+    ) {
+        let data = synthetic_classification(96, d, 3, seed).expect("data");
+        for method in [Method::Ring, Method::Reng, Method::Ngd] {
+            let mut config = MethodConfig::tuned(method);
+            if let OptimizerConfig::Kron(k) = &mut config.optimizer {
+                k.damping_interval = t;
+            }
+            let before = full_loss(&network(d, 3, seed), &data);
+            let mut trainer =
+                Trainer::new(&Device::Cpu, network(d, 3, seed), config, seed).expect("trainer");
+            let steps = steps_for(method);
+            let mut k = 0;
+            for epoch in 0.. {
+                for idx in data.batches(seed, epoch, config.batch_size).expect("batches") {
+                    if k == steps {
+                        break;
+                    }
+                    let (x, labels) = data.gather(&idx).expect("gather");
+                    let r = trainer
+                        .step(Batch { x: x.as_ref(), targets: Targets::Classes(&labels) })
+                        .expect("step");
+                    prop_assert!(!r.skipped, "{method}: step {k} skipped");
+                    prop_assert_eq!(r.loss_after.is_some(), k % t == 0, "{}: step {}", method, k);
+                    k += 1;
+                }
+                if k == steps {
+                    break;
+                }
+            }
+            let after = full_loss(trainer.mlp(), &data);
+            prop_assert!(after < 0.9 * before, "{method}: full-data loss {before} -> {after}");
+        }
+    }
+}
+
+proptest! {
     // Each case trains all eight methods on a tiny network (milliseconds each).
     #![proptest_config(common::proptest_config(4))]
 

@@ -527,8 +527,9 @@ impl GrngOptimizer {
     /// an overflowing step is rejected (damping raised, nothing changed), the loss on the same
     /// batch after the step (`loss_after`, called once) feeds the Levenberg–Marquardt rule
     /// with `before`, and a step after which that loss is not finite is undone (every variable
-    /// restored; AdamW's moments keep the step) and counted as rejected. First-order methods
-    /// just step (`loss_after` is not called).
+    /// restored; AdamW's moments keep the step) and counted as rejected. First-order methods,
+    /// and Kronecker steps that form no model ([`KronOptimizer::adapts_damping`]), just step
+    /// (`loss_after` is not called).
     ///
     /// # Errors
     /// As [`GrngOptimizer::try_step`] other than overflow, and those of `loss_after`.
@@ -538,16 +539,23 @@ impl GrngOptimizer {
         before: f32,
         loss_after: impl FnOnce() -> Result<f32>,
     ) -> Result<Observed> {
-        if self.kron.is_none() {
+        let Some(adapts) = self.kron.as_ref().map(|(o, _)| o.adapts_damping()) else {
             self.try_step(grads)?;
             return Ok(Observed::Applied { after: None });
-        }
-        let vars: Vec<Var> = self.vars().cloned().collect();
-        let saved = vars
-            .iter()
-            .map(|v| v.as_tensor().copy())
-            .collect::<candle_core::Result<Vec<_>>>()
-            .map_err(from_candle)?;
+        };
+        // Only a step that forms the model reads the loss after it, and only such a step
+        // can be undone: the variables are saved for those alone.
+        let saved = if adapts {
+            let vars: Vec<Var> = self.vars().cloned().collect();
+            let copies = vars
+                .iter()
+                .map(|v| v.as_tensor().copy())
+                .collect::<candle_core::Result<Vec<_>>>()
+                .map_err(from_candle)?;
+            Some((vars, copies))
+        } else {
+            None
+        };
         match self.try_step(grads) {
             Ok(_) => {}
             Err(Error::NonFinite { .. } | Error::NonFiniteTensor { .. }) => {
@@ -556,6 +564,9 @@ impl GrngOptimizer {
             }
             Err(e) => return Err(e),
         }
+        let Some((vars, saved)) = saved else {
+            return Ok(Observed::Applied { after: None });
+        };
         let after = loss_after()?;
         self.observe_loss(before, after)?;
         if after.is_finite() {

@@ -232,6 +232,9 @@ impl MethodConfig {
         match &self.optimizer {
             OptimizerConfig::Kron(c) => {
                 let _ = write!(s, "S={} ", c.skip);
+                if c.damping_interval > 1 {
+                    let _ = write!(s, "T={} ", c.damping_interval);
+                }
                 if c.grad_reg > 0.0 {
                     let _ = write!(s, "c={} ", fmt_g(c.grad_reg));
                 }

@@ -304,7 +304,9 @@ impl Trainer {
     /// or innovation, **skips** the step: it returns `Ok` with [`StepReport::skipped`] set,
     /// counts it in [`TrainerCounters::skipped_nonfinite`], and changes nothing (network,
     /// optimizer, device parameters, random stream, step counter). For the Kronecker methods
-    /// an update whose loss after the step is non-finite is **rejected**: the parameters are
+    /// the loss after the step is evaluated on the steps that form the Levenberg–Marquardt
+    /// model (every step unless [`crate::optim::KronConfig::damping_interval`] says
+    /// otherwise); an update whose loss after is non-finite is **rejected**: the parameters are
     /// put back, the Levenberg–Marquardt rule sees the non-finite loss and raises `ρ`
     /// ([`KronOptimizer::observe_loss`]), the step counts as skipped and as
     /// [`TrainerCounters::rejected_updates`] (the optimizer keeps its refreshed factors and its
@@ -431,20 +433,25 @@ impl Trainer {
                         .map(|(a, e)| KronGrad::Factored { e, a })
                         .collect(),
                 };
-                match opt.step_grads(params, &grad_refs, kron.as_deref()) {
-                    Ok(_) => {}
+                let predicted = match opt.step_grads(params, &grad_refs, kron.as_deref()) {
+                    Ok(info) => info.predicted_change.is_some(),
                     Err(Error::NonFinite { .. }) => {
                         opt.reject_step();
                         self.counters.rejected_updates += 1;
                         return Ok(Outcome::skip(loss, gn));
                     }
                     Err(e) => return Err(e),
-                }
+                };
                 // The stepped layers go into the network by a swap of flat vectors: `flat`
                 // then holds the parameters before the step, to swap back if it is rejected
                 // (no copy of them, no second check: the step checked every value it wrote).
                 gather_layers(mlp, params, flat)?;
                 mlp.swap_flat(flat, true)?;
+                // A step that formed no model (`KronConfig::damping_interval`) needs no loss
+                // after it. Its weights are finite (the step checked every value it wrote).
+                if !predicted {
+                    return Ok(Outcome::applied(loss, gn, refresh));
+                }
                 // The LM rule compares plain losses, also for RENG (its regularized loss
                 // would need a second backward pass after the step).
                 let after = match mlp.evaluate(batch.x, batch.targets) {

@@ -49,10 +49,12 @@ fn ngd_pi(lambda: FactorScalars, gamma: FactorScalars) -> f64 {
 
 /// The Levenberg–Marquardt rule (SPEC §2) for a reduction ratio `r` (actual over predicted
 /// change of the loss): `ρ ← φρ` if `r > 3/4`, `ρ ← ρ/φ` if `r < 1/4` (NaN counts as a
-/// poor model), otherwise unchanged; the result is clamped to `[rho_min, rho_max]`.
+/// poor model), otherwise unchanged; the result is clamped to `[rho_min, rho_max]`. With a
+/// [`KronConfig::damping_interval`] `T > 1` the factor is `φᵀ` (Martens & Grosse's
+/// `ω₁ = (19/20)^T₁`): one adaptation stands for `T` steps.
 pub fn levenberg_marquardt(cfg: &KronConfig, rho: f32, r: f32) -> f32 {
     let rho = rho as f64;
-    let phi = cfg.phi as f64;
+    let phi = (cfg.phi as f64).powf(cfg.damping_interval as f64);
     let next = if r > 0.75 {
         rho * phi
     } else if r >= 0.25 {

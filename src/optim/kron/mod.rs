@@ -38,7 +38,9 @@
 //! For RENG and NGD this is `λ = ρ` — Martens & Grosse's model `F + ρI`, of which the factored
 //! Tikhonov damping is the Kronecker-friendly approximation — and for RING `ρ‖Λ‖₂‖Γ‖₂`.
 //! [`KronOptimizer::observe_loss`] forms `r = (L(θ+δ) − L(θ)) / (q(δ) − q(0))` and moves `ρ` by
-//! [`levenberg_marquardt`].
+//! [`levenberg_marquardt`]. With [`KronConfig::damping_interval`] `T > 1` only every `T`-th
+//! step forms the model ([`KronOptimizer::adapts_damping`]); the others skip its products
+//! and need no loss after the step.
 //!
 //! # Failure
 //! Every entry point validates its inputs and computes into new buffers before committing, so
@@ -176,6 +178,22 @@ impl KronOptimizer {
         }
     }
 
+    /// True when the coming [`KronOptimizer::step`] forms the quadratic model (`step mod T
+    /// == 0` for [`KronConfig::damping_interval`] `T`): its predicted change then waits for
+    /// [`KronOptimizer::observe_loss`]. The other steps skip the model's products, and the
+    /// loss after them is not needed.
+    pub fn adapts_damping(&self) -> bool {
+        self.st
+            .steps
+            .is_multiple_of(self.config.damping_interval as u64)
+    }
+
+    /// The predicted change of the last [`KronOptimizer::step`] while it waits for
+    /// [`KronOptimizer::observe_loss`]; `None` when that step formed no model or was observed.
+    pub fn pending_prediction(&self) -> Option<f32> {
+        self.st.predicted
+    }
+
     /// True when the coming step refreshes the Fisher (`step mod S == 0`, or no factors yet):
     /// `stats` must be passed then. Statistics passed on other steps refresh too.
     pub fn needs_stats(&self) -> bool {
@@ -262,7 +280,8 @@ impl KronOptimizer {
     }
 
     /// Whole optimizer: `W̄_l ← W̄_l − η·P_l` with `η = α/L` (or `α`), storing the quadratic
-    /// model's predicted change for [`KronOptimizer::observe_loss`].
+    /// model's predicted change for [`KronOptimizer::observe_loss`] when the step
+    /// [`KronOptimizer::adapts_damping`].
     ///
     /// `params[l]`: `W̄_l`, `d_out x d_in`, updated in place; `grads`, `stats` as in
     /// [`KronOptimizer::precondition`].
@@ -316,6 +335,7 @@ impl KronOptimizer {
     ) -> Result<KronStepInfo> {
         let before = self.st.counters;
         let eta = self.effective_lr();
+        let with_model = self.adapts_damping();
         let current: &[Matrix] = params;
         // The whole step's checks and model reductions are read back once, at the end of
         // this scope (`Device::deferred`: on a GPU one synchronization per step, not one per
@@ -326,7 +346,7 @@ impl KronOptimizer {
             self.check_layers(op, "params", current.iter())?;
             let mut counters = before;
             let plan = self.plan(stats, &mut counters)?;
-            let ps = self.preconditioned(&plan, grads, true)?;
+            let ps = self.preconditioned(&plan, grads, with_model)?;
             let mut terms = Vec::with_capacity(ps.len());
             for p in &ps {
                 terms.push(p.model_terms(&self.device)?);
@@ -359,14 +379,16 @@ impl KronOptimizer {
         let q = check_predicted(op, q)?;
         let refreshed = matches!(plan, Plan::Refresh(_));
         self.commit(plan, counters);
-        self.st.predicted = Some(q);
+        // Without the model `q` is the empty sum 0: nothing to observe.
+        let predicted = with_model.then_some(q);
+        self.st.predicted = predicted;
         for (w, new) in params.iter_mut().zip(updated) {
             *w = new;
         }
         let delta = |f: fn(&KronCounters) -> u64| (f(&counters) - f(&before)) as u32;
         Ok(KronStepInfo {
             refreshed,
-            predicted_change: q,
+            predicted_change: predicted,
             rho: self.st.rho,
             lr: eta,
             first_order_updates: delta(|c| c.first_order_updates),
@@ -396,7 +418,8 @@ impl KronOptimizer {
     /// and raises `ρ`; a prediction `q ≥ 0` (zero gradient) leaves `ρ` alone (counted).
     ///
     /// # Errors
-    /// [`Error::Value`] when no step is pending (each step is observed at most once),
+    /// [`Error::Value`] when no prediction is pending ([`KronOptimizer::pending_prediction`]:
+    /// a step that formed the model, observed at most once),
     /// [`Error::NonFinite`] for a non-finite `before`. Unchanged on error.
     pub fn observe_loss(&mut self, before: f32, after: f32) -> Result<()> {
         const OP: &str = "KronOptimizer::observe_loss";
@@ -405,7 +428,7 @@ impl KronOptimizer {
                 op: OP,
                 arg: "predicted change",
                 value: f64::NAN,
-                expected: "a step() not yet observed",
+                expected: "a step() that formed the model (adapts_damping()), not yet observed",
             });
         };
         if !before.is_finite() {

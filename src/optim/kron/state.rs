@@ -142,8 +142,10 @@ impl KronCounters {
 pub struct KronStepInfo {
     /// Whether the factors were recomputed from statistics on this step.
     pub refreshed: bool,
-    /// The quadratic model's predicted change `q(δ) − q(0)` summed over layers (≤ 0).
-    pub predicted_change: f32,
+    /// The quadratic model's predicted change `q(δ) − q(0)` summed over layers (≤ 0), on a
+    /// step that formed the model ([`super::KronOptimizer::adapts_damping`]); `None` on the
+    /// others.
+    pub predicted_change: Option<f32>,
     /// `ρ` used by this step.
     pub rho: f32,
     /// Effective step size `α/L` (or `α`).
