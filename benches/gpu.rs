@@ -1148,8 +1148,14 @@ fn step_section(b: &Bench) -> Res<()> {
             ("RENG", KronConfig::reng(), &dense),
             ("NGD", KronConfig::ngd(), &factored),
         ] {
-            for skip in [1, 8] {
-                let cfg = KronConfig { skip, ..base };
+            // `T`: the Levenberg–Marquardt interval (`KronConfig::damping_interval`); with
+            // `T = 5` four steps in five skip the model's products.
+            for (skip, interval) in [(1, 1), (8, 1), (8, 5)] {
+                let cfg = KronConfig {
+                    skip,
+                    damping_interval: interval,
+                    ..base
+                };
                 let mut opt = KronOptimizer::new(dev, shapes, cfg)?;
                 let mut params: Vec<grng::Matrix> = mats
                     .iter()
@@ -1180,7 +1186,7 @@ fn step_section(b: &Bench) -> Res<()> {
                 };
                 ours.secs = ours.secs.map(|s| s / skip as f64);
                 ours.note = format!("per step, {launches} launches, {reads:.1} read-backs");
-                let case = format!("{variant}, S = {skip}, {model}, m = {m}");
+                let case = format!("{variant}, S = {skip}, T = {interval}, {model}, m = {m}");
                 row("step", &case, &ours, &[], Work::Millis);
             }
         }

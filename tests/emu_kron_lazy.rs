@@ -1,7 +1,8 @@
 //! RING's lazy steps on the kernel devices (the emulator, and CUDA when a GPU is present):
 //! the first-order inverse relative to the formation, `X₀ − (λ − λ₀)·X₀²` (SPEC §2), matches
 //! the CPU backend from the same state, and costs one axpy per factor and step — the square
-//! `X₀²` is one GEMM per formation, not one per step (counted kernel launches).
+//! `X₀²` is one GEMM per formation, not one per step — and none on a step whose target is the
+//! last one's (counted kernel launches).
 
 use grng::checkpoint::{Checkpoint, Writer};
 use grng::cuda::launch::{record_launches, take_launches};
@@ -201,5 +202,103 @@ fn lazy_steps_match_cpu_with_one_axpy_per_factor() {
             "{}: lazy P vs CPU, worst difference / tolerance {worst:.3}",
             dev.name()
         );
+    }
+}
+
+/// A lazy step at the same damping target as the step before reuses that step's first-order
+/// inverse: no axpy for the factors (only the parameter update's, one per layer) and no GEMM
+/// beyond the preconditioning's and the model's, still counted as first-order updates, and
+/// the same bits as an optimizer without the cache (loaded from a checkpoint, which does not
+/// store it), on the CPU and on each kernel device.
+#[test]
+fn unchanged_target_reuses_the_first_order_inverse() {
+    let _serial = SERIAL.lock().unwrap_or_else(PoisonError::into_inner);
+    let mut rng = common::seeded_rng();
+    let shapes = [(9usize, 70usize), (3, 6)];
+    let m = 5;
+    let cfg = common::drifting_config(KronConfig::ring());
+    let stats: Vec<(Vec<f32>, Vec<f32>)> = shapes
+        .iter()
+        .map(|&(o, i)| (vals(&mut rng, m * i), vals(&mut rng, m * o)))
+        .collect();
+    let grads: Vec<Vec<Vec<f32>>> = (0..3)
+        .map(|_| shapes.iter().map(|&(o, i)| vals(&mut rng, o * i)).collect())
+        .collect();
+    let upload = |dev: &Device, k: usize| -> Vec<Matrix> {
+        shapes
+            .iter()
+            .zip(&grads[k])
+            .map(|(&(o, i), g)| dev.upload(o, i, g).unwrap())
+            .collect()
+    };
+    let zeros = |dev: &Device| -> Vec<Matrix> {
+        shapes
+            .iter()
+            .map(|&(o, i)| dev.zeros(o, i).unwrap())
+            .collect()
+    };
+    let layers = shapes.len();
+    let mut all = vec![Device::Cpu];
+    all.extend(devices());
+    for dev in all {
+        let name = dev.name();
+        let mut opt = KronOptimizer::new(&dev, &shapes, cfg).unwrap();
+        let st: Vec<(Matrix, Matrix)> = shapes
+            .iter()
+            .zip(&stats)
+            .map(|(&(o, i), (a, e))| (dev.upload(m, i, a).unwrap(), dev.upload(m, o, e).unwrap()))
+            .collect();
+        let ks: Vec<KronStats<'_>> = st.iter().map(|(a, e)| KronStats { a, e }).collect();
+        // The refresh, a good step (ρ ← φρ: every target moves), then a lazy step at the new
+        // target whose ratio leaves ρ alone.
+        let step = |opt: &mut KronOptimizer, k: usize, ks: Option<&[KronStats<'_>]>, r: f32| {
+            let g = upload(&dev, k);
+            let mut w = zeros(&dev);
+            record_launches(true);
+            let info = opt.step(&mut w, &g.iter().collect::<Vec<_>>(), ks).unwrap();
+            let launched = take_launches();
+            record_launches(false);
+            opt.observe_loss(1.0, 1.0 + r * info.predicted_change.unwrap())
+                .unwrap();
+            let w: Vec<Vec<f32>> = w.iter().map(|w| w.to_vec().unwrap()).collect();
+            (info, launched, w)
+        };
+        step(&mut opt, 0, Some(&ks), 1.0);
+        let (first, launched, _) = step(&mut opt, 1, None, 0.5);
+        assert_eq!(first.first_order_updates, 4, "{name}: every factor drifted");
+        let axpys = |l: &[&str]| l.iter().filter(|n| **n == "elementwise_axpy_new").count();
+        let gemms = |l: &[&str]| l.iter().filter(|n| n.contains("gemm")).count();
+        if !matches!(dev, Device::Cpu) {
+            assert_eq!(axpys(&launched), 4 + layers, "{name}: {launched:?}");
+        }
+        let mut saved = Writer::new();
+        opt.save(&mut saved).unwrap();
+        let mut fresh = KronOptimizer::new(&dev, &shapes, cfg).unwrap();
+        fresh.load(&saved.to_reader().unwrap()).unwrap();
+        let (cached, launched, w) = step(&mut opt, 2, None, 0.5);
+        let (uncached, launched_fresh, w_fresh) = step(&mut fresh, 2, None, 0.5);
+        assert_eq!(cached.rho, first.rho, "{name}: ρ must not move");
+        assert_eq!(
+            w, w_fresh,
+            "{name}: the cached inverses must give the same step"
+        );
+        assert_eq!(cached.predicted_change, uncached.predicted_change, "{name}");
+        assert_eq!(cached.first_order_updates, 4, "{name}");
+        assert_eq!(uncached.first_order_updates, 4, "{name}");
+        if !matches!(dev, Device::Cpu) {
+            assert_eq!(axpys(&launched), layers, "{name}: {launched:?}");
+            assert_eq!(gemms(&launched), 4 * layers, "{name}: {launched:?}");
+            // Without the cache: an axpy per factor, and the squares again (not stored).
+            assert_eq!(
+                axpys(&launched_fresh),
+                4 + layers,
+                "{name}: {launched_fresh:?}"
+            );
+            assert_eq!(
+                gemms(&launched_fresh),
+                4 * layers + 4,
+                "{name}: {launched_fresh:?}"
+            );
+        }
     }
 }

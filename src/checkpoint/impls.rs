@@ -251,6 +251,7 @@ impl Checkpoint for KronOptimizer {
                     // Not stored: the loaded optimizer forms X₀·X₀ again at its first lazy
                     // step that needs it (the same product of the same X₀: the same bits).
                     square: None,
+                    retargeted: None,
                 })
             };
             layers.push(KronLayerState {

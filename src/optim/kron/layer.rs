@@ -250,9 +250,10 @@ impl Ctx<'_> {
 
     /// `s`'s inverse at the damping `target` on a lazy step (module docs): the one as formed
     /// when `target` is its damping, the first-order `X₀ − (target − λ₀)·S₀` when
-    /// `|target − λ₀|·‖X₀‖₂ ≤ 1/2` (forming `S₀ = X₀·X₀` if `s` has none yet), otherwise a
-    /// recomputed inverse (warm started from `X₀`), which becomes the new formation; the
-    /// counters say which happened.
+    /// `|target − λ₀|·‖X₀‖₂ ≤ 1/2` (forming `S₀ = X₀·X₀` if `s` has none yet; taken from the
+    /// state's cache when the last one was at the same `target`), otherwise a recomputed
+    /// inverse (warm started from `X₀`), which becomes the new formation; the counters say
+    /// which happened.
     pub fn retarget(
         &self,
         s: &KronFactorState,
@@ -265,6 +266,10 @@ impl Ctx<'_> {
             return Ok(Retarget::Keep);
         }
         if (d * s.inverse_norm).abs() <= FIRST_ORDER_LIMIT {
+            c.first_order_updates += 1;
+            if s.retargeted.as_ref().is_some_and(|r| r.1 == target) {
+                return Ok(Retarget::Cached);
+            }
             // One pass, X₀ + (−d)·S₀ into a new matrix; S₀ is formed once per formation and
             // handed to the caller to cache.
             let (inverse, square) = match &s.square {
@@ -274,7 +279,6 @@ impl Ctx<'_> {
                     (self.device.axpy_new(-d, &sq, &s.inverse)?, Some(sq))
                 }
             };
-            c.first_order_updates += 1;
             return Ok(Retarget::FirstOrder {
                 inverse,
                 damping: target,
@@ -332,9 +336,11 @@ impl Rows<'_> {
 pub(super) enum Retarget {
     /// The inverse as formed serves: the damping target is the one it was formed at.
     Keep,
-    /// The first-order inverse `X₀ − (λ − λ₀)·S₀` at the target `damping`, for this step only
-    /// (the state keeps `X₀` and `λ₀`); `square` is `S₀` when this step formed it, for the
-    /// state to cache on commit.
+    /// The state's cached first-order inverse serves: the last one was at this target.
+    Cached,
+    /// The first-order inverse `X₀ − (λ − λ₀)·S₀` at the target `damping` (the state keeps
+    /// `X₀` and `λ₀`, and caches this one on commit); `square` is `S₀` when this step formed
+    /// it, for the state to cache too.
     FirstOrder {
         inverse: Matrix,
         damping: f32,
@@ -349,6 +355,11 @@ impl Retarget {
     pub fn view<'a>(&'a self, s: &'a KronFactorState) -> (&'a Matrix, f32) {
         match self {
             Retarget::Keep => (&s.inverse, s.damping),
+            // `retarget` says `Cached` only when the state holds that inverse.
+            Retarget::Cached => s
+                .retargeted
+                .as_ref()
+                .map_or((&s.inverse, s.damping), |(x, l)| (x, *l)),
             Retarget::FirstOrder {
                 inverse, damping, ..
             } => (inverse, *damping),
@@ -356,21 +367,28 @@ impl Retarget {
         }
     }
 
-    /// Installs the outcome into `s`: a newly formed `S₀` is cached, a new formation replaces
-    /// the inverse (and drops the old `S₀`).
+    /// Installs the outcome into `s`: a first-order inverse is cached (and a newly formed
+    /// `S₀`), a new formation replaces the inverse (and drops the old caches).
     pub fn apply(self, s: &mut KronFactorState) {
         match self {
-            Retarget::Keep | Retarget::FirstOrder { square: None, .. } => {}
+            Retarget::Keep | Retarget::Cached => {}
             Retarget::FirstOrder {
-                square: Some(sq), ..
-            } => s.square = Some(sq),
+                inverse,
+                damping,
+                square,
+            } => {
+                s.retargeted = Some((inverse, damping));
+                if square.is_some() {
+                    s.square = square;
+                }
+            }
             Retarget::Formed(u) => u.apply(s),
         }
     }
 }
 
 /// A newly formed inverse for one factor: replaces `inverse`, `damping` and `inverse_norm` of
-/// its [`KronFactorState`] and drops its cached square.
+/// its [`KronFactorState`] and drops its caches.
 pub(super) struct InverseUpdate {
     pub inverse: Matrix,
     pub damping: f32,
@@ -384,6 +402,7 @@ impl InverseUpdate {
         s.damping = self.damping;
         s.inverse_norm = self.inverse_norm;
         s.square = None;
+        s.retargeted = None;
     }
 
     /// The full factor state for a freshly computed factor.
@@ -396,6 +415,7 @@ impl InverseUpdate {
             norm: scalars.norm,
             trace: scalars.trace,
             square: None,
+            retargeted: None,
         }
     }
 }

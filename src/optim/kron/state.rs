@@ -9,9 +9,11 @@ use crate::error::Result;
 /// One damped Kronecker factor of one layer (`Λ`, `d_in x d_in`, or `Γ`, `d_out x d_out`).
 ///
 /// The inverse is kept *as formed* (at a refresh, or recomputed on a lazy step): lazy steps
-/// whose damping target `λ` differs from its damping `λ₀` use `X₀ − (λ − λ₀)·X₀²` without
-/// storing it (SPEC §2; [`super::KronOptimizer`]'s module docs), with the square `X₀·X₀`
-/// cached here once formed ([`KronFactorState::square`]).
+/// whose damping target `λ` differs from its damping `λ₀` use `X₀ − (λ − λ₀)·X₀²` (SPEC §2;
+/// [`super::KronOptimizer`]'s module docs), with the square `X₀·X₀` cached here once formed
+/// ([`KronFactorState::square`]), and the last such inverse with its `λ` (so that lazy steps
+/// at an unchanged target, as between the adaptations of
+/// [`super::KronConfig::damping_interval`], pass over no `n x n` matrix).
 #[derive(Debug)]
 pub struct KronFactorState {
     /// The undamped factor `F` (EMA of `(1/m) AᵀA` or `(1/m') ÊᵀÊ`), `n x n`, symmetric.
@@ -32,6 +34,10 @@ pub struct KronFactorState {
     /// `S₀ = X₀·X₀`, formed at the first lazy step whose target differs from `λ₀`; dropped
     /// with `X₀`. A cache: a pure function of `inverse` (see [`KronFactorState::square`]).
     pub(crate) square: Option<Matrix>,
+    /// The last first-order inverse `X₀ − (λ − λ₀)·S₀` and its `λ`; dropped with `X₀`. A
+    /// cache like `square`: not copied by [`super::KronOptimizer::state`] nor stored by the
+    /// checkpoint, and formed again from `X₀` and `S₀` with the same bits.
+    pub(crate) retargeted: Option<(Matrix, f32)>,
 }
 
 impl KronFactorState {
@@ -54,6 +60,7 @@ impl KronFactorState {
             norm: self.norm,
             trace: self.trace,
             square: self.square.as_ref().map(Matrix::try_clone).transpose()?,
+            retargeted: None,
         })
     }
 }
@@ -74,8 +81,9 @@ pub struct KronCounters {
     pub refreshes: u64,
     /// Inverses a lazy step took by the first-order update `X₀ − (λ − λ₀)·X₀²` (one per
     /// factor and lazy step whose damping target `λ` differs from the damping `λ₀` its
-    /// inverse `X₀` was formed at, with `|λ − λ₀|·‖X₀‖₂ ≤ 1/2`). Each is an axpy; the square
-    /// `X₀²` is formed once per formation.
+    /// inverse `X₀` was formed at, with `|λ − λ₀|·‖X₀‖₂ ≤ 1/2`). Each is an axpy, or none
+    /// when the factor's last one was at the same `λ` (cached); the square `X₀²` is formed
+    /// once per formation.
     pub first_order_updates: u64,
     /// Inverses recomputed on a lazy step because `|λ − λ₀|·‖X₀‖₂ > 1/2` (each becomes a new
     /// formation).
