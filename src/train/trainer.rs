@@ -305,7 +305,7 @@ impl Trainer {
     /// counts it in [`TrainerCounters::skipped_nonfinite`], and changes nothing (network,
     /// optimizer, device parameters, random stream, step counter). For the Kronecker methods
     /// the loss after the step is evaluated on the steps that form the Levenberg–Marquardt
-    /// model (every step unless [`crate::optim::KronConfig::damping_interval`] says
+    /// model (every step unless [`crate::optim::kron::KronConfig::damping_interval`] says
     /// otherwise); an update whose loss after is non-finite is **rejected**: the parameters are
     /// put back, the Levenberg–Marquardt rule sees the non-finite loss and raises `ρ`
     /// ([`KronOptimizer::observe_loss`]), the step counts as skipped and as
