@@ -216,6 +216,23 @@ fn logits(layers: &[KronLinear], x: &Mat, scale: Option<&Var>) -> Tensor {
     }
 }
 
+/// The cross-entropy of the logits `z` against `labels`: its value and gradients, with the
+/// Fisher statistics captured (labels sampled from `rng`) when `opt` needs them.
+fn backward(
+    opt: &GrngOptimizer,
+    layers: &[KronLinear],
+    z: &Tensor,
+    labels: &[usize],
+    rng: &mut ChaCha8Rng,
+) -> (f32, candle_core::backprop::GradStore) {
+    let loss = candle_nn::loss::cross_entropy(z, &labels_tensor(labels, z.device())).unwrap();
+    let grads = loss.backward().unwrap();
+    if opt.needs_fisher() {
+        capture_fisher(layers, z, FisherMode::Sampled, &u32s(labels), rng).unwrap();
+    }
+    (loss.to_scalar::<f32>().unwrap(), grads)
+}
+
 fn labels_tensor(labels: &[usize], dev: &CDevice) -> Tensor {
     Tensor::from_slice(&u32s(labels), labels.len(), dev).unwrap()
 }
@@ -333,11 +350,7 @@ fn step_matches_grng(method: OptimizerConfig, cdev: &CDevice, dev: &Device, fact
     let mut rng = common::seeded_rng();
     for _ in 0..2 {
         let z = logits(&layers, &x, Some(&scale));
-        let loss = candle_nn::loss::cross_entropy(&z, &labels_tensor(&labels, z.device())).unwrap();
-        let grads = loss.backward().unwrap();
-        if opt.needs_fisher() {
-            capture_fisher(&layers, &z, FisherMode::Sampled, &u32s(&labels), &mut rng).unwrap();
-        }
+        let (_, grads) = backward(&opt, &layers, &z, &labels, &mut rng);
         let sampled = opt.needs_sophia_sample().then(|| {
             let y: Vec<usize> = (0..labels.len()).map(|_| rng.random_range(0..4)).collect();
             let g = candle_nn::loss::cross_entropy(&z, &labels_tensor(&y, z.device()))
@@ -684,12 +697,7 @@ fn step_observed_undoes_a_step_with_a_non_finite_loss() {
     let mut rng = common::seeded_rng();
     let mut step = |after: f32| {
         let z = logits(&layers, &x, None);
-        let loss = candle_nn::loss::cross_entropy(&z, &labels_tensor(&labels, z.device())).unwrap();
-        let before = loss.to_scalar::<f32>().unwrap();
-        let grads = loss.backward().unwrap();
-        if opt.needs_fisher() {
-            capture_fisher(&layers, &z, FisherMode::Sampled, &u32s(&labels), &mut rng).unwrap();
-        }
+        let (before, grads) = backward(&opt, &layers, &z, &labels, &mut rng);
         let w0: Vec<Vec<f32>> = vars.iter().map(|v| host(v)).collect();
         let rho0 = opt.rho().unwrap();
         let r = opt.step_observed(&grads, before, || Ok(after)).unwrap();
@@ -726,12 +734,7 @@ fn step_observed_reads_the_loss_after_only_on_adapting_steps() {
     let mut rng = common::seeded_rng();
     for k in 0..5 {
         let z = logits(&layers, &x, None);
-        let loss = candle_nn::loss::cross_entropy(&z, &labels_tensor(&labels, z.device())).unwrap();
-        let before = loss.to_scalar::<f32>().unwrap();
-        let grads = loss.backward().unwrap();
-        if opt.needs_fisher() {
-            capture_fisher(&layers, &z, FisherMode::Sampled, &u32s(&labels), &mut rng).unwrap();
-        }
+        let (before, grads) = backward(&opt, &layers, &z, &labels, &mut rng);
         let w0: Vec<Vec<f32>> = vars.iter().map(|v| host(v)).collect();
         let mut called = false;
         let r = opt

@@ -9,6 +9,7 @@ use grng::cuda::launch::{record_launches, take_launches};
 use grng::optim::kron::{KronConfig, KronFactorState, KronOptimizer};
 use grng::optim::KronStats;
 use grng::{Device, Matrix};
+use rand_chacha::ChaCha8Rng;
 use std::sync::{Mutex, PoisonError};
 
 mod common;
@@ -19,6 +20,56 @@ static SERIAL: Mutex<()> = Mutex::new(());
 
 fn abs64(m: &Matrix) -> Vec<f64> {
     m.to_vec().unwrap().iter().map(|v| v.abs() as f64).collect()
+}
+
+/// The layers of both tests: a 70-wide factor spans two 64-wide GEMM tiles.
+const SHAPES: [(usize, usize); 2] = [(9, 70), (3, 6)];
+/// Statistics rows per layer.
+const M: usize = 5;
+
+/// Statistics `(A, E)` per layer and `steps` sets of gradients, drawn in that order.
+struct Case {
+    stats: Vec<(Vec<f32>, Vec<f32>)>,
+    grads: Vec<Vec<Vec<f32>>>,
+}
+
+impl Case {
+    fn draw(rng: &mut ChaCha8Rng, steps: usize) -> Self {
+        let stats = SHAPES
+            .iter()
+            .map(|&(o, i)| (vals(rng, M * i), vals(rng, M * o)))
+            .collect();
+        let grads = (0..steps)
+            .map(|_| SHAPES.iter().map(|&(o, i)| vals(rng, o * i)).collect())
+            .collect();
+        Case { stats, grads }
+    }
+
+    /// The statistics on `dev`, `(A, E)` per layer.
+    fn stats_on(&self, dev: &Device) -> Vec<(Matrix, Matrix)> {
+        SHAPES
+            .iter()
+            .zip(&self.stats)
+            .map(|(&(o, i), (a, e))| (dev.upload(M, i, a).unwrap(), dev.upload(M, o, e).unwrap()))
+            .collect()
+    }
+
+    /// Step `k`'s gradients on `dev`.
+    fn grads_on(&self, dev: &Device, k: usize) -> Vec<Matrix> {
+        SHAPES
+            .iter()
+            .zip(&self.grads[k])
+            .map(|(&(o, i), g)| dev.upload(o, i, g).unwrap())
+            .collect()
+    }
+}
+
+/// Zero parameters on `dev`.
+fn zeros(dev: &Device) -> Vec<Matrix> {
+    SHAPES
+        .iter()
+        .map(|&(o, i)| dev.zeros(o, i).unwrap())
+        .collect()
 }
 
 /// From the same state (a CPU refresh, moved to each device through a checkpoint, so `X₀`,
@@ -39,42 +90,16 @@ fn abs64(m: &Matrix) -> Vec<f64> {
 #[test]
 fn lazy_steps_match_cpu_with_one_axpy_per_factor() {
     let _serial = SERIAL.lock().unwrap_or_else(PoisonError::into_inner);
-    let mut rng = common::seeded_rng();
-    // A 70-wide factor spans two 64-wide GEMM tiles.
-    let shapes = [(9usize, 70usize), (3, 6)];
-    let m = 5;
+    let moves = [1.0f32, 0.0, 0.0, 0.0, 0.0, 0.0];
+    let case = Case::draw(&mut common::seeded_rng(), moves.len());
+    let (shapes, grads) = (SHAPES, &case.grads);
     let cpu = Device::Cpu;
-    let stats: Vec<(Vec<f32>, Vec<f32>)> = shapes
-        .iter()
-        .map(|&(o, i)| (vals(&mut rng, m * i), vals(&mut rng, m * o)))
-        .collect();
-    let steps = 6;
-    let grads: Vec<Vec<Vec<f32>>> = (0..steps)
-        .map(|_| shapes.iter().map(|&(o, i)| vals(&mut rng, o * i)).collect())
-        .collect();
     let cfg = common::drifting_config(KronConfig::ring());
-    let upload = |dev: &Device, k: usize| -> Vec<Matrix> {
-        shapes
-            .iter()
-            .zip(&grads[k])
-            .map(|(&(o, i), g)| dev.upload(o, i, g).unwrap())
-            .collect()
-    };
-    let zeros = |dev: &Device| -> Vec<Matrix> {
-        shapes
-            .iter()
-            .map(|&(o, i)| dev.zeros(o, i).unwrap())
-            .collect()
-    };
     // The refresh on the CPU, and a good step: ρ ← φρ.
     let mut base = KronOptimizer::new(&cpu, &shapes, cfg).unwrap();
-    let st: Vec<(Matrix, Matrix)> = shapes
-        .iter()
-        .zip(&stats)
-        .map(|(&(o, i), (a, e))| (cpu.upload(m, i, a).unwrap(), cpu.upload(m, o, e).unwrap()))
-        .collect();
+    let st = case.stats_on(&cpu);
     let ks: Vec<KronStats<'_>> = st.iter().map(|(a, e)| KronStats { a, e }).collect();
-    let g0 = upload(&cpu, 0);
+    let g0 = case.grads_on(&cpu, 0);
     let g0: Vec<&Matrix> = g0.iter().collect();
     let q = base
         .step(&mut zeros(&cpu), &g0, Some(&ks))
@@ -84,7 +109,6 @@ fn lazy_steps_match_cpu_with_one_axpy_per_factor() {
     base.observe_loss(1.0, 1.0 + q).unwrap();
     let mut saved = Writer::new();
     base.save(&mut saved).unwrap();
-    let moves = [1.0f32, 0.0, 0.0, 0.0, 0.0, 0.0];
 
     for dev in devices() {
         let mut on_cpu = KronOptimizer::new(&cpu, &shapes, cfg).unwrap();
@@ -94,7 +118,7 @@ fn lazy_steps_match_cpu_with_one_axpy_per_factor() {
         let mut worst = 0.0f64;
         let mut squared = [[false; 2]; 2];
         for (k, &r) in moves.iter().enumerate() {
-            let (gc, gd) = (upload(&cpu, k), upload(&dev, k));
+            let (gc, gd) = (case.grads_on(&cpu, k), case.grads_on(&dev, k));
             let (mut wc, mut wd) = (zeros(&cpu), zeros(&dev));
             let ic = on_cpu
                 .step(&mut wc, &gc.iter().collect::<Vec<_>>(), None)
@@ -213,46 +237,21 @@ fn lazy_steps_match_cpu_with_one_axpy_per_factor() {
 #[test]
 fn unchanged_target_reuses_the_first_order_inverse() {
     let _serial = SERIAL.lock().unwrap_or_else(PoisonError::into_inner);
-    let mut rng = common::seeded_rng();
-    let shapes = [(9usize, 70usize), (3, 6)];
-    let m = 5;
+    let case = Case::draw(&mut common::seeded_rng(), 3);
+    let shapes = SHAPES;
     let cfg = common::drifting_config(KronConfig::ring());
-    let stats: Vec<(Vec<f32>, Vec<f32>)> = shapes
-        .iter()
-        .map(|&(o, i)| (vals(&mut rng, m * i), vals(&mut rng, m * o)))
-        .collect();
-    let grads: Vec<Vec<Vec<f32>>> = (0..3)
-        .map(|_| shapes.iter().map(|&(o, i)| vals(&mut rng, o * i)).collect())
-        .collect();
-    let upload = |dev: &Device, k: usize| -> Vec<Matrix> {
-        shapes
-            .iter()
-            .zip(&grads[k])
-            .map(|(&(o, i), g)| dev.upload(o, i, g).unwrap())
-            .collect()
-    };
-    let zeros = |dev: &Device| -> Vec<Matrix> {
-        shapes
-            .iter()
-            .map(|&(o, i)| dev.zeros(o, i).unwrap())
-            .collect()
-    };
     let layers = shapes.len();
     let mut all = vec![Device::Cpu];
     all.extend(devices());
     for dev in all {
         let name = dev.name();
         let mut opt = KronOptimizer::new(&dev, &shapes, cfg).unwrap();
-        let st: Vec<(Matrix, Matrix)> = shapes
-            .iter()
-            .zip(&stats)
-            .map(|(&(o, i), (a, e))| (dev.upload(m, i, a).unwrap(), dev.upload(m, o, e).unwrap()))
-            .collect();
+        let st = case.stats_on(&dev);
         let ks: Vec<KronStats<'_>> = st.iter().map(|(a, e)| KronStats { a, e }).collect();
         // The refresh, a good step (ρ ← φρ: every target moves), then a lazy step at the new
         // target whose ratio leaves ρ alone.
         let step = |opt: &mut KronOptimizer, k: usize, ks: Option<&[KronStats<'_>]>, r: f32| {
-            let g = upload(&dev, k);
+            let g = case.grads_on(&dev, k);
             let mut w = zeros(&dev);
             record_launches(true);
             let info = opt.step(&mut w, &g.iter().collect::<Vec<_>>(), ks).unwrap();
