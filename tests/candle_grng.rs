@@ -216,6 +216,19 @@ fn logits(layers: &[KronLinear], x: &Mat, scale: Option<&Var>) -> Tensor {
     }
 }
 
+/// `GrngOptimizer` running `method` on the layers' weights (AdamW on nothing else), and those
+/// weights.
+fn optimizer_on(layers: &[KronLinear], method: OptimizerConfig) -> (Vec<Var>, GrngOptimizer) {
+    let vars: Vec<Var> = layers.iter().map(|l| l.weight().clone()).collect();
+    let config = GrngConfig {
+        method,
+        rest: AdamWConfig::default(),
+        layers: layers.to_vec(),
+    };
+    let opt = GrngOptimizer::try_new(vars.clone(), config).unwrap();
+    (vars, opt)
+}
+
 /// The cross-entropy of the logits `z` against `labels`: its value and gradients, with the
 /// Fisher statistics captured (labels sampled from `rng`) when `opt` needs them.
 fn backward(
@@ -530,13 +543,7 @@ fn factored_steps_match_grng() {
             }) => step_matches_grng(method, &CDevice::Cpu, &Device::Cpu, true),
             _ => {
                 let layers = case(vec![6, 5, 4], 12, common::seed()).layers;
-                let vars: Vec<Var> = layers.iter().map(|l| l.weight().clone()).collect();
-                let config = GrngConfig {
-                    method,
-                    rest: AdamWConfig::default(),
-                    layers,
-                };
-                let mut opt = GrngOptimizer::try_new(vars, config).unwrap();
+                let (_, mut opt) = optimizer_on(&layers, method);
                 assert!(opt.set_factored_gradients(true).is_err(), "{method:?}");
                 opt.set_factored_gradients(false).unwrap();
             }
@@ -687,13 +694,7 @@ fn step_observed_undoes_a_step_with_a_non_finite_loss() {
     let Case {
         layers, x, labels, ..
     } = case(vec![5, 4, 3], 8, common::seed());
-    let vars: Vec<Var> = layers.iter().map(|l| l.weight().clone()).collect();
-    let config = GrngConfig {
-        method: OptimizerConfig::Kron(KronConfig::ring()),
-        rest: AdamWConfig::default(),
-        layers: layers.clone(),
-    };
-    let mut opt = GrngOptimizer::try_new(vars.clone(), config).unwrap();
+    let (vars, mut opt) = optimizer_on(&layers, OptimizerConfig::Kron(KronConfig::ring()));
     let mut rng = common::seeded_rng();
     let mut step = |after: f32| {
         let z = logits(&layers, &x, None);
@@ -721,16 +722,13 @@ fn step_observed_reads_the_loss_after_only_on_adapting_steps() {
     let Case {
         layers, x, labels, ..
     } = case(vec![5, 4, 3], 8, common::seed());
-    let vars: Vec<Var> = layers.iter().map(|l| l.weight().clone()).collect();
-    let config = GrngConfig {
-        method: OptimizerConfig::Kron(KronConfig {
+    let (vars, mut opt) = optimizer_on(
+        &layers,
+        OptimizerConfig::Kron(KronConfig {
             damping_interval: 2,
             ..KronConfig::ring()
         }),
-        rest: AdamWConfig::default(),
-        layers: layers.clone(),
-    };
-    let mut opt = GrngOptimizer::try_new(vars.clone(), config).unwrap();
+    );
     let mut rng = common::seeded_rng();
     for k in 0..5 {
         let z = logits(&layers, &x, None);
@@ -772,14 +770,11 @@ proptest! {
         d0 in 1usize..8, h in 1usize..8, m in 1usize..12, seed in any::<u64>(),
     ) {
         let Case { mlp, layers, x, labels } = case(vec![d0, h, 3], m, seed);
-        let vars: Vec<Var> = layers.iter().map(|l| l.weight().clone()).collect();
         let c = 0.5;
-        let config = GrngConfig {
-            method: OptimizerConfig::Kron(KronConfig { grad_reg: c, ..KronConfig::reng() }),
-            rest: AdamWConfig::default(),
-            layers: layers.clone(),
-        };
-        let opt = GrngOptimizer::try_new(vars.clone(), config).unwrap();
+        let (vars, opt) = optimizer_on(
+            &layers,
+            OptimizerConfig::Kron(KronConfig { grad_reg: c, ..KronConfig::reng() }),
+        );
         let grads_now = || {
             let z = logits(&layers, &x, None);
             Ok(candle_nn::loss::cross_entropy(&z, &labels_tensor(&labels, z.device()))?.backward()?)
