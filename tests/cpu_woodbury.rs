@@ -327,3 +327,113 @@ fn low_rank_inverse_only_where_it_applies() {
     let c = *opt.counters();
     assert_eq!((c.low_rank_inversions, c.newton_inversions), (0, 2));
 }
+
+/// The lazy steps' low-rank route (`optim/kron/low_rank.rs`: the inverse and SPEC's
+/// first-order update of it applied through the statistics rows, the model's curvature by
+/// `m x m` products) against the dense route on the same problem: one optimizer takes the
+/// gradients by their batch factors (`E`, `A`: the rows' route), the other the dense
+/// `G = EᵀA/m` (the dense inverses, `X₀ − Δ·X₀²` as an axpy), over refreshes and lazy steps
+/// while `ρ` moves (every `observe_loss` reports a ratio of 1 or 0, so `ρ` falls and rises).
+///
+/// Tolerance: both routes apply the same operator; each rounds `f32` products of at most
+/// `n + m` terms, and the rows' route cancels `g₀·Y` against the correction along `F`'s large
+/// eigenvalues, an error `(n + m)·2⁻²⁴·κ` of `‖Y‖/λ` with `κ = (λ + ‖X‖_F²/m)/λ` (module docs
+/// of `LowRankKernel`). Per step `P` moves `W` by `η‖P‖ ≤ η‖G‖/(λ_Λλ_Γ)`; the bound takes 8x
+/// the constant on both factors' `κ`, summed over the steps. The predicted changes are
+/// compared relative to their size with the same constant.
+#[test]
+fn lazy_steps_through_the_rows_match_the_dense_route() {
+    let mut rng = common::seeded_rng();
+    let (o, i) = SHAPE;
+    let (m_s, m_b) = (20, 24);
+    let cfg = KronConfig {
+        ema: 0.0,
+        skip: 4,
+        inverse: InverseMethod::Cholesky,
+        // λ = √ρ near ‖F‖ (κ small, a tight bound) and φ = 0.7: each move of ρ shifts λ by
+        // ~16%, so the first-order term is far above the rounding the bound allows.
+        rho: 1.0,
+        rho_max: 10.0,
+        phi: 0.7,
+        ..KronConfig::reng()
+    };
+    let mut rows = KronOptimizer::new(&DEV, &[SHAPE], cfg).unwrap();
+    let mut dense = KronOptimizer::new(&DEV, &[SHAPE], cfg).unwrap();
+    let w0 = common::vals(&mut rng, o * i);
+    let (mut wr, mut wd) = (
+        vec![DEV.upload(o, i, &w0).unwrap()],
+        vec![DEV.upload(o, i, &w0).unwrap()],
+    );
+    let mut drift = 0.0f64;
+    for k in 0..12 {
+        let (e, a) = (
+            common::vals(&mut rng, m_b * o),
+            common::vals(&mut rng, m_b * i),
+        );
+        let (ed, ad) = (
+            DEV.upload(m_b, o, &e).unwrap(),
+            DEV.upload(m_b, i, &a).unwrap(),
+        );
+        let g: Vec<f32> = (0..o * i)
+            .map(|idx| {
+                let (r, c) = (idx / i, idx % i);
+                (0..m_b).map(|s| e[s * o + r] * a[s * i + c]).sum::<f32>() / m_b as f32
+            })
+            .collect();
+        let gd = DEV.upload(o, i, &g).unwrap();
+        let (sa, se) = (
+            DEV.upload(m_s, i, &common::vals(&mut rng, m_s * i))
+                .unwrap(),
+            DEV.upload(m_s, o, &common::vals(&mut rng, m_s * o))
+                .unwrap(),
+        );
+        let stats = [KronStats { a: &sa, e: &se }];
+        let stats = rows.needs_stats().then_some(&stats[..]);
+        let fact = [grng::optim::kron::KronGrad::Factored { e: &ed, a: &ad }];
+        let ir = rows.step_grads(&mut wr, &fact, stats).unwrap();
+        let id = dense.step(&mut wd, &[&gd], stats).unwrap();
+        assert_eq!(
+            (ir.first_order_updates, ir.lazy_recomputes, ir.refreshed),
+            (id.first_order_updates, id.lazy_recomputes, id.refreshed),
+            "step {k}: the routes plan the same inverses"
+        );
+        let st = dense.state().unwrap();
+        let (sl, sg) = (&st.layers[0].lambda, &st.layers[0].gamma);
+        let kappa = |s: &grng::optim::kron::KronFactorState, x: &Matrix, m: usize| {
+            let fro: f64 = host(x).iter().map(|&v| (v as f64).powi(2)).sum();
+            (ir.rho.sqrt() as f64 + fro / m as f64) / s.damping.min(ir.rho.sqrt()) as f64
+        };
+        let (kl, kg) = (kappa(sl, &sa, m_s), kappa(sg, &se, m_s));
+        let g_norm = g.iter().map(|&v| (v as f64).powi(2)).sum::<f64>().sqrt();
+        let lam = (ir.rho.sqrt() as f64).powi(2);
+        let constant = 8.0 * (o + i + m_s + m_b) as f64 * common::U32 * (kl + kg);
+        drift += constant * ir.lr as f64 * g_norm / lam;
+        let w_scale = 8.0 * (o + i) as f64 * common::U32;
+        let (hr, hd) = (host(&wr[0]), host(&wd[0]));
+        let worst = hr
+            .iter()
+            .zip(&hd)
+            .map(|(x, y)| (*x as f64 - *y as f64).abs())
+            .fold(0.0, f64::max);
+        assert!(
+            worst <= drift + w_scale,
+            "step {k}: |ΔW| {worst:e} > {drift:e}"
+        );
+        if let (Some(qr), Some(qd)) = (ir.predicted_change, id.predicted_change) {
+            let tol = constant * qd.abs() as f64 + 1e-12;
+            assert!(
+                (qr as f64 - qd as f64).abs() <= tol,
+                "step {k}: predicted {qr} vs {qd}"
+            );
+            // r = 1 (ρ falls) on even steps, r = 0 (ρ rises) on odd ones.
+            let after = if k % 2 == 0 { 1.0 + qd } else { 1.0 };
+            rows.observe_loss(1.0, after).unwrap();
+            dense.observe_loss(1.0, after).unwrap();
+        }
+        assert_eq!(rows.rho(), dense.rho());
+    }
+    assert!(
+        rows.counters().first_order_updates > 0,
+        "no first-order step was checked"
+    );
+}

@@ -252,6 +252,7 @@ impl Checkpoint for KronOptimizer {
                     // step that needs it (the same product of the same X₀: the same bits).
                     square: None,
                     retargeted: None,
+                    low_rank: None,
                 })
             };
             layers.push(KronLayerState {

@@ -94,6 +94,19 @@ pub(super) fn factor(op: &'static str, w: &[f64], n: usize) -> Result<faer::Mat<
     Ok(l)
 }
 
+/// `A⁻¹` (row-major, exactly symmetric) of the row-major SPD `n x n` `a` (lower triangle
+/// read), in `f64`: [`Error::NotSpd`] naming the first bad pivot otherwise.
+pub(super) fn spd_inverse_f64(op: &'static str, a: &[f64], n: usize) -> Result<Vec<f64>> {
+    let inv = llt_inverse(&factor(op, a, n)?)?;
+    let mut out = try_vec(n, n, 0.0f64)?;
+    for (i, row) in out.chunks_mut(n.max(1)).enumerate() {
+        for (j, v) in row.iter_mut().enumerate() {
+            *v = inv[(i, j)];
+        }
+    }
+    Ok(out)
+}
+
 /// faer's workspace for one call, or [`Error::OutOfMemory`] where the allocator refuses.
 fn scratch(req: faer::dyn_stack::StackReq) -> Result<faer::dyn_stack::MemBuffer> {
     faer::dyn_stack::MemBuffer::try_new(req).map_err(|_| {

@@ -17,7 +17,7 @@ pub use gemm::gemm;
 pub use kron::{batch_gradient, syrk_ema};
 pub use norm::{spectral_norm, trace};
 pub use precond::{add_diagonal, damped_inverse_update, precondition};
-pub use woodbury::{low_rank_damped_inverse, low_rank_is_cheaper};
+pub use woodbury::{low_rank_damped_inverse, low_rank_is_cheaper, LowRankKernel, LowRankTerms};
 
 use crate::device::Element;
 use crate::error::{first_non_finite, Error, Result};

@@ -168,3 +168,137 @@ fn round_mirrored(r: &[f64], n: usize, diag: f64) -> Result<Mat> {
         });
     Mat::from_vec(out, n, n)
 }
+
+/// The `m x m` part of the Woodbury form of `X₀ = (F + λ₀I)⁻¹`, `F = XᵀX/m`, for applying
+/// `X₀` — and SPEC §2's first-order update `X₀ − (λ − λ₀)·X₀²` of it — through the rows `X`
+/// (`m x n`) without forming any `n x n` matrix.
+///
+/// # Algorithm
+/// With `Ĝ = XXᵀ/m` (`m x m`), `FXᵀ = XᵀĜ`, so every function `g` of `F` is
+/// `g(F) = g(0)·I + Xᵀ·h(Ĝ)·X/m` with `h(s) = (g(s) − g(0))/s`. For `B = (Ĝ + λ₀I)⁻¹`:
+/// - `X₀`: `g(s) = 1/(s + λ₀)`, `h(Ĝ) = −B/λ₀`;
+/// - `X₀²`: `h(Ĝ) = −(B + λ₀B²)/λ₀²`;
+///
+/// so `X(λ) = X₀ − Δ·X₀²` (`Δ = λ − λ₀`) is `g₀·I + XᵀHX` with `g₀ = 1/λ₀ − Δ/λ₀²` and
+/// `H = (−B/λ₀ + Δ·(B/λ₀² + B²/λ₀))/m`: the same operator as the dense first-order inverse,
+/// exactly. Also `X·X(λ) = T·X` with `T = B − Δ·B²` (push-through: `X(F + λ₀I)⁻¹ =
+/// (Ĝ + λ₀I)⁻¹X`), which the quadratic model's curvature reads without cancellation.
+///
+/// # Error
+/// `Ĝ`, `B`, `B²` are `f64` (backward-stable Gram, Cholesky and inverse: relative error
+/// `~m·ε_f64·κ`, `κ = (λ₀ + ‖Ĝ‖₂)/λ₀`), `g₀`, `H` and `T` are rounded once to `f32`. Applied
+/// in `f32` (`g₀·Y + ((Y·Xᵀ)·H)·X`), the cancellation between `g₀·Y` and the correction along
+/// the large eigenvalues of `F` leaves an error of order `2⁻²⁴·(n + m)·κ·‖Y‖/λ₀`: the order of
+/// the `f32`-rounded dense inverse times `Y` (its entries carry `2⁻²⁴/λ₀` each).
+/// `tests/optim_kron_low_rank.rs` checks the whole step against the dense route.
+#[derive(Debug)]
+pub struct LowRankKernel {
+    m: usize,
+    lambda0: f32,
+    gram: Vec<f64>,
+    b: Vec<f64>,
+    b2: Vec<f64>,
+}
+
+/// `g₀`, `H` and `T` of [`LowRankKernel::at`]: `X(λ) = g₀·I + XᵀHX`, `X·X(λ) = T·X`.
+#[derive(Debug)]
+pub struct LowRankTerms {
+    /// The identity part `g₀`.
+    pub g0: f32,
+    /// `H`, `m x m` row-major, symmetric.
+    pub h: Vec<f32>,
+    /// `T`, `m x m` row-major, symmetric.
+    pub t: Vec<f32>,
+}
+
+impl LowRankKernel {
+    /// The kernel of the rows `x` (`m x n`, `f32` or `bf16`) at the damping `λ₀`.
+    ///
+    /// # Errors
+    /// As [`low_rank_damped_inverse`].
+    pub fn new<T: Element>(x: MatRef<'_, T>, lambda0: f32) -> Result<Self> {
+        const OP: &str = "cpu::LowRankKernel::new";
+        let (m, n) = x.shape();
+        check_batch(OP, "x", (m, n))?;
+        let w = widen_finite(OP, "x", x)?;
+        let mut gram = try_vec(m, m, 0.0f64)?;
+        let xv = faer::MatRef::from_row_major_slice(&w, m, n);
+        faer::linalg::matmul::matmul(
+            faer::MatMut::from_row_major_slice_mut(&mut gram, m, m),
+            Accum::Replace,
+            xv,
+            xv.transpose(),
+            1.0 / m as f64,
+            faer_par(n),
+        );
+        Self::with_gram(m, gram, lambda0)
+    }
+
+    /// The same rows at another formation damping `λ₀` (a recomputed inverse): `B` and `B²`
+    /// again from the stored `Ĝ`, `O(m³)`.
+    ///
+    /// # Errors
+    /// As [`LowRankKernel::new`].
+    pub fn reformed(&self, lambda0: f32) -> Result<Self> {
+        Self::with_gram(self.m, self.gram.clone(), lambda0)
+    }
+
+    fn with_gram(m: usize, gram: Vec<f64>, lambda0: f32) -> Result<Self> {
+        const OP: &str = "cpu::LowRankKernel::new";
+        check_value(
+            OP,
+            "lambda",
+            lambda0 as f64,
+            lambda0.is_normal() && lambda0 > 0.0,
+            "a normal lambda > 0 (1/lambda, the inverse's norm, fits f32)",
+        )?;
+        let mut k = gram.clone();
+        (0..m).for_each(|i| k[i * m + i] += lambda0 as f64);
+        let b = super::cholesky::spd_inverse_f64(OP, &k, m)?;
+        let mut b2 = try_vec(m, m, 0.0f64)?;
+        let bv = faer::MatRef::from_row_major_slice(&b, m, m);
+        faer::linalg::matmul::matmul(
+            faer::MatMut::from_row_major_slice_mut(&mut b2, m, m),
+            Accum::Replace,
+            bv,
+            bv,
+            1.0,
+            faer_par(m),
+        );
+        Ok(Self {
+            m,
+            lambda0,
+            gram,
+            b,
+            b2,
+        })
+    }
+
+    /// Rows `m`.
+    pub fn rows(&self) -> usize {
+        self.m
+    }
+
+    /// The formation damping `λ₀`.
+    pub fn damping(&self) -> f32 {
+        self.lambda0
+    }
+
+    /// `g₀`, `H`, `T` of `X(λ) = X₀ − (λ − λ₀)·X₀²` (type docs; `X₀` itself at `λ = λ₀`).
+    pub fn at(&self, lambda: f32) -> Result<LowRankTerms> {
+        let (l0, d) = (self.lambda0 as f64, lambda as f64 - self.lambda0 as f64);
+        let inv_m = 1.0 / self.m as f64;
+        let (cb, cb2) = ((d / (l0 * l0) - 1.0 / l0) * inv_m, d / l0 * inv_m);
+        let mut h = try_vec(self.m, self.m, 0.0f32)?;
+        let mut t = try_vec(self.m, self.m, 0.0f32)?;
+        for (i, (&b, &b2)) in self.b.iter().zip(&self.b2).enumerate() {
+            h[i] = (cb * b + cb2 * b2) as f32;
+            t[i] = (b - d * b2) as f32;
+        }
+        Ok(LowRankTerms {
+            g0: (1.0 / l0 - d / (l0 * l0)) as f32,
+            h,
+            t,
+        })
+    }
+}

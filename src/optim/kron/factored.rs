@@ -17,6 +17,7 @@
 //! `d_out = d_in = 1024` that is 3.2 against 8.6 GFLOP. [`factored_is_cheaper`] picks per
 //! layer; when it says no, `G` is formed (`2m·d_out·d_in`) and the dense route runs.
 
+use super::layer::InverseView;
 use crate::device::{Device, Matrix};
 use crate::error::Result;
 use crate::mat::Trans;
@@ -61,8 +62,8 @@ pub(super) fn factored_is_cheaper(m: usize, d_out: usize, d_in: usize, with_mode
 pub(super) struct LayerView<'a> {
     pub lambda: &'a Matrix,
     pub gamma: &'a Matrix,
-    pub lambda_inv: &'a Matrix,
-    pub gamma_inv: &'a Matrix,
+    pub lambda_inv: InverseView<'a>,
+    pub gamma_inv: InverseView<'a>,
     pub damping: (f32, f32),
 }
 
@@ -112,8 +113,14 @@ pub(super) fn precondition(
     with_model: bool,
 ) -> Result<Preconditioned> {
     let (o, i) = (v.gamma.rows(), v.lambda.rows());
+    let rows_route = |x: &InverseView<'_>| matches!(x, InverseView::LowRank(..));
     match g {
-        KronGrad::Factored { e, a } if factored_is_cheaper(e.rows(), o, i, with_model) => {
+        // The rows' route (`low_rank.rs`) multiplies the batch factors themselves.
+        KronGrad::Factored { e, a }
+            if rows_route(&v.gamma_inv)
+                || rows_route(&v.lambda_inv)
+                || factored_is_cheaper(e.rows(), o, i, with_model) =>
+        {
             factored(d, v, e, a, with_model)
         }
         KronGrad::Factored { e, a } => {
@@ -124,16 +131,32 @@ pub(super) fn precondition(
     }
 }
 
+/// `α·KᵀK` (the CPU's SYRK).
+fn gram(d: &Device, k: &Matrix, alpha: f32) -> Result<Matrix> {
+    d.product_valid_inputs(Trans::Yes, Trans::No, alpha, k, k)
+}
+
 /// `α·op(A)·op(B)` as a new matrix (operands already validated).
 fn gemm(d: &Device, ta: Trans, tb: Trans, alpha: f32, a: &Matrix, b: &Matrix) -> Result<Matrix> {
     d.product_valid_inputs(ta, tb, alpha, a, b)
 }
 
-/// The dense route: two products for `P`, two for `ΓPΛ`.
+/// The dense route: two products for `P`, two for `ΓPΛ`. Both inverses are dense here: the
+/// rows' route is planned only for factored gradients, which take [`factored`] then.
 fn dense(d: &Device, v: &LayerView<'_>, g: &Matrix, with_model: bool) -> Result<Preconditioned> {
+    let (InverseView::Dense(gamma_inv), InverseView::Dense(lambda_inv)) =
+        (v.gamma_inv, v.lambda_inv)
+    else {
+        return Err(crate::Error::Value {
+            op: "KronOptimizer::precondition",
+            arg: "grads",
+            value: f64::NAN,
+            expected: "factored gradients where the low-rank route is planned",
+        });
+    };
     let (o, i) = g.shape();
     let mut p = d.zeros(o, i)?;
-    d.precondition_valid_inputs(v.gamma_inv, g, v.lambda_inv, &mut p)?;
+    d.precondition_valid_inputs(gamma_inv, g, lambda_inv, &mut p)?;
     let terms = if with_model {
         let gp = gemm(d, Trans::No, Trans::No, 1.0, v.gamma, &p)?;
         let gpl = gemm(d, Trans::No, Trans::No, 1.0, &gp, v.lambda)?;
@@ -158,19 +181,41 @@ fn factored(
     // by up to four products each.
     let (eo, ao) = (d.operand(e)?, d.operand(a)?);
     let (no, yes) = (Trans::No, Trans::Yes);
-    let u = d.product_of(no, yes, 1.0, &d.operand(v.gamma_inv)?, &eo)?;
-    let w = d.product_of(no, no, 1.0, &ao, &d.operand(v.lambda_inv)?)?;
+    let inv_m = 1.0 / m as f32;
+    // `U = Γ̃⁻¹Eᵀ` (`d_out x m`) dense, or `Uᵀ = E·Γ̃⁻¹` (`m x d_out`) through the rows with
+    // `K_Γ = R_Γ·U`; `t_u` says which one `u` holds.
+    let (u, t_u, k_gamma) = match v.gamma_inv {
+        InverseView::Dense(x) => (d.product_of(no, yes, 1.0, &d.operand(x)?, &eo)?, no, None),
+        InverseView::LowRank(lr, t) => {
+            let (ut, k) = lr.right(d, t, e, with_model)?;
+            (ut, yes, k)
+        }
+    };
+    let (w, k_lambda) = match v.lambda_inv {
+        InverseView::Dense(x) => (d.product_of(no, no, 1.0, &ao, &d.operand(x)?)?, None),
+        InverseView::LowRank(lr, t) => lr.right(d, t, a, with_model)?,
+    };
     let (uo, wo) = (d.operand(&u)?, d.operand(&w)?);
-    let p = d.product_of(no, no, 1.0 / m as f32, &uo, &wo)?;
+    let p = d.product_of(t_u, no, inv_m, &uo, &wo)?;
     let terms = if with_model {
         // Each m x m pair scaled by 1/m so the inner products need no further 1/m².
-        let inv_m = 1.0 / m as f32;
-        let eu = d.product_of(no, no, inv_m, &eo, &uo)?;
+        let eu = d.product_of(no, t_u, inv_m, &eo, &uo)?;
         let awt = d.product_of(no, yes, inv_m, &ao, &wo)?;
-        let gu = d.product_of(no, no, 1.0, &d.operand(v.gamma)?, &uo)?;
-        let ugu = d.product_of(yes, no, inv_m, &uo, &d.operand(&gu)?)?;
-        let wl = d.product_of(no, no, 1.0, &wo, &d.operand(v.lambda)?)?;
-        let wlw = d.product_of(no, yes, inv_m, &d.operand(&wl)?, &wo)?;
+        // `UᵀΓU`: through the rows `KᵀK/m'` (`Γ = R_ΓᵀR_Γ/m'`), else by the factor.
+        let ugu = match &k_gamma {
+            Some(k) => gram(d, k, inv_m / k.rows() as f32)?,
+            None => {
+                let gu = d.product_of(no, no, 1.0, &d.operand(v.gamma)?, &uo)?;
+                d.product_of(yes, no, inv_m, &uo, &d.operand(&gu)?)?
+            }
+        };
+        let wlw = match &k_lambda {
+            Some(k) => gram(d, k, inv_m / k.rows() as f32)?,
+            None => {
+                let wl = d.product_of(no, no, 1.0, &wo, &d.operand(v.lambda)?)?;
+                d.product_of(no, yes, inv_m, &d.operand(&wl)?, &wo)?
+            }
+        };
         Some((d.dot_deferred(&eu, &awt)?, d.dot_deferred(&ugu, &wlw)?))
     } else {
         None

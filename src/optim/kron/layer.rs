@@ -23,6 +23,7 @@
 
 use super::config::{InverseMethod, KronConfig, KronVariant, NEWTON_RETRY_DAMPING};
 use super::damping::FactorScalars;
+use super::low_rank::{LowRank, Terms};
 use super::state::{KronCounters, KronFactorState};
 use crate::device::{Device, Element, Matrix};
 use crate::error::{Error, Result};
@@ -145,18 +146,20 @@ impl Ctx<'_> {
         rows: Option<&Rows<'_>>,
         c: &mut KronCounters,
     ) -> Result<InverseUpdate> {
-        let (inverse, damping) = self.invert(factor, damping, norm, warm, rows, c)?;
+        let (inverse, damping, low_rank) = self.invert(factor, damping, norm, warm, rows, c)?;
         Ok(InverseUpdate {
             inverse,
             damping,
             inverse_norm: 1.0 / damping,
+            low_rank,
         })
     }
 
     /// `(F + λI)⁻¹` by the configured method. Cholesky takes the low-rank path from `rows`
     /// when [`Ctx::low_rank_inverse`] applies. Newton that diverges is retried once with
     /// `NEWTON_RETRY_DAMPING·λ`, then replaced by Cholesky at `λ`; each step is counted.
-    /// Returns the inverse and the damping it corresponds to.
+    /// Returns the inverse, the damping it corresponds to and, from the low-rank path, the
+    /// rows' kernel for the lazy steps (`low_rank.rs`).
     fn invert(
         &self,
         factor: &Matrix,
@@ -165,7 +168,7 @@ impl Ctx<'_> {
         warm: Option<&Matrix>,
         rows: Option<&Rows<'_>>,
         c: &mut KronCounters,
-    ) -> Result<(Matrix, f32)> {
+    ) -> Result<(Matrix, f32, Option<Box<LowRank>>)> {
         let damped = |lambda: f32| -> Result<Matrix> {
             let mut d = factor.try_clone()?;
             self.device.add_diagonal(&mut d, lambda)?;
@@ -175,12 +178,14 @@ impl Ctx<'_> {
             InverseMethod::Newton(o) => o,
             // Cholesky (resolve() never returns Auto).
             _ => {
-                if let Some(inverse) = self.low_rank_inverse(rows, damping)? {
+                if let Some((inverse, rows)) = self.low_rank_inverse(rows, damping)? {
                     c.low_rank_inversions += 1;
-                    return Ok((inverse, damping));
+                    let low_rank = Box::new(LowRank::form(rows, damping)?);
+                    return Ok((inverse, damping, Some(low_rank)));
                 }
                 c.cholesky_inversions += 1;
-                return Ok((self.device.cholesky_inverse(&damped(damping)?)?, damping));
+                let x = self.device.cholesky_inverse(&damped(damping)?)?;
+                return Ok((x, damping, None));
             }
         };
         let warm = if opts.init == InitialGuess::Warm {
@@ -202,7 +207,7 @@ impl Ctx<'_> {
                         c.newton_retries += 1;
                     }
                     c.newton_iterations += info.iterations as u64;
-                    return Ok((x, lambda));
+                    return Ok((x, lambda, None));
                 }
                 Err(Error::Diverged { .. }) => {
                     if lambda == damping {
@@ -214,7 +219,8 @@ impl Ctx<'_> {
         }
         c.cholesky_fallbacks += 1;
         c.cholesky_inversions += 1;
-        Ok((self.device.cholesky_inverse(&damped(damping)?)?, damping))
+        let x = self.device.cholesky_inverse(&damped(damping)?)?;
+        Ok((x, damping, None))
     }
 
     /// `(F + λI)⁻¹` from the rows `x` (`m x n`) that `F = xᵀx/m` was just formed from, by
@@ -230,7 +236,11 @@ impl Ctx<'_> {
     /// differ by `F`'s rounding (`≲ m·2⁻²⁴` of `|x|ᵀ|x|/m` per entry), which moves the inverse
     /// by that times `κ` relative: the error the Cholesky inverse of `F` has against the rows'
     /// Gram matrix anyway.
-    fn low_rank_inverse(&self, rows: Option<&Rows<'_>>, damping: f32) -> Result<Option<Matrix>> {
+    fn low_rank_inverse<'r, 'x>(
+        &self,
+        rows: Option<&'r Rows<'x>>,
+        damping: f32,
+    ) -> Result<Option<(Matrix, &'r Rows<'x>)>> {
         let Some(rows) = rows else {
             return Ok(None);
         };
@@ -245,7 +255,10 @@ impl Ctx<'_> {
             StatsView::F32(x) => crate::cpu::low_rank_damped_inverse(host_ref(x)?, damping)?,
             StatsView::Bf16(x) => crate::cpu::low_rank_damped_inverse(host_ref(x)?, damping)?,
         };
-        Matrix::from_host_vec(n, n, inverse.into_vec()).map(Some)
+        Ok(Some((
+            Matrix::from_host_vec(n, n, inverse.into_vec())?,
+            rows,
+        )))
     }
 
     /// `s`'s inverse at the damping `target` on a lazy step (module docs): the one as formed
@@ -254,10 +267,14 @@ impl Ctx<'_> {
     /// state's cache when the last one was at the same `target`), otherwise a recomputed
     /// inverse (warm started from `X₀`), which becomes the new formation; the counters say
     /// which happened.
+    ///
+    /// With `low_rank` (every gradient of the call factored) and the factor's rows at hand
+    /// (`low_rank.rs`), the same inverses by their `m x m` terms: no `n x n` pass at all.
     pub fn retarget(
         &self,
         s: &KronFactorState,
         target: f32,
+        low_rank: bool,
         c: &mut KronCounters,
     ) -> Result<Retarget> {
         // The drift since the formation, not since the last step.
@@ -265,7 +282,26 @@ impl Ctx<'_> {
         if d == 0.0 {
             return Ok(Retarget::Keep);
         }
-        if (d * s.inverse_norm).abs() <= FIRST_ORDER_LIMIT {
+        let first_order = (d * s.inverse_norm).abs() <= FIRST_ORDER_LIMIT;
+        if let (true, Some(lr)) = (low_rank, &s.low_rank) {
+            if first_order {
+                c.first_order_updates += 1;
+                if lr.retargeted.as_ref().is_some_and(|t| t.damping == target) {
+                    return Ok(Retarget::Cached);
+                }
+                return Ok(Retarget::LowRank(Box::new(lr.terms_at(target)?)));
+            }
+            c.lazy_recomputes += 1;
+            let inverse = crate::cpu::low_rank_damped_inverse(host_ref(lr.rows())?, target)?;
+            let (n, _) = s.inverse.shape();
+            return Ok(Retarget::Formed(InverseUpdate {
+                inverse: Matrix::from_host_vec(n, n, inverse.into_vec())?,
+                damping: target,
+                inverse_norm: 1.0 / target,
+                low_rank: Some(Box::new(lr.reformed(target)?)),
+            }));
+        }
+        if first_order {
             c.first_order_updates += 1;
             if s.retargeted.as_ref().is_some_and(|r| r.1 == target) {
                 return Ok(Retarget::Cached);
@@ -316,7 +352,7 @@ pub(super) fn known_norm(norm: f32) -> Option<f32> {
 /// The statistics rows of a factor as its SYRK read them ([`Ctx::factor`]): the low-rank
 /// inverse must invert the same factor, so `f32` rows rounded to `bf16` by
 /// [`KronConfig::stats_precision`] are kept rounded.
-pub(super) enum Rows<'x> {
+pub(crate) enum Rows<'x> {
     /// The caller's statistics, as given.
     Given(StatsView<'x>),
     /// `f32` statistics rounded to `bf16`.
@@ -324,7 +360,7 @@ pub(super) enum Rows<'x> {
 }
 
 impl Rows<'_> {
-    fn view(&self) -> StatsView<'_> {
+    pub(crate) fn view(&self) -> StatsView<'_> {
         match self {
             Rows::Given(x) => *x,
             Rows::Rounded(x) => StatsView::Bf16(x),
@@ -346,24 +382,57 @@ pub(super) enum Retarget {
         damping: f32,
         square: Option<Matrix>,
     },
+    /// The first-order inverse by the rows' `m x m` terms (`low_rank.rs`), cached in the
+    /// state's low-rank part on commit.
+    LowRank(Box<Terms>),
     /// A recomputed inverse: the new formation.
     Formed(InverseUpdate),
 }
 
+/// A factor's inverse as one step applies it: dense, or through the rows (`low_rank.rs`).
+#[derive(Clone, Copy)]
+pub(super) enum InverseView<'a> {
+    Dense(&'a Matrix),
+    LowRank(&'a LowRank, &'a Terms),
+}
+
+/// The inverse a factor state holds as formed: through its rows when `low_rank` allows and
+/// it has them, else dense.
+pub(super) fn formed_view(s: &KronFactorState, low_rank: bool) -> (InverseView<'_>, f32) {
+    match (&s.low_rank, low_rank) {
+        (Some(lr), true) => (InverseView::LowRank(lr, lr.formed()), s.damping),
+        _ => (InverseView::Dense(&s.inverse), s.damping),
+    }
+}
+
 impl Retarget {
-    /// The inverse and its damping this step uses, `s` being the factor's state.
-    pub fn view<'a>(&'a self, s: &'a KronFactorState) -> (&'a Matrix, f32) {
+    /// The inverse and its damping this step uses, `s` being the factor's state and
+    /// `low_rank` the flag [`Ctx::retarget`] was given.
+    pub fn view<'a>(&'a self, s: &'a KronFactorState, low_rank: bool) -> (InverseView<'a>, f32) {
         match self {
-            Retarget::Keep => (&s.inverse, s.damping),
+            Retarget::Keep => formed_view(s, low_rank),
             // `retarget` says `Cached` only when the state holds that inverse.
-            Retarget::Cached => s
-                .retargeted
-                .as_ref()
-                .map_or((&s.inverse, s.damping), |(x, l)| (x, *l)),
+            Retarget::Cached => match (&s.low_rank, low_rank) {
+                (Some(lr), true) => lr.retargeted.as_ref().map_or(formed_view(s, true), |t| {
+                    (InverseView::LowRank(lr, t), t.damping)
+                }),
+                _ => s
+                    .retargeted
+                    .as_ref()
+                    .map_or(formed_view(s, false), |(x, l)| (InverseView::Dense(x), *l)),
+            },
             Retarget::FirstOrder {
                 inverse, damping, ..
-            } => (inverse, *damping),
-            Retarget::Formed(u) => (&u.inverse, u.damping),
+            } => (InverseView::Dense(inverse), *damping),
+            Retarget::LowRank(t) => match &s.low_rank {
+                Some(lr) => (InverseView::LowRank(lr, t), t.damping),
+                // `retarget` says `LowRank` only for a state with rows.
+                None => formed_view(s, false),
+            },
+            Retarget::Formed(u) => match (&u.low_rank, low_rank) {
+                (Some(lr), true) => (InverseView::LowRank(lr, lr.formed()), u.damping),
+                _ => (InverseView::Dense(&u.inverse), u.damping),
+            },
         }
     }
 
@@ -382,6 +451,11 @@ impl Retarget {
                     s.square = square;
                 }
             }
+            Retarget::LowRank(t) => {
+                if let Some(lr) = &mut s.low_rank {
+                    lr.retargeted = Some(*t);
+                }
+            }
             Retarget::Formed(u) => u.apply(s),
         }
     }
@@ -393,6 +467,8 @@ pub(super) struct InverseUpdate {
     pub inverse: Matrix,
     pub damping: f32,
     pub inverse_norm: f32,
+    /// The rows' kernel of the low-rank path (`low_rank.rs`), when it formed the inverse.
+    pub low_rank: Option<Box<LowRank>>,
 }
 
 impl InverseUpdate {
@@ -403,6 +479,7 @@ impl InverseUpdate {
         s.inverse_norm = self.inverse_norm;
         s.square = None;
         s.retargeted = None;
+        s.low_rank = self.low_rank;
     }
 
     /// The full factor state for a freshly computed factor.
@@ -416,6 +493,7 @@ impl InverseUpdate {
             trace: scalars.trace,
             square: None,
             retargeted: None,
+            low_rank: self.low_rank,
         }
     }
 }

@@ -53,6 +53,7 @@ mod config;
 mod damping;
 mod factored;
 mod layer;
+mod low_rank;
 mod state;
 
 pub use config::{InverseMethod, KronConfig, KronVariant, NEWTON_RETRY_DAMPING};
@@ -62,7 +63,7 @@ pub use state::{KronCounters, KronFactorState, KronLayerState, KronState, KronSt
 
 use self::damping::{factor_dampings, FactorScalars};
 use self::factored::{LayerView, ModelTerms, Preconditioned};
-use self::layer::{known_norm, Ctx, Retarget};
+use self::layer::{formed_view, known_norm, Ctx, Retarget};
 use super::{KronStats, StatsView};
 use crate::device::{Device, Matrix};
 use crate::error::{check_shape, check_value, Error, Result};
@@ -80,8 +81,11 @@ pub struct KronOptimizer {
 
 /// How the inverses move on this call: rebuilt from statistics, or retargeted lazily.
 enum Plan {
-    Refresh(Vec<KronLayerState>),
-    Lazy(Vec<[Retarget; 2]>),
+    /// New layer states, and whether the step's gradients are all factored (so the rows'
+    /// route of `low_rank.rs` may apply them).
+    Refresh(Vec<KronLayerState>, bool),
+    /// Per layer `[Λ, Γ]`, and the `low_rank` flag the retargets were planned with.
+    Lazy(Vec<[Retarget; 2]>, bool),
 }
 
 fn scalars(s: &KronFactorState) -> FactorScalars {
@@ -270,7 +274,7 @@ impl KronOptimizer {
         let ((plan, counters, ps), _) = self.device.deferred(|| {
             self.check_inputs(op, grads, stats)?;
             let mut counters = self.st.counters;
-            let plan = self.plan(stats, &mut counters)?;
+            let plan = self.plan(stats, low_rank(grads), &mut counters)?;
             let ps = self.preconditioned(&plan, grads, false)?;
             Ok((plan, counters, ps))
         })?;
@@ -345,7 +349,7 @@ impl KronOptimizer {
             self.check_inputs(op, grads, stats)?;
             self.check_layers(op, "params", current.iter())?;
             let mut counters = before;
-            let plan = self.plan(stats, &mut counters)?;
+            let plan = self.plan(stats, low_rank(grads), &mut counters)?;
             let ps = self.preconditioned(&plan, grads, with_model)?;
             let mut terms = Vec::with_capacity(ps.len());
             for p in &ps {
@@ -377,7 +381,7 @@ impl KronOptimizer {
         let (plan, counters, terms, updated) = step;
         let q = self.predicted(&plan, &terms, &readout).unwrap_or(f64::NAN);
         let q = check_predicted(op, q)?;
-        let refreshed = matches!(plan, Plan::Refresh(_));
+        let refreshed = matches!(plan, Plan::Refresh(..));
         self.commit(plan, counters);
         // Without the model `q` is the empty sum 0: nothing to observe.
         let predicted = with_model.then_some(q);
@@ -644,8 +648,14 @@ impl KronOptimizer {
     }
 
     /// Computes the new factors/inverses (refresh) or inverse updates (lazy) without touching
-    /// the state.
-    fn plan(&self, stats: Option<&[KronStats<'_>]>, c: &mut KronCounters) -> Result<Plan> {
+    /// the state. `low_rank`: the lazy inverses may be taken through the factors' rows
+    /// ([`low_rank`]: every gradient of the call is factored).
+    fn plan(
+        &self,
+        stats: Option<&[KronStats<'_>]>,
+        low_rank: bool,
+        c: &mut KronCounters,
+    ) -> Result<Plan> {
         let ctx = Ctx {
             device: &self.device,
             cfg: &self.config,
@@ -661,11 +671,11 @@ impl KronOptimizer {
                     scalars(&layer.gamma),
                 );
                 ups.push([
-                    ctx.retarget(&layer.lambda, dl, c)?,
-                    ctx.retarget(&layer.gamma, dg, c)?,
+                    ctx.retarget(&layer.lambda, dl, low_rank, c)?,
+                    ctx.retarget(&layer.gamma, dg, low_rank, c)?,
                 ]);
             }
-            return Ok(Plan::Lazy(ups));
+            return Ok(Plan::Lazy(ups, low_rank));
         };
         let mut layers = Vec::with_capacity(self.shapes.len());
         for (l, s) in stats.iter().enumerate() {
@@ -695,18 +705,18 @@ impl KronOptimizer {
             });
         }
         c.refreshes += 1;
-        Ok(Plan::Refresh(layers))
+        Ok(Plan::Refresh(layers, low_rank))
     }
 
     /// The matrices layer `l` uses under `plan`.
     fn view<'a>(&'a self, plan: &'a Plan, l: usize) -> LayerView<'a> {
-        let (layer, ups) = match plan {
-            Plan::Refresh(layers) => (&layers[l], None),
-            Plan::Lazy(ups) => (&self.st.layers[l], Some(&ups[l])),
+        let (layer, ups, low_rank) = match plan {
+            Plan::Refresh(layers, lr) => (&layers[l], None, *lr),
+            Plan::Lazy(ups, lr) => (&self.st.layers[l], Some(&ups[l]), *lr),
         };
         let pick = |s: &'a KronFactorState, u: Option<&'a Retarget>| match u {
-            Some(u) => u.view(s),
-            None => (&s.inverse, s.damping),
+            Some(u) => u.view(s, low_rank),
+            None => formed_view(s, low_rank),
         };
         let (lambda_inv, dl) = pick(&layer.lambda, ups.map(|u| &u[0]));
         let (gamma_inv, dg) = pick(&layer.gamma, ups.map(|u| &u[1]));
@@ -737,8 +747,8 @@ impl KronOptimizer {
     /// Installs `plan` and the counters and advances the step counter.
     fn commit(&mut self, plan: Plan, counters: KronCounters) {
         match plan {
-            Plan::Refresh(layers) => self.st.layers = layers,
-            Plan::Lazy(ups) => {
+            Plan::Refresh(layers, _) => self.st.layers = layers,
+            Plan::Lazy(ups, _) => {
                 for (layer, [ul, ug]) in self.st.layers.iter_mut().zip(ups) {
                     ul.apply(&mut layer.lambda);
                     ug.apply(&mut layer.gamma);
@@ -765,6 +775,13 @@ fn check_predicted(op: &'static str, q: f64) -> Result<f32> {
             value: q,
         })
     }
+}
+
+/// Whether a call's inverses may be taken through the factors' rows (`low_rank.rs`): its
+/// gradients all come by their batch factors, the form that route multiplies (a dense
+/// gradient keeps the dense inverses, so their caches stay the dense route's).
+fn low_rank(grads: &[KronGrad<'_>]) -> bool {
+    grads.iter().all(|g| matches!(g, KronGrad::Factored { .. }))
 }
 
 /// Dense [`KronGrad`]s of plain gradient matrices.

@@ -3,6 +3,7 @@
 //! checks and installs one. [`KronState::matrices`] and [`KronState::scalars`] name every
 //! part (the checkpoint stores them, less the cached squares).
 
+use super::low_rank::LowRank;
 use crate::device::Matrix;
 use crate::error::Result;
 
@@ -38,6 +39,12 @@ pub struct KronFactorState {
     /// cache like `square`: not copied by [`super::KronOptimizer::state`] nor stored by the
     /// checkpoint, and formed again from `X₀` and `S₀` with the same bits.
     pub(crate) retargeted: Option<(Matrix, f32)>,
+    /// The rows a replaced factor was formed from, with the `m x m` kernel of its inverse
+    /// (the CPU's low-rank route, `low_rank.rs`). A cache the lazy steps read, not part of
+    /// the state: [`super::KronOptimizer::state`] does not copy it and the checkpoint does
+    /// not store it, so a restored or loaded optimizer takes the dense route until its next
+    /// refresh.
+    pub(crate) low_rank: Option<Box<LowRank>>,
 }
 
 impl KronFactorState {
@@ -61,6 +68,7 @@ impl KronFactorState {
             trace: self.trace,
             square: self.square.as_ref().map(Matrix::try_clone).transpose()?,
             retargeted: None,
+            low_rank: None,
         })
     }
 }
