@@ -90,6 +90,15 @@ proptest! {
         let zw = grng::cpu::low_rank_damped_inverse(wv, lambda).unwrap();
         let bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
         prop_assert_eq!(bits(zb.as_slice()), bits(zw.as_slice()));
+
+        // The optimizer's entry points (`LowRankKernel`: the kernel and the inverse from one
+        // Gram matrix; again at another damping from the stored one) give the same bits.
+        let (kernel, zk) = grng::cpu::LowRankKernel::with_inverse(view, lambda).unwrap();
+        prop_assert_eq!(bits(zk.as_slice()), bits(z.as_slice()));
+        let other = lambda * 1.5;
+        let (_, zr) = kernel.reformed_with_inverse(view, other).unwrap();
+        let zo = grng::cpu::low_rank_damped_inverse(view, other).unwrap();
+        prop_assert_eq!(bits(zr.as_slice()), bits(zo.as_slice()));
     }
 }
 
@@ -143,6 +152,13 @@ fn bad_inputs_are_typed_errors() {
     // Rows of no column: the 0 x 0 inverse.
     let empty = grng::cpu::low_rank_damped_inverse(MatRef::<f32>::new(&[], 3, 0).unwrap(), 1.0);
     assert_eq!(empty.unwrap().shape(), (0, 0));
+    // Rows other than the kernel's are `Shape` (none at all when m = 1).
+    let (kernel, _) = grng::cpu::LowRankKernel::with_inverse(good, 0.1).unwrap();
+    let fewer = MatRef::new(&x[n..], m - 1, n).unwrap();
+    assert!(matches!(
+        kernel.reformed_with_inverse(fewer, 0.1),
+        Err(Error::Shape { arg: "x", .. })
+    ));
     let none: [f32; 0] = [];
     assert!(matches!(
         grng::cpu::low_rank_damped_inverse(MatRef::new(&none, 0, 3).unwrap(), 1.0),

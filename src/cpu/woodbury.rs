@@ -27,6 +27,7 @@
 //! `tests/cpu_woodbury.rs` checks the bound against an `f64` reference.
 
 use std::cmp::Ordering;
+use std::sync::OnceLock;
 
 use faer::linalg::matmul::triangular::{matmul, BlockStructure};
 use faer::linalg::triangular_solve::solve_lower_triangular_in_place;
@@ -36,7 +37,7 @@ use rayon::prelude::*;
 use super::cholesky::{factor, faer_par, widen_finite};
 use super::kron::check_batch;
 use crate::device::Element;
-use crate::error::{check_value, try_vec, Result};
+use crate::error::{check_shape, check_value, try_vec, Result};
 use crate::mat::{Mat, MatRef};
 
 /// Whether [`low_rank_damped_inverse`] of `m` rows is expected to beat the Cholesky inverse
@@ -77,34 +78,44 @@ pub fn low_rank_is_cheaper(m: usize, n: usize) -> bool {
 /// `κ ≳ 1/ε_f64`.
 pub fn low_rank_damped_inverse<T: Element>(x: MatRef<'_, T>, lambda: f32) -> Result<Mat> {
     const OP: &str = "cpu::low_rank_damped_inverse";
+    let work = check_rows(OP, x, lambda)?;
+    super::on_pool(work, || {
+        let (m, n) = x.shape();
+        let w = widen_finite(OP, "x", x)?;
+        let xxt = gram_lower(&w, m, n)?;
+        woodbury(OP, w, &xxt, m, n, lambda)
+    })
+}
+
+/// The argument checks of [`low_rank_damped_inverse`]; returns the multiply-adds of its
+/// largest product (the `n x n` SYRK, `m·n²/2`), for [`super::on_pool`].
+fn check_rows<T: Element>(op: &'static str, x: MatRef<'_, T>, lambda: f32) -> Result<usize> {
     let (m, n) = x.shape();
-    check_batch(OP, "x", (m, n))?;
+    check_batch(op, "x", (m, n))?;
+    check_damping(op, lambda)?;
+    Ok(m.saturating_mul(n).saturating_mul(n) / 2)
+}
+
+/// A damping the inverse's norm `1/λ` fits `f32` for.
+fn check_damping(op: &'static str, lambda: f32) -> Result<()> {
     check_value(
-        OP,
+        op,
         "lambda",
         lambda as f64,
         lambda.is_normal() && lambda > 0.0,
         "a normal lambda > 0 (1/lambda, the inverse's norm, fits f32)",
-    )?;
-    // The largest product is the `n x n` SYRK, `m·n²/2` multiply-adds.
-    let work = m.saturating_mul(n).saturating_mul(n) / 2;
-    super::on_pool(work, || low_rank_inverse(x, lambda))
+    )
 }
 
-/// [`low_rank_damped_inverse`] after its argument checks.
-fn low_rank_inverse<T: Element>(x: MatRef<'_, T>, lambda: f32) -> Result<Mat> {
-    const OP: &str = "cpu::low_rank_damped_inverse";
-    let (m, n) = x.shape();
+/// The lower triangle of `XXᵀ` (row-major `m x m`, the strict upper triangle zero) of the
+/// widened row-major rows `w` (`m x n`).
+fn gram_lower(w: &[f64], m: usize, n: usize) -> Result<Vec<f64>> {
+    let mut g = try_vec(m, m, 0.0f64)?;
+    let xv = faer::MatRef::from_row_major_slice(w, m, n);
     // One thread for small factors, as for the Cholesky (`faer_par`): faer's parallel
     // products at n = 65 cost more in rayon hand-offs than they compute.
-    let par = faer_par(n);
-    // All row-major: X (m x n, solved in place into W), K (m x m), R (n x n).
-    let mut w = widen_finite(OP, "x", x)?;
-    let mut k = try_vec(m, m, 0.0f64)?;
-    let mut r = try_vec(n, n, 0.0f64)?;
-    let xv = faer::MatRef::from_row_major_slice(&w, m, n);
     matmul(
-        faer::MatMut::from_row_major_slice_mut(&mut k, m, m),
+        faer::MatMut::from_row_major_slice_mut(&mut g, m, m),
         BlockStructure::TriangularLower,
         Accum::Replace,
         xv,
@@ -112,17 +123,35 @@ fn low_rank_inverse<T: Element>(x: MatRef<'_, T>, lambda: f32) -> Result<Mat> {
         xv.transpose(),
         BlockStructure::Rectangular,
         1.0,
-        par,
+        faer_par(n),
     );
+    Ok(g)
+}
+
+/// [`low_rank_damped_inverse`] after its checks, from the widened rows `w` (`m x n`,
+/// row-major; solved in place into `W`) and the lower triangle of their Gram `xxt = XXᵀ`.
+fn woodbury(
+    op: &'static str,
+    mut w: Vec<f64>,
+    xxt: &[f64],
+    m: usize,
+    n: usize,
+    lambda: f32,
+) -> Result<Mat> {
+    let par = faer_par(n);
+    // Row-major: K (m x m), R (n x n).
+    let mut k = try_vec(m, m, 0.0f64)?;
+    k.copy_from_slice(xxt);
     let shift = m as f64 * lambda as f64;
     (0..m).for_each(|i| k[i * m + i] += shift);
     // `factor` reads the lower triangle only, the one computed.
-    let l = factor(OP, &k, m)?;
+    let l = factor(op, &k, m)?;
     solve_lower_triangular_in_place(
         l.as_ref(),
         faer::MatMut::from_row_major_slice_mut(&mut w, m, n),
         par,
     );
+    let mut r = try_vec(n, n, 0.0f64)?;
     let wv = faer::MatRef::from_row_major_slice(&w, m, n);
     let inv_lambda = 1.0 / lambda as f64;
     matmul(
@@ -195,9 +224,12 @@ fn round_mirrored(r: &[f64], n: usize, diag: f64) -> Result<Mat> {
 pub struct LowRankKernel {
     m: usize,
     lambda0: f32,
-    gram: Vec<f64>,
+    /// The lower triangle of `XXᵀ = m·Ĝ` (strict upper triangle zero).
+    xxt: Vec<f64>,
     b: Vec<f64>,
-    b2: Vec<f64>,
+    /// `B²`, formed when a first-order term first needs it (a kernel used only at `λ₀`, or
+    /// recomputed before any lazy step moves the damping, never does).
+    b2: OnceLock<Vec<f64>>,
 }
 
 /// `g₀`, `H` and `T` of [`LowRankKernel::at`]: `X(λ) = g₀·I + XᵀHX`, `X·X(λ) = T·X`.
@@ -212,51 +244,74 @@ pub struct LowRankTerms {
 }
 
 impl LowRankKernel {
-    /// The kernel of the rows `x` (`m x n`, `f32` or `bf16`) at the damping `λ₀`.
+    /// The kernel of the rows `x` (`m x n`, `f32` or `bf16`) at the damping `λ₀`, and the
+    /// inverse `(XᵀX/m + λ₀I)⁻¹` as [`low_rank_damped_inverse`] computes it, from one Gram
+    /// matrix of the rows.
     ///
     /// # Errors
     /// As [`low_rank_damped_inverse`].
-    pub fn new<T: Element>(x: MatRef<'_, T>, lambda0: f32) -> Result<Self> {
-        const OP: &str = "cpu::LowRankKernel::new";
-        let (m, n) = x.shape();
-        check_batch(OP, "x", (m, n))?;
-        let w = widen_finite(OP, "x", x)?;
-        let mut gram = try_vec(m, m, 0.0f64)?;
-        let xv = faer::MatRef::from_row_major_slice(&w, m, n);
-        faer::linalg::matmul::matmul(
-            faer::MatMut::from_row_major_slice_mut(&mut gram, m, m),
-            Accum::Replace,
-            xv,
-            xv.transpose(),
-            1.0 / m as f64,
-            faer_par(n),
-        );
-        Self::with_gram(m, gram, lambda0)
+    pub fn with_inverse<T: Element>(x: MatRef<'_, T>, lambda0: f32) -> Result<(Self, Mat)> {
+        const OP: &str = "cpu::LowRankKernel::with_inverse";
+        let work = check_rows(OP, x, lambda0)?;
+        super::on_pool(work, || {
+            let (m, n) = x.shape();
+            let w = widen_finite(OP, "x", x)?;
+            let kernel = Self::from_gram(OP, m, gram_lower(&w, m, n)?, lambda0)?;
+            let inverse = woodbury(OP, w, &kernel.xxt, m, n, lambda0)?;
+            Ok((kernel, inverse))
+        })
     }
 
-    /// The same rows at another formation damping `λ₀` (a recomputed inverse): `B` and `B²`
-    /// again from the stored `Ĝ`, `O(m³)`.
+    /// The same rows `x` (those of [`LowRankKernel::with_inverse`]) at another formation
+    /// damping `λ₀` (a recomputed inverse): the kernel and the inverse again from the stored
+    /// Gram matrix, `O(m³)` and the Woodbury inverse's solve and `n x n` product.
     ///
     /// # Errors
-    /// As [`LowRankKernel::new`].
-    pub fn reformed(&self, lambda0: f32) -> Result<Self> {
-        Self::with_gram(self.m, self.gram.clone(), lambda0)
+    /// As [`low_rank_damped_inverse`]; [`Error::Shape`](crate::Error::Shape) when `x` does
+    /// not have the kernel's `m` rows.
+    pub fn reformed_with_inverse<T: Element>(
+        &self,
+        x: MatRef<'_, T>,
+        lambda0: f32,
+    ) -> Result<(Self, Mat)> {
+        const OP: &str = "cpu::LowRankKernel::reformed_with_inverse";
+        let work = check_rows(OP, x, lambda0)?;
+        let (m, n) = x.shape();
+        check_shape(OP, "x", (m, n), (self.m, n))?;
+        super::on_pool(work, || {
+            let w = widen_finite(OP, "x", x)?;
+            let mut xxt = try_vec(m, m, 0.0f64)?;
+            xxt.copy_from_slice(&self.xxt);
+            let kernel = Self::from_gram(OP, m, xxt, lambda0)?;
+            let inverse = woodbury(OP, w, &kernel.xxt, m, n, lambda0)?;
+            Ok((kernel, inverse))
+        })
     }
 
-    fn with_gram(m: usize, gram: Vec<f64>, lambda0: f32) -> Result<Self> {
-        const OP: &str = "cpu::LowRankKernel::new";
-        check_value(
-            OP,
-            "lambda",
-            lambda0 as f64,
-            lambda0.is_normal() && lambda0 > 0.0,
-            "a normal lambda > 0 (1/lambda, the inverse's norm, fits f32)",
-        )?;
-        let mut k = gram.clone();
+    /// `B = (Ĝ + λ₀I)⁻¹` from the lower triangle of `XXᵀ`.
+    fn from_gram(op: &'static str, m: usize, xxt: Vec<f64>, lambda0: f32) -> Result<Self> {
+        let mut k = try_vec(m, m, 0.0f64)?;
+        let inv_m = 1.0 / m as f64;
+        k.iter_mut().zip(&xxt).for_each(|(k, g)| *k = g * inv_m);
         (0..m).for_each(|i| k[i * m + i] += lambda0 as f64);
-        let b = super::cholesky::spd_inverse_f64(OP, &k, m)?;
+        let b = super::cholesky::spd_inverse_f64(op, &k, m)?;
+        Ok(Self {
+            m,
+            lambda0,
+            xxt,
+            b,
+            b2: OnceLock::new(),
+        })
+    }
+
+    /// `B²`, formed on first use.
+    fn b2(&self) -> Result<&[f64]> {
+        if let Some(b2) = self.b2.get() {
+            return Ok(b2);
+        }
+        let m = self.m;
         let mut b2 = try_vec(m, m, 0.0f64)?;
-        let bv = faer::MatRef::from_row_major_slice(&b, m, m);
+        let bv = faer::MatRef::from_row_major_slice(&self.b, m, m);
         faer::linalg::matmul::matmul(
             faer::MatMut::from_row_major_slice_mut(&mut b2, m, m),
             Accum::Replace,
@@ -265,13 +320,7 @@ impl LowRankKernel {
             1.0,
             faer_par(m),
         );
-        Ok(Self {
-            m,
-            lambda0,
-            gram,
-            b,
-            b2,
-        })
+        Ok(self.b2.get_or_init(|| b2))
     }
 
     /// Rows `m`.
@@ -291,7 +340,10 @@ impl LowRankKernel {
         let (cb, cb2) = ((d / (l0 * l0) - 1.0 / l0) * inv_m, d / l0 * inv_m);
         let mut h = try_vec(self.m, self.m, 0.0f32)?;
         let mut t = try_vec(self.m, self.m, 0.0f32)?;
-        for (i, (&b, &b2)) in self.b.iter().zip(&self.b2).enumerate() {
+        // `X₀` itself (`d = 0`) has no `B²` term: left unformed there.
+        let b2 = if d == 0.0 { None } else { Some(self.b2()?) };
+        for (i, &b) in self.b.iter().enumerate() {
+            let b2 = b2.map_or(0.0, |b2| b2[i]);
             h[i] = (cb * b + cb2 * b2) as f32;
             t[i] = (b - d * b2) as f32;
         }

@@ -28,7 +28,6 @@ use super::state::{KronCounters, KronFactorState};
 use crate::device::{Device, Element, Matrix};
 use crate::error::{Error, Result};
 use crate::mat::Trans;
-use crate::ops::host_ref;
 use crate::ops::newton::{InitialGuess, Precision};
 use crate::optim::StatsView;
 use half::bf16;
@@ -178,10 +177,9 @@ impl Ctx<'_> {
             InverseMethod::Newton(o) => o,
             // Cholesky (resolve() never returns Auto).
             _ => {
-                if let Some((inverse, rows)) = self.low_rank_inverse(rows, damping)? {
+                if let Some((low_rank, inverse)) = self.low_rank_inverse(rows, damping)? {
                     c.low_rank_inversions += 1;
-                    let low_rank = Box::new(LowRank::form(rows, damping)?);
-                    return Ok((inverse, damping, Some(low_rank)));
+                    return Ok((inverse, damping, Some(Box::new(low_rank))));
                 }
                 c.cholesky_inversions += 1;
                 let x = self.device.cholesky_inverse(&damped(damping)?)?;
@@ -236,11 +234,11 @@ impl Ctx<'_> {
     /// differ by `F`'s rounding (`≲ m·2⁻²⁴` of `|x|ᵀ|x|/m` per entry), which moves the inverse
     /// by that times `κ` relative: the error the Cholesky inverse of `F` has against the rows'
     /// Gram matrix anyway.
-    fn low_rank_inverse<'r, 'x>(
+    fn low_rank_inverse(
         &self,
-        rows: Option<&'r Rows<'x>>,
+        rows: Option<&Rows<'_>>,
         damping: f32,
-    ) -> Result<Option<(Matrix, &'r Rows<'x>)>> {
+    ) -> Result<Option<(LowRank, Matrix)>> {
         let Some(rows) = rows else {
             return Ok(None);
         };
@@ -251,14 +249,7 @@ impl Ctx<'_> {
         {
             return Ok(None);
         }
-        let inverse = match rows.view() {
-            StatsView::F32(x) => crate::cpu::low_rank_damped_inverse(host_ref(x)?, damping)?,
-            StatsView::Bf16(x) => crate::cpu::low_rank_damped_inverse(host_ref(x)?, damping)?,
-        };
-        Ok(Some((
-            Matrix::from_host_vec(n, n, inverse.into_vec())?,
-            rows,
-        )))
+        LowRank::form(rows, damping).map(Some)
     }
 
     /// `s`'s inverse at the damping `target` on a lazy step (module docs): the one as formed
@@ -292,13 +283,12 @@ impl Ctx<'_> {
                 return Ok(Retarget::LowRank(Box::new(lr.terms_at(target)?)));
             }
             c.lazy_recomputes += 1;
-            let inverse = crate::cpu::low_rank_damped_inverse(host_ref(lr.rows())?, target)?;
-            let (n, _) = s.inverse.shape();
+            let (low_rank, inverse) = lr.reformed(target)?;
             return Ok(Retarget::Formed(InverseUpdate {
-                inverse: Matrix::from_host_vec(n, n, inverse.into_vec())?,
+                inverse,
                 damping: target,
                 inverse_norm: 1.0 / target,
-                low_rank: Some(Box::new(lr.reformed(target)?)),
+                low_rank: Some(Box::new(low_rank)),
             }));
         }
         if first_order {
@@ -399,9 +389,20 @@ pub(super) enum InverseView<'a> {
 /// The inverse a factor state holds as formed: through its rows when `low_rank` allows and
 /// it has them, else dense.
 pub(super) fn formed_view(s: &KronFactorState, low_rank: bool) -> (InverseView<'_>, f32) {
-    match (&s.low_rank, low_rank) {
-        (Some(lr), true) => (InverseView::LowRank(lr, lr.formed()), s.damping),
-        _ => (InverseView::Dense(&s.inverse), s.damping),
+    as_formed(&s.inverse, s.damping, s.low_rank.as_deref(), low_rank)
+}
+
+/// A formed inverse (dense `inverse` at `damping`, with the rows' part `rows` when the
+/// low-rank path formed it) as a step applies it: through the rows when `low_rank` allows.
+fn as_formed<'a>(
+    inverse: &'a Matrix,
+    damping: f32,
+    rows: Option<&'a LowRank>,
+    low_rank: bool,
+) -> (InverseView<'a>, f32) {
+    match (rows, low_rank) {
+        (Some(lr), true) => (InverseView::LowRank(lr, lr.formed()), damping),
+        _ => (InverseView::Dense(inverse), damping),
     }
 }
 
@@ -429,10 +430,9 @@ impl Retarget {
                 // `retarget` says `LowRank` only for a state with rows.
                 None => formed_view(s, false),
             },
-            Retarget::Formed(u) => match (&u.low_rank, low_rank) {
-                (Some(lr), true) => (InverseView::LowRank(lr, lr.formed()), u.damping),
-                _ => (InverseView::Dense(&u.inverse), u.damping),
-            },
+            Retarget::Formed(u) => {
+                as_formed(&u.inverse, u.damping, u.low_rank.as_deref(), low_rank)
+            }
         }
     }
 

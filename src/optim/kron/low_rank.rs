@@ -47,40 +47,42 @@ pub(crate) struct Terms {
 }
 
 impl LowRank {
-    /// The rows `rows` of a factor replaced at this refresh, its inverse formed at `damping`.
-    pub fn form(rows: &Rows<'_>, damping: f32) -> Result<Self> {
+    /// The rows `rows` of a factor replaced at this refresh, its inverse formed at `damping`,
+    /// and that inverse `(F + λI)⁻¹` (`n x n`, [`crate::cpu::low_rank_damped_inverse`]'s),
+    /// both from one Gram matrix of the rows.
+    pub fn form(rows: &Rows<'_>, damping: f32) -> Result<(Self, Matrix)> {
         let (m, n) = rows.view().shape();
-        let (rows, kernel) = match rows.view() {
-            StatsView::F32(x) => (x.try_clone()?, LowRankKernel::new(host_ref(x)?, damping)?),
+        let (rows, (kernel, inverse)) = match rows.view() {
+            StatsView::F32(x) => (
+                x.try_clone()?,
+                LowRankKernel::with_inverse(host_ref(x)?, damping)?,
+            ),
             StatsView::Bf16(x) => {
                 let wide: Vec<f32> = x.to_vec()?.iter().map(|v| v.to_f32()).collect();
-                let kernel = LowRankKernel::new(host_ref(x)?, damping)?;
-                (Matrix::from_host_vec(m, n, wide)?, kernel)
+                let formed = LowRankKernel::with_inverse(host_ref(x)?, damping)?;
+                (Matrix::from_host_vec(m, n, wide)?, formed)
             }
         };
-        let formed = terms(&kernel, damping)?;
+        Ok((Self::with_kernel(rows, kernel)?, inverse_matrix(inverse)?))
+    }
+
+    /// The same rows with the inverse formed again at `damping` (a lazy recompute), and that
+    /// inverse.
+    pub fn reformed(&self, damping: f32) -> Result<(Self, Matrix)> {
+        let (kernel, inverse) = self
+            .kernel
+            .reformed_with_inverse(host_ref(&self.rows)?, damping)?;
+        let rows = self.rows.try_clone()?;
+        Ok((Self::with_kernel(rows, kernel)?, inverse_matrix(inverse)?))
+    }
+
+    fn with_kernel(rows: Matrix, kernel: LowRankKernel) -> Result<Self> {
         Ok(Self {
+            formed: terms(&kernel, kernel.damping())?,
             rows,
             kernel,
-            formed,
             retargeted: None,
         })
-    }
-
-    /// The same rows with the inverse formed again at `damping` (a lazy recompute).
-    pub fn reformed(&self, damping: f32) -> Result<Self> {
-        let kernel = self.kernel.reformed(damping)?;
-        Ok(Self {
-            rows: self.rows.try_clone()?,
-            formed: terms(&kernel, damping)?,
-            kernel,
-            retargeted: None,
-        })
-    }
-
-    /// The rows `R`.
-    pub fn rows(&self) -> &Matrix {
-        &self.rows
     }
 
     /// The first-order terms at `target` (`X₀ − (target − λ₀)·X₀²`).
@@ -118,6 +120,12 @@ impl LowRank {
         };
         Ok((yx, k))
     }
+}
+
+/// A host inverse as a device matrix (the CPU's: a move).
+fn inverse_matrix(x: crate::mat::Mat) -> Result<Matrix> {
+    let (n, _) = x.shape();
+    Matrix::from_host_vec(n, n, x.into_vec())
 }
 
 fn terms(kernel: &LowRankKernel, damping: f32) -> Result<Terms> {
