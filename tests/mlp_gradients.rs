@@ -259,7 +259,7 @@ proptest! {
     /// [`Mlp::backward_factors`] is [`Mlp::backward`] without the flat gradient (same layers,
     /// same loss, bit for bit), [`Mlp::gradient_into`] its gradient, and [`LayerStats::gradient_norm_sq`] is `‖G_l‖²` of the flat
     /// gradient's slice. Hidden widths up to 40 with batches of 1–8 take both of its routes
-    /// (Gram matrices when `m·(d_out + d_in) < d_out·d_in`). Bound: f32 GEMMs with inner
+    /// (Gram matrices when `m·(d_out + d_in) < 2·d_out·d_in`). Bound: f32 GEMMs with inner
     /// dimension `k ≤ max(m, d_out + d_in)` and the flat gradient's own rounding, each within
     /// `k·2⁻²⁴` of the exact sum on absolute values `Σ (|e||e|ᵀ)∘(|a||a|ᵀ)/m²`; 4x margin.
     #[test]

@@ -107,6 +107,24 @@ pub(crate) fn gram(a: MatRef<'_, f32>, alpha: f32, mut c: MatMut<'_, f32>) -> Re
     syrk::syrk_lower_mirror(a, (alpha, 0.0), c)
 }
 
+/// `C = α·XXᵀ` (`X` `n x k`, `C` `n x n`), the Gram matrix of the rows, by the SYRK's tiles
+/// (exactly symmetric, half a GEMM's flops, no copy of `X`) for operands the caller has
+/// validated; `C` is not read.
+///
+/// # Errors
+/// [`Error::Shape`] unless `C` is `n x n`; `C` is unchanged then.
+pub(crate) fn gram_rows(x: MatRef<'_, f32>, alpha: f32, mut c: MatMut<'_, f32>) -> Result<()> {
+    let n = x.rows();
+    check_shape("cpu::gram_rows", "c", c.shape(), (n, n))?;
+    if x.cols() == 0 {
+        // No columns: XXᵀ = 0 (the crate's k = 0 product would leave C as is).
+        (0..n).for_each(|i| c.row_mut(i).fill(0.0));
+        return Ok(());
+    }
+    syrk::syrk_rows_mirror(x, alpha, c);
+    Ok(())
+}
+
 /// Batch gradient `G = (1/m) Eᵀ A` for `E` of shape `m x d_out` (per-sample output gradients,
 /// not divided by m) and `A` of shape `m x d_in`; `G` is `d_out x d_in`.
 ///

@@ -8,6 +8,7 @@ use super::model::{min_rows, mul_act_deriv, row_mut, Forward};
 use super::{Backward, FisherMode, LayerStats, Loss, Mlp, Targets, TargetsBuf};
 use crate::cpu::elementwise::dot_f64;
 use crate::cpu::gemm;
+use crate::cpu::kron::gram_rows;
 use crate::data::standard_normal;
 use crate::error::{try_vec, Result};
 use crate::mat::{Mat, MatMut, Trans};
@@ -299,28 +300,31 @@ pub fn sample_class(p: &[f32], u: f64) -> usize {
 
 impl LayerStats {
     /// `‖(1/m) eᵀa‖_F²` (`m` = rows) in `f64`, the squared norm of the gradient these data
-    /// statistics factor. When the two `m x m` Gram matrices cost fewer flops than the
-    /// `d_out x d_in` product (`m·(d_out + d_in) < d_out·d_in`) it is `⟨eeᵀ, aaᵀ⟩/m²`
-    /// (`‖eᵀa‖² = tr(aᵀe·eᵀa) = tr(eeᵀ·aaᵀ)`), else the product is formed. Both are f32
-    /// GEMMs summed in f64: off by about `k·2⁻²⁴` (`k` the inner dimension) relative to the same
-    /// sum on absolute values.
+    /// statistics factor. When the two `m x m` Gram matrices (by the SYRK, `m²/2` multiply-adds
+    /// per column) cost less than the `d_out x d_in` product (`m·(d_out + d_in) <
+    /// 2·d_out·d_in`) it is `⟨eeᵀ, aaᵀ⟩/m²` (`‖eᵀa‖² = tr(aᵀe·eᵀa) = tr(eeᵀ·aaᵀ)`), else the
+    /// product is formed. Both are f32 products summed in f64: off by about `k·2⁻²⁴` (`k` the
+    /// inner dimension) relative to the same sum on absolute values.
     ///
     /// # Errors
     /// Allocation failures ([`crate::Error::OutOfMemory`]).
     pub fn gradient_norm_sq(&self) -> Result<f64> {
         let (m, d_out, d_in) = (self.e.rows(), self.e.cols(), self.a.cols());
         let inv_m = 1.0 / m.max(1) as f32;
-        let product = |x: &Mat, tx: Trans, y: &Mat, ty: Trans, r: usize, c: usize| {
+        let product = |r: usize, c: usize, f: &dyn Fn(MatMut<'_, f32>) -> Result<()>| {
             let mut out = Mat::from_vec(try_vec(r, c, 0.0f32)?, r, c)?;
-            gemm(tx, ty, inv_m, x.as_ref(), y.as_ref(), 0.0, out.as_mut())?;
+            f(out.as_mut())?;
             Ok::<Mat, crate::Error>(out)
         };
-        if m * (d_out + d_in) < d_out * d_in {
-            let ee = product(&self.e, Trans::No, &self.e, Trans::Yes, m, m)?;
-            let aa = product(&self.a, Trans::No, &self.a, Trans::Yes, m, m)?;
+        if m * (d_out + d_in) < 2 * d_out * d_in {
+            let gram = |x: &Mat| product(m, m, &|c| gram_rows(x.as_ref(), inv_m, c));
+            let (ee, aa) = (gram(&self.e)?, gram(&self.a)?);
             Ok(dot_f64(ee.as_slice(), aa.as_slice()))
         } else {
-            let g = product(&self.e, Trans::Yes, &self.a, Trans::No, d_out, d_in)?;
+            let (e, a) = (self.e.as_ref(), self.a.as_ref());
+            let g = product(d_out, d_in, &|c| {
+                gemm(Trans::Yes, Trans::No, inv_m, e, a, 0.0, c)
+            })?;
             Ok(dot_f64(g.as_slice(), g.as_slice()))
         }
     }

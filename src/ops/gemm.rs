@@ -82,7 +82,8 @@ impl Device {
     /// (the Kronecker step's, the cached squares) all run on the tensor cores, and the
     /// product's epilogue checks the result as it stores it (no check pass). On the CPU a
     /// Gram `AᵀA` (`ta = Yes`, `tb = No`, `a` and `b` the same matrix) runs the SYRK
-    /// ([`crate::cpu::syrk_ema`]'s kernel): half the flops, exactly symmetric.
+    /// ([`crate::cpu::syrk_ema`]'s kernel), and so does `AAᵀ` (`ta = No`, `tb = Yes`): half the
+    /// flops, exactly symmetric.
     ///
     /// # Errors
     /// [`crate::Error::NonFinite`] (`"result (overflow)"`) for a non-finite product, device
@@ -114,6 +115,12 @@ impl Device {
                 if (ta, tb) == (Trans::Yes, Trans::No) && std::ptr::eq(a, b) =>
             {
                 crate::cpu::kron::gram(host_ref(a)?, alpha, host_mut(&mut c)?)?
+            }
+            // So is `AAᵀ`, the Gram matrix of the rows.
+            (Device::Cpu, Some((a, b)))
+                if (ta, tb) == (Trans::No, Trans::Yes) && std::ptr::eq(a, b) =>
+            {
+                crate::cpu::kron::gram_rows(host_ref(a)?, alpha, host_mut(&mut c)?)?
             }
             _ => self.gemm_kernel(ta, tb, alpha, a, b, 0.0, &mut c)?,
         }

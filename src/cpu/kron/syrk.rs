@@ -120,45 +120,107 @@ fn syrk_on_worker<T: Element>(
         let last = s0 + hp == m;
         for_each_balanced(&tiles, |t| {
             let (panel, at) = (pshare, atp);
-            // The crate computes dst ← α_crate·dst + β_crate·lhs·rhs (its names are swapped
-            // against BLAS's), reading dst only when asked, for a column-major `m x n` dst: here
-            // dst(c, r) = C(r0 + r, j0 + c) (m = the tile's width, unit stride along a row of
-            // C), lhs(c, k) = panel(k, j0 + c), rhs(k, r) = at(r0 + r, k) = panel(k, r0 + r).
+            // lhs(c, k) = panel(k, j0 + c), rhs(k, r) = at(r0 + r, k) = panel(k, r0 + r).
             // SAFETY: lhs is panel columns j0..j0 + w < n (hp rows `ldp` apart), rhs rows
-            // r0..r1 ≤ n of `at` (hp ≤ ldt floats each), dst rows r0..r1, columns j0..j0 + w of
-            // the n x n C: all in bounds. C is not aliased by the panel nor `at`. Tiles are
-            // disjoint, and the mirror writes C(j, i), j < i, only from the tile's own C(i, j):
-            // upper-triangle elements no other tile computes or mirrors into (the upper half
-            // of a diagonal block belongs to the one tile holding that block).
+            // r0..r1 ≤ n of `at` (hp ≤ ldt floats each): in bounds, and neither aliases C;
+            // `c` is the n x n C (`tile_product`'s contract).
             unsafe {
-                ::gemm::gemm(
-                    t.w,
-                    t.r1 - t.r0,
+                tile_product(
+                    (cp, ldc),
+                    t,
                     hp,
-                    cp.0.add(t.r0 * ldc + t.j0),
-                    ldc as isize,
-                    1,
-                    beta != 0.0,
-                    panel.0.add(t.j0),
-                    ldp as isize,
-                    1,
-                    at.0.add(t.r0 * ldt),
-                    ldt as isize,
-                    1,
-                    beta,
-                    alpha,
-                    false,
-                    false,
-                    false,
-                    ::gemm::Parallelism::None,
-                );
-                if last {
-                    mirror(cp, ldc, t);
-                }
+                    (panel.0.add(t.j0), ldp as isize, 1),
+                    (at.0.add(t.r0 * ldt), ldt as isize, 1),
+                    (alpha, beta),
+                    last,
+                )
             }
         });
     }
     Ok(())
+}
+
+/// `C ← α XXᵀ` for `X` `n x k` (`f32`), `C` `n x n`: the Gram matrix of the rows, as
+/// [`syrk_lower_mirror`] computes `AᵀA` (lower triangle by tiles, mirrored: exactly symmetric,
+/// half a GEMM's flops); `C` is not read. It is the SYRK of `A = Xᵀ`, whose transposed panel
+/// is `X` itself: the crate reads both operands straight from `X` (the right one with unit
+/// stride along `k`), so there is no panel to copy and no allocation.
+pub(super) fn syrk_rows_mirror(x: MatRef<'_, f32>, alpha: f32, mut c: MatMut<'_, f32>) {
+    let (n, k) = x.shape();
+    let tiles = tiles(n);
+    let ldc = c.ld();
+    let cp = SharedPtr(c.data_mut().as_mut_ptr());
+    let (xp, ldx) = (SharedPtr(x.data().as_ptr() as *mut f32), x.ld() as isize);
+    rayon::scope(|_| {
+        for_each_balanced(&tiles, |t| {
+            // The whole `SharedPtr` moved in (a field of it alone would not be `Sync`).
+            let rows = xp;
+            // lhs(c, i) = X(j0 + c, i), rhs(i, r) = X(r0 + r, i).
+            // SAFETY: rows j0..j0 + w and r0..r1 ≤ n of the n x k X (`ldx` apart), only read,
+            // not aliasing C (`c` is borrowed mutably); `c` is the n x n C.
+            unsafe {
+                tile_product(
+                    (cp, ldc),
+                    t,
+                    k,
+                    (rows.0.add(t.j0 * x.ld()), 1, ldx),
+                    (rows.0.add(t.r0 * x.ld()), ldx, 1),
+                    (alpha, 0.0),
+                    true,
+                )
+            }
+        })
+    });
+}
+
+/// One tile of a SYRK: `dst ← β·dst + α·lhs·rhs` for the tile `t` of the `n x n` `C` at `c`
+/// (`ldc` apart), `dst(c, r) = C(r0 + r, j0 + c)`, `lhs` `w x k` and `rhs` `k x (r1 − r0)`
+/// given as (pointer, column stride, row stride); `dst` is read only when `β ≠ 0`. With
+/// `mirror`, the tile's strictly-lower elements are then copied to their mirror images.
+///
+/// The crate computes `dst ← α_crate·dst + β_crate·lhs·rhs` (its names are swapped against
+/// BLAS's) for a column-major `m x n` dst: here the tile's width by its rows, unit stride along
+/// a row of C.
+///
+/// # Safety
+/// `lhs` and `rhs` must be in bounds for those shapes and strides and not alias `C`; `c` must
+/// address the `n x n` C holding the tile. Tiles are disjoint, and the mirror writes C(j, i),
+/// j < i, only from the tile's own C(i, j): upper-triangle elements no other tile computes or
+/// mirrors into (the upper half of a diagonal block belongs to the one tile holding that
+/// block), so tiles of one [`tiles`] list may run concurrently.
+unsafe fn tile_product(
+    (c, ldc): (SharedPtr, usize),
+    t: Tile,
+    k: usize,
+    lhs: (*const f32, isize, isize),
+    rhs: (*const f32, isize, isize),
+    (alpha, beta): (f32, f32),
+    mirror_after: bool,
+) {
+    ::gemm::gemm(
+        t.w,
+        t.r1 - t.r0,
+        k,
+        c.0.add(t.r0 * ldc + t.j0),
+        ldc as isize,
+        1,
+        beta != 0.0,
+        lhs.0,
+        lhs.1,
+        lhs.2,
+        rhs.0,
+        rhs.1,
+        rhs.2,
+        beta,
+        alpha,
+        false,
+        false,
+        false,
+        ::gemm::Parallelism::None,
+    );
+    if mirror_after {
+        mirror(c, ldc, t);
+    }
 }
 
 /// The lower triangle's block columns cut into tasks of at most `TILE_ROWS` rows, largest
@@ -438,6 +500,36 @@ mod tests {
             for i in 0..n {
                 for j in 0..i {
                     assert_eq!(got[j * ldc + i], (i * ldc + j) as f32, "n={n} ({j}, {i})");
+                }
+            }
+        }
+    }
+
+    proptest::proptest! {
+        /// `α·XXᵀ` of the rows on ragged shapes (`n` on and off the 64-wide block columns and
+        /// 256-row tasks, padded rows) equals the product computed here, exactly: the entries
+        /// are small integers and `α` a power of two, so every partial sum is exact in `f32`
+        /// (at most `k·9·2 < 2²⁴`) in any order. `C` starts as NaN: it is never read, and both
+        /// triangles are written (so the result is exactly symmetric).
+        #[test]
+        fn rows_gram_is_exact_on_integers(
+            n in 1usize..=300,
+            k in 1usize..=140,
+            pad in 0usize..3,
+            seed in proptest::prelude::any::<u64>(),
+        ) {
+            use rand::{Rng, SeedableRng};
+            let mut rng = rand_chacha::ChaCha8Rng::seed_from_u64(seed);
+            let ldx = k + pad;
+            let x: Vec<f32> = (0..n * ldx).map(|_| rng.random_range(-3i8..=3) as f32).collect();
+            let (ldc, alpha) = (n + pad, 0.5f32);
+            let mut c = vec![f32::NAN; n * ldc];
+            let xv = MatRef::with_ld(&x, n, k, ldx).unwrap();
+            syrk_rows_mirror(xv, alpha, MatMut::with_ld(&mut c, n, n, ldc).unwrap());
+            for i in 0..n {
+                for j in 0..n {
+                    let dot: f32 = (0..k).map(|p| x[i * ldx + p] * x[j * ldx + p]).sum();
+                    proptest::prop_assert_eq!(c[i * ldc + j], alpha * dot, "({}, {})", i, j);
                 }
             }
         }
