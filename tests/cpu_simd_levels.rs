@@ -165,6 +165,20 @@ fn digests() -> Vec<(String, u64)> {
     ] {
         out.push((name.to_string(), hash(&v)));
     }
+    // The power iteration's products (`f32` rows against the `f64` iterate, `f64` dots) on a
+    // ragged symmetric matrix: its estimate and iteration count.
+    let n = 37;
+    let b = random(&mut rng, n * n, 1.0);
+    let sym: Vec<f32> = (0..n * n).map(|k| b[k] + b[(k % n) * n + k / n]).collect();
+    let opts = grng::ops::norm::PowerOptions {
+        tol: 1e-7,
+        max_iter: 9,
+    };
+    let info = grng::cpu::spectral_norm(grng::MatRef::new(&sym, n, n).unwrap(), &opts).unwrap();
+    out.push((
+        "spectral_norm".to_string(),
+        hash(&[info.value, info.iterations as f32]),
+    ));
     // The MLP's activation loops (tanh forward, ReLU forward, φ' backward).
     for activation in [Activation::Tanh, Activation::Relu] {
         let config = MlpConfig {

@@ -3,6 +3,8 @@
 
 mod syrk;
 
+pub(crate) use syrk::mirror_lower;
+
 use super::check_finite_view;
 use super::gemm::gemm;
 use crate::device::Element;

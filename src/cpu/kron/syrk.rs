@@ -173,6 +173,23 @@ pub(super) fn syrk_rows_mirror(x: MatRef<'_, f32>, alpha: f32, mut c: MatMut<'_,
     });
 }
 
+/// Copies the strict lower triangle of the `n x n` `c` onto its upper one (exactly symmetric
+/// after), by the SYRK's tiles in parallel: cache-sized transposes instead of a strided pass.
+pub(crate) fn mirror_lower(mut c: MatMut<'_, f32>) {
+    let (n, ldc) = (c.rows(), c.ld());
+    let tiles = tiles(n);
+    let cp = SharedPtr(c.data_mut().as_mut_ptr());
+    rayon::scope(|_| {
+        for_each_balanced(&tiles, |t| {
+            // The whole `SharedPtr` moved in (a field of it alone would not be `Sync`).
+            let whole = cp;
+            // SAFETY: `c` is the n x n C (`ldc` apart), borrowed mutably here; the tiles of
+            // `tiles(n)` mirror disjoint elements (`tile_product`'s contract).
+            unsafe { mirror(whole, ldc, t) }
+        })
+    });
+}
+
 /// One tile of a SYRK: `dst ← β·dst + α·lhs·rhs` for the tile `t` of the `n x n` `C` at `c`
 /// (`ldc` apart), `dst(c, r) = C(r0 + r, j0 + c)`, `lhs` `w x k` and `rhs` `k x (r1 − r0)`
 /// given as (pointer, column stride, row stride); `dst` is read only when `β ≠ 0`. With
