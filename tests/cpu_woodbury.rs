@@ -91,12 +91,12 @@ proptest! {
         let bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
         prop_assert_eq!(bits(zb.as_slice()), bits(zw.as_slice()));
 
-        // The optimizer's entry points (`LowRankKernel`: the kernel and the inverse from one
-        // Gram matrix; again at another damping from the stored one) give the same bits.
-        let (kernel, zk) = grng::cpu::LowRankKernel::with_inverse(view, lambda).unwrap();
-        prop_assert_eq!(bits(zk.as_slice()), bits(z.as_slice()));
+        // The optimizer's entry points (`LowRankKernel`: the dense inverse from the kernel's
+        // stored Gram matrix, also after a reformation at another damping) give the same bits.
+        let kernel = grng::cpu::LowRankKernel::new(view, lambda).unwrap();
+        prop_assert_eq!(bits(kernel.inverse(view).unwrap().as_slice()), bits(z.as_slice()));
         let other = lambda * 1.5;
-        let (_, zr) = kernel.reformed_with_inverse(view, other).unwrap();
+        let zr = kernel.reformed(other).unwrap().inverse(view).unwrap();
         let zo = grng::cpu::low_rank_damped_inverse(view, other).unwrap();
         prop_assert_eq!(bits(zr.as_slice()), bits(zo.as_slice()));
     }
@@ -153,10 +153,10 @@ fn bad_inputs_are_typed_errors() {
     let empty = grng::cpu::low_rank_damped_inverse(MatRef::<f32>::new(&[], 3, 0).unwrap(), 1.0);
     assert_eq!(empty.unwrap().shape(), (0, 0));
     // Rows other than the kernel's are `Shape` (none at all when m = 1).
-    let (kernel, _) = grng::cpu::LowRankKernel::with_inverse(good, 0.1).unwrap();
+    let kernel = grng::cpu::LowRankKernel::new(good, 0.1).unwrap();
     let fewer = MatRef::new(&x[n..], m - 1, n).unwrap();
     assert!(matches!(
-        kernel.reformed_with_inverse(fewer, 0.1),
+        kernel.inverse(fewer),
         Err(Error::Shape { arg: "x", .. })
     ));
     let none: [f32; 0] = [];
@@ -413,6 +413,21 @@ fn lazy_steps_through_the_rows_match_the_dense_route() {
             (id.first_order_updates, id.lazy_recomputes, id.refreshed),
             "step {k}: the routes plan the same inverses"
         );
+        if ir.refreshed {
+            // The rows' optimizer formed no dense inverse (factored gradients only): its
+            // state's copy forms each from the rows, with the Woodbury inverse's bits.
+            let st = rows.state().unwrap();
+            for (s, x) in [(&st.layers[0].lambda, &sa), (&st.layers[0].gamma, &se)] {
+                let hx = host(x);
+                let xv = MatRef::new(&hx, x.rows(), x.cols()).unwrap();
+                let want = grng::cpu::low_rank_damped_inverse(xv, s.damping).unwrap();
+                assert_eq!(
+                    host(&s.inverse),
+                    want.as_slice(),
+                    "step {k}: state's inverse"
+                );
+            }
+        }
         let st = dense.state().unwrap();
         let (sl, sg) = (&st.layers[0].lambda, &st.layers[0].gamma);
         let kappa = |s: &grng::optim::kron::KronFactorState, x: &Matrix, m: usize| {

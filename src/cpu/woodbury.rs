@@ -241,47 +241,49 @@ pub struct LowRankTerms {
 }
 
 impl LowRankKernel {
-    /// The kernel of the rows `x` (`m x n`, `f32` or `bf16`) at the damping `λ₀`, and the
-    /// inverse `(XᵀX/m + λ₀I)⁻¹` as [`low_rank_damped_inverse`] computes it, from one Gram
-    /// matrix of the rows.
+    /// The kernel of the rows `x` (`m x n`, `f32` or `bf16`) at the damping `λ₀`: the Gram
+    /// matrix of the rows (`m²n` multiply-adds) and `B`.
     ///
     /// # Errors
     /// As [`low_rank_damped_inverse`].
-    pub fn with_inverse<T: Element>(x: MatRef<'_, T>, lambda0: f32) -> Result<(Self, Mat)> {
-        const OP: &str = "cpu::LowRankKernel::with_inverse";
-        let work = check_rows(OP, x, lambda0)?;
-        super::on_pool(work, || {
-            let (m, n) = x.shape();
+    pub fn new<T: Element>(x: MatRef<'_, T>, lambda0: f32) -> Result<Self> {
+        const OP: &str = "cpu::LowRankKernel::new";
+        check_rows(OP, x, lambda0)?;
+        let (m, n) = x.shape();
+        super::on_pool(m.saturating_mul(m).saturating_mul(n), || {
             let w = widen_finite(OP, "x", x)?;
-            let kernel = Self::from_gram(OP, m, gram_lower(&w, m, n)?, lambda0)?;
-            let inverse = woodbury(OP, w, &kernel.xxt, m, n, lambda0)?;
-            Ok((kernel, inverse))
+            Self::from_gram(OP, m, gram_lower(&w, m, n)?, lambda0)
         })
     }
 
-    /// The same rows `x` (those of [`LowRankKernel::with_inverse`]) at another formation
-    /// damping `λ₀` (a recomputed inverse): the kernel and the inverse again from the stored
-    /// Gram matrix, `O(m³)` and the Woodbury inverse's solve and `n x n` product.
+    /// The same rows at another formation damping `λ₀` (a recomputed inverse): `B` again from
+    /// the stored Gram matrix, `O(m³)`.
+    ///
+    /// # Errors
+    /// As [`low_rank_damped_inverse`] for `λ₀`.
+    pub fn reformed(&self, lambda0: f32) -> Result<Self> {
+        const OP: &str = "cpu::LowRankKernel::reformed";
+        check_damping(OP, lambda0)?;
+        let mut xxt = try_vec(self.m, self.m, 0.0f64)?;
+        xxt.copy_from_slice(&self.xxt);
+        Self::from_gram(OP, self.m, xxt, lambda0)
+    }
+
+    /// The dense inverse `(XᵀX/m + λ₀I)⁻¹` (`n x n`) of the kernel's rows `x` (those it was
+    /// made from) at its damping, from the stored Gram matrix: the bits of
+    /// [`low_rank_damped_inverse`] of `x` at `λ₀`, without its Gram product.
     ///
     /// # Errors
     /// As [`low_rank_damped_inverse`]; [`Error::Shape`](crate::Error::Shape) when `x` does
     /// not have the kernel's `m` rows.
-    pub fn reformed_with_inverse<T: Element>(
-        &self,
-        x: MatRef<'_, T>,
-        lambda0: f32,
-    ) -> Result<(Self, Mat)> {
-        const OP: &str = "cpu::LowRankKernel::reformed_with_inverse";
-        let work = check_rows(OP, x, lambda0)?;
+    pub fn inverse<T: Element>(&self, x: MatRef<'_, T>) -> Result<Mat> {
+        const OP: &str = "cpu::LowRankKernel::inverse";
+        let work = check_rows(OP, x, self.lambda0)?;
         let (m, n) = x.shape();
         check_shape(OP, "x", (m, n), (self.m, n))?;
         super::on_pool(work, || {
             let w = widen_finite(OP, "x", x)?;
-            let mut xxt = try_vec(m, m, 0.0f64)?;
-            xxt.copy_from_slice(&self.xxt);
-            let kernel = Self::from_gram(OP, m, xxt, lambda0)?;
-            let inverse = woodbury(OP, w, &kernel.xxt, m, n, lambda0)?;
-            Ok((kernel, inverse))
+            woodbury(OP, w, &self.xxt, m, n, self.lambda0)
         })
     }
 

@@ -72,10 +72,13 @@ pub(super) struct LayerView<'a> {
 pub(super) struct Preconditioned {
     pub p: Matrix,
     pub terms: Option<(Scalar, Scalar)>,
+    /// `(λ_Λ, λ_Γ)` of the inverses applied.
+    damping: (f32, f32),
 }
 
-/// The model's three inner products of one layer: `⟨G, P⟩`, `⟨P, ΓPΛ⟩`, `‖P‖²`.
-pub(super) struct ModelTerms([Scalar; 3]);
+/// The model's three inner products of one layer, `⟨G, P⟩`, `⟨P, ΓPΛ⟩`, `‖P‖²`, and the
+/// dampings `(λ_Λ, λ_Γ)` of its inverses.
+pub(super) struct ModelTerms([Scalar; 3], (f32, f32));
 
 impl Preconditioned {
     /// The terms with `‖P‖²` added (one more reduction); `None` when they were not computed.
@@ -83,22 +86,21 @@ impl Preconditioned {
         let Some((lin, curv)) = self.terms else {
             return Ok(None);
         };
-        Ok(Some(ModelTerms([
-            lin,
-            curv,
-            d.dot_deferred(&self.p, &self.p)?,
-        ])))
+        Ok(Some(ModelTerms(
+            [lin, curv, d.dot_deferred(&self.p, &self.p)?],
+            self.damping,
+        )))
     }
 }
 
 impl ModelTerms {
     /// `q(δ) − q(0) = ⟨G, Δ⟩ + ½⟨Δ, ΓΔΛ⟩ + ½λ‖Δ‖²` for `Δ = −ηP`, `λ = λ_Λλ_Γ` (SPEC §2), in
     /// `f64`, with the values `r` resolves (`None` while a deferred one is unknown).
-    pub fn model_change(&self, r: &Readout, damping: (f32, f32), eta: f32) -> Option<f64> {
+    pub fn model_change(&self, r: &Readout, eta: f32) -> Option<f64> {
         let [lin, curv, sq] = self.0.map(|s| r.get(s).map(f64::from));
         let (lin, curv, sq) = (lin?, curv?, sq?);
         let eta = eta as f64;
-        let lambda = damping.0 as f64 * damping.1 as f64;
+        let lambda = self.1 .0 as f64 * self.1 .1 as f64;
         Some(-eta * lin + 0.5 * eta * eta * (curv + lambda * sq))
     }
 }
@@ -164,7 +166,11 @@ fn dense(d: &Device, v: &LayerView<'_>, g: &Matrix, with_model: bool) -> Result<
     } else {
         None
     };
-    Ok(Preconditioned { p, terms })
+    Ok(Preconditioned {
+        p,
+        terms,
+        damping: v.damping,
+    })
 }
 
 /// The factored route of the module docs.
@@ -220,5 +226,9 @@ fn factored(
     } else {
         None
     };
-    Ok(Preconditioned { p, terms })
+    Ok(Preconditioned {
+        p,
+        terms,
+        damping: v.damping,
+    })
 }

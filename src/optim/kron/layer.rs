@@ -23,7 +23,7 @@
 
 use super::config::{InverseMethod, KronConfig, KronVariant, NEWTON_RETRY_DAMPING};
 use super::damping::FactorScalars;
-use super::low_rank::{LowRank, Terms};
+use super::low_rank::{deferred, LowRank, Terms};
 use super::state::{KronCounters, KronFactorState};
 use crate::device::{Device, Element, Matrix};
 use crate::error::{Error, Result};
@@ -177,9 +177,9 @@ impl Ctx<'_> {
             InverseMethod::Newton(o) => o,
             // Cholesky (resolve() never returns Auto).
             _ => {
-                if let Some((low_rank, inverse)) = self.low_rank_inverse(rows, damping)? {
+                if let Some(low_rank) = self.low_rank_inverse(rows, damping)? {
                     c.low_rank_inversions += 1;
-                    return Ok((inverse, damping, Some(Box::new(low_rank))));
+                    return Ok((deferred()?, damping, Some(Box::new(low_rank))));
                 }
                 c.cholesky_inversions += 1;
                 let x = self.device.cholesky_inverse(&damped(damping)?)?;
@@ -234,11 +234,7 @@ impl Ctx<'_> {
     /// differ by `F`'s rounding (`≲ m·2⁻²⁴` of `|x|ᵀ|x|/m` per entry), which moves the inverse
     /// by that times `κ` relative: the error the Cholesky inverse of `F` has against the rows'
     /// Gram matrix anyway.
-    fn low_rank_inverse(
-        &self,
-        rows: Option<&Rows<'_>>,
-        damping: f32,
-    ) -> Result<Option<(LowRank, Matrix)>> {
+    fn low_rank_inverse(&self, rows: Option<&Rows<'_>>, damping: f32) -> Result<Option<LowRank>> {
         let Some(rows) = rows else {
             return Ok(None);
         };
@@ -283,12 +279,11 @@ impl Ctx<'_> {
                 return Ok(Retarget::LowRank(Box::new(lr.terms_at(target)?)));
             }
             c.lazy_recomputes += 1;
-            let (low_rank, inverse) = lr.reformed(target)?;
             return Ok(Retarget::Formed(InverseUpdate {
-                inverse,
+                inverse: deferred()?,
                 damping: target,
                 inverse_norm: 1.0 / target,
-                low_rank: Some(Box::new(low_rank)),
+                low_rank: Some(Box::new(lr.reformed(target)?)),
             }));
         }
         if first_order {
@@ -298,11 +293,12 @@ impl Ctx<'_> {
             }
             // One pass, X₀ + (−d)·S₀ into a new matrix; S₀ is formed once per formation and
             // handed to the caller to cache.
+            let x0 = s.dense_inverse()?;
             let (inverse, square) = match &s.square {
-                Some(sq) => (self.device.axpy_new(-d, sq, &s.inverse)?, None),
+                Some(sq) => (self.device.axpy_new(-d, sq, x0)?, None),
                 None => {
-                    let sq = self.square(&s.inverse)?;
-                    (self.device.axpy_new(-d, &sq, &s.inverse)?, Some(sq))
+                    let sq = self.square(x0)?;
+                    (self.device.axpy_new(-d, &sq, x0)?, Some(sq))
                 }
             };
             return Ok(Retarget::FirstOrder {
@@ -316,7 +312,7 @@ impl Ctx<'_> {
             &s.factor,
             target,
             known_norm(s.norm),
-            Some(&s.inverse),
+            s.warm_start(),
             None,
             c,
         )
@@ -388,45 +384,51 @@ pub(super) enum InverseView<'a> {
 
 /// The inverse a factor state holds as formed: through its rows when `low_rank` allows and
 /// it has them, else dense.
-pub(super) fn formed_view(s: &KronFactorState, low_rank: bool) -> (InverseView<'_>, f32) {
+pub(super) fn formed_view(s: &KronFactorState, low_rank: bool) -> Result<(InverseView<'_>, f32)> {
     as_formed(&s.inverse, s.damping, s.low_rank.as_deref(), low_rank)
 }
 
-/// A formed inverse (dense `inverse` at `damping`, with the rows' part `rows` when the
-/// low-rank path formed it) as a step applies it: through the rows when `low_rank` allows.
+/// A formed inverse (`inverse` at `damping`, with the rows' part `rows` when the low-rank path
+/// formed it, `inverse` then deferred) as a step applies it: through the rows when `low_rank`
+/// allows, else dense (formed from the rows if it was deferred).
 fn as_formed<'a>(
     inverse: &'a Matrix,
     damping: f32,
     rows: Option<&'a LowRank>,
     low_rank: bool,
-) -> (InverseView<'a>, f32) {
-    match (rows, low_rank) {
+) -> Result<(InverseView<'a>, f32)> {
+    Ok(match (rows, low_rank) {
         (Some(lr), true) => (InverseView::LowRank(lr, lr.formed()), damping),
-        _ => (InverseView::Dense(inverse), damping),
-    }
+        (Some(lr), false) => (InverseView::Dense(lr.dense_inverse()?), damping),
+        (None, _) => (InverseView::Dense(inverse), damping),
+    })
 }
 
 impl Retarget {
     /// The inverse and its damping this step uses, `s` being the factor's state and
     /// `low_rank` the flag [`Ctx::retarget`] was given.
-    pub fn view<'a>(&'a self, s: &'a KronFactorState, low_rank: bool) -> (InverseView<'a>, f32) {
+    pub fn view<'a>(
+        &'a self,
+        s: &'a KronFactorState,
+        low_rank: bool,
+    ) -> Result<(InverseView<'a>, f32)> {
         match self {
             Retarget::Keep => formed_view(s, low_rank),
             // `retarget` says `Cached` only when the state holds that inverse.
             Retarget::Cached => match (&s.low_rank, low_rank) {
                 (Some(lr), true) => lr.retargeted.as_ref().map_or(formed_view(s, true), |t| {
-                    (InverseView::LowRank(lr, t), t.damping)
+                    Ok((InverseView::LowRank(lr, t), t.damping))
                 }),
-                _ => s
-                    .retargeted
-                    .as_ref()
-                    .map_or(formed_view(s, false), |(x, l)| (InverseView::Dense(x), *l)),
+                _ => match &s.retargeted {
+                    Some((x, l)) => Ok((InverseView::Dense(x), *l)),
+                    None => formed_view(s, false),
+                },
             },
             Retarget::FirstOrder {
                 inverse, damping, ..
-            } => (InverseView::Dense(inverse), *damping),
+            } => Ok((InverseView::Dense(inverse), *damping)),
             Retarget::LowRank(t) => match &s.low_rank {
-                Some(lr) => (InverseView::LowRank(lr, t), t.damping),
+                Some(lr) => Ok((InverseView::LowRank(lr, t), t.damping)),
                 // `retarget` says `LowRank` only for a state with rows.
                 None => formed_view(s, false),
             },

@@ -12,10 +12,14 @@
 //! `n²` and, once per formation, the `n³` square `X₀²`). The same operator as the dense
 //! first-order inverse, so the same step up to rounding.
 //!
-//! The state keeps the dense factor and the Woodbury inverse as before (what
-//! [`super::KronOptimizer::state`] reports and the checkpoint stores); the rows ride along as
-//! a crate-private cache that the state's copies leave out (a restored or loaded optimizer
-//! takes the dense route until its next refresh: the same step, other rounding).
+//! The state keeps the dense factor as before; its dense inverse (the Woodbury inverse, `f64`,
+//! `~2m²n + mn²` flops and an `n x n` rounding pass) is formed only when something reads it
+//! — a dense gradient, [`super::KronOptimizer::state`] (so the checkpoint stores it) — with
+//! the bits it had when every refresh formed it. The rows ride along as a crate-private part
+//! that the state's copies leave out (a restored or loaded optimizer takes the dense route
+//! until its next refresh: the same step, other rounding).
+
+use std::sync::OnceLock;
 
 use super::layer::Rows;
 use crate::cpu::LowRankKernel;
@@ -25,8 +29,9 @@ use crate::mat::Trans;
 use crate::ops::host_ref;
 use crate::optim::StatsView;
 
-/// A replaced factor's rows `R` (`m x n`, as the SYRK read them, widened to `f32`) and the
-/// `m x m` kernel of its inverse at the formation damping.
+/// A replaced factor's rows `R` (`m x n`, as the SYRK read them, widened to `f32`), the
+/// `m x m` kernel of its inverse at the formation damping, and that inverse's dense form
+/// once something needed it.
 #[derive(Debug)]
 pub(crate) struct LowRank {
     rows: Matrix,
@@ -35,6 +40,8 @@ pub(crate) struct LowRank {
     formed: Terms,
     /// The last first-order terms and their target (a cache, like the dense route's).
     pub(super) retargeted: Option<Terms>,
+    /// The dense `X₀ = (F + λ₀I)⁻¹`, formed on first need ([`LowRank::dense_inverse`]).
+    dense: OnceLock<Matrix>,
 }
 
 /// `X(λ) = g₀·I + RᵀHR` and `R·X(λ) = T·R` at the damping `λ` (on the CPU).
@@ -47,33 +54,24 @@ pub(crate) struct Terms {
 }
 
 impl LowRank {
-    /// The rows `rows` of a factor replaced at this refresh, its inverse formed at `damping`,
-    /// and that inverse `(F + λI)⁻¹` (`n x n`, [`crate::cpu::low_rank_damped_inverse`]'s),
-    /// both from one Gram matrix of the rows.
-    pub fn form(rows: &Rows<'_>, damping: f32) -> Result<(Self, Matrix)> {
+    /// The rows `rows` of a factor replaced at this refresh, its inverse formed at `damping`
+    /// (the `m x m` kernel; the dense inverse is left for [`LowRank::dense_inverse`]).
+    pub fn form(rows: &Rows<'_>, damping: f32) -> Result<Self> {
         let (m, n) = rows.view().shape();
-        let (rows, (kernel, inverse)) = match rows.view() {
-            StatsView::F32(x) => (
-                x.try_clone()?,
-                LowRankKernel::with_inverse(host_ref(x)?, damping)?,
-            ),
+        let (rows, kernel) = match rows.view() {
+            StatsView::F32(x) => (x.try_clone()?, LowRankKernel::new(host_ref(x)?, damping)?),
             StatsView::Bf16(x) => {
                 let wide: Vec<f32> = x.to_vec()?.iter().map(|v| v.to_f32()).collect();
-                let formed = LowRankKernel::with_inverse(host_ref(x)?, damping)?;
-                (Matrix::from_host_vec(m, n, wide)?, formed)
+                let kernel = LowRankKernel::new(host_ref(x)?, damping)?;
+                (Matrix::from_host_vec(m, n, wide)?, kernel)
             }
         };
-        Ok((Self::with_kernel(rows, kernel)?, inverse_matrix(inverse)?))
+        Self::with_kernel(rows, kernel)
     }
 
-    /// The same rows with the inverse formed again at `damping` (a lazy recompute), and that
-    /// inverse.
-    pub fn reformed(&self, damping: f32) -> Result<(Self, Matrix)> {
-        let (kernel, inverse) = self
-            .kernel
-            .reformed_with_inverse(host_ref(&self.rows)?, damping)?;
-        let rows = self.rows.try_clone()?;
-        Ok((Self::with_kernel(rows, kernel)?, inverse_matrix(inverse)?))
+    /// The same rows with the inverse formed again at `damping` (a lazy recompute).
+    pub fn reformed(&self, damping: f32) -> Result<Self> {
+        Self::with_kernel(self.rows.try_clone()?, self.kernel.reformed(damping)?)
     }
 
     fn with_kernel(rows: Matrix, kernel: LowRankKernel) -> Result<Self> {
@@ -82,7 +80,21 @@ impl LowRank {
             rows,
             kernel,
             retargeted: None,
+            dense: OnceLock::new(),
         })
+    }
+
+    /// The dense inverse `X₀` (`n x n`) as [`crate::cpu::low_rank_damped_inverse`] computes it
+    /// from the rows (the same bits), formed at the first call: for a dense gradient or a copy
+    /// of the state, never on the rows' route itself.
+    pub fn dense_inverse(&self) -> Result<&Matrix> {
+        if let Some(x) = self.dense.get() {
+            return Ok(x);
+        }
+        let x = self.kernel.inverse(host_ref(&self.rows)?)?;
+        let (n, _) = x.shape();
+        let x = Matrix::from_host_vec(n, n, x.into_vec())?;
+        Ok(self.dense.get_or_init(|| x))
     }
 
     /// The first-order terms at `target` (`X₀ − (target − λ₀)·X₀²`).
@@ -122,10 +134,11 @@ impl LowRank {
     }
 }
 
-/// A host inverse as a device matrix (the CPU's: a move).
-fn inverse_matrix(x: crate::mat::Mat) -> Result<Matrix> {
-    let (n, _) = x.shape();
-    Matrix::from_host_vec(n, n, x.into_vec())
+/// What a factor state's `inverse` holds while its [`LowRank`] forms the dense inverse on
+/// demand: an empty matrix. Readers go through
+/// [`super::KronFactorState::dense_inverse`].
+pub(crate) fn deferred() -> Result<Matrix> {
+    Matrix::from_host_vec(0, 0, Vec::new())
 }
 
 fn terms(kernel: &LowRankKernel, damping: f32) -> Result<Terms> {

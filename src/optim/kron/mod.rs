@@ -357,7 +357,7 @@ impl KronOptimizer {
             }
             // Where the values are known now (not deferred), an overflowing step is
             // reported before any update runs.
-            if let Some(q) = self.predicted(&plan, &terms, &Readout::default()) {
+            if let Some(q) = self.predicted(&terms, &Readout::default()) {
                 check_predicted(op, q)?;
             }
             // The new weights go into new matrices: an update that overflows on a later
@@ -379,7 +379,7 @@ impl KronOptimizer {
             Ok((plan, counters, terms, updated))
         })?;
         let (plan, counters, terms, updated) = step;
-        let q = self.predicted(&plan, &terms, &readout).unwrap_or(f64::NAN);
+        let q = self.predicted(&terms, &readout).unwrap_or(f64::NAN);
         let q = check_predicted(op, q)?;
         let refreshed = matches!(plan, Plan::Refresh(..));
         self.commit(plan, counters);
@@ -403,13 +403,11 @@ impl KronOptimizer {
 
     /// The quadratic model's predicted change summed over the layers (a layer without terms
     /// adds nothing), `None` while a term is deferred (unknown to `r`).
-    fn predicted(&self, plan: &Plan, terms: &[Option<ModelTerms>], r: &Readout) -> Option<f64> {
+    fn predicted(&self, terms: &[Option<ModelTerms>], r: &Readout) -> Option<f64> {
         let eta = self.effective_lr();
         let mut q = 0.0f64;
-        for (l, t) in terms.iter().enumerate() {
-            if let Some(t) = t {
-                q += t.model_change(r, self.view(plan, l).damping, eta)?;
-            }
+        for t in terms.iter().flatten() {
+            q += t.model_change(r, eta)?;
         }
         Some(q)
     }
@@ -687,7 +685,7 @@ impl KronOptimizer {
                 &fl,
                 dl,
                 known_norm(sl.norm),
-                old.map(|o| &o.lambda.inverse),
+                old.and_then(|o| o.lambda.warm_start()),
                 rl.as_ref(),
                 c,
             )?;
@@ -695,7 +693,7 @@ impl KronOptimizer {
                 &fg,
                 dg,
                 known_norm(sg.norm),
-                old.map(|o| &o.gamma.inverse),
+                old.and_then(|o| o.gamma.warm_start()),
                 rg.as_ref(),
                 c,
             )?;
@@ -709,7 +707,7 @@ impl KronOptimizer {
     }
 
     /// The matrices layer `l` uses under `plan`.
-    fn view<'a>(&'a self, plan: &'a Plan, l: usize) -> LayerView<'a> {
+    fn view<'a>(&'a self, plan: &'a Plan, l: usize) -> Result<LayerView<'a>> {
         let (layer, ups, low_rank) = match plan {
             Plan::Refresh(layers, lr) => (&layers[l], None, *lr),
             Plan::Lazy(ups, lr) => (&self.st.layers[l], Some(&ups[l]), *lr),
@@ -718,15 +716,15 @@ impl KronOptimizer {
             Some(u) => u.view(s, low_rank),
             None => formed_view(s, low_rank),
         };
-        let (lambda_inv, dl) = pick(&layer.lambda, ups.map(|u| &u[0]));
-        let (gamma_inv, dg) = pick(&layer.gamma, ups.map(|u| &u[1]));
-        LayerView {
+        let (lambda_inv, dl) = pick(&layer.lambda, ups.map(|u| &u[0]))?;
+        let (gamma_inv, dg) = pick(&layer.gamma, ups.map(|u| &u[1]))?;
+        Ok(LayerView {
             lambda: &layer.lambda.factor,
             gamma: &layer.gamma.factor,
             lambda_inv,
             gamma_inv,
             damping: (dl, dg),
-        }
+        })
     }
 
     /// `P_l = Γ̃⁻¹ G_l Λ̃⁻¹` for every layer (and the model terms when `with_model`),
@@ -740,7 +738,9 @@ impl KronOptimizer {
         grads
             .iter()
             .enumerate()
-            .map(|(l, &g)| factored::precondition(&self.device, &self.view(plan, l), g, with_model))
+            .map(|(l, &g)| {
+                factored::precondition(&self.device, &self.view(plan, l)?, g, with_model)
+            })
             .collect()
     }
 

@@ -19,7 +19,9 @@ use crate::error::Result;
 pub struct KronFactorState {
     /// The undamped factor `F` (EMA of `(1/m) AᵀA` or `(1/m') ÊᵀÊ`), `n x n`, symmetric.
     pub factor: Matrix,
-    /// `X₀ ≈ (F + damping·I)⁻¹` as formed, `n x n`.
+    /// `X₀ ≈ (F + damping·I)⁻¹` as formed, `n x n`. (Inside the optimizer, a factor on the
+    /// CPU's low-rank route forms it from its rows on first need; every copy
+    /// [`super::KronOptimizer::state`] returns holds it.)
     pub inverse: Matrix,
     /// `λ₀`, the damping `X₀` was formed at: that step's target, or more after a Newton retry
     /// ([`super::NEWTON_RETRY_DAMPING`]).
@@ -48,6 +50,24 @@ pub struct KronFactorState {
 }
 
 impl KronFactorState {
+    /// `X₀`, dense: [`KronFactorState::inverse`], or on the low-rank route the one its rows
+    /// form on first need (`inverse` is then a placeholder, [`super::low_rank::deferred`]).
+    pub(crate) fn dense_inverse(&self) -> Result<&Matrix> {
+        match &self.low_rank {
+            Some(lr) => lr.dense_inverse(),
+            None => Ok(&self.inverse),
+        }
+    }
+
+    /// The warm start a Newton inversion may read: `X₀`, except on the low-rank route, which
+    /// only the Cholesky method takes (so no Newton reads it, and it is not formed for one).
+    pub(crate) fn warm_start(&self) -> Option<&Matrix> {
+        match &self.low_rank {
+            Some(_) => None,
+            None => Some(&self.inverse),
+        }
+    }
+
     /// The cached `S₀ = X₀·X₀` (`n x n`), `None` until a lazy step needed it since `X₀` was
     /// formed. [`super::KronOptimizer::state`] copies it;
     /// [`super::KronOptimizer::restore`] recomputes it from the restored `inverse` when
@@ -61,7 +81,7 @@ impl KronFactorState {
     fn try_clone(&self) -> Result<Self> {
         Ok(Self {
             factor: self.factor.try_clone()?,
-            inverse: self.inverse.try_clone()?,
+            inverse: self.dense_inverse()?.try_clone()?,
             damping: self.damping,
             inverse_norm: self.inverse_norm,
             norm: self.norm,
