@@ -107,23 +107,36 @@ impl Device {
                 self.product_of(ta, tb, alpha, &ao, &self.operand(b)?)
             };
         }
-        let mut c = self.zeros(op_shape(ta, a.shape()).0, op_shape(tb, b.shape()).1)?;
-        match (self, f32s) {
+        let (m, n) = (op_shape(ta, a.shape()).0, op_shape(tb, b.shape()).1);
+        let c = match (self, f32s) {
             // `AᵀA` of one matrix is symmetric: the CPU's SYRK computes the lower triangle and
             // mirrors it, half the flops of the GEMM.
             (Device::Cpu, Some((a, b)))
                 if (ta, tb) == (Trans::Yes, Trans::No) && std::ptr::eq(a, b) =>
             {
-                crate::cpu::kron::gram(host_ref(a)?, alpha, host_mut(&mut c)?)?
+                let mut c = self.zeros(m, n)?;
+                crate::cpu::kron::gram(host_ref(a)?, alpha, host_mut(&mut c)?)?;
+                c
             }
             // So is `AAᵀ`, the Gram matrix of the rows.
             (Device::Cpu, Some((a, b)))
                 if (ta, tb) == (Trans::No, Trans::Yes) && std::ptr::eq(a, b) =>
             {
-                crate::cpu::kron::gram_rows(host_ref(a)?, alpha, host_mut(&mut c)?)?
+                let mut c = self.zeros(m, n)?;
+                crate::cpu::kron::gram_rows(host_ref(a)?, alpha, host_mut(&mut c)?)?;
+                c
             }
-            _ => self.gemm_kernel(ta, tb, alpha, a, b, 0.0, &mut c)?,
-        }
+            // Any other `f32` product into a result it allocates without zero-filling.
+            (Device::Cpu, Some((a, b))) => {
+                let c = crate::cpu::gemm::gemm_new(ta, tb, alpha, host_ref(a)?, host_ref(b)?)?;
+                Matrix::from_host_vec(m, n, c.into_vec())?
+            }
+            _ => {
+                let mut c = self.zeros(m, n)?;
+                self.gemm_kernel(ta, tb, alpha, a, b, 0.0, &mut c)?;
+                c
+            }
+        };
         self.check_all_finite(OP, &[(OVERFLOW, &c)])?;
         Ok(c)
     }
