@@ -216,7 +216,8 @@ fn round_mirrored(r: &[f64], n: usize, diag: f64) -> Result<Mat> {
 /// in `f32` (`g₀·Y + ((Y·Xᵀ)·H)·X`), the cancellation between `g₀·Y` and the correction along
 /// the large eigenvalues of `F` leaves an error of order `2⁻²⁴·(n + m)·κ·‖Y‖/λ₀`: the order of
 /// the `f32`-rounded dense inverse times `Y` (its entries carry `2⁻²⁴/λ₀` each).
-/// `tests/optim_kron_low_rank.rs` checks the whole step against the dense route.
+/// `tests/cpu_woodbury.rs` (`lazy_steps_through_the_rows_match_the_dense_route`) checks the whole
+/// step against the dense route.
 #[derive(Debug)]
 pub struct LowRankKernel {
     m: usize,
