@@ -67,7 +67,7 @@ impl PowerStep for HostPower<'_> {
         self.w
             .par_iter_mut()
             .enumerate()
-            .for_each(|(i, wi)| *wi = dot_f32_f64(a.row(i), v));
+            .for_each(|(i, wi)| *wi = dot(a.row(i), v));
         let rq = dot(v, &self.w);
         let wn = dot(&self.w, &self.w).sqrt();
         if wn > 0.0 {
@@ -80,37 +80,40 @@ impl PowerStep for HostPower<'_> {
     }
 }
 
-multiversion! {
-    /// `Σ xᵢyᵢ` in four independent lanes (vectorizes without reassociation flags; the same
-    /// bits at every instruction-set level).
-    fn dot(x: &[f64], y: &[f64]) -> f64 {
-        let mut acc = [0.0f64; 4];
-        let (xc, xr) = x.split_at(x.len() - x.len() % 4);
-        let (yc, yr) = y.split_at(xc.len());
-        for (a, b) in xc.chunks_exact(4).zip(yc.chunks_exact(4)) {
-            for l in 0..4 {
-                acc[l] += a[l] * b[l];
-            }
-        }
-        let tail: f64 = xr.iter().zip(yr).map(|(a, b)| a * b).sum();
-        acc.iter().sum::<f64>() + tail
+/// An element the power iteration's dot widens exactly to `f64` (`f32` rows, `f64` iterates).
+trait Wide: Copy {
+    fn wide(self) -> f64;
+}
+
+impl Wide for f32 {
+    #[inline(always)]
+    fn wide(self) -> f64 {
+        self as f64
+    }
+}
+
+impl Wide for f64 {
+    #[inline(always)]
+    fn wide(self) -> f64 {
+        self
     }
 }
 
 multiversion! {
-    /// `Σ xᵢyᵢ` for an `f32` row against an `f64` vector, accumulated in `f64` (as [`dot`]).
-    /// The power iteration's matrix-vector product: compiled per level, the baseline's SSE2
-    /// copy took about a tenth of a RING refresh at n = 1024.
-    fn dot_f32_f64(x: &[f32], y: &[f64]) -> f64 {
+    /// `Σ xᵢyᵢ` in `f64`, four independent lanes (vectorizes without reassociation flags; the
+    /// same bits at every instruction-set level): the power iteration's matrix-vector product
+    /// (an `f32` row against the `f64` iterate) and its `f64` dots. The baseline's SSE2 copy of
+    /// the matrix-vector product took about a tenth of a RING refresh at n = 1024.
+    fn dot<T: Wide>(x: &[T], y: &[f64]) -> f64 {
         let mut acc = [0.0f64; 4];
         let (xc, xr) = x.split_at(x.len() - x.len() % 4);
         let (yc, yr) = y.split_at(xc.len());
         for (a, b) in xc.chunks_exact(4).zip(yc.chunks_exact(4)) {
             for l in 0..4 {
-                acc[l] += a[l] as f64 * b[l];
+                acc[l] += a[l].wide() * b[l];
             }
         }
-        let tail: f64 = xr.iter().zip(yr).map(|(a, b)| *a as f64 * b).sum();
+        let tail: f64 = xr.iter().zip(yr).map(|(a, b)| a.wide() * b).sum();
         acc.iter().sum::<f64>() + tail
     }
 }
