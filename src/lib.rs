@@ -67,6 +67,8 @@ pub mod ops;
 pub mod optim;
 mod params;
 pub mod report;
+#[cfg(test)]
+mod testing;
 pub mod train;
 
 pub use device::{Device, Element, Matrix};

@@ -298,6 +298,8 @@ mod tests {
     use super::*;
 
     proptest::proptest! {
+        #![proptest_config(crate::testing::proptest_config(64))]
+
         /// `gemm_new` (no zero-fill) gives the bits of `gemm` into a NaN-poisoned `C` with
         /// `β = 0`, for every transposition, ragged shapes (`k = 0` included: zeros) and one
         /// size class whose transposed `B` takes the column-block path (`m·n·k ≥ 2²¹`).

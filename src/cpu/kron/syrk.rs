@@ -523,6 +523,8 @@ mod tests {
     }
 
     proptest::proptest! {
+        #![proptest_config(crate::testing::proptest_config(64))]
+
         /// `α·XXᵀ` of the rows on ragged shapes (`n` on and off the 64-wide block columns and
         /// 256-row tasks, padded rows) equals the product computed here, exactly: the entries
         /// are small integers and `α` a power of two, so every partial sum is exact in `f32`
