@@ -350,6 +350,7 @@ fn low_rank_inverse_only_where_it_applies() {
 /// gradients by their batch factors (`E`, `A`: the rows' route), the other the dense
 /// `G = EᵀA/m` (the dense inverses, `X₀ − Δ·X₀²` as an axpy), over refreshes and lazy steps
 /// while `ρ` moves (every `observe_loss` reports a ratio of 1 or 0, so `ρ` falls and rises).
+/// Every third step the first one takes the dense gradient too, switching routes mid-run.
 ///
 /// Tolerance: both routes apply the same operator; each rounds `f32` products of at most
 /// `n + m` terms, and the rows' route cancels `g₀·Y` against the correction along `F`'s large
@@ -406,7 +407,13 @@ fn lazy_steps_through_the_rows_match_the_dense_route() {
         let stats = [KronStats { a: &sa, e: &se }];
         let stats = rows.needs_stats().then_some(&stats[..]);
         let fact = [grng::optim::kron::KronGrad::Factored { e: &ed, a: &ad }];
-        let ir = rows.step_grads(&mut wr, &fact, stats).unwrap();
+        // Every third step hands the rows' optimizer the dense gradient: its state switches
+        // routes (the dense inverse formed from the rows on demand, each route's caches).
+        let ir = if k % 3 == 2 {
+            rows.step(&mut wr, &[&gd], stats).unwrap()
+        } else {
+            rows.step_grads(&mut wr, &fact, stats).unwrap()
+        };
         let id = dense.step(&mut wd, &[&gd], stats).unwrap();
         assert_eq!(
             (ir.first_order_updates, ir.lazy_recomputes, ir.refreshed),
@@ -414,8 +421,8 @@ fn lazy_steps_through_the_rows_match_the_dense_route() {
             "step {k}: the routes plan the same inverses"
         );
         if ir.refreshed {
-            // The rows' optimizer formed no dense inverse (factored gradients only): its
-            // state's copy forms each from the rows, with the Woodbury inverse's bits.
+            // The rows' optimizer forms its dense inverses from the rows on demand (for this
+            // copy of its state, or a dense step's view), with the Woodbury inverse's bits.
             let st = rows.state().unwrap();
             for (s, x) in [(&st.layers[0].lambda, &sa), (&st.layers[0].gamma, &se)] {
                 let hx = host(x);
