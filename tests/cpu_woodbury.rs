@@ -152,8 +152,18 @@ fn bad_inputs_are_typed_errors() {
     // Rows of no column: the 0 x 0 inverse.
     let empty = grng::cpu::low_rank_damped_inverse(MatRef::<f32>::new(&[], 3, 0).unwrap(), 1.0);
     assert_eq!(empty.unwrap().shape(), (0, 0));
-    // Rows other than the kernel's are `Shape` (none at all when m = 1).
+    // Rows other than the kernel's are `Shape` (none at all when m = 1); a reformation at a
+    // damping that is not a normal positive number is `Value`.
     let kernel = grng::cpu::LowRankKernel::new(good, 0.1).unwrap();
+    for lambda in [0.0, -1.0, f32::NAN, f32::INFINITY, f32::MIN_POSITIVE / 2.0] {
+        assert!(
+            matches!(
+                kernel.reformed(lambda),
+                Err(Error::Value { arg: "lambda", .. })
+            ),
+            "reformed at λ = {lambda}"
+        );
+    }
     let fewer = MatRef::new(&x[n..], m - 1, n).unwrap();
     assert!(matches!(
         kernel.inverse(fewer),
