@@ -238,8 +238,9 @@ impl Device {
     }
 }
 
-/// A host `bf16` matrix widened to `f32` (exact) for the CPU reference.
-fn widen(m: &Matrix<bf16>) -> Result<Matrix> {
+/// A host `bf16` matrix widened to `f32` (exact): the CPU reference's operands, and the rows the
+/// low-rank route keeps (`optim/kron/low_rank.rs`).
+pub(crate) fn widen(m: &Matrix<bf16>) -> Result<Matrix> {
     let mut w = Device::Cpu.zeros(m.rows(), m.cols())?;
     for (x, v) in host_mut(&mut w)?
         .data_mut()

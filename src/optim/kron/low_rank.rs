@@ -57,15 +57,12 @@ impl LowRank {
     /// The rows `rows` of a factor replaced at this refresh, its inverse formed at `damping`
     /// (the `m x m` kernel; the dense inverse is left for [`LowRank::dense_inverse`]).
     pub fn form(rows: &Rows<'_>, damping: f32) -> Result<Self> {
-        let (m, n) = rows.view().shape();
-        let (rows, kernel) = match rows.view() {
-            StatsView::F32(x) => (x.try_clone()?, LowRankKernel::new(host_ref(x)?, damping)?),
-            StatsView::Bf16(x) => {
-                let wide: Vec<f32> = x.to_vec()?.iter().map(|v| v.to_f32()).collect();
-                let kernel = LowRankKernel::new(host_ref(x)?, damping)?;
-                (Matrix::from_host_vec(m, n, wide)?, kernel)
-            }
+        // `bf16` rows widen exactly, so the kernel of the `f32` copy is the kernel of the rows.
+        let rows = match rows.view() {
+            StatsView::F32(x) => x.try_clone()?,
+            StatsView::Bf16(x) => crate::ops::gemm::widen(x)?,
         };
+        let kernel = LowRankKernel::new(host_ref(&rows)?, damping)?;
         Self::with_kernel(rows, kernel)
     }
 
