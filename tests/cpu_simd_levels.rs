@@ -40,6 +40,10 @@ fn digests() -> Vec<(String, u64)> {
             format!("axpy_new {n}"),
             hash(&ew::axpy_new(-1.3, &x, &y).unwrap()),
         ));
+        let mut o = x.clone();
+        ew::axpy_over(0.53, ew::Over::X, &y, &mut o).unwrap();
+        ew::axpy_over(-0.9, ew::Over::Y, &x, &mut o).unwrap();
+        out.push((format!("axpy_over {n}"), hash(&o)));
         ew::scale(0.71, &mut z).unwrap();
         out.push((format!("scale {n}"), hash(&z)));
         let d = ew::dot(&x, &y).unwrap();

@@ -10,6 +10,7 @@
 //! each f64 sum is within (n−1)·2⁻⁵³·Σ|xᵢyᵢ| of the exact one, and each final f32 rounding
 //! adds 2⁻²⁴ relative, so |gpu − cpu| ≤ 2⁻²³|cpu| + n·2⁻⁵²·Σ|xᵢyᵢ| (+ the smallest normal).
 
+use grng::cpu::elementwise::{self as ew, Over};
 use grng::ops::elementwise::{AdamWCoeffs, SgdCoeffs, SophiaCoeffs};
 use grng::{Device, Error, Matrix};
 use proptest::prelude::*;
@@ -75,6 +76,11 @@ fn axpy_scale_copy(devs: &[Device], n: usize, seed: u64, alpha: f32) -> Result<(
     let new_c = cpu.axpy_new(alpha, &xc, &yc).unwrap();
     cpu.axpy(alpha, &xc, &mut yc).unwrap();
     prop_assert_eq!(bits(&new_c.to_vec().unwrap()), bits(&yc.to_vec().unwrap()));
+    // axpy_over: the same bits written over either operand.
+    for (over, kept, mut o) in [(Over::X, &y, x.clone()), (Over::Y, &x, y.clone())] {
+        ew::axpy_over(alpha, over, kept, &mut o).unwrap();
+        prop_assert_eq!(bits(&o), bits(&new_c.to_vec().unwrap()));
+    }
     cpu.scale(alpha, &mut yc).unwrap();
     for dev in devs {
         let (xd, mut yd) = (up(dev, &x), up(dev, &y));
@@ -297,6 +303,25 @@ fn cpu_axpy_new_parallel_path() {
     let err = cpu.axpy_new(0.5, &x, &up(&cpu, &y)).unwrap_err();
     assert!(
         matches!(err, Error::NonFinite { arg: "y", index, .. } if index == at),
+        "{err:?}"
+    );
+    // axpy_over names the kept operand's NaN, and finds the overwritten one's in the result.
+    let x = x.to_vec().unwrap();
+    let err = ew::axpy_over(0.5, Over::X, &y, &mut x.clone()).unwrap_err();
+    assert!(
+        matches!(err, Error::NonFinite { arg: "y", index, .. } if index == at),
+        "{err:?}"
+    );
+    let err = ew::axpy_over(0.5, Over::Y, &x, &mut y.clone()).unwrap_err();
+    assert!(
+        matches!(err, Error::NonFinite { arg, index, .. } if arg == ew::OVER_NONFINITE && index == at),
+        "{err:?}"
+    );
+    // A finite overflow likewise.
+    let mut big = vec![f32::MAX; n];
+    let err = ew::axpy_over(1.0, Over::Y, &big.clone(), &mut big).unwrap_err();
+    assert!(
+        matches!(err, Error::NonFinite { arg, index: 0, .. } if arg == ew::OVER_NONFINITE),
         "{err:?}"
     );
 }

@@ -82,6 +82,50 @@ pub fn axpy_new(alpha: f32, x: &[f32], y: &[f32]) -> Result<Vec<f32>> {
     Ok(out)
 }
 
+/// Which operand of `y + α x` [`axpy_over`] writes over.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Over {
+    /// The result replaces `x`.
+    X,
+    /// The result replaces `y`.
+    Y,
+}
+
+/// `y + α x` written over one of its operands, `over` (which the caller no longer needs: a
+/// product's result, say): [`axpy_new`]'s pass, the same expression and so the same bits,
+/// without a new vector (no allocation, no zero-fill, no first-touch page faults). `o` holds
+/// the overwritten operand on entry and the result on return; `other` is the other one.
+///
+/// # Errors
+/// [`Error::Shape`](crate::Error::Shape) unless the lengths agree,
+/// [`Error::Value`](crate::Error::Value) for a non-finite `α`,
+/// [`Error::NonFinite`](crate::Error::NonFinite) for NaN/Inf in `other` (by name, `"x"` or
+/// `"y"`), else at the first non-finite result with `arg` [`OVER_NONFINITE`]: the sum
+/// overflowed or the overwritten operand held NaN/Inf there (its old value is gone). `o` then
+/// holds a partial result: the caller gave it up.
+pub fn axpy_over(alpha: f32, over: Over, other: &[f32], o: &mut [f32]) -> Result<()> {
+    const OP: &str = "cpu::axpy_over";
+    check_len(OP, "other", other.len(), o.len())?;
+    check_value(OP, "alpha", alpha as f64, true, "a finite number")?;
+    let chunk = |o: &mut [f32], other: &[f32]| axpy_over_chunk(alpha, over == Over::X, other, o);
+    let ok = if o.len() < PAR_MIN {
+        chunk(o, other)
+    } else {
+        o.par_chunks_mut(CHUNK)
+            .zip(other.par_chunks(CHUNK))
+            .map(|(o, other)| chunk(o, other))
+            .reduce(|| true, |a, b| a & b)
+    };
+    if !ok {
+        check_finite(OP, if over == Over::X { "y" } else { "x" }, other)?;
+        check_finite(OP, OVER_NONFINITE, o)?;
+    }
+    Ok(())
+}
+
+/// The `arg` of [`axpy_over`]'s error for a non-finite result of finite `other`.
+pub const OVER_NONFINITE: &str = "result (overflow, or NaN/Inf in the overwritten operand)";
+
 /// `x ← α x`.
 ///
 /// # Errors
@@ -125,6 +169,26 @@ multiversion! {
         for ((o, &x), &y) in o.iter_mut().zip(x).zip(y) {
             *o = y + alpha * x;
             ok &= o.abs() < f32::INFINITY;
+        }
+        ok
+    }
+}
+
+multiversion! {
+    /// `o ← other + α o` (`over_x`: `o` held `x`) or `o ← o + α other` over one chunk, the
+    /// expression of [`axpy_new_chunk`]; whether every result is finite (a branch-free flag).
+    fn axpy_over_chunk(alpha: f32, over_x: bool, other: &[f32], o: &mut [f32]) -> bool {
+        let mut ok = true;
+        if over_x {
+            for (o, &y) in o.iter_mut().zip(other) {
+                *o = y + alpha * *o;
+                ok &= o.abs() < f32::INFINITY;
+            }
+        } else {
+            for (o, &x) in o.iter_mut().zip(other) {
+                *o += alpha * x;
+                ok &= o.abs() < f32::INFINITY;
+            }
         }
         ok
     }

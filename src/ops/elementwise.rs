@@ -16,6 +16,7 @@
 //! non-finite inputs and results while it streams, into persistent buffers ([`MultiState`])
 //! swapped in only when the single status read-back is clean.
 
+use crate::cpu::elementwise::Over;
 use crate::cuda::elementwise as ew;
 use crate::device::{Device, Matrix};
 use crate::error::{check_shape, check_value, Error, Result};
@@ -33,6 +34,15 @@ fn host(m: &Matrix) -> Result<&[f32]> {
 fn host_mut(m: &mut Matrix) -> Result<&mut [f32]> {
     m.host_mut()
         .ok_or_else(|| Error::DeviceUnavailable("matrix is not in host memory".into()))
+}
+
+/// The operands of [`Device::axpy_over`]'s `y + α x`: the one given up (owned, its buffer
+/// holds the result) and the one kept.
+pub(crate) enum AxpyOver<'a> {
+    /// The result goes over `x`.
+    X { x: Matrix, y: &'a Matrix },
+    /// The result goes over `y`.
+    Y { x: &'a Matrix, y: Matrix },
 }
 
 impl Device {
@@ -82,6 +92,42 @@ impl Device {
                 Matrix::from_host_vec(y.rows(), y.cols(), v)
             }
             Device::Emulated | Device::Cuda(_) => ew::axpy_new(self, alpha, x, y),
+        }
+    }
+
+    /// [`Device::axpy_new`]'s `y + α x`, the same bits, written over the operand the caller
+    /// gives up ([`AxpyOver`]: a product's result, which it would drop next): on the CPU in
+    /// place ([`crate::cpu::elementwise::axpy_over`]: no allocation, no zero-fill, no
+    /// first-touch page faults); on the kernel devices `elementwise_axpy_new` into a new
+    /// matrix (the same traffic; the given-up one is dropped, as the kernel's pointers are
+    /// `__restrict__`).
+    ///
+    /// # Errors
+    /// As [`Device::axpy_new`]; on the CPU a non-finite result of a finite kept operand is
+    /// reported with `arg` [`crate::cpu::elementwise::OVER_NONFINITE`] (the overwritten
+    /// operand's old values are gone).
+    pub(crate) fn axpy_over(&self, alpha: f32, args: AxpyOver<'_>) -> Result<Matrix> {
+        const OP: &str = "Device::axpy_over";
+        let (over, mut owned, kept) = match args {
+            AxpyOver::X { x, y } => (Over::X, x, y),
+            AxpyOver::Y { x, y } => (Over::Y, y, x),
+        };
+        self.check_same(OP, &[("y", &owned), ("x", kept)])?;
+        check_finite_scalar(OP, "alpha", alpha)?;
+        match self {
+            Device::Cpu => {
+                crate::cpu::elementwise::axpy_over(
+                    alpha,
+                    over,
+                    host(kept)?,
+                    host_mut(&mut owned)?,
+                )?;
+                Ok(owned)
+            }
+            Device::Emulated | Device::Cuda(_) => match over {
+                Over::X => ew::axpy_new(self, alpha, &owned, kept),
+                Over::Y => ew::axpy_new(self, alpha, kept, &owned),
+            },
         }
     }
 

@@ -26,6 +26,7 @@ use crate::cpu::LowRankKernel;
 use crate::device::{Device, Matrix};
 use crate::error::Result;
 use crate::mat::Trans;
+use crate::ops::elementwise::AxpyOver;
 use crate::ops::host_ref;
 use crate::optim::StatsView;
 
@@ -117,10 +118,12 @@ impl LowRank {
         let (no, yes) = (Trans::No, Trans::Yes);
         let c = d.product_valid_inputs(no, yes, 1.0, &self.rows, y)?;
         let hc = d.product_valid_inputs(no, no, 1.0, &t.h, &c)?;
-        let yx = d.axpy_new(
+        let yx = d.axpy_over(
             t.g0,
-            y,
-            &d.product_valid_inputs(yes, no, 1.0, &hc, &self.rows)?,
+            AxpyOver::Y {
+                x: y,
+                y: d.product_valid_inputs(yes, no, 1.0, &hc, &self.rows)?,
+            },
         )?;
         let k = if model {
             Some(d.product_valid_inputs(no, no, 1.0, &t.t, &c)?)

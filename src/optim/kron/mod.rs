@@ -67,6 +67,7 @@ use self::layer::{formed_view, known_norm, Ctx, Retarget};
 use super::{KronStats, StatsView};
 use crate::device::{Device, Matrix};
 use crate::error::{check_shape, check_value, Error, Result};
+use crate::ops::elementwise::AxpyOver;
 use crate::ops::Readout;
 
 /// RING / RENG / NGD over `L` dense layers on one [`Device`]. See the module docs.
@@ -360,11 +361,12 @@ impl KronOptimizer {
             if let Some(q) = self.predicted(&terms, &Readout::default()) {
                 check_predicted(op, q)?;
             }
-            // The new weights go into new matrices: an update that overflows on a later
-            // layer must leave every layer and the optimizer state as they were.
+            // The new weights go into new matrices, each over its `P` (read by nothing after
+            // the model terms above): an update that overflows on a later layer must leave
+            // every layer and the optimizer state as they were.
             let mut updated = Vec::with_capacity(current.len());
-            for (w, p) in current.iter().zip(&ps) {
-                match self.device.axpy_new(-eta, &p.p, w) {
+            for (w, p) in current.iter().zip(ps) {
+                match self.device.axpy_over(-eta, AxpyOver::X { x: p.p, y: w }) {
                     Ok(w) => updated.push(w),
                     Err(e) => {
                         // Nothing reads the parameters before this update, so NaN/Inf in
