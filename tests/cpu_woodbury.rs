@@ -14,9 +14,9 @@
 mod common;
 
 use grng::ops::newton::Precision;
-use grng::optim::kron::{InverseMethod, KronConfig, KronOptimizer, KronState};
+use grng::optim::kron::{InverseMethod, KronConfig, KronGrad, KronOptimizer, KronState};
 use grng::optim::KronStats;
-use grng::{Device, Error, MatRef, Matrix};
+use grng::{Device, Error, MatRef, Matrix, Trans};
 use half::bf16;
 use proptest::prelude::*;
 use rand::{Rng, SeedableRng};
@@ -484,4 +484,97 @@ fn lazy_steps_through_the_rows_match_the_dense_route() {
         rows.counters().first_order_updates > 0,
         "no first-order step was checked"
     );
+}
+
+/// RING at `ε = 0` on the low-rank route leaves each replaced factor to its statistics rows
+/// (its norm comes from the rows' Gram matrix; the low-rank kernel keeps the rows) and forms
+/// it when something reads it. Exact: whenever it is read — a copy of the state after a
+/// refresh, a dense gradient's model terms, a lazy recompute on the dense route (which
+/// moves it into the state) — it has the bits of the refresh's SYRK of those rows
+/// (`Device::kron_factor_update` into zeros, what the formed route computes), for `f32` and
+/// for `bf16`-rounded statistics. The run mixes factored and dense gradients while `ρ` only
+/// rises, so lazy steps recompute inverses on both routes.
+#[test]
+fn ring_factor_left_to_its_rows_has_the_syrk_bits() {
+    let mut rng = common::seeded_rng();
+    let (o, i) = SHAPE;
+    let (m_s, m_b) = (o / 3, 24);
+    for precision in [Precision::F32, Precision::Bf16] {
+        let cfg = KronConfig {
+            ema: 0.0,
+            skip: 5,
+            inverse: InverseMethod::Cholesky,
+            stats_precision: precision,
+            phi: 0.7,
+            ..KronConfig::ring()
+        };
+        let mut opt = KronOptimizer::new(&DEV, &[SHAPE], cfg).unwrap();
+        let mut w = vec![DEV.upload(o, i, &common::vals(&mut rng, o * i)).unwrap()];
+        let mut last: Option<(Matrix, Matrix)> = None;
+        let mut recomputes = 0;
+        for k in 0..14 {
+            let (ed, ad) = (
+                DEV.upload(m_b, o, &common::vals(&mut rng, m_b * o))
+                    .unwrap(),
+                DEV.upload(m_b, i, &common::vals(&mut rng, m_b * i))
+                    .unwrap(),
+            );
+            let mut g = DEV.zeros(o, i).unwrap();
+            DEV.gemm(
+                Trans::Yes,
+                Trans::No,
+                1.0 / m_b as f32,
+                &ed,
+                &ad,
+                0.0,
+                &mut g,
+            )
+            .unwrap();
+            if opt.needs_stats() {
+                last = Some((
+                    DEV.upload(m_s, i, &common::vals(&mut rng, m_s * i))
+                        .unwrap(),
+                    DEV.upload(m_s, o, &common::vals(&mut rng, m_s * o))
+                        .unwrap(),
+                ));
+            }
+            let (sa, se) = last.as_ref().unwrap();
+            let stats = [KronStats { a: sa, e: se }];
+            let stats = opt.needs_stats().then_some(&stats[..]);
+            let info = if k % 3 == 2 {
+                opt.step(&mut w, &[&g], stats).unwrap()
+            } else {
+                let fact = [KronGrad::Factored { e: &ed, a: &ad }];
+                opt.step_grads(&mut w, &fact, stats).unwrap()
+            };
+            recomputes += info.lazy_recomputes;
+            if info.predicted_change.is_some() {
+                // r = 0: ρ rises at every step, so the damping drifts past the first-order
+                // limit and lazy steps recompute.
+                opt.observe_loss(1.0, 1.0).unwrap();
+            }
+            let st = opt.state().unwrap();
+            for (s, x) in [(&st.layers[0].lambda, sa), (&st.layers[0].gamma, se)] {
+                let n = x.cols();
+                let mut want = DEV.zeros(n, n).unwrap();
+                match precision {
+                    Precision::F32 => DEV.kron_factor_update(x, 0.0, &mut want).unwrap(),
+                    Precision::Bf16 => {
+                        let xb = DEV.round_to_bf16(x).unwrap();
+                        DEV.kron_factor_update(&xb, 0.0, &mut want).unwrap()
+                    }
+                }
+                assert!(
+                    host(&s.factor) == host(&want),
+                    "{precision:?} step {k}: the state's factor is not the SYRK's, bit for bit"
+                );
+            }
+        }
+        let c = *opt.counters();
+        assert!(
+            c.low_rank_inversions > 0,
+            "{precision:?}: the rows' route ran"
+        );
+        assert!(recomputes > 0, "{precision:?}: a lazy step recomputed");
+    }
 }

@@ -127,6 +127,23 @@ pub(crate) fn gram_rows(x: MatRef<'_, f32>, alpha: f32, mut c: MatMut<'_, f32>) 
     Ok(())
 }
 
+/// Whether the SYRK of the rows `a` (`m x n`), `α·aᵀa` with `|α| ≤ 1`, is finite without
+/// forming it: every entry is finite and every column's `Σᵢ aᵢⱼ²` (in `f64`) is at most
+/// `f32::MAX / 2`. Every entry and partial sum of the product is then bounded by
+/// `√(Σᵢaᵢⱼ² · Σᵢaᵢₖ²) ≤ f32::MAX / 2` (Cauchy–Schwarz), and `f32` accumulation grows that by
+/// at most `(1 + m·2⁻²⁴)`, below `f32::MAX` for any `m < 2²³`. One pass over `a`.
+pub(crate) fn syrk_fits<T: Element>(a: MatRef<'_, T>) -> bool {
+    let mut sq = vec![0.0f64; a.cols()];
+    for i in 0..a.rows() {
+        for (s, &v) in sq.iter_mut().zip(a.row(i)) {
+            let v = v.to_f32() as f64;
+            *s += v * v;
+        }
+    }
+    // NaN (from NaN/Inf entries) fails the comparison too.
+    sq.iter().all(|&s| s <= f32::MAX as f64 / 2.0)
+}
+
 /// Batch gradient `G = (1/m) Eᵀ A` for `E` of shape `m x d_out` (per-sample output gradients,
 /// not divided by m) and `A` of shape `m x d_in`; `G` is `d_out x d_in`.
 ///

@@ -18,6 +18,7 @@
 //! layer; when it says no, `G` is formed (`2m·d_out·d_in`) and the dense route runs.
 
 use super::layer::InverseView;
+use super::state::KronFactorState;
 use crate::device::{Device, Matrix};
 use crate::error::Result;
 use crate::mat::Trans;
@@ -60,8 +61,10 @@ pub(super) fn factored_is_cheaper(m: usize, d_out: usize, d_in: usize, with_mode
 /// The matrices one layer's preconditioning reads: the undamped factors (the model's
 /// curvature) and the damped inverses in use this step.
 pub(super) struct LayerView<'a> {
-    pub lambda: &'a Matrix,
-    pub gamma: &'a Matrix,
+    /// The factors' states: [`KronFactorState::dense_factor`] is read only where a product
+    /// needs the dense factor (one left to its rows is then formed).
+    pub lambda: &'a KronFactorState,
+    pub gamma: &'a KronFactorState,
     pub lambda_inv: InverseView<'a>,
     pub gamma_inv: InverseView<'a>,
     pub damping: (f32, f32),
@@ -114,7 +117,7 @@ pub(super) fn precondition(
     g: KronGrad<'_>,
     with_model: bool,
 ) -> Result<Preconditioned> {
-    let (o, i) = (v.gamma.rows(), v.lambda.rows());
+    let (o, i) = (v.gamma.dim(), v.lambda.dim());
     let rows_route = |x: &InverseView<'_>| matches!(x, InverseView::LowRank(..));
     match g {
         // The rows' route (`low_rank.rs`) multiplies the batch factors themselves.
@@ -160,8 +163,8 @@ fn dense(d: &Device, v: &LayerView<'_>, g: &Matrix, with_model: bool) -> Result<
     let mut p = d.zeros(o, i)?;
     d.precondition_valid_inputs(gamma_inv, g, lambda_inv, &mut p)?;
     let terms = if with_model {
-        let gp = gemm(d, Trans::No, Trans::No, 1.0, v.gamma, &p)?;
-        let gpl = gemm(d, Trans::No, Trans::No, 1.0, &gp, v.lambda)?;
+        let gp = gemm(d, Trans::No, Trans::No, 1.0, v.gamma.dense_factor()?, &p)?;
+        let gpl = gemm(d, Trans::No, Trans::No, 1.0, &gp, v.lambda.dense_factor()?)?;
         Some((d.dot_deferred(g, &p)?, d.dot_deferred(&p, &gpl)?))
     } else {
         None
@@ -211,14 +214,14 @@ fn factored(
         let ugu = match &k_gamma {
             Some(k) => gram(d, k, inv_m / k.rows() as f32)?,
             None => {
-                let gu = d.product_of(no, no, 1.0, &d.operand(v.gamma)?, &uo)?;
+                let gu = d.product_of(no, no, 1.0, &d.operand(v.gamma.dense_factor()?)?, &uo)?;
                 d.product_of(yes, no, inv_m, &uo, &d.operand(&gu)?)?
             }
         };
         let wlw = match &k_lambda {
             Some(k) => gram(d, k, inv_m / k.rows() as f32)?,
             None => {
-                let wl = d.product_of(no, no, 1.0, &wo, &d.operand(v.lambda)?)?;
+                let wl = d.product_of(no, no, 1.0, &wo, &d.operand(v.lambda.dense_factor()?)?)?;
                 d.product_of(no, yes, inv_m, &d.operand(&wl)?, &wo)?
             }
         };

@@ -28,6 +28,7 @@ use super::state::{KronCounters, KronFactorState};
 use crate::device::{Device, Element, Matrix};
 use crate::error::{Error, Result};
 use crate::mat::Trans;
+use crate::ops::host_ref;
 use crate::ops::newton::{InitialGuess, Precision};
 use crate::optim::StatsView;
 use half::bf16;
@@ -45,21 +46,27 @@ pub(super) struct Ctx<'a> {
 
 impl Ctx<'_> {
     /// New undamped factor from the statistics rows `x` (`m x n`): `(1/m) xᵀx`, blended with
-    /// `old` by the EMA when there is one, and its scalars for the damping rules. `f32` rows
+    /// `old`'s by the EMA when there is one, and its scalars for the damping rules. `f32` rows
     /// are rounded to `bf16` first when [`KronConfig::stats_precision`] says so. When the
     /// factor is replaced (`ε = 0` or no `old`), also the rows as the SYRK read them, for
     /// [`Ctx::inverse`]'s low-rank path.
+    ///
+    /// The factor is [`Refreshed::Rows`] — left to its rows ([`Ctx::defers_factor`]) — where nothing of
+    /// this refresh reads it: RING's norm comes from the rows' Gram matrix, and the low-rank
+    /// route keeps the rows ([`super::low_rank::LowRank::dense_factor`] forms it, with the
+    /// same bits, when something does). [`Ctx::inverse`] forms it should the rows' route not
+    /// apply after all.
     pub fn factor<'x>(
         &self,
         x: StatsView<'x>,
-        old: Option<&Matrix>,
+        old: Option<&KronFactorState>,
         c: &mut KronCounters,
-    ) -> Result<(Matrix, FactorScalars, Option<Rows<'x>>)> {
-        let n = x.shape().1;
-        let (mut f, eps) = match old {
-            Some(o) if self.cfg.ema > 0.0 => (o.try_clone()?, self.cfg.ema),
+    ) -> Result<(Refreshed<'x>, FactorScalars)> {
+        let (m, n) = x.shape();
+        let eps = match old {
+            Some(_) if self.cfg.ema > 0.0 => self.cfg.ema,
             // ε = 0 (or the first refresh, which replaces) never reads the old factor.
-            _ => (self.device.zeros(n, n)?, 0.0),
+            _ => 0.0,
         };
         let rows = match x {
             StatsView::F32(x) if self.cfg.stats_precision == Precision::Bf16 => {
@@ -71,7 +78,23 @@ impl Ctx<'_> {
         // `m < n`: the `m x m` Gram `(1/m) x xᵀ` has the same nonzero eigenvalues, and each
         // power-iteration step then reads `m²` values instead of `n²` (16x fewer at m = 256,
         // n = 1024, where RING's refresh spent most of its time in these matrix-vector passes).
-        let gram_norm = self.cfg.variant == KronVariant::Ring && eps == 0.0 && x.shape().0 < n;
+        let gram_norm = self.cfg.variant == KronVariant::Ring && eps == 0.0 && m < n;
+        let scalars = |norm, trace| FactorScalars {
+            dim: n,
+            norm,
+            trace,
+        };
+        if gram_norm && self.defers_factor(&rows)? {
+            let norm = match rows.view() {
+                StatsView::F32(x) => self.rows_norm(x, c)?,
+                StatsView::Bf16(x) => self.rows_norm(x, c)?,
+            };
+            return Ok((Refreshed::Rows(rows), scalars(norm, 0.0)));
+        }
+        let mut f = match old {
+            Some(o) if eps > 0.0 => o.dense_factor()?.try_clone()?,
+            _ => self.device.zeros(n, n)?,
+        };
         let norm = match rows.view() {
             StatsView::F32(x) => self.accumulate(x, eps, &mut f, gram_norm, c)?,
             StatsView::Bf16(x) => self.accumulate(x, eps, &mut f, gram_norm, c)?,
@@ -83,12 +106,30 @@ impl Ctx<'_> {
             KronVariant::Reng => (0.0, 0.0),
             KronVariant::Ngd => (0.0, self.device.trace(&f)?),
         };
-        let scalars = FactorScalars {
-            dim: n,
-            norm,
-            trace,
-        };
-        Ok((f, scalars, (eps == 0.0).then_some(rows)))
+        let rows = (eps == 0.0).then_some(rows);
+        Ok((Refreshed::Formed(f, rows), scalars(norm, trace)))
+    }
+
+    /// Whether [`Ctx::factor`] leaves a replaced factor to its rows: on the CPU, inverted by
+    /// Cholesky, with rows few enough for the low-rank route
+    /// ([`crate::cpu::low_rank_is_cheaper`]) and provably finite in their SYRK
+    /// ([`crate::cpu::kron::syrk_fits`], one pass over the rows: what the SYRK's own input
+    /// check would read). Rows that fail it take the formed route, which reports them.
+    fn defers_factor(&self, rows: &Rows<'_>) -> Result<bool> {
+        let (m, n) = rows.view().shape();
+        if !matches!(self.device, Device::Cpu)
+            || !matches!(
+                self.cfg.inverse.resolve(self.device),
+                InverseMethod::Cholesky
+            )
+            || !crate::cpu::low_rank_is_cheaper(m, n)
+        {
+            return Ok(false);
+        }
+        Ok(match rows.view() {
+            StatsView::F32(x) => crate::cpu::kron::syrk_fits(host_ref(x)?),
+            StatsView::Bf16(x) => crate::cpu::kron::syrk_fits(host_ref(x)?),
+        })
     }
 
     /// `f ← ε f + (1−ε)(1/m) xᵀx` for the rows `x` (`m x n`); with `gram_norm`, also returns
@@ -106,6 +147,11 @@ impl Ctx<'_> {
         if !gram_norm {
             return Ok(0.0);
         }
+        self.rows_norm(x, c)
+    }
+
+    /// `‖(1/m) x xᵀ‖₂` of checked rows `x` (`m x n`): `‖(1/m) xᵀx‖₂` through the `m x m` Gram.
+    fn rows_norm<T: Element>(&self, x: &Matrix<T>, c: &mut KronCounters) -> Result<f32> {
         let m = x.rows();
         let gram = self
             .device
@@ -138,52 +184,60 @@ impl Ctx<'_> {
     /// its Rayleigh quotient converged slowly (RING's hit the budget at every refresh).
     pub fn inverse(
         &self,
-        factor: &Matrix,
+        factor: FactorArg<'_, '_>,
         damping: f32,
         norm: Option<f32>,
         warm: Option<&Matrix>,
-        rows: Option<&Rows<'_>>,
         c: &mut KronCounters,
     ) -> Result<InverseUpdate> {
-        let (inverse, damping, low_rank) = self.invert(factor, damping, norm, warm, rows, c)?;
+        let (inverse, damping, low_rank, formed) = self.invert(factor, damping, norm, warm, c)?;
         Ok(InverseUpdate {
             inverse,
             damping,
             inverse_norm: 1.0 / damping,
             low_rank,
+            formed,
         })
     }
 
-    /// `(F + λI)⁻¹` by the configured method. Cholesky takes the low-rank path from `rows`
+    /// `(F + λI)⁻¹` by the configured method. Cholesky takes the low-rank path from the rows
     /// when [`Ctx::low_rank_inverse`] applies. Newton that diverges is retried once with
     /// `NEWTON_RETRY_DAMPING·λ`, then replaced by Cholesky at `λ`; each step is counted.
-    /// Returns the inverse, the damping it corresponds to and, from the low-rank path, the
-    /// rows' kernel for the lazy steps (`low_rank.rs`).
+    /// Returns the inverse, the damping it corresponds to, from the low-rank path the rows'
+    /// kernel for the lazy steps (`low_rank.rs`), and a factor left to its rows that another
+    /// path had to form.
     fn invert(
         &self,
-        factor: &Matrix,
+        factor: FactorArg<'_, '_>,
         damping: f32,
         norm: Option<f32>,
         warm: Option<&Matrix>,
-        rows: Option<&Rows<'_>>,
         c: &mut KronCounters,
-    ) -> Result<(Matrix, f32, Option<Box<LowRank>>)> {
+    ) -> Result<Inverted> {
+        let method = self.cfg.inverse.resolve(self.device);
+        // Cholesky (resolve() never returns Auto) from the rows of a replaced factor.
+        if !matches!(method, InverseMethod::Newton(_)) {
+            if let Some(low_rank) = self.low_rank_inverse(factor.rows(), damping)? {
+                c.low_rank_inversions += 1;
+                return Ok((deferred()?, damping, Some(Box::new(low_rank)), None));
+            }
+        }
+        let mut formed = None;
+        let factor: &Matrix = match factor {
+            FactorArg::Formed(f, _) => f,
+            FactorArg::Rows(rows) => formed.insert(replaced_factor(self.device, rows)?),
+        };
         let damped = |lambda: f32| -> Result<Matrix> {
             let mut d = factor.try_clone()?;
             self.device.add_diagonal(&mut d, lambda)?;
             Ok(d)
         };
-        let opts = match self.cfg.inverse.resolve(self.device) {
+        let opts = match method {
             InverseMethod::Newton(o) => o,
-            // Cholesky (resolve() never returns Auto).
             _ => {
-                if let Some(low_rank) = self.low_rank_inverse(rows, damping)? {
-                    c.low_rank_inversions += 1;
-                    return Ok((deferred()?, damping, Some(Box::new(low_rank))));
-                }
                 c.cholesky_inversions += 1;
                 let x = self.device.cholesky_inverse(&damped(damping)?)?;
-                return Ok((x, damping, None));
+                return Ok((x, damping, None, formed));
             }
         };
         let warm = if opts.init == InitialGuess::Warm {
@@ -205,7 +259,7 @@ impl Ctx<'_> {
                         c.newton_retries += 1;
                     }
                     c.newton_iterations += info.iterations as u64;
-                    return Ok((x, lambda, None));
+                    return Ok((x, lambda, None, formed));
                 }
                 Err(Error::Diverged { .. }) => {
                     if lambda == damping {
@@ -218,7 +272,7 @@ impl Ctx<'_> {
         c.cholesky_fallbacks += 1;
         c.cholesky_inversions += 1;
         let x = self.device.cholesky_inverse(&damped(damping)?)?;
-        Ok((x, damping, None))
+        Ok((x, damping, None, formed))
     }
 
     /// `(F + λI)⁻¹` from the rows `x` (`m x n`) that `F = xᵀx/m` was just formed from, by
@@ -284,6 +338,7 @@ impl Ctx<'_> {
                 damping: target,
                 inverse_norm: 1.0 / target,
                 low_rank: Some(Box::new(lr.reformed(target)?)),
+                formed: None,
             }));
         }
         if first_order {
@@ -309,11 +364,10 @@ impl Ctx<'_> {
         }
         c.lazy_recomputes += 1;
         self.inverse(
-            &s.factor,
+            FactorArg::Formed(s.dense_factor()?, None),
             target,
             known_norm(s.norm),
             s.warm_start(),
-            None,
             c,
         )
         .map(Retarget::Formed)
@@ -352,6 +406,59 @@ impl Rows<'_> {
             Rows::Rounded(x) => StatsView::Bf16(x),
         }
     }
+}
+
+/// What [`Ctx::invert`] returns: the inverse, its damping, the rows' kernel of the low-rank
+/// path, and a factor left to its rows that the chosen path had to form.
+type Inverted = (Matrix, f32, Option<Box<LowRank>>, Option<Matrix>);
+
+/// A factor refreshed by [`Ctx::factor`].
+pub(super) enum Refreshed<'x> {
+    /// Formed, with the rows it replaced the old factor from (none for an EMA blend).
+    Formed(Matrix, Option<Rows<'x>>),
+    /// Left to the rows that replace the old factor ([`Ctx::defers_factor`]): formed by
+    /// [`Ctx::inverse`] unless the low-rank route takes it, and then on demand
+    /// ([`super::low_rank::LowRank::dense_factor`]).
+    Rows(Rows<'x>),
+}
+
+impl<'x> Refreshed<'x> {
+    /// The factor as [`Ctx::inverse`] reads it.
+    pub fn arg(&self) -> FactorArg<'_, 'x> {
+        match self {
+            Refreshed::Formed(f, rows) => FactorArg::Formed(f, rows.as_ref()),
+            Refreshed::Rows(rows) => FactorArg::Rows(rows),
+        }
+    }
+}
+
+/// The factor [`Ctx::inverse`] inverts: formed (with the rows that replaced the old one, for
+/// the low-rank path), or left to its rows.
+#[derive(Clone, Copy)]
+pub(super) enum FactorArg<'a, 'x> {
+    Formed(&'a Matrix, Option<&'a Rows<'x>>),
+    Rows(&'a Rows<'x>),
+}
+
+impl<'a, 'x> FactorArg<'a, 'x> {
+    fn rows(self) -> Option<&'a Rows<'x>> {
+        match self {
+            FactorArg::Formed(_, rows) => rows,
+            FactorArg::Rows(rows) => Some(rows),
+        }
+    }
+}
+
+/// `F = (1/m) xᵀx` of rows replacing a factor: the SYRK of [`Ctx::factor`]'s formed route,
+/// whose bits a factor left to its rows is formed with.
+pub(super) fn replaced_factor(d: &Device, rows: &Rows<'_>) -> Result<Matrix> {
+    let n = rows.view().shape().1;
+    let mut f = d.zeros(n, n)?;
+    match rows.view() {
+        StatsView::F32(x) => d.kron_factor_update(x, 0.0, &mut f)?,
+        StatsView::Bf16(x) => d.kron_factor_update(x, 0.0, &mut f)?,
+    }
+    Ok(f)
 }
 
 /// A factor's inverse on a lazy step ([`Ctx::retarget`]).
@@ -471,22 +578,41 @@ pub(super) struct InverseUpdate {
     pub inverse_norm: f32,
     /// The rows' kernel of the low-rank path (`low_rank.rs`), when it formed the inverse.
     pub low_rank: Option<Box<LowRank>>,
+    /// A factor left to its rows ([`Refreshed::Rows`]) that the inversion had to form.
+    pub formed: Option<Matrix>,
 }
 
 impl InverseUpdate {
-    /// Installs the update into `s`.
+    /// Installs the update into `s`. A factor left to the rows of a kernel this update
+    /// drops was formed for the inversion ([`Ctx::retarget`] inverts
+    /// [`KronFactorState::dense_factor`]), and moves into the state.
     pub fn apply(self, s: &mut KronFactorState) {
+        let old = std::mem::replace(&mut s.low_rank, self.low_rank);
+        if s.low_rank.is_none() {
+            if let Some(f) = old.and_then(|lr| lr.into_dense_factor()) {
+                s.factor = f;
+            }
+        }
         s.inverse = self.inverse;
         s.damping = self.damping;
         s.inverse_norm = self.inverse_norm;
         s.square = None;
         s.retargeted = None;
-        s.low_rank = self.low_rank;
     }
 
-    /// The full factor state for a freshly computed factor.
-    pub fn with_factor(self, factor: Matrix, scalars: FactorScalars) -> KronFactorState {
-        KronFactorState {
+    /// The full factor state for a freshly refreshed factor: formed, or left to its rows
+    /// (formed by the inversion, or else kept by the low-rank kernel, the state holding the
+    /// placeholder [`deferred`]).
+    pub fn with_factor(
+        self,
+        factor: Refreshed<'_>,
+        scalars: FactorScalars,
+    ) -> Result<KronFactorState> {
+        let factor = match (factor, self.formed) {
+            (Refreshed::Formed(f, _), _) | (Refreshed::Rows(_), Some(f)) => f,
+            (Refreshed::Rows(_), None) => deferred()?,
+        };
+        Ok(KronFactorState {
             factor,
             inverse: self.inverse,
             damping: self.damping,
@@ -496,6 +622,6 @@ impl InverseUpdate {
             square: None,
             retargeted: None,
             low_rank: self.low_rank,
-        }
+        })
     }
 }

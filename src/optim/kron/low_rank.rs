@@ -12,16 +12,18 @@
 //! `n²` and, once per formation, the `n³` square `X₀²`). The same operator as the dense
 //! first-order inverse, so the same step up to rounding.
 //!
-//! The state keeps the dense factor as before; its dense inverse (the Woodbury inverse, `f64`,
-//! `~2m²n + mn²` flops and an `n x n` rounding pass) is formed only when something reads it
-//! — a dense gradient, [`super::KronOptimizer::state`] (so the checkpoint stores it) — with
-//! the bits it had when every refresh formed it. The rows ride along as a crate-private part
+//! The dense inverse (the Woodbury inverse, `f64`, `~2m²n + mn²` flops and an `n x n`
+//! rounding pass) is formed only when something reads it — a dense gradient,
+//! [`super::KronOptimizer::state`] (so the checkpoint stores it) — with the bits it had when
+//! every refresh formed it. So is RING's dense factor (its SYRK, `mn²` flops, and two `n x n`
+//! zero-fills): RING's `‖F‖₂` comes from the rows' `m x m` Gram matrix, and nothing else of
+//! a factored step reads `F` (NGD keeps forming it for its trace, RENG reads neither). The rows ride along as a crate-private part
 //! that the state's copies leave out (a restored or loaded optimizer takes the dense route
 //! until its next refresh: the same step, other rounding).
 
 use std::sync::OnceLock;
 
-use super::layer::Rows;
+use super::layer::{replaced_factor, Rows};
 use crate::cpu::LowRankKernel;
 use crate::device::{Device, Matrix};
 use crate::error::Result;
@@ -43,6 +45,9 @@ pub(crate) struct LowRank {
     pub(super) retargeted: Option<Terms>,
     /// The dense `X₀ = (F + λ₀I)⁻¹`, formed on first need ([`LowRank::dense_inverse`]).
     dense: OnceLock<Matrix>,
+    /// The dense factor `F = RᵀR/m` of a state that left it to the rows, formed on first
+    /// need ([`LowRank::dense_factor`]).
+    factor: OnceLock<Matrix>,
 }
 
 /// `X(λ) = g₀·I + RᵀHR` and `R·X(λ) = T·R` at the damping `λ` (on the CPU).
@@ -79,6 +84,7 @@ impl LowRank {
             kernel,
             retargeted: None,
             dense: OnceLock::new(),
+            factor: OnceLock::new(),
         })
     }
 
@@ -93,6 +99,29 @@ impl LowRank {
         let (n, _) = x.shape();
         let x = Matrix::from_host_vec(n, n, x.into_vec())?;
         Ok(self.dense.get_or_init(|| x))
+    }
+
+    /// The factor `F = RᵀR/m` (`n x n`) by the refresh's SYRK of the rows
+    /// ([`super::layer::replaced_factor`]: `bf16` rows widen exactly, so the same bits),
+    /// formed at the first call: for a state that left it to the rows, when something reads
+    /// it (a dense gradient, a copy of the state).
+    pub fn dense_factor(&self) -> Result<&Matrix> {
+        if let Some(f) = self.factor.get() {
+            return Ok(f);
+        }
+        let rows = Rows::Given(StatsView::F32(&self.rows));
+        let f = replaced_factor(&Device::Cpu, &rows)?;
+        Ok(self.factor.get_or_init(|| f))
+    }
+
+    /// The dense factor, if [`LowRank::dense_factor`] formed it.
+    pub fn into_dense_factor(self: Box<Self>) -> Option<Matrix> {
+        self.factor.into_inner()
+    }
+
+    /// `n`, the rows' width.
+    pub fn dim(&self) -> usize {
+        self.rows.cols()
     }
 
     /// The first-order terms at `target` (`X₀ − (target − λ₀)·X₀²`).

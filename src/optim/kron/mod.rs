@@ -91,7 +91,7 @@ enum Plan {
 
 fn scalars(s: &KronFactorState) -> FactorScalars {
     FactorScalars {
-        dim: s.factor.rows(),
+        dim: s.dim(),
         norm: s.norm,
         trace: s.trace,
     }
@@ -680,28 +680,26 @@ impl KronOptimizer {
         let mut layers = Vec::with_capacity(self.shapes.len());
         for (l, s) in stats.iter().enumerate() {
             let old = self.st.layers.get(l);
-            let (fl, sl, rl) = ctx.factor(s.a.view(), old.map(|o| &o.lambda.factor), c)?;
-            let (fg, sg, rg) = ctx.factor(s.e.view(), old.map(|o| &o.gamma.factor), c)?;
+            let (fl, sl) = ctx.factor(s.a.view(), old.map(|o| &o.lambda), c)?;
+            let (fg, sg) = ctx.factor(s.e.view(), old.map(|o| &o.gamma), c)?;
             let (dl, dg) = factor_dampings(&self.config, rho, sl, sg);
             let il = ctx.inverse(
-                &fl,
+                fl.arg(),
                 dl,
                 known_norm(sl.norm),
                 old.and_then(|o| o.lambda.warm_start()),
-                rl.as_ref(),
                 c,
             )?;
             let ig = ctx.inverse(
-                &fg,
+                fg.arg(),
                 dg,
                 known_norm(sg.norm),
                 old.and_then(|o| o.gamma.warm_start()),
-                rg.as_ref(),
                 c,
             )?;
             layers.push(KronLayerState {
-                lambda: il.with_factor(fl, sl),
-                gamma: ig.with_factor(fg, sg),
+                lambda: il.with_factor(fl, sl)?,
+                gamma: ig.with_factor(fg, sg)?,
             });
         }
         c.refreshes += 1;
@@ -721,8 +719,8 @@ impl KronOptimizer {
         let (lambda_inv, dl) = pick(&layer.lambda, ups.map(|u| &u[0]))?;
         let (gamma_inv, dg) = pick(&layer.gamma, ups.map(|u| &u[1]))?;
         Ok(LayerView {
-            lambda: &layer.lambda.factor,
-            gamma: &layer.gamma.factor,
+            lambda: &layer.lambda,
+            gamma: &layer.gamma,
             lambda_inv,
             gamma_inv,
             damping: (dl, dg),

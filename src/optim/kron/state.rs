@@ -18,6 +18,9 @@ use crate::error::Result;
 #[derive(Debug)]
 pub struct KronFactorState {
     /// The undamped factor `F` (EMA of `(1/m) AᵀA` or `(1/m') ÊᵀÊ`), `n x n`, symmetric.
+    /// (Inside the optimizer, RING's factor replaced on the CPU's low-rank route is formed
+    /// from its rows on first need, as the inverse is; every copy
+    /// [`super::KronOptimizer::state`] returns holds it.)
     pub factor: Matrix,
     /// `X₀ ≈ (F + damping·I)⁻¹` as formed, `n x n`. (Inside the optimizer, a factor on the
     /// CPU's low-rank route forms it from its rows on first need; every copy
@@ -59,6 +62,24 @@ impl KronFactorState {
         }
     }
 
+    /// The dense factor `F` (`n x n`): [`KronFactorState::factor`], or for one left to its
+    /// rows (`factor` is then the empty placeholder [`super::low_rank::deferred`]) the one the
+    /// low-rank kernel's rows form on first need, with the bits the refresh's SYRK would have.
+    pub(crate) fn dense_factor(&self) -> Result<&Matrix> {
+        match &self.low_rank {
+            Some(lr) if self.factor.rows() == 0 => lr.dense_factor(),
+            _ => Ok(&self.factor),
+        }
+    }
+
+    /// `n`, the factor's dimension (also while it is left to its rows).
+    pub(crate) fn dim(&self) -> usize {
+        match &self.low_rank {
+            Some(lr) => lr.dim(),
+            None => self.factor.rows(),
+        }
+    }
+
     /// The warm start a Newton inversion may read: `X₀`, except on the low-rank route, which
     /// only the Cholesky method takes (so no Newton reads it, and it is not formed for one).
     pub(crate) fn warm_start(&self) -> Option<&Matrix> {
@@ -80,7 +101,7 @@ impl KronFactorState {
 
     fn try_clone(&self) -> Result<Self> {
         Ok(Self {
-            factor: self.factor.try_clone()?,
+            factor: self.dense_factor()?.try_clone()?,
             inverse: self.dense_inverse()?.try_clone()?,
             damping: self.damping,
             inverse_norm: self.inverse_norm,
