@@ -485,6 +485,62 @@ fn bad_factored_gradient_is_rejected_and_changes_nothing() {
     assert_eq!((snapshot(&opt), host(&w[0])), before);
 }
 
+/// A factored step whose `P` overflows although every input is finite (`E` and `A` of size
+/// 1e20: `P = Γ̃⁻¹EᵀAΛ̃⁻¹/m` ~ 1e40) is a typed `NonFinite` error and changes nothing — on the
+/// CPU's rows' route, where the update (`Device::axpy_over`) is what checks `P`, and on the
+/// dense-inverse route (a layer too small for the rows), at RING's `ε = 0` with the factors
+/// left to their rows.
+#[test]
+fn overflowing_factored_step_is_rejected_and_changes_nothing() {
+    let mut rng = common::seeded_rng();
+    for (shape, m_s) in [((72usize, 100usize), 24usize), ((7, 9), 5)] {
+        let (d_out, d_in) = shape;
+        let cfg = KronConfig {
+            ema: 0.0,
+            skip: 4,
+            inverse: InverseMethod::Cholesky,
+            // No model on the second step: the update alone meets the overflow.
+            damping_interval: 5,
+            ..KronConfig::ring()
+        };
+        let mut opt = KronOptimizer::new(&DEV, &[shape], cfg).unwrap();
+        let (sa, se) = (
+            rand_mat(&mut rng, m_s, d_in),
+            rand_mat(&mut rng, m_s, d_out),
+        );
+        let stats = [KronStats { a: &sa, e: &se }];
+        let mut w = vec![rand_mat(&mut rng, d_out, d_in)];
+        let m = 16;
+        let (a, e) = (rand_mat(&mut rng, m, d_in), rand_mat(&mut rng, m, d_out));
+        opt.step_grads(&mut w, &[KronGrad::Factored { e: &e, a: &a }], Some(&stats))
+            .unwrap();
+        let before = (snapshot(&opt), host(&w[0]));
+        let huge = |x: &Matrix| {
+            let v: Vec<f32> = host(x).iter().map(|&t| 1e20 * (1.0 + t.abs())).collect();
+            DEV.upload(x.rows(), x.cols(), &v).unwrap()
+        };
+        let (ah, eh) = (huge(&a), huge(&e));
+        // A lazy step: no statistics.
+        let err = opt
+            .step_grads(&mut w, &[KronGrad::Factored { e: &eh, a: &ah }], None)
+            .unwrap_err();
+        assert!(matches!(err, Error::NonFinite { .. }), "{shape:?}: {err:?}");
+        assert!(
+            !opt.adapts_damping(),
+            "{shape:?}: the failed step formed no model"
+        );
+        assert!(
+            (snapshot(&opt), host(&w[0])) == before,
+            "{shape:?}: the failed step changed the optimizer or the weights"
+        );
+        assert_eq!(
+            opt.counters().low_rank_inversions > 0,
+            d_in > 64,
+            "{shape:?}"
+        );
+    }
+}
+
 // ---------- lazy Fisher ----------
 
 /// A 2-layer problem: per step a fresh gradient and fresh statistics.

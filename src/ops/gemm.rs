@@ -107,6 +107,47 @@ impl Device {
                 self.product_of(ta, tb, alpha, &ao, &self.operand(b)?)
             };
         }
+        let c = self.product_unchecked(ta, tb, alpha, a, b)?;
+        self.check_all_finite(OP, &[(OVERFLOW, &c)])?;
+        Ok(c)
+    }
+
+    /// [`Device::product_valid_inputs`] for a result that [`Device::axpy_over`] consumes next:
+    /// that op checks every value it writes, and a NaN/Inf in the product makes its result
+    /// non-finite, so on the CPU the product's own check pass is left out (the same product,
+    /// the same bits). The kernel devices run [`Device::product_of`], whose epilogue checks
+    /// the result as it stores it (no pass to save).
+    ///
+    /// # Errors
+    /// As [`Device::product_of`], less the CPU's result check.
+    pub(crate) fn product_consumed(
+        &self,
+        ta: Trans,
+        tb: Trans,
+        alpha: f32,
+        a: &Operand<'_>,
+        b: &Operand<'_>,
+    ) -> Result<Matrix> {
+        match (self, a, b) {
+            (Device::Cpu, Operand::Host(a), Operand::Host(b)) => {
+                self.product_unchecked(ta, tb, alpha, *a, *b)
+            }
+            _ => self.product_of(ta, tb, alpha, a, b),
+        }
+    }
+
+    /// The product of [`Device::product_valid_inputs`] before its result check (the kernel
+    /// devices' `f32` products are [`Device::product_of`]'s).
+    fn product_unchecked<T: Element>(
+        &self,
+        ta: Trans,
+        tb: Trans,
+        alpha: f32,
+        a: &Matrix<T>,
+        b: &Matrix<T>,
+    ) -> Result<Matrix> {
+        let (da, db): (&dyn Any, &dyn Any) = (a, b);
+        let f32s = da.downcast_ref::<Matrix>().zip(db.downcast_ref::<Matrix>());
         let (m, n) = (op_shape(ta, a.shape()).0, op_shape(tb, b.shape()).1);
         let c = match (self, f32s) {
             // `AᵀA` of one matrix is symmetric: the CPU's SYRK computes the lower triangle and
@@ -137,7 +178,6 @@ impl Device {
                 c
             }
         };
-        self.check_all_finite(OP, &[(OVERFLOW, &c)])?;
         Ok(c)
     }
 

@@ -205,7 +205,8 @@ fn factored(
         InverseView::LowRank(lr, t) => lr.right(d, t, a, with_model)?,
     };
     let (uo, wo) = (d.operand(&u)?, d.operand(&w)?);
-    let p = d.product_of(t_u, no, inv_m, &uo, &wo)?;
+    // Checked by the update it feeds (`Device::axpy_over`), and by the model's `‖P‖²`.
+    let p = d.product_consumed(t_u, no, inv_m, &uo, &wo)?;
     let terms = if with_model {
         // Each m x m pair scaled by 1/m so the inner products need no further 1/m².
         let eu = d.product_of(no, t_u, inv_m, &eo, &uo)?;

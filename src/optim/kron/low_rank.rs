@@ -147,13 +147,9 @@ impl LowRank {
         let (no, yes) = (Trans::No, Trans::Yes);
         let c = d.product_valid_inputs(no, yes, 1.0, &self.rows, y)?;
         let hc = d.product_valid_inputs(no, no, 1.0, &t.h, &c)?;
-        let yx = d.axpy_over(
-            t.g0,
-            AxpyOver::Y {
-                x: y,
-                y: d.product_valid_inputs(yes, no, 1.0, &hc, &self.rows)?,
-            },
-        )?;
+        // The correction is checked by the axpy it feeds.
+        let corr = d.product_consumed(yes, no, 1.0, &d.operand(&hc)?, &d.operand(&self.rows)?)?;
+        let yx = d.axpy_over(t.g0, AxpyOver::Y { x: y, y: corr })?;
         let k = if model {
             Some(d.product_valid_inputs(no, no, 1.0, &t.t, &c)?)
         } else {
