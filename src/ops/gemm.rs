@@ -96,27 +96,21 @@ impl Device {
         a: &Matrix<T>,
         b: &Matrix<T>,
     ) -> Result<Matrix> {
-        let (da, db): (&dyn Any, &dyn Any) = (a, b);
-        let f32s = da.downcast_ref::<Matrix>().zip(db.downcast_ref::<Matrix>());
-        if let (Device::Emulated | Device::Cuda(_), Some((a, b))) = (self, f32s) {
-            // Split once even for a square (`a` is `b`); the epilogue checks the result.
-            let ao = self.operand(a)?;
-            return if std::ptr::eq(a, b) {
-                self.product_of(ta, tb, alpha, &ao, &ao)
-            } else {
-                self.product_of(ta, tb, alpha, &ao, &self.operand(b)?)
-            };
-        }
         let c = self.product_unchecked(ta, tb, alpha, a, b)?;
-        self.check_all_finite(OP, &[(OVERFLOW, &c)])?;
+        // The kernel devices' `f32` products were checked by their epilogue.
+        let epilogue_checked = !matches!(self, Device::Cpu)
+            && std::any::TypeId::of::<T>() == std::any::TypeId::of::<f32>();
+        if !epilogue_checked {
+            self.check_all_finite(OP, &[(OVERFLOW, &c)])?;
+        }
         Ok(c)
     }
 
     /// [`Device::product_valid_inputs`] for a result that [`Device::axpy_over`] consumes next:
     /// that op checks every value it writes, and a NaN/Inf in the product makes its result
     /// non-finite, so on the CPU the product's own check pass is left out (the same product,
-    /// the same bits). The kernel devices run [`Device::product_of`], whose epilogue checks
-    /// the result as it stores it (no pass to save).
+    /// the same bits). The kernel devices run [`Device::product_of`]'s product, whose epilogue
+    /// checks the result as it stores it (no pass to save).
     ///
     /// # Errors
     /// As [`Device::product_of`], less the CPU's result check.
@@ -132,12 +126,22 @@ impl Device {
             (Device::Cpu, Operand::Host(a), Operand::Host(b)) => {
                 self.product_unchecked(ta, tb, alpha, *a, *b)
             }
-            _ => self.product_of(ta, tb, alpha, a, b),
+            (Device::Emulated | Device::Cuda(_), Operand::Split(a), Operand::Split(b)) => {
+                let rows = op_shape(ta, a.matrix().shape()).0;
+                let mut c = self.zeros(rows, op_shape(tb, b.matrix().shape()).1)?;
+                crate::cuda::precond::product3_checked(self, OP, ta, tb, alpha, a, b, &mut c)?;
+                Ok(c)
+            }
+            _ => Err(crate::Error::DeviceMismatch {
+                op: OP,
+                a: self.name(),
+                b: "an operand prepared for another device",
+            }),
         }
     }
 
-    /// The product of [`Device::product_valid_inputs`] before its result check (the kernel
-    /// devices' `f32` products are [`Device::product_of`]'s).
+    /// The product of [`Device::product_valid_inputs`] before its result check; the kernel
+    /// devices' `f32` products are [`Device::product_of`]'s, checked by their epilogue.
     fn product_unchecked<T: Element>(
         &self,
         ta: Trans,
@@ -148,6 +152,15 @@ impl Device {
     ) -> Result<Matrix> {
         let (da, db): (&dyn Any, &dyn Any) = (a, b);
         let f32s = da.downcast_ref::<Matrix>().zip(db.downcast_ref::<Matrix>());
+        if let (Device::Emulated | Device::Cuda(_), Some((a, b))) = (self, f32s) {
+            // Split once even for a square (`a` is `b`); the epilogue checks the result.
+            let ao = self.operand(a)?;
+            return if std::ptr::eq(a, b) {
+                self.product_of(ta, tb, alpha, &ao, &ao)
+            } else {
+                self.product_of(ta, tb, alpha, &ao, &self.operand(b)?)
+            };
+        }
         let (m, n) = (op_shape(ta, a.shape()).0, op_shape(tb, b.shape()).1);
         let c = match (self, f32s) {
             // `AᵀA` of one matrix is symmetric: the CPU's SYRK computes the lower triangle and
@@ -210,22 +223,12 @@ impl Device {
         a: &Operand<'_>,
         b: &Operand<'_>,
     ) -> Result<Matrix> {
-        match (self, a, b) {
-            (Device::Cpu, Operand::Host(a), Operand::Host(b)) => {
-                self.product_valid_inputs(ta, tb, alpha, *a, *b)
-            }
-            (Device::Emulated | Device::Cuda(_), Operand::Split(a), Operand::Split(b)) => {
-                let rows = op_shape(ta, a.matrix().shape()).0;
-                let mut c = self.zeros(rows, op_shape(tb, b.matrix().shape()).1)?;
-                crate::cuda::precond::product3_checked(self, OP, ta, tb, alpha, a, b, &mut c)?;
-                Ok(c)
-            }
-            _ => Err(crate::Error::DeviceMismatch {
-                op: OP,
-                a: self.name(),
-                b: "an operand prepared for another device",
-            }),
+        let c = self.product_consumed(ta, tb, alpha, a, b)?;
+        // The kernel devices' epilogue checked it already.
+        if matches!(self, Device::Cpu) {
+            self.check_all_finite(OP, &[(OVERFLOW, &c)])?;
         }
+        Ok(c)
     }
 
     /// The product itself on this device's backend, writing `c` in place.
