@@ -10,10 +10,12 @@
 //! The fused updates compute in `f32` with exactly the operation order their doc comments
 //! state: the GPU kernels of `kernels/elementwise.cu` implement the same formulas 1:1.
 
+use std::mem::MaybeUninit;
+
 use rayon::prelude::*;
 
 use super::simd::multiversion;
-use crate::error::{check_finite, check_len, check_value, try_vec, Result};
+use crate::error::{check_finite, check_len, check_value, try_with_capacity, Result};
 use crate::params::elementwise::{
     check_beta, AdamWCoeffs, MultiLayout, MultiUpdate, SgdCoeffs, SophiaCoeffs,
 };
@@ -64,16 +66,23 @@ pub fn axpy_new(alpha: f32, x: &[f32], y: &[f32]) -> Result<Vec<f32>> {
     const OP: &str = "cpu::axpy_new";
     check_len(OP, "x", x.len(), y.len())?;
     check_value(OP, "alpha", alpha as f64, true, "a finite number")?;
-    let chunk = |o: &mut [f32], x: &[f32], y: &[f32]| axpy_new_chunk(alpha, x, y, o);
-    let mut out = try_vec(x.len(), 1, 0.0f32)?;
-    let ok = if x.len() < PAR_MIN {
-        chunk(&mut out, x, y)
+    let n = x.len();
+    let chunk = |o: &mut [MaybeUninit<f32>], x: &[f32], y: &[f32]| axpy_new_chunk(alpha, x, y, o);
+    // Written element by element, not zero-filled first.
+    let mut out: Vec<f32> = try_with_capacity("host", n, 1)?;
+    let spare = &mut out.spare_capacity_mut()[..n];
+    let ok = if n < PAR_MIN {
+        chunk(spare, x, y)
     } else {
-        out.par_chunks_mut(CHUNK)
+        spare
+            .par_chunks_mut(CHUNK)
             .zip(x.par_chunks(CHUNK).zip(y.par_chunks(CHUNK)))
             .map(|(o, (x, y))| chunk(o, x, y))
             .reduce(|| true, |a, b| a & b)
     };
+    // SAFETY: the capacity holds `n` elements, and the chunks above, which cover `0..n`,
+    // wrote every one of them.
+    unsafe { out.set_len(n) };
     if !ok {
         check_finite(OP, "x", x)?;
         check_finite(OP, "y", y)?;
@@ -164,11 +173,12 @@ multiversion! {
 
 multiversion! {
     /// `o ← y + α x` over one chunk; whether every result is finite (a branch-free flag).
-    fn axpy_new_chunk(alpha: f32, x: &[f32], y: &[f32], o: &mut [f32]) -> bool {
+    fn axpy_new_chunk(alpha: f32, x: &[f32], y: &[f32], o: &mut [MaybeUninit<f32>]) -> bool {
         let mut ok = true;
         for ((o, &x), &y) in o.iter_mut().zip(x).zip(y) {
-            *o = y + alpha * x;
-            ok &= o.abs() < f32::INFINITY;
+            let v = y + alpha * x;
+            o.write(v);
+            ok &= v.abs() < f32::INFINITY;
         }
         ok
     }
