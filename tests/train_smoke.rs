@@ -74,6 +74,17 @@ fn train_with(
                 continue;
             }
             let (x, labels) = data.gather(&idx).expect("gather");
+            // The plain-gradient methods report `‖g‖₂` of the batch gradient bit for bit (SGD
+            // and AdamW take it from their update's pass over the gradient).
+            let plain = matches!(method, Method::Sgd | Method::AdamW | Method::Sophia);
+            let want = plain.then(|| {
+                let mlp = trainer.mlp();
+                let fwd = mlp.forward(x.as_ref()).expect("forward");
+                let (g, _) = mlp
+                    .gradient(&fwd, Targets::Classes(&labels))
+                    .expect("gradient");
+                grng::cpu::elementwise::norm2(&g).expect("norm")
+            });
             let r = trainer
                 .step(Batch {
                     x: x.as_ref(),
@@ -81,6 +92,9 @@ fn train_with(
                 })
                 .unwrap_or_else(|e| panic!("{method}: step {} failed: {e}", losses.len()));
             assert!(r.loss.is_finite() && r.grad_norm.is_finite() && r.grad_norm >= 0.0);
+            if let Some(want) = want {
+                assert_eq!(r.grad_norm.to_bits(), want.to_bits(), "{method}: grad_norm");
+            }
             let k = losses.len();
             assert_eq!(
                 r.loss_after.is_some(),

@@ -362,6 +362,8 @@ pub struct MultiState {
     state: Vec<Matrix>,
     next: Vec<Matrix>,
     spare: Vec<Matrix>,
+    /// `Σ gᵢ²` of the last update's gradients where its pass computed it (the CPU).
+    grad_sq: Option<f64>,
 }
 
 impl MultiState {
@@ -382,7 +384,16 @@ impl MultiState {
                 .collect::<Result<_>>()?,
             shapes: shapes.to_vec(),
             layout,
+            grad_sq: None,
         })
+    }
+
+    /// `Σ gᵢ²` over the gradients of the last successful update, in `f64`, where the update's
+    /// own pass computed it: on the CPU each chunk's squares as it leaves the chunk (for one
+    /// tensor exactly the `f64` sum whose root [`crate::cpu::elementwise::norm2`] returns).
+    /// `None` on the kernel devices and before the first update.
+    pub fn last_grad_sq(&self) -> Option<f64> {
+        self.grad_sq
     }
 
     /// Where each tensor's state lives in the flat arrays.
@@ -548,9 +559,10 @@ impl Device {
             state,
             next,
             spare,
+            grad_sq,
             ..
         } = st;
-        match self {
+        let sq = match self {
             Device::Cpu => {
                 let (o0, o1) = next.split_at_mut(1);
                 let io = crate::cpu::elementwise::MultiHost {
@@ -568,7 +580,7 @@ impl Device {
                         _ => None,
                     },
                 };
-                crate::cpu::elementwise::multi_update(op, layout, &upd, io)?;
+                Some(crate::cpu::elementwise::multi_update(op, layout, &upd, io)?)
             }
             Device::Emulated | Device::Cuda(_) => {
                 let params: Vec<&Matrix> = params.iter().map(|p| &**p).collect();
@@ -581,8 +593,10 @@ impl Device {
                     spare,
                 };
                 ew::multi_update(self, op, layout, &upd, bufs)?;
+                None
             }
-        }
+        };
+        *grad_sq = sq;
         for (p, s) in params.iter_mut().zip(spare.iter_mut()) {
             std::mem::swap(*p, s);
         }
