@@ -572,16 +572,12 @@ fn segments_mut<'a>(layout: &MultiLayout, mut buf: &'a mut [f32]) -> Vec<&'a mut
 /// scans again, for the first bad value in the kernels' status-slot order
 /// ([`MultiUpdate::error`]: inputs before results). The inputs are never written; on error the
 /// outputs hold garbage the caller does not commit.
-///
-/// Returns the gradients' `Σ gᵢ²`, each chunk's by [`dot_chunk`] right after its update (the
-/// chunk is still in cache) and the chunk sums added in order: for one tensor, [`dot_f64`]'s
-/// value bit for bit, without its pass over memory.
 pub(crate) fn multi_update(
     op: &'static str,
     layout: &MultiLayout,
     upd: &MultiUpdate,
     io: MultiHost<'_>,
-) -> Result<f64> {
+) -> Result<()> {
     let MultiHost {
         params,
         grads,
@@ -609,27 +605,22 @@ pub(crate) fn multi_update(
     let run = |(t, i0, pc, oc, o1c): (usize, usize, &mut [f32], &mut [f32], Option<&mut [f32]>)| {
         let base = layout.segment(t).start + i0;
         let n = pc.len();
-        let g = &grads[t][i0..i0 + n];
         let ins = ChunkIn {
             p: &params[t][i0..i0 + n],
-            g,
+            g: &grads[t][i0..i0 + n],
             s0: &s0[base..base + n],
             s1: s1.map_or(&[][..], |s1| &s1[base..base + n]),
             gh: sampled.as_ref().map_or(&[][..], |gh| &gh[t][i0..i0 + n]),
         };
-        let ok = update_chunk(upd, ins, (pc, oc, o1c.unwrap_or(&mut [])));
-        // The gradient's chunk is still in cache: its squares cost no pass over memory.
-        (ok, dot_chunk(g, g))
+        update_chunk(upd, ins, (pc, oc, o1c.unwrap_or(&mut [])))
     };
-    let runs: Vec<(bool, f64)> = if layout.total() < PAR_MIN {
-        items.into_iter().map(run).collect()
+    let clean = if layout.total() < PAR_MIN {
+        items.into_iter().map(run).fold(true, |a, b| a & b)
     } else {
-        items.into_par_iter().map(run).collect()
+        items.into_par_iter().map(run).reduce(|| true, |a, b| a & b)
     };
-    // Chunk sums in index order: `dot_f64`'s sum, bit for bit, for one tensor.
-    let sq: f64 = runs.iter().map(|r| r.1).sum();
-    if runs.iter().all(|r| r.0) {
-        return Ok(sq);
+    if clean {
+        return Ok(());
     }
     // Error path only: find the first bad value in the kernels' status-slot order (inputs
     // before results), exactly what a check-before-compute scan would have reported.
@@ -655,7 +646,7 @@ pub(crate) fn multi_update(
         .find_map(|(k, f)| f.map(|f| (k, f)))
     {
         Some((slot, (pos, value))) => Err(upd.error(op, layout, slot, pos, value)),
-        None => Ok(sq),
+        None => Ok(()),
     }
 }
 

@@ -362,8 +362,6 @@ pub struct MultiState {
     state: Vec<Matrix>,
     next: Vec<Matrix>,
     spare: Vec<Matrix>,
-    /// `Σ gᵢ²` of the last update's gradients where its pass computed it (the CPU).
-    grad_sq: Option<f64>,
 }
 
 impl MultiState {
@@ -384,16 +382,7 @@ impl MultiState {
                 .collect::<Result<_>>()?,
             shapes: shapes.to_vec(),
             layout,
-            grad_sq: None,
         })
-    }
-
-    /// `Σ gᵢ²` over the gradients of the last successful update, in `f64`, where the update's
-    /// own pass computed it: on the CPU each chunk's squares as it leaves the chunk (for one
-    /// tensor exactly the `f64` sum whose root [`crate::cpu::elementwise::norm2`] returns).
-    /// `None` on the kernel devices and before the first update.
-    pub fn last_grad_sq(&self) -> Option<f64> {
-        self.grad_sq
     }
 
     /// Where each tensor's state lives in the flat arrays.
@@ -559,10 +548,9 @@ impl Device {
             state,
             next,
             spare,
-            grad_sq,
             ..
         } = st;
-        let sq = match self {
+        match self {
             Device::Cpu => {
                 let (o0, o1) = next.split_at_mut(1);
                 let io = crate::cpu::elementwise::MultiHost {
@@ -580,7 +568,7 @@ impl Device {
                         _ => None,
                     },
                 };
-                Some(crate::cpu::elementwise::multi_update(op, layout, &upd, io)?)
+                crate::cpu::elementwise::multi_update(op, layout, &upd, io)?;
             }
             Device::Emulated | Device::Cuda(_) => {
                 let params: Vec<&Matrix> = params.iter().map(|p| &**p).collect();
@@ -593,10 +581,8 @@ impl Device {
                     spare,
                 };
                 ew::multi_update(self, op, layout, &upd, bufs)?;
-                None
             }
-        };
-        *grad_sq = sq;
+        }
         for (p, s) in params.iter_mut().zip(spare.iter_mut()) {
             std::mem::swap(*p, s);
         }

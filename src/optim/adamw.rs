@@ -214,13 +214,6 @@ impl AdamW {
         self.config.lr_at(self.steps.saturating_add(1))
     }
 
-    /// `‖g‖₂` of the last step's gradients (all tensors), where the update computed it as it
-    /// streamed them ([`MultiState::last_grad_sq`]: on the CPU, no pass of its own); `None` on
-    /// the kernel devices and before the first step.
-    pub fn last_grad_norm(&self) -> Option<f32> {
-        self.state.last_grad_sq().map(|s| s.sqrt() as f32)
-    }
-
     /// Number of parameters `n` (over all tensors).
     pub fn n(&self) -> usize {
         self.state.layout().total()

@@ -482,14 +482,10 @@ impl Trainer {
                 }
             }
             Engine::Sgd { opt, params, grad } => {
-                first_order_step(device, mlp, batch, params, grad, |p, g| {
-                    opt.step_many(p, g).map(|()| opt.last_grad_norm())
-                })?
+                first_order_step(device, mlp, batch, params, grad, |p, g| opt.step_many(p, g))?
             }
             Engine::AdamW { opt, params, grad } => {
-                first_order_step(device, mlp, batch, params, grad, |p, g| {
-                    opt.step_many(p, g).map(|()| opt.last_grad_norm())
-                })?
+                first_order_step(device, mlp, batch, params, grad, |p, g| opt.step_many(p, g))?
             }
             Engine::Sophia { opt, params } => {
                 let fwd = mlp.forward(batch.x)?;
@@ -580,18 +576,13 @@ impl Outcome {
 /// One plain-gradient step of a first-order optimizer (SGD, AdamW): the flat mini-batch
 /// gradient, computed into `grad`, handed to `step` with the flat parameters
 /// ([`step_network`]); skipped (nothing changed) on a non-finite value.
-///
-/// `step` returns `‖g‖₂` where its update computed it while streaming the gradient (the CPU's
-/// multi-tensor update: the same bits as [`norm`], without its pass); otherwise, and on the
-/// paths that skip, [`norm`] computes it. A non-finite gradient fails the update's own check,
-/// which leaves everything unchanged, so no separate test has to come first.
 fn first_order_step(
     device: &Device,
     mlp: &mut Mlp,
     batch: Batch<'_>,
     params: &mut Matrix,
     grad: &mut Vec<f32>,
-    step: impl FnOnce(&mut [&mut Matrix], &[&Matrix]) -> Result<Option<f32>>,
+    step: impl FnOnce(&mut [&mut Matrix], &[&Matrix]) -> Result<()>,
 ) -> Result<Outcome> {
     let fwd = skip_nonfinite!(mlp.forward(batch.x), f32::NAN, f32::NAN);
     let loss = skip_nonfinite!(
@@ -599,8 +590,9 @@ fn first_order_step(
         f32::NAN,
         f32::NAN
     );
-    if !loss.is_finite() {
-        return Ok(Outcome::skip(loss, norm(grad)));
+    let gn = norm(grad);
+    if !loss.is_finite() || !gn.is_finite() {
+        return Ok(Outcome::skip(loss, gn));
     }
     // On the CPU the buffer itself is the tensor, moved in and back (no copy).
     let g = flat_tensor(device, std::mem::take(grad))?;
@@ -608,18 +600,8 @@ fn first_order_step(
     if g.host().is_some() {
         *grad = g.into_host_vec()?;
     }
-    let streamed = match r {
-        Ok(gn) => gn,
-        Err(Error::NonFinite { .. } | Error::NonFiniteTensor { .. }) => {
-            return Ok(Outcome::skip(loss, norm(grad)));
-        }
-        Err(e) => return Err(e),
-    };
-    Ok(Outcome::applied(
-        loss,
-        streamed.unwrap_or_else(|| norm(grad)),
-        false,
-    ))
+    skip_nonfinite!(r, loss, gn);
+    Ok(Outcome::applied(loss, gn, false))
 }
 
 /// A flat host vector as an `n x 1` tensor on `device`: the vector itself (no copy) on the
@@ -638,20 +620,19 @@ fn flat_tensor(device: &Device, v: Vec<f32>) -> Result<Matrix> {
 /// swapped back, so the network holds the new (or, on error, its own) parameters. The update
 /// checks that every value it writes is finite, which is what the network's own
 /// [`Mlp::set_params`] would check. On a GPU the result is downloaded into the network.
-fn step_network<R>(
+fn step_network(
     mlp: &mut Mlp,
     params: &mut Matrix,
-    step: impl FnOnce(&mut Matrix) -> Result<R>,
-) -> Result<R> {
+    step: impl FnOnce(&mut Matrix) -> Result<()>,
+) -> Result<()> {
     if mlp.swap_params(params, false) {
         let r = step(params);
         // On success the update checked every value it wrote.
         mlp.swap_params(params, r.is_ok());
         return r;
     }
-    let out = step(params)?;
-    sync_flat(mlp, params)?;
-    Ok(out)
+    step(params)?;
+    sync_flat(mlp, params)
 }
 
 fn all_finite(v: &[f32]) -> bool {
