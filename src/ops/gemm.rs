@@ -140,6 +140,36 @@ impl Device {
         }
     }
 
+    /// [`Device::product_consumed`] written over `spare` when it has the product's shape (a
+    /// matrix the caller gives up, say a buffer of the last step: overwritten with `β = 0`,
+    /// never read), else into a new matrix: the same product, the same bits, without a fresh
+    /// allocation and its first-touch page faults. On the CPU; the kernel devices allocate
+    /// (from their stream-ordered pool).
+    ///
+    /// # Errors
+    /// As [`Device::product_consumed`].
+    pub(crate) fn product_consumed_over(
+        &self,
+        (ta, tb): (Trans, Trans),
+        alpha: f32,
+        (a, b): (&Operand<'_>, &Operand<'_>),
+        spare: Option<Matrix>,
+    ) -> Result<Matrix> {
+        let shape = (
+            op_shape(ta, a.matrix().shape()).0,
+            op_shape(tb, b.matrix().shape()).1,
+        );
+        match (self, a, b, spare.filter(|c| c.shape() == shape)) {
+            (Device::Cpu, Operand::Host(a), Operand::Host(b), Some(mut c)) => {
+                let (a, b) = (host_ref(*a)?, host_ref(*b)?);
+                crate::cpu::gemm(ta, tb, alpha, a, b, 0.0, host_mut(&mut c)?)?;
+                Ok(c)
+            }
+            // The kernel devices' products allocate from the stream-ordered pool.
+            _ => self.product_consumed(ta, tb, alpha, a, b),
+        }
+    }
+
     /// The product of [`Device::product_valid_inputs`] before its result check; the kernel
     /// devices' `f32` products are [`Device::product_of`]'s, checked by their epilogue.
     fn product_unchecked<T: Element>(
@@ -301,4 +331,14 @@ pub(crate) enum Operand<'a> {
     Host(&'a Matrix),
     /// The kernel devices': the matrix with its split3 planes.
     Split(Split3<'a>),
+}
+
+impl Operand<'_> {
+    /// The matrix itself.
+    fn matrix(&self) -> &Matrix {
+        match self {
+            Operand::Host(m) => m,
+            Operand::Split(s) => s.matrix(),
+        }
+    }
 }

@@ -111,11 +111,15 @@ impl ModelTerms {
 /// `P = Γ̃⁻¹GΛ̃⁻¹` for one layer (and the model terms when `with_model`), by the cheaper route.
 /// Every operand is checked (state, or inputs checked by the caller): each product checks its
 /// result only, so a non-finite `P` or term is an [`crate::Error::NonFinite`].
+///
+/// `spare`: a matrix of `P`'s shape the caller gives up (the layer's weights of the last step),
+/// which the factored route writes `P` over instead of allocating it.
 pub(super) fn precondition(
     d: &Device,
     v: &LayerView<'_>,
     g: KronGrad<'_>,
     with_model: bool,
+    spare: Option<Matrix>,
 ) -> Result<Preconditioned> {
     let (o, i) = (v.gamma.dim(), v.lambda.dim());
     let rows_route = |x: &InverseView<'_>| matches!(x, InverseView::LowRank(..));
@@ -126,7 +130,7 @@ pub(super) fn precondition(
                 || rows_route(&v.lambda_inv)
                 || factored_is_cheaper(e.rows(), o, i, with_model) =>
         {
-            factored(d, v, e, a, with_model)
+            factored(d, v, e, a, with_model, spare)
         }
         KronGrad::Factored { e, a } => {
             let g = gemm(d, Trans::Yes, Trans::No, 1.0 / e.rows() as f32, e, a)?;
@@ -183,6 +187,7 @@ fn factored(
     e: &Matrix,
     a: &Matrix,
     with_model: bool,
+    spare: Option<Matrix>,
 ) -> Result<Preconditioned> {
     let m = e.rows();
     // Each operand prepared once (on the kernel devices: split into bf16 planes once, where
@@ -206,7 +211,7 @@ fn factored(
     };
     let (uo, wo) = (d.operand(&u)?, d.operand(&w)?);
     // Checked by the update it feeds (`Device::axpy_over`), and by the model's `‖P‖²`.
-    let p = d.product_consumed(t_u, no, inv_m, &uo, &wo)?;
+    let p = d.product_consumed_over((t_u, no), inv_m, (&uo, &wo), spare)?;
     let terms = if with_model {
         // Each m x m pair scaled by 1/m so the inner products need no further 1/m².
         let eu = d.product_of(no, t_u, inv_m, &eo, &uo)?;

@@ -78,6 +78,11 @@ pub struct KronOptimizer {
     /// `(d_out, d_in)` of each `W̄_l`.
     shapes: Vec<(usize, usize)>,
     st: KronState,
+    /// The weights the last step replaced, one matrix per layer: the next step writes its
+    /// `P` over them (then `W − ηP` over `P`), so the layers' buffers alternate instead of
+    /// being allocated every step. Not state (any contents serve): empty after `new` and after
+    /// a failed step.
+    spare: Vec<Matrix>,
 }
 
 /// How the inverses move on this call: rebuilt from statistics, or retargeted lazily.
@@ -136,6 +141,7 @@ impl KronOptimizer {
                 counters: KronCounters::default(),
                 layers: Vec::new(),
             },
+            spare: Vec::new(),
         })
     }
 
@@ -276,7 +282,7 @@ impl KronOptimizer {
             self.check_inputs(op, grads, stats)?;
             let mut counters = self.st.counters;
             let plan = self.plan(stats, low_rank(grads), &mut counters)?;
-            let ps = self.preconditioned(&plan, grads, false)?;
+            let ps = self.preconditioned(&plan, grads, false, Vec::new())?;
             Ok((plan, counters, ps))
         })?;
         self.commit(plan, counters);
@@ -346,12 +352,14 @@ impl KronOptimizer {
         // this scope (`Device::deferred`: on a GPU one synchronization per step, not one per
         // op). The body only builds new matrices; nothing is installed before the scope has
         // confirmed every check, so a failed step leaves everything as it was.
+        let mut spare = Some(std::mem::take(&mut self.spare));
         let (step, readout) = self.device.deferred(|| {
             self.check_inputs(op, grads, stats)?;
             self.check_layers(op, "params", current.iter())?;
             let mut counters = before;
             let plan = self.plan(stats, low_rank(grads), &mut counters)?;
-            let ps = self.preconditioned(&plan, grads, with_model)?;
+            let spare = spare.take().unwrap_or_default();
+            let ps = self.preconditioned(&plan, grads, with_model, spare)?;
             let mut terms = Vec::with_capacity(ps.len());
             for p in &ps {
                 terms.push(p.model_terms(&self.device)?);
@@ -388,9 +396,11 @@ impl KronOptimizer {
         // Without the model `q` is the empty sum 0: nothing to observe.
         let predicted = with_model.then_some(q);
         self.st.predicted = predicted;
-        for (w, new) in params.iter_mut().zip(updated) {
-            *w = new;
-        }
+        self.spare = params
+            .iter_mut()
+            .zip(updated)
+            .map(|(w, new)| std::mem::replace(w, new))
+            .collect();
         let delta = |f: fn(&KronCounters) -> u64| (f(&counters) - f(&before)) as u32;
         Ok(KronStepInfo {
             refreshed,
@@ -734,12 +744,15 @@ impl KronOptimizer {
         plan: &Plan,
         grads: &[KronGrad<'_>],
         with_model: bool,
+        spare: Vec<Matrix>,
     ) -> Result<Vec<Preconditioned>> {
+        let mut spare = spare.into_iter();
         grads
             .iter()
             .enumerate()
             .map(|(l, &g)| {
-                factored::precondition(&self.device, &self.view(plan, l)?, g, with_model)
+                let view = self.view(plan, l)?;
+                factored::precondition(&self.device, &view, g, with_model, spare.next())
             })
             .collect()
     }
