@@ -51,11 +51,11 @@ impl Ctx<'_> {
     /// factor is replaced (`ε = 0` or no `old`), also the rows as the SYRK read them, for
     /// [`Ctx::inverse`]'s low-rank path.
     ///
-    /// The factor is [`Refreshed::Rows`] — left to its rows ([`Ctx::defers_factor`]) — where nothing of
-    /// this refresh reads it: RING's norm comes from the rows' Gram matrix, and the low-rank
-    /// route keeps the rows ([`super::low_rank::LowRank::dense_factor`] forms it, with the
-    /// same bits, when something does). [`Ctx::inverse`] forms it should the rows' route not
-    /// apply after all.
+    /// The factor is [`Refreshed::Rows`], left to its rows ([`Ctx::defers_factor`]), where
+    /// nothing of this refresh reads it: RING's norm comes from the rows' Gram matrix, and the
+    /// low-rank route keeps the rows ([`super::low_rank::LowRank::dense_factor`] forms it,
+    /// with the same bits, when something does). [`Ctx::inverse`] forms it should the rows'
+    /// route not apply after all.
     pub fn factor<'x>(
         &self,
         x: StatsView<'x>,

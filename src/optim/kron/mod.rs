@@ -78,10 +78,10 @@ pub struct KronOptimizer {
     /// `(d_out, d_in)` of each `W̄_l`.
     shapes: Vec<(usize, usize)>,
     st: KronState,
-    /// The weights the last step replaced, one matrix per layer: the next step writes its
-    /// `P` over them (then `W − ηP` over `P`), so the layers' buffers alternate instead of
-    /// being allocated every step. Not state (any contents serve): empty after `new` and after
-    /// a failed step.
+    /// The weights the last step replaced, one matrix per layer (on the CPU): the next step
+    /// writes its `P` over them (then `W − ηP` over `P`), so the layers' buffers alternate
+    /// instead of being allocated every step. Not state (any contents serve): empty after
+    /// `new` and after a failed step.
     spare: Vec<Matrix>,
 }
 
@@ -295,7 +295,10 @@ impl KronOptimizer {
     /// [`KronOptimizer::adapts_damping`].
     ///
     /// `params[l]`: `W̄_l`, `d_out x d_in`, updated in place; `grads`, `stats` as in
-    /// [`KronOptimizer::precondition`].
+    /// [`KronOptimizer::precondition`]. Each `params[l]` is replaced by a matrix holding the new
+    /// weights; on the CPU the optimizer keeps the replaced one as the buffer its next step
+    /// writes into (memory: one more copy of the weights, instead of a fresh allocation and
+    /// its page faults every step).
     ///
     /// # Errors
     /// As [`KronOptimizer::precondition`], plus shape/device/finiteness errors for `params`.
@@ -396,11 +399,16 @@ impl KronOptimizer {
         // Without the model `q` is the empty sum 0: nothing to observe.
         let predicted = with_model.then_some(q);
         self.st.predicted = predicted;
-        self.spare = params
+        let replaced = params
             .iter_mut()
             .zip(updated)
-            .map(|(w, new)| std::mem::replace(w, new))
-            .collect();
+            .map(|(w, new)| std::mem::replace(w, new));
+        // Only the CPU's products write over a spare (`Device::product_consumed_over`).
+        if matches!(self.device, Device::Cpu) {
+            self.spare = replaced.collect();
+        } else {
+            replaced.for_each(drop);
+        }
         let delta = |f: fn(&KronCounters) -> u64| (f(&counters) - f(&before)) as u32;
         Ok(KronStepInfo {
             refreshed,
