@@ -25,7 +25,7 @@ use super::config::{InverseMethod, KronConfig, KronVariant, NEWTON_RETRY_DAMPING
 use super::damping::FactorScalars;
 use super::low_rank::{deferred, LowRank, Terms};
 use super::state::{KronCounters, KronFactorState};
-use crate::device::{Device, Element, Matrix};
+use crate::device::{Device, Matrix};
 use crate::error::{Error, Result};
 use crate::mat::Trans;
 use crate::ops::host_ref;
@@ -85,23 +85,21 @@ impl Ctx<'_> {
             trace,
         };
         if gram_norm && self.defers_factor(&rows)? {
-            let norm = match rows.view() {
-                StatsView::F32(x) => self.rows_norm(x, c)?,
-                StatsView::Bf16(x) => self.rows_norm(x, c)?,
-            };
+            let norm = self.rows_norm(&rows, c)?;
             return Ok((Refreshed::Rows(rows), scalars(norm, 0.0)));
         }
-        let mut f = match old {
-            Some(o) if eps > 0.0 => o.dense_factor()?.try_clone()?,
-            _ => self.device.zeros(n, n)?,
-        };
-        let norm = match rows.view() {
-            StatsView::F32(x) => self.accumulate(x, eps, &mut f, gram_norm, c)?,
-            StatsView::Bf16(x) => self.accumulate(x, eps, &mut f, gram_norm, c)?,
+        // The factor update checks the rows, so `rows_norm`'s Gram product reads checked rows.
+        let f = match old {
+            Some(o) if eps > 0.0 => {
+                let mut f = o.dense_factor()?.try_clone()?;
+                factor_update(self.device, &rows, eps, &mut f)?;
+                f
+            }
+            _ => replaced_factor(self.device, &rows)?,
         };
         // Each scalar only for the variant that reads it: both are host round trips.
         let (norm, trace) = match self.cfg.variant {
-            KronVariant::Ring if gram_norm => (norm, 0.0),
+            KronVariant::Ring if gram_norm => (self.rows_norm(&rows, c)?, 0.0),
             KronVariant::Ring => (self.spectral_norm(&f, c)?, 0.0),
             KronVariant::Reng => (0.0, 0.0),
             KronVariant::Ngd => (0.0, self.device.trace(&f)?),
@@ -132,30 +130,16 @@ impl Ctx<'_> {
         })
     }
 
-    /// `f ← ε f + (1−ε)(1/m) xᵀx` for the rows `x` (`m x n`); with `gram_norm`, also returns
-    /// `‖(1/m) xᵀx‖₂` as `‖(1/m) x xᵀ‖₂` (see [`Ctx::factor`]), else `0`.
-    fn accumulate<T: Element>(
-        &self,
-        x: &Matrix<T>,
-        eps: f32,
-        f: &mut Matrix,
-        gram_norm: bool,
-        c: &mut KronCounters,
-    ) -> Result<f32> {
-        // The factor update checks `x`, so the Gram product below reads checked rows.
-        self.device.kron_factor_update(x, eps, f)?;
-        if !gram_norm {
-            return Ok(0.0);
-        }
-        self.rows_norm(x, c)
-    }
-
-    /// `‖(1/m) x xᵀ‖₂` of checked rows `x` (`m x n`): `‖(1/m) xᵀx‖₂` through the `m x m` Gram.
-    fn rows_norm<T: Element>(&self, x: &Matrix<T>, c: &mut KronCounters) -> Result<f32> {
-        let m = x.rows();
-        let gram = self
-            .device
-            .product_valid_inputs(Trans::No, Trans::Yes, 1.0 / m as f32, x, x)?;
+    /// `‖(1/m) x xᵀ‖₂` of checked rows `x` (`m x n`): `‖(1/m) xᵀx‖₂` through the `m x m` Gram
+    /// (see [`Ctx::factor`]).
+    fn rows_norm(&self, rows: &Rows<'_>, c: &mut KronCounters) -> Result<f32> {
+        let m = rows.view().shape().0;
+        let alpha = 1.0 / m as f32;
+        let (no, yes) = (Trans::No, Trans::Yes);
+        let gram = match rows.view() {
+            StatsView::F32(x) => self.device.product_valid_inputs(no, yes, alpha, x, x)?,
+            StatsView::Bf16(x) => self.device.product_valid_inputs(no, yes, alpha, x, x)?,
+        };
         self.spectral_norm(&gram, c)
     }
 
@@ -169,9 +153,10 @@ impl Ctx<'_> {
     }
 
     /// A fresh inverse of `factor + damping·I` and its norm bound. `norm`: `‖factor‖₂` when
-    /// already computed (RING's damping), handed to Newton as its `λ_max` estimate. `rows`:
-    /// the statistics `factor` was just formed from, when it replaced the old factor
-    /// ([`Ctx::factor`]), for the low-rank path of [`Ctx::low_rank_inverse`].
+    /// already computed (RING's damping), handed to Newton as its `λ_max` estimate. `factor`
+    /// ([`FactorArg`]) carries the statistics rows it was just formed from when it replaced
+    /// the old factor ([`Ctx::factor`]), for the low-rank path of [`Ctx::low_rank_inverse`],
+    /// or is left to those rows (formed here unless that path takes it).
     ///
     /// `‖X‖₂` is not measured: the factor is PSD (an EMA of Gram matrices), so the damped
     /// factor's smallest eigenvalue is at least its damping `λ` and `‖(F + λI)⁻¹‖₂ ≤ 1/λ`,
@@ -449,16 +434,21 @@ impl<'a, 'x> FactorArg<'a, 'x> {
     }
 }
 
-/// `F = (1/m) xᵀx` of rows replacing a factor: the SYRK of [`Ctx::factor`]'s formed route,
-/// whose bits a factor left to its rows is formed with.
+/// `F = (1/m) xᵀx` of rows replacing a factor: [`Ctx::factor`]'s formed route, and what a
+/// factor left to its rows is formed with (so the same bits).
 pub(super) fn replaced_factor(d: &Device, rows: &Rows<'_>) -> Result<Matrix> {
     let n = rows.view().shape().1;
     let mut f = d.zeros(n, n)?;
-    match rows.view() {
-        StatsView::F32(x) => d.kron_factor_update(x, 0.0, &mut f)?,
-        StatsView::Bf16(x) => d.kron_factor_update(x, 0.0, &mut f)?,
-    }
+    factor_update(d, rows, 0.0, &mut f)?;
     Ok(f)
+}
+
+/// `f ← ε f + (1−ε)(1/m) xᵀx` for the rows `x` (`m x n`), which the update checks.
+fn factor_update(d: &Device, rows: &Rows<'_>, eps: f32, f: &mut Matrix) -> Result<()> {
+    match rows.view() {
+        StatsView::F32(x) => d.kron_factor_update(x, eps, f),
+        StatsView::Bf16(x) => d.kron_factor_update(x, eps, f),
+    }
 }
 
 /// A factor's inverse on a lazy step ([`Ctx::retarget`]).
