@@ -112,7 +112,12 @@ impl Device {
             AxpyOver::X { x, y } => (Over::X, x, y),
             AxpyOver::Y { x, y } => (Over::Y, y, x),
         };
-        self.check_same(OP, &[("y", &owned), ("x", kept)])?;
+        // Each operand by its own name (`owned` is `x` when the result goes over `x`).
+        let (owned_arg, kept_arg) = match over {
+            Over::X => ("x", "y"),
+            Over::Y => ("y", "x"),
+        };
+        self.check_same(OP, &[(owned_arg, &owned), (kept_arg, kept)])?;
         check_finite_scalar(OP, "alpha", alpha)?;
         match self {
             Device::Cpu => {
