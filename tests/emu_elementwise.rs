@@ -740,6 +740,226 @@ proptest! {
     }
 }
 
+/// Per-tensor arrays of `shapes` in `[−1, 1)` times one scale `10^e` for the whole array (at
+/// most `f32::MAX`). `e` is ordinary (`[−8, 10)`) or at one of the two edges where a
+/// finite input can give a non-finite result: squares near `f32::MAX` (`[17, 22)`, `g²` in
+/// AdamW and Sophia's refresh) and values near it (`[36, 38.6)`).
+fn at_scale(rng: &mut ChaCha8Rng, shapes: &[(usize, usize)]) -> Vec<Vec<f32>> {
+    let (lo, hi) = [(-8.0, 10.0), (17.0, 22.0), (36.0, 38.6)][rng.random_range(0..3)];
+    let scale = 10f64.powf(rng.random_range(lo..hi)).min(f32::MAX as f64) as f32;
+    per_tensor(rng, shapes, -1.0, 1.0)
+        .into_iter()
+        .map(|v| v.into_iter().map(|x| x * scale).collect())
+        .collect()
+}
+
+/// Finite inputs at every scale up to `f32::MAX` with random coefficients, two steps of each
+/// update: the CPU, which writes in place where its measured bounds prove a step clean and
+/// through spare buffers otherwise, agrees with the emulator (and CUDA), whose kernels always
+/// check every result before committing — the same bits after a clean step, the same error and
+/// nothing changed after one that overflows. An in-place step that the proof let through and
+/// that wrote a non-finite value would differ here.
+fn multi_extreme_scales(
+    devs: &[Device],
+    shapes: &[(usize, usize)],
+    seed: u64,
+) -> Result<(), TestCaseError> {
+    use grng::ops::elementwise::{MultiState, SophiaRefresh};
+    let mut rng = ChaCha8Rng::seed_from_u64(seed);
+    let mut log_uniform = |lo: f32, hi: f32| 10f32.powf(rng.random_range(lo..hi));
+    let (lr, wd, eps, gamma) = (
+        log_uniform(-6.0, 2.0),
+        log_uniform(-6.0, 0.0),
+        log_uniform(-30.0, -1.0),
+        log_uniform(-3.0, 1.0),
+    );
+    let beta = rng.random_range(0.0f32..0.9999);
+    // AdamW's first step: early (bias corrections far from 1) or late (near 1).
+    let t0 = 10f64.powf(rng.random_range(0.0..7.0)) as u64;
+    let sgd = SgdCoeffs {
+        lr,
+        momentum: beta,
+        weight_decay: wd,
+    };
+    let adam = |step| AdamWCoeffs {
+        lr,
+        beta1: beta,
+        beta2: rng_beta(seed),
+        eps,
+        weight_decay: wd,
+        step,
+    };
+    let soph = SophiaCoeffs {
+        lr,
+        beta1: beta,
+        gamma,
+        eps,
+        weight_decay: wd,
+    };
+    let p0 = at_scale(&mut rng, shapes);
+    let steps: Vec<[Vec<Vec<f32>>; 2]> = (0..2)
+        .map(|_| [at_scale(&mut rng, shapes), at_scale(&mut rng, shapes)])
+        .collect();
+    let batch = rng.random_range(1usize..100);
+    // Per update and step: the result key, then params and state.
+    let run = |dev: &Device| -> Vec<(String, Vec<Vec<f32>>)> {
+        let mut out = Vec::new();
+        for u in 0..3 {
+            let mut st = MultiState::new(dev, shapes, if u == 0 { 1 } else { 2 }).unwrap();
+            let mut ps = ups(dev, shapes, &p0);
+            for (k, [g, gh]) in steps.iter().enumerate() {
+                let g = ups(dev, shapes, g);
+                let g: Vec<&Matrix> = g.iter().collect();
+                let gh = ups(dev, shapes, gh);
+                let gh: Vec<&Matrix> = gh.iter().collect();
+                let r = match u {
+                    0 => dev.sgd_update_many(&mut refs(&mut ps), &g, &mut st, &sgd),
+                    1 => {
+                        dev.adamw_update_many(&mut refs(&mut ps), &g, &mut st, &adam(t0 + k as u64))
+                    }
+                    _ => {
+                        // Refresh on the first step only: the second reads the `h` it wrote.
+                        let r = (k == 0).then_some(SophiaRefresh {
+                            sampled_grads: &gh,
+                            beta2: beta,
+                            batch,
+                        });
+                        dev.sophia_update_many(&mut refs(&mut ps), &g, &mut st, r, &soph)
+                    }
+                };
+                let mut arrays: Vec<Vec<f32>> =
+                    vec![ps.iter().flat_map(|m| m.to_vec().unwrap()).collect()];
+                arrays.extend((0..st_arrays(u)).map(|a| st.to_host(a).unwrap()));
+                out.push((r.map_or_else(|e| multi_key(&e), |_| "ok".into()), arrays));
+            }
+        }
+        out
+    };
+    let cpu = run(&Device::Cpu);
+    // A failed step leaves what the step before it left (the initial params, zero state).
+    for (i, (key, arrays)) in cpu.iter().enumerate() {
+        if key != "ok" {
+            let before = match i % 2 {
+                0 => {
+                    let mut b = vec![p0.concat()];
+                    b.extend((0..st_arrays(i / 2)).map(|_| vec![0.0; p0.concat().len()]));
+                    b
+                }
+                _ => cpu[i - 1].1.clone(),
+            };
+            for (a, b) in arrays.iter().zip(&before) {
+                prop_assert_eq!(
+                    bits(a),
+                    bits(b),
+                    "step {} failed ({}) but changed its inputs",
+                    i,
+                    key
+                );
+            }
+        }
+    }
+    for dev in devs {
+        let got = run(dev);
+        for (i, ((gk, ga), (ck, ca))) in got.iter().zip(&cpu).enumerate() {
+            prop_assert_eq!(gk, ck, "{} step {}", dev.name(), i);
+            for (g, c) in ga.iter().zip(ca) {
+                prop_assert_eq!(bits(g), bits(c), "{} step {}", dev.name(), i);
+            }
+        }
+    }
+    Ok(())
+}
+
+/// State arrays of update `u` of [`multi_extreme_scales`] (SGD 1, AdamW and Sophia 2).
+fn st_arrays(u: usize) -> usize {
+    if u == 0 {
+        1
+    } else {
+        2
+    }
+}
+
+/// AdamW's `β₂` of [`multi_extreme_scales`]: near 1 as in practice, or anywhere in `[0, 1)`.
+fn rng_beta(seed: u64) -> f32 {
+    let mut rng = ChaCha8Rng::seed_from_u64(seed ^ 0xb2);
+    if rng.random_bool(0.5) {
+        1.0 - 10f32.powf(rng.random_range(-6.0f32..-1.0))
+    } else {
+        rng.random_range(0.0f32..0.9999)
+    }
+}
+
+proptest! {
+    #![proptest_config(common::proptest_config(96))]
+
+    /// [`multi_extreme_scales`] at ragged tensor lists.
+    #[test]
+    fn multi_updates_at_extreme_scales_match_the_checked_route(shapes in shapes(), seed in any::<u64>()) {
+        let _l = multi_lock();
+        multi_extreme_scales(&devices(), &shapes, seed)?;
+    }
+}
+
+/// The CPU's route, seen from the parameters' buffers: a step its bounds prove clean is written
+/// over them (same buffer), a finite step they cannot prove (a parameter above `f32::MAX / 8`)
+/// goes through a spare buffer swapped in, and the next ordinary step is in place again, the
+/// state re-measured. Every step has the bits of the one-tensor ops, and the gradients' `Σg²`
+/// is reported.
+#[test]
+fn cpu_multi_update_writes_in_place_when_proven_clean() {
+    use grng::ops::elementwise::MultiState;
+    let dev = Device::Cpu;
+    // Over the parallel threshold (65536) and ragged.
+    let shapes = [(300, 301), (7, 3)];
+    let mut rng = common::seeded_rng();
+    let mut p = per_tensor(&mut rng, &shapes, -2.0, 2.0);
+    let mut st = MultiState::new(&dev, &shapes, 2).unwrap();
+    let mut ps = ups(&dev, &shapes, &p);
+    let (mut m, mut v) = (
+        shapes.map(|(r, c)| vec![0.0f32; r * c]),
+        shapes.map(|(r, c)| vec![0.0f32; r * c]),
+    );
+    for (k, huge) in [false, false, true, false].into_iter().enumerate() {
+        if huge {
+            p[1][4] = 1e38;
+            ps = ups(&dev, &shapes, &p);
+        }
+        let g = per_tensor(&mut rng, &shapes, -3.0, 3.0);
+        let gm = ups(&dev, &shapes, &g);
+        let gr: Vec<&Matrix> = gm.iter().collect();
+        let (_, adam, _) = coeffs(1e-3, if huge { 0.0 } else { 0.01 }, k as u64 + 1);
+        let ptrs: Vec<*const f32> = ps.iter().map(|m| m.host().unwrap().as_ptr()).collect();
+        dev.adamw_update_many(&mut refs(&mut ps), &gr, &mut st, &adam)
+            .unwrap();
+        let same: Vec<bool> = ps
+            .iter()
+            .zip(&ptrs)
+            .map(|(m, &q)| m.host().unwrap().as_ptr() == q)
+            .collect();
+        assert_eq!(
+            same, [!huge; 2],
+            "step {k}: written in place only when proven clean"
+        );
+        // The one-tensor op per tensor (its own route) gives the same bits.
+        let mut sq = 0.0f64;
+        for t in 0..shapes.len() {
+            ew::adamw_update(&mut p[t], &g[t], &mut m[t], &mut v[t], &adam).unwrap();
+            sq += g[t].iter().map(|&x| x as f64 * x as f64).sum::<f64>();
+        }
+        let flat: Vec<f32> = ps.iter().flat_map(|m| m.to_vec().unwrap()).collect();
+        assert_eq!(bits(&flat), bits(&p.concat()), "step {k}");
+        assert_eq!(bits(&st.to_host(0).unwrap()), bits(&m.concat()), "step {k}");
+        assert_eq!(bits(&st.to_host(1).unwrap()), bits(&v.concat()), "step {k}");
+        // Σg² summed in another order: within n·2⁻⁵² of it.
+        let got = st.last_grad_sq().unwrap();
+        assert!((got - sq).abs() <= 1e-12 * sq, "step {k}: {got} vs {sq}");
+        if huge {
+            p[1][4] = 0.5;
+            ps = ups(&dev, &shapes, &p);
+        }
+    }
+}
+
 /// Finite inputs whose result overflows (AdamW's `g²` above `f32::MAX` in the third tensor):
 /// the error names the overflowing output, its tensor and index, on every device, and nothing
 /// changes; and a multi-tensor step is ONE kernel launch on a kernel device.

@@ -17,7 +17,7 @@ use rayon::prelude::*;
 use super::simd::multiversion;
 use crate::error::{check_finite, check_len, check_value, try_with_capacity, Result};
 use crate::params::elementwise::{
-    check_beta, AdamWCoeffs, MultiLayout, MultiUpdate, SgdCoeffs, SophiaCoeffs,
+    check_beta, AdamWCoeffs, InputBounds, MultiLayout, MultiUpdate, SgdCoeffs, SophiaCoeffs,
 };
 
 /// Elements per rayon work item (64 KiB of `f32`: large enough to amortize scheduling).
@@ -663,6 +663,205 @@ pub(crate) fn multi_update(
     {
         Some((slot, (pos, value))) => Err(upd.error(op, layout, slot, pos, value)),
         None => Ok(()),
+    }
+}
+
+/// What [`multi_scan`] read.
+pub(crate) struct MultiScan {
+    /// `Σ gᵢ²` over every gradient, each [`CHUNK`] by [`dot_chunk`] and the chunk sums added
+    /// in order: for one tensor [`dot_f64`]'s value bit for bit.
+    pub grad_sq: f64,
+    /// The largest magnitudes read, when every value was finite (and `s1 ≥ 0`); the state's
+    /// entries are 0 when no state was given.
+    pub bounds: Option<InputBounds>,
+}
+
+/// The read-only pass of a CPU multi-tensor update before it writes in place: per chunk of
+/// every tensor the gradient's squares and the largest `|p|`, `|g|` and `|ĝ|`, and, where
+/// `state` is given (its bounds no longer known from the last update), the largest `|s0|` and
+/// `|s1|` over the flat state arrays. A non-finite value (or `s1 < 0`) gives no bounds: the
+/// update then takes the checked route, which reports it.
+pub(crate) fn multi_scan(
+    params: &[&[f32]],
+    grads: &[&[f32]],
+    sampled: Option<&[&[f32]]>,
+    state: Option<(&[f32], Option<&[f32]>)>,
+) -> MultiScan {
+    let items: Vec<(usize, usize)> = grads
+        .iter()
+        .enumerate()
+        .flat_map(|(t, g)| (0..g.len()).step_by(CHUNK).map(move |i0| (t, i0)))
+        .collect();
+    let run = |&(t, i0): &(usize, usize)| {
+        let n = CHUNK.min(grads[t].len() - i0);
+        let g = &grads[t][i0..i0 + n];
+        let gh = sampled.map_or(Magnitude::ZERO, |gh| magnitude(&gh[t][i0..i0 + n]));
+        (
+            dot_chunk(g, g),
+            [magnitude(&params[t][i0..i0 + n]), magnitude(g), gh],
+        )
+    };
+    let total: usize = grads.iter().map(|g| g.len()).sum();
+    let chunks: Vec<(f64, [Magnitude; 3])> = if total < PAR_MIN {
+        items.iter().map(run).collect()
+    } else {
+        items.par_iter().map(run).collect()
+    };
+    // Chunk sums in index order: `dot_f64`'s sum, bit for bit, for one tensor.
+    let grad_sq = chunks.iter().map(|c| c.0).sum();
+    let [p, g, gh] = chunks.iter().fold([Magnitude::ZERO; 3], |a, c| {
+        [a[0].max(c.1[0]), a[1].max(c.1[1]), a[2].max(c.1[2])]
+    });
+    let state = state.map(|(s0, s1)| (magnitude(s0), s1.map_or(Magnitude::ZERO, magnitude)));
+    let bounds = InputBounds {
+        p: p.max,
+        g: g.max,
+        gh: gh.max,
+        s0: state.map_or(0.0, |s| s.0.max),
+        s1: state.map_or(0.0, |s| s.1.max),
+    };
+    let state_ok = state.is_none_or(|(s0, s1)| s0.finite && s1.finite && s1.nonneg);
+    MultiScan {
+        grad_sq,
+        bounds: (p.finite && g.finite && gh.finite && state_ok).then_some(bounds),
+    }
+}
+
+/// The host arrays of a multi-tensor update that writes in place ([`multi_update_in_place`]):
+/// per tensor its params and gradient (and Hessian sample), and the flat state arrays.
+pub(crate) struct MultiInPlace<'a> {
+    pub params: Vec<&'a mut [f32]>,
+    pub grads: Vec<&'a [f32]>,
+    pub sampled: Option<Vec<&'a [f32]>>,
+    pub s0: &'a mut [f32],
+    pub s1: Option<&'a mut [f32]>,
+}
+
+/// Elements per block of [`multi_update_in_place`]: three blocks of results (12 KiB) stay in
+/// L1 between being computed and copied over their inputs.
+const IN_PLACE_BLOCK: usize = 1024;
+
+/// A multi-tensor update written over its inputs, for a step [`MultiUpdate::cannot_overflow`]
+/// has proven clean on inputs [`multi_scan`] found finite. The per-element code is
+/// [`multi_update`]'s (so are the bits): each block of [`IN_PLACE_BLOCK`] is computed into a
+/// buffer and copied over its parameters and state, whose lines are then in cache. Writing over
+/// the inputs saves the reads that writing other arrays costs (a line is fetched before it is
+/// overwritten) and keeps one copy of the state in cache instead of two.
+///
+/// Returns the largest `|s0|` and `|s1|` written (`s1`: 0 when the update does not write it).
+pub(crate) fn multi_update_in_place(
+    layout: &MultiLayout,
+    upd: &MultiUpdate,
+    io: MultiInPlace<'_>,
+) -> [f32; 2] {
+    let MultiInPlace {
+        params,
+        grads,
+        sampled,
+        s0,
+        s1,
+    } = io;
+    let writes1 = upd.writes1();
+    let s0s = segments_mut(layout, s0);
+    let s1s: Vec<Option<&mut [f32]>> = match s1 {
+        Some(s1) => segments_mut(layout, s1).into_iter().map(Some).collect(),
+        None => params.iter().map(|_| None).collect(),
+    };
+    // Work items: (tensor, first index, p chunk, s0 chunk, s1 chunk).
+    let mut items = Vec::new();
+    for (t, ((p, s0), s1)) in params.into_iter().zip(s0s).zip(s1s).enumerate() {
+        let mut s1c = s1.map(|s1| s1.chunks_mut(CHUNK));
+        for (c, (pc, s0c)) in p.chunks_mut(CHUNK).zip(s0.chunks_mut(CHUNK)).enumerate() {
+            items.push((t, c * CHUNK, pc, s0c, s1c.as_mut().and_then(Iterator::next)));
+        }
+    }
+    type Item<'b> = (
+        usize,
+        usize,
+        &'b mut [f32],
+        &'b mut [f32],
+        Option<&'b mut [f32]>,
+    );
+    let run = |(t, i0, pc, s0c, mut s1c): Item<'_>| {
+        let mut out = [[0.0f32; IN_PLACE_BLOCK]; 3];
+        let mut written = [Magnitude::ZERO; 2];
+        for j in (0..pc.len()).step_by(IN_PLACE_BLOCK) {
+            let n = IN_PLACE_BLOCK.min(pc.len() - j);
+            let [op, o0, o1] = &mut out;
+            let (op, o0) = (&mut op[..n], &mut o0[..n]);
+            let o1 = if writes1 { &mut o1[..n] } else { &mut o1[..0] };
+            let (a, b) = (i0 + j, i0 + j + n);
+            let ins = ChunkIn {
+                p: &pc[j..j + n],
+                g: &grads[t][a..b],
+                s0: &s0c[j..j + n],
+                s1: s1c.as_deref().map_or(&[][..], |s1| &s1[j..j + n]),
+                gh: sampled.as_ref().map_or(&[][..], |gh| &gh[t][a..b]),
+            };
+            let clean = update_chunk(upd, ins, (&mut *op, &mut *o0, &mut *o1));
+            debug_assert!(clean, "an update proven clean wrote a non-finite value");
+            pc[j..j + n].copy_from_slice(op);
+            s0c[j..j + n].copy_from_slice(o0);
+            written[0] = written[0].max(magnitude(o0));
+            if let (true, Some(s1)) = (writes1, s1c.as_deref_mut()) {
+                s1[j..j + n].copy_from_slice(o1);
+                written[1] = written[1].max(magnitude(o1));
+            }
+        }
+        written
+    };
+    let written: Vec<[Magnitude; 2]> = if layout.total() < PAR_MIN {
+        items.into_iter().map(run).collect()
+    } else {
+        items.into_par_iter().map(run).collect()
+    };
+    let [m0, m1] = written.iter().fold([Magnitude::ZERO; 2], |a, w| {
+        [a[0].max(w[0]), a[1].max(w[1])]
+    });
+    [m0.max, m1.max]
+}
+
+/// The largest `|x|` of a run of values, whether all are finite and whether all are `≥ 0`.
+#[derive(Clone, Copy, Debug)]
+struct Magnitude {
+    max: f32,
+    finite: bool,
+    nonneg: bool,
+}
+
+impl Magnitude {
+    /// Of no values.
+    const ZERO: Magnitude = Magnitude {
+        max: 0.0,
+        finite: true,
+        nonneg: true,
+    };
+
+    fn max(self, o: Magnitude) -> Magnitude {
+        Magnitude {
+            max: self.max.max(o.max),
+            finite: self.finite & o.finite,
+            nonneg: self.nonneg & o.nonneg,
+        }
+    }
+}
+
+multiversion! {
+    /// [`Magnitude`] of `xs`, from the bit patterns: `|x|`'s bits order like `|x|` itself, with
+    /// ∞ and NaN above every finite value, and a sign-bit pattern above `0x8000_0000` is a
+    /// number below zero (`−0` is `0x8000_0000`). Integer maxima are associative, so the
+    /// plain loop vectorizes (a float maximum would have to keep its order and NaN rules).
+    fn magnitude(xs: &[f32]) -> Magnitude {
+        let (mut abs, mut raw) = (0u32, 0u32);
+        for &x in xs {
+            abs = abs.max(x.to_bits() & 0x7fff_ffff);
+            raw = raw.max(x.to_bits());
+        }
+        Magnitude {
+            max: f32::from_bits(abs),
+            finite: abs < f32::INFINITY.to_bits(),
+            nonneg: raw <= 0x8000_0000,
+        }
     }
 }
 

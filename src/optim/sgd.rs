@@ -116,6 +116,13 @@ impl Sgd {
         Ok(())
     }
 
+    /// `‖g‖₂` of the last step's gradients (all tensors), where the update measured it
+    /// ([`MultiState::last_grad_sq`]: on the CPU, in the read-only pass the update makes
+    /// anyway before writing in place); `None` on the kernel devices and before the first step.
+    pub fn last_grad_norm(&self) -> Option<f32> {
+        self.state.last_grad_sq().map(|s| s.sqrt() as f32)
+    }
+
     /// Number of parameters `n` (over all tensors).
     pub fn n(&self) -> usize {
         self.state.layout().total()

@@ -206,6 +206,18 @@ pub(crate) enum MultiUpdate {
     Sophia(SophiaCoeffs, Option<(f32, usize)>),
 }
 
+/// Largest magnitudes of a multi-tensor update's inputs, every one finite: the parameters
+/// `p`, the gradients `g`, the Hessian samples `gh` (0 without them) and the state arrays `s0`
+/// and `s1` (`s1 ≥ 0`).
+#[derive(Clone, Copy, Debug, Default, PartialEq)]
+pub(crate) struct InputBounds {
+    pub p: f32,
+    pub g: f32,
+    pub gh: f32,
+    pub s0: f32,
+    pub s1: f32,
+}
+
 impl MultiUpdate {
     /// The error `arg` of each status slot.
     pub(crate) fn names(&self) -> [&'static str; MULTI_SLOTS] {
@@ -261,6 +273,73 @@ impl MultiUpdate {
             MultiUpdate::AdamW(_) => true,
             MultiUpdate::Sophia(_, refresh) => refresh.is_some(),
         }
+    }
+
+    /// Whether every value the update writes is finite for all finite inputs within `b`: a
+    /// proof from the per-element formulas (`cpu::elementwise`'s `*_elem`, the kernels' `Ew*`
+    /// functors), in which every intermediate magnitude is bounded in `f64` and must stay below
+    /// `f32::MAX / 8`. The bound is a sum of non-negative terms; each `f32` rounding adds at most
+    /// a factor `1 + 2⁻²⁴` and no formula has more than a dozen, so the factor 8 covers them.
+    /// No NaN can arise either: every divisor is `≥ eps > 0` (validated coefficients), square
+    /// roots take sums of non-negative terms, and nothing infinite enters a product.
+    ///
+    /// With the proof the CPU updates in place: the result check that otherwise decides whether
+    /// a step may be committed cannot fail. A `false` only sends the step to the checked route.
+    pub(crate) fn cannot_overflow(&self, b: &InputBounds) -> bool {
+        const LIMIT: f64 = f32::MAX as f64 / 8.0;
+        let (p, g, gh, s0, s1) = (
+            b.p as f64,
+            b.g as f64,
+            b.gh as f64,
+            b.s0 as f64,
+            b.s1 as f64,
+        );
+        // `p − lr·λ·p − lr·u` for an update direction `|u| ≤ u`: its three products and sum.
+        let decayed = |lr: f32, wd: f32, u: f64| {
+            let (lr, lw) = (lr as f64, lr as f64 * wd as f64);
+            [lw, lw * p, lr * u, p + lw * p + lr * u]
+        };
+        // `β·s + (1 − β)·x`, a convex combination: at most the larger bound.
+        let ema = |beta: f32, s: f64, x: f64| beta as f64 * s + (1.0 - beta as f64) * x;
+        let terms: Vec<f64> = match *self {
+            MultiUpdate::Sgd(c) => {
+                let b = c.momentum as f64 * s0 + g;
+                [b].into_iter()
+                    .chain(decayed(c.lr, c.weight_decay, b))
+                    .collect()
+            }
+            MultiUpdate::AdamW(c) => {
+                let (bc1, bc2) = c.bias_corrections();
+                let (m, g2) = (ema(c.beta1, s0, g), g * g);
+                let v = ema(c.beta2, s1, g2);
+                let m_hat = m / bc1 as f64;
+                // `(m/bc₁) / (√(v/bc₂) + eps)`: the divisor is at least `eps`.
+                let u = m_hat / c.eps as f64;
+                [m, g2, v, m_hat, v / bc2 as f64, u]
+                    .into_iter()
+                    .chain(decayed(c.lr, c.weight_decay, u))
+                    .collect()
+            }
+            MultiUpdate::Sophia(c, refresh) => {
+                // With the refresh, `h ← β₂·h + (1 − β₂)·(B·ĝ·ĝ)` comes first.
+                let (h, sample) = match refresh {
+                    Some((beta2, batch)) => {
+                        let bg = batch as f64 * gh;
+                        (ema(beta2, s1, bg * gh), [bg, bg * gh])
+                    }
+                    None => (s1, [0.0; 2]),
+                };
+                let m = ema(c.beta1, s0, g);
+                // `clamp(m / max(γ·h, eps), −1, 1)`: the divisor is at least `eps`, and a
+                // quotient that overflows clamps to ±1.
+                [m, h, c.gamma as f64 * h]
+                    .into_iter()
+                    .chain(sample)
+                    .chain(decayed(c.lr, c.weight_decay, 1.0))
+                    .collect()
+            }
+        };
+        terms.iter().all(|&t| t <= LIMIT)
     }
 
     /// The error reported for the first bad value: status slot `slot`, flat position `pos`

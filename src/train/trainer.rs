@@ -482,10 +482,14 @@ impl Trainer {
                 }
             }
             Engine::Sgd { opt, params, grad } => {
-                first_order_step(device, mlp, batch, params, grad, |p, g| opt.step_many(p, g))?
+                first_order_step(device, mlp, batch, params, grad, |p, g| {
+                    opt.step_many(p, g).map(|()| opt.last_grad_norm())
+                })?
             }
             Engine::AdamW { opt, params, grad } => {
-                first_order_step(device, mlp, batch, params, grad, |p, g| opt.step_many(p, g))?
+                first_order_step(device, mlp, batch, params, grad, |p, g| {
+                    opt.step_many(p, g).map(|()| opt.last_grad_norm())
+                })?
             }
             Engine::Sophia { opt, params } => {
                 let fwd = mlp.forward(batch.x)?;
@@ -576,13 +580,19 @@ impl Outcome {
 /// One plain-gradient step of a first-order optimizer (SGD, AdamW): the flat mini-batch
 /// gradient, computed into `grad`, handed to `step` with the flat parameters
 /// ([`step_network`]); skipped (nothing changed) on a non-finite value.
+///
+/// `step` returns `‖g‖₂` where its update measured it (the CPU's multi-tensor update, in the
+/// read-only pass it makes over its inputs anyway: the same bits as [`norm`], without a pass of
+/// its own); otherwise, and on the
+/// paths that skip, [`norm`] computes it. A non-finite gradient fails the update's own check,
+/// which leaves everything unchanged, so no separate test has to come first.
 fn first_order_step(
     device: &Device,
     mlp: &mut Mlp,
     batch: Batch<'_>,
     params: &mut Matrix,
     grad: &mut Vec<f32>,
-    step: impl FnOnce(&mut [&mut Matrix], &[&Matrix]) -> Result<()>,
+    step: impl FnOnce(&mut [&mut Matrix], &[&Matrix]) -> Result<Option<f32>>,
 ) -> Result<Outcome> {
     let fwd = skip_nonfinite!(mlp.forward(batch.x), f32::NAN, f32::NAN);
     let loss = skip_nonfinite!(
@@ -590,9 +600,8 @@ fn first_order_step(
         f32::NAN,
         f32::NAN
     );
-    let gn = norm(grad);
-    if !loss.is_finite() || !gn.is_finite() {
-        return Ok(Outcome::skip(loss, gn));
+    if !loss.is_finite() {
+        return Ok(Outcome::skip(loss, norm(grad)));
     }
     // On the CPU the buffer itself is the tensor, moved in and back (no copy).
     let g = flat_tensor(device, std::mem::take(grad))?;
@@ -600,8 +609,18 @@ fn first_order_step(
     if g.host().is_some() {
         *grad = g.into_host_vec()?;
     }
-    skip_nonfinite!(r, loss, gn);
-    Ok(Outcome::applied(loss, gn, false))
+    let streamed = match r {
+        Ok(gn) => gn,
+        Err(Error::NonFinite { .. } | Error::NonFiniteTensor { .. }) => {
+            return Ok(Outcome::skip(loss, norm(grad)));
+        }
+        Err(e) => return Err(e),
+    };
+    Ok(Outcome::applied(
+        loss,
+        streamed.unwrap_or_else(|| norm(grad)),
+        false,
+    ))
 }
 
 /// A flat host vector as an `n x 1` tensor on `device`: the vector itself (no copy) on the
@@ -620,19 +639,20 @@ fn flat_tensor(device: &Device, v: Vec<f32>) -> Result<Matrix> {
 /// swapped back, so the network holds the new (or, on error, its own) parameters. The update
 /// checks that every value it writes is finite, which is what the network's own
 /// [`Mlp::set_params`] would check. On a GPU the result is downloaded into the network.
-fn step_network(
+fn step_network<R>(
     mlp: &mut Mlp,
     params: &mut Matrix,
-    step: impl FnOnce(&mut Matrix) -> Result<()>,
-) -> Result<()> {
+    step: impl FnOnce(&mut Matrix) -> Result<R>,
+) -> Result<R> {
     if mlp.swap_params(params, false) {
         let r = step(params);
         // On success the update checked every value it wrote.
         mlp.swap_params(params, r.is_ok());
         return r;
     }
-    step(params)?;
-    sync_flat(mlp, params)
+    let out = step(params)?;
+    sync_flat(mlp, params)?;
+    Ok(out)
 }
 
 fn all_finite(v: &[f32]) -> bool {
