@@ -19,7 +19,8 @@ pub fn exp(x: f32) -> f32 {
     // Round to nearest by the 1.5·2²³ shift (`f32::round` is a libm call without SSE4.1,
     // which would stop the vectorizer); exact for |x·log₂e| < 2²².
     const SHIFT: f32 = 12_582_912.0;
-    let n = (x * std::f32::consts::LOG2_E + SHIFT) - SHIFT;
+    let shifted = x * std::f32::consts::LOG2_E + SHIFT;
+    let n = shifted - SHIFT;
     let r = (x - n * LN2_HI) - n * LN2_LO;
     let mut p = 1.0 / 5040.0;
     for c in [
@@ -33,8 +34,12 @@ pub fn exp(x: f32) -> f32 {
     ] {
         p = p * r + c;
     }
-    // 2ⁿ for n in [−126, 127]: the exponent field of a normal f32.
-    let scale = f32::from_bits(((n as i32 + 127) as u32) << 23);
+    // 2ⁿ for n in [−126, 127]: the exponent field of a normal f32. `shifted` lies in
+    // [2²³, 2²⁴), where the ulp is 1, so its bits are SHIFT's plus n: integer arithmetic on
+    // them gives n without a float-to-int cast (Rust's saturating `as i32` does not vectorize;
+    // it made tanh's loop partly scalar).
+    let n_bits = shifted.to_bits().wrapping_sub(SHIFT.to_bits());
+    let scale = f32::from_bits(n_bits.wrapping_add(127) << 23);
     p * scale
 }
 
