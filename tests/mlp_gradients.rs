@@ -12,7 +12,7 @@
 mod common;
 
 use grng::data::{digits, linear_regression, synthetic_classification, Dataset};
-use grng::mlp::{Activation, FisherMode, Loss, Mlp, MlpConfig, Targets, TargetsBuf};
+use grng::mlp::{Activation, FisherMode, Forward, Loss, Mlp, MlpConfig, Targets, TargetsBuf};
 use grng::{Error, Mat, MatRef};
 use proptest::prelude::*;
 use rand::{Rng, SeedableRng};
@@ -185,6 +185,41 @@ fn check_gradient(c: &mut Case, h: f32) -> Result<(), TestCaseError> {
 
 proptest! {
     #![proptest_config(common::proptest_config(48))]
+
+    /// `forward_into` over one `Forward` reused across batches of other sizes, parameters
+    /// changed in between and a failed pass (NaN input) gives every cached matrix of a fresh
+    /// `forward`, bit for bit; after the failure the buffers are stale and rejected.
+    #[test]
+    fn forward_into_reused_buffers_match_fresh_passes((seed, sizes, m, softmax) in shapes(), relu in any::<bool>(), m2 in 1usize..12) {
+        let act = if relu { Activation::Relu } else { Activation::Tanh };
+        let mut c = case(seed, sizes.clone(), act, loss_of(softmax), m);
+        let mut rng = ChaCha8Rng::seed_from_u64(seed ^ 0xf0);
+        let mut fwd = Forward::empty();
+        let bits = |m: MatRef<'_, f32>| -> Vec<u32> {
+            (0..m.rows()).flat_map(|i| m.row(i).iter().map(|v| v.to_bits()).collect::<Vec<_>>()).collect()
+        };
+        for (k, rows) in [m, m2, m2, m].into_iter().enumerate() {
+            let x = random_mat(&mut rng, rows, sizes[0], 1.0);
+            if k == 2 {
+                // A failed pass: the input holds NaN.
+                let mut bad = x.clone();
+                bad.as_mut_slice()[0] = f32::NAN;
+                prop_assert!(c.mlp.forward_into(bad.as_ref(), &mut fwd).is_err());
+                let stale = c.mlp.loss(&fwd, c.targets.as_targets());
+                prop_assert!(matches!(stale, Err(Error::Value { arg: "fwd", .. })), "{:?}", stale);
+                for p in c.mlp.params_mut() {
+                    *p *= 0.9;
+                }
+            }
+            c.mlp.forward_into(x.as_ref(), &mut fwd).unwrap();
+            let fresh = c.mlp.forward(x.as_ref()).unwrap();
+            for l in 0..sizes.len() - 1 {
+                prop_assert_eq!(bits(fwd.inputs(l).unwrap()), bits(fresh.inputs(l).unwrap()), "pass {} layer {}", k, l);
+            }
+            prop_assert_eq!(bits(fwd.logits()), bits(fresh.logits()), "pass {}", k);
+            prop_assert_eq!(bits(fwd.outputs()), bits(fresh.outputs()), "pass {}", k);
+        }
+    }
 
     /// Flat gradient of tanh networks, every coordinate, both losses.
     #[test]

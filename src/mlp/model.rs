@@ -64,6 +64,17 @@ pub struct Forward {
 }
 
 impl Forward {
+    /// No pass yet: buffers for [`Mlp::forward_into`] to fill, stale until it succeeds.
+    pub fn empty() -> Forward {
+        Forward {
+            a: Vec::new(),
+            logits: Mat::zeros(0, 0),
+            y: Mat::zeros(0, 0),
+            // Stamps start at 1: 0 is no parameters' stamp.
+            stamp: 0,
+        }
+    }
+
     /// Batch size `m`.
     pub fn batch_size(&self) -> usize {
         self.logits.rows()
@@ -282,28 +293,44 @@ impl Mlp {
     /// [`Error::Shape`] on a wrong width or an empty batch, [`Error::NonFinite`] when `x` or the
     /// parameters hold NaN/Inf.
     pub fn forward(&self, x: MatRef<'_, f32>) -> Result<Forward> {
+        let mut fwd = Forward::empty();
+        self.forward_into(x, &mut fwd)?;
+        Ok(fwd)
+    }
+
+    /// [`Mlp::forward`] into an earlier pass's buffers, reused (not reallocated, not zeroed:
+    /// every entry is written) where their shapes fit: a training loop's forward pass without
+    /// per-step allocations. On error `fwd` is stale (its stamp matches no parameters, so every
+    /// consumer rejects it) until a pass succeeds.
+    ///
+    /// # Errors
+    /// As [`Mlp::forward`].
+    pub fn forward_into(&self, x: MatRef<'_, f32>, fwd: &mut Forward) -> Result<()> {
         const OP: &str = "Mlp::forward";
+        fwd.stamp = 0;
         self.check_input(OP, x)?;
         self.check_params_finite(OP)?;
         let m = x.rows();
         let nl = self.num_layers();
-        let mut a = Vec::with_capacity(nl);
-        let mut a0 = Mat::zeros(m, x.cols() + 1);
-        fill_augmented(&mut a0, |k| x.row(k));
-        a.push(a0);
-        let mut logits = Mat::zeros(0, 0);
+        let Forward { a, logits, y, .. } = fwd;
+        a.truncate(nl);
+        a.resize_with(nl, || Mat::zeros(0, 0));
+        fit(&mut a[0], m, x.cols() + 1);
+        fill_augmented(&mut a[0], |k| x.row(k));
         for l in 0..nl {
             let d_out = self.config.sizes[l + 1];
             // A hidden layer's z_l lands straight in the first d_out columns of the augmented
             // x̄_{l+1} and φ runs in place there: no separate z, no copy.
             let hidden = l + 1 < nl;
             let width = d_out + usize::from(hidden);
-            let mut out = Mat::zeros(m, width);
+            let (inputs, rest) = a.split_at_mut(l + 1);
+            let out = if hidden { &mut rest[0] } else { &mut *logits };
+            fit(out, m, width);
             gemm(
                 Trans::No,
                 Trans::Yes,
                 1.0,
-                a[l].as_ref(),
+                inputs[l].as_ref(),
                 self.layer(l)?,
                 0.0,
                 MatMut::with_ld(out.as_mut_slice(), m, d_out, width)?,
@@ -321,29 +348,19 @@ impl Mlp {
                         }
                         row[d_out] = 1.0;
                     });
-                a.push(out);
-            } else {
-                logits = out;
             }
         }
-        let y = match self.config.loss {
-            Loss::SquaredError => logits.clone(),
-            Loss::SoftmaxCrossEntropy => {
-                let c = logits.cols();
-                let mut y = logits.clone();
-                y.as_mut_slice()
-                    .par_chunks_mut(c)
-                    .with_min_len(min_rows(c))
-                    .for_each(softmax_in_place);
-                y
-            }
-        };
-        Ok(Forward {
-            a,
-            logits,
-            y,
-            stamp: self.stamp,
-        })
+        fit(y, m, logits.cols());
+        y.as_mut_slice().copy_from_slice(logits.as_slice());
+        if let Loss::SoftmaxCrossEntropy = self.config.loss {
+            let c = logits.cols();
+            y.as_mut_slice()
+                .par_chunks_mut(c)
+                .with_min_len(min_rows(c))
+                .for_each(softmax_in_place);
+        }
+        fwd.stamp = self.stamp;
+        Ok(())
     }
 
     /// `Err(Error::NonFinite)` for NaN/Inf in the parameters: one scan per parameter change
@@ -518,6 +535,14 @@ impl Mlp {
 }
 
 /// `dst` (`m x (d + 1)`) ← rows `[src(k), 1]`.
+/// Makes `m` an `rows x cols` matrix, keeping its buffer (and stale values) when the shape
+/// already fits: for outputs whose every entry is written next.
+fn fit(m: &mut Mat, rows: usize, cols: usize) {
+    if m.rows() != rows || m.cols() != cols {
+        *m = Mat::zeros(rows, cols);
+    }
+}
+
 fn fill_augmented<'a>(dst: &mut Mat, src: impl Fn(usize) -> &'a [f32]) {
     let d = dst.cols() - 1;
     for k in 0..dst.rows() {

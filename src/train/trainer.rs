@@ -9,7 +9,7 @@ use crate::checkpoint::{load_all, save_all, Checkpoint, Reader, Writer};
 use crate::device::{Device, Matrix};
 use crate::error::{check_len, Error, Result};
 use crate::mat::{Mat, MatRef};
-use crate::mlp::{LayerStats, Loss, Mlp, Targets};
+use crate::mlp::{Forward, LayerStats, Loss, Mlp, Targets};
 use crate::optim::adamw::AdamW;
 use crate::optim::kalman::RKalman;
 use crate::optim::kron::{KronGrad, KronOptimizer};
@@ -123,12 +123,16 @@ enum Engine {
         params: Matrix,
         /// The flat gradient's buffer, reused from step to step (scratch, not state).
         grad: Vec<f32>,
+        /// The forward pass's buffers, reused likewise ([`Mlp::forward_into`]).
+        fwd: Forward,
     },
     AdamW {
         opt: AdamW,
         params: Matrix,
         /// As [`Engine::Sgd`]'s.
         grad: Vec<f32>,
+        /// As [`Engine::Sgd`]'s.
+        fwd: Forward,
     },
     Sophia {
         opt: Sophia,
@@ -215,11 +219,13 @@ impl Trainer {
                 opt: Sgd::new(device, n, c)?,
                 params: flat()?,
                 grad: Vec::new(),
+                fwd: Forward::empty(),
             },
             (Method::AdamW, OptimizerConfig::AdamW(c)) => Engine::AdamW {
                 opt: AdamW::new(device, n, c)?,
                 params: flat()?,
                 grad: Vec::new(),
+                fwd: Forward::empty(),
             },
             (Method::Sophia, OptimizerConfig::Sophia(c)) => Engine::Sophia {
                 opt: Sophia::new(device, n, c)?,
@@ -481,16 +487,22 @@ impl Trainer {
                     }
                 }
             }
-            Engine::Sgd { opt, params, grad } => {
-                first_order_step(device, mlp, batch, params, grad, |p, g| {
-                    opt.step_many(p, g).map(|()| opt.last_grad_norm())
-                })?
-            }
-            Engine::AdamW { opt, params, grad } => {
-                first_order_step(device, mlp, batch, params, grad, |p, g| {
-                    opt.step_many(p, g).map(|()| opt.last_grad_norm())
-                })?
-            }
+            Engine::Sgd {
+                opt,
+                params,
+                grad,
+                fwd,
+            } => first_order_step(device, mlp, batch, params, (grad, fwd), |p, g| {
+                opt.step_many(p, g).map(|()| opt.last_grad_norm())
+            })?,
+            Engine::AdamW {
+                opt,
+                params,
+                grad,
+                fwd,
+            } => first_order_step(device, mlp, batch, params, (grad, fwd), |p, g| {
+                opt.step_many(p, g).map(|()| opt.last_grad_norm())
+            })?,
             Engine::Sophia { opt, params } => {
                 let fwd = mlp.forward(batch.x)?;
                 // The gradient only: `backward` would also copy every layer's inputs `A_l`.
@@ -577,26 +589,26 @@ impl Outcome {
     }
 }
 
-/// One plain-gradient step of a first-order optimizer (SGD, AdamW): the flat mini-batch
-/// gradient, computed into `grad`, handed to `step` with the flat parameters
-/// ([`step_network`]); skipped (nothing changed) on a non-finite value.
+/// One plain-gradient step of a first-order optimizer (SGD, AdamW): the forward pass into
+/// `fwd`'s buffers and the flat mini-batch gradient into `grad` (both reused from the last
+/// step), handed to `step` with the flat parameters ([`step_network`]); skipped (nothing
+/// changed) on a non-finite value.
 ///
 /// `step` returns `‖g‖₂` where its update measured it (the CPU's multi-tensor update, in the
 /// read-only pass it makes over its inputs anyway: the same bits as [`norm`], without a pass of
-/// its own); otherwise, and on the
-/// paths that skip, [`norm`] computes it. A non-finite gradient fails the update's own check,
+/// its own); otherwise, and on the paths that skip, [`norm`] computes it. A non-finite gradient fails the update's own check,
 /// which leaves everything unchanged, so no separate test has to come first.
 fn first_order_step(
     device: &Device,
     mlp: &mut Mlp,
     batch: Batch<'_>,
     params: &mut Matrix,
-    grad: &mut Vec<f32>,
+    (grad, fwd): (&mut Vec<f32>, &mut Forward),
     step: impl FnOnce(&mut [&mut Matrix], &[&Matrix]) -> Result<Option<f32>>,
 ) -> Result<Outcome> {
-    let fwd = skip_nonfinite!(mlp.forward(batch.x), f32::NAN, f32::NAN);
+    skip_nonfinite!(mlp.forward_into(batch.x, fwd), f32::NAN, f32::NAN);
     let loss = skip_nonfinite!(
-        mlp.gradient_into(&fwd, batch.targets, grad),
+        mlp.gradient_into(fwd, batch.targets, grad),
         f32::NAN,
         f32::NAN
     );
