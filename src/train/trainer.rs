@@ -103,6 +103,42 @@ impl TrainerCounters {
     }
 }
 
+/// SGD and AdamW as [`first_order_step`] steps them.
+trait FirstOrder {
+    /// `step_many`, then `‖g‖₂` where the update measured it (`last_grad_norm`).
+    fn step_reporting_norm(&mut self, p: &mut [&mut Matrix], g: &[&Matrix]) -> Result<Option<f32>>;
+}
+
+impl FirstOrder for Sgd {
+    fn step_reporting_norm(&mut self, p: &mut [&mut Matrix], g: &[&Matrix]) -> Result<Option<f32>> {
+        self.step_many(p, g).map(|()| self.last_grad_norm())
+    }
+}
+
+impl FirstOrder for AdamW {
+    fn step_reporting_norm(&mut self, p: &mut [&mut Matrix], g: &[&Matrix]) -> Result<Option<f32>> {
+        self.step_many(p, g).map(|()| self.last_grad_norm())
+    }
+}
+
+/// The buffers a first-order step reuses from step to step (scratch, not state).
+#[derive(Debug)]
+struct Scratch {
+    /// The flat gradient.
+    grad: Vec<f32>,
+    /// The forward pass ([`Mlp::forward_into`]).
+    fwd: Forward,
+}
+
+impl Scratch {
+    fn new() -> Scratch {
+        Scratch {
+            grad: Vec::new(),
+            fwd: Forward::empty(),
+        }
+    }
+}
+
 /// The optimizer of a method together with the parameters it owns on the device.
 #[derive(Debug)]
 enum Engine {
@@ -121,18 +157,12 @@ enum Engine {
     Sgd {
         opt: Sgd,
         params: Matrix,
-        /// The flat gradient's buffer, reused from step to step (scratch, not state).
-        grad: Vec<f32>,
-        /// The forward pass's buffers, reused likewise ([`Mlp::forward_into`]).
-        fwd: Forward,
+        scratch: Scratch,
     },
     AdamW {
         opt: AdamW,
         params: Matrix,
-        /// As [`Engine::Sgd`]'s.
-        grad: Vec<f32>,
-        /// As [`Engine::Sgd`]'s.
-        fwd: Forward,
+        scratch: Scratch,
     },
     Sophia {
         opt: Sophia,
@@ -218,14 +248,12 @@ impl Trainer {
             (Method::Sgd, OptimizerConfig::Sgd(c)) => Engine::Sgd {
                 opt: Sgd::new(device, n, c)?,
                 params: flat()?,
-                grad: Vec::new(),
-                fwd: Forward::empty(),
+                scratch: Scratch::new(),
             },
             (Method::AdamW, OptimizerConfig::AdamW(c)) => Engine::AdamW {
                 opt: AdamW::new(device, n, c)?,
                 params: flat()?,
-                grad: Vec::new(),
-                fwd: Forward::empty(),
+                scratch: Scratch::new(),
             },
             (Method::Sophia, OptimizerConfig::Sophia(c)) => Engine::Sophia {
                 opt: Sophia::new(device, n, c)?,
@@ -490,19 +518,13 @@ impl Trainer {
             Engine::Sgd {
                 opt,
                 params,
-                grad,
-                fwd,
-            } => first_order_step(device, mlp, batch, params, (grad, fwd), |p, g| {
-                opt.step_many(p, g).map(|()| opt.last_grad_norm())
-            })?,
+                scratch,
+            } => first_order_step(device, mlp, batch, params, scratch, opt)?,
             Engine::AdamW {
                 opt,
                 params,
-                grad,
-                fwd,
-            } => first_order_step(device, mlp, batch, params, (grad, fwd), |p, g| {
-                opt.step_many(p, g).map(|()| opt.last_grad_norm())
-            })?,
+                scratch,
+            } => first_order_step(device, mlp, batch, params, scratch, opt)?,
             Engine::Sophia { opt, params } => {
                 let fwd = mlp.forward(batch.x)?;
                 // The gradient only: `backward` would also copy every layer's inputs `A_l`.
@@ -589,22 +611,23 @@ impl Outcome {
     }
 }
 
-/// One plain-gradient step of a first-order optimizer (SGD, AdamW): the forward pass into
-/// `fwd`'s buffers and the flat mini-batch gradient into `grad` (both reused from the last
-/// step), handed to `step` with the flat parameters ([`step_network`]); skipped (nothing
-/// changed) on a non-finite value.
+/// One plain-gradient step of a first-order optimizer (SGD, AdamW): the forward pass and the
+/// flat mini-batch gradient into the [`Scratch`] buffers (reused from the last step), handed
+/// to `opt` with the flat parameters ([`step_network`]); skipped (nothing changed) on a
+/// non-finite value.
 ///
-/// `step` returns `‖g‖₂` where its update measured it (the CPU's multi-tensor update, in the
+/// `opt` reports `‖g‖₂` where its update measured it (the CPU's multi-tensor update, in the
 /// read-only pass it makes over its inputs anyway: the same bits as [`norm`], without a pass of
-/// its own); otherwise, and on the paths that skip, [`norm`] computes it. A non-finite gradient fails the update's own check,
-/// which leaves everything unchanged, so no separate test has to come first.
+/// its own); otherwise, and on the paths that skip, [`norm`] computes it. A non-finite gradient
+/// fails the update's own check, which leaves everything unchanged, so no separate test has to
+/// come first.
 fn first_order_step(
     device: &Device,
     mlp: &mut Mlp,
     batch: Batch<'_>,
     params: &mut Matrix,
-    (grad, fwd): (&mut Vec<f32>, &mut Forward),
-    step: impl FnOnce(&mut [&mut Matrix], &[&Matrix]) -> Result<Option<f32>>,
+    Scratch { grad, fwd }: &mut Scratch,
+    opt: &mut impl FirstOrder,
 ) -> Result<Outcome> {
     skip_nonfinite!(mlp.forward_into(batch.x, fwd), f32::NAN, f32::NAN);
     let loss = skip_nonfinite!(
@@ -617,7 +640,7 @@ fn first_order_step(
     }
     // On the CPU the buffer itself is the tensor, moved in and back (no copy).
     let g = flat_tensor(device, std::mem::take(grad))?;
-    let r = step_network(mlp, params, |p| step(&mut [p], &[&g]));
+    let r = step_network(mlp, params, |p| opt.step_reporting_norm(&mut [p], &[&g]));
     if g.host().is_some() {
         *grad = g.into_host_vec()?;
     }
