@@ -276,9 +276,24 @@ pub(crate) fn dot_f64(x: &[f32], y: &[f32]) -> f64 {
 pub fn dot(x: &[f32], y: &[f32]) -> Result<f32> {
     const OP: &str = "cpu::dot";
     check_len(OP, "y", y.len(), x.len())?;
-    check_finite(OP, "x", x)?;
-    check_finite(OP, "y", y)?;
-    Ok(dot_f64(x, y) as f32)
+    finite_sum(OP, dot_f64(x, y), [("x", x), ("y", y)]).map(|s| s as f32)
+}
+
+/// `sum`, an `f64` sum of products of the `f32` `inputs`, checked as it was computed: for finite
+/// inputs it is finite (each term is below `f32::MAX² ≈ 1.2e77`, far from `f64::MAX` for any
+/// length), so only a NaN/Inf input makes it non-finite, and only then are the inputs scanned,
+/// in order, for the first one (the error a check before the sum reports). No pass of its own.
+fn finite_sum<const K: usize>(
+    op: &'static str,
+    sum: f64,
+    inputs: [(&'static str, &[f32]); K],
+) -> Result<f64> {
+    if !sum.is_finite() {
+        for (arg, xs) in inputs {
+            check_finite(op, arg, xs)?;
+        }
+    }
+    Ok(sum)
 }
 
 /// Euclidean norm `‖x‖₂ = √(Σ xᵢ²)`, accumulated like [`dot`] in `f64` (no overflow for any
@@ -287,8 +302,7 @@ pub fn dot(x: &[f32], y: &[f32]) -> Result<f32> {
 /// # Errors
 /// [`Error::NonFinite`](crate::Error::NonFinite) for NaN/Inf in `x`.
 pub fn norm2(x: &[f32]) -> Result<f32> {
-    check_finite("cpu::norm2", "x", x)?;
-    Ok(dot_f64(x, x).sqrt() as f32)
+    finite_sum("cpu::norm2", dot_f64(x, x), [("x", x)]).map(|s| s.sqrt() as f32)
 }
 
 /// Fused SGD step with heavy-ball momentum and decoupled weight decay (`lr`, `μ` momentum,
