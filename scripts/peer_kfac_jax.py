@@ -11,6 +11,13 @@ Rerun (kfac-jax 0.0.8 needs exactly jax 0.8.2; newer jax breaks it), outside the
     /work/venv-peer/bin/pip install kfac-jax==0.0.8 jax==0.8.2 jaxlib==0.8.2 optax
     /work/venv-peer/bin/python scripts/peer_kfac_jax.py            # --steps 10 --shape 784-1024-1024-10 --batch 256
 
+AdamW against optax, interleaved (each round: the optax row, then our AdamW step):
+
+    for r in 1 2 3 4 5; do
+        /work/venv-peer/bin/python scripts/peer_kfac_jax.py --only-adamw --steps 20 | tail -1
+        GRNG_BENCH_ONLY=adamw cargo bench --bench step -- --warm-up-time 1 --measurement-time 3 | grep time:
+    done
+
 Run it in the same session as `cargo bench --bench step` and compare ratios: the 2-core
 machines are noisy.
 """
@@ -119,6 +126,8 @@ def main():
     ap.add_argument("--batch", type=int, default=256)
     ap.add_argument("--steps", type=int, default=10, help="timed samples of 8 steps per row")
     ap.add_argument("--warmup", type=int, default=5)
+    ap.add_argument("--only-adamw", action="store_true",
+                    help="the optax row only (about 5 s: for interleaving with `cargo bench`)")
     args = ap.parse_args()
     sizes = [int(w) for w in args.shape.split("-")]
 
@@ -129,11 +138,12 @@ def main():
     y = jax.random.randint(ky, (args.batch,), 0, sizes[-1])
     batch = (x, y)
 
-    rows = [
-        ("optax AdamW (forward, backward, update)", bench_adamw(params, batch, args.steps, args.warmup)),
-        ("kfac-jax K-FAC, inverse every 8 steps", bench_kfac(params, batch, 8, args.steps, args.warmup)),
-        ("kfac-jax K-FAC, inverse every step", bench_kfac(params, batch, 1, args.steps, args.warmup)),
-    ]
+    rows = [("optax AdamW (forward, backward, update)", bench_adamw(params, batch, args.steps, args.warmup))]
+    if not args.only_adamw:
+        rows += [
+            ("kfac-jax K-FAC, inverse every 8 steps", bench_kfac(params, batch, 8, args.steps, args.warmup)),
+            ("kfac-jax K-FAC, inverse every step", bench_kfac(params, batch, 1, args.steps, args.warmup)),
+        ]
     print(f"jax {jax.__version__} on {jax.devices()[0].platform}, "
           f"kfac-jax {kfac_jax.__version__}, optax {optax.__version__}; "
           f"MLP {args.shape}, batch {args.batch}, median of {args.steps} runs of 8 steps")
