@@ -357,7 +357,8 @@ impl Device {
 /// The persistent device buffers of a multi-tensor first-order optimizer over tensors of fixed
 /// shapes: one or two flat state arrays laid out by [`MultiLayout`] (each tensor's segment
 /// 16-byte aligned), their ping-pong partners, and one spare per parameter tensor. A failed
-/// step changes nothing, and no step copies, zero-fills or allocates:
+/// step changes nothing, and no step copies or zero-fills; only the first step that needs the
+/// checked route's buffers allocates them:
 ///
 /// - the checked route (the kernel devices always) writes its results into the partners and
 ///   spares and, when the whole step is clean, swaps them in — the caller's parameter
@@ -681,8 +682,10 @@ enum InPlace {
 /// keeping the state's new bounds. Otherwise nothing is written and the checked route (results
 /// into spares, committed by swaps only when clean) runs as on the kernel devices.
 ///
-/// The scan replaces the trainer's separate pass over the gradient for its norm, and writing in
-/// place costs about 40% less memory traffic than writing other arrays.
+/// The scan replaces the trainer's separate pass over the gradient for its norm. Writing in
+/// place skips the read of each line that writing to another array costs: AdamW's update of
+/// 1.86 M parameters took 0.69 ms in place against 1.16 ms into other arrays (a
+/// microbenchmark on a 2-core Intel Xeon).
 fn cpu_update_in_place(
     params: &mut [&mut Matrix],
     grads: &[&Matrix],
