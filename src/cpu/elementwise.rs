@@ -620,19 +620,17 @@ pub(crate) fn multi_update(
     } = io;
     let mut o0s = segments_mut(layout, o0);
     let mut o1s = o1.map(|o1| segments_mut(layout, o1));
-    // Work items: (tensor, first index, po chunk, o0 chunk, o1 chunk).
-    let mut items = Vec::new();
     let o1t: Vec<Option<&mut [f32]>> = match o1s.as_mut() {
         Some(o1s) => o1s.iter_mut().map(|s| Some(&mut **s)).collect(),
         None => po.iter().map(|_| None).collect(),
     };
-    for (t, ((p, o), o1)) in po.iter_mut().zip(o0s.iter_mut()).zip(o1t).enumerate() {
-        let mut o1c = o1.map(|o1| o1.chunks_mut(CHUNK));
-        for (c, (pc, oc)) in p.chunks_mut(CHUNK).zip(o.chunks_mut(CHUNK)).enumerate() {
-            items.push((t, c * CHUNK, pc, oc, o1c.as_mut().and_then(Iterator::next)));
-        }
-    }
-    let run = |(t, i0, pc, oc, o1c): (usize, usize, &mut [f32], &mut [f32], Option<&mut [f32]>)| {
+    let items = chunk_items(
+        po.iter_mut()
+            .zip(o0s.iter_mut())
+            .zip(o1t)
+            .map(|((p, o), o1)| (&mut **p, &mut **o, o1)),
+    );
+    let run = |(t, i0, pc, oc, o1c): ChunkItem<'_>| {
         let base = layout.segment(t).start + i0;
         let n = pc.len();
         let ins = ChunkIn {
@@ -644,12 +642,10 @@ pub(crate) fn multi_update(
         };
         update_chunk(upd, ins, (pc, oc, o1c.unwrap_or(&mut [])))
     };
-    let clean = if layout.total() < PAR_MIN {
-        items.into_iter().map(run).fold(true, |a, b| a & b)
-    } else {
-        items.into_par_iter().map(run).reduce(|| true, |a, b| a & b)
-    };
-    if clean {
+    if map_items(layout.total(), items, run)
+        .into_iter()
+        .all(|clean| clean)
+    {
         return Ok(());
     }
     // Error path only: find the first bad value in the kernels' status-slot order (inputs
@@ -680,6 +676,45 @@ pub(crate) fn multi_update(
     }
 }
 
+/// One work item of a multi-tensor pass: the tensor, the chunk's first index in it, and the
+/// chunk of each array the pass writes (the third where it writes one).
+type ChunkItem<'a> = (
+    usize,
+    usize,
+    &'a mut [f32],
+    &'a mut [f32],
+    Option<&'a mut [f32]>,
+);
+
+/// The work items of a multi-tensor pass that writes per-tensor arrays `(a, b, c)`, each of
+/// its tensor's length: one per [`CHUNK`] of every tensor, in order.
+fn chunk_items<'a>(
+    arrays: impl IntoIterator<Item = (&'a mut [f32], &'a mut [f32], Option<&'a mut [f32]>)>,
+) -> Vec<ChunkItem<'a>> {
+    let mut items = Vec::new();
+    for (t, (a, b, c)) in arrays.into_iter().enumerate() {
+        let mut cc = c.map(|c| c.chunks_mut(CHUNK));
+        for (k, (ac, bc)) in a.chunks_mut(CHUNK).zip(b.chunks_mut(CHUNK)).enumerate() {
+            items.push((t, k * CHUNK, ac, bc, cc.as_mut().and_then(Iterator::next)));
+        }
+    }
+    items
+}
+
+/// `f` of every item, in order: on rayon's pool when the pass covers `total ≥` [`PAR_MIN`]
+/// elements, else on the calling thread.
+fn map_items<I: Send, R: Send>(
+    total: usize,
+    items: Vec<I>,
+    f: impl Fn(I) -> R + Sync + Send,
+) -> Vec<R> {
+    if total < PAR_MIN {
+        items.into_iter().map(f).collect()
+    } else {
+        items.into_par_iter().map(f).collect()
+    }
+}
+
 /// What [`multi_scan`] read.
 pub(crate) struct MultiScan {
     /// `Σ gᵢ²` over every gradient, each [`CHUNK`] by [`dot_chunk`] and the chunk sums added
@@ -706,7 +741,7 @@ pub(crate) fn multi_scan(
         .enumerate()
         .flat_map(|(t, g)| (0..g.len()).step_by(CHUNK).map(move |i0| (t, i0)))
         .collect();
-    let run = |&(t, i0): &(usize, usize)| {
+    let run = |(t, i0): (usize, usize)| {
         let n = CHUNK.min(grads[t].len() - i0);
         let g = &grads[t][i0..i0 + n];
         let gh = sampled.map_or(Magnitude::ZERO, |gh| magnitude(&gh[t][i0..i0 + n]));
@@ -715,12 +750,8 @@ pub(crate) fn multi_scan(
             [magnitude(&params[t][i0..i0 + n]), magnitude(g), gh],
         )
     };
-    let total: usize = grads.iter().map(|g| g.len()).sum();
-    let chunks: Vec<(f64, [Magnitude; 3])> = if total < PAR_MIN {
-        items.iter().map(run).collect()
-    } else {
-        items.par_iter().map(run).collect()
-    };
+    let total = grads.iter().map(|g| g.len()).sum();
+    let chunks = map_items(total, items, run);
     // Chunk sums in index order: `dot_f64`'s sum, bit for bit, for one tensor.
     let grad_sq = chunks.iter().map(|c| c.0).sum();
     let [p, g, gh] = chunks.iter().fold([Magnitude::ZERO; 3], |a, c| {
@@ -781,22 +812,14 @@ pub(crate) fn multi_update_in_place(
         Some(s1) => segments_mut(layout, s1).into_iter().map(Some).collect(),
         None => params.iter().map(|_| None).collect(),
     };
-    // Work items: (tensor, first index, p chunk, s0 chunk, s1 chunk).
-    let mut items = Vec::new();
-    for (t, ((p, s0), s1)) in params.into_iter().zip(s0s).zip(s1s).enumerate() {
-        let mut s1c = s1.map(|s1| s1.chunks_mut(CHUNK));
-        for (c, (pc, s0c)) in p.chunks_mut(CHUNK).zip(s0.chunks_mut(CHUNK)).enumerate() {
-            items.push((t, c * CHUNK, pc, s0c, s1c.as_mut().and_then(Iterator::next)));
-        }
-    }
-    type Item<'b> = (
-        usize,
-        usize,
-        &'b mut [f32],
-        &'b mut [f32],
-        Option<&'b mut [f32]>,
+    let items = chunk_items(
+        params
+            .into_iter()
+            .zip(s0s)
+            .zip(s1s)
+            .map(|((p, s0), s1)| (p, s0, s1)),
     );
-    let run = |(t, i0, pc, s0c, mut s1c): Item<'_>| {
+    let run = |(t, i0, pc, s0c, mut s1c): ChunkItem<'_>| {
         let mut out = [[0.0f32; IN_PLACE_BLOCK]; 3];
         let mut written = [Magnitude::ZERO; 2];
         for j in (0..pc.len()).step_by(IN_PLACE_BLOCK) {
@@ -824,11 +847,7 @@ pub(crate) fn multi_update_in_place(
         }
         written
     };
-    let written: Vec<[Magnitude; 2]> = if layout.total() < PAR_MIN {
-        items.into_iter().map(run).collect()
-    } else {
-        items.into_par_iter().map(run).collect()
-    };
+    let written = map_items(layout.total(), items, run);
     let [m0, m1] = written.iter().fold([Magnitude::ZERO; 2], |a, w| {
         [a[0].max(w[0]), a[1].max(w[1])]
     });

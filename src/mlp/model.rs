@@ -534,7 +534,6 @@ impl Mlp {
     }
 }
 
-/// `dst` (`m x (d + 1)`) ← rows `[src(k), 1]`.
 /// Makes `m` an `rows x cols` matrix, keeping its buffer (and stale values) when the shape
 /// already fits: for outputs whose every entry is written next.
 fn fit(m: &mut Mat, rows: usize, cols: usize) {
@@ -543,6 +542,7 @@ fn fit(m: &mut Mat, rows: usize, cols: usize) {
     }
 }
 
+/// `dst` (`m x (d + 1)`) ← rows `[src(k), 1]`.
 fn fill_augmented<'a>(dst: &mut Mat, src: impl Fn(usize) -> &'a [f32]) {
     let d = dst.cols() - 1;
     for k in 0..dst.rows() {

@@ -644,13 +644,8 @@ fn first_order_step(
     if g.host().is_some() {
         *grad = g.into_host_vec()?;
     }
-    let streamed = match r {
-        Ok(gn) => gn,
-        Err(Error::NonFinite { .. } | Error::NonFiniteTensor { .. }) => {
-            return Ok(Outcome::skip(loss, norm(grad)));
-        }
-        Err(e) => return Err(e),
-    };
+    // The norm of a skipped step is computed only on that path.
+    let streamed = skip_nonfinite!(r, loss, norm(grad));
     Ok(Outcome::applied(
         loss,
         streamed.unwrap_or_else(|| norm(grad)),

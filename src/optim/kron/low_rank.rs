@@ -17,9 +17,10 @@
 //! [`super::KronOptimizer::state`] (so the checkpoint stores it) — with the bits it had when
 //! every refresh formed it. So is RING's dense factor (its SYRK, `mn²` flops, and two `n x n`
 //! zero-fills): RING's `‖F‖₂` comes from the rows' `m x m` Gram matrix, and nothing else of
-//! a factored step reads `F` (NGD keeps forming it for its trace, RENG reads neither). The rows ride along as a crate-private part
-//! that the state's copies leave out (a restored or loaded optimizer takes the dense route
-//! until its next refresh: the same step, other rounding).
+//! a factored step reads `F` (NGD keeps forming it for its trace, RENG reads neither). The
+//! rows ride along as a crate-private part that the state's copies leave out (a restored or
+//! loaded optimizer takes the dense route until its next refresh: the same step, other
+//! rounding).
 
 use std::sync::OnceLock;
 
