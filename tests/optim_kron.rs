@@ -541,6 +541,127 @@ fn overflowing_factored_step_is_rejected_and_changes_nothing() {
     }
 }
 
+/// On a pool worker the CPU step runs its layers, and the two factors of a layer, as parallel
+/// tasks (`optim/kron/tasks.rs`); called from a plain thread it runs them one after another.
+/// Both must give the same bits (weights, state, counters, predicted changes) over refreshes
+/// and lazy steps with and without the model, on the rows' route (`72 x 100` at `m = 24`) and
+/// the dense one, and the same error when several tasks fail: the first in layer order, the
+/// `Γ` side before the `Λ` side.
+#[test]
+fn steps_on_a_pool_worker_match_the_calling_thread() {
+    let mut rng = common::seeded_rng();
+    let shapes = [(72usize, 100usize), (7, 9), (5, 72)];
+    let (m_s, m, steps) = (24, 16, 7);
+    let cfg = KronConfig {
+        ema: 0.0,
+        skip: 3,
+        inverse: InverseMethod::Cholesky,
+        damping_interval: 2,
+        ..KronConfig::ring()
+    };
+    // Per layer a `rows x d_in` (`inputs`) or `rows x d_out` matrix.
+    let mats = |rng: &mut ChaCha8Rng, rows: usize, inputs: bool| {
+        shapes
+            .iter()
+            .map(|&(o, i)| rand_mat(rng, rows, if inputs { i } else { o }))
+            .collect::<Vec<_>>()
+    };
+    let (d_in, d_out) = (true, false);
+    // Statistics rows `≥ 0`, so that the failing step below overflows where it is meant to.
+    let abs = |x: &Matrix| {
+        let v: Vec<f32> = host(x).iter().map(|t| t.abs()).collect();
+        DEV.upload(x.rows(), x.cols(), &v).unwrap()
+    };
+    let batches: Vec<[Vec<Matrix>; 4]> = (0..steps)
+        .map(|_| {
+            [
+                mats(&mut rng, m, d_in),
+                mats(&mut rng, m, d_out),
+                mats(&mut rng, m_s, d_in).iter().map(abs).collect(),
+                mats(&mut rng, m_s, d_out).iter().map(abs).collect(),
+            ]
+        })
+        .collect();
+    let w0: Vec<Matrix> = shapes
+        .iter()
+        .map(|&(o, i)| rand_mat(&mut rng, o, i))
+        .collect();
+    // Steps 0..steps, then one whose products overflow inside the tasks, in layers 0 and 2
+    // on both sides (the rows are `≥ 0`, the huge values `1e38`): `R_Γ·Eᵀ` from its first
+    // element on (every row of `E` huge; layer 0's `Γ` is on the rows' route), `R_Λ·Aᵀ` only
+    // in its last column (the last row of `A`), so the two sides' errors differ.
+    let copy = |x: &Matrix| DEV.upload(x.rows(), x.cols(), &host(x)).unwrap();
+    let huge_from = |x: &Matrix, row: usize| {
+        let mut v = host(x);
+        v[row * x.cols()..].iter_mut().for_each(|t| *t = 1e38);
+        DEV.upload(x.rows(), x.cols(), &v).unwrap()
+    };
+    let bad: Vec<(Matrix, Matrix)> = batches[0][0]
+        .iter()
+        .zip(&batches[0][1])
+        .enumerate()
+        .map(|(l, (a, e))| match l {
+            1 => (copy(a), copy(e)),
+            _ => (huge_from(a, m - 1), huge_from(e, 0)),
+        })
+        .collect();
+    type Trace = (
+        Vec<(Vec<Vec<f32>>, Option<u32>)>,
+        Snapshot,
+        KronCounters,
+        String,
+    );
+    let run = || -> Trace {
+        let mut opt = KronOptimizer::new(&DEV, &shapes, cfg).unwrap();
+        let mut w: Vec<Matrix> = w0.iter().map(copy).collect();
+        let mut trace = vec![];
+        for [a, e, sa, se] in &batches {
+            let grads: Vec<KronGrad<'_>> = a
+                .iter()
+                .zip(e)
+                .map(|(a, e)| KronGrad::Factored { e, a })
+                .collect();
+            let st: Vec<KronStats<'_>> =
+                sa.iter().zip(se).map(|(a, e)| KronStats { a, e }).collect();
+            let stats = opt.needs_stats().then_some(&st[..]);
+            let info = opt.step_grads(&mut w, &grads, stats).unwrap();
+            let q = info.predicted_change;
+            if let Some(q) = q {
+                opt.observe_loss(1.0, 1.0 + 0.5 * q).unwrap();
+            }
+            trace.push((w.iter().map(host).collect(), q.map(f32::to_bits)));
+        }
+        let grads: Vec<KronGrad<'_>> = bad
+            .iter()
+            .map(|(a, e)| KronGrad::Factored { e, a })
+            .collect();
+        let err = opt.step_grads(&mut w, &grads, None).unwrap_err();
+        (trace, snapshot(&opt), *opt.counters(), format!("{err:?}"))
+    };
+    let here = run();
+    assert_eq!(
+        rayon::current_thread_index(),
+        None,
+        "the test thread is no pool worker"
+    );
+    let pool = rayon::ThreadPoolBuilder::new()
+        .num_threads(2)
+        .build()
+        .unwrap();
+    let on_worker = pool.install(run);
+    assert!(here.0 == on_worker.0, "weights or predicted changes differ");
+    assert!(here.1 == on_worker.1, "states differ");
+    assert_eq!(here.2, on_worker.2);
+    assert!(here.2.low_rank_inversions > 0, "the rows' route was taken");
+    assert_eq!(here.3, on_worker.3, "a different error");
+    // Layer 0's `Γ` side: its first element.
+    assert!(
+        here.3.contains("NonFinite") && here.3.contains("index: 0,"),
+        "{}",
+        here.3
+    );
+}
+
 /// The weights a step replaces are the buffers the next step writes `P` (and `W − ηP`) over:
 /// the same bits as fresh matrices. Each step is taken twice from one state, by the optimizer
 /// that holds the last step's weights and by a fresh one restored from its state (which holds

@@ -19,6 +19,7 @@
 
 use super::layer::InverseView;
 use super::state::KronFactorState;
+use super::tasks;
 use crate::device::{Device, Matrix};
 use crate::error::Result;
 use crate::mat::Trans;
@@ -198,17 +199,23 @@ fn factored(
     let inv_m = 1.0 / m as f32;
     // `U = Γ̃⁻¹Eᵀ` (`d_out x m`) dense, or `Uᵀ = E·Γ̃⁻¹` (`m x d_out`) through the rows with
     // `K_Γ = R_Γ·U`; `t_u` says which one `u` holds.
-    let (u, t_u, k_gamma) = match v.gamma_inv {
-        InverseView::Dense(x) => (d.product_of(no, yes, 1.0, &d.operand(x)?, &eo)?, no, None),
-        InverseView::LowRank(lr, t) => {
-            let (ut, k) = lr.right(d, t, e, with_model)?;
-            (ut, yes, k)
-        }
-    };
-    let (w, k_lambda) = match v.lambda_inv {
-        InverseView::Dense(x) => (d.product_of(no, no, 1.0, &ao, &d.operand(x)?)?, None),
-        InverseView::LowRank(lr, t) => lr.right(d, t, a, with_model)?,
-    };
+    // The two sides are independent tasks (`tasks.rs`).
+    let ((u, t_u, k_gamma), (w, k_lambda)) = tasks::join(
+        d,
+        || match v.gamma_inv {
+            InverseView::Dense(x) => {
+                Ok((d.product_of(no, yes, 1.0, &d.operand(x)?, &eo)?, no, None))
+            }
+            InverseView::LowRank(lr, t) => {
+                let (ut, k) = lr.right(d, t, e, with_model)?;
+                Ok((ut, yes, k))
+            }
+        },
+        || match v.lambda_inv {
+            InverseView::Dense(x) => Ok((d.product_of(no, no, 1.0, &ao, &d.operand(x)?)?, None)),
+            InverseView::LowRank(lr, t) => lr.right(d, t, a, with_model),
+        },
+    )?;
     let (uo, wo) = (d.operand(&u)?, d.operand(&w)?);
     // Checked by the update it feeds (`Device::axpy_over`), and by the model's `‖P‖²`.
     let p = d.product_consumed_over((t_u, no), inv_m, (&uo, &wo), spare)?;

@@ -55,6 +55,7 @@ mod factored;
 mod layer;
 mod low_rank;
 mod state;
+mod tasks;
 
 pub use config::{InverseMethod, KronConfig, KronVariant, NEWTON_RETRY_DAMPING};
 pub use damping::levenberg_marquardt;
@@ -679,47 +680,80 @@ impl KronOptimizer {
             cfg: &self.config,
         };
         let rho = self.st.rho;
+        // Layers, and the two factors of a layer, are independent tasks (`tasks.rs`), each
+        // with counters of its own, added up in layer order.
         let Some(stats) = stats else {
-            let mut ups = Vec::with_capacity(self.shapes.len());
-            for layer in &self.st.layers {
+            let ups = tasks::map(&self.device, self.st.layers.iter().collect(), |layer| {
                 let (dl, dg) = factor_dampings(
                     &self.config,
                     rho,
                     scalars(&layer.lambda),
                     scalars(&layer.gamma),
                 );
-                ups.push([
-                    ctx.retarget(&layer.lambda, dl, low_rank, c)?,
-                    ctx.retarget(&layer.gamma, dg, low_rank, c)?,
-                ]);
-            }
+                let (mut cl, mut cg) = (KronCounters::default(), KronCounters::default());
+                let (ul, ug) = tasks::join(
+                    ctx.device,
+                    || ctx.retarget(&layer.lambda, dl, low_rank, &mut cl),
+                    || ctx.retarget(&layer.gamma, dg, low_rank, &mut cg),
+                )?;
+                Ok(([ul, ug], [cl, cg]))
+            })?;
+            let ups = ups
+                .into_iter()
+                .map(|(up, counts)| {
+                    counts.iter().for_each(|n| c.add(n));
+                    up
+                })
+                .collect();
             return Ok(Plan::Lazy(ups, low_rank));
         };
-        let mut layers = Vec::with_capacity(self.shapes.len());
-        for (l, s) in stats.iter().enumerate() {
-            let old = self.st.layers.get(l);
-            let (fl, sl) = ctx.factor(s.a.view(), old.map(|o| &o.lambda), c)?;
-            let (fg, sg) = ctx.factor(s.e.view(), old.map(|o| &o.gamma), c)?;
-            let (dl, dg) = factor_dampings(&self.config, rho, sl, sg);
-            let il = ctx.inverse(
-                fl.arg(),
-                dl,
-                known_norm(sl.norm),
-                old.and_then(|o| o.lambda.warm_start()),
-                c,
-            )?;
-            let ig = ctx.inverse(
-                fg.arg(),
-                dg,
-                known_norm(sg.norm),
-                old.and_then(|o| o.gamma.warm_start()),
-                c,
-            )?;
-            layers.push(KronLayerState {
-                lambda: il.with_factor(fl, sl)?,
-                gamma: ig.with_factor(fg, sg)?,
-            });
-        }
+        let layers = tasks::map(
+            &self.device,
+            stats.iter().enumerate().collect(),
+            |(l, s)| {
+                let old = self.st.layers.get(l);
+                let (mut cl, mut cg) = (KronCounters::default(), KronCounters::default());
+                let ((fl, sl), (fg, sg)) = tasks::join(
+                    ctx.device,
+                    || ctx.factor(s.a.view(), old.map(|o| &o.lambda), &mut cl),
+                    || ctx.factor(s.e.view(), old.map(|o| &o.gamma), &mut cg),
+                )?;
+                let (dl, dg) = factor_dampings(&self.config, rho, sl, sg);
+                let (il, ig) = tasks::join(
+                    ctx.device,
+                    || {
+                        ctx.inverse(
+                            fl.arg(),
+                            dl,
+                            known_norm(sl.norm),
+                            old.and_then(|o| o.lambda.warm_start()),
+                            &mut cl,
+                        )
+                    },
+                    || {
+                        ctx.inverse(
+                            fg.arg(),
+                            dg,
+                            known_norm(sg.norm),
+                            old.and_then(|o| o.gamma.warm_start()),
+                            &mut cg,
+                        )
+                    },
+                )?;
+                let layer = KronLayerState {
+                    lambda: il.with_factor(fl, sl)?,
+                    gamma: ig.with_factor(fg, sg)?,
+                };
+                Ok((layer, [cl, cg]))
+            },
+        )?;
+        let layers = layers
+            .into_iter()
+            .map(|(layer, counts)| {
+                counts.iter().for_each(|n| c.add(n));
+                layer
+            })
+            .collect();
         c.refreshes += 1;
         Ok(Plan::Refresh(layers, low_rank))
     }
@@ -755,14 +789,15 @@ impl KronOptimizer {
         spare: Vec<Matrix>,
     ) -> Result<Vec<Preconditioned>> {
         let mut spare = spare.into_iter();
-        grads
+        let layers = grads
             .iter()
             .enumerate()
-            .map(|(l, &g)| {
-                let view = self.view(plan, l)?;
-                factored::precondition(&self.device, &view, g, with_model, spare.next())
-            })
-            .collect()
+            .map(|(l, &g)| (l, g, spare.next()))
+            .collect();
+        tasks::map(&self.device, layers, |(l, g, spare)| {
+            let view = self.view(plan, l)?;
+            factored::precondition(&self.device, &view, g, with_model, spare)
+        })
     }
 
     /// Installs `plan` and the counters and advances the step counter.

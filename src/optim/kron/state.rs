@@ -168,6 +168,41 @@ pub struct KronCounters {
 }
 
 impl KronCounters {
+    /// Adds `o`'s counts to these (the counts of tasks run apart).
+    pub(crate) fn add(&mut self, o: &KronCounters) {
+        // Destructured whole, so a new counter cannot be left out.
+        let KronCounters {
+            refreshes,
+            first_order_updates,
+            lazy_recomputes,
+            newton_inversions,
+            newton_iterations,
+            newton_divergences,
+            newton_retries,
+            cholesky_fallbacks,
+            cholesky_inversions,
+            low_rank_inversions,
+            power_unconverged,
+            lm_updates,
+            lm_skipped,
+            nonfinite_losses,
+        } = *o;
+        self.refreshes += refreshes;
+        self.first_order_updates += first_order_updates;
+        self.lazy_recomputes += lazy_recomputes;
+        self.newton_inversions += newton_inversions;
+        self.newton_iterations += newton_iterations;
+        self.newton_divergences += newton_divergences;
+        self.newton_retries += newton_retries;
+        self.cholesky_fallbacks += cholesky_fallbacks;
+        self.cholesky_inversions += cholesky_inversions;
+        self.low_rank_inversions += low_rank_inversions;
+        self.power_unconverged += power_unconverged;
+        self.lm_updates += lm_updates;
+        self.lm_skipped += lm_skipped;
+        self.nonfinite_losses += nonfinite_losses;
+    }
+
     /// All fallbacks taken: Newton retries with more damping plus Cholesky fallbacks.
     pub fn fallbacks(&self) -> u64 {
         self.newton_retries + self.cholesky_fallbacks
