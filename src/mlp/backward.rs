@@ -318,7 +318,8 @@ impl LayerStats {
         };
         if m * (d_out + d_in) < 2 * d_out * d_in {
             let gram = |x: &Mat| product(m, m, &|c| gram_rows(x.as_ref(), inv_m, c));
-            let (ee, aa) = (gram(&self.e)?, gram(&self.a)?);
+            let (ee, aa) = crate::cpu::join_tasks(|| gram(&self.e), || gram(&self.a));
+            let (ee, aa) = (ee?, aa?);
             Ok(dot_f64(ee.as_slice(), aa.as_slice()))
         } else {
             let (e, a) = (self.e.as_ref(), self.a.as_ref());

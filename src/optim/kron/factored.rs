@@ -220,24 +220,36 @@ fn factored(
     // Checked by the update it feeds (`Device::axpy_over`), and by the model's `‖P‖²`.
     let p = d.product_consumed_over((t_u, no), inv_m, (&uo, &wo), spare)?;
     let terms = if with_model {
-        // Each m x m pair scaled by 1/m so the inner products need no further 1/m².
-        let eu = d.product_of(no, t_u, inv_m, &eo, &uo)?;
-        let awt = d.product_of(no, yes, inv_m, &ao, &wo)?;
-        // `UᵀΓU`: through the rows `KᵀK/m'` (`Γ = R_ΓᵀR_Γ/m'`), else by the factor.
-        let ugu = match &k_gamma {
-            Some(k) => gram(d, k, inv_m / k.rows() as f32)?,
-            None => {
-                let gu = d.product_of(no, no, 1.0, &d.operand(v.gamma.dense_factor()?)?, &uo)?;
-                d.product_of(yes, no, inv_m, &uo, &d.operand(&gu)?)?
-            }
-        };
-        let wlw = match &k_lambda {
-            Some(k) => gram(d, k, inv_m / k.rows() as f32)?,
-            None => {
-                let wl = d.product_of(no, no, 1.0, &wo, &d.operand(v.lambda.dense_factor()?)?)?;
-                d.product_of(no, yes, inv_m, &d.operand(&wl)?, &wo)?
-            }
-        };
+        // Each m x m pair scaled by 1/m so the inner products need no further 1/m². The Γ
+        // side's two products and the Λ side's are independent tasks.
+        let ((eu, ugu), (awt, wlw)) = tasks::join(
+            d,
+            || {
+                let eu = d.product_of(no, t_u, inv_m, &eo, &uo)?;
+                // `UᵀΓU`: through the rows `KᵀK/m'` (`Γ = R_ΓᵀR_Γ/m'`), else by the factor.
+                let ugu = match &k_gamma {
+                    Some(k) => gram(d, k, inv_m / k.rows() as f32)?,
+                    None => {
+                        let gamma = d.operand(v.gamma.dense_factor()?)?;
+                        let gu = d.product_of(no, no, 1.0, &gamma, &uo)?;
+                        d.product_of(yes, no, inv_m, &uo, &d.operand(&gu)?)?
+                    }
+                };
+                Ok((eu, ugu))
+            },
+            || {
+                let awt = d.product_of(no, yes, inv_m, &ao, &wo)?;
+                let wlw = match &k_lambda {
+                    Some(k) => gram(d, k, inv_m / k.rows() as f32)?,
+                    None => {
+                        let lambda = d.operand(v.lambda.dense_factor()?)?;
+                        let wl = d.product_of(no, no, 1.0, &wo, &lambda)?;
+                        d.product_of(no, yes, inv_m, &d.operand(&wl)?, &wo)?
+                    }
+                };
+                Ok((awt, wlw))
+            },
+        )?;
         Some((d.dot_deferred(&eu, &awt)?, d.dot_deferred(&ugu, &wlw)?))
     } else {
         None

@@ -1,27 +1,15 @@
 //! The independent work of a Kronecker step (per layer, and per factor within a layer) as
-//! parallel tasks on the CPU.
+//! parallel tasks on the CPU ([`crate::cpu::map_tasks`]: on a pool worker, where the step has
+//! gone because its products are large; small steps keep one thread). On the 2-core bench
+//! machine one core idled 11% of a RING step, most of it at the end of and between the rows'
+//! products of one chain; with two chains in flight an idle thread takes the other's work.
+//! The kernel devices run the tasks one after another: their deferred scope
+//! (`cuda::deferred`) is per thread.
 //!
-//! Each product splits over both threads, but its threads idle at its end and in the gaps
-//! between products, where rayon's workers go to sleep and take tens of µs to wake: on the
-//! 2-core bench machine one core idled 11% of a RING step, most of it inside or between the
-//! rows' products. With two chains of products in flight, an idle thread takes work from the
-//! other chain. The tasks run in parallel only on the CPU and only from a pool worker, where
-//! the step has gone because its products are large (`cpu::on_pool`): small steps keep their
-//! single thread, and the kernel devices' deferred scope (`cuda::deferred`) is per thread.
-//!
-//! A task's values do not depend on the thread that runs it (a product splits by the pool's
-//! size, not by who calls it), so the bits are those of the tasks run one after another, and
-//! the error returned is the first in task order, as it would be then.
-
-use rayon::prelude::*;
+//! Either way the error returned is the first in task order, as one after another.
 
 use crate::device::Device;
 use crate::error::Result;
-
-/// Whether tasks on `d` run in parallel.
-fn parallel(d: &Device) -> bool {
-    matches!(d, Device::Cpu) && rayon::current_thread_index().is_some()
-}
 
 /// `f` of each item, in item order; the first error in that order.
 pub(super) fn map<I: Send, T: Send>(
@@ -29,9 +17,8 @@ pub(super) fn map<I: Send, T: Send>(
     items: Vec<I>,
     f: impl Fn(I) -> Result<T> + Sync + Send,
 ) -> Result<Vec<T>> {
-    if parallel(d) {
-        let all: Vec<Result<T>> = items.into_par_iter().map(f).collect();
-        all.into_iter().collect()
+    if matches!(d, Device::Cpu) {
+        crate::cpu::map_tasks(items, f).into_iter().collect()
     } else {
         items.into_iter().map(f).collect()
     }
@@ -43,8 +30,8 @@ pub(super) fn join<A: Send, B: Send>(
     a: impl FnOnce() -> Result<A> + Send,
     b: impl FnOnce() -> Result<B> + Send,
 ) -> Result<(A, B)> {
-    if parallel(d) {
-        let (a, b) = rayon::join(a, b);
+    if matches!(d, Device::Cpu) {
+        let (a, b) = crate::cpu::join_tasks(a, b);
         Ok((a?, b?))
     } else {
         let a = a()?;
