@@ -221,6 +221,32 @@ proptest! {
         }
     }
 
+    /// On a pool worker the backward pass computes each layer's weight gradient beside the
+    /// product that carries the errors to the layer below (`cpu::join_tasks`); from a plain
+    /// thread one after the other. The flat gradient (`gradient_into`, reusing its buffer, and
+    /// `backward`) and the per-layer errors must have the same bits either way.
+    #[test]
+    fn gradient_on_a_pool_worker_matches_the_calling_thread((seed, sizes, m, softmax) in shapes(), relu in any::<bool>()) {
+        let act = if relu { Activation::Relu } else { Activation::Tanh };
+        let c = case(seed, sizes, act, loss_of(softmax), m);
+        let run = || {
+            let fwd = c.mlp.forward(c.x.as_ref()).unwrap();
+            let t = c.targets.as_targets();
+            // A reused buffer holding stale values: every element must be written.
+            let mut grad = vec![f32::NAN; c.mlp.num_params()];
+            let loss = c.mlp.gradient_into(&fwd, t, &mut grad).unwrap();
+            let b = c.mlp.backward(&fwd, t).unwrap();
+            let es: Vec<Vec<u32>> = b.layers.iter().map(|s| s.e.as_slice().iter().map(|v| v.to_bits()).collect()).collect();
+            let bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
+            (bits(&grad), bits(&b.grad), es, loss.to_bits())
+        };
+        let here = run();
+        let pool = rayon::ThreadPoolBuilder::new().num_threads(2).build().unwrap();
+        let on_worker = pool.install(run);
+        prop_assert_eq!(&here.0, &here.1, "gradient_into and backward disagree");
+        prop_assert!(here == on_worker, "the worker's backward pass differs");
+    }
+
     /// Flat gradient of tanh networks, every coordinate, both losses.
     #[test]
     fn gradient_matches_finite_differences((seed, sizes, m, softmax) in shapes()) {

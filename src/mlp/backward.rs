@@ -8,6 +8,7 @@ use super::model::{min_rows, mul_act_deriv, row_mut, Forward};
 use super::{Backward, FisherMode, LayerStats, Loss, Mlp, Targets, TargetsBuf};
 use crate::cpu::elementwise::dot_f64;
 use crate::cpu::gemm;
+use crate::cpu::gemm::gemm_new;
 use crate::cpu::kron::gram_rows;
 use crate::data::standard_normal;
 use crate::error::{try_vec, Result};
@@ -18,32 +19,44 @@ impl Mlp {
     /// sample `i / r`) to every layer: returns `E_l` (`M x d_{l+1}`), layer 0 first. Linear in
     /// `e_out`; `fwd` must be current (checked by the callers).
     pub(crate) fn backprop(&self, fwd: &Forward, e_out: Mat, r: usize) -> Result<Vec<Mat>> {
+        self.backprop_with(fwd, e_out, r, |_, _| Ok(()))
+    }
+
+    /// [`Mlp::backprop`], calling `per_layer(l, E_l)` on each layer's errors as they are known
+    /// (last layer first), beside the product that carries them to the layer below: the two are
+    /// independent tasks ([`crate::cpu::join_tasks`]), so a pool worker left idle by one takes
+    /// the other's work. `per_layer`'s first error is returned.
+    fn backprop_with(
+        &self,
+        fwd: &Forward,
+        e_out: Mat,
+        r: usize,
+        mut per_layer: impl FnMut(usize, &Mat) -> Result<()> + Send,
+    ) -> Result<Vec<Mat>> {
         let nl = self.num_layers();
         let act = self.config().activation;
         let mut es = Vec::with_capacity(nl);
         let mut cur = e_out;
         for l in (1..nl).rev() {
-            let d_in = self.config().sizes[l];
-            let mut next = Mat::zeros(cur.rows(), d_in);
-            // ∂ℓ/∂x_l = E_l W_l (bias column dropped), then ⊙ φ'(z_{l−1}) read off x_l = φ(z_{l−1}).
-            gemm(
-                Trans::No,
-                Trans::No,
-                1.0,
-                cur.as_ref(),
-                self.weights(l)?,
-                0.0,
-                next.as_mut(),
-            )?;
-            let h = fwd.a[l].as_ref();
-            next.as_mut_slice()
-                .par_chunks_mut(d_in)
-                .enumerate()
-                .with_min_len(min_rows(d_in))
-                .for_each(|(i, row)| mul_act_deriv(act, row, h.row(i / r)));
+            let below = || -> Result<Mat> {
+                let d_in = self.config().sizes[l];
+                // ∂ℓ/∂x_l = E_l W_l (bias column dropped, no zero-fill first), then
+                // ⊙ φ'(z_{l−1}) read off x_l = φ(z_{l−1}).
+                let mut next = gemm_new(Trans::No, Trans::No, 1.0, cur.as_ref(), self.weights(l)?)?;
+                let h = fwd.a[l].as_ref();
+                next.as_mut_slice()
+                    .par_chunks_mut(d_in)
+                    .enumerate()
+                    .with_min_len(min_rows(d_in))
+                    .for_each(|(i, row)| mul_act_deriv(act, row, h.row(i / r)));
+                Ok(next)
+            };
+            let (done, next) = crate::cpu::join_tasks(|| per_layer(l, &cur), below);
+            done?;
             es.push(cur);
-            cur = next;
+            cur = next?;
         }
+        per_layer(0, &cur)?;
         es.push(cur);
         es.reverse();
         Ok(es)
@@ -58,28 +71,36 @@ impl Mlp {
     ) -> Result<(Vec<Mat>, f32)> {
         let m = fwd.batch_size();
         let (e, loss) = self.output_grad(fwd, targets);
-        let es = self.backprop(fwd, e, 1)?;
-        if let Some(grad) = grad {
-            // Reused when it has the length: the layers' ranges tile it and every product
-            // below has β = 0, so each element is written without being read.
-            if grad.len() != self.num_params() {
-                *grad = crate::error::try_vec(self.num_params(), 1, 0.0f32)?;
-            }
-            for (l, e_l) in es.iter().enumerate() {
-                let (rows, cols) = self.layer_shape(l)?;
-                let range = self.layer_range(l)?;
-                // G_l = (1/m) E_lᵀ A_l.
-                gemm(
-                    Trans::Yes,
-                    Trans::No,
-                    1.0 / m as f32,
-                    e_l.as_ref(),
-                    fwd.a[l].as_ref(),
-                    0.0,
-                    MatMut::new(&mut grad[range], rows, cols)?,
-                )?;
-            }
+        let Some(grad) = grad else {
+            return Ok((self.backprop(fwd, e, 1)?, loss));
+        };
+        // Reused when it has the length: the layers' ranges tile it and every product below
+        // has β = 0, so each element is written without being read.
+        if grad.len() != self.num_params() {
+            *grad = crate::error::try_vec(self.num_params(), 1, 0.0f32)?;
         }
+        // Each layer's range as a slice of its own, taken by the task that writes it.
+        let mut rest = &mut grad[..];
+        let mut ranges = Vec::with_capacity(self.num_layers());
+        for l in 0..self.num_layers() {
+            let (here, tail) = std::mem::take(&mut rest).split_at_mut(self.layer_range(l)?.len());
+            ranges.push(here);
+            rest = tail;
+        }
+        let es = self.backprop_with(fwd, e, 1, |l, e_l| {
+            let (rows, cols) = self.layer_shape(l)?;
+            let g = std::mem::take(&mut ranges[l]);
+            // G_l = (1/m) E_lᵀ A_l.
+            gemm(
+                Trans::Yes,
+                Trans::No,
+                1.0 / m as f32,
+                e_l.as_ref(),
+                fwd.a[l].as_ref(),
+                0.0,
+                MatMut::new(g, rows, cols)?,
+            )
+        })?;
         Ok((es, loss))
     }
 
