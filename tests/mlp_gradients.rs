@@ -12,7 +12,9 @@
 mod common;
 
 use grng::data::{digits, linear_regression, synthetic_classification, Dataset};
-use grng::mlp::{Activation, FisherMode, Forward, Loss, Mlp, MlpConfig, Targets, TargetsBuf};
+use grng::mlp::{
+    Activation, FisherMode, Forward, LayerStats, Loss, Mlp, MlpConfig, Targets, TargetsBuf,
+};
 use grng::{Error, Mat, MatRef};
 use proptest::prelude::*;
 use rand::{Rng, SeedableRng};
@@ -224,7 +226,8 @@ proptest! {
     /// On a pool worker the backward pass computes each layer's weight gradient beside the
     /// product that carries the errors to the layer below (`cpu::join_tasks`); from a plain
     /// thread one after the other. The flat gradient (`gradient_into`, reusing its buffer, and
-    /// `backward`) and the per-layer errors must have the same bits either way.
+    /// `backward`), the per-layer statistics (`backward`, `backward_factors` and
+    /// `backward_factors_from`) and the loss must have the same bits either way.
     #[test]
     fn gradient_on_a_pool_worker_matches_the_calling_thread((seed, sizes, m, softmax) in shapes(), relu in any::<bool>()) {
         let act = if relu { Activation::Relu } else { Activation::Tanh };
@@ -236,9 +239,15 @@ proptest! {
             let mut grad = vec![f32::NAN; c.mlp.num_params()];
             let loss = c.mlp.gradient_into(&fwd, t, &mut grad).unwrap();
             let b = c.mlp.backward(&fwd, t).unwrap();
-            let es: Vec<Vec<u32>> = b.layers.iter().map(|s| s.e.as_slice().iter().map(|v| v.to_bits()).collect()).collect();
             let bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
-            (bits(&grad), bits(&b.grad), es, loss.to_bits())
+            let stats = |ls: &[LayerStats]| -> Vec<(Vec<u32>, Vec<u32>)> {
+                ls.iter().map(|s| (bits(s.a.as_slice()), bits(s.e.as_slice()))).collect()
+            };
+            // The factors borrowing the pass and taking it by value: the same statistics.
+            let (lb, loss_b) = c.mlp.backward_factors(&fwd, t).unwrap();
+            let (lv, loss_v) = c.mlp.backward_factors_from(fwd, t).unwrap();
+            assert!(stats(&lb) == stats(&lv) && loss_b.to_bits() == loss_v.to_bits());
+            (bits(&grad), bits(&b.grad), stats(&b.layers), stats(&lv), loss.to_bits())
         };
         let here = run();
         let pool = rayon::ThreadPoolBuilder::new().num_threads(2).build().unwrap();

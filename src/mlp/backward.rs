@@ -172,6 +172,30 @@ impl Mlp {
         Ok((b.layers, b.loss))
     }
 
+    /// [`Mlp::backward_factors`] taking the forward pass by value: its `A_l` buffers become
+    /// the statistics' own, without the copy the borrowing version makes (~2.8 MB a step at
+    /// 784-1024-1024-10, batch 256).
+    ///
+    /// # Errors
+    /// As [`Mlp::backward`].
+    pub fn backward_factors_from(
+        &self,
+        fwd: Forward,
+        targets: Targets<'_>,
+    ) -> Result<(Vec<LayerStats>, f32)> {
+        const OP: &str = "Mlp::backward_factors_from";
+        self.check_forward(OP, &fwd)?;
+        self.check_targets(OP, targets, fwd.batch_size())?;
+        let (es, loss) = self.errors_and_grad(&fwd, targets, None)?;
+        let layers = fwd
+            .a
+            .into_iter()
+            .zip(es)
+            .map(|(a, e)| LayerStats { a, e })
+            .collect();
+        Ok((layers, loss))
+    }
+
     /// Backward pass for the data `targets`: per layer `A_l` (`m x (d_l+1)`) and `E_l`
     /// (`m x d_{l+1}`, per-sample `∂ℓ_k/∂z_l`, not divided by `m`), the flat gradient of the mean
     /// loss (`G_l = (1/m) E_lᵀ A_l` in layer `l`'s range) and the mean loss.

@@ -417,7 +417,7 @@ impl Trainer {
                 // RENG's gradient `g + 2c·H_L g` is handed over dense. RING and NGD hand over
                 // the batch factors of `G = (1/m) EᵀA` instead, which the optimizer
                 // preconditions with about 2.7x fewer flops on wide layers (`KronGrad`).
-                let (loss, gn, grads) = if self.config.method == Method::Reng {
+                let (loss, gn, grads, fisher_layers) = if self.config.method == Method::Reng {
                     let c = match self.config.optimizer {
                         OptimizerConfig::Kron(k) => k.grad_reg,
                         _ => 0.0,
@@ -428,9 +428,24 @@ impl Trainer {
                     if !loss.is_finite() || !gn.is_finite() {
                         return Ok(Outcome::skip(loss, gn));
                     }
-                    (loss, gn, Upload::Dense(upload_layers(device, mlp, &grad)?))
+                    let fisher_layers = if refresh {
+                        Some(mlp.fisher_stats(&fwd, fisher, batch.targets, rng)?)
+                    } else {
+                        None
+                    };
+                    drop(fwd);
+                    let grads = Upload::Dense(upload_layers(device, mlp, &grad)?);
+                    (loss, gn, grads, fisher_layers)
                 } else {
-                    let b = mlp.backward_factors(&fwd, batch.targets);
+                    // The Fisher statistics first, while the pass is borrowed: the gradient's
+                    // factors then take its `A_l` without a copy. On a step skipped below, the
+                    // labels they drew are given back (`Trainer::step`).
+                    let fisher_layers = if refresh {
+                        Some(mlp.fisher_stats(&fwd, fisher, batch.targets, rng)?)
+                    } else {
+                        None
+                    };
+                    let b = mlp.backward_factors_from(fwd, batch.targets);
                     let (layers, loss) = skip_nonfinite!(b, f32::NAN, f32::NAN);
                     // Layers as parallel tasks (`cpu::map_tasks`), summed in layer order.
                     let mut sq = 0.0;
@@ -445,21 +460,25 @@ impl Trainer {
                     if !loss.is_finite() || !gn.is_finite() {
                         return Ok(Outcome::skip(loss, gn));
                     }
-                    (loss, gn, Upload::Factored(upload_stats(device, layers)?))
+                    (
+                        loss,
+                        gn,
+                        Upload::Factored(upload_stats(device, layers)?),
+                        fisher_layers,
+                    )
                 };
-                let stats = if refresh {
-                    let layers = mlp.fisher_stats(&fwd, fisher, batch.targets, rng)?;
-                    let finite = layers
-                        .iter()
-                        .all(|s| all_finite(s.a.as_slice()) && all_finite(s.e.as_slice()));
-                    if !finite {
-                        return Ok(Outcome::skip(loss, gn));
+                let stats = match fisher_layers {
+                    Some(layers) => {
+                        let finite = layers
+                            .iter()
+                            .all(|s| all_finite(s.a.as_slice()) && all_finite(s.e.as_slice()));
+                        if !finite {
+                            return Ok(Outcome::skip(loss, gn));
+                        }
+                        Some(upload_stats(device, layers)?)
                     }
-                    Some(upload_stats(device, layers)?)
-                } else {
-                    None
+                    None => None,
                 };
-                drop(fwd);
                 let kron: Option<Vec<KronStats<'_>>> = stats
                     .as_ref()
                     .map(|v| v.iter().map(|(a, e)| KronStats { a, e }).collect());
