@@ -383,8 +383,10 @@ impl Mlp {
                 got: format!("{}x{}", x.rows(), x.cols()),
             });
         }
+        // The vectorized scan: a per-element `position` took ~0.7% of an AdamW step, twice a
+        // step (the trainer's batch check and the forward pass).
         for k in 0..x.rows() {
-            if let Some(j) = x.row(k).iter().position(|v| !v.is_finite()) {
+            if let Some(j) = crate::error::first_non_finite(x.row(k)) {
                 return Err(Error::NonFinite {
                     op,
                     arg: "x",
