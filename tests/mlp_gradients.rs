@@ -13,7 +13,8 @@ mod common;
 
 use grng::data::{digits, linear_regression, synthetic_classification, Dataset};
 use grng::mlp::{
-    Activation, FisherMode, Forward, LayerStats, Loss, Mlp, MlpConfig, Targets, TargetsBuf,
+    Activation, BackwardScratch, FisherMode, Forward, LayerStats, Loss, Mlp, MlpConfig, Targets,
+    TargetsBuf,
 };
 use grng::{Error, Mat, MatRef};
 use proptest::prelude::*;
@@ -220,6 +221,38 @@ proptest! {
             }
             prop_assert_eq!(bits(fwd.logits()), bits(fresh.logits()), "pass {}", k);
             prop_assert_eq!(bits(fwd.outputs()), bits(fresh.outputs()), "pass {}", k);
+        }
+    }
+
+    /// `gradient_into_with` over one `BackwardScratch` (and one `Forward`) reused across batches
+    /// of other sizes and a parameter change gives `gradient`'s bits on fresh buffers; the
+    /// targets of each batch are drawn for its size.
+    #[test]
+    fn gradient_with_reused_scratch_matches_fresh_passes((seed, sizes, m, softmax) in shapes(), relu in any::<bool>(), m2 in 1usize..12) {
+        let act = if relu { Activation::Relu } else { Activation::Tanh };
+        let mut c = case(seed, sizes.clone(), act, loss_of(softmax), m);
+        let mut rng = ChaCha8Rng::seed_from_u64(seed ^ 0x0b);
+        let (mut fwd, mut scratch, mut grad) = (Forward::empty(), BackwardScratch::default(), Vec::new());
+        let classes = *sizes.last().unwrap();
+        let bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
+        for (k, rows) in [m, m2, m2, m].into_iter().enumerate() {
+            if k == 2 {
+                for p in c.mlp.params_mut() {
+                    *p *= 0.9;
+                }
+            }
+            let x = random_mat(&mut rng, rows, sizes[0], 1.0);
+            let t = if softmax {
+                TargetsBuf::Classes((0..rows).map(|_| rng.random_range(0..classes)).collect())
+            } else {
+                TargetsBuf::Values(random_mat(&mut rng, rows, classes, 1.0))
+            };
+            c.mlp.forward_into(x.as_ref(), &mut fwd).unwrap();
+            let loss = c.mlp.gradient_into_with(&fwd, t.as_targets(), &mut grad, &mut scratch).unwrap();
+            let fresh = c.mlp.forward(x.as_ref()).unwrap();
+            let (want, want_loss) = c.mlp.gradient(&fresh, t.as_targets()).unwrap();
+            prop_assert_eq!(bits(&grad), bits(&want), "pass {}", k);
+            prop_assert_eq!(loss.to_bits(), want_loss.to_bits(), "pass {}", k);
         }
     }
 

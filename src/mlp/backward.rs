@@ -19,60 +19,76 @@ impl Mlp {
     /// sample `i / r`) to every layer: returns `E_l` (`M x d_{l+1}`), layer 0 first. Linear in
     /// `e_out`; `fwd` must be current (checked by the callers).
     pub(crate) fn backprop(&self, fwd: &Forward, e_out: Mat, r: usize) -> Result<Vec<Mat>> {
-        self.backprop_with(fwd, e_out, r, |_, _| Ok(()))
+        let mut es: Vec<Mat> = (0..self.num_layers()).map(|_| Mat::zeros(0, 0)).collect();
+        if let Some(last) = es.last_mut() {
+            *last = e_out;
+        }
+        self.backprop_into(fwd, r, &mut es, |_, _| Ok(()))?;
+        Ok(es)
     }
 
-    /// [`Mlp::backprop`], calling `per_layer(l, E_l)` on each layer's errors as they are known
-    /// (last layer first), beside the product that carries them to the layer below: the two are
-    /// independent tasks ([`crate::cpu::join_tasks`]), so a pool worker left idle by one takes
-    /// the other's work. `per_layer`'s first error is returned.
-    fn backprop_with(
+    /// [`Mlp::backprop`] in `es` (one matrix per layer, the last holding `e_out`; the others'
+    /// buffers are reused when their shape fits, all their values overwritten), calling
+    /// `per_layer(l, E_l)` on each layer's errors as they are known (last layer first), beside
+    /// the product that carries them to the layer below: the two are independent tasks
+    /// ([`crate::cpu::join_tasks`]), so a pool worker left idle by one takes the other's work.
+    /// `per_layer`'s first error is returned.
+    fn backprop_into(
         &self,
         fwd: &Forward,
-        e_out: Mat,
         r: usize,
+        es: &mut [Mat],
         mut per_layer: impl FnMut(usize, &Mat) -> Result<()> + Send,
-    ) -> Result<Vec<Mat>> {
-        let nl = self.num_layers();
+    ) -> Result<()> {
         let act = self.config().activation;
-        let mut es = Vec::with_capacity(nl);
-        let mut cur = e_out;
-        for l in (1..nl).rev() {
-            let below = || -> Result<Mat> {
+        for l in (1..es.len()).rev() {
+            let (below, here) = es.split_at_mut(l);
+            let (cur, next) = (&here[0], &mut below[l - 1]);
+            let carry = || -> Result<()> {
                 let d_in = self.config().sizes[l];
-                // ∂ℓ/∂x_l = E_l W_l (bias column dropped, no zero-fill first), then
-                // ⊙ φ'(z_{l−1}) read off x_l = φ(z_{l−1}).
-                let mut next = gemm_new(Trans::No, Trans::No, 1.0, cur.as_ref(), self.weights(l)?)?;
+                // ∂ℓ/∂x_l = E_l W_l (bias column dropped), into the reused buffer or a new one
+                // (not zero-filled first), then ⊙ φ'(z_{l−1}) read off x_l = φ(z_{l−1}).
+                let (no, w) = (Trans::No, self.weights(l)?);
+                if next.shape() == (cur.rows(), d_in) {
+                    gemm(no, no, 1.0, cur.as_ref(), w, 0.0, next.as_mut())?;
+                } else {
+                    *next = gemm_new(no, no, 1.0, cur.as_ref(), w)?;
+                }
                 let h = fwd.a[l].as_ref();
                 next.as_mut_slice()
                     .par_chunks_mut(d_in)
                     .enumerate()
                     .with_min_len(min_rows(d_in))
                     .for_each(|(i, row)| mul_act_deriv(act, row, h.row(i / r)));
-                Ok(next)
+                Ok(())
             };
-            let (done, next) = crate::cpu::join_tasks(|| per_layer(l, &cur), below);
+            let (done, carried) = crate::cpu::join_tasks(|| per_layer(l, cur), carry);
             done?;
-            es.push(cur);
-            cur = next?;
+            carried?;
         }
-        per_layer(0, &cur)?;
-        es.push(cur);
-        es.reverse();
-        Ok(es)
+        match es.first() {
+            Some(e0) => per_layer(0, e0),
+            None => Ok(()),
+        }
     }
 
-    /// Per-layer `E_l` and the loss; with `grad`, the flat mean-loss gradient written there.
+    /// Per-layer `E_l` into `es` (reused as [`Mlp::backprop_into`] says) and the loss; with
+    /// `grad`, the flat mean-loss gradient written there.
     fn errors_and_grad(
         &self,
         fwd: &Forward,
         targets: Targets<'_>,
         grad: Option<&mut Vec<f32>>,
-    ) -> Result<(Vec<Mat>, f32)> {
+        es: &mut Vec<Mat>,
+    ) -> Result<f32> {
         let m = fwd.batch_size();
-        let (e, loss) = self.output_grad(fwd, targets);
+        let nl = self.num_layers();
+        es.truncate(nl);
+        es.resize_with(nl, || Mat::zeros(0, 0));
+        let loss = self.output_grad_into(fwd, targets, &mut es[nl - 1]);
         let Some(grad) = grad else {
-            return Ok((self.backprop(fwd, e, 1)?, loss));
+            self.backprop_into(fwd, 1, es, |_, _| Ok(()))?;
+            return Ok(loss);
         };
         // Reused when it has the length: the layers' ranges tile it and every product below
         // has β = 0, so each element is written without being read.
@@ -81,13 +97,13 @@ impl Mlp {
         }
         // Each layer's range as a slice of its own, taken by the task that writes it.
         let mut rest = &mut grad[..];
-        let mut ranges = Vec::with_capacity(self.num_layers());
-        for l in 0..self.num_layers() {
+        let mut ranges = Vec::with_capacity(nl);
+        for l in 0..nl {
             let (here, tail) = std::mem::take(&mut rest).split_at_mut(self.layer_range(l)?.len());
             ranges.push(here);
             rest = tail;
         }
-        let es = self.backprop_with(fwd, e, 1, |l, e_l| {
+        self.backprop_into(fwd, 1, es, |l, e_l| {
             let (rows, cols) = self.layer_shape(l)?;
             let g = std::mem::take(&mut ranges[l]);
             // G_l = (1/m) E_lᵀ A_l.
@@ -101,7 +117,7 @@ impl Mlp {
                 MatMut::new(g, rows, cols)?,
             )
         })?;
-        Ok((es, loss))
+        Ok(loss)
     }
 
     /// Per-layer statistics, the flat mean-loss gradient (empty unless `with_grad`) and the loss.
@@ -111,8 +127,8 @@ impl Mlp {
         targets: Targets<'_>,
         with_grad: bool,
     ) -> Result<Backward> {
-        let mut grad = Vec::new();
-        let (es, loss) = self.errors_and_grad(fwd, targets, with_grad.then_some(&mut grad))?;
+        let (mut grad, mut es) = (Vec::new(), Vec::new());
+        let loss = self.errors_and_grad(fwd, targets, with_grad.then_some(&mut grad), &mut es)?;
         let layers = fwd
             .a
             .iter()
@@ -146,10 +162,26 @@ impl Mlp {
         targets: Targets<'_>,
         grad: &mut Vec<f32>,
     ) -> Result<f32> {
+        self.gradient_into_with(fwd, targets, grad, &mut BackwardScratch::default())
+    }
+
+    /// [`Mlp::gradient_into`] with the backward pass's per-layer errors `E_l` in `scratch`,
+    /// whose buffers are reused across calls where their shapes fit: with a reused [`Forward`]
+    /// ([`Mlp::forward_into`]), a training step's forward and backward passes allocate nothing.
+    ///
+    /// # Errors
+    /// As [`Mlp::backward`].
+    pub fn gradient_into_with(
+        &self,
+        fwd: &Forward,
+        targets: Targets<'_>,
+        grad: &mut Vec<f32>,
+        scratch: &mut BackwardScratch,
+    ) -> Result<f32> {
         const OP: &str = "Mlp::gradient";
         self.check_forward(OP, fwd)?;
         self.check_targets(OP, targets, fwd.batch_size())?;
-        Ok(self.errors_and_grad(fwd, targets, Some(grad))?.1)
+        self.errors_and_grad(fwd, targets, Some(grad), &mut scratch.es)
     }
 
     /// Backward pass for the data `targets` without the flat gradient: per layer `A_l` and
@@ -186,7 +218,8 @@ impl Mlp {
         const OP: &str = "Mlp::backward_factors_from";
         self.check_forward(OP, &fwd)?;
         self.check_targets(OP, targets, fwd.batch_size())?;
-        let (es, loss) = self.errors_and_grad(&fwd, targets, None)?;
+        let mut es = Vec::new();
+        let loss = self.errors_and_grad(&fwd, targets, None, &mut es)?;
         let layers = fwd
             .a
             .into_iter()
@@ -314,6 +347,14 @@ impl Mlp {
             })
             .collect())
     }
+}
+
+/// Buffers of a backward pass reused across calls ([`Mlp::gradient_into_with`]): the
+/// per-layer errors `E_l` (`m x d_{l+1}`) of the last pass. Their values are not meaningful
+/// between calls.
+#[derive(Debug, Default)]
+pub struct BackwardScratch {
+    es: Vec<Mat>,
 }
 
 /// Each row of `a` repeated `r` times in place (`(rows·r) x cols`).

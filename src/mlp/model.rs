@@ -462,13 +462,21 @@ impl Mlp {
 
     /// Output gradients `E` (`m x d_L`, rows `∂ℓ_k/∂z_k`) and the mean loss, for validated targets.
     pub(crate) fn output_grad(&self, fwd: &Forward, targets: Targets<'_>) -> (Mat, f32) {
+        let mut e = Mat::zeros(0, 0);
+        let loss = self.output_grad_into(fwd, targets, &mut e);
+        (e, loss)
+    }
+
+    /// [`Mlp::output_grad`] into `e`, its buffer reused when the shape fits.
+    pub(crate) fn output_grad_into(&self, fwd: &Forward, targets: Targets<'_>, e: &mut Mat) -> f32 {
         let m = fwd.batch_size();
         let c = self.output_dim();
-        let mut e = fwd.y.clone();
+        fit(e, m, fwd.y.cols());
+        e.as_mut_slice().copy_from_slice(fwd.y.as_slice());
         let mut total = 0.0f64;
         for k in 0..m {
             let z = fwd.logits.as_ref().row(k);
-            let row = row_mut(&mut e, k);
+            let row = row_mut(e, k);
             match (self.config.loss, targets) {
                 (Loss::SoftmaxCrossEntropy, Targets::Classes(labels)) => {
                     let y = labels[k];
@@ -491,7 +499,7 @@ impl Mlp {
             }
         }
         debug_assert_eq!(e.cols(), c);
-        (e, (total / m as f64) as f32)
+        (total / m as f64) as f32
     }
 
     /// Mean loss of a forward pass.

@@ -9,7 +9,7 @@ use crate::checkpoint::{load_all, save_all, Checkpoint, Reader, Writer};
 use crate::device::{Device, Matrix};
 use crate::error::{check_len, Error, Result};
 use crate::mat::{Mat, MatRef};
-use crate::mlp::{Forward, LayerStats, Loss, Mlp, Targets};
+use crate::mlp::{BackwardScratch, Forward, LayerStats, Loss, Mlp, Targets};
 use crate::optim::adamw::AdamW;
 use crate::optim::kalman::RKalman;
 use crate::optim::kron::{KronGrad, KronOptimizer};
@@ -128,6 +128,8 @@ struct Scratch {
     grad: Vec<f32>,
     /// The forward pass ([`Mlp::forward_into`]).
     fwd: Forward,
+    /// The backward pass's errors ([`Mlp::gradient_into_with`]).
+    bwd: BackwardScratch,
 }
 
 impl Scratch {
@@ -135,6 +137,7 @@ impl Scratch {
         Scratch {
             grad: Vec::new(),
             fwd: Forward::empty(),
+            bwd: BackwardScratch::default(),
         }
     }
 }
@@ -648,12 +651,12 @@ fn first_order_step(
     mlp: &mut Mlp,
     batch: Batch<'_>,
     params: &mut Matrix,
-    Scratch { grad, fwd }: &mut Scratch,
+    Scratch { grad, fwd, bwd }: &mut Scratch,
     opt: &mut impl FirstOrder,
 ) -> Result<Outcome> {
     skip_nonfinite!(mlp.forward_into(batch.x, fwd), f32::NAN, f32::NAN);
     let loss = skip_nonfinite!(
-        mlp.gradient_into(fwd, batch.targets, grad),
+        mlp.gradient_into_with(fwd, batch.targets, grad, bwd),
         f32::NAN,
         f32::NAN
     );
