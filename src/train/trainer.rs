@@ -170,11 +170,10 @@ enum Engine {
     Sophia {
         opt: Sophia,
         params: Matrix,
+        scratch: Scratch,
     },
     /// The filter's mean `μ` is the parameter vector.
-    Kalman {
-        filter: Box<RKalman>,
-    },
+    Kalman { filter: Box<RKalman> },
 }
 
 /// Trains an [`Mlp`] with one method.
@@ -261,6 +260,7 @@ impl Trainer {
             (Method::Sophia, OptimizerConfig::Sophia(c)) => Engine::Sophia {
                 opt: Sophia::new(device, n, c)?,
                 params: flat()?,
+                scratch: Scratch::new(),
             },
             (Method::RKalman | Method::Kalman, OptimizerConfig::Kalman(c)) => {
                 let d_o = config.batch_size * mlp.output_dim();
@@ -550,19 +550,22 @@ impl Trainer {
                 params,
                 scratch,
             } => first_order_step(device, mlp, batch, params, scratch, opt)?,
-            Engine::Sophia { opt, params } => {
-                let fwd = mlp.forward(batch.x)?;
+            Engine::Sophia {
+                opt,
+                params,
+                scratch: Scratch { grad, fwd, bwd },
+            } => {
+                mlp.forward_into(batch.x, fwd)?;
                 // The gradient only: `backward` would also copy every layer's inputs `A_l`.
-                let r = mlp.gradient(&fwd, batch.targets);
-                let (grad, loss) = skip_nonfinite!(r, f32::NAN, f32::NAN);
-                let gn = norm(&grad);
+                let r = mlp.gradient_into_with(fwd, batch.targets, grad, bwd);
+                let loss = skip_nonfinite!(r, f32::NAN, f32::NAN);
+                let gn = norm(grad);
                 if !loss.is_finite() || !gn.is_finite() {
                     return Ok(Outcome::skip(loss, gn));
                 }
-                let g = flat_tensor(device, grad)?;
                 let refresh = opt.needs_hessian();
                 let sampled = if refresh {
-                    let s = skip_nonfinite!(mlp.backward_sampled(&fwd, rng), loss, gn);
+                    let s = skip_nonfinite!(mlp.backward_sampled(fwd, rng), loss, gn);
                     if !all_finite(&s.grad) {
                         return Ok(Outcome::skip(loss, gn));
                     }
@@ -575,7 +578,12 @@ impl Trainer {
                     sampled_grads: s,
                     batch: m,
                 });
+                // On the CPU the buffer itself is the tensor, moved in and back (no copy).
+                let g = flat_tensor(device, std::mem::take(grad))?;
                 let r = step_network(mlp, params, |p| opt.step_many(&mut [p], &[&g], hess));
+                if g.host().is_some() {
+                    *grad = g.into_host_vec()?;
+                }
                 skip_nonfinite!(r, loss, gn);
                 Outcome::applied(loss, gn, refresh)
             }
