@@ -417,10 +417,19 @@ impl Trainer {
                 // One forward pass serves the gradient and, on refresh steps, the Fisher
                 // statistics: same parameters, same batch, so the same numbers as two passes.
                 let fwd = skip_nonfinite!(mlp.forward(batch.x), f32::NAN, f32::NAN);
+                // The Fisher statistics first, while the pass is borrowed: RING's and NGD's
+                // gradient factors then take its `A_l` without a copy. The gradient draws no
+                // labels, and on a step skipped below the ones drawn here are given back
+                // (`Trainer::step`).
+                let fisher_layers = if refresh {
+                    Some(mlp.fisher_stats(&fwd, fisher, batch.targets, rng)?)
+                } else {
+                    None
+                };
                 // RENG's gradient `g + 2c·H_L g` is handed over dense. RING and NGD hand over
                 // the batch factors of `G = (1/m) EᵀA` instead, which the optimizer
                 // preconditions with about 2.7x fewer flops on wide layers (`KronGrad`).
-                let (loss, gn, grads, fisher_layers) = if self.config.method == Method::Reng {
+                let (loss, gn, grads) = if self.config.method == Method::Reng {
                     let c = match self.config.optimizer {
                         OptimizerConfig::Kron(k) => k.grad_reg,
                         _ => 0.0,
@@ -431,23 +440,9 @@ impl Trainer {
                     if !loss.is_finite() || !gn.is_finite() {
                         return Ok(Outcome::skip(loss, gn));
                     }
-                    let fisher_layers = if refresh {
-                        Some(mlp.fisher_stats(&fwd, fisher, batch.targets, rng)?)
-                    } else {
-                        None
-                    };
                     drop(fwd);
-                    let grads = Upload::Dense(upload_layers(device, mlp, &grad)?);
-                    (loss, gn, grads, fisher_layers)
+                    (loss, gn, Upload::Dense(upload_layers(device, mlp, &grad)?))
                 } else {
-                    // The Fisher statistics first, while the pass is borrowed: the gradient's
-                    // factors then take its `A_l` without a copy. On a step skipped below, the
-                    // labels they drew are given back (`Trainer::step`).
-                    let fisher_layers = if refresh {
-                        Some(mlp.fisher_stats(&fwd, fisher, batch.targets, rng)?)
-                    } else {
-                        None
-                    };
                     let b = mlp.backward_factors_from(fwd, batch.targets);
                     let (layers, loss) = skip_nonfinite!(b, f32::NAN, f32::NAN);
                     // Layers as parallel tasks (`cpu::map_tasks`), summed in layer order.
@@ -463,12 +458,7 @@ impl Trainer {
                     if !loss.is_finite() || !gn.is_finite() {
                         return Ok(Outcome::skip(loss, gn));
                     }
-                    (
-                        loss,
-                        gn,
-                        Upload::Factored(upload_stats(device, layers)?),
-                        fisher_layers,
-                    )
+                    (loss, gn, Upload::Factored(upload_stats(device, layers)?))
                 };
                 let stats = match fisher_layers {
                     Some(layers) => {
@@ -578,12 +568,9 @@ impl Trainer {
                     sampled_grads: s,
                     batch: m,
                 });
-                // On the CPU the buffer itself is the tensor, moved in and back (no copy).
-                let g = flat_tensor(device, std::mem::take(grad))?;
-                let r = step_network(mlp, params, |p| opt.step_many(&mut [p], &[&g], hess));
-                if g.host().is_some() {
-                    *grad = g.into_host_vec()?;
-                }
+                let r = step_with_grad(device, mlp, params, grad, |p, g| {
+                    opt.step_many(&mut [p], &[g], hess)
+                })?;
                 skip_nonfinite!(r, loss, gn);
                 Outcome::applied(loss, gn, refresh)
             }
@@ -671,12 +658,9 @@ fn first_order_step(
     if !loss.is_finite() {
         return Ok(Outcome::skip(loss, norm(grad)));
     }
-    // On the CPU the buffer itself is the tensor, moved in and back (no copy).
-    let g = flat_tensor(device, std::mem::take(grad))?;
-    let r = step_network(mlp, params, |p| opt.step_reporting_norm(&mut [p], &[&g]));
-    if g.host().is_some() {
-        *grad = g.into_host_vec()?;
-    }
+    let r = step_with_grad(device, mlp, params, grad, |p, g| {
+        opt.step_reporting_norm(&mut [p], &[g])
+    })?;
     // The norm of a skipped step is computed only on that path.
     let streamed = skip_nonfinite!(r, loss, norm(grad));
     Ok(Outcome::applied(
@@ -684,6 +668,25 @@ fn first_order_step(
         streamed.unwrap_or_else(|| norm(grad)),
         false,
     ))
+}
+
+/// `step` on the flat parameters ([`step_network`]) and the gradient in `grad` as an `n x 1`
+/// tensor: on the CPU the buffer itself, moved in and back after (no copy), elsewhere an
+/// upload. The outer error is the tensor's; the inner one is `step`'s, for the caller's skip
+/// rule.
+fn step_with_grad<R>(
+    device: &Device,
+    mlp: &mut Mlp,
+    params: &mut Matrix,
+    grad: &mut Vec<f32>,
+    step: impl FnOnce(&mut Matrix, &Matrix) -> Result<R>,
+) -> Result<Result<R>> {
+    let g = flat_tensor(device, std::mem::take(grad))?;
+    let r = step_network(mlp, params, |p| step(p, &g));
+    if g.host().is_some() {
+        *grad = g.into_host_vec()?;
+    }
+    Ok(r)
 }
 
 /// A flat host vector as an `n x 1` tensor on `device`: the vector itself (no copy) on the

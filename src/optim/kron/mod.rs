@@ -698,14 +698,7 @@ impl KronOptimizer {
                 )?;
                 Ok(([ul, ug], [cl, cg]))
             })?;
-            let ups = ups
-                .into_iter()
-                .map(|(up, counts)| {
-                    counts.iter().for_each(|n| c.add(n));
-                    up
-                })
-                .collect();
-            return Ok(Plan::Lazy(ups, low_rank));
+            return Ok(Plan::Lazy(tally(ups, c), low_rank));
         };
         let layers = tasks::map(
             &self.device,
@@ -747,15 +740,8 @@ impl KronOptimizer {
                 Ok((layer, [cl, cg]))
             },
         )?;
-        let layers = layers
-            .into_iter()
-            .map(|(layer, counts)| {
-                counts.iter().for_each(|n| c.add(n));
-                layer
-            })
-            .collect();
         c.refreshes += 1;
-        Ok(Plan::Refresh(layers, low_rank))
+        Ok(Plan::Refresh(tally(layers, c), low_rank))
     }
 
     /// The matrices layer `l` uses under `plan`.
@@ -814,6 +800,17 @@ impl KronOptimizer {
         self.st.counters = counters;
         self.st.steps += 1;
     }
+}
+
+/// The layers' results of [`KronOptimizer::plan`]'s tasks, their two factors' counters added
+/// to `c` in layer order.
+fn tally<T>(done: Vec<(T, [KronCounters; 2])>, c: &mut KronCounters) -> Vec<T> {
+    done.into_iter()
+        .map(|(layer, counts)| {
+            counts.iter().for_each(|n| c.add(n));
+            layer
+        })
+        .collect()
 }
 
 /// The predicted change `q` as `f32`, or [`Error::NonFinite`] when the step overflows: a
