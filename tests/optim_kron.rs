@@ -172,7 +172,11 @@ proptest! {
 
     /// `P = Γ̃⁻¹GΛ̃⁻¹` equals `(Λ̃⊗Γ̃)⁻¹vec(G)` solved densely in f64, the dampings follow the
     /// variant's rule (f64 spectral norms / traces), and the stored predicted change equals
-    /// the f64 quadratic model.
+    /// the f64 quadratic model — for `G` given densely, and by its batch factors `m3` rows
+    /// few enough that the factored route runs (its model then takes the curvature by the
+    /// identity `FX = I − λX` where `factored.rs` allows: the CPU's Cholesky inverses, RING's
+    /// and NGD's condition bounds here at most ~1e3, so its error `≲ 2⁻²⁴·κ` of the linear
+    /// term stays far inside the tolerance below).
     #[test]
     fn precondition_matches_dense_kronecker_solve(
         seed in any::<u64>(),
@@ -183,6 +187,7 @@ proptest! {
         variant in prop_oneof![Just(KronVariant::Ring), Just(KronVariant::Reng), Just(KronVariant::Ngd)],
         log_rho in -3.0f64..-1.0,
         newton in any::<bool>(),
+        m3 in prop_oneof![Just(0usize), 1usize..=3],
     ) {
         let mut rng = ChaCha8Rng::seed_from_u64(seed);
         let rho = 10f64.powf(log_rho) as f32;
@@ -198,12 +203,25 @@ proptest! {
         };
         let a = rand_mat(&mut rng, m, d_in);
         let e = rand_mat(&mut rng, m2, d_out);
-        let g = rand_mat(&mut rng, d_out, d_in);
+        // `m3 = 0`: `G` dense; else `G = (1/m3)·EgᵀAg` in f64, rounded once (the reference's G).
+        let (ag, eg) = (rand_mat(&mut rng, m3.max(1), d_in), rand_mat(&mut rng, m3.max(1), d_out));
+        let g = if m3 == 0 {
+            rand_mat(&mut rng, d_out, d_in)
+        } else {
+            let g64 = common::matmul64(&transpose64(&f64s(&eg), m3, d_out), &f64s(&ag), d_out, m3, d_in);
+            let gh: Vec<f32> = g64.iter().map(|v| (v / m3 as f64) as f32).collect();
+            DEV.upload(d_out, d_in, &gh).unwrap()
+        };
+        let grads = if m3 == 0 {
+            vec![KronGrad::Dense(&g)]
+        } else {
+            vec![KronGrad::Factored { e: &eg, a: &ag }]
+        };
         let w0 = common::vals(&mut rng, d_out * d_in);
         let mut params = vec![DEV.upload(d_out, d_in, &w0).unwrap()];
         let mut opt = KronOptimizer::new(&DEV, &[(d_out, d_in)], cfg).unwrap();
         let stats = [KronStats { a: &a, e: &e }];
-        let info = opt.step(&mut params, &[&g], Some(&stats)).unwrap();
+        let info = opt.step_grads(&mut params, &grads, Some(&stats)).unwrap();
         let st = opt.state().unwrap();
         let (sl, sg) = (&st.layers[0].lambda, &st.layers[0].gamma);
 
@@ -253,7 +271,7 @@ proptest! {
 
         // The preconditioner alone gives the same P as the step (same state → same ops).
         let mut opt2 = KronOptimizer::new(&DEV, &[(d_out, d_in)], cfg).unwrap();
-        let p2 = opt2.precondition(&[&g], Some(&stats)).unwrap();
+        let p2 = opt2.precondition_grads(&grads, Some(&stats)).unwrap();
         let p2h = host(&p2[0]);
         for (x, y) in p2h.iter().zip(&p) {
             prop_assert!((*x as f64 - y).abs() <= tol + 1e-6 * x.abs() as f64);
@@ -275,9 +293,38 @@ proptest! {
             }
         }
         let sq: f64 = pf.iter().map(|v| v * v).sum();
-        let q = -eta * lin + 0.5 * eta * eta * (curv + sl.damping as f64 * sg.damping as f64 * sq);
-        // Each term is a sum of f32 products (≈ 2⁻²⁴ relative per factor, summed in f64).
-        let qmag = eta * lin.abs() + 0.5 * eta * eta * (curv.abs() + sl.damping as f64 * sg.damping as f64 * sq);
+        let lambda = sl.damping as f64 * sg.damping as f64;
+        let q = -eta * lin + 0.5 * eta * eta * (curv + lambda * sq);
+        // Each term is a chain of f32 products (≈ 2⁻²⁴ relative per factor, summed in f64)
+        // whose error is relative to the same chain on absolute values: |G| (or |Eg|ᵀ|Ag|/m3,
+        // the factored route's own products), |P| ≤ |Γ̃⁻¹||G||Λ̃⁻¹|, and |Γ|, |Λ|.
+        let gabs: Vec<f64> = if m3 == 0 {
+            gh.iter().map(|v| v.abs() as f64).collect()
+        } else {
+            let (ea, aa) = (abs64(&eg), abs64(&ag));
+            common::matmul64(&transpose64(&ea, m3, d_out), &aa, d_out, m3, d_in)
+                .iter()
+                .map(|v| v / m3 as f64)
+                .collect()
+        };
+        let pabs = common::matmul64(
+            &common::matmul64(&abs64(&sg.inverse), &gabs, d_out, d_out, d_in),
+            &abs64(&sl.inverse),
+            d_out,
+            d_in,
+            d_in,
+        );
+        let (gam_a, lam_a): (Vec<f64>, Vec<f64>) =
+            (gam.iter().map(|v| v.abs()).collect(), lam.iter().map(|v| v.abs()).collect());
+        let gpl = common::matmul64(
+            &common::matmul64(&gam_a, &pabs, d_out, d_out, d_in),
+            &lam_a,
+            d_out,
+            d_in,
+            d_in,
+        );
+        let qmag = eta * dot64(&pabs, &gabs)
+            + 0.5 * eta * eta * (dot64(&pabs, &gpl) + lambda * dot64(&pabs, &pabs));
         prop_assert!((info.predicted_change.unwrap() as f64 - q).abs() <= 1e-5 * qmag + 1e-30,
             "q {} vs {q}", info.predicted_change.unwrap());
         prop_assert!(info.predicted_change.unwrap() < 0.0 || lin == 0.0);
@@ -431,7 +478,7 @@ proptest! {
         m2 in 1usize..=24,
         variant in prop_oneof![Just(KronVariant::Ring), Just(KronVariant::Ngd)],
     ) {
-        for dev in common::devices() {
+        for dev in std::iter::once(Device::Cpu).chain(common::devices()) {
             factored_matches_dense_on(&dev, seed, d_out, d_in, m, m2, variant)?;
         }
     }

@@ -11,18 +11,35 @@
 //! - `⟨P, ΓPΛ⟩ = (1/m²)·⟨UᵀΓU, VΛVᵀ⟩` (`tr(VᵀUᵀ·ΓU·VΛ)`, both `m x m` and symmetric).
 //!
 //! These are identities, not approximations: the same `P` and the same model terms (SPEC §2)
-//! up to rounding. Flops (a GEMM `p x q x r` counted `2pqr`): the dense route costs
+//! up to rounding.
+//!
+//! Flops (a GEMM `p x q x r` counted `2pqr`): the dense route costs
 //! `4·d_out·d_in·(d_out + d_in)` (two products for `P`, two for `ΓPΛ`), the factored one
 //! `2m·(2d_out² + 2d_in² + d_out·d_in) + 4m²·(d_out + d_in)`; at `m = 256`,
 //! `d_out = d_in = 1024` that is 3.2 against 8.6 GFLOP. [`factored_is_cheaper`] picks per
 //! layer; when it says no, `G` is formed (`2m·d_out·d_in`) and the dense route runs.
+//!
+//! # The model's curvature without a product by the factor
+//! Where `X = Γ̃⁻¹` is an inverse as formed at the damping `λ` (no first-order update of
+//! one), `ΓX = I − λX`, so `ΓU = Eᵀ − λU` and `UᵀΓU = EU − λ·UᵀU` (`EU = EXEᵀ` is symmetric);
+//! likewise `VΛVᵀ = AVᵀ − λ·VVᵀ` with `V = AΛ̃⁻¹`. The `n²m`-flop product by the factor becomes
+//! an `m x m` Gram matrix, on every side where [`by_identity`] allows it (the kept `EU`, `AVᵀ`
+//! of `⟨G, P⟩` serve again). The identity holds for the inverse actually applied only to its
+//! rounding: for an inverse computed in `f64` and rounded once, the curvature moves by about
+//! `2⁻²⁴·κ` of `⟨G, P⟩` at most (`κ` the damped factor's condition number, through the
+//! rounding of `F + λI` and of `X`), so [`by_identity`] asks for `κ ≤ IDENTITY_MAX_COND`:
+//! `≲ 2.4e-4` of the linear term, far inside what the Levenberg–Marquardt ratio's thresholds
+//! (1/4, 3/4) resolve. A first-order inverse `X₀ − dX₀²` misses the identity by `d²X₀²`, up
+//! to a quarter of it under the update's guard, and keeps the product.
 
+use super::config::{InverseMethod, KronConfig};
 use super::layer::InverseView;
 use super::state::KronFactorState;
 use super::tasks;
 use crate::device::{Device, Matrix};
 use crate::error::Result;
 use crate::mat::Trans;
+use crate::ops::elementwise::AxpyOver;
 use crate::ops::{Readout, Scalar};
 
 /// One layer's gradient as [`super::KronOptimizer::step_grads`] and
@@ -69,6 +86,39 @@ pub(super) struct LayerView<'a> {
     pub lambda_inv: InverseView<'a>,
     pub gamma_inv: InverseView<'a>,
     pub damping: (f32, f32),
+    /// `(Λ, Γ)`: the model's curvature on that side by the identity of the module docs
+    /// ([`by_identity`]).
+    pub identity: (bool, bool),
+}
+
+/// Largest condition bound `(‖F‖₂ + λ)/λ` of a damped factor for which the model's curvature
+/// takes the identity `FX = I − λX` (module docs): its rounding then moves the curvature by
+/// at most about `2⁻²⁴·4096 ≈ 2.4e-4` of `⟨G, P⟩`. RING's damping `√ρ‖F‖₂` keeps the bound at
+/// `1 + 1/√ρ`, 1001 at the default `ρ_min`.
+pub(super) const IDENTITY_MAX_COND: f32 = 4096.0;
+
+/// True when the model may take the curvature of the factor `s` by the identity `FX = I − λX`
+/// (module docs): `formed` (the inverse in use is `s`'s as formed at `damping`), computed in
+/// `f64` and rounded once (the CPU's Cholesky and Woodbury inverses — a Newton inverse
+/// carries its residual, cuSOLVER's `f32` Cholesky `κ·2⁻²⁴` in every entry), and
+/// `(‖F‖₂ + λ)/λ ≤ IDENTITY_MAX_COND` with `‖F‖₂` as the state knows it: RING's norm (a
+/// power-iteration estimate, well inside the limit: RING's own bound is `1 + 1/√ρ`), or NGD's
+/// trace (a bound: `‖F‖₂ ≤ tr F` for PSD `F`). RENG stores neither and keeps the products.
+pub(super) fn by_identity(
+    d: &Device,
+    cfg: &KronConfig,
+    s: &KronFactorState,
+    damping: f32,
+    formed: bool,
+) -> bool {
+    let f64_inverse =
+        matches!(d, Device::Cpu) && !matches!(cfg.inverse.resolve(d), InverseMethod::Newton(_));
+    let bound = if s.norm > 0.0 { s.norm } else { s.trace };
+    formed
+        && f64_inverse
+        && bound > 0.0
+        && damping > 0.0
+        && bound + damping <= IDENTITY_MAX_COND * damping
 }
 
 /// `P` of one layer and, when asked for, the model terms `(⟨G, P⟩, ⟨P, ΓPΛ⟩)` (deferred
@@ -154,7 +204,7 @@ fn gemm(d: &Device, ta: Trans, tb: Trans, alpha: f32, a: &Matrix, b: &Matrix) ->
 /// The dense route: two products for `P`, two for `ΓPΛ`. Both inverses are dense here: the
 /// rows' route is planned only for factored gradients, which take [`factored`] then.
 fn dense(d: &Device, v: &LayerView<'_>, g: &Matrix, with_model: bool) -> Result<Preconditioned> {
-    let (InverseView::Dense(gamma_inv), InverseView::Dense(lambda_inv)) =
+    let (InverseView::Dense { x: gamma_inv, .. }, InverseView::Dense { x: lambda_inv, .. }) =
         (v.gamma_inv, v.lambda_inv)
     else {
         return Err(crate::Error::Value {
@@ -203,7 +253,7 @@ fn factored(
     let ((u, t_u, k_gamma), (w, k_lambda)) = tasks::join(
         d,
         || match v.gamma_inv {
-            InverseView::Dense(x) => {
+            InverseView::Dense { x, .. } => {
                 Ok((d.product_of(no, yes, 1.0, &d.operand(x)?, &eo)?, no, None))
             }
             InverseView::LowRank(lr, t) => {
@@ -212,7 +262,9 @@ fn factored(
             }
         },
         || match v.lambda_inv {
-            InverseView::Dense(x) => Ok((d.product_of(no, no, 1.0, &ao, &d.operand(x)?)?, None)),
+            InverseView::Dense { x, .. } => {
+                Ok((d.product_of(no, no, 1.0, &ao, &d.operand(x)?)?, None))
+            }
             InverseView::LowRank(lr, t) => lr.right(d, t, a, with_model),
         },
     )?;
@@ -222,13 +274,19 @@ fn factored(
     let terms = if with_model {
         // Each m x m pair scaled by 1/m so the inner products need no further 1/m². The Γ
         // side's two products and the Λ side's are independent tasks.
+        let (lambda_l, lambda_g) = v.damping;
         let ((eu, ugu), (awt, wlw)) = tasks::join(
             d,
             || {
                 let eu = d.product_of(no, t_u, inv_m, &eo, &uo)?;
-                // `UᵀΓU`: through the rows `KᵀK/m'` (`Γ = R_ΓᵀR_Γ/m'`), else by the factor.
+                // `UᵀΓU`: through the rows `KᵀK/m'` (`Γ = R_ΓᵀR_Γ/m'`), by the identity
+                // `EU − λ·UᵀU` (`u` is `U` on the dense side), else by the factor.
                 let ugu = match &k_gamma {
                     Some(k) => gram(d, k, inv_m / k.rows() as f32)?,
+                    None if v.identity.1 => {
+                        let utu = gram(d, &u, inv_m)?;
+                        d.axpy_over(-lambda_g, AxpyOver::X { x: utu, y: &eu })?
+                    }
                     None => {
                         let gamma = d.operand(v.gamma.dense_factor()?)?;
                         let gu = d.product_of(no, no, 1.0, &gamma, &uo)?;
@@ -241,6 +299,11 @@ fn factored(
                 let awt = d.product_of(no, yes, inv_m, &ao, &wo)?;
                 let wlw = match &k_lambda {
                     Some(k) => gram(d, k, inv_m / k.rows() as f32)?,
+                    // `VΛVᵀ = AVᵀ − λ·VVᵀ` (`AVᵀ = AΛ̃⁻¹Aᵀ` is symmetric).
+                    None if v.identity.0 => {
+                        let vvt = d.product_of(no, yes, inv_m, &wo, &wo)?;
+                        d.axpy_over(-lambda_l, AxpyOver::X { x: vvt, y: &awt })?
+                    }
                     None => {
                         let lambda = d.operand(v.lambda.dense_factor()?)?;
                         let wl = d.product_of(no, no, 1.0, &wo, &lambda)?;

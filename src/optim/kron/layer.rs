@@ -475,7 +475,12 @@ pub(super) enum Retarget {
 /// A factor's inverse as one step applies it: dense, or through the rows (`low_rank.rs`).
 #[derive(Clone, Copy)]
 pub(super) enum InverseView<'a> {
-    Dense(&'a Matrix),
+    /// `formed`: `x` is the inverse as formed at the view's damping (a refresh, a recompute,
+    /// or the Woodbury inverse formed densely), not a first-order update of one.
+    Dense {
+        x: &'a Matrix,
+        formed: bool,
+    },
     LowRank(&'a LowRank, &'a Terms),
 }
 
@@ -496,8 +501,20 @@ fn as_formed<'a>(
 ) -> Result<(InverseView<'a>, f32)> {
     Ok(match (rows, low_rank) {
         (Some(lr), true) => (InverseView::LowRank(lr, lr.formed()), damping),
-        (Some(lr), false) => (InverseView::Dense(lr.dense_inverse()?), damping),
-        (None, _) => (InverseView::Dense(inverse), damping),
+        (Some(lr), false) => (
+            InverseView::Dense {
+                x: lr.dense_inverse()?,
+                formed: true,
+            },
+            damping,
+        ),
+        (None, _) => (
+            InverseView::Dense {
+                x: inverse,
+                formed: true,
+            },
+            damping,
+        ),
     })
 }
 
@@ -517,13 +534,19 @@ impl Retarget {
                     Ok((InverseView::LowRank(lr, t), t.damping))
                 }),
                 _ => match &s.retargeted {
-                    Some((x, l)) => Ok((InverseView::Dense(x), *l)),
+                    Some((x, l)) => Ok((InverseView::Dense { x, formed: false }, *l)),
                     None => formed_view(s, false),
                 },
             },
             Retarget::FirstOrder {
                 inverse, damping, ..
-            } => Ok((InverseView::Dense(inverse), *damping)),
+            } => Ok((
+                InverseView::Dense {
+                    x: inverse,
+                    formed: false,
+                },
+                *damping,
+            )),
             Retarget::LowRank(t) => match &s.low_rank {
                 Some(lr) => Ok((InverseView::LowRank(lr, t), t.damping)),
                 // `retarget` says `LowRank` only for a state with rows.

@@ -63,8 +63,8 @@ pub use factored::KronGrad;
 pub use state::{KronCounters, KronFactorState, KronLayerState, KronState, KronStepInfo};
 
 use self::damping::{factor_dampings, FactorScalars};
-use self::factored::{LayerView, ModelTerms, Preconditioned};
-use self::layer::{formed_view, known_norm, Ctx, Retarget};
+use self::factored::{by_identity, LayerView, ModelTerms, Preconditioned};
+use self::layer::{formed_view, known_norm, Ctx, InverseView, Retarget};
 use super::{KronStats, StatsView};
 use crate::device::{Device, Matrix};
 use crate::error::{check_shape, check_value, Error, Result};
@@ -756,9 +756,17 @@ impl KronOptimizer {
         };
         let (lambda_inv, dl) = pick(&layer.lambda, ups.map(|u| &u[0]))?;
         let (gamma_inv, dg) = pick(&layer.gamma, ups.map(|u| &u[1]))?;
+        let identity = |s: &KronFactorState, x: &InverseView<'_>, damping: f32| {
+            let formed = matches!(x, InverseView::Dense { formed: true, .. });
+            by_identity(&self.device, &self.config, s, damping, formed)
+        };
         Ok(LayerView {
             lambda: &layer.lambda,
             gamma: &layer.gamma,
+            identity: (
+                identity(&layer.lambda, &lambda_inv, dl),
+                identity(&layer.gamma, &gamma_inv, dg),
+            ),
             lambda_inv,
             gamma_inv,
             damping: (dl, dg),
