@@ -316,15 +316,7 @@ proptest! {
         );
         let (gam_a, lam_a): (Vec<f64>, Vec<f64>) =
             (gam.iter().map(|v| v.abs()).collect(), lam.iter().map(|v| v.abs()).collect());
-        let gpl = common::matmul64(
-            &common::matmul64(&gam_a, &pabs, d_out, d_out, d_in),
-            &lam_a,
-            d_out,
-            d_in,
-            d_in,
-        );
-        let qmag = eta * dot64(&pabs, &gabs)
-            + 0.5 * eta * eta * (dot64(&pabs, &gpl) + lambda * dot64(&pabs, &pabs));
+        let qmag = model_on_chains((eta, lambda), &gabs, &pabs, &gam_a, &lam_a, (d_out, d_in));
         prop_assert!((info.predicted_change.unwrap() as f64 - q).abs() <= 1e-5 * qmag + 1e-30,
             "q {} vs {q}", info.predicted_change.unwrap());
         prop_assert!(info.predicted_change.unwrap() < 0.0 || lin == 0.0);
@@ -343,6 +335,27 @@ fn transpose64(x: &[f64], r: usize, c: usize) -> Vec<f64> {
 
 fn dot64(x: &[f64], y: &[f64]) -> f64 {
     x.iter().zip(y).map(|(a, b)| a * b).sum()
+}
+
+/// The quadratic model `η⟨G, P⟩ + ½η²(⟨P, ΓPΛ⟩ + λ‖P‖²)` on absolute values (`gabs`, `pabs`
+/// `d_out x d_in`, `gam` and `lam` the factors' absolute values), `(η, λ)` given: the scale
+/// against which the model's f32 rounding is bounded.
+fn model_on_chains(
+    (eta, lambda): (f64, f64),
+    gabs: &[f64],
+    pabs: &[f64],
+    gam: &[f64],
+    lam: &[f64],
+    (d_out, d_in): (usize, usize),
+) -> f64 {
+    let gpl = common::matmul64(
+        &common::matmul64(gam, pabs, d_out, d_out, d_in),
+        lam,
+        d_out,
+        d_in,
+        d_in,
+    );
+    eta * dot64(pabs, gabs) + 0.5 * eta * eta * (dot64(pabs, &gpl) + lambda * dot64(pabs, pabs))
 }
 
 /// `KronGrad::Factored { e, a }` (`G = (1/m) EᵀA`) gives the `P` and the predicted change of
@@ -440,18 +453,8 @@ fn factored_matches_dense_on(
         .iter()
         .map(|v| v / m as f64)
         .collect();
-    let lin = dot64(&gabs, &chain);
-    let gpl = common::matmul64(
-        &common::matmul64(&fg, &chain, d_out, d_out, d_in),
-        &fl,
-        d_out,
-        d_in,
-        d_in,
-    );
-    let curv = dot64(&chain, &gpl);
-    let sq = dot64(&chain, &chain);
     let lambda = l.lambda.damping as f64 * l.gamma.damping as f64;
-    let qmag = eta * lin + 0.5 * eta * eta * (curv + lambda * sq);
+    let qmag = model_on_chains((eta, lambda), &gabs, &chain, &fg, &fl, (d_out, d_in));
     let (a_, b_) = (
         qf.predicted_change.unwrap() as f64,
         qd.predicted_change.unwrap() as f64,
