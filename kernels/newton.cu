@@ -224,19 +224,22 @@ GRNG_EMU_ENTRY(newton_residual, (const float*, int, int, float*))
 // Symmetric part and input checks. Block (32, 8) per row band of 32 rows (grid ceil(n/32)):
 // for each 32x32 tile (band, j) the tile and its mirror (j, band) are read coalesced into
 // shared memory. Writes sym = (a + aᵀ)/2 (flags & 1) and its bf16 rounding (flags & 2), and
-// per block stats[4b..4b+4] = max |a_ij|, max |a_ij − a_ji|, the first (row-major) index of a
-// non-finite element as int bits (INT_MAX when none), and that element.
+// per block stats[6b..6b+6] = max |a_ij|, max |a_ij − a_ji|, the first (row-major) index of a
+// non-finite element as int bits (INT_MAX when none), that element, the band's largest finite
+// diagonal element (−f32::MAX when none) and its row as int bits (the first on ties; the power
+// iteration's lower bound on λ_max and its restart).
 extern "C" __global__ void __launch_bounds__(256)
     newton_sym_stats(const float* __restrict__ a, int n, float* __restrict__ sym,
                      __nv_bfloat16* __restrict__ sym_bf, float* __restrict__ stats, int flags) {
     __shared__ float t0[32][33];
     __shared__ float t1[32][33];
-    __shared__ float red[3][256];
+    __shared__ float red[4][256];
     __shared__ int bad_idx[256];
+    __shared__ int diag_row[256];
     const int tx = threadIdx.x, ty = threadIdx.y, tid = ty * 32 + tx;
     const int i0 = blockIdx.x * 32;
-    float mx = 0.0f, asym = 0.0f, bad_val = 0.0f;
-    int bad = 0x7fffffff;
+    float mx = 0.0f, asym = 0.0f, bad_val = 0.0f, dmax = -3.402823466e38f;
+    int bad = 0x7fffffff, drow = 0x7fffffff;
     for (int j0 = 0; j0 < n; j0 += 32) {
         for (int dy = ty; dy < 32; dy += 8) {
             const int r = i0 + dy, c = j0 + tx;
@@ -258,6 +261,11 @@ extern "C" __global__ void __launch_bounds__(256)
                 } else {
                     mx = fmaxf(mx, fabsf(x));
                     asym = fmaxf(asym, fabsf(x - y));
+                    // Rows grow along this thread's walk, so `>` keeps the first on ties.
+                    if (r == c && x > dmax) {
+                        dmax = x;
+                        drow = r;
+                    }
                 }
                 const float s = 0.5f * (x + y);
                 if (flags & 1) sym[idx] = s;
@@ -269,7 +277,9 @@ extern "C" __global__ void __launch_bounds__(256)
     red[0][tid] = mx;
     red[1][tid] = asym;
     red[2][tid] = bad_val;
+    red[3][tid] = dmax;
     bad_idx[tid] = bad;
+    diag_row[tid] = drow;
     __syncthreads();
     for (int s = 128; s > 0; s >>= 1) {
         if (tid < s) {
@@ -279,15 +289,22 @@ extern "C" __global__ void __launch_bounds__(256)
                 bad_idx[tid] = bad_idx[tid + s];
                 red[2][tid] = red[2][tid + s];
             }
+            const float d = red[3][tid + s];
+            if (d > red[3][tid] || (d == red[3][tid] && diag_row[tid + s] < diag_row[tid])) {
+                red[3][tid] = d;
+                diag_row[tid] = diag_row[tid + s];
+            }
         }
         __syncthreads();
     }
     if (tid == 0) {
-        float* o = stats + 4 * blockIdx.x;
+        float* o = stats + 6 * blockIdx.x;
         o[0] = red[0][0];
         o[1] = red[1][0];
         o[2] = __int_as_float(bad_idx[0]);
         o[3] = red[2][0];
+        o[4] = red[3][0];
+        o[5] = __int_as_float(diag_row[0]);
     }
 }
 GRNG_EMU_ENTRY(newton_sym_stats, (const float*, int, float*, __nv_bfloat16*, float*, int))

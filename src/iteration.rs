@@ -71,50 +71,79 @@ pub(crate) trait PowerStep {
     fn start(&mut self, v0: &[f64]) -> Result<()>;
     /// `w = A v`; returns `(vᵀw, ‖w‖)` (summed in `f64`) and sets `v ← w/‖w‖` when `‖w‖ > 0`.
     fn step(&mut self) -> Result<(f64, f64)>;
+    /// The largest finite diagonal element `(k, A_kk)`, the first `k` on ties; `None` when
+    /// there is none.
+    fn top_diagonal(&mut self) -> Result<Option<(usize, f64)>>;
 }
 
 /// Largest eigenvalue of a symmetric PSD `n x n` matrix (`n ≥ 1`) by power iteration from
 /// the normalized all-ones vector plus a fixed aperiodic perturbation (so a top eigenvector
 /// orthogonal to all-ones is still found, and runs are deterministic); stops when the
 /// Rayleigh quotient changes by at most `opts.tol` relative to its value.
+///
+/// That stop can fire near a smaller eigenvalue when the start is nearly orthogonal to the
+/// top eigenvector (the quotient is stationary there). Every diagonal element is a Rayleigh
+/// quotient (`A_kk = e_kᵀAe_k`), so `λ_max ≥ max_k A_kk`: a value below it is such a stall,
+/// and the iteration restarts from `e_k` (whose quotient is `A_kk` already, and for PSD `A`
+/// the quotient only grows) with the steps left of `opts.max_iter`. The value returned is
+/// thus never below the largest diagonal element when steps remain, and a 2 x 2 stall at
+/// `λ₂ < (λ₁ + λ₂)/2 ≤ max_k A_kk` is always caught.
 pub(crate) fn power_iteration(
     p: &mut impl PowerStep,
     n: usize,
     opts: &PowerOptions,
 ) -> Result<PowerInfo> {
-    // Golden-ratio fractional parts: deterministic, never periodic in i.
-    let v0: Vec<f64> = (0..n)
-        .map(|i| 1.0 + 0.5 * ((i as f64 * 0.618_033_988_749_895).fract() - 0.5))
-        .collect();
-    p.start(&unit(v0))?;
+    let (value, iterations, converged) = power_run(p, &start_vector(n), opts.tol, opts.max_iter)?;
+    let info = |value: f64, iterations, converged| PowerInfo {
+        value: value as f32,
+        iterations,
+        converged,
+    };
+    match p.top_diagonal()? {
+        Some((k, d)) if value < d && iterations < opts.max_iter => {
+            let mut e = vec![0.0; n];
+            e[k] = 1.0;
+            let (v2, it2, conv2) = power_run(p, &e, opts.tol, opts.max_iter - iterations)?;
+            Ok(info(v2.max(value), iterations + it2, conv2))
+        }
+        _ => Ok(info(value, iterations, converged)),
+    }
+}
+
+/// The unit start of [`power_iteration`]: all-ones plus golden-ratio fractional parts
+/// (deterministic, never periodic in `i`).
+fn start_vector(n: usize) -> Vec<f64> {
+    unit(
+        (0..n)
+            .map(|i| 1.0 + 0.5 * ((i as f64 * 0.618_033_988_749_895).fract() - 0.5))
+            .collect(),
+    )
+}
+
+/// Power steps from the unit `v0` until the Rayleigh quotient changes by at most `tol`
+/// relative to its value, at most `max_iter` steps: `(quotient, steps, converged)`.
+fn power_run(
+    p: &mut impl PowerStep,
+    v0: &[f64],
+    tol: f32,
+    max_iter: usize,
+) -> Result<(f64, usize, bool)> {
+    p.start(v0)?;
     let mut prev: Option<f64> = None;
-    for it in 1..=opts.max_iter {
+    for it in 1..=max_iter {
         let (rq, wn) = p.step()?;
         if wn == 0.0 {
-            // A v = 0: v lies in the null space; for the start vector above this means A = 0
-            // for every practical purpose.
-            return Ok(PowerInfo {
-                value: 0.0,
-                iterations: it,
-                converged: true,
-            });
+            // A v = 0: v lies in the null space (a nonzero diagonal restarts the caller).
+            return Ok((0.0, it, true));
         }
         if let Some(p) = prev {
-            if (rq - p).abs() <= opts.tol as f64 * rq.abs() {
-                return Ok(PowerInfo {
-                    value: rq as f32,
-                    iterations: it,
-                    converged: true,
-                });
+            if (rq - p).abs() <= tol as f64 * rq.abs() {
+                return Ok((rq, it, true));
             }
         }
         prev = Some(rq);
     }
-    Ok(PowerInfo {
-        value: prev.unwrap_or(0.0) as f32,
-        iterations: opts.max_iter,
-        converged: false,
-    })
+    Ok((prev.unwrap_or(0.0), max_iter, false))
 }
 
 /// `v/‖v‖` (a zero `v` cannot come from the start above: it is nonzero for `n ≥ 1`).
@@ -422,6 +451,58 @@ fn zero_matrix(op: &'static str) -> Error {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::cpu::norm::HostPower;
+    use crate::mat::MatRef;
+    use crate::Device;
+    use rand::{Rng, SeedableRng};
+
+    /// The stall a stop on the quotient's change cannot see: `A = λ₁u₁u₁ᵀ + λ₂v₀v₀ᵀ` with `v₀`
+    /// the start itself and `u₁ ∝ e_j − v₀ⱼv₀ ⟂ v₀`, so the iteration from `v₀` sits at `λ₂`
+    /// (checked, so the test keeps meeting the stall if the start changes). `A_jj = λ₁ −
+    /// (λ₁ − λ₂)v₀ⱼ² > λ₂`, so the restart must fire and find `λ₁` on the CPU and on the
+    /// emulated kernels. `A` is rounded to f32, which leaves the start a ~1e-7 component on
+    /// `u₁`: it grows by `λ₁/λ₂ ≥ 1.4` a step, but moves the quotient by its square, so the
+    /// first run still stops on the stall at step 2. Tolerance on `λ₁`: the stop rule leaves
+    /// `≈ tol/(1 − (λ₂/λ₁)²) ≤ 2·tol`, the rounding `u·√n ≤ 7e-7` (and the device's f32
+    /// iterate ~1e-7): 2e-5 is over 4x their sum.
+    #[test]
+    fn power_iteration_restarts_from_a_stall() {
+        let mut rng = rand_chacha::ChaCha8Rng::seed_from_u64(0x5ea1);
+        for n in [2usize, 3, 5, 33, 64, 130] {
+            let v0 = start_vector(n);
+            let j = rng.random_range(0..n);
+            let mut u1: Vec<f64> = v0.iter().map(|&x| -v0[j] * x).collect();
+            u1[j] += 1.0;
+            let u1 = unit(u1);
+            let (l1, l2) = (rng.random_range(0.5..20.0), rng.random_range(0.05..0.7));
+            let l2 = l1 * l2;
+            let a: Vec<f32> = (0..n * n)
+                .map(|k| (l1 * u1[k / n] * u1[k % n] + l2 * v0[k / n] * v0[k % n]) as f32)
+                .collect();
+            let opts = PowerOptions {
+                tol: 1e-6,
+                max_iter: 400,
+            };
+            let view = MatRef::new(&a, n, n).unwrap();
+            let (stall, _, _) = power_run(&mut HostPower::new(view), &v0, opts.tol, 400).unwrap();
+            assert!(
+                (stall - l2).abs() <= 1e-5 * l1,
+                "n {n}: no stall ({stall} vs λ₂ {l2})"
+            );
+            let cpu = crate::cpu::spectral_norm(view, &opts).unwrap();
+            let dev = Device::Emulated;
+            let emu = dev
+                .spectral_norm(&dev.upload(n, n, &a).unwrap(), &opts)
+                .unwrap();
+            for (who, got) in [("cpu", cpu), ("emulated", emu)] {
+                let rel = (got.value as f64 - l1).abs() / l1;
+                assert!(
+                    got.converged && rel <= 2e-5,
+                    "n {n} {who}: {got:?} vs λ₁ {l1}"
+                );
+            }
+        }
+    }
 
     fn norms(a: &[f64], n: usize) -> ANorms {
         ANorms {

@@ -16,7 +16,10 @@ use crate::params::power::{PowerInfo, PowerOptions};
 /// matrix-vector products accumulate in `f64`. Stops when the Rayleigh quotient `vᵀAv`
 /// changes by at most `opts.tol` relative to its value. The returned value is that Rayleigh
 /// quotient; its error shrinks like `(λ₂/λ₁)^(2k)`, so a tiny eigen-gap converges slowly and
-/// the relative change is an estimate of the error, not a bound. `n = 0` gives `0`.
+/// the relative change is an estimate of the error, not a bound. A value below the largest
+/// diagonal element `A_kk` (a lower bound of `λ_max`) means the stop fired near a smaller
+/// eigenvalue; the iteration then restarts from `e_k` within `opts.max_iter` steps in all.
+/// `n = 0` gives `0`.
 ///
 /// # Errors
 /// [`Error::Shape`] unless `a` is square, [`Error::Value`] for bad options,
@@ -77,6 +80,18 @@ impl PowerStep for HostPower<'_> {
                 .for_each(|(x, y)| *x = y / wn);
         }
         Ok((rq, wn))
+    }
+
+    fn top_diagonal(&mut self) -> Result<Option<(usize, f64)>> {
+        let a = self.a;
+        // `>` keeps the first row on ties; the caller checked `a` finite.
+        Ok((0..a.rows()).fold(None, |best, k| {
+            let d = a.row(k)[k] as f64;
+            match best {
+                Some((_, b)) if d <= b => best,
+                _ => Some((k, d)),
+            }
+        }))
     }
 }
 

@@ -394,6 +394,8 @@ pub struct SymStats {
     pub max_asym: f32,
     /// First (row-major) non-finite element: `(flat index, value)`.
     pub non_finite: Option<(usize, f32)>,
+    /// The largest finite diagonal element: `(row, value)`, the first row on ties.
+    pub top_diagonal: Option<(usize, f32)>,
 }
 
 /// Runs `newton_sym_stats` on `a` (`n x n`): optionally writes `(a + aᵀ)/2` to `sym` and its
@@ -414,7 +416,7 @@ pub fn sym_stats(
     check_shape(OP, "a", a.shape(), (n, n))?;
     let ni = dim(OP, n)?;
     let bands = n.div_ceil(32);
-    let mut stats: Matrix = dev.zeros(4 * bands, 1)?;
+    let mut stats: Matrix = dev.zeros(6 * bands, 1)?;
     let mut flags = 0i32;
     let sym = match sym {
         Some(m) => {
@@ -446,15 +448,21 @@ pub fn sym_stats(
         .scalar(flags);
     // SAFETY: newton_sym_stats(const float* a, int n, float* sym, bf16* sym_bf, float* stats,
     // int flags): a (and sym, sym_bf when flagged) are n x n, touched only at indices < n²;
-    // block b of the ceil(n/32) grid writes stats[4b..4b+4), inside 4·bands floats.
+    // block b of the ceil(n/32) grid writes stats[6b..6b+6), inside 6·bands floats.
     unsafe { launch(&SYM_STATS, cfg, args) }?;
     let v = stats.to_vec()?;
     let mut out = SymStats {
         max_abs: 0.0,
         max_asym: 0.0,
         non_finite: None,
+        top_diagonal: None,
     };
-    for s in v.chunks_exact(4) {
+    for s in v.chunks_exact(6) {
+        let row = s[5].to_bits() as i32;
+        // Bands come in row order, so `>` keeps the first row on ties.
+        if row != i32::MAX && out.top_diagonal.is_none_or(|(_, d)| s[4] > d) {
+            out.top_diagonal = Some((row as usize, s[4]));
+        }
         out.max_abs = out.max_abs.max(s[0]);
         out.max_asym = out.max_asym.max(s[1]);
         let idx = s[2].to_bits() as i32;
@@ -563,6 +571,8 @@ pub fn init_x(
 pub(crate) struct DevicePower<'a> {
     dev: &'a Device,
     a: &'a Matrix,
+    /// From [`sym_stats`]' pass over `a`.
+    top_diagonal: Option<(usize, f32)>,
     v: Matrix,
     w: Matrix,
     part: Matrix,
@@ -570,11 +580,12 @@ pub(crate) struct DevicePower<'a> {
 }
 
 impl<'a> DevicePower<'a> {
-    fn new(dev: &'a Device, a: &'a Matrix) -> Result<Self> {
+    fn new(dev: &'a Device, a: &'a Matrix, top_diagonal: Option<(usize, f32)>) -> Result<Self> {
         let n = a.rows();
         Ok(Self {
             dev,
             a,
+            top_diagonal,
             v: dev.zeros(n, 1)?,
             w: dev.zeros(n, 1)?,
             part: dev.zeros(4 * n.div_ceil(8).min(MATVEC_MAX_BLOCKS), 1)?,
@@ -599,6 +610,10 @@ impl PowerStep for DevicePower<'_> {
             &mut self.part,
             &mut self.scal,
         )
+    }
+
+    fn top_diagonal(&mut self) -> Result<Option<(usize, f64)>> {
+        Ok(self.top_diagonal.map(|(k, d)| (k, d as f64)))
     }
 }
 
@@ -680,7 +695,7 @@ pub(crate) fn spectral_norm(dev: &Device, a: &Matrix, opts: &PowerOptions) -> Re
             value,
         });
     }
-    driver::power_iteration(&mut DevicePower::new(dev, a)?, n, opts)
+    driver::power_iteration(&mut DevicePower::new(dev, a, st.top_diagonal)?, n, opts)
 }
 
 /// Checks `m` finite and writes its symmetric part (and bf16 copy) — the CPU's

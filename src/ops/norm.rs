@@ -6,8 +6,10 @@ pub use crate::params::power::{PowerInfo, PowerOptions};
 
 impl Device {
     /// Spectral norm (largest eigenvalue) of a symmetric PSD `n x n` matrix by power iteration
-    /// from a fixed start vector, so the result is deterministic. Running out of iterations is
-    /// not an error: the estimate is returned with `converged = false`.
+    /// from a fixed start vector, so the result is deterministic; a stop below the largest
+    /// diagonal element (a lower bound of `λ_max`) restarts from that element's unit vector
+    /// ([`crate::cpu::spectral_norm`]). Running out of iterations is not an error: the
+    /// estimate is returned with `converged = false`.
     ///
     /// On [`Device::Emulated`] / [`Device::Cuda`] the matrix-vector products and the
     /// normalization run on the device (`kernels/newton.cu`) and the Rayleigh quotient is read
