@@ -15,7 +15,7 @@ use grng::optim::kron::{
 use grng::optim::KronStats;
 use grng::{Device, Error, Mat, Matrix, Trans};
 use proptest::prelude::*;
-use rand::SeedableRng;
+use rand::{Rng, SeedableRng};
 use rand_chacha::ChaCha8Rng;
 
 const DEV: Device = Device::Cpu;
@@ -337,6 +337,19 @@ fn dot64(x: &[f64], y: &[f64]) -> f64 {
     x.iter().zip(y).map(|(a, b)| a * b).sum()
 }
 
+/// `G = (1/m) EᵀA` of `e` (`m x d_out`) and `a` (`m x d_in`) in f64, and rounded once onto
+/// `dev`: the dense route's input for the factored gradient `(e, a)`.
+fn batch_grad(dev: &Device, e: &Matrix, a: &Matrix) -> (Matrix, Vec<f64>) {
+    let (m, d_out, d_in) = (e.rows(), e.cols(), a.cols());
+    let g64: Vec<f64> =
+        common::matmul64(&transpose64(&f64s(e), m, d_out), &f64s(a), d_out, m, d_in)
+            .iter()
+            .map(|v| v / m as f64)
+            .collect();
+    let gh: Vec<f32> = g64.iter().map(|&v| v as f32).collect();
+    (dev.upload(d_out, d_in, &gh).unwrap(), g64)
+}
+
 /// The quadratic model `η⟨G, P⟩ + ½η²(⟨P, ΓPΛ⟩ + λ‖P‖²)` on absolute values (`gabs`, `pabs`
 /// `d_out x d_in`, `gam` and `lam` the factors' absolute values), `(η, λ)` given: the scale
 /// against which the model's f32 rounding is bounded.
@@ -381,17 +394,16 @@ fn factored_matches_dense_on(
     let mut cfg = variant_config(variant);
     cfg.inverse = InverseMethod::Cholesky;
     cfg.lr = 0.7;
+    // One lazy step after the refresh, at a damping moved by the model (below).
+    (cfg.skip, cfg.phi) = (2, 0.8);
     let up = |rng: &mut ChaCha8Rng, r: usize, c: usize| {
         dev.upload(r, c, &common::vals(rng, r * c)).unwrap()
     };
     let (sa, se) = (up(&mut rng, m2, d_in), up(&mut rng, m2, d_out));
     let stats = [KronStats { a: &sa, e: &se }];
     let (a, e) = (up(&mut rng, m, d_in), up(&mut rng, m, d_out));
-    // G = (1/m) EᵀA in f64, rounded once: the dense route's input.
     let (a64, e64) = (f64s(&a), f64s(&e));
-    let g64 = common::matmul64(&transpose64(&e64, m, d_out), &a64, d_out, m, d_in);
-    let gh: Vec<f32> = g64.iter().map(|v| (v / m as f64) as f32).collect();
-    let g = dev.upload(d_out, d_in, &gh).unwrap();
+    let (g, _) = batch_grad(dev, &e, &a);
     let factored = [KronGrad::Factored { e: &e, a: &a }];
     let shapes = [(d_out, d_in)];
 
@@ -462,6 +474,68 @@ fn factored_matches_dense_on(
     prop_assert!(
         (a_ - b_).abs() <= 2.0 * unit * qmag + 1e-30,
         "{dev:?} q factored {a_} vs dense {b_}, magnitude {qmag:e}"
+    );
+
+    // A lazy step at a moved damping (a good model lowers ρ by φ = 0.8 on both): the dense
+    // route applies the first-order inverses `X₀ − d·X₀²` as formed (with `S₀`), the factored
+    // one, where it runs with the model on the CPU, by products with `X₀`
+    // (`Retarget::ByProducts`, `lazy_factored_step_applies_the_first_order_inverse_by_products`).
+    // Same bounds on the chains of `A = |X₀| + |d|·|X₀|²` per factor, whose products add
+    // `d_out + d_in` to the inner dimensions (`S₀`, or `X₀U₀` and `W₀X₀`).
+    for opt in [&mut opt_f, &mut opt_d] {
+        opt.observe_loss(1.0, 1.0 + qf.predicted_change.unwrap())
+            .unwrap();
+    }
+    let (a2, e2) = (up(&mut rng, m, d_in), up(&mut rng, m, d_out));
+    let (a64, e64) = (f64s(&a2), f64s(&e2));
+    let (g2, _) = batch_grad(dev, &e2, &a2);
+    let mut wf = vec![dev.zeros(d_out, d_in).unwrap()];
+    let mut wd = vec![dev.zeros(d_out, d_in).unwrap()];
+    let factored = [KronGrad::Factored { e: &e2, a: &a2 }];
+    let lf = opt_f.step_grads(&mut wf, &factored, None).unwrap();
+    let ld = opt_d.step(&mut wd, &[&g2], None).unwrap();
+    prop_assert!(!lf.refreshed && (lf.rho, lf.lr) == (ld.rho, ld.lr));
+    prop_assert_eq!((lf.first_order_updates, ld.first_order_updates), (2, 2));
+    let st = opt_f.state().unwrap();
+    let l = &st.layers[0];
+    // RING's and NGD's dampings scale by √(ρ/ρ₀) = √0.8 (or stay at the floor): `λ₀·√0.8`
+    // bounds the drift `|d|`, and `λ₀` the damping of the `‖P‖²` term, from above.
+    let target = |s: &KronFactorState| s.damping * 0.8f32.sqrt();
+    let (xg, xl) = (
+        common::first_order_scale64(&l.gamma, target(&l.gamma)),
+        common::first_order_scale64(&l.lambda, target(&l.lambda)),
+    );
+    let ea = transpose64(&e64.iter().map(|v| v.abs()).collect::<Vec<_>>(), m, d_out);
+    let aa: Vec<f64> = a64.iter().map(|v| v.abs()).collect();
+    let u = common::matmul64(&xg, &ea, d_out, d_out, m);
+    let w = common::matmul64(&aa, &xl, m, d_in, d_in);
+    let chain: Vec<f64> = common::matmul64(&u, &w, d_out, m, d_in)
+        .iter()
+        .map(|v| v / m as f64)
+        .collect();
+    let unit = 4.0 * (k + (d_out + d_in) as f64) * f32::EPSILON as f64 / 2.0;
+    let eta = lf.lr as f64;
+    let (pf, pd) = (host(&wf[0]), host(&wd[0]));
+    for (idx, ((x, y), c)) in pf.iter().zip(&pd).zip(&chain).enumerate() {
+        let tol = eta * unit * c + f32::MIN_POSITIVE as f64;
+        prop_assert!(
+            (*x as f64 - *y as f64).abs() <= tol,
+            "{dev:?} lazy −ηP[{idx}]: factored {x} vs dense {y}, tol {tol:e}"
+        );
+    }
+    let gabs: Vec<f64> = common::matmul64(&ea, &aa, d_out, m, d_in)
+        .iter()
+        .map(|v| v / m as f64)
+        .collect();
+    let lambda = l.lambda.damping as f64 * l.gamma.damping as f64;
+    let qmag = model_on_chains((eta, lambda), &gabs, &chain, &fg, &fl, (d_out, d_in));
+    let (a_, b_) = (
+        lf.predicted_change.unwrap() as f64,
+        ld.predicted_change.unwrap() as f64,
+    );
+    prop_assert!(
+        (a_ - b_).abs() <= 2.0 * unit * qmag + 1e-30,
+        "{dev:?} lazy q factored {a_} vs dense {b_}, magnitude {qmag:e}"
     );
     Ok(())
 }
@@ -1301,6 +1375,168 @@ fn lazy_steps_use_the_first_order_inverse_of_the_formation() {
         "the drift must be large enough to matter ({t_max})"
     );
     assert_eq!(opt.counters().first_order_updates, drifted as u64);
+}
+
+/// Statistics rows `s_k·e_{j_k}` (`m2` distinct coordinates of `n`, `s_k` in `[0.5, 2)`):
+/// their factor `(1/m2)·Σ s_k²·e_{j_k}e_{j_k}ᵀ` is diagonal, with `n − m2` zeros.
+fn diagonal_stats(rng: &mut ChaCha8Rng, m2: usize, n: usize) -> Matrix {
+    let mut x = vec![0.0f32; m2 * n];
+    let mut cols: Vec<usize> = (0..n).collect();
+    for k in 0..m2 {
+        let j = rng.random_range(k..n);
+        cols.swap(k, j);
+        x[k * n + cols[k]] = rng.random_range(0.5f32..2.0);
+    }
+    DEV.upload(m2, n, &x).unwrap()
+}
+
+/// `Σ_k |x_ik|·|y_jk|` (`x` `r x k`, `y` `c x k`, both row-major): the absolute chain of
+/// `x·yᵀ`.
+fn abs_xyt(x: &[f64], y: &[f64], (r, k, c): (usize, usize, usize)) -> Vec<f64> {
+    let xa: Vec<f64> = x.iter().map(|v| v.abs()).collect();
+    let yt: Vec<f64> = transpose64(&y.iter().map(|v| v.abs()).collect::<Vec<_>>(), c, k);
+    common::matmul64(&xa, &yt, r, k, c)
+}
+
+/// A lazy RING step on the CPU with factored gradients and the model, at a damping the model
+/// moved: the factored route applies the first-order inverses `X = X₀ − d·X₀²` by products
+/// with `X₀` (`Retarget::ByProducts`: no `S₀` cached, where a dense gradient's step caches
+/// it), and takes the curvature by `X₀`'s identity: `UᵀΓU = EU − λ₀·Uᵀ(U + (d/λ₀)·U₀)`,
+/// `VΛVᵀ = AVᵀ − λ₀·V(V + (d/λ₀)·V₀)ᵀ` (`U = XEᵀ`, `U₀ = X₀Eᵀ`, `V = AX`, `V₀ = AX₀`). Its
+/// `P` must equal `X_Γ·G·X_Λ` and its predicted change the f64 model on that `P` and the
+/// state's factors.
+///
+/// Diagonal factors (half of each null) make the absolute chains tight: `|X₀|` is `X₀`, so
+/// the bounds below lose no cancellation inside the inverses, and the null directions, where
+/// `EU` and `λ₀UᵀU` cancel, are where the drift term matters. Bounds, `c = (2(d_in + d_out +
+/// m) + 16)·2u` (every chain's roundings, 2x margin): `P` within `c·A_Γ(|E|ᵀ|A|/m)A_Λ`
+/// (`A = |X₀| + |d|·|X₀|²`, [`common::first_order_scale64`]); `q` within `c` times the
+/// model on chains: `η⟨|E||U|, |A||V|ᵀ⟩/m² + ½η²(⟨M_Γ, M_Λ⟩ + λ‖|U||V|‖²/m²)`, with `M_Γ =
+/// (|E||U| + λ₀|U|ᵀ|U| + |d||U|ᵀ|U₀|)/m` (and `M_Λ` alike) bounding each identity's terms.
+/// `ρ = 0.1`, `φ = 0.5`: the damping falls by `√0.5` (drift `t = 0.29`, first-order), and is
+/// comparable to the factors' nonzero eigenvalues, where the drift term weighs most. Measured
+/// over seeds: errors ≤ 1e-3 of that bound; a 10% error in the `d/λ₀` term misses by 15–30x
+/// the bound, dropping it by 2.5–80x.
+#[test]
+fn lazy_factored_step_applies_the_first_order_inverse_by_products() {
+    let mut rng = common::seeded_rng();
+    // n ≤ 64 keeps the rows' route off; m = 3 makes the factored route the cheaper one.
+    let (o, i, m) = (48usize, 33usize, 3usize);
+    let cfg = KronConfig {
+        inverse: InverseMethod::Cholesky,
+        rho: 0.1,
+        phi: 0.5,
+        ..KronConfig::ring()
+    };
+    let shapes = [(o, i)];
+    let (sa, se) = (
+        diagonal_stats(&mut rng, i / 2, i),
+        diagonal_stats(&mut rng, o / 2, o),
+    );
+    let stats = [KronStats { a: &sa, e: &se }];
+    let (a, e) = (rand_mat(&mut rng, m, i), rand_mat(&mut rng, m, o));
+    let mut opt = KronOptimizer::new(&DEV, &shapes, cfg).unwrap();
+    let mut dense_opt = KronOptimizer::new(&DEV, &shapes, cfg).unwrap();
+    let mut w = zeros(&shapes);
+    let (g, _) = batch_grad(&DEV, &e, &a);
+    let first = opt
+        .step_grads(&mut w, &[KronGrad::Factored { e: &e, a: &a }], Some(&stats))
+        .unwrap();
+    dense_opt
+        .step(&mut zeros(&shapes), &[&g], Some(&stats))
+        .unwrap();
+    for o in [&mut opt, &mut dense_opt] {
+        o.observe_loss(1.0, 1.0 + first.predicted_change.unwrap())
+            .unwrap();
+    }
+
+    let (a, e) = (rand_mat(&mut rng, m, i), rand_mat(&mut rng, m, o));
+    let mut w = zeros(&shapes);
+    let info = opt
+        .step_grads(&mut w, &[KronGrad::Factored { e: &e, a: &a }], None)
+        .unwrap();
+    assert!(!info.refreshed);
+    assert_eq!((info.first_order_updates, info.lazy_recomputes), (2, 0));
+    let (g, g64) = batch_grad(&DEV, &e, &a);
+    dense_opt.step(&mut zeros(&shapes), &[&g], None).unwrap();
+    let (st, dense_st) = (opt.state().unwrap(), dense_opt.state().unwrap());
+    let (l, dl) = (&st.layers[0], &dense_st.layers[0]);
+    assert!(l.lambda.square().is_none() && l.gamma.square().is_none());
+    assert!(dl.lambda.square().is_some() && dl.gamma.square().is_some());
+
+    let target = |s: &KronFactorState| {
+        ((info.rho as f64).sqrt() * s.norm as f64).max(cfg.damping_floor as f64) as f32
+    };
+    let (tl, tg) = (target(&l.lambda), target(&l.gamma));
+    assert!(
+        tl != l.lambda.damping && tg != l.gamma.damping,
+        "the damping must move"
+    );
+    let (xg, xl) = (first_order64(&l.gamma, tg), first_order64(&l.lambda, tl));
+    let p_ref = common::matmul64(&common::matmul64(&xg, &g64, o, o, i), &xl, o, i, i);
+    let (e64, a64) = (f64s(&e), f64s(&a));
+    let ea = abs_xyt(
+        &transpose64(&e64, m, o),
+        &transpose64(&a64, m, i),
+        (o, m, i),
+    );
+    let ga: Vec<f64> = ea.iter().map(|v| v / m as f64).collect();
+    let (ag, al) = (
+        common::first_order_scale64(&l.gamma, tg),
+        common::first_order_scale64(&l.lambda, tl),
+    );
+    let scale = common::matmul64(&common::matmul64(&ag, &ga, o, o, i), &al, o, i, i);
+    let c = (2 * (o + i + m) + 16) as f64 * 2.0 * common::U32;
+    let eta = info.lr as f64;
+    for (j, wv) in host(&w[0]).iter().enumerate() {
+        let p = -(*wv as f64) / eta;
+        assert!(
+            (p - p_ref[j]).abs() <= c * scale[j],
+            "entry {j}: P {p} vs first-order reference {} (scale {})",
+            p_ref[j],
+            scale[j]
+        );
+    }
+
+    // The f64 model on the reference P, and its bound on chains.
+    let (fg, fl) = (f64s(&l.gamma.factor), f64s(&l.lambda.factor));
+    let gpl = common::matmul64(&common::matmul64(&fg, &p_ref, o, o, i), &fl, o, i, i);
+    let lambda = tl as f64 * tg as f64;
+    let q_ref = -eta * dot64(&g64, &p_ref)
+        + 0.5 * eta * eta * (dot64(&p_ref, &gpl) + lambda * dot64(&p_ref, &p_ref));
+    // `Uᵀ = E·X` (m x d_out) and `V = A·X` (m x d_in), with `X₀` and with `X`.
+    let (ut, ut0) = (
+        common::matmul64(&e64, &xg, m, o, o),
+        common::matmul64(&e64, &f64s(&l.gamma.inverse), m, o, o),
+    );
+    let (v, v0) = (
+        common::matmul64(&a64, &xl, m, i, i),
+        common::matmul64(&a64, &f64s(&l.lambda.inverse), m, i, i),
+    );
+    let side = |x: &[f64], y: &[f64], y0: &[f64], n: usize, s: &KronFactorState, t: f32| {
+        let (l0, dd) = (s.damping as f64, (t - s.damping).abs() as f64);
+        let (lin, yy, yy0) = (
+            abs_xyt(x, y, (m, n, m)),
+            abs_xyt(y, y, (m, n, m)),
+            abs_xyt(y, y0, (m, n, m)),
+        );
+        let mm: Vec<f64> = (0..m * m)
+            .map(|k| (lin[k] + l0 * yy[k] + dd * yy0[k]) / m as f64)
+            .collect();
+        (lin, mm)
+    };
+    let (lin_g, mg) = side(&e64, &ut, &ut0, o, &l.gamma, tg);
+    let (lin_l, ml) = side(&a64, &v, &v0, i, &l.lambda, tl);
+    let p_abs = abs_xyt(&transpose64(&ut, m, o), &transpose64(&v, m, i), (o, m, i));
+    let mf = m as f64;
+    let q_abs = eta * dot64(&lin_g, &lin_l) / (mf * mf)
+        + 0.5 * eta * eta * (dot64(&mg, &ml) + lambda * dot64(&p_abs, &p_abs) / (mf * mf));
+    let q = info.predicted_change.unwrap() as f64;
+    let tol = c * q_abs;
+    assert!(
+        (q - q_ref).abs() <= tol,
+        "q {q} vs f64 model {q_ref}, tol {tol:e}"
+    );
 }
 
 /// The guard is on the drift since the formation, not on one step's move: with ρ falling by

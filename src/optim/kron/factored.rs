@@ -201,6 +201,22 @@ fn gemm(d: &Device, ta: Trans, tb: Trans, alpha: f32, a: &Matrix, b: &Matrix) ->
     d.product_valid_inputs(ta, tb, alpha, a, b)
 }
 
+/// The model's curvature on one side of a first-order inverse `X = X₀ − d·X₀²` applied by
+/// products (module docs): `lin` the kept `EU` (`AVᵀ`), `u = U₀ − d·U₁`, `u0 = U₀`, and
+/// `UᵀΓU = EU − λ₀·Uᵀ(U + (d/λ₀)·U₀)` (`(ta, tb)` orient the `m x m` product: `(Yes, No)`
+/// for `U`, `d_out x m`, and `(No, Yes)` for `V`, `m x d_in`), scaled by `alpha`.
+fn by_first_order(
+    d: &Device,
+    (lin, u, u0): (&Matrix, &Matrix, Matrix),
+    (ta, tb): (Trans, Trans),
+    alpha: f32,
+    (lambda0, dl): (f32, f32),
+) -> Result<Matrix> {
+    let z = d.axpy_over(dl / lambda0, AxpyOver::X { x: u0, y: u })?;
+    let uz = gemm(d, ta, tb, alpha, u, &z)?;
+    d.axpy_over(-lambda0, AxpyOver::X { x: uz, y: lin })
+}
+
 /// The dense route: two products for `P`, two for `ΓPΛ`. Both inverses are dense here: the
 /// rows' route is planned only for factored gradients, which take [`factored`] then.
 fn dense(d: &Device, v: &LayerView<'_>, g: &Matrix, with_model: bool) -> Result<Preconditioned> {
@@ -211,7 +227,7 @@ fn dense(d: &Device, v: &LayerView<'_>, g: &Matrix, with_model: bool) -> Result<
             op: "KronOptimizer::precondition",
             arg: "grads",
             value: f64::NAN,
-            expected: "factored gradients where the low-rank route is planned",
+            expected: "factored gradients where the low-rank or by-products route is planned",
         });
     };
     let (o, i) = g.shape();
@@ -248,24 +264,45 @@ fn factored(
     let (no, yes) = (Trans::No, Trans::Yes);
     let inv_m = 1.0 / m as f32;
     // `U = Γ̃⁻¹Eᵀ` (`d_out x m`) dense, or `Uᵀ = E·Γ̃⁻¹` (`m x d_out`) through the rows with
-    // `K_Γ = R_Γ·U`; `t_u` says which one `u` holds.
+    // `K_Γ = R_Γ·U`; `t_u` says which one `u` holds. A first-order inverse by products
+    // keeps `U₀ = X₀Eᵀ` (and `W₀ = AX₀`) for the model.
     // The two sides are independent tasks (`tasks.rs`).
-    let ((u, t_u, k_gamma), (w, k_lambda)) = tasks::join(
+    let ((u, t_u, k_gamma, u0), (w, k_lambda, w0)) = tasks::join(
         d,
         || match v.gamma_inv {
-            InverseView::Dense { x, .. } => {
-                Ok((d.product_of(no, yes, 1.0, &d.operand(x)?, &eo)?, no, None))
+            InverseView::Dense { x, .. } => Ok((
+                d.product_of(no, yes, 1.0, &d.operand(x)?, &eo)?,
+                no,
+                None,
+                None,
+            )),
+            InverseView::FirstOrder { x0, d: dl, .. } => {
+                let x0 = d.operand(x0)?;
+                let u0 = d.product_of(no, yes, 1.0, &x0, &eo)?;
+                let u1 = d.product_of(no, no, 1.0, &x0, &d.operand(&u0)?)?;
+                let u = d.axpy_over(-dl, AxpyOver::X { x: u1, y: &u0 })?;
+                Ok((u, no, None, Some(u0)))
             }
             InverseView::LowRank(lr, t) => {
                 let (ut, k) = lr.right(d, t, e, with_model)?;
-                Ok((ut, yes, k))
+                Ok((ut, yes, k, None))
             }
         },
         || match v.lambda_inv {
             InverseView::Dense { x, .. } => {
-                Ok((d.product_of(no, no, 1.0, &ao, &d.operand(x)?)?, None))
+                Ok((d.product_of(no, no, 1.0, &ao, &d.operand(x)?)?, None, None))
             }
-            InverseView::LowRank(lr, t) => lr.right(d, t, a, with_model),
+            InverseView::FirstOrder { x0, d: dl, .. } => {
+                let x0 = d.operand(x0)?;
+                let w0 = d.product_of(no, no, 1.0, &ao, &x0)?;
+                let w1 = d.product_of(no, no, 1.0, &d.operand(&w0)?, &x0)?;
+                let w = d.axpy_over(-dl, AxpyOver::X { x: w1, y: &w0 })?;
+                Ok((w, None, Some(w0)))
+            }
+            InverseView::LowRank(lr, t) => {
+                let (w, k) = lr.right(d, t, a, with_model)?;
+                Ok((w, k, None))
+            }
         },
     )?;
     let (uo, wo) = (d.operand(&u)?, d.operand(&w)?);
@@ -279,15 +316,19 @@ fn factored(
             d,
             || {
                 let eu = d.product_of(no, t_u, inv_m, &eo, &uo)?;
-                // `UᵀΓU`: through the rows `KᵀK/m'` (`Γ = R_ΓᵀR_Γ/m'`), by the identity
-                // `EU − λ·UᵀU` (`u` is `U` on the dense side), else by the factor.
-                let ugu = match &k_gamma {
-                    Some(k) => gram(d, k, inv_m / k.rows() as f32)?,
-                    None if v.identity.1 => {
+                // `UᵀΓU`: through the rows `KᵀK/m'` (`Γ = R_ΓᵀR_Γ/m'`), by `X₀`'s identity
+                // for a first-order inverse, by the identity `EU − λ·UᵀU` (`u` is `U` on the
+                // dense side), else by the factor.
+                let ugu = match (&k_gamma, u0, v.gamma_inv) {
+                    (Some(k), ..) => gram(d, k, inv_m / k.rows() as f32)?,
+                    (None, Some(u0), InverseView::FirstOrder { lambda0, d: dl, .. }) => {
+                        by_first_order(d, (&eu, &u, u0), (yes, no), inv_m, (lambda0, dl))?
+                    }
+                    (None, ..) if v.identity.1 => {
                         let utu = gram(d, &u, inv_m)?;
                         d.axpy_over(-lambda_g, AxpyOver::X { x: utu, y: &eu })?
                     }
-                    None => {
+                    (None, ..) => {
                         let gamma = d.operand(v.gamma.dense_factor()?)?;
                         let gu = d.product_of(no, no, 1.0, &gamma, &uo)?;
                         d.product_of(yes, no, inv_m, &uo, &d.operand(&gu)?)?
@@ -297,14 +338,17 @@ fn factored(
             },
             || {
                 let awt = d.product_of(no, yes, inv_m, &ao, &wo)?;
-                let wlw = match &k_lambda {
-                    Some(k) => gram(d, k, inv_m / k.rows() as f32)?,
+                let wlw = match (&k_lambda, w0, v.lambda_inv) {
+                    (Some(k), ..) => gram(d, k, inv_m / k.rows() as f32)?,
+                    (None, Some(w0), InverseView::FirstOrder { lambda0, d: dl, .. }) => {
+                        by_first_order(d, (&awt, &w, w0), (no, yes), inv_m, (lambda0, dl))?
+                    }
                     // `VΛVᵀ = AVᵀ − λ·VVᵀ` (`AVᵀ = AΛ̃⁻¹Aᵀ` is symmetric).
-                    None if v.identity.0 => {
+                    (None, ..) if v.identity.0 => {
                         let vvt = d.product_of(no, yes, inv_m, &wo, &wo)?;
                         d.axpy_over(-lambda_l, AxpyOver::X { x: vvt, y: &awt })?
                     }
-                    None => {
+                    (None, ..) => {
                         let lambda = d.operand(v.lambda.dense_factor()?)?;
                         let wl = d.product_of(no, no, 1.0, &wo, &lambda)?;
                         d.product_of(no, yes, inv_m, &d.operand(&wl)?, &wo)?

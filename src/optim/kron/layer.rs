@@ -23,6 +23,7 @@
 
 use super::config::{InverseMethod, KronConfig, KronVariant, NEWTON_RETRY_DAMPING};
 use super::damping::FactorScalars;
+use super::factored::by_identity;
 use super::low_rank::{deferred, LowRank, Terms};
 use super::state::{KronCounters, KronFactorState};
 use crate::device::{Device, Matrix};
@@ -296,11 +297,14 @@ impl Ctx<'_> {
     ///
     /// With `low_rank` (every gradient of the call factored) and the factor's rows at hand
     /// (`low_rank.rs`), the same inverses by their `m x m` terms: no `n x n` pass at all.
+    /// Else with `by_products` (the layer's step takes the factored route with the model)
+    /// and `X₀` meeting [`super::factored::by_identity`], the first-order inverse is left to
+    /// that route's products ([`Retarget::ByProducts`]): no `S₀`, no axpy.
     pub fn retarget(
         &self,
         s: &KronFactorState,
         target: f32,
-        low_rank: bool,
+        (low_rank, by_products): (bool, bool),
         c: &mut KronCounters,
     ) -> Result<Retarget> {
         // The drift since the formation, not since the last step.
@@ -328,6 +332,9 @@ impl Ctx<'_> {
         }
         if first_order {
             c.first_order_updates += 1;
+            if by_products && by_identity(self.device, self.cfg, s, s.damping, true) {
+                return Ok(Retarget::ByProducts { damping: target });
+            }
             if s.retargeted.as_ref().is_some_and(|r| r.1 == target) {
                 return Ok(Retarget::Cached);
             }
@@ -465,6 +472,9 @@ pub(super) enum Retarget {
         damping: f32,
         square: Option<Matrix>,
     },
+    /// The first-order inverse at the target `damping`, never formed: the factored route
+    /// applies `X₀ − (λ − λ₀)·X₀²` by products with `X₀` ([`InverseView::FirstOrder`]).
+    ByProducts { damping: f32 },
     /// The first-order inverse by the rows' `m x m` terms (`low_rank.rs`), cached in the
     /// state's low-rank part on commit.
     LowRank(Box<Terms>),
@@ -482,6 +492,14 @@ pub(super) enum InverseView<'a> {
         formed: bool,
     },
     LowRank(&'a LowRank, &'a Terms),
+    /// `X₀ − d·X₀²` applied by products with `X₀` (formed at `lambda0`) on the factored
+    /// route, where the model takes its curvature by `X₀`'s identity
+    /// ([`super::factored`]'s module docs).
+    FirstOrder {
+        x0: &'a Matrix,
+        lambda0: f32,
+        d: f32,
+    },
 }
 
 /// The inverse a factor state holds as formed: through its rows when `low_rank` allows and
@@ -547,6 +565,14 @@ impl Retarget {
                 },
                 *damping,
             )),
+            Retarget::ByProducts { damping } => Ok((
+                InverseView::FirstOrder {
+                    x0: s.dense_inverse()?,
+                    lambda0: s.damping,
+                    d: damping - s.damping,
+                },
+                *damping,
+            )),
             Retarget::LowRank(t) => match &s.low_rank {
                 Some(lr) => Ok((InverseView::LowRank(lr, t), t.damping)),
                 // `retarget` says `LowRank` only for a state with rows.
@@ -562,7 +588,7 @@ impl Retarget {
     /// `S₀`), a new formation replaces the inverse (and drops the old caches).
     pub fn apply(self, s: &mut KronFactorState) {
         match self {
-            Retarget::Keep | Retarget::Cached => {}
+            Retarget::Keep | Retarget::Cached | Retarget::ByProducts { .. } => {}
             Retarget::FirstOrder {
                 inverse,
                 damping,

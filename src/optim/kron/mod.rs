@@ -63,7 +63,7 @@ pub use factored::KronGrad;
 pub use state::{KronCounters, KronFactorState, KronLayerState, KronState, KronStepInfo};
 
 use self::damping::{factor_dampings, FactorScalars};
-use self::factored::{by_identity, LayerView, ModelTerms, Preconditioned};
+use self::factored::{by_identity, factored_is_cheaper, LayerView, ModelTerms, Preconditioned};
 use self::layer::{formed_view, known_norm, Ctx, InverseView, Retarget};
 use super::{KronStats, StatsView};
 use crate::device::{Device, Matrix};
@@ -282,7 +282,7 @@ impl KronOptimizer {
         let ((plan, counters, ps), _) = self.device.deferred(|| {
             self.check_inputs(op, grads, stats)?;
             let mut counters = self.st.counters;
-            let plan = self.plan(stats, low_rank(grads), &mut counters)?;
+            let plan = self.plan(stats, grads, false, &mut counters)?;
             let ps = self.preconditioned(&plan, grads, false, Vec::new())?;
             Ok((plan, counters, ps))
         })?;
@@ -361,7 +361,7 @@ impl KronOptimizer {
             self.check_inputs(op, grads, stats)?;
             self.check_layers(op, "params", current.iter())?;
             let mut counters = before;
-            let plan = self.plan(stats, low_rank(grads), &mut counters)?;
+            let plan = self.plan(stats, grads, with_model, &mut counters)?;
             let spare = spare.take().unwrap_or_default();
             let ps = self.preconditioned(&plan, grads, with_model, spare)?;
             let mut terms = Vec::with_capacity(ps.len());
@@ -667,14 +667,18 @@ impl KronOptimizer {
     }
 
     /// Computes the new factors/inverses (refresh) or inverse updates (lazy) without touching
-    /// the state. `low_rank`: the lazy inverses may be taken through the factors' rows
-    /// ([`low_rank`]: every gradient of the call is factored).
+    /// the state, for the call's `grads` (`with_model`: the step forms the quadratic model).
+    /// The lazy inverses may be taken through the factors' rows when every gradient is
+    /// factored ([`low_rank`]), and left to the factored route's products on a layer that
+    /// takes it with the model ([`Retarget::ByProducts`]).
     fn plan(
         &self,
         stats: Option<&[KronStats<'_>]>,
-        low_rank: bool,
+        grads: &[KronGrad<'_>],
+        with_model: bool,
         c: &mut KronCounters,
     ) -> Result<Plan> {
+        let low_rank = low_rank(grads);
         let ctx = Ctx {
             device: &self.device,
             cfg: &self.config,
@@ -683,7 +687,12 @@ impl KronOptimizer {
         // Layers, and the two factors of a layer, are independent tasks (`tasks.rs`), each
         // with counters of its own, added up in layer order.
         let Some(stats) = stats else {
-            let ups = tasks::map(&self.device, self.st.layers.iter().collect(), |layer| {
+            let layers = self.st.layers.iter().zip(grads).collect();
+            let ups = tasks::map(&self.device, layers, |(layer, g)| {
+                // `factored::precondition` takes the factored route at least there.
+                let by_products = with_model
+                    && matches!(g, KronGrad::Factored { e, .. }
+                        if factored_is_cheaper(e.rows(), layer.gamma.dim(), layer.lambda.dim(), true));
                 let (dl, dg) = factor_dampings(
                     &self.config,
                     rho,
@@ -693,8 +702,8 @@ impl KronOptimizer {
                 let (mut cl, mut cg) = (KronCounters::default(), KronCounters::default());
                 let (ul, ug) = tasks::join(
                     ctx.device,
-                    || ctx.retarget(&layer.lambda, dl, low_rank, &mut cl),
-                    || ctx.retarget(&layer.gamma, dg, low_rank, &mut cg),
+                    || ctx.retarget(&layer.lambda, dl, (low_rank, by_products), &mut cl),
+                    || ctx.retarget(&layer.gamma, dg, (low_rank, by_products), &mut cg),
                 )?;
                 Ok(([ul, ug], [cl, cg]))
             })?;
