@@ -29,8 +29,17 @@
 //! `2⁻²⁴·κ` of `⟨G, P⟩` at most (`κ` the damped factor's condition number, through the
 //! rounding of `F + λI` and of `X`), so [`by_identity`] asks for `κ ≤ IDENTITY_MAX_COND`:
 //! `≲ 2.4e-4` of the linear term, far inside what the Levenberg–Marquardt ratio's thresholds
-//! (1/4, 3/4) resolve. A first-order inverse `X₀ − dX₀²` misses the identity by `d²X₀²`, up
-//! to a quarter of it under the update's guard, and keeps the product.
+//! (1/4, 3/4) resolve.
+//!
+//! # A lazy step's first-order inverse by products
+//! The first-order inverse `X = X₀ − d·X₀²` of a lazy step ([`super::layer`]) misses the
+//! identity by `d²X₀²`, but the identity of `X₀` (formed at `λ₀`) gives its curvature exactly:
+//! `ΓX = I − (λ₀ + d)X₀ + dλ₀X₀²`. With `U₀ = X₀Eᵀ`, `U₁ = X₀U₀` and `U = U₀ − d·U₁ = XEᵀ`,
+//! `ΓU = Eᵀ − d·U₀ − λ₀·U`, so `UᵀΓU = EU − λ₀·Uᵀ(U + (d/λ₀)·U₀)`; likewise `VΛVᵀ = AVᵀ −
+//! λ₀·V(V + (d/λ₀)·V₀)ᵀ` with `V₀ = AX₀`, `V = V₀ − d·V₀X₀`. Where a layer takes this route
+//! with the model and `X₀` meets [`by_identity`], the lazy step never forms `X` (no `S₀ = X₀²`,
+//! `n³` per formation, no `n x n` axpy per step: [`super::layer::Retarget::ByProducts`]); the
+//! product `X₀U₀` takes the place of the product by the factor, so the flops stay as they were.
 
 use super::config::{InverseMethod, KronConfig};
 use super::layer::InverseView;

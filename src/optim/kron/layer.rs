@@ -20,6 +20,9 @@
 //! SPEC §2 takes the update relative to the formation.
 //! Positive definiteness is kept: `X₀` and `S₀` share eigenvectors, and each eigenvalue `μ`
 //! of `X₀` maps to `μ(1 − Δμ) ≥ μ/2` for `|Δ|μ ≤ 1/2`.
+//! A layer whose step takes the factored route with the model applies the same `X(λ)` by
+//! products with `X₀` instead, forming neither `S₀` nor `X(λ)` ([`Retarget::ByProducts`],
+//! `factored.rs`); so do the rows' route's `m x m` terms (`low_rank.rs`).
 
 use super::config::{InverseMethod, KronConfig, KronVariant, NEWTON_RETRY_DAMPING};
 use super::damping::FactorScalars;
