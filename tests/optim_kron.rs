@@ -1406,6 +1406,8 @@ fn abs_xyt(x: &[f64], y: &[f64], (r, k, c): (usize, usize, usize)) -> Vec<f64> {
 /// `P` must equal `X_Γ·G·X_Λ` and its predicted change the f64 model on that `P` and the
 /// state's factors.
 ///
+/// A step whose products overflow before it is a typed error and changes nothing.
+///
 /// Diagonal factors (half of each null) make the absolute chains tight: `|X₀|` is `X₀`, so
 /// the bounds below lose no cancellation inside the inverses, and the null directions, where
 /// `EU` and `λ₀UᵀU` cancel, are where the drift term matters. Bounds, `c = (2(d_in + d_out +
@@ -1452,6 +1454,25 @@ fn lazy_factored_step_applies_the_first_order_inverse_by_products() {
 
     let (a, e) = (rand_mat(&mut rng, m, i), rand_mat(&mut rng, m, o));
     let mut w = zeros(&shapes);
+    // Finite batch factors whose step overflows (`P` ~ 1e40 through `X₀U₀`): a typed error
+    // that leaves the optimizer as it was, so the step below must still match the reference.
+    let before = snapshot(&opt);
+    let huge = |x: &Matrix| {
+        let v: Vec<f32> = host(x).iter().map(|&t| 1e20 * (1.0 + t.abs())).collect();
+        DEV.upload(x.rows(), x.cols(), &v).unwrap()
+    };
+    let err = opt
+        .step_grads(
+            &mut w,
+            &[KronGrad::Factored {
+                e: &huge(&e),
+                a: &huge(&a),
+            }],
+            None,
+        )
+        .unwrap_err();
+    assert!(matches!(err, Error::NonFinite { .. }), "{err:?}");
+    assert!(snapshot(&opt) == before && host(&w[0]).iter().all(|&v| v == 0.0));
     let info = opt
         .step_grads(&mut w, &[KronGrad::Factored { e: &e, a: &a }], None)
         .unwrap();
