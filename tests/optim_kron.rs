@@ -371,6 +371,54 @@ fn model_on_chains(
     eta * dot64(pabs, gabs) + 0.5 * eta * eta * (dot64(pabs, &gpl) + lambda * dot64(pabs, pabs))
 }
 
+/// The factored route's absolute chains for the batch factors `e` (`m x d_out`), `a`
+/// (`m x d_in`) and the inverses' absolute values (or bounds) `xg`, `xl`: `(|X_Γ||E|ᵀ|A||X_Λ|/m,
+/// |E|ᵀ|A|/m)`, both `d_out x d_in`.
+fn factored_chains(xg: &[f64], xl: &[f64], e: &Matrix, a: &Matrix) -> (Vec<f64>, Vec<f64>) {
+    let (m, d_out, d_in) = (e.rows(), e.cols(), a.cols());
+    let ea = transpose64(&abs64(e), m, d_out);
+    let aa = abs64(a);
+    let u = common::matmul64(xg, &ea, d_out, d_out, m);
+    let w = common::matmul64(&aa, xl, m, d_in, d_in);
+    let per_m = |x: Vec<f64>| x.iter().map(|v| v / m as f64).collect::<Vec<_>>();
+    (
+        per_m(common::matmul64(&u, &w, d_out, m, d_in)),
+        per_m(common::matmul64(&ea, &aa, d_out, m, d_in)),
+    )
+}
+
+/// The two routes' `−ηP` (or `P`, `eta = 1`) entry by entry within `eta·unit` of `chain`, and
+/// their predicted changes within `2·unit` of the model on chains (`λ` of its `‖P‖²` term,
+/// `gabs`, `chain`, the factors' absolute values `fg`, `fl`).
+#[allow(clippy::too_many_arguments)]
+fn routes_agree(
+    what: &str,
+    (pf, pd): (&[f32], &[f32]),
+    (qf, qd): (Option<f32>, Option<f32>),
+    (eta, lambda, unit): (f64, f64, f64),
+    (gabs, chain): (&[f64], &[f64]),
+    (fg, fl): (&[f64], &[f64]),
+    (d_out, d_in): (usize, usize),
+) -> Result<(), TestCaseError> {
+    for (idx, ((x, y), c)) in pf.iter().zip(pd).zip(chain).enumerate() {
+        let tol = eta * unit * c + f32::MIN_POSITIVE as f64;
+        prop_assert!(
+            (*x as f64 - *y as f64).abs() <= tol,
+            "{what} [{idx}]: factored {x} vs dense {y}, tol {tol:e}"
+        );
+    }
+    if let (Some(a), Some(b)) = (qf, qd) {
+        // |lin| ≤ ⟨|G|, |P|⟩ chains; |curv| ≤ ⟨|P|, |Γ||P||Λ|⟩; ‖P‖² ≤ ‖chain‖².
+        let qmag = model_on_chains((eta, lambda), gabs, chain, fg, fl, (d_out, d_in));
+        let (a, b) = (a as f64, b as f64);
+        prop_assert!(
+            (a - b).abs() <= 2.0 * unit * qmag + 1e-30,
+            "{what} q: factored {a} vs dense {b}, magnitude {qmag:e}"
+        );
+    }
+    Ok(())
+}
+
 /// `KronGrad::Factored { e, a }` (`G = (1/m) EᵀA`) gives the `P` and the predicted change of
 /// the dense route on `G`, on optimizers in the same state, on `dev`. Sizes span both routes
 /// (the optimizer takes the factored one only where it is cheaper: small `m`, wide layers).
@@ -402,7 +450,6 @@ fn factored_matches_dense_on(
     let (sa, se) = (up(&mut rng, m2, d_in), up(&mut rng, m2, d_out));
     let stats = [KronStats { a: &sa, e: &se }];
     let (a, e) = (up(&mut rng, m, d_in), up(&mut rng, m, d_out));
-    let (a64, e64) = (f64s(&a), f64s(&e));
     let (g, _) = batch_grad(dev, &e, &a);
     let factored = [KronGrad::Factored { e: &e, a: &a }];
     let shapes = [(d_out, d_in)];
@@ -430,25 +477,22 @@ fn factored_matches_dense_on(
     // The absolute chains, from the state's inverses and factors.
     let st = opt_f.state().unwrap();
     let l = &st.layers[0];
-    let (xg, xl) = (abs64(&l.gamma.inverse), abs64(&l.lambda.inverse));
     let (fg, fl) = (abs64(&l.gamma.factor), abs64(&l.lambda.factor));
-    let ea = transpose64(&e64.iter().map(|v| v.abs()).collect::<Vec<_>>(), m, d_out);
-    let aa: Vec<f64> = a64.iter().map(|v| v.abs()).collect();
-    let u = common::matmul64(&xg, &ea, d_out, d_out, m);
-    let w = common::matmul64(&aa, &xl, m, d_in, d_in);
-    let chain: Vec<f64> = common::matmul64(&u, &w, d_out, m, d_in)
-        .iter()
-        .map(|v| v / m as f64)
-        .collect();
+    let (chain, gabs) =
+        factored_chains(&abs64(&l.gamma.inverse), &abs64(&l.lambda.inverse), &e, &a);
     let k = (m + d_out + d_in + 8) as f64;
     let unit = 4.0 * k * f32::EPSILON as f64 / 2.0;
-    for (idx, ((x, y), c)) in pf.iter().zip(&pd).zip(&chain).enumerate() {
-        let tol = unit * c + f32::MIN_POSITIVE as f64;
-        prop_assert!(
-            (*x as f64 - *y as f64).abs() <= tol,
-            "{dev:?} P[{idx}]: factored {x} vs dense {y}, tol {tol:e}"
-        );
-    }
+    let (sh, fac) = ((d_out, d_in), (&fg[..], &fl[..]));
+    let chains = (&gabs[..], &chain[..]);
+    routes_agree(
+        &format!("{dev:?} P"),
+        (&pf, &pd),
+        (None, None),
+        (1.0, 0.0, unit),
+        chains,
+        fac,
+        sh,
+    )?;
 
     // The predicted change of a step from the same state on each route.
     let w0 = common::vals(&mut rng, d_out * d_in);
@@ -459,22 +503,16 @@ fn factored_matches_dense_on(
     let qf = opt_f.step_grads(&mut wf, &factored, Some(&stats)).unwrap();
     let qd = opt_d.step(&mut wd, &[&g], Some(&stats)).unwrap();
     prop_assert_eq!(qf.lr, qd.lr);
-    let eta = qf.lr as f64;
-    // |lin| ≤ ⟨|G|, |P|⟩ chains; |curv| ≤ ⟨|P|, |Γ||P||Λ|⟩; ‖P‖² ≤ ‖chain‖².
-    let gabs: Vec<f64> = common::matmul64(&ea, &aa, d_out, m, d_in)
-        .iter()
-        .map(|v| v / m as f64)
-        .collect();
     let lambda = l.lambda.damping as f64 * l.gamma.damping as f64;
-    let qmag = model_on_chains((eta, lambda), &gabs, &chain, &fg, &fl, (d_out, d_in));
-    let (a_, b_) = (
-        qf.predicted_change.unwrap() as f64,
-        qd.predicted_change.unwrap() as f64,
-    );
-    prop_assert!(
-        (a_ - b_).abs() <= 2.0 * unit * qmag + 1e-30,
-        "{dev:?} q factored {a_} vs dense {b_}, magnitude {qmag:e}"
-    );
+    routes_agree(
+        &format!("{dev:?} step"),
+        (&[], &[]),
+        (qf.predicted_change, qd.predicted_change),
+        (qf.lr as f64, lambda, unit),
+        chains,
+        fac,
+        sh,
+    )?;
 
     // A lazy step at a moved damping (a good model lowers ρ by φ = 0.8 on both): the dense
     // route applies the first-order inverses `X₀ − d·X₀²` as formed (with `S₀`), the factored
@@ -487,7 +525,6 @@ fn factored_matches_dense_on(
             .unwrap();
     }
     let (a2, e2) = (up(&mut rng, m, d_in), up(&mut rng, m, d_out));
-    let (a64, e64) = (f64s(&a2), f64s(&e2));
     let (g2, _) = batch_grad(dev, &e2, &a2);
     let mut wf = vec![dev.zeros(d_out, d_in).unwrap()];
     let mut wd = vec![dev.zeros(d_out, d_in).unwrap()];
@@ -500,44 +537,19 @@ fn factored_matches_dense_on(
     let l = &st.layers[0];
     // RING's and NGD's dampings scale by √(ρ/ρ₀) = √0.8 (or stay at the floor): `λ₀·√0.8`
     // bounds the drift `|d|`, and `λ₀` the damping of the `‖P‖²` term, from above.
-    let target = |s: &KronFactorState| s.damping * 0.8f32.sqrt();
-    let (xg, xl) = (
-        common::first_order_scale64(&l.gamma, target(&l.gamma)),
-        common::first_order_scale64(&l.lambda, target(&l.lambda)),
-    );
-    let ea = transpose64(&e64.iter().map(|v| v.abs()).collect::<Vec<_>>(), m, d_out);
-    let aa: Vec<f64> = a64.iter().map(|v| v.abs()).collect();
-    let u = common::matmul64(&xg, &ea, d_out, d_out, m);
-    let w = common::matmul64(&aa, &xl, m, d_in, d_in);
-    let chain: Vec<f64> = common::matmul64(&u, &w, d_out, m, d_in)
-        .iter()
-        .map(|v| v / m as f64)
-        .collect();
+    let bound = |s: &KronFactorState| common::first_order_scale64(s, s.damping * 0.8f32.sqrt());
+    let (chain, gabs) = factored_chains(&bound(&l.gamma), &bound(&l.lambda), &e2, &a2);
     let unit = 4.0 * (k + (d_out + d_in) as f64) * f32::EPSILON as f64 / 2.0;
-    let eta = lf.lr as f64;
-    let (pf, pd) = (host(&wf[0]), host(&wd[0]));
-    for (idx, ((x, y), c)) in pf.iter().zip(&pd).zip(&chain).enumerate() {
-        let tol = eta * unit * c + f32::MIN_POSITIVE as f64;
-        prop_assert!(
-            (*x as f64 - *y as f64).abs() <= tol,
-            "{dev:?} lazy −ηP[{idx}]: factored {x} vs dense {y}, tol {tol:e}"
-        );
-    }
-    let gabs: Vec<f64> = common::matmul64(&ea, &aa, d_out, m, d_in)
-        .iter()
-        .map(|v| v / m as f64)
-        .collect();
     let lambda = l.lambda.damping as f64 * l.gamma.damping as f64;
-    let qmag = model_on_chains((eta, lambda), &gabs, &chain, &fg, &fl, (d_out, d_in));
-    let (a_, b_) = (
-        lf.predicted_change.unwrap() as f64,
-        ld.predicted_change.unwrap() as f64,
-    );
-    prop_assert!(
-        (a_ - b_).abs() <= 2.0 * unit * qmag + 1e-30,
-        "{dev:?} lazy q factored {a_} vs dense {b_}, magnitude {qmag:e}"
-    );
-    Ok(())
+    routes_agree(
+        &format!("{dev:?} lazy −ηP"),
+        (&host(&wf[0]), &host(&wd[0])),
+        (lf.predicted_change, ld.predicted_change),
+        (lf.lr as f64, lambda, unit),
+        (&gabs, &chain),
+        fac,
+        sh,
+    )
 }
 
 proptest! {
