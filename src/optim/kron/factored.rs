@@ -29,7 +29,9 @@
 //! `2⁻²⁴·κ` of `⟨G, P⟩` at most (`κ` the damped factor's condition number, through the
 //! rounding of `F + λI` and of `X`), so [`by_identity`] asks for `κ ≤ IDENTITY_MAX_COND`:
 //! `≲ 2.4e-4` of the linear term, far inside what the Levenberg–Marquardt ratio's thresholds
-//! (1/4, 3/4) resolve.
+//! (1/4, 3/4) resolve. The dense route takes it too: with `T = GΛ̃⁻¹` and `P = Γ̃⁻¹T`,
+//! `ΓP = T − λ_Γ·P`, so `ΓPΛ` costs one product by `Λ` instead of two where the `Γ` side
+//! qualifies: three `n³`-sized products, not four.
 //!
 //! # A lazy step's first-order inverse by products
 //! The first-order inverse `X = X₀ − d·X₀²` of a lazy step ([`super::layer`]) misses the
@@ -226,8 +228,9 @@ fn by_first_order(
     d.axpy_over(-lambda0, AxpyOver::X { x: uz, y: lin })
 }
 
-/// The dense route: two products for `P`, two for `ΓPΛ`. Both inverses are dense here: the
-/// rows' route is planned only for factored gradients, which take [`factored`] then.
+/// The dense route: two products for `P`, two for `ΓPΛ`, or one where `Γ̃⁻¹` takes the
+/// identity (module docs). Both inverses are dense here: the rows' route is planned only
+/// for factored gradients, which take [`factored`] then.
 fn dense(d: &Device, v: &LayerView<'_>, g: &Matrix, with_model: bool) -> Result<Preconditioned> {
     let (InverseView::Dense { x: gamma_inv, .. }, InverseView::Dense { x: lambda_inv, .. }) =
         (v.gamma_inv, v.lambda_inv)
@@ -239,15 +242,32 @@ fn dense(d: &Device, v: &LayerView<'_>, g: &Matrix, with_model: bool) -> Result<
             expected: "factored gradients where the low-rank or by-products route is planned",
         });
     };
-    let (o, i) = g.shape();
-    let mut p = d.zeros(o, i)?;
-    d.precondition_valid_inputs(gamma_inv, g, lambda_inv, &mut p)?;
-    let terms = if with_model {
-        let gp = gemm(d, Trans::No, Trans::No, 1.0, v.gamma.dense_factor()?, &p)?;
-        let gpl = gemm(d, Trans::No, Trans::No, 1.0, &gp, v.lambda.dense_factor()?)?;
-        Some((d.dot_deferred(g, &p)?, d.dot_deferred(&p, &gpl)?))
-    } else {
-        None
+    let no = Trans::No;
+    let (p, gpl) = match (with_model, v.identity) {
+        // `ΓP = T − λ_Γ·P` with `T = GΛ̃⁻¹`, `P = Γ̃⁻¹T` (module docs): one product by `Λ`.
+        (true, (_, true)) => {
+            let t = gemm(d, no, no, 1.0, g, lambda_inv)?;
+            let p = gemm(d, no, no, 1.0, gamma_inv, &t)?;
+            let gp = d.axpy_over(-v.damping.1, AxpyOver::Y { x: &p, y: t })?;
+            let gpl = gemm(d, no, no, 1.0, &gp, v.lambda.dense_factor()?)?;
+            (p, Some(gpl))
+        }
+        (with_model, _) => {
+            let (o, i) = g.shape();
+            let mut p = d.zeros(o, i)?;
+            d.precondition_valid_inputs(gamma_inv, g, lambda_inv, &mut p)?;
+            let gpl = if with_model {
+                let gp = gemm(d, no, no, 1.0, v.gamma.dense_factor()?, &p)?;
+                Some(gemm(d, no, no, 1.0, &gp, v.lambda.dense_factor()?)?)
+            } else {
+                None
+            };
+            (p, gpl)
+        }
+    };
+    let terms = match gpl {
+        Some(gpl) => Some((d.dot_deferred(g, &p)?, d.dot_deferred(&p, &gpl)?)),
+        None => None,
     };
     Ok(Preconditioned {
         p,
