@@ -451,6 +451,7 @@ fn zero_matrix(op: &'static str) -> Error {
 #[cfg(test)]
 mod tests {
     use super::*;
+
     fn norms(a: &[f64], n: usize) -> ANorms {
         ANorms {
             inf: (0..n)

@@ -621,6 +621,12 @@ fn bad_factored_gradient_is_rejected_and_changes_nothing() {
     assert_eq!((snapshot(&opt), host(&w[0])), before);
 }
 
+/// `1e20·(1 + |x|)` entry by entry: finite batch factors whose step overflows.
+fn huge(x: &Matrix) -> Matrix {
+    let v: Vec<f32> = host(x).iter().map(|&t| 1e20 * (1.0 + t.abs())).collect();
+    DEV.upload(x.rows(), x.cols(), &v).unwrap()
+}
+
 /// A factored step whose `P` overflows although every input is finite (`E` and `A` of size
 /// 1e20: `P = Γ̃⁻¹EᵀAΛ̃⁻¹/m` ~ 1e40) is a typed `NonFinite` error and changes nothing — on the
 /// CPU's rows' route, where the update (`Device::axpy_over`) is what checks `P`, and on the
@@ -651,10 +657,6 @@ fn overflowing_factored_step_is_rejected_and_changes_nothing() {
         opt.step_grads(&mut w, &[KronGrad::Factored { e: &e, a: &a }], Some(&stats))
             .unwrap();
         let before = (snapshot(&opt), host(&w[0]));
-        let huge = |x: &Matrix| {
-            let v: Vec<f32> = host(x).iter().map(|&t| 1e20 * (1.0 + t.abs())).collect();
-            DEV.upload(x.rows(), x.cols(), &v).unwrap()
-        };
         let (ah, eh) = (huge(&a), huge(&e));
         // A lazy step: no statistics.
         let err = opt
@@ -1469,10 +1471,6 @@ fn lazy_factored_step_applies_the_first_order_inverse_by_products() {
     // Finite batch factors whose step overflows (`P` ~ 1e40 through `X₀U₀`): a typed error
     // that leaves the optimizer as it was, so the step below must still match the reference.
     let before = snapshot(&opt);
-    let huge = |x: &Matrix| {
-        let v: Vec<f32> = host(x).iter().map(|&t| 1e20 * (1.0 + t.abs())).collect();
-        DEV.upload(x.rows(), x.cols(), &v).unwrap()
-    };
     let err = opt
         .step_grads(
             &mut w,

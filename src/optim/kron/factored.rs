@@ -71,13 +71,23 @@ pub enum KronGrad<'a> {
     },
 }
 
-/// True when the factored route (module docs) costs fewer flops than the dense one for a
-/// `d_out x d_in` layer and `m` samples. Both routes run on one engine per device — the CPU's
-/// GEMM, or the kernel devices' split3 tensor-core products (the preconditioning's, and
-/// [`Device::product_valid_inputs`] for every other product) — so flops decide. `with_model`:
-/// the quadratic model's terms are needed too (a step, not a bare preconditioning).
-pub(super) fn factored_is_cheaper(m: usize, d_out: usize, d_in: usize, with_model: bool) -> bool {
-    let (m, o, i) = (m as f64, d_out as f64, d_in as f64);
+/// True when `g` comes by its batch factors and the factored route (module docs) costs fewer
+/// flops than the dense one for its `d_out x d_in` layer: [`precondition`] then takes the
+/// factored route whatever the inverses' views, which the lazy plan's
+/// [`super::layer::Retarget::ByProducts`] relies on. Both routes run on one engine per
+/// device — the CPU's GEMM, or the kernel devices' split3 tensor-core products (the
+/// preconditioning's, and [`Device::product_valid_inputs`] for every other product) — so
+/// flops decide. `with_model`: the quadratic model's terms are needed too (a step, not a bare
+/// preconditioning).
+pub(super) fn factored_is_cheaper(
+    g: &KronGrad<'_>,
+    (d_out, d_in): (usize, usize),
+    with_model: bool,
+) -> bool {
+    let KronGrad::Factored { e, .. } = g else {
+        return false;
+    };
+    let (m, o, i) = (e.rows() as f64, d_out as f64, d_in as f64);
     let mut factored = 2.0 * m * (o * o + i * i + o * i);
     let mut dense = 2.0 * m * o * i + 2.0 * o * i * (o + i);
     if with_model {
@@ -185,12 +195,11 @@ pub(super) fn precondition(
 ) -> Result<Preconditioned> {
     let (o, i) = (v.gamma.dim(), v.lambda.dim());
     let rows_route = |x: &InverseView<'_>| matches!(x, InverseView::LowRank(..));
+    let cheaper = factored_is_cheaper(&g, (o, i), with_model);
     match g {
         // The rows' route (`low_rank.rs`) multiplies the batch factors themselves.
         KronGrad::Factored { e, a }
-            if rows_route(&v.gamma_inv)
-                || rows_route(&v.lambda_inv)
-                || factored_is_cheaper(e.rows(), o, i, with_model) =>
+            if rows_route(&v.gamma_inv) || rows_route(&v.lambda_inv) || cheaper =>
         {
             factored(d, v, e, a, with_model, spare)
         }

@@ -689,10 +689,8 @@ impl KronOptimizer {
         let Some(stats) = stats else {
             let layers = self.st.layers.iter().zip(grads).collect();
             let ups = tasks::map(&self.device, layers, |(layer, g)| {
-                // `factored::precondition` takes the factored route at least there.
-                let by_products = with_model
-                    && matches!(g, KronGrad::Factored { e, .. }
-                        if factored_is_cheaper(e.rows(), layer.gamma.dim(), layer.lambda.dim(), true));
+                let shape = (layer.gamma.dim(), layer.lambda.dim());
+                let by_products = with_model && factored_is_cheaper(g, shape, with_model);
                 let (dl, dg) = factor_dampings(
                     &self.config,
                     rho,
