@@ -60,7 +60,7 @@ pub(crate) fn gemm_dims(
 }
 
 /// `(row stride, column stride)` of `op(X)` for a row-major view with leading dimension `ld`.
-fn op_strides(t: Trans, ld: usize) -> (isize, isize) {
+pub(crate) fn op_strides(t: Trans, ld: usize) -> (isize, isize) {
     // Row-major: element (i, j) at i*ld + j. Transposing swaps the two strides.
     match t {
         Trans::No => (ld as isize, 1),

@@ -261,6 +261,41 @@ impl Device {
         Ok(c)
     }
 
+    /// [`Device::product_of`] of a product the caller knows to be symmetric in exact
+    /// arithmetic (`n x n`: `E·Γ̃⁻¹·Eᵀ`, `UᵀΓU`, …). The CPU computes its lower triangle and
+    /// mirrors it ([`crate::cpu::kron::symmetric_product`]: ~half the flops, exactly
+    /// symmetric); the kernel devices compute the whole product (their split3 engine has no
+    /// mirrored variant for it), symmetric to its rounding.
+    ///
+    /// # Errors
+    /// As [`Device::product_of`]; [`crate::Error::Shape`] unless `op(A)·op(B)` is square.
+    pub(crate) fn symmetric_product_of(
+        &self,
+        ta: Trans,
+        tb: Trans,
+        alpha: f32,
+        a: &Operand<'_>,
+        b: &Operand<'_>,
+    ) -> Result<Matrix> {
+        let (n, cols) = (
+            op_shape(ta, a.matrix().shape()).0,
+            op_shape(tb, b.matrix().shape()).1,
+        );
+        crate::error::check_shape(OP, "op(a)·op(b)", (n, cols), (n, n))?;
+        let (Device::Cpu, Operand::Host(ah), Operand::Host(bh)) = (self, a, b) else {
+            return self.product_of(ta, tb, alpha, a, b);
+        };
+        let mut c = self.zeros(n, n)?;
+        crate::cpu::kron::symmetric_product(
+            (ta, host_ref(*ah)?),
+            (tb, host_ref(*bh)?),
+            alpha,
+            host_mut(&mut c)?,
+        )?;
+        self.check_all_finite(OP, &[(OVERFLOW, &c)])?;
+        Ok(c)
+    }
+
     /// The product itself on this device's backend, writing `c` in place.
     #[allow(clippy::too_many_arguments)]
     fn gemm_kernel<T: Element>(
@@ -339,6 +374,81 @@ impl Operand<'_> {
         match self {
             Operand::Host(m) => m,
             Operand::Split(s) => s.matrix(),
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use crate::mat::Trans;
+    use crate::Device;
+    use rand::{Rng, SeedableRng};
+
+    proptest::proptest! {
+        #![proptest_config(crate::testing::proptest_config(8))]
+
+        /// [`Device::symmetric_product_of`] of `E·(X·Eᵀ)` (`X` symmetric, ragged shapes), on
+        /// the CPU (lower triangle, mirrored) and the emulated kernels (the whole split3
+        /// product), against the product in `f64`: within `2·(k + 8)·2⁻²⁴·Σ|e||u|` per
+        /// element, twice the split3 bound (the CPU's f32 GEMM bound, `k·2⁻²⁴`, is inside it).
+        /// The CPU's result is exactly symmetric; a product that is not square is an
+        /// [`crate::Error::Shape`] on both.
+        #[test]
+        fn symmetric_product_matches_the_product(
+            m in 2usize..=80,
+            k in 1usize..=100,
+            seed in proptest::prelude::any::<u64>(),
+        ) {
+            let mut rng = rand_chacha::ChaCha8Rng::seed_from_u64(seed);
+            let e: Vec<f32> = (0..m * k).map(|_| rng.random_range(-1.0..1.0)).collect();
+            let mut x = vec![0.0f32; k * k];
+            for i in 0..k {
+                for j in 0..=i {
+                    let v = rng.random_range(-1.0..1.0);
+                    (x[i * k + j], x[j * k + i]) = (v, v);
+                }
+            }
+            // U = X·Eᵀ (k x m), rounded to f32: the reference multiplies the same values.
+            let u: Vec<f32> = (0..k * m)
+                .map(|t| {
+                    let (r, c) = (t / m, t % m);
+                    (0..k).map(|p| x[r * k + p] as f64 * e[c * k + p] as f64).sum::<f64>() as f32
+                })
+                .collect();
+            for dev in [Device::Cpu, Device::Emulated] {
+                let (ed, ud) = (dev.upload(m, k, &e).unwrap(), dev.upload(k, m, &u).unwrap());
+                let (eo, uo) = (dev.operand(&ed).unwrap(), dev.operand(&ud).unwrap());
+                let c = dev
+                    .symmetric_product_of(Trans::No, Trans::No, 0.5, &eo, &uo)
+                    .unwrap()
+                    .to_vec()
+                    .unwrap();
+                for i in 0..m {
+                    for j in 0..m {
+                        let (mut want, mut abs) = (0.0f64, 0.0f64);
+                        for p in 0..k {
+                            let t = e[i * k + p] as f64 * u[p * m + j] as f64;
+                            (want, abs) = (want + t, abs + t.abs());
+                        }
+                        let bound = 2.0 * (k + 8) as f64 * (0.5 * abs) / (1u64 << 24) as f64;
+                        let got = c[i * m + j] as f64;
+                        proptest::prop_assert!(
+                            (got - 0.5 * want).abs() <= bound,
+                            "{} ({}, {}): {} vs {}", dev.name(), i, j, got, 0.5 * want
+                        );
+                        if matches!(dev, Device::Cpu) {
+                            proptest::prop_assert_eq!(c[i * m + j], c[j * m + i]);
+                        }
+                    }
+                }
+                let wide = dev.zeros(k, m + 1).unwrap();
+                let not_square =
+                    dev.symmetric_product_of(Trans::No, Trans::No, 1.0, &eo, &dev.operand(&wide).unwrap());
+                proptest::prop_assert!(
+                    matches!(not_square, Err(crate::Error::Shape { .. })),
+                    "{}", dev.name()
+                );
+            }
         }
     }
 }

@@ -11,7 +11,9 @@
 //! - `⟨P, ΓPΛ⟩ = (1/m²)·⟨UᵀΓU, VΛVᵀ⟩` (`tr(VᵀUᵀ·ΓU·VΛ)`, both `m x m` and symmetric).
 //!
 //! These are identities, not approximations: the same `P` and the same model terms (SPEC §2)
-//! up to rounding.
+//! up to rounding. Every `m x m` product here is symmetric (`EU = E·Γ̃⁻¹·Eᵀ`, `UᵀΓU`, and
+//! likewise on the `Λ` side), so the CPU computes its lower triangle only
+//! ([`Device::symmetric_product_of`]).
 //!
 //! Flops (a GEMM `p x q x r` counted `2pqr`): the dense route costs
 //! `4·d_out·d_in·(d_out + d_in)` (two products for `P`, two for `ΓPΛ`), the factored one
@@ -233,7 +235,8 @@ fn by_first_order(
     (lambda0, dl): (f32, f32),
 ) -> Result<Matrix> {
     let z = d.axpy_over(dl / lambda0, AxpyOver::X { x: u0, y: u })?;
-    let uz = gemm(d, ta, tb, alpha, u, &z)?;
+    // `Uᵀ(U + c·U₀) = E(X² + cXX₀)Eᵀ` is symmetric (`X` and `X₀` commute).
+    let uz = d.symmetric_product_of(ta, tb, alpha, &d.operand(u)?, &d.operand(&z)?)?;
     d.axpy_over(-lambda0, AxpyOver::X { x: uz, y: lin })
 }
 
@@ -353,7 +356,8 @@ fn factored(
         let ((eu, ugu), (awt, wlw)) = tasks::join(
             d,
             || {
-                let eu = d.product_of(no, t_u, inv_m, &eo, &uo)?;
+                // `EU = E·Γ̃⁻¹·Eᵀ` and every `UᵀΓU` below are symmetric (module docs).
+                let eu = d.symmetric_product_of(no, t_u, inv_m, &eo, &uo)?;
                 // `UᵀΓU`: through the rows `KᵀK/m'` (`Γ = R_ΓᵀR_Γ/m'`), by `X₀`'s identity
                 // for a first-order inverse, by the identity `EU − λ·UᵀU` (`u` is `U` on the
                 // dense side), else by the factor.
@@ -369,13 +373,13 @@ fn factored(
                     (None, ..) => {
                         let gamma = d.operand(v.gamma.dense_factor()?)?;
                         let gu = d.product_of(no, no, 1.0, &gamma, &uo)?;
-                        d.product_of(yes, no, inv_m, &uo, &d.operand(&gu)?)?
+                        d.symmetric_product_of(yes, no, inv_m, &uo, &d.operand(&gu)?)?
                     }
                 };
                 Ok((eu, ugu))
             },
             || {
-                let awt = d.product_of(no, yes, inv_m, &ao, &wo)?;
+                let awt = d.symmetric_product_of(no, yes, inv_m, &ao, &wo)?;
                 let wlw = match (&k_lambda, w0, v.lambda_inv) {
                     (Some(k), ..) => gram(d, k, inv_m / k.rows() as f32)?,
                     (None, Some(w0), InverseView::FirstOrder { lambda0, d: dl, .. }) => {
@@ -389,7 +393,7 @@ fn factored(
                     (None, ..) => {
                         let lambda = d.operand(v.lambda.dense_factor()?)?;
                         let wl = d.product_of(no, no, 1.0, &wo, &lambda)?;
-                        d.product_of(no, yes, inv_m, &d.operand(&wl)?, &wo)?
+                        d.symmetric_product_of(no, yes, inv_m, &d.operand(&wl)?, &wo)?
                     }
                 };
                 Ok((awt, wlw))
