@@ -69,42 +69,141 @@ fn inverse_work(n: usize) -> usize {
 /// `n x n` `w` (only its lower triangle is read), by faer with [`faer_par`], or
 /// [`Error::NotSpd`] with the first pivot that is not positive.
 pub(super) fn factor(op: &'static str, w: &[f64], n: usize) -> Result<faer::Mat<f64>> {
+    let mut l = faer::Mat::<f64>::zeros(n, n);
+    l.copy_from_triangular_lower(faer::MatRef::from_row_major_slice(w, n, n));
+    match llt_in_place(&mut l)? {
+        Some(index) => Err(Error::NotSpd {
+            op,
+            index,
+            pivot: pivot_at(w, n, index),
+        }),
+        None => Ok(l),
+    }
+}
+
+/// [`factor`] of a square `f32` view, widened as [`widen_lower`] does (the same `f64` lower
+/// triangle, so the same factor bit for bit, without the row-major `f64` copy and faer's
+/// strided transposing copy of it: ~1.2 ms of a 1024-wide inverse's ~15 ms).
+///
+/// # Errors
+/// [`Error::Shape`] unless `a` is square, [`Error::NonFinite`] for NaN/Inf anywhere in `a`,
+/// [`Error::NotSpd`] with the first pivot that is not positive.
+fn factor_view(op: &'static str, arg: &'static str, a: MatRef<'_, f32>) -> Result<faer::Mat<f64>> {
+    let n = a.rows();
+    check_shape(op, arg, a.shape(), (n, n))?;
+    let mut l = widen_lower(op, arg, a)?;
+    match super::on_pool(inverse_work(n) / 3, || llt_in_place(&mut l))? {
+        // Error path only: the pivot's value from the row-major widening.
+        Some(index) => Err(Error::NotSpd {
+            op,
+            index,
+            pivot: pivot_at(&widen_finite(op, arg, a)?, n, index),
+        }),
+        None => Ok(l),
+    }
+}
+
+/// faer's Cholesky factorization of the lower triangle of `l` in place (with [`faer_par`]):
+/// `Some` index of the first pivot that is not positive, or [`Error::OutOfMemory`] for its
+/// workspace. The strict upper triangle is neither read nor written.
+fn llt_in_place(l: &mut faer::Mat<f64>) -> Result<Option<usize>> {
     use faer::dyn_stack::MemStack;
     use faer::linalg::cholesky::llt::factor::{cholesky_in_place, cholesky_in_place_scratch};
+    let n = l.nrows();
     let par = faer_par(n);
-    let a = faer::MatRef::from_row_major_slice(w, n, n);
-    let mut l = faer::Mat::<f64>::zeros(n, n);
-    l.copy_from_triangular_lower(a);
     let mut mem = scratch(cholesky_in_place_scratch::<f64>(n, par, Default::default()))?;
-    cholesky_in_place(
+    let r = cholesky_in_place(
         l.as_mut(),
         Default::default(),
         par,
         MemStack::new(&mut mem),
         Default::default(),
-    )
-    .map_err(|e| {
+    );
+    Ok(r.err().map(|e| {
         let faer::linalg::cholesky::llt::factor::LltError::NonPositivePivot { index } = e;
-        Error::NotSpd {
-            op,
-            index,
-            pivot: pivot_at(w, n, index),
+        index
+    }))
+}
+
+/// Rows and columns of the tiles of [`widen_lower`] and [`symmetric_from_lower`]: a tile of
+/// `f64` is 32 KiB, so a tile's strided side stays in L1/L2 while the other is streamed.
+const TILE: usize = 64;
+
+/// The lower triangle of the square row-major `a`, widened to `f64` (exact), as a
+/// column-major faer matrix whose strict upper triangle is zero — what faer's factorization
+/// reads — rejecting NaN/Inf anywhere in `a` as [`widen_finite`] does (the first in row
+/// order, flat index `i * n + j`). By blocks of [`TILE`] rows: each block's rows are checked
+/// whole (contiguous), then written transposed tile by tile while they are in cache, so each
+/// column of the result is written in runs of `TILE` values.
+fn widen_lower(op: &'static str, arg: &'static str, a: MatRef<'_, f32>) -> Result<faer::Mat<f64>> {
+    let n = a.rows();
+    let mut l = faer::Mat::<f64>::zeros(n, n);
+    for i0 in (0..n).step_by(TILE) {
+        let i1 = (i0 + TILE).min(n);
+        for i in i0..i1 {
+            let row = a.row(i);
+            if let Some(j) = first_non_finite(row) {
+                return Err(Error::NonFinite {
+                    op,
+                    arg,
+                    index: i * n + j,
+                    value: row[j],
+                });
+            }
         }
-    })?;
+        for j in 0..i1 {
+            let r0 = i0.max(j);
+            for (i, v) in (r0..i1).zip(&mut l.col_as_slice_mut(j)[r0..i1]) {
+                *v = a.row(i)[j] as f64;
+            }
+        }
+    }
     Ok(l)
+}
+
+/// The row-major `n x n` symmetric matrix whose lower triangle is `x`'s (column-major; its
+/// strict upper triangle is not read), each value mapped by `f`, by [`TILE`] x [`TILE`] tiles
+/// of the lower triangle: a tile's column segments are contiguous in `x` and in the rows of
+/// the upper triangle they mirror to, and go to the lower triangle's rows through a tile
+/// transposed in a local buffer, so every store is a run of `TILE` values (element-wise stores
+/// down a column, `4n` bytes apart, all land in the same cache sets when `n` is a power of
+/// two). One pass where mirroring `x` in place and then reading its columns was two.
+fn symmetric_from_lower<T: Copy + Default>(
+    x: &faer::Mat<f64>,
+    f: impl Fn(f64) -> T,
+) -> Result<Vec<T>> {
+    let n = x.nrows();
+    let mut out = try_vec(n, n, T::default())?;
+    let mut buf = [[T::default(); TILE]; TILE];
+    for j0 in (0..n).step_by(TILE) {
+        let j1 = (j0 + TILE).min(n);
+        for i0 in (j0..n).step_by(TILE) {
+            let i1 = (i0 + TILE).min(n);
+            for j in j0..j1 {
+                let r0 = i0.max(j);
+                let col = &x.col_as_slice(j)[r0..i1];
+                // Row j, columns r0..i1: the upper triangle's mirror, contiguous.
+                for (o, &v) in out[j * n + r0..j * n + i1].iter_mut().zip(col) {
+                    *o = f(v);
+                }
+                for (i, &v) in (r0..i1).zip(col) {
+                    buf[i - i0][j - j0] = f(v);
+                }
+            }
+            // Rows i0..i1, columns j0..min(j1, i + 1): the lower triangle.
+            for (i, row) in (i0..i1).zip(&buf) {
+                let c1 = j1.min(i + 1);
+                out[i * n + j0..i * n + c1].copy_from_slice(&row[..c1 - j0]);
+            }
+        }
+    }
+    Ok(out)
 }
 
 /// `A⁻¹` (row-major, exactly symmetric) of the row-major SPD `n x n` `a` (lower triangle
 /// read), in `f64`: [`Error::NotSpd`] naming the first bad pivot otherwise.
 pub(super) fn spd_inverse_f64(op: &'static str, a: &[f64], n: usize) -> Result<Vec<f64>> {
-    let inv = llt_inverse(&factor(op, a, n)?)?;
-    let mut out = try_vec(n, n, 0.0f64)?;
-    for (i, row) in out.chunks_mut(n.max(1)).enumerate() {
-        for (j, v) in row.iter_mut().enumerate() {
-            *v = inv[(i, j)];
-        }
-    }
-    Ok(out)
+    symmetric_from_lower(&llt_inverse(&factor(op, a, n)?)?, |v| v)
 }
 
 /// faer's workspace for one call, or [`Error::OutOfMemory`] where the allocator refuses.
@@ -119,8 +218,8 @@ fn scratch(req: faer::dyn_stack::StackReq) -> Result<faer::dyn_stack::MemBuffer>
     })
 }
 
-/// `A⁻¹` from the lower factor `l` of `A` (column-major), exactly symmetric (faer computes one
-/// triangle; the other is mirrored).
+/// The lower triangle of `A⁻¹` (column-major; the strict upper triangle is zero) from the
+/// lower factor `l` of `A`: faer computes one triangle, and [`symmetric_from_lower`] reads it.
 fn llt_inverse(l: &faer::Mat<f64>) -> Result<faer::Mat<f64>> {
     use faer::dyn_stack::MemStack;
     use faer::linalg::cholesky::llt::inverse::{inverse, inverse_scratch};
@@ -129,12 +228,6 @@ fn llt_inverse(l: &faer::Mat<f64>) -> Result<faer::Mat<f64>> {
     let mut out = faer::Mat::<f64>::zeros(n, n);
     let mut mem = scratch(inverse_scratch::<f64>(n, par))?;
     inverse(out.as_mut(), l.as_ref(), par, MemStack::new(&mut mem));
-    // faer fills the lower triangle; mirror it, as its own `Llt::inverse` does.
-    for j in 0..n {
-        for i in 0..j {
-            out[(i, j)] = out[(j, i)];
-        }
-    }
     Ok(out)
 }
 
@@ -192,8 +285,7 @@ fn round(rows: usize, cols: usize, at: impl Fn(usize, usize) -> f64) -> Result<M
 pub fn cholesky(a: MatRef<'_, f32>) -> Result<Mat> {
     const OP: &str = "cpu::cholesky";
     let n = a.rows();
-    let w = widen_square(OP, "a", a)?;
-    let l = super::on_pool(inverse_work(n) / 3, || factor(OP, &w, n))?;
+    let l = factor_view(OP, "a", a)?;
     round(n, n, |i, j| if j <= i { l[(i, j)] } else { 0.0 })
 }
 
@@ -250,26 +342,7 @@ pub fn cholesky_solve(l: MatRef<'_, f32>, mut b: MatMut<'_, f32>) -> Result<()> 
 pub fn cholesky_inverse(a: MatRef<'_, f32>) -> Result<Mat> {
     const OP: &str = "cpu::cholesky_inverse";
     let n = a.rows();
-    let w = widen_square(OP, "a", a)?;
-    let x = super::on_pool(inverse_work(n), || llt_inverse(&factor(OP, &w, n)?))?;
-    round_symmetric(&x)
-}
-
-/// The symmetric `X` rounded to `f32`, row `i` from column `i` (contiguous in faer's
-/// column-major storage). faer's inverse is exactly symmetric (its
-/// `make_self_adjoint` mirrors the computed triangle), so this is the row-major `X` and the
-/// result is exactly symmetric (`cpu_dense::cholesky_factor_solve_inverse` checks it bit for
-/// bit). One sequential pass: reading rows of the column-major matrix instead (the former
-/// mean of both triangles) cost ~10% of the whole inverse at n = 1024, and spreading this pass
-/// over rayon threads made it slower (the fresh pages fault in parallel), measured with
-/// `cargo bench --bench newton -- grng_cholesky_inverse/1024`.
-fn round_symmetric(x: &faer::Mat<f64>) -> Result<Mat> {
-    let n = x.nrows();
-    let mut data = try_vec(n * n, 1, 0.0f32)?;
-    for (i, row) in data.chunks_mut(n.max(1)).enumerate() {
-        for (v, &w) in row.iter_mut().zip(x.col_as_slice(i)) {
-            *v = w as f32;
-        }
-    }
-    Mat::from_vec(data, n, n)
+    let l = factor_view(OP, "a", a)?;
+    let x = super::on_pool(inverse_work(n), || llt_inverse(&l))?;
+    Mat::from_vec(symmetric_from_lower(&x, |v| v as f32)?, n, n)
 }
