@@ -10,7 +10,8 @@ use faer::linalg::solvers::Solve;
 
 use crate::device::Element;
 use crate::error::{
-    check_shape, first_non_finite, out_of_memory, try_vec, try_with_capacity, Error, Result,
+    check_shape, check_value, first_non_finite, out_of_memory, try_vec, try_with_capacity, Error,
+    Result, OVERFLOW,
 };
 use crate::mat::{Mat, MatMut, MatRef};
 
@@ -88,18 +89,40 @@ pub(super) fn factor(op: &'static str, w: &[f64], n: usize) -> Result<faer::Mat<
 /// # Errors
 /// [`Error::Shape`] unless `a` is square, [`Error::NonFinite`] for NaN/Inf anywhere in `a`,
 /// [`Error::NotSpd`] with the first pivot that is not positive.
-fn factor_view(op: &'static str, arg: &'static str, a: MatRef<'_, f32>) -> Result<faer::Mat<f64>> {
+///
+/// `shift`: `λ` added to the diagonal in `f32` as it is widened ([`shifted`]), the factor of
+/// `A + λI` as [`crate::cpu::add_diagonal`] would form it, without forming it.
+fn factor_view(
+    op: &'static str,
+    arg: &'static str,
+    a: MatRef<'_, f32>,
+    shift: f32,
+) -> Result<faer::Mat<f64>> {
     let n = a.rows();
     check_shape(op, arg, a.shape(), (n, n))?;
-    let mut l = widen_lower(op, arg, a)?;
+    let mut l = widen_lower(op, arg, a, shift)?;
     match super::on_pool(inverse_work(n) / 3, || llt_in_place(&mut l))? {
         // Error path only: the pivot's value from the row-major widening.
         Some(index) => Err(Error::NotSpd {
             op,
             index,
-            pivot: pivot_at(&widen_finite(op, arg, a)?, n, index),
+            pivot: {
+                let mut w = widen_finite(op, arg, a)?;
+                (0..n).for_each(|i| w[i * n + i] = shifted(a.row(i)[i], shift) as f64);
+                pivot_at(&w, n, index)
+            },
         }),
         None => Ok(l),
+    }
+}
+
+/// `a_ii + λ` in `f32`, as [`crate::cpu::add_diagonal`] rounds it (`λ = 0` leaves `a_ii` as
+/// is, `−0` included).
+fn shifted(a_ii: f32, shift: f32) -> f32 {
+    if shift == 0.0 {
+        a_ii
+    } else {
+        a_ii + shift
     }
 }
 
@@ -134,8 +157,15 @@ const TILE: usize = 64;
 /// reads — rejecting NaN/Inf anywhere in `a` as [`widen_finite`] does (the first in row
 /// order, flat index `i * n + j`). By blocks of [`TILE`] rows: each block's rows are checked
 /// whole (contiguous), then written transposed tile by tile while they are in cache, so each
-/// column of the result is written in runs of `TILE` values.
-fn widen_lower(op: &'static str, arg: &'static str, a: MatRef<'_, f32>) -> Result<faer::Mat<f64>> {
+/// column of the result is written in runs of `TILE` values. The diagonal is
+/// [`shifted`] by `shift`, and an overflowing one is an [`Error::NonFinite`] naming
+/// [`OVERFLOW`].
+fn widen_lower(
+    op: &'static str,
+    arg: &'static str,
+    a: MatRef<'_, f32>,
+    shift: f32,
+) -> Result<faer::Mat<f64>> {
     let n = a.rows();
     let mut l = faer::Mat::<f64>::zeros(n, n);
     for i0 in (0..n).step_by(TILE) {
@@ -157,6 +187,18 @@ fn widen_lower(op: &'static str, arg: &'static str, a: MatRef<'_, f32>) -> Resul
                 *v = a.row(i)[j] as f64;
             }
         }
+        for i in i0..i1 {
+            let d = shifted(a.row(i)[i], shift);
+            if !d.is_finite() {
+                return Err(Error::NonFinite {
+                    op,
+                    arg: OVERFLOW,
+                    index: i * n + i,
+                    value: d,
+                });
+            }
+            l[(i, i)] = d as f64;
+        }
     }
     Ok(l)
 }
@@ -171,9 +213,10 @@ fn widen_lower(op: &'static str, arg: &'static str, a: MatRef<'_, f32>) -> Resul
 fn symmetric_from_lower<T: Copy + Default>(
     x: &faer::Mat<f64>,
     f: impl Fn(f64) -> T,
-) -> Result<Vec<T>> {
+) -> Result<(Vec<T>, f64)> {
     let n = x.nrows();
     let mut out = try_vec(n, n, T::default())?;
+    let mut max = 0.0f64;
     let mut buf = [[T::default(); TILE]; TILE];
     for j0 in (0..n).step_by(TILE) {
         let j1 = (j0 + TILE).min(n);
@@ -185,6 +228,7 @@ fn symmetric_from_lower<T: Copy + Default>(
                 // Row j, columns r0..i1: the upper triangle's mirror, contiguous.
                 for (o, &v) in out[j * n + r0..j * n + i1].iter_mut().zip(col) {
                     *o = f(v);
+                    max = max.max(v.abs());
                 }
                 for (i, &v) in (r0..i1).zip(col) {
                     buf[i - i0][j - j0] = f(v);
@@ -197,13 +241,13 @@ fn symmetric_from_lower<T: Copy + Default>(
             }
         }
     }
-    Ok(out)
+    Ok((out, max))
 }
 
 /// `A⁻¹` (row-major, exactly symmetric) of the row-major SPD `n x n` `a` (lower triangle
 /// read), in `f64`: [`Error::NotSpd`] naming the first bad pivot otherwise.
 pub(super) fn spd_inverse_f64(op: &'static str, a: &[f64], n: usize) -> Result<Vec<f64>> {
-    symmetric_from_lower(&llt_inverse(&factor(op, a, n)?)?, |v| v)
+    Ok(symmetric_from_lower(&llt_inverse(&factor(op, a, n)?)?, |v| v)?.0)
 }
 
 /// faer's workspace for one call, or [`Error::OutOfMemory`] where the allocator refuses.
@@ -285,7 +329,7 @@ fn round(rows: usize, cols: usize, at: impl Fn(usize, usize) -> f64) -> Result<M
 pub fn cholesky(a: MatRef<'_, f32>) -> Result<Mat> {
     const OP: &str = "cpu::cholesky";
     let n = a.rows();
-    let l = factor_view(OP, "a", a)?;
+    let l = factor_view(OP, "a", a, 0.0)?;
     round(n, n, |i, j| if j <= i { l[(i, j)] } else { 0.0 })
 }
 
@@ -338,11 +382,32 @@ pub fn cholesky_solve(l: MatRef<'_, f32>, mut b: MatMut<'_, f32>) -> Result<()> 
 /// `f64`; the result is exactly symmetric. Only the lower triangle of `a` is read.
 ///
 /// # Errors
-/// As [`cholesky`].
+/// As [`cholesky`]; [`Error::NonFinite`] naming [`OVERFLOW`] for an inverse beyond `f32`'s
+/// range.
 pub fn cholesky_inverse(a: MatRef<'_, f32>) -> Result<Mat> {
+    damped_cholesky_inverse(a, 0.0)
+}
+
+/// [`cholesky_inverse`] of `A + λI` with the diagonal added in `f32` — the bits of
+/// [`crate::cpu::add_diagonal`] on a copy, then [`cholesky_inverse`] — without the copy: the
+/// shift is added as the factor is widened. An overflowing `a_ii + λ` is an
+/// [`Error::NonFinite`] naming [`OVERFLOW`], as `add_diagonal` reports it.
+pub(crate) fn damped_cholesky_inverse(a: MatRef<'_, f32>, lambda: f32) -> Result<Mat> {
     const OP: &str = "cpu::cholesky_inverse";
+    check_value(OP, "lambda", lambda as f64, true, "a finite number")?;
     let n = a.rows();
-    let l = factor_view(OP, "a", a)?;
+    let l = factor_view(OP, "a", a, lambda)?;
     let x = super::on_pool(inverse_work(n), || llt_inverse(&l))?;
-    Mat::from_vec(symmetric_from_lower(&x, |v| v as f32)?, n, n)
+    let (out, max) = symmetric_from_lower(&x, |v| v as f32)?;
+    if (max as f32).is_infinite() {
+        // Error path only: where the first overflow is.
+        let index = out.iter().position(|v| v.is_infinite()).unwrap_or(0);
+        return Err(Error::NonFinite {
+            op: OP,
+            arg: OVERFLOW,
+            index,
+            value: out[index],
+        });
+    }
+    Mat::from_vec(out, n, n)
 }

@@ -12,6 +12,7 @@ pub mod precond;
 pub mod simd;
 pub mod woodbury;
 
+pub(crate) use cholesky::damped_cholesky_inverse;
 pub use cholesky::{cholesky, cholesky_inverse, cholesky_solve};
 pub use gemm::gemm;
 pub use kron::{batch_gradient, syrk_ema};

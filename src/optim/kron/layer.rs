@@ -225,7 +225,7 @@ impl Ctx<'_> {
             InverseMethod::Newton(o) => o,
             _ => {
                 c.cholesky_inversions += 1;
-                let x = self.device.cholesky_inverse(&damped(damping)?)?;
+                let x = self.device.damped_cholesky_inverse(factor, damping)?;
                 return Ok((x, damping, None, formed));
             }
         };
@@ -260,7 +260,7 @@ impl Ctx<'_> {
         }
         c.cholesky_fallbacks += 1;
         c.cholesky_inversions += 1;
-        let x = self.device.cholesky_inverse(&damped(damping)?)?;
+        let x = self.device.damped_cholesky_inverse(factor, damping)?;
         Ok((x, damping, None, formed))
     }
 
