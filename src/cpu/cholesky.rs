@@ -3,8 +3,10 @@
 //! `docs/benchmarks.md` §3).
 //!
 //! The `f32` input is widened to `f64`, factored and solved there, and rounded to `f32` once at
-//! the end, so results carry no `f32` accumulation error. Row-major `n x n` buffers are handed
-//! to faer as row-major views (no transposition copy).
+//! the end, so results carry no `f32` accumulation error. The factor and the inverse pass
+//! between the row-major `f32` matrices and faer's column-major `f64` ones by cache-sized tiles
+//! of their lower triangles (`widen_lower`, `symmetric_from_lower`), checking what they read
+//! or write as they go: no separate pass for the checks, none strided.
 
 use faer::linalg::solvers::Solve;
 
