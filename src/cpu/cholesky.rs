@@ -384,8 +384,8 @@ pub fn cholesky_solve(l: MatRef<'_, f32>, mut b: MatMut<'_, f32>) -> Result<()> 
 /// `f64`; the result is exactly symmetric. Only the lower triangle of `a` is read.
 ///
 /// # Errors
-/// As [`cholesky`]; [`Error::NonFinite`] naming [`OVERFLOW`] for an inverse beyond `f32`'s
-/// range.
+/// As [`cholesky`]; [`Error::NonFinite`] naming `"result (overflow)"` for an inverse beyond
+/// `f32`'s range.
 pub fn cholesky_inverse(a: MatRef<'_, f32>) -> Result<Mat> {
     damped_cholesky_inverse(a, 0.0)
 }
