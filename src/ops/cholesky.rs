@@ -64,9 +64,10 @@ impl Device {
     }
 
     /// `(F + λI)⁻¹`, the optimizers' Cholesky method: [`Device::add_diagonal`] on a copy of
-    /// `f`, then [`Device::cholesky_inverse`] — the same bits, the same errors. The CPU forms
-    /// no copy: `λ` is added to the diagonal as the factor is widened (one pass over `f` where
-    /// the copy, its two finiteness checks and the widening were four).
+    /// `f`, then [`Device::cholesky_inverse`] — the same bits and the same kinds of error
+    /// (the CPU's name `cpu::cholesky_inverse` as their op). The CPU forms no copy: `λ` is
+    /// added to the diagonal as the factor is widened (one pass over `f` where the copy, its
+    /// two finiteness checks and the widening were four).
     pub(crate) fn damped_cholesky_inverse(&self, f: &Matrix, lambda: f32) -> Result<Matrix> {
         const OP: &str = "Device::cholesky_inverse";
         if !matches!(self, Device::Cpu) {
