@@ -1,14 +1,20 @@
 #!/usr/bin/env bash
 # run-all.sh of a GPU bundle (built by scripts/gpu-bundle.sh; do not run it from the source tree).
-# Runs every test binary (candle_grng with its candle CUDA arms), the GPU bench, the candle
-# training-step bench's CUDA rows, the main job and the candle digits MLP on CUDA, and
-# compute-sanitizer (memcheck, racecheck) over one small test binary; writes one log each and
-# summary.txt into OUT; exits non-zero when anything failed, and with status 3 when there is no
-# usable GPU.
+# Runs the GPU bench and the candle training-step bench's CUDA rows first, alone on the GPU (their
+# timings are what a lease is short of), then every test binary (candle_grng with its candle CUDA
+# arms; JOBS at a time), the main job and the candle digits MLP on CUDA, and compute-sanitizer
+# (memcheck, racecheck) over one small test binary; writes one log each, summary.txt and
+# logs.tar.gz (every log in one file: a device lease brings back only a few files) into OUT;
+# exits non-zero when anything failed or was skipped for time, and with status 3 when there is
+# no usable GPU.
 #
-# Usage: run-all.sh OUT [--ncu] [--bench-args "ARGS"]
+# Usage: run-all.sh OUT [--ncu] [--bench-args "ARGS"] [--jobs N] [--budget SECS]
 #   --ncu               also run `ncu --print-summary per-kernel` over the bench (--quick)
 #   --bench-args ARGS   arguments of the bench (a section filter, --quick), e.g. "gemm --quick"
+#   --jobs N            test binaries run at once (default 4; each runs its tests in threads)
+#   --budget SECS       wall-clock budget: what has not started when it is spent is not run and
+#                       says SKIP (time) in the summary; every step is also stopped at what is
+#                       left of it (default: no budget)
 #   GRNG_MAIN_ARGS      arguments of the main job (default: --epochs 2)
 #   GRNG_CANDLE_MLP_ARGS  arguments of the candle digits MLP besides --device cuda (default: none,
 #                       i.e. every method, 10 epochs)
@@ -22,11 +28,21 @@ out="$1"
 shift
 ncu_on=0
 bench_args=""
+jobs=4
+budget=0
 while [[ $# -gt 0 ]]; do
     case "$1" in
     --ncu) ncu_on=1 ;;
     --bench-args)
         bench_args="${2:-}"
+        shift
+        ;;
+    --jobs)
+        jobs="${2:-4}"
+        shift
+        ;;
+    --budget)
+        budget="${2:-0}"
         shift
         ;;
     *)
@@ -102,19 +118,39 @@ done
 export GRNG_REQUIRE_CUDA=1
 
 failed=0
-# run NAME LOG CMD...: runs CMD with its output in LOG, one PASS/FAIL line in the summary.
+t_start=$(date +%s)
+# Seconds of the budget left (a large number without one); by the clock, not $SECONDS, which
+# starts again in each test's subshell.
+left() {
+    if ((budget > 0)); then echo $((budget - $(date +%s) + t_start)); else echo 1000000; fi
+}
+# run NAME LOG CMD...: runs CMD with its output in LOG, one PASS/FAIL line in the summary; not
+# started (SKIP) when under 10 s of the budget is left, stopped (timeout) at what is left.
 run() {
     local name="$1" log="$2"
     shift 2
-    local t0=$SECONDS
-    "$@" >"$log" 2>&1
+    local t0=$SECONDS rest
+    rest="$(left)"
+    if ((rest < 10)); then
+        say "SKIP $name (time: the --budget is spent)"
+        failed=1
+        return
+    fi
+    timeout --kill-after=5 "$rest" "$@" >"$log" 2>&1
     local rc=$?
     if [[ $rc -eq 0 ]]; then
         say "PASS $name ($((SECONDS - t0)) s)"
+    elif [[ $rc -eq 124 || $rc -eq 137 ]]; then
+        say "FAIL $name (stopped at the --budget, $((SECONDS - t0)) s; log: $log)"
+        failed=1
     else
         say "FAIL $name (exit $rc, $((SECONDS - t0)) s; log: $log)"
         failed=1
     fi
+}
+# Every log in one archive at exit, whatever stopped the run.
+pack_logs() {
+    tar -C "$out" -czf "$out/logs.tar.gz" --exclude logs.tar.gz . 2>/dev/null || true
 }
 
 mkdir -p "$out/tests"
@@ -122,7 +158,7 @@ mkdir -p "$out/tests"
 # (so they do not travel back with the logs), with Python's tarfile where the xz tool is
 # missing.
 pkg="$(mktemp -d "${TMPDIR:-/tmp}/grng-bundle.XXXXXX")"
-trap 'rm -rf "$pkg"' EXIT
+trap 'rm -rf "$pkg"; pack_logs' EXIT
 if command -v xz >/dev/null 2>&1; then
     tar -C "$pkg" -xJf "$here/bundle.tar.xz"
 else
@@ -138,19 +174,18 @@ fi || {
     say "FAIL unpacking $here/bundle.tar.xz"
     exit 1
 }
-for t in "$pkg"/tests/*; do
-    run "test $(basename "$t")" "$out/tests/$(basename "$t").log" "$t"
-done
+# The timings first, with the GPU to themselves.
 bench_bin=""
 [[ -f "$pkg/bench/gpu" ]] && bench_bin="$pkg/bench/gpu"
 if [[ -n "$bench_bin" ]]; then
     # shellcheck disable=SC2086 # bench_args is a word list by design
     run "bench gpu $bench_args" "$out/bench-gpu.log" "$bench_bin" $bench_args
+    grep '^GEMM mainloop' "$out/bench-gpu.log" | sed 's/^/bench /' | tee -a "$summary"
     grep '^loaded: ' "$out/bench-gpu.log" | sed 's/^/bench /' | tee -a "$summary"
     if [[ $ncu_on == 1 ]]; then
         # shellcheck disable=SC2086
         run "ncu bench gpu" "$out/ncu-bench-gpu.log" \
-            ncu --print-summary per-kernel "$bench_bin" --quick $bench_args
+            ncu --clock-control none --print-summary per-kernel "$bench_bin" --quick $bench_args
     fi
 else
     say "SKIP bench gpu (not in this bundle)"
@@ -163,9 +198,16 @@ if [[ -f "$pkg/bench/candle_step" ]]; then
         "$pkg/bench/candle_step" --bench cuda \
         --warm-up-time 1 --measurement-time 3
     grep -A2 '^candle-step-cuda' "$out/bench-candle-step.log" | tee -a "$summary"
+    rm -rf "$out/criterion"
 else
     say "SKIP bench candle_step (not in this bundle)"
 fi
+# The test binaries, JOBS at a time (the summary lists them in the bundle's order).
+export -f run say left
+export out summary budget t_start
+ls "$pkg"/tests/* | xargs -P "$jobs" -I{} bash -c \
+    'n="$(basename "$1")"; failed=0; run "test $n" "$out/tests/$n.log" "$1"; exit $failed' _ {} ||
+    failed=1
 # shellcheck disable=SC2086 # GRNG_MAIN_ARGS is a word list by design
 run "main job --device cuda" "$out/main.log" \
     "$pkg/bin/grng" --device cuda --out "$out/main" ${GRNG_MAIN_ARGS:---epochs 2}
