@@ -96,6 +96,9 @@ tar -C "$stage" -cf - tests bench bin | xz -9e -T1 --lzma2=preset=9e,dict=512MiB
 cp scripts/gpu-run-all.sh "$dest/run-all.sh"
 chmod +x "$dest/run-all.sh"
 git rev-parse HEAD >"$dest/COMMIT" 2>/dev/null || echo unknown >"$dest/COMMIT"
+# Where the tests that start the main job look for it (their CARGO_BIN_EXE_grng): run-all.sh
+# puts the bundle's copy there.
+realpath "$main" >"$dest/MAIN_PATH"
 
 bytes=$(du -sb "$dest" | cut -f1)
 size_mib=$(((bytes + 1048575) / 1048576))

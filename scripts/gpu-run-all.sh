@@ -8,13 +8,16 @@
 # exits non-zero when anything failed or was skipped for time, and with status 3 when there is
 # no usable GPU.
 #
-# Usage: run-all.sh OUT [--ncu] [--bench-args "ARGS"] [--jobs N] [--budget SECS]
+# Usage: run-all.sh OUT [--ncu] [--bench-args "ARGS"] [--jobs N] [--budget SECS] [--step-limit SECS]
+#                  [--no-sanitizer]
 #   --ncu               also run `ncu --print-summary per-kernel` over the bench (--quick)
 #   --bench-args ARGS   arguments of the bench (a section filter, --quick), e.g. "gemm --quick"
 #   --jobs N            test binaries run at once (default 4; each runs its tests in threads)
 #   --budget SECS       wall-clock budget: what has not started when it is spent is not run and
 #                       says SKIP (time) in the summary; every step is also stopped at what is
 #                       left of it (default: no budget)
+#   --step-limit SECS   no one step (a bench, a test binary, ...) runs longer (default: none)
+#   --no-sanitizer      leave out compute-sanitizer (racecheck alone takes minutes)
 #   GRNG_MAIN_ARGS      arguments of the main job (default: --epochs 2)
 #   GRNG_CANDLE_MLP_ARGS  arguments of the candle digits MLP besides --device cuda (default: none,
 #                       i.e. every method, 10 epochs)
@@ -30,6 +33,8 @@ ncu_on=0
 bench_args=""
 jobs=4
 budget=0
+step_limit=0
+sanitizer=1
 while [[ $# -gt 0 ]]; do
     case "$1" in
     --ncu) ncu_on=1 ;;
@@ -45,6 +50,11 @@ while [[ $# -gt 0 ]]; do
         budget="${2:-0}"
         shift
         ;;
+    --step-limit)
+        step_limit="${2:-0}"
+        shift
+        ;;
+    --no-sanitizer) sanitizer=0 ;;
     *)
         echo "run-all.sh: unknown option $1" >&2
         exit 2
@@ -136,12 +146,13 @@ run() {
         failed=1
         return
     fi
+    ((step_limit > 0 && step_limit < rest)) && rest=$step_limit
     timeout --kill-after=5 "$rest" "$@" >"$log" 2>&1
     local rc=$?
     if [[ $rc -eq 0 ]]; then
         say "PASS $name ($((SECONDS - t0)) s)"
     elif [[ $rc -eq 124 || $rc -eq 137 ]]; then
-        say "FAIL $name (stopped at the --budget, $((SECONDS - t0)) s; log: $log)"
+        say "FAIL $name (stopped at the --budget or --step-limit, $((SECONDS - t0)) s; log: $log)"
         failed=1
     else
         say "FAIL $name (exit $rc, $((SECONDS - t0)) s; log: $log)"
@@ -174,6 +185,15 @@ fi || {
     say "FAIL unpacking $here/bundle.tar.xz"
     exit 1
 }
+# The tests that run the main job start it by its build-time path (CARGO_BIN_EXE_grng), which
+# gpu-bundle.sh recorded: put the bundle's binary there unless something is.
+if [[ -f "$here/MAIN_PATH" ]]; then
+    main_path="$(cat "$here/MAIN_PATH")"
+    if [[ ! -e "$main_path" ]]; then
+        mkdir -p "$(dirname "$main_path")" && ln -s "$pkg/bin/grng" "$main_path" ||
+            say "note: could not place the main binary at $main_path (train_smoke, train_reliability need it)"
+    fi
+fi
 # The timings first, with the GPU to themselves.
 bench_bin=""
 [[ -f "$pkg/bench/gpu" ]] && bench_bin="$pkg/bench/gpu"
@@ -204,13 +224,19 @@ else
 fi
 # The test binaries, JOBS at a time (the summary lists them in the bundle's order).
 export -f run say left
-export out summary budget t_start
+export out summary budget step_limit t_start
 ls "$pkg"/tests/* | xargs -P "$jobs" -I{} bash -c \
     'n="$(basename "$1")"; failed=0; run "test $n" "$out/tests/$n.log" "$1"; exit $failed' _ {} ||
     failed=1
 # shellcheck disable=SC2086 # GRNG_MAIN_ARGS is a word list by design
 run "main job --device cuda" "$out/main.log" \
     "$pkg/bin/grng" --device cuda --out "$out/main" ${GRNG_MAIN_ARGS:---epochs 2}
+# The main job reports an optimizer that failed in its table and goes on; a CUDA error there
+# is a failure of this run all the same.
+if grep -q 'stopped early: CUDA' "$out/main.log" 2>/dev/null; then
+    say "FAIL main job: $(grep -c 'stopped early: CUDA' "$out/main.log") optimizer(s) stopped by a CUDA error (log: $out/main.log)"
+    failed=1
+fi
 if [[ -f "$pkg/bin/candle_mlp" ]]; then
     # shellcheck disable=SC2086 # GRNG_CANDLE_MLP_ARGS is a word list by design
     run "candle_mlp --device cuda" "$out/candle-mlp.log" \
@@ -220,7 +246,9 @@ else
     say "SKIP candle_mlp (not in this bundle)"
 fi
 small="$pkg/tests/emu_elementwise"
-if command -v compute-sanitizer >/dev/null 2>&1; then
+if [[ $sanitizer == 0 ]]; then
+    say "SKIP compute-sanitizer (--no-sanitizer)"
+elif command -v compute-sanitizer >/dev/null 2>&1; then
     for tool in memcheck racecheck; do
         run "compute-sanitizer $tool emu_elementwise" "$out/sanitizer-$tool.log" \
             compute-sanitizer --tool "$tool" --error-exitcode 1 "$small"

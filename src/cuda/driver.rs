@@ -12,10 +12,8 @@ use std::ffi::c_void;
 use std::fmt;
 use std::sync::{Arc, Mutex, PoisonError};
 
-/// Shared dynamic memory a kernel may use without raising its limit.
-const DEFAULT_SHARED_LIMIT: u32 = 48 * 1024;
-
-/// A loaded kernel and the dynamic shared memory limit set on it so far.
+/// A loaded kernel and its dynamic shared memory limit (the driver's default until a launch
+/// needs more and raises it).
 struct Loaded {
     func: CudaFunction,
     shared_limit: u32,
@@ -193,11 +191,18 @@ impl CudaDevice {
                 }
             };
             let func = module.load_function(kernel.name)?;
+            // Not a fixed 48 KiB: the default is 48 KiB less the kernel's static shared
+            // memory (a block reduction's scratch), so a GEMM's 48 KiB of dynamic stages
+            // beside 128 static bytes must raise it (else CUDA_ERROR_INVALID_VALUE at launch,
+            // as on an H200 on 2026-11-27). Read from the driver, which knows both.
+            let limit = func.get_attribute(
+                CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
+            )?;
             cache.functions.insert(
                 kernel.name,
                 Loaded {
                     func,
-                    shared_limit: DEFAULT_SHARED_LIMIT,
+                    shared_limit: u32::try_from(limit).unwrap_or(0),
                 },
             );
         }
