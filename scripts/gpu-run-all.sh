@@ -10,7 +10,10 @@
 #
 # Usage: run-all.sh OUT [--ncu] [--bench-args "ARGS"] [--jobs N] [--budget SECS] [--step-limit SECS]
 #                  [--no-sanitizer]
-#   --ncu               also run `ncu --print-summary per-kernel` over the bench (--quick)
+#   --ncu               also profile the GEMM engine's kernels with Nsight Compute (`--set full`,
+#                       two launches of each `_tc` kernel in the bench's gemm-bf16, syrk and
+#                       newton sections at --quick sizes: where the mainloop stalls), one
+#                       log per section
 #   --bench-args ARGS   arguments of the bench (a section filter, --quick), e.g. "gemm --quick"
 #   --jobs N            test binaries run at once (default 4; each runs its tests in threads)
 #   --budget SECS       wall-clock budget: what has not started when it is spent is not run and
@@ -24,7 +27,7 @@
 set -uo pipefail
 here="$(cd "$(dirname "$0")" && pwd)"
 if [[ $# -lt 1 ]]; then
-    echo "usage: run-all.sh OUT [--ncu] [--bench-args \"ARGS\"]" >&2
+    echo "usage: run-all.sh OUT [--ncu] [--bench-args \"ARGS\"] [--jobs N] [--budget SECS] [--step-limit SECS] [--no-sanitizer]" >&2
     exit 2
 fi
 out="$1"
@@ -203,9 +206,14 @@ if [[ -n "$bench_bin" ]]; then
     grep '^GEMM mainloop' "$out/bench-gpu.log" | sed 's/^/bench /' | tee -a "$summary"
     grep '^loaded: ' "$out/bench-gpu.log" | sed 's/^/bench /' | tee -a "$summary"
     if [[ $ncu_on == 1 ]]; then
-        # shellcheck disable=SC2086
-        run "ncu bench gpu" "$out/ncu-bench-gpu.log" \
-            ncu --clock-control none --print-summary per-kernel "$bench_bin" --quick $bench_args
+        # --launch-skip passes the sm_90a self-check's 8 `_tc` launches (sm90::check, before
+        # any section) and the first case's first warm-up calls. Clocks left alone
+        # (--clock-control none): the timings beside them ran at the same clocks.
+        for section in gemm-bf16 syrk newton; do
+            run "ncu bench gpu $section" "$out/ncu-$section.log" \
+                ncu --clock-control none --set full --kernel-name 'regex:_tc$' \
+                --launch-skip 10 --launch-count 2 "$bench_bin" "$section" --quick
+        done
     fi
 else
     say "SKIP bench gpu (not in this bundle)"
