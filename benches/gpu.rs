@@ -898,22 +898,24 @@ impl Solver {
         }))
     }
 
-    /// Copies `a` into `w` and overwrites `w` with the lower triangle (column-major; the
-    /// upper one row-major) of `a⁻¹`; `work` is resized as cuSOLVER asks.
+    /// Copies `a` into `w` and overwrites `w`'s `fill` triangle (column-major; `Lower` is
+    /// the row-major upper one) with `a⁻¹`'s; `work` is resized as cuSOLVER asks.
+    #[allow(clippy::too_many_arguments)]
     fn inverse(
         &self,
         cuda: &CudaDevice,
         n: usize,
+        fill: cudarc::cusolver::sys::cublasFillMode_t,
         a: &CudaSlice<f32>,
         w: &mut CudaSlice<f32>,
         work: &mut CudaSlice<f32>,
         info: &mut CudaSlice<i32>,
     ) -> Res<()> {
-        use cudarc::cusolver::sys::{self as cs, cublasFillMode_t, cusolverStatus_t};
+        use cudarc::cusolver::sys::{self as cs, cusolverStatus_t};
         let s = cuda.stream();
         s.memcpy_dtod(a, w)?;
         let ni = i32::try_from(n)?;
-        let lower = cublasFillMode_t::CUBLAS_FILL_MODE_LOWER;
+        let lower = fill;
         let check = |st: cusolverStatus_t, what: &str| -> Res<()> {
             if st == cusolverStatus_t::CUSOLVER_STATUS_SUCCESS {
                 Ok(())
@@ -992,31 +994,45 @@ fn newton_section(b: &Bench) -> Res<()> {
         for kappa in [33.0, 1000.0] {
             let ha = spd(n, kappa, 8);
             let a = dev.upload(n, n, &ha)?;
-            // The cuSOLVER peer and its residual, once per matrix.
+            // The cuSOLVER peers and their residuals, once per matrix: both fill modes, since
+            // grng's row-major lower triangle is cuSOLVER's upper one (`cuda::cusolver`), and
+            // the two run different code; the faster is the ratio's peer.
             let mut peers = Vec::new();
             if let Some(solver) = &solver {
+                use cudarc::cusolver::sys::cublasFillMode_t as Fill;
                 let s = cuda.stream();
                 let da: CudaSlice<f32> = s.clone_htod(&ha)?;
                 let mut w: CudaSlice<f32> = s.alloc_zeros(n * n)?;
                 let mut work: CudaSlice<f32> = s.alloc_zeros(1)?;
                 let mut info: CudaSlice<i32> = s.alloc_zeros(1)?;
-                let mut t = b.peer("cusolverDnSpotrf+Spotri (+ copy of A)", || {
-                    solver.inverse(cuda, n, &da, &mut w, &mut work, &mut info)
-                })?;
-                let code = s.clone_dtoh(&info)?[0];
-                let mut x = s.clone_dtoh(&w)?;
-                // Row-major upper triangle holds a⁻¹: mirror it into the lower one.
-                for i in 0..n {
-                    for j in 0..i {
-                        x[i * n + j] = x[j * n + i];
+                for (fill, label) in [
+                    (Fill::CUBLAS_FILL_MODE_LOWER, "lower"),
+                    (Fill::CUBLAS_FILL_MODE_UPPER, "upper (grng's)"),
+                ] {
+                    let mut t = b.peer(
+                        format!("cusolverDnSpotrf+Spotri {label} (+ copy of A)"),
+                        || solver.inverse(cuda, n, fill, &da, &mut w, &mut work, &mut info),
+                    )?;
+                    let code = s.clone_dtoh(&info)?[0];
+                    let mut x = s.clone_dtoh(&w)?;
+                    // Mirror the row-major triangle that holds a⁻¹ onto the other one.
+                    let upper_holds = fill == Fill::CUBLAS_FILL_MODE_LOWER;
+                    for i in 0..n {
+                        for j in 0..i {
+                            if upper_holds {
+                                x[i * n + j] = x[j * n + i];
+                            } else {
+                                x[j * n + i] = x[i * n + j];
+                            }
+                        }
                     }
+                    t.note = if code == 0 {
+                        format!("res {:.1e}", residual(dev, &a, &dev.upload(n, n, &x)?)?)
+                    } else {
+                        format!("devInfo {code}")
+                    };
+                    peers.push(t);
                 }
-                t.note = if code == 0 {
-                    format!("res {:.1e}", residual(dev, &a, &dev.upload(n, n, &x)?)?)
-                } else {
-                    format!("devInfo {code}")
-                };
-                peers.push(t);
             }
             for (name, precision) in [("f32", Precision::F32), ("bf16", Precision::Bf16)] {
                 // The smallest eigenvalue is known (1): given as λ_low, as a damping would be.
