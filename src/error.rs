@@ -108,6 +108,20 @@ pub enum Error {
     Io(#[from] std::io::Error),
 }
 
+impl Error {
+    /// Whether the device failed rather than the computation: [`Error::DeviceUnavailable`],
+    /// [`Error::OutOfMemory`] and [`Error::Cuda`] (a kernel that does not load or launch, a
+    /// driver error). A trainer can retry such a step elsewhere (another device, the CPU);
+    /// the other errors say something about the inputs or the numerics, which a retry on
+    /// another device reproduces.
+    pub fn is_device_fault(&self) -> bool {
+        matches!(
+            self,
+            Error::DeviceUnavailable(_) | Error::OutOfMemory { .. } | Error::Cuda(_)
+        )
+    }
+}
+
 /// Why an iterative method gave up.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum DivergenceReason {

@@ -605,3 +605,55 @@ fn help_mentions_checkpoint_flags_and_the_binary_resumes() {
     assert!(ring_row.trim_end().ends_with(" 5"), "{ring_row}");
     std::fs::remove_dir_all(dir).unwrap();
 }
+
+/// Set in the child process of [`a_device_fault_is_told_apart_and_stops_only_its_method`].
+const FAULT_CHILD: &str = "GRNG_DEVICE_FAULT_CHILD";
+
+/// A device fault (here the driver rejecting `kernels/kron.cu`'s module, injected at the launch
+/// layer on the emulated device) stops the method that needs the module, is flagged as the
+/// device's (`MethodResult::device_fault`: the main job then exits non-zero after its table),
+/// and leaves a method that never launches those kernels training to the end. The injection
+/// is process-wide, so the scenario runs in a child process.
+#[test]
+fn a_device_fault_is_told_apart_and_stops_only_its_method() {
+    if std::env::var_os(FAULT_CHILD).is_none() {
+        common::run_child(
+            "a_device_fault_is_told_apart_and_stops_only_its_method",
+            &[(FAULT_CHILD, Some("1"))],
+        );
+        return;
+    }
+    let splits = splits();
+    let run = run_config(3, None);
+    let train_on = |method| {
+        train_method(
+            &Device::Emulated,
+            &splits,
+            &run,
+            MethodConfig::tuned(method),
+            &mut |_, _| {},
+        )
+        .unwrap_or_else(|e| panic!("{method}: {e}"))
+    };
+    grng::cuda::launch::inject_ptx_reject(Some("KRON"));
+    let ring = train_on(Method::Ring);
+    let sgd = train_on(Method::Sgd);
+    grng::cuda::launch::inject_ptx_reject(None);
+    let why = ring.failure.as_deref().unwrap_or("no failure");
+    assert!(ring.device_fault && why.contains("KRON"), "{why}");
+    assert!(ring.test_acc.is_nan());
+    assert!(
+        !sgd.device_fault && sgd.failure.is_none(),
+        "{:?}",
+        sgd.failure
+    );
+    assert_eq!(sgd.steps, 3);
+    // What the flag reads: the device's errors, not the computation's.
+    assert!(Error::Cuda("launch failed".into()).is_device_fault());
+    assert!(!Error::NotSpd {
+        op: "op",
+        index: 0,
+        pivot: -1.0
+    }
+    .is_device_fault());
+}

@@ -10,7 +10,7 @@ use clap::Parser;
 use indicatif::{ProgressBar, ProgressStyle};
 
 use crate::device::Device;
-use crate::error::Result;
+use crate::error::{Error, Result};
 use crate::mlp::{Activation, FisherMode};
 use crate::report;
 use crate::train::{
@@ -197,7 +197,25 @@ pub fn run(cli: &Cli) -> Result<()> {
         svg.display(),
         csv.display()
     );
-    Ok(())
+    device_faults(&results)
+}
+
+/// `Err` naming the methods whose training a device fault stopped: a method that fails is a
+/// result (the table shows it), a device that fails is not, so the run exits non-zero.
+fn device_faults(results: &[MethodResult]) -> Result<()> {
+    let faulted: Vec<&str> = results
+        .iter()
+        .filter(|r| r.device_fault)
+        .map(|r| r.config.method.label())
+        .collect();
+    if faulted.is_empty() {
+        Ok(())
+    } else {
+        Err(Error::DeviceUnavailable(format!(
+            "{} stopped on a device fault (the table above shows where)",
+            faulted.join(", ")
+        )))
+    }
 }
 
 /// Skipped steps and numerical fallbacks per method, printed under the summary table (issue

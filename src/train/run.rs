@@ -227,6 +227,10 @@ pub struct MethodResult {
     pub train_time: f64,
     /// Why training stopped early (an optimizer error), if it did.
     pub failure: Option<String>,
+    /// Whether that error was the device's ([`crate::Error::is_device_fault`]: a kernel that
+    /// did not load or launch, out of memory), not the method's: the main job then exits
+    /// non-zero after its table.
+    pub device_fault: bool,
     /// Skipped steps and numerical fallbacks ([`Trainer::counters`]; over the whole run,
     /// before a resume too).
     pub counters: TrainerCounters,
@@ -407,7 +411,7 @@ pub fn train_method(
     }];
     let mut step_times: Vec<f64> = Vec::with_capacity(total.saturating_sub(pos.steps) as usize);
     let mut elapsed = Duration::ZERO;
-    let mut failure = None;
+    let mut failure: Option<Error> = None;
     let first_epoch = pos.epoch;
     'epochs: for epoch in first_epoch..run.epochs as u64 {
         let skip = if epoch == first_epoch { pos.batch } else { 0 } as usize;
@@ -436,7 +440,7 @@ pub fn train_method(
                     step_times.push(r.time.as_secs_f64());
                 }
                 Err(e) => {
-                    failure = Some(e.to_string());
+                    failure = Some(e);
                     break 'epochs;
                 }
             }
@@ -455,7 +459,7 @@ pub fn train_method(
                         train_time: elapsed.as_secs_f64(),
                     }),
                     Err(e) => {
-                        failure = Some(e.to_string());
+                        failure = Some(e);
                         break 'epochs;
                     }
                 }
@@ -488,7 +492,8 @@ pub fn train_method(
         median_step_time: median(&mut step_times),
         train_time: elapsed.as_secs_f64(),
         curve,
-        failure,
+        device_fault: failure.as_ref().is_some_and(Error::is_device_fault),
+        failure: failure.map(|e| e.to_string()),
         counters: trainer.counters(),
         resumed_from,
     })
