@@ -23,6 +23,7 @@ use cudarc::cublaslt::{result as lt, sys as lts};
 use cudarc::driver::{CudaSlice, DevicePtr, DevicePtrMut};
 use grng::cuda::launch::{read_backs, record_launches, take_launches};
 use grng::cuda::precond::gemm_tc;
+use grng::cuda::timing::{take_kernel_times, time_kernels};
 use grng::cuda::CudaDevice;
 use grng::ops::elementwise::{AdamWCoeffs, MultiState};
 use grng::ops::kalman::{JacobianElement, KalmanOptions, KalmanState};
@@ -244,6 +245,46 @@ fn row(section: &str, case: &str, ours: &Timed, peers: &[Timed], work: Work) {
         "| {section} | {case} | {} | {} | {peer_label} | {peer_rate} | {ratio} |",
         ours.label,
         work.rate(ours)
+    );
+}
+
+/// A `SECTION-kernels` row under a timed one: where `f`'s device time goes, by kernel
+/// (`grng::cuda::timing`: two events per launch), in a run of its own after the timing (the
+/// events would perturb it). `per`: calls of the unit the row times (S for a step cycle);
+/// `wall`: the timed row's seconds per unit, beside which the kernels' sum shows what launches,
+/// read-backs and host work cost.
+fn kernel_row(section: &str, case: &str, wall: Option<f64>, per: f64, f: impl FnOnce() -> Res<()>) {
+    time_kernels(true);
+    let ran = f();
+    let times = take_kernel_times();
+    time_kernels(false);
+    let times = match (ran, times) {
+        (Ok(()), Ok(t)) => t,
+        (Err(e), _) => {
+            return println!("| {section}-kernels | {case} | error: {e} | - | - | - | - |")
+        }
+        (_, Err(e)) => {
+            return println!("| {section}-kernels | {case} | error: {e} | - | - | - | - |")
+        }
+    };
+    let total = times.iter().map(|k| k.secs).sum::<f64>() / per;
+    let top: Vec<String> = times
+        .iter()
+        .take(6)
+        .map(|k| {
+            format!(
+                "{} {:.1}x {:.3} ms",
+                k.name,
+                k.launches as f64 / per,
+                k.secs / per * 1e3
+            )
+        })
+        .collect();
+    let share = wall.map_or_else(|| "-".to_owned(), |w| format!("{:.0}%", 100.0 * total / w));
+    println!(
+        "| {section}-kernels | {case} | {} | {:.3} ms in kernels, {share} of the row's time | - | - | - |",
+        top.join(", "),
+        total * 1e3
     );
 }
 
@@ -1056,6 +1097,12 @@ fn newton_section(b: &Bench) -> Res<()> {
                 }
                 let case = format!("{name}, n = {n}, κ = {kappa}");
                 row("newton", &case, &ours, &peers, Work::Millis);
+                if ours.secs.is_some() {
+                    kernel_row("newton", &case, ours.secs, 1.0, || {
+                        dev.newton_inverse(&a, None, &opts)?;
+                        Ok(())
+                    });
+                }
             }
             // grng's own cuSOLVER path (potrf + potri + mirror, with its checks) beside the
             // bare calls: issue 9's target is ≤ 1.2x.
@@ -1204,6 +1251,9 @@ fn step_section(b: &Bench) -> Res<()> {
                 ours.note = format!("per step, {launches} launches, {reads:.1} read-backs");
                 let case = format!("{variant}, S = {skip}, T = {interval}, {model}, m = {m}");
                 row("step", &case, &ours, &[], Work::Millis);
+                if ours.secs.is_some() {
+                    kernel_row("step", &case, ours.secs, skip as f64, &mut cycle);
+                }
             }
         }
     }

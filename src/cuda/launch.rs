@@ -439,6 +439,7 @@ pub unsafe fn launch(kernel: &Kernel, cfg: LaunchConfig, args: KernelArgs<'_>) -
     if RECORDING.load(Ordering::Relaxed) {
         record(kernel.name);
     }
+    let started = super::timing::start(device)?;
     let result = match device {
         Device::Cpu => Err(Error::DeviceUnavailable(format!(
             "kernel {} runs on the Emulated or Cuda device, not on the CPU backend",
@@ -456,5 +457,6 @@ pub unsafe fn launch(kernel: &Kernel, cfg: LaunchConfig, args: KernelArgs<'_>) -
         Device::Cuda(d) => unsafe { d.launch(kernel, &cfg, &mut params) },
     };
     drop(guards);
-    result
+    result?;
+    super::timing::finish(started, kernel.name)
 }

@@ -22,5 +22,6 @@ pub mod ptx;
 #[cfg(feature = "emu-selftest")]
 pub mod selftest;
 pub mod sm90;
+pub mod timing;
 
 pub use driver::CudaDevice;
