@@ -4,7 +4,7 @@
 use super::launch::{check_module_load, ptx_rejected, Kernel, LaunchConfig};
 use crate::error::{Error, Result};
 use crate::Element;
-use cudarc::driver::sys::CUfunction_attribute;
+use cudarc::driver::sys::{self, CUfunction_attribute};
 use cudarc::driver::{CudaContext, CudaFunction, CudaModule, CudaSlice, CudaStream, DriverError};
 use cudarc::nvrtc::Ptx;
 use std::collections::HashMap;
@@ -86,6 +86,15 @@ impl CudaDevice {
 
     /// Opens GPU `ordinal`. Errors (never panics) when the kernels were not compiled at build
     /// time, or libcuda or a GPU is absent.
+    ///
+    /// The device's default memory pool, which cudarc's stream-ordered allocations come from,
+    /// is set to keep the memory it has reserved ([`CudaDevice::pool_release_threshold`]:
+    /// `u64::MAX`): with the driver's default of 0 the pool hands every free byte back at each
+    /// synchronization — every read-back of a status — and the next allocation maps it again.
+    /// grng allocates per op (results are built beside the state and swapped in on success),
+    /// so that re-mapping would come with nearly every op. The pool is the device's, shared
+    /// by everything in the process that allocates through it (candle through cudarc too),
+    /// and holds its peak: memory freed here is reused here, not returned to other processes.
     pub fn new(ordinal: usize) -> Result<Self> {
         kernels_built()?;
         if !culib_present() {
@@ -94,7 +103,36 @@ impl CudaDevice {
             ));
         }
         let ctx = CudaContext::new(ordinal)?;
+        if ctx.has_async_alloc() {
+            set_pool_release_threshold(&ctx, u64::MAX)?;
+        }
         Ok(Self::on(ctx.default_stream()))
+    }
+
+    /// The release threshold of this device's default memory pool (bytes it keeps reserved
+    /// across synchronizations; see [`CudaDevice::new`]), or `None` where the device has no
+    /// stream-ordered allocator.
+    ///
+    /// # Errors
+    /// [`Error::Cuda`] for a driver error.
+    pub fn pool_release_threshold(&self) -> Result<Option<u64>> {
+        if !self.ctx.has_async_alloc() {
+            return Ok(None);
+        }
+        self.ctx.bind_to_thread()?;
+        let pool = default_pool(&self.ctx)?;
+        let mut value = 0u64;
+        // SAFETY: `pool` is the device's default pool (valid for the context's lifetime); the
+        // release threshold is a cuuint64_t written through the pointer.
+        unsafe {
+            sys::cuMemPoolGetAttribute(
+                pool,
+                sys::CUmemPool_attribute::CU_MEMPOOL_ATTR_RELEASE_THRESHOLD,
+                (&mut value as *mut u64).cast(),
+            )
+            .result()?;
+        }
+        Ok(Some(value))
     }
 
     /// The device of `stream`'s context that queues every launch, allocation and copy on
@@ -249,4 +287,30 @@ impl CudaDevice {
         }
         .map_err(|e| Error::Cuda(format!("launching {}: {e}", kernel.name)))
     }
+}
+
+/// The default memory pool of `ctx`'s device (cudarc's stream-ordered allocations).
+fn default_pool(ctx: &CudaContext) -> Result<sys::CUmemoryPool> {
+    let mut pool: sys::CUmemoryPool = std::ptr::null_mut();
+    // SAFETY: `cu_device` is the context's valid device handle; `pool` is an out-pointer.
+    unsafe { sys::cuDeviceGetDefaultMemPool(&mut pool, ctx.cu_device()).result()? };
+    Ok(pool)
+}
+
+/// Sets the release threshold of `ctx`'s device's default memory pool to `bytes`.
+fn set_pool_release_threshold(ctx: &CudaContext, bytes: u64) -> Result<()> {
+    ctx.bind_to_thread()?;
+    let pool = default_pool(ctx)?;
+    let mut value = bytes;
+    // SAFETY: `pool` is the device's default pool; the release threshold is a cuuint64_t read
+    // through the pointer during the call.
+    unsafe {
+        sys::cuMemPoolSetAttribute(
+            pool,
+            sys::CUmemPool_attribute::CU_MEMPOOL_ATTR_RELEASE_THRESHOLD,
+            (&mut value as *mut u64).cast(),
+        )
+        .result()?;
+    }
+    Ok(())
 }
