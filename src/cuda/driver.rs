@@ -104,7 +104,8 @@ impl CudaDevice {
         }
         let ctx = CudaContext::new(ordinal)?;
         if ctx.has_async_alloc() {
-            set_pool_release_threshold(&ctx, u64::MAX)?;
+            let mut keep_all = u64::MAX;
+            pool_release_threshold(&ctx, sys::cuMemPoolSetAttribute, &mut keep_all)?;
         }
         Ok(Self::on(ctx.default_stream()))
     }
@@ -119,19 +120,8 @@ impl CudaDevice {
         if !self.ctx.has_async_alloc() {
             return Ok(None);
         }
-        self.ctx.bind_to_thread()?;
-        let pool = default_pool(&self.ctx)?;
         let mut value = 0u64;
-        // SAFETY: `pool` is the device's default pool (valid for the context's lifetime); the
-        // release threshold is a cuuint64_t written through the pointer.
-        unsafe {
-            sys::cuMemPoolGetAttribute(
-                pool,
-                sys::CUmemPool_attribute::CU_MEMPOOL_ATTR_RELEASE_THRESHOLD,
-                (&mut value as *mut u64).cast(),
-            )
-            .result()?;
-        }
+        pool_release_threshold(&self.ctx, sys::cuMemPoolGetAttribute, &mut value)?;
         Ok(Some(value))
     }
 
@@ -289,26 +279,29 @@ impl CudaDevice {
     }
 }
 
-/// The default memory pool of `ctx`'s device (cudarc's stream-ordered allocations).
-fn default_pool(ctx: &CudaContext) -> Result<sys::CUmemoryPool> {
-    let mut pool: sys::CUmemoryPool = std::ptr::null_mut();
-    // SAFETY: `cu_device` is the context's valid device handle; `pool` is an out-pointer.
-    unsafe { sys::cuDeviceGetDefaultMemPool(&mut pool, ctx.cu_device()).result()? };
-    Ok(pool)
-}
-
-/// Sets the release threshold of `ctx`'s device's default memory pool to `bytes`.
-fn set_pool_release_threshold(ctx: &CudaContext, bytes: u64) -> Result<()> {
+/// `get_or_set` (`cuMemPoolGetAttribute` or `cuMemPoolSetAttribute`) of the release
+/// threshold of `ctx`'s device's default memory pool (cudarc's stream-ordered allocations),
+/// through `value`.
+fn pool_release_threshold(
+    ctx: &CudaContext,
+    get_or_set: unsafe fn(
+        sys::CUmemoryPool,
+        sys::CUmemPool_attribute,
+        *mut std::ffi::c_void,
+    ) -> sys::CUresult,
+    value: &mut u64,
+) -> Result<()> {
     ctx.bind_to_thread()?;
-    let pool = default_pool(ctx)?;
-    let mut value = bytes;
-    // SAFETY: `pool` is the device's default pool; the release threshold is a cuuint64_t read
-    // through the pointer during the call.
+    let mut pool: sys::CUmemoryPool = std::ptr::null_mut();
+    // SAFETY: `cu_device` is the context's valid device handle and `pool` an out-pointer; then
+    // `pool` is that device's default pool, and the release threshold is a cuuint64_t read or
+    // written through `value` during the call.
     unsafe {
-        sys::cuMemPoolSetAttribute(
+        sys::cuDeviceGetDefaultMemPool(&mut pool, ctx.cu_device()).result()?;
+        get_or_set(
             pool,
             sys::CUmemPool_attribute::CU_MEMPOOL_ATTR_RELEASE_THRESHOLD,
-            (&mut value as *mut u64).cast(),
+            (value as *mut u64).cast(),
         )
         .result()?;
     }
