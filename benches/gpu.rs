@@ -255,17 +255,11 @@ fn row(section: &str, case: &str, ours: &Timed, peers: &[Timed], work: Work) {
 /// read-backs and host work cost.
 fn kernel_row(section: &str, case: &str, wall: Option<f64>, per: f64, f: impl FnOnce() -> Res<()>) {
     time_kernels(true);
-    let ran = f();
-    let times = take_kernel_times();
+    let times = f().and_then(|()| Ok(take_kernel_times()?));
     time_kernels(false);
-    let times = match (ran, times) {
-        (Ok(()), Ok(t)) => t,
-        (Err(e), _) => {
-            return println!("| {section}-kernels | {case} | error: {e} | - | - | - | - |")
-        }
-        (_, Err(e)) => {
-            return println!("| {section}-kernels | {case} | error: {e} | - | - | - | - |")
-        }
+    let times = match times {
+        Ok(t) => t,
+        Err(e) => return println!("| {section}-kernels | {case} | error: {e} | - | - | - | - |"),
     };
     let total = times.iter().map(|k| k.secs).sum::<f64>() / per;
     let top: Vec<String> = times
@@ -956,7 +950,6 @@ impl Solver {
         let s = cuda.stream();
         s.memcpy_dtod(a, w)?;
         let ni = i32::try_from(n)?;
-        let lower = fill;
         let check = |st: cusolverStatus_t, what: &str| -> Res<()> {
             if st == cusolverStatus_t::CUSOLVER_STATUS_SUCCESS {
                 Ok(())
@@ -971,14 +964,14 @@ impl Solver {
             // SAFETY: a valid handle; w holds n x n f32 with leading dimension n.
             check(
                 unsafe {
-                    cs::cusolverDnSpotrf_bufferSize(h, lower, ni, pw as *mut f32, ni, &mut l1)
+                    cs::cusolverDnSpotrf_bufferSize(h, fill, ni, pw as *mut f32, ni, &mut l1)
                 },
                 "cusolverDnSpotrf_bufferSize",
             )?;
             // SAFETY: as above.
             check(
                 unsafe {
-                    cs::cusolverDnSpotri_bufferSize(h, lower, ni, pw as *mut f32, ni, &mut l2)
+                    cs::cusolverDnSpotri_bufferSize(h, fill, ni, pw as *mut f32, ni, &mut l2)
                 },
                 "cusolverDnSpotri_bufferSize",
             )?;
@@ -997,7 +990,7 @@ impl Solver {
             unsafe {
                 cs::cusolverDnSpotrf(
                     h,
-                    lower,
+                    fill,
                     ni,
                     pw as *mut f32,
                     ni,
@@ -1013,7 +1006,7 @@ impl Solver {
             unsafe {
                 cs::cusolverDnSpotri(
                     h,
-                    lower,
+                    fill,
                     ni,
                     pw as *mut f32,
                     ni,

@@ -1,6 +1,8 @@
 //! Device selection faults: with no GPU, `Device::auto()` falls back to the CPU (printing one
 //! line why) instead of failing, and asking for CUDA explicitly is a typed error.
 
+mod common;
+
 use grng::cuda::CudaDevice;
 use grng::{Device, Error};
 
@@ -92,18 +94,12 @@ fn data_sized_host_buffers_are_typed_out_of_memory() {
 /// A GPU device keeps its memory pool's reserve across synchronizations
 /// (`CudaDevice::new`: release threshold `u64::MAX`), so the per-op allocations after each
 /// status read-back reuse memory instead of mapping it again. CUDA arm only: skipped without
-/// a GPU (and required by the GPU bundle's `GRNG_REQUIRE_CUDA=1`, through `CudaDevice::new`
-/// failing there).
+/// a GPU, required under the GPU bundle's `GRNG_REQUIRE_CUDA=1` (`common::gpu`).
 #[test]
 fn a_gpu_device_keeps_its_pool_reserve() {
-    let gpu = CudaDevice::new(0);
-    if std::env::var("GRNG_REQUIRE_CUDA").is_ok_and(|v| v == "1") {
-        assert!(
-            gpu.is_ok(),
-            "GRNG_REQUIRE_CUDA=1 but no usable GPU: {gpu:?}"
-        );
-    }
-    let Ok(d) = gpu else { return };
+    let Some(d) = common::gpu(CudaDevice::new(0)) else {
+        return;
+    };
     // `None`: a device without stream-ordered allocation, where cudarc uses cuMemAlloc.
     if let Some(t) = d.pool_release_threshold().unwrap() {
         assert_eq!(t, u64::MAX);
