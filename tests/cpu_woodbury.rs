@@ -370,8 +370,22 @@ fn low_rank_inverse_only_where_it_applies() {
 /// compared relative to their size with the same constant.
 #[test]
 fn lazy_steps_through_the_rows_match_the_dense_route() {
+    lazy_rows_against_dense(SHAPE);
+}
+
+/// As [`lazy_steps_through_the_rows_match_the_dense_route`] for layers with a side narrower
+/// than the batch (8 against 24 rows), which the rows' route takes by 8 rows
+/// (`Ẽ = I`, `Ã = (8/24)·EᵀA`, or the mirror image; `factored.rs`, `thin_factors`): a narrow
+/// output side (the rows' route on `Λ`) and a narrow input side (on `Γ`).
+#[test]
+fn narrow_layers_take_the_rows_route_by_fewer_rows() {
+    lazy_rows_against_dense((8, 100));
+    lazy_rows_against_dense((100, 8));
+}
+
+fn lazy_rows_against_dense(shape: (usize, usize)) {
     let mut rng = common::seeded_rng();
-    let (o, i) = SHAPE;
+    let (o, i) = shape;
     let (m_s, m_b) = (20, 24);
     let cfg = KronConfig {
         ema: 0.0,
@@ -384,8 +398,8 @@ fn lazy_steps_through_the_rows_match_the_dense_route() {
         phi: 0.7,
         ..KronConfig::reng()
     };
-    let mut rows = KronOptimizer::new(&DEV, &[SHAPE], cfg).unwrap();
-    let mut dense = KronOptimizer::new(&DEV, &[SHAPE], cfg).unwrap();
+    let mut rows = KronOptimizer::new(&DEV, &[shape], cfg).unwrap();
+    let mut dense = KronOptimizer::new(&DEV, &[shape], cfg).unwrap();
     let w0 = common::vals(&mut rng, o * i);
     let (mut wr, mut wd) = (
         vec![DEV.upload(o, i, &w0).unwrap()],
@@ -432,9 +446,13 @@ fn lazy_steps_through_the_rows_match_the_dense_route() {
         );
         if ir.refreshed {
             // The rows' optimizer forms its dense inverses from the rows on demand (for this
-            // copy of its state, or a dense step's view), with the Woodbury inverse's bits.
+            // copy of its state, or a dense step's view), with the Woodbury inverse's bits;
+            // a narrow side has too many rows for that route and keeps its Cholesky inverse.
             let st = rows.state().unwrap();
             for (s, x) in [(&st.layers[0].lambda, &sa), (&st.layers[0].gamma, &se)] {
+                if !grng::cpu::low_rank_is_cheaper(x.rows(), x.cols()) {
+                    continue;
+                }
                 let hx = host(x);
                 let xv = MatRef::new(&hx, x.rows(), x.cols()).unwrap();
                 let want = grng::cpu::low_rank_damped_inverse(xv, s.damping).unwrap();

@@ -120,6 +120,11 @@ impl LowRank {
         self.factor.into_inner()
     }
 
+    /// `m`, the number of rows.
+    pub fn rank(&self) -> usize {
+        self.rows.rows()
+    }
+
     /// `n`, the rows' width.
     pub fn dim(&self) -> usize {
         self.rows.cols()
