@@ -33,37 +33,31 @@
 #define GRNG_GEMM_STAGE_ELEMS (2 * GRNG_GEMM_BM * GRNG_GEMM_BK)
 #define GRNG_GEMM_SMEM (GRNG_GEMM_STAGES * GRNG_GEMM_STAGE_ELEMS * 2)
 
-// One 16-byte chunk (8 bf16) of a tile: elements (row, col..col+8) of p into the shared dst,
-// zero past nrows x ncols. `vec` (16-byte aligned rows) takes cp.async (zero-filled past the
-// edge); otherwise element-wise loads packed into one 16-byte store. Shared by the sm_80
-// engine and the sm_90a loader (wgmma_sm90.cuh).
-__device__ __forceinline__ void grng_gemm_load_chunk(void* dst,
-                                                     const __nv_bfloat16* __restrict__ p, int ld,
-                                                     int row, int col, int nrows, int ncols,
-                                                     bool vec) {
+// One 16-byte chunk (8 bf16) of a tile gathered element by element: elements
+// (row, col..col+8) of p into the shared dst, zero past nrows x ncols — the loader for rows
+// that 16-byte copies would straddle (ld % 8 ≠ 0 or a base not 16-byte aligned), shared by
+// the sm_80 engine and the sm_90a producer (wgmma_sm90.cuh).
+__device__ __forceinline__ void grng_gemm_gather_chunk(void* dst,
+                                                       const __nv_bfloat16* __restrict__ p,
+                                                       int ld, int row, int col, int nrows,
+                                                       int ncols) {
     const bool in_row = row < nrows;
-    if (vec) {
-        const int have = in_row ? min(max(ncols - col, 0), 8) : 0;
-        grng_cp_async_16(dst, have > 0 ? p + (long long)row * ld + col : p, 2 * have);
-    } else {
-        unsigned w[4] = {0u, 0u, 0u, 0u};
-        for (int e = 0; e < 8; ++e)
-            if (in_row && col + e < ncols)
-                w[e >> 1] |= (unsigned)__bfloat16_as_ushort(p[(long long)row * ld + col + e])
-                             << (16 * (e & 1));
-        *reinterpret_cast<uint4*>(dst) = make_uint4(w[0], w[1], w[2], w[3]);
-    }
+    unsigned w[4] = {0u, 0u, 0u, 0u};
+    for (int e = 0; e < 8; ++e)
+        if (in_row && col + e < ncols)
+            w[e >> 1] |= (unsigned)__bfloat16_as_ushort(p[(long long)row * ld + col + e])
+                         << (16 * (e & 1));
+    *reinterpret_cast<uint4*>(dst) = make_uint4(w[0], w[1], w[2], w[3]);
 }
 
-// Moves the 16-byte chunks of a Rows x Cols (bf16) tile at global (row0, col0) of a matrix
-// with element (row, col) at p[row·ld + col] (rows < nrows, cols < ncols exist) into the
-// swizzled shared tile st. vec: cp.async (needs ld % 8 == 0 and p 16-byte aligned); else
-// element-wise gathers.
+// Gathers the chunks of a Rows x Cols (bf16) tile at global (row0, col0) of a matrix with
+// element (row, col) at p[row·ld + col] (rows < nrows, cols < ncols exist) into the swizzled
+// shared tile st (synchronous shared stores: the engine's barriers order them).
 template <int Rows, int Cols>
-__device__ __forceinline__ void grng_gemm_load_tile(__nv_bfloat16* st,
-                                                    const __nv_bfloat16* __restrict__ p, int ld,
-                                                    int row0, int col0, int nrows, int ncols,
-                                                    bool vec) {
+__device__ __forceinline__ void grng_gemm_gather_tile(__nv_bfloat16* st,
+                                                      const __nv_bfloat16* __restrict__ p,
+                                                      int ld, int row0, int col0, int nrows,
+                                                      int ncols) {
     constexpr int kChunks = Cols / 8;
     constexpr int kPerThread = Rows * kChunks / GRNG_GEMM_THREADS;
     static_assert(kPerThread * GRNG_GEMM_THREADS == Rows * kChunks, "tile / thread mismatch");
@@ -71,39 +65,102 @@ GRNG_UNROLL
     for (int q = 0; q < kPerThread; ++q) {
         const int ch = threadIdx.x + GRNG_GEMM_THREADS * q;
         const int r = ch / kChunks, c = ch % kChunks;
-        const int row = row0 + r, col = col0 + 8 * c;
-        __nv_bfloat16* dst = st + grng_swizzle<kChunks>(r, c);
-        grng_gemm_load_chunk(dst, p, ld, row, col, nrows, ncols, vec);
+        grng_gemm_gather_chunk(st + grng_swizzle<kChunks>(r, c), p, ld, row0 + r, col0 + 8 * c,
+                               nrows, ncols);
     }
 }
 
 // Element (o, k) of an operand at p[o·ld + k]: shared tile [128 o][32 k].
 struct GrngKInner {
-    static constexpr int kChunks = GRNG_GEMM_BK / 8;
-    __device__ static void load(__nv_bfloat16* st, const __nv_bfloat16* p, int ld, int o0,
-                                int k0, int no, int nk, bool vec) {
-        grng_gemm_load_tile<GRNG_GEMM_BM, GRNG_GEMM_BK>(st, p, ld, o0, k0, no, nk, vec);
+    static constexpr bool kRowsAreK = false;  // the tile's rows are o, its chunks k
+    static constexpr int kRows = GRNG_GEMM_BM, kChunks = GRNG_GEMM_BK / 8;
+    // The gathered stage tile (grng_gemm_gather_tile).
+    __device__ static void gather(__nv_bfloat16* st, const __nv_bfloat16* p, int ld, int o0,
+                                  int k0, int no, int nk) {
+        grng_gemm_gather_tile<GRNG_GEMM_BM, GRNG_GEMM_BK>(st, p, ld, o0, k0, no, nk);
     }
     // Four 8x8 matrices; matrix j covers o0 + oo[j].., k0 + ko[j]..: lane l addresses row
-    // o0 + oo[l/8] + l%8 (k contiguous, so no .trans).
-    __device__ static void frag(unsigned (&r)[4], const __nv_bfloat16* st, int o0, int k0,
-                                int oo, int ko, int lane_row) {
-        grng_ldmatrix_x4<false>(r, st + grng_swizzle<kChunks>(o0 + oo + lane_row, (k0 + ko) / 8));
+    // o0 + oo[l/8] + l%8 (k contiguous, so no .trans). Element offset in the stage tile.
+    __device__ static int frag_off(int o0, int k0, int oo, int ko, int lane_row) {
+        return grng_swizzle<kChunks>(o0 + oo + lane_row, (k0 + ko) / 8);
     }
 };
 
 // Element (o, k) of an operand at p[k·ld + o]: shared tile [32 k][128 o].
 struct GrngKOuter {
-    static constexpr int kChunks = GRNG_GEMM_BM / 8;
-    __device__ static void load(__nv_bfloat16* st, const __nv_bfloat16* p, int ld, int o0,
-                                int k0, int no, int nk, bool vec) {
-        grng_gemm_load_tile<GRNG_GEMM_BK, GRNG_GEMM_BM>(st, p, ld, k0, o0, nk, no, vec);
+    static constexpr bool kRowsAreK = true;  // the tile's rows are k, its chunks o
+    static constexpr int kRows = GRNG_GEMM_BK, kChunks = GRNG_GEMM_BM / 8;
+    // The gathered stage tile (grng_gemm_gather_tile).
+    __device__ static void gather(__nv_bfloat16* st, const __nv_bfloat16* p, int ld, int o0,
+                                  int k0, int no, int nk) {
+        grng_gemm_gather_tile<GRNG_GEMM_BK, GRNG_GEMM_BM>(st, p, ld, k0, o0, nk, no);
     }
     // Rows are k here: lane l addresses row k0 + ko[l/8] + l%8, and .trans hands out the
-    // (o, k) fragment.
-    __device__ static void frag(unsigned (&r)[4], const __nv_bfloat16* st, int o0, int k0,
-                                int oo, int ko, int lane_row) {
-        grng_ldmatrix_x4<true>(r, st + grng_swizzle<kChunks>(k0 + ko + lane_row, (o0 + oo) / 8));
+    // (o, k) fragment. Element offset in the stage tile.
+    __device__ static int frag_off(int o0, int k0, int oo, int ko, int lane_row) {
+        return grng_swizzle<kChunks>(k0 + ko + lane_row, (o0 + oo) / 8);
+    }
+};
+
+// One thread's share of an operand's stage tiles (Rows x Chunks 16-byte chunks, the tile's
+// rows k when RowsAreK, else o), planned once per block tile so that a stage's copies cost an
+// address add and a cp.async each: chunk q's global address at K offset 0 (the operand's first
+// plane), its byte offset in the stage tile (Swz: element offset of chunk (r, c)), and how many
+// of its 8 elements exist in a K slice that lies wholly inside K (0 past the o edge).
+template <bool RowsAreK, int Rows, int Chunks, int Threads>
+struct GrngLoadPlan {
+    static constexpr int kPer = Rows * Chunks / Threads;
+    static_assert(kPer * Threads == Rows * Chunks, "tile / thread mismatch");
+    const __nv_bfloat16* g[kPer];
+    int dst[kPer], have[kPer];
+    int t;  // the thread's index: chunk q is (row, chunk) = (ch / Chunks, ch % Chunks) of
+            // ch = t + Threads·q, recomputed where the K tail needs it (fewer live registers)
+
+    // p: element (row, col) of the operand at p[row·ld + col] (rows k when RowsAreK); o0: the
+    // tile's first o, no: the o extent; t: this thread's index among Threads; swz(r, c): the
+    // chunk's byte offset in the stage tile.
+    template <class Swz>
+    __device__ __forceinline__ void init(const __nv_bfloat16* p, int ld, int o0, int no,
+                                         int thread, Swz swz) {
+        t = thread;
+GRNG_UNROLL
+        for (int q = 0; q < kPer; ++q) {
+            const int ch = t + Threads * q, r = ch / Chunks, c = ch % Chunks;
+            dst[q] = swz(r, c);
+            long long at;
+            if (RowsAreK) {
+                have[q] = min(max(no - o0 - 8 * c, 0), 8);
+                at = (long long)r * ld + o0 + 8 * c;
+            } else {
+                have[q] = o0 + r < no ? 8 : 0;
+                at = (long long)(o0 + r) * ld + 8 * c;
+            }
+            // A chunk with nothing to read keeps a valid address (cp.async's contract).
+            g[q] = have[q] > 0 ? p + at : p;
+        }
+    }
+
+    // The copies of the K slice at k0 (of K's extent nk; full: the slice lies wholly inside
+    // it) of the plane `plane` elements past the planned one, into the stage tile at byte
+    // offset `tile` of the shared buffer (base, base_s), zero-filled past the edges.
+    // `fallback`: a valid address for chunks with nothing to read.
+    __device__ __forceinline__ void copy(void* base, unsigned base_s, int tile, int k0, int nk,
+                                         bool full, int ld, long long plane,
+                                         const __nv_bfloat16* fallback) const {
+        const long long off = (RowsAreK ? (long long)k0 * ld : (long long)k0) + plane;
+GRNG_UNROLL
+        for (int q = 0; q < kPer; ++q) {
+            int h = have[q];
+            if (!full) {
+                const int ch = t + Threads * q;
+                if (RowsAreK)
+                    h = k0 + ch / Chunks < nk ? h : 0;
+                else
+                    h = h > 0 ? min(max(nk - k0 - 8 * (ch % Chunks), 0), 8) : 0;
+            }
+            grng_cp_async_16_at(base, base_s, tile + dst[q], h > 0 ? g[q] + off : fallback,
+                                2 * h);
+        }
     }
 };
 
@@ -130,28 +187,28 @@ __device__ __forceinline__ void grng_split3(float x, __nv_bfloat16& hi, __nv_bfl
     lo = __float2bfloat16_rn(r - __bfloat162float(mid));
 }
 
-// The block's 128x128 tile of C = op(A)·op(B) at rows i0.., columns j0.. (op(A) M x K,
-// op(B) K x N), handed to epi(i, j, value) for every i < M, j < N of the tile; then
-// epi.finish() is called by every thread (block reductions). Terms = 1: plain bf16 operands
-// (a_plane, b_plane unused); Terms = GRNG_SPLIT3_TERMS: A and B are split3 planes a_plane /
-// b_plane elements apart, and the K loop runs over the 6 plane products in turn. smem:
-// GRNG_GEMM_SMEM bytes of dynamic shared memory. Every thread of the 256-thread block must
-// call it.
-template <class AL, class BL, int Terms, class Epi>
-__device__ __forceinline__ void grng_gemm_tile(const __nv_bfloat16* __restrict__ A, int lda,
-                                               long long a_plane,
-                                               const __nv_bfloat16* __restrict__ B, int ldb,
-                                               long long b_plane, int M, int N, int K, int i0,
-                                               int j0, __nv_bfloat16* smem, Epi& epi) {
-    static_assert(Terms == 1 || Terms == GRNG_SPLIT3_TERMS, "plain or split3 products");
+// The mainloop of grng_gemm_tile for one loader: Vec (every operand plane 16-byte aligned
+// with ld % 8 == 0) copies by cp.async from per-thread plans (GrngLoadPlan), else the
+// element-wise gathers. The per-lane fragment offsets and the loader's plans are computed
+// once per tile, and the stage and slice counters advance by adds: what runs per K slice is
+// the copies, 12 ldmatrix, 32 mma and their address adds. On CUDA every fragment and K step
+// is computed: tiles past the M, N, K edges read the zeros the loader filled in, which add
+// nothing. The emulator, which runs each mma in software, skips that all-zero work
+// (warp-uniform tests, the same results) to keep the tests fast.
+template <class AL, class BL, int Terms, bool Vec, class Epi>
+__device__ __forceinline__ void grng_gemm_mainloop(const __nv_bfloat16* __restrict__ A, int lda,
+                                                   long long a_plane,
+                                                   const __nv_bfloat16* __restrict__ B, int ldb,
+                                                   long long b_plane, int M, int N, int K,
+                                                   int i0, int j0, __nv_bfloat16* smem,
+                                                   Epi& epi) {
+    constexpr int kStageBytes = 2 * GRNG_GEMM_STAGE_ELEMS;
+    constexpr int kBTile = 2 * GRNG_GEMM_BM * GRNG_GEMM_BK;  // B's byte offset in a stage
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
     const int wm = (warp & 1) * 64, wn = (warp >> 1) * 32;
-    const int rows_left = M - i0 - wm, cols_left = N - j0 - wn;  // of this warp's tile
-    // Every plane must be 16-byte aligned for cp.async: the plane stride too.
-    const bool vec_a = grng_gemm_vec_ok(A, lda) && (Terms == 1 || (a_plane & 7) == 0);
-    const bool vec_b = grng_gemm_vec_ok(B, ldb) && (Terms == 1 || (b_plane & 7) == 0);
     const int nk = grng_ceil_div(K, GRNG_GEMM_BK);
     const int nslices = Terms * nk;  // slice v: term v / nk, K slice v % nk
+    const unsigned smem_s = grng_shared_u32(smem);
 
     float acc[4][4][4];
 GRNG_UNROLL
@@ -161,54 +218,111 @@ GRNG_UNROLL
 GRNG_UNROLL
             for (int e = 0; e < 4; ++e) acc[mi][nj][e] = 0.0f;
 
-    // Stage s: A tile at smem + s·STAGE_ELEMS, B tile right after it.
-    auto load_stage = [&](int s, int v) {
-        __nv_bfloat16* st = smem + s * GRNG_GEMM_STAGE_ELEMS;
-        const int t = v / nk, k0 = (v - t * nk) * GRNG_GEMM_BK;
-        const int pa = (GRNG_SPLIT3_A_PLANES >> (2 * t)) & 3;
-        const int pb = (GRNG_SPLIT3_B_PLANES >> (2 * t)) & 3;
-        const __nv_bfloat16* a = Terms == 1 ? A : A + pa * a_plane;
-        const __nv_bfloat16* b = Terms == 1 ? B : B + pb * b_plane;
-        AL::load(st, a, lda, i0, k0, M, K, vec_a);
-        BL::load(st + GRNG_GEMM_BM * GRNG_GEMM_BK, b, ldb, j0, k0, N, K, vec_b);
+    using PlanA = GrngLoadPlan<AL::kRowsAreK, AL::kRows, AL::kChunks, GRNG_GEMM_THREADS>;
+    using PlanB = GrngLoadPlan<BL::kRowsAreK, BL::kRows, BL::kChunks, GRNG_GEMM_THREADS>;
+    PlanA pa;
+    PlanB pb;
+    if (Vec) {
+        pa.init(A, lda, i0, M, threadIdx.x,
+                [](int r, int c) { return 2 * grng_swizzle<AL::kChunks>(r, c); });
+        pb.init(B, ldb, j0, N, threadIdx.x,
+                [](int r, int c) { return 2 * grng_swizzle<BL::kChunks>(r, c); });
+    }
+    // The next slice to load: its stage, term and K offset, advanced by adds.
+    int ld_stage = 0, ld_term = 0, ld_k0 = 0;
+    auto load_next = [&]() {
+        const int pla = (GRNG_SPLIT3_A_PLANES >> (2 * ld_term)) & 3;
+        const int plb = (GRNG_SPLIT3_B_PLANES >> (2 * ld_term)) & 3;
+        const long long oa = Terms == 1 ? 0 : pla * a_plane;
+        const long long ob = Terms == 1 ? 0 : plb * b_plane;
+        const int tile = ld_stage * kStageBytes;
+        if (Vec) {
+            const bool full = ld_k0 + GRNG_GEMM_BK <= K;
+            pa.copy(smem, smem_s, tile, ld_k0, K, full, lda, oa, A);
+            pb.copy(smem, smem_s, tile + kBTile, ld_k0, K, full, ldb, ob, B);
+        } else {
+            __nv_bfloat16* st = smem + ld_stage * GRNG_GEMM_STAGE_ELEMS;
+            AL::gather(st, A + oa, lda, i0, ld_k0, M, K);
+            BL::gather(st + GRNG_GEMM_BM * GRNG_GEMM_BK, B + ob, ldb, j0, ld_k0, N, K);
+        }
+        ld_stage = ld_stage + 1 == GRNG_GEMM_STAGES ? 0 : ld_stage + 1;
+        ld_k0 += GRNG_GEMM_BK;
+        if (ld_k0 >= K) {
+            ld_k0 = 0;
+            ++ld_term;
+        }
     };
 GRNG_UNROLL
     for (int s = 0; s < GRNG_GEMM_STAGES - 1; ++s) {
-        if (s < nslices) load_stage(s, s);
+        if (s < nslices) load_next();
         grng_cp_async_commit();
     }
 
     // ldmatrix x4 register j: A covers (m + 8(j&1), k + 8(j>>1)), a pair of B n8 tiles
-    // (k + 8(j&1), n + 8(j>>1)) — the a[0..3] and b[0..1], b'[0..1] fragment orders.
+    // (k + 8(j&1), n + 8(j>>1)) — the a[0..3] and b[0..1], b'[0..1] fragment orders. A
+    // fragment's byte offset in a stage is affine in the tile's row index (the swizzle's XOR
+    // depends on the row's low 3 bits only): 16 rows on is `step` bytes on. So a lane keeps
+    // the offsets of its 16-row A fragments mi / B pairs np at k step h = 0 for k-outer tiles
+    // (rows k: step h adds `step`), or of steps h at mi = np = 0 for k-inner tiles (rows o).
     const int lrow = lane & 7, lj = lane >> 3;
-    const int a_oo = 8 * (lj & 1), a_ko = 8 * (lj >> 1);
-    const int b_oo = 8 * (lj >> 1), b_ko = 8 * (lj & 1);
+    constexpr int kStepA = 2 * 16 * AL::kChunks * 8, kStepB = 2 * 16 * BL::kChunks * 8;
+    int a_tab[4], b_tab[2];
+GRNG_UNROLL
+    for (int i = 0; i < 4; ++i) {
+        const int o = wm + 16 * (AL::kRowsAreK ? i : 0), k = AL::kRowsAreK ? 0 : 16 * i;
+        if (i < (AL::kRowsAreK ? 4 : 2))
+            a_tab[i] = 2 * AL::frag_off(o, k, 8 * (lj & 1), 8 * (lj >> 1), lrow);
+    }
+GRNG_UNROLL
+    for (int i = 0; i < 2; ++i) {
+        const int o = wn + 16 * (BL::kRowsAreK ? i : 0), k = BL::kRowsAreK ? 0 : 16 * i;
+        b_tab[i] = kBTile + 2 * BL::frag_off(o, k, 8 * (lj >> 1), 8 * (lj & 1), lrow);
+    }
+    // Byte offsets of A fragment mi and B pair np at k step h.
+    auto a_off = [&](int mi, int h) {
+        return AL::kRowsAreK ? a_tab[mi] + h * kStepA : a_tab[h] + mi * kStepA;
+    };
+    auto b_off = [&](int np, int h) {
+        return BL::kRowsAreK ? b_tab[np] + h * kStepB : b_tab[h] + np * kStepB;
+    };
+#ifdef GRNG_EMU
+    const int rows_left = M - i0 - wm, cols_left = N - j0 - wn;  // of this warp's tile
+    int rd_k0 = 0;
+#endif
+    int rd_stage = 0;
     for (int kt = 0; kt < nslices; ++kt) {
         // Slice kt's group is complete once at most STAGES-2 younger ones are in flight; the
         // barrier also retires every warp's reads of the stage the next load overwrites.
         grng_cp_async_wait<GRNG_GEMM_STAGES - 2>();
         __syncthreads();
-        const int next = kt + GRNG_GEMM_STAGES - 1;
-        if (next < nslices) load_stage(next % GRNG_GEMM_STAGES, next);
+        if (kt + GRNG_GEMM_STAGES - 1 < nslices) load_next();
         grng_cp_async_commit();
 
-        const __nv_bfloat16* sa = smem + (kt % GRNG_GEMM_STAGES) * GRNG_GEMM_STAGE_ELEMS;
-        const __nv_bfloat16* sb = sa + GRNG_GEMM_BM * GRNG_GEMM_BK;
-        const int k_left = K - (kt % nk) * GRNG_GEMM_BK;
+        const int st = rd_stage * kStageBytes;
+        rd_stage = rd_stage + 1 == GRNG_GEMM_STAGES ? 0 : rd_stage + 1;
+#ifdef GRNG_EMU
+        const int k_left = K - rd_k0;
+        rd_k0 = rd_k0 + GRNG_GEMM_BK >= K ? 0 : rd_k0 + GRNG_GEMM_BK;
+#endif
 GRNG_UNROLL
-        for (int kk = 0; kk < GRNG_GEMM_BK; kk += 16) {
-            // Warp-uniform skips of all-zero work past the M, N, K edges (ragged and small
-            // shapes): 16-row A fragments, 16-column B pairs, 16-deep steps.
-            if (kk >= k_left) break;
-            unsigned af[4][4] = {}, bf[4][2] = {};
+        for (int h = 0; h < 2; ++h) {
+            unsigned af[4][4], bf[4][2];
+#ifdef GRNG_EMU
+            if (16 * h >= k_left) break;
+            const bool emu_skip = true;
+#else
+            const int rows_left = 64, cols_left = 32;
+            const bool emu_skip = false;
+#endif
 GRNG_UNROLL
             for (int mi = 0; mi < 4; ++mi)
-                if (16 * mi < rows_left) AL::frag(af[mi], sa, wm + 16 * mi, kk, a_oo, a_ko, lrow);
+                if (!emu_skip || 16 * mi < rows_left)
+                    grng_ldmatrix_x4_at<AL::kRowsAreK>(af[mi], smem, smem_s, st + a_off(mi, h));
 GRNG_UNROLL
             for (int np = 0; np < 2; ++np) {
-                if (16 * np >= cols_left) continue;
+                if (emu_skip && 16 * np >= cols_left) continue;
                 unsigned r[4];
-                BL::frag(r, sb, wn + 16 * np, kk, b_oo, b_ko, lrow);
+                grng_ldmatrix_x4_at<BL::kRowsAreK>(r, smem, smem_s, st + b_off(np, h));
                 bf[2 * np][0] = r[0];
                 bf[2 * np][1] = r[1];
                 bf[2 * np + 1][0] = r[2];
@@ -218,7 +332,7 @@ GRNG_UNROLL
             for (int mi = 0; mi < 4; ++mi)
 GRNG_UNROLL
                 for (int nj = 0; nj < 4; ++nj)
-                    if (16 * mi < rows_left && 8 * nj < cols_left)
+                    if (!emu_skip || (16 * mi < rows_left && 8 * nj < cols_left))
                         grng_mma_bf16_16816(acc[mi][nj], af[mi], bf[nj], acc[mi][nj]);
         }
     }
@@ -240,6 +354,31 @@ GRNG_UNROLL
                 }
             }
     epi.finish();
+}
+
+// The block's 128x128 tile of C = op(A)·op(B) at rows i0.., columns j0.. (op(A) M x K,
+// op(B) K x N), handed to epi(i, j, value) for every i < M, j < N of the tile; then
+// epi.finish() is called by every thread (block reductions). Terms = 1: plain bf16 operands
+// (a_plane, b_plane unused); Terms = GRNG_SPLIT3_TERMS: A and B are split3 planes a_plane /
+// b_plane elements apart, and the K loop runs over the 6 plane products in turn. smem:
+// GRNG_GEMM_SMEM bytes of dynamic shared memory. Every thread of the 256-thread block must
+// call it.
+template <class AL, class BL, int Terms, class Epi>
+__device__ __forceinline__ void grng_gemm_tile(const __nv_bfloat16* __restrict__ A, int lda,
+                                               long long a_plane,
+                                               const __nv_bfloat16* __restrict__ B, int ldb,
+                                               long long b_plane, int M, int N, int K, int i0,
+                                               int j0, __nv_bfloat16* smem, Epi& epi) {
+    static_assert(Terms == 1 || Terms == GRNG_SPLIT3_TERMS, "plain or split3 products");
+    // Every plane must be 16-byte aligned for cp.async: the plane strides too.
+    const bool vec = grng_gemm_vec_ok(A, lda) && grng_gemm_vec_ok(B, ldb) &&
+                     (Terms == 1 || ((a_plane | b_plane) & 7) == 0);
+    if (vec)
+        grng_gemm_mainloop<AL, BL, Terms, true>(A, lda, a_plane, B, ldb, b_plane, M, N, K, i0,
+                                                j0, smem, epi);
+    else
+        grng_gemm_mainloop<AL, BL, Terms, false>(A, lda, a_plane, B, ldb, b_plane, M, N, K, i0,
+                                                 j0, smem, epi);
 }
 
 // grng_gemm_tile with the operand layouts chosen at run time: layouts bit 0 → A k-outer

@@ -31,13 +31,19 @@ __device__ __forceinline__ void grng_mma_bf16_16816(float (&d)[4], const unsigne
 #endif
 }
 
-// Four 8x8 b16 matrices from shared memory (row = this lane's row address, see above).
+// grng_ldmatrix_x4 at byte offset `off` of the shared buffer `base`, whose shared-window
+// address `base_s` (__cvta_generic_to_shared) the caller converted once: the mainloop's
+// fragment addresses are per-lane constants plus the stage offset, so each ldmatrix is one
+// add and the load.
 template <bool Trans>
-__device__ __forceinline__ void grng_ldmatrix_x4(unsigned (&r)[4], const void* row) {
+__device__ __forceinline__ void grng_ldmatrix_x4_at(unsigned (&r)[4], const void* base,
+                                                    unsigned base_s, int off) {
 #ifdef GRNG_EMU
-    grng_emu::ldmatrix_x4(r, row, Trans);
+    (void)base_s;
+    grng_emu::ldmatrix_x4(r, static_cast<const char*>(base) + off, Trans);
 #else
-    const unsigned s = (unsigned)__cvta_generic_to_shared(row);
+    (void)base;
+    const unsigned s = base_s + (unsigned)off;
     if (Trans)
         asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0,%1,%2,%3}, [%4];\n"
                      : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
@@ -49,16 +55,42 @@ __device__ __forceinline__ void grng_ldmatrix_x4(unsigned (&r)[4], const void* r
 #endif
 }
 
-// 16 bytes global → shared, asynchronously: src_bytes (0..16) are read, the rest zero-filled.
-// Both addresses 16-byte aligned; src must be a valid address even when src_bytes = 0.
-__device__ __forceinline__ void grng_cp_async_16(void* smem, const void* gmem, int src_bytes) {
+// The shared-window address of a shared-memory pointer (0 in the emulator, which addresses
+// shared memory by pointer: grng_ldmatrix_x4_at ignores it there).
+__device__ __forceinline__ unsigned grng_shared_u32(const void* p) {
 #ifdef GRNG_EMU
-    grng_emu::cp_async_16(smem, gmem, src_bytes);
+    (void)p;
+    return 0u;
 #else
-    const unsigned s = (unsigned)__cvta_generic_to_shared(smem);
-    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(s), "l"(gmem),
-                 "r"(src_bytes));
+    return (unsigned)__cvta_generic_to_shared(p);
 #endif
+}
+
+// Four 8x8 b16 matrices from shared memory (row = this lane's row address, see above).
+template <bool Trans>
+__device__ __forceinline__ void grng_ldmatrix_x4(unsigned (&r)[4], const void* row) {
+    grng_ldmatrix_x4_at<Trans>(r, row, grng_shared_u32(row), 0);
+}
+
+// 16 bytes global → shared, asynchronously, to byte offset `off` of the shared buffer `base`
+// (shared-window address `base_s`, see grng_ldmatrix_x4_at): src_bytes (0..16) are read, the
+// rest zero-filled. Both addresses 16-byte aligned; src must be a valid address even when
+// src_bytes = 0.
+__device__ __forceinline__ void grng_cp_async_16_at(void* base, unsigned base_s, int off,
+                                                    const void* gmem, int src_bytes) {
+#ifdef GRNG_EMU
+    (void)base_s;
+    grng_emu::cp_async_16(static_cast<char*>(base) + off, gmem, src_bytes);
+#else
+    (void)base;
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(base_s + (unsigned)off),
+                 "l"(gmem), "r"(src_bytes));
+#endif
+}
+
+// grng_cp_async_16_at to the shared address smem.
+__device__ __forceinline__ void grng_cp_async_16(void* smem, const void* gmem, int src_bytes) {
+    grng_cp_async_16_at(smem, grng_shared_u32(smem), 0, gmem, src_bytes);
 }
 
 // Closes the group of this thread's cp.async issued since the last commit.

@@ -216,11 +216,12 @@ struct GrngWgLayout<GrngKOuter> {
     }
 };
 
-// Producer: one operand's stage tile (o0.., k0..) of p (element (row, col) at p[row·ld + col])
-// into the swizzled tile at `tile` (bytes), by the 128 producer threads (pt = 0..127).
+// Producer, gathering: one operand's stage tile (o0.., k0..) of p (element (row, col) at
+// p[row·ld + col]) into the swizzled tile at `tile` (bytes), by the 128 producer threads
+// (pt = 0..127), element by element (grng_gemm_gather_chunk).
 template <class L>
-__device__ __forceinline__ void grng_wg_load(unsigned char* tile, const __nv_bfloat16* p, int ld,
-                                             int o0, int k0, int no, int nk, bool vec, int pt) {
+__device__ __forceinline__ void grng_wg_gather(unsigned char* tile, const __nv_bfloat16* p,
+                                               int ld, int o0, int k0, int no, int nk, int pt) {
     using W = GrngWgLayout<L>;
     constexpr int kPer = W::kRows * W::kChunks / 128;
     int nrows, ncols;
@@ -232,8 +233,66 @@ GRNG_UNROLL
         int row, col;
         W::coords(o0, k0, r, c, row, col);
         unsigned char* dst = tile + W::chunk_off(r, c);
-        grng_gemm_load_chunk(dst, p, ld, row, col, nrows, ncols, vec);
+        grng_gemm_gather_chunk(dst, p, ld, row, col, nrows, ncols);
     }
+}
+
+// The producer warpgroup's loop (pt = 0..127): each slice's two operand tiles into stage
+// v % STAGES once the consumers released it, then the stage's full barrier. Vec: cp.async
+// from per-thread plans made once per tile (GrngLoadPlan: an address add and a cp.async per
+// chunk, the K-tail clamps only in the last slice of a term); else element-wise gathers,
+// made visible by the release of an ordinary arrive.
+template <class AL, class BL, int Terms, bool Vec>
+__device__ __forceinline__ void grng_wg_produce(const __nv_bfloat16* __restrict__ A, int lda,
+                                                long long a_plane,
+                                                const __nv_bfloat16* __restrict__ B, int ldb,
+                                                long long b_plane, int M, int N, int K, int i0,
+                                                int j0, unsigned char* base,
+                                                unsigned long long* full,
+                                                unsigned long long* empty, int pt) {
+    using WA = GrngWgLayout<AL>;
+    using WB = GrngWgLayout<BL>;
+    GrngLoadPlan<AL::kRowsAreK, WA::kRows, WA::kChunks, 128> pa;
+    GrngLoadPlan<BL::kRowsAreK, WB::kRows, WB::kChunks, 128> pb;
+    if (Vec) {
+        pa.init(A, lda, i0, M, pt, [](int r, int c) { return WA::chunk_off(r, c); });
+        pb.init(B, ldb, j0, N, pt, [](int r, int c) { return WB::chunk_off(r, c); });
+    }
+    const unsigned base_s = grng_smem_addr(base);
+    const int nslices = Terms * grng_ceil_div(K, GRNG_WG_BK);
+    int s = 0, round = 0, term = 0, k0 = 0;
+    for (int v = 0; v < nslices; ++v) {
+        // Slot s was last read in round − 1 (returns at once in round 0).
+        grng_mbar_wait<true>(&empty[s], (round & 1) ^ 1);
+        const int tile = 2 * s * GRNG_WG_TILE_BYTES;
+        const int pla = (GRNG_SPLIT3_A_PLANES >> (2 * term)) & 3;
+        const int plb = (GRNG_SPLIT3_B_PLANES >> (2 * term)) & 3;
+        const long long oa = Terms == 1 ? 0 : pla * a_plane;
+        const long long ob = Terms == 1 ? 0 : plb * b_plane;
+        if (Vec) {
+            const bool whole = k0 + GRNG_WG_BK <= K;
+            pa.copy(base, base_s, tile, k0, K, whole, lda, oa, A);
+            pb.copy(base, base_s, tile + GRNG_WG_TILE_BYTES, k0, K, whole, ldb, ob, B);
+            grng_mbar_arrive_cp_async(&full[s]);
+        } else {
+            grng_wg_gather<AL>(base + tile, A + oa, lda, i0, k0, M, K, pt);
+            grng_wg_gather<BL>(base + tile + GRNG_WG_TILE_BYTES, B + ob, ldb, j0, k0, N, K, pt);
+            grng_mbar_arrive(&full[s]);
+        }
+        if (++s == GRNG_WG_STAGES) {
+            s = 0;
+            ++round;
+        }
+        k0 += GRNG_WG_BK;
+        if (k0 >= K) {
+            k0 = 0;
+            ++term;
+        }
+    }
+    // Wait for the release of the last STAGES slices (as if loading STAGES more): the
+    // consumers' progress is bounded by the trap too.
+    for (int v = nslices; v < nslices + GRNG_WG_STAGES; ++v)
+        grng_mbar_wait<true>(&empty[v % GRNG_WG_STAGES], ((v / GRNG_WG_STAGES) & 1) ^ 1);
 }
 
 // grng_gemm_tile's contract on the sm_90a mainloop: the block's 128x128 tile of
@@ -271,33 +330,15 @@ GRNG_UNROLL
     for (int i = 0; i < 64; ++i) acc[i] = 0.0f;
 
     if (wg == 0) {
-        // Producer. vec: 16-byte cp.async (ld % 8 == 0, 16-byte aligned base); else gathers,
-        // made visible by the release of an ordinary arrive.
         // Every plane must be 16-byte aligned for cp.async: the plane strides too.
         const bool vec = grng_gemm_vec_ok(A, lda) && grng_gemm_vec_ok(B, ldb) &&
                          (Terms == 1 || ((a_plane | b_plane) & 7) == 0);
-        for (int v = 0; v < nslices; ++v) {
-            const int s = v % GRNG_WG_STAGES;
-            // Slot s was last read in round v / STAGES − 1 (returns at once in round 0).
-            grng_mbar_wait<true>(&empty[s], ((v / GRNG_WG_STAGES) & 1) ^ 1);
-            unsigned char* st = base + 2 * s * GRNG_WG_TILE_BYTES;
-            const int term = v / nk, k0 = (v - term * nk) * GRNG_WG_BK;
-            const int pa = (GRNG_SPLIT3_A_PLANES >> (2 * term)) & 3;
-            const int pb = (GRNG_SPLIT3_B_PLANES >> (2 * term)) & 3;
-            const __nv_bfloat16* a = Terms == 1 ? A : A + pa * a_plane;
-            const __nv_bfloat16* b = Terms == 1 ? B : B + pb * b_plane;
-            grng_wg_load<AL>(st, a, lda, i0, k0, M, K, vec, t);
-            grng_wg_load<BL>(st + GRNG_WG_TILE_BYTES, b, ldb, j0, k0, N, K, vec, t);
-            if (vec)
-                grng_mbar_arrive_cp_async(&full[s]);
-            else
-                grng_mbar_arrive(&full[s]);
-        }
-        // Wait for the release of the last STAGES slices (as if loading STAGES more): the
-        // consumers' progress is bounded by the trap too.
-        for (int v = nslices; v < nslices + GRNG_WG_STAGES; ++v)
-            grng_mbar_wait<true>(&empty[v % GRNG_WG_STAGES],
-                                 ((v / GRNG_WG_STAGES) & 1) ^ 1);
+        if (vec)
+            grng_wg_produce<AL, BL, Terms, true>(A, lda, a_plane, B, ldb, b_plane, M, N, K, i0,
+                                                 j0, base, full, empty, t);
+        else
+            grng_wg_produce<AL, BL, Terms, false>(A, lda, a_plane, B, ldb, b_plane, M, N, K, i0,
+                                                  j0, base, full, empty, t);
     } else {
         // Consumer warpgroup c = wg − 1: tile rows 64c..64c+63.
         const int c = wg - 1;
