@@ -248,6 +248,21 @@ extern "C" __global__ void __launch_bounds__(GRNG_GEMM_THREADS)
 GRNG_EMU_ENTRY(precond_gemm_tc, (const __nv_bfloat16*, int, long long, const __nv_bfloat16*, int,
                                  long long, float*, int, int, int, int, float, float, int, int*))
 
+#ifdef GRNG_SM90A
+// The sm_90a instance of precond_gemm_tc (Device::gemm on bf16 operands on wgmma): same
+// parameters, grid and epilogue; block 384, GRNG_WG_SMEM bytes of dynamic shared memory.
+// Only in the compute_90a build.
+extern "C" __global__ void __launch_bounds__(GRNG_WG_THREADS, 1)
+    precond_gemm_wg_tc(const __nv_bfloat16* __restrict__ a, int lda, long long a_plane,
+                       const __nv_bfloat16* __restrict__ b, int ldb, long long b_plane,
+                       float* __restrict__ c, int ldc, int M, int N, int K, float alpha, float beta,
+                       int trans, int* __restrict__ status) {
+    GRNG_DYN_SHARED(__nv_bfloat16, smem);
+    PrecondAxpby epi{c, ldc, alpha, beta, status};
+    grng_wg_gemm_tile_any<1>(a, lda, a_plane, b, ldb, b_plane, M, N, K, trans, smem, epi);
+}
+#endif
+
 // ---------------------------------------------------------------------------------------
 // a[i, i] += lambda for i < n (a is n x n with leading dimension ld). Grid-stride over the
 // diagonal: n strided elements, each its own memory sector anyway.

@@ -13,7 +13,7 @@ mod common;
 use grng::cuda::kron::syrk_ema_tc;
 use grng::cuda::launch::{inject_ptx_reject, record_launches, take_launches};
 use grng::cuda::newton::{product_f32, product_tc, Epilogue, Planes, Unused};
-use grng::cuda::precond::gemm3;
+use grng::cuda::precond::{gemm3, gemm_tc};
 use grng::cuda::sm90::{check, fallbacks, inject_sm90, Sm90Injection};
 use grng::mat::Trans;
 use grng::{Device, Error, Matrix};
@@ -159,6 +159,27 @@ fn split_product(
     Ok(launched)
 }
 
+/// One plain bf16 product C = α·Aᵀ·B on `dev` through `cuda::precond::gemm_tc` (`Device::gemm`
+/// on bf16), A k x n, B k x n, checked against f64 ([`check_product`]); returns the launches.
+fn bf16_product(
+    dev: &Device,
+    rng: &mut ChaCha8Rng,
+    n: usize,
+    k: usize,
+) -> grng::Result<Vec<&'static str>> {
+    let ((a, aw), (b, bw)) = (bf16_vals(rng, k * n), bf16_vals(rng, k * n));
+    let (am, bm) = (dev.upload(k, n, &a)?, dev.upload(k, n, &b)?);
+    let mut c: Matrix = dev.zeros(n, n)?;
+    let alpha = 0.5f32;
+    take_launches();
+    gemm_tc(dev, Trans::Yes, Trans::No, alpha, &am, &bm, 0.0, &mut c)?;
+    let launched = take_launches();
+    let x = |i: usize, p: usize| aw[p * n + i];
+    let y = |p: usize, j: usize| bw[p * n + j];
+    check_product("α·AᵀB bf16", &c.to_vec()?, n, k, f64::from(alpha), x, y);
+    Ok(launched)
+}
+
 /// One Newton split3 product C = A·B (f32, n x n) on `dev` through
 /// `cuda::newton::product_f32`, checked against f64 ([`check_split3`]); returns the launches.
 fn newton_f32_product(
@@ -185,7 +206,7 @@ fn newton_f32_product(
 }
 
 /// The self-check's launches up to its first sm_90a failure (`stop`: 0 = none, 1 = Newton
-/// product, 2 = SYRK, 3 = split3 product, 4 = Newton's split3 product).
+/// product, 2 = SYRK, 3 = split3 product; the bf16 product and Newton's split3 product follow).
 fn self_check(stop: usize) -> Vec<&'static str> {
     let all = [
         "newton_gemm_tc",
@@ -198,6 +219,8 @@ fn self_check(stop: usize) -> Vec<&'static str> {
         "precond_split3",
         "precond_split3",
         "precond_gemm3_wg_tc",
+        "precond_gemm_tc",
+        "precond_gemm_wg_tc",
         "precond_split3",
         "precond_split3",
         "newton_gemm3_tc",
@@ -279,6 +302,10 @@ fn selection_self_check_and_counted_fallback() {
     assert_eq!(
         newton_f32_product(&dev, &mut rng, n).unwrap(),
         ["precond_split3", "precond_split3", "newton_gemm3_wg_tc"]
+    );
+    assert_eq!(
+        bf16_product(&dev, &mut rng, n, k).unwrap(),
+        ["precond_gemm_wg_tc"]
     );
     assert!(check(&dev).unwrap());
     assert_eq!(fallbacks(), 0);
@@ -366,6 +393,8 @@ fn sm90a_products_match_f64_on_a_cc90_gpu() {
         assert_eq!(launched[2], "precond_gemm3_wg_tc");
         let launched = newton_f32_product(&dev, &mut rng, n).unwrap();
         assert_eq!(launched[2], "newton_gemm3_wg_tc");
+        let launched = bf16_product(&dev, &mut rng, n, k).unwrap();
+        assert_eq!(launched, ["precond_gemm_wg_tc"]);
     }
     record_launches(false);
     assert_eq!(fallbacks(), 0);

@@ -25,7 +25,7 @@ kernel!(pub ADD_DIAGONAL = PRECOND::precond_add_diagonal;);
 kernel!(pub TRACE = PRECOND::precond_trace;);
 kernel!(pub SPLIT3 = PRECOND::precond_split3;);
 kernel!(pub GEMM3_TC = PRECOND::precond_gemm3_tc, sm90 = super::sm90::GEMM3_WG;);
-kernel!(pub GEMM_TC = PRECOND::precond_gemm_tc;);
+kernel!(pub GEMM_TC = PRECOND::precond_gemm_tc, sm90 = super::sm90::GEMM_BF16_WG;);
 
 /// Output tile of the GEMM kernels (rows and columns) and its threads per block.
 const GEMM_TILE: usize = 64;

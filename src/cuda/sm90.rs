@@ -5,7 +5,8 @@
 //! asks `select` which one to queue. The first such launch on a device runs a self-check:
 //! small ragged products through both paths (`newton_gemm_tc` against `newton_gemm_wg_tc`
 //! on the 16-byte cp.async path; `kron_syrk_ema_tc` against `kron_syrk_ema_wg_tc`,
-//! `precond_gemm3_tc` against `precond_gemm3_wg_tc` (split3 planes, a transposed operand) and
+//! `precond_gemm3_tc` against `precond_gemm3_wg_tc` (split3 planes, a transposed operand),
+//! `precond_gemm_tc` against `precond_gemm_wg_tc` (bf16, the same shapes) and
 //! `newton_gemm3_tc` against `newton_gemm3_wg_tc` on the element-wise path), compared within
 //! the f32 accumulation bound. If an sm_90a module does not load, a launch fails or a product
 //! differs, the device falls back to sm_80 for good:
@@ -48,6 +49,7 @@ kernel!(WG_SYRK_EMA = KRON_SM90A::kron_syrk_ema_wg_tc, emu = kron_syrk_ema_tc;);
 kernel!(WG_GEMM = NEWTON_SM90A::newton_gemm_wg_tc, emu = newton_gemm_tc;);
 kernel!(WG_GEMM3 = PRECOND_SM90A::precond_gemm3_wg_tc, emu = precond_gemm3_tc;);
 kernel!(WG_NEWTON3 = NEWTON_SM90A::newton_gemm3_wg_tc, emu = newton_gemm3_tc;);
+kernel!(WG_GEMM_BF16 = PRECOND_SM90A::precond_gemm_wg_tc, emu = precond_gemm_tc;);
 
 /// The sm_90a variant of `kron_syrk_ema_tc` ([`super::kron::SYRK_EMA_TC`]).
 pub const SYRK_EMA_WG: Sm90Variant = Sm90Variant {
@@ -66,6 +68,14 @@ pub const GEMM_WG: Sm90Variant = Sm90Variant {
 /// (f32-accurate) products of the optimizers and the preconditioning.
 pub const GEMM3_WG: Sm90Variant = Sm90Variant {
     kernel: WG_GEMM3,
+    block: WG_THREADS,
+    shared_mem: WG_SMEM,
+};
+
+/// The sm_90a variant of `precond_gemm_tc` ([`super::precond::GEMM_TC`]): `Device::gemm` on
+/// bf16 operands.
+pub const GEMM_BF16_WG: Sm90Variant = Sm90Variant {
+    kernel: WG_GEMM_BF16,
     block: WG_THREADS,
     shared_mem: WG_SMEM,
 };
@@ -368,6 +378,29 @@ fn self_check(dev: &Device, mismatch: bool) -> Result<std::result::Result<(), St
         split3_bound(k3, abs)
     };
     if let Err(why) = both_paths("precond_gemm3_wg_tc", split, split_bound, false)? {
+        return Ok(Err(why));
+    }
+
+    // Plain bf16 product C = α·Aᵀ·B (Device::gemm on bf16) of the split3 check's shapes: the
+    // element-wise loads, op(A) k-outer, a partial K slice.
+    let (a5, b5) = (check_values(k3 * m3, 0x1F3D), check_values(k3 * n3, 0x6A09));
+    let (a5m, b5m) = (dev.upload(k3, m3, &a5)?, dev.upload(k3, n3, &b5)?);
+    let alpha5 = 0.75f32;
+    let plain = |path| -> Result<Vec<f32>> {
+        let mut c: Matrix = dev.zeros(m3, n3)?;
+        forced(path, || {
+            super::precond::gemm_tc(dev, Trans::Yes, Trans::No, alpha5, &a5m, &b5m, 0.0, &mut c)
+        })?;
+        c.to_vec()
+    };
+    let plain_bound = |e: usize| {
+        let (i, j) = (e / n3, e % n3);
+        let abs = (0..k3)
+            .map(|k| f64::from(a5[k * m3 + i].to_f32() * b5[k * n3 + j].to_f32()).abs())
+            .sum();
+        bound(k3, f64::from(alpha5), abs)
+    };
+    if let Err(why) = both_paths("precond_gemm_wg_tc", plain, plain_bound, false)? {
         return Ok(Err(why));
     }
 
