@@ -21,6 +21,7 @@ use cudarc::cublas::sys::{
 use cudarc::cublas::{CudaBlas, Gemm, GemmConfig};
 use cudarc::cublaslt::{result as lt, sys as lts};
 use cudarc::driver::{CudaSlice, DevicePtr, DevicePtrMut};
+use grng::cuda::kron::syrk_ema_tc;
 use grng::cuda::launch::{read_backs, record_launches, take_launches};
 use grng::cuda::precond::gemm_tc;
 use grng::cuda::timing::{take_kernel_times, time_kernels};
@@ -847,8 +848,10 @@ fn syrk_section(b: &Bench) -> Res<()> {
         let ha = to_bf16(&values(m * n, 7));
         let a = b.dev.upload(m, n, &ha)?;
         let mut factor = b.dev.zeros(n, n)?;
-        // ε = 0 replaces the factor (Device::kron_factor_update: finiteness checks included).
-        let ours = b.grng(|| Ok(b.dev.kron_factor_update(&a, 0.0, &mut factor)?));
+        // ε = 0 replaces the factor (Device::kron_factor_update: finiteness checks and the
+        // overflow-safe commit included), and the bare launcher: the kernel alone.
+        let op = b.grng(|| Ok(b.dev.kron_factor_update(&a, 0.0, &mut factor)?));
+        let bare = b.grng(|| Ok(syrk_ema_tc(&b.dev, &a, 0.0, &mut factor)?));
         let da: CudaSlice<bf16> = b.cuda.stream().clone_htod(&ha)?;
         // Row-major A (m x n) is column-major X = Aᵀ (n x m, ld n): AᵀA = X·Xᵀ.
         let g = Bf16Gemm {
@@ -862,13 +865,13 @@ fn syrk_section(b: &Bench) -> Res<()> {
         };
         let peers = bf16_peers(b, &libs, g, (&da, &da), ", full AᵀA")?;
         let work = Work::Flop(2.0 * m as f64 * (n as f64).powi(2));
-        row(
-            "syrk",
-            &format!("bf16 A m = {m}, n = {n}"),
-            &ours,
-            &peers,
-            work,
-        );
+        for (ours, how) in [
+            (&op, "Device::kron_factor_update"),
+            (&bare, "cuda::kron::syrk_ema_tc"),
+        ] {
+            let case = format!("bf16 A m = {m}, n = {n} ({how})");
+            row("syrk", &case, ours, &peers, work);
+        }
     }
     Ok(())
 }

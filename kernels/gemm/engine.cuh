@@ -168,6 +168,17 @@ __device__ __forceinline__ bool grng_gemm_vec_ok(const __nv_bfloat16* p, int ld)
     return (ld & 7) == 0 && (reinterpret_cast<unsigned long long>(p) & 15) == 0;
 }
 
+// Whether both operands of a product take the 16-byte cp.async loads: every plane 16-byte
+// aligned with ld % 8 == 0 (for split3 operands, Terms > 1, the plane strides too).
+template <int Terms>
+__device__ __forceinline__ bool grng_gemm_operands_vec(const __nv_bfloat16* A, int lda,
+                                                       long long a_plane,
+                                                       const __nv_bfloat16* B, int ldb,
+                                                       long long b_plane) {
+    return grng_gemm_vec_ok(A, lda) && grng_gemm_vec_ok(B, ldb) &&
+           (Terms == 1 || ((a_plane | b_plane) & 7) == 0);
+}
+
 // Split products (f32 accuracy on bf16 tensor cores): an f32 operand x is stored as three
 // bf16 planes x = hi + mid + lo (grng_split3; 24 significant bits, exact for normal floats),
 // plane p at base + p·plane. Of the 9 plane products the 6 above 2^-24 relative are summed,
@@ -370,10 +381,7 @@ __device__ __forceinline__ void grng_gemm_tile(const __nv_bfloat16* __restrict__
                                                long long b_plane, int M, int N, int K, int i0,
                                                int j0, __nv_bfloat16* smem, Epi& epi) {
     static_assert(Terms == 1 || Terms == GRNG_SPLIT3_TERMS, "plain or split3 products");
-    // Every plane must be 16-byte aligned for cp.async: the plane strides too.
-    const bool vec = grng_gemm_vec_ok(A, lda) && grng_gemm_vec_ok(B, ldb) &&
-                     (Terms == 1 || ((a_plane | b_plane) & 7) == 0);
-    if (vec)
+    if (grng_gemm_operands_vec<Terms>(A, lda, a_plane, B, ldb, b_plane))
         grng_gemm_mainloop<AL, BL, Terms, true>(A, lda, a_plane, B, ldb, b_plane, M, N, K, i0,
                                                 j0, smem, epi);
     else

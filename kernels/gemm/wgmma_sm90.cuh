@@ -330,10 +330,7 @@ GRNG_UNROLL
     for (int i = 0; i < 64; ++i) acc[i] = 0.0f;
 
     if (wg == 0) {
-        // Every plane must be 16-byte aligned for cp.async: the plane strides too.
-        const bool vec = grng_gemm_vec_ok(A, lda) && grng_gemm_vec_ok(B, ldb) &&
-                         (Terms == 1 || ((a_plane | b_plane) & 7) == 0);
-        if (vec)
+        if (grng_gemm_operands_vec<Terms>(A, lda, a_plane, B, ldb, b_plane))
             grng_wg_produce<AL, BL, Terms, true>(A, lda, a_plane, B, ldb, b_plane, M, N, K, i0,
                                                  j0, base, full, empty, t);
         else
