@@ -104,35 +104,36 @@ struct GrngKOuter {
 
 // One thread's share of an operand's stage tiles (Rows x Chunks 16-byte chunks, the tile's
 // rows k when RowsAreK, else o), planned once per block tile so that a stage's copies cost an
-// address add and a cp.async each: chunk q's global address at K offset 0 (the operand's first
-// plane), its byte offset in the stage tile (Swz: element offset of chunk (r, c)), and how many
-// of its 8 elements exist in a K slice that lies wholly inside K (0 past the o edge).
+// address add, a select and a cp.async each: chunk q's global address at K offset 0 (the
+// operand's first plane), its byte offset in the stage tile (Swz: element offset of chunk
+// (r, c)), and how many of its 8 elements exist in a K slice wholly inside K (`have`: 0 past
+// the o edge) and in the last slice of K (`tail`, which the K edge may cut).
 template <bool RowsAreK, int Rows, int Chunks, int Threads>
 struct GrngLoadPlan {
     static constexpr int kPer = Rows * Chunks / Threads;
     static_assert(kPer * Threads == Rows * Chunks, "tile / thread mismatch");
     const __nv_bfloat16* g[kPer];
-    int dst[kPer], have[kPer];
-    int t;  // the thread's index: chunk q is (row, chunk) = (ch / Chunks, ch % Chunks) of
-            // ch = t + Threads·q, recomputed where the K tail needs it (fewer live registers)
+    int dst[kPer], have[kPer], tail[kPer];
 
     // p: element (row, col) of the operand at p[row·ld + col] (rows k when RowsAreK); o0: the
-    // tile's first o, no: the o extent; t: this thread's index among Threads; swz(r, c): the
-    // chunk's byte offset in the stage tile.
+    // tile's first o, no: the o extent; nk: the K extent, bk: the K slice; thread: this
+    // thread's index among Threads; swz(r, c): the chunk's byte offset in the stage tile.
     template <class Swz>
-    __device__ __forceinline__ void init(const __nv_bfloat16* p, int ld, int o0, int no,
-                                         int thread, Swz swz) {
-        t = thread;
+    __device__ __forceinline__ void init(const __nv_bfloat16* p, int ld, int o0, int no, int nk,
+                                         int bk, int thread, Swz swz) {
+        const int k_last = (grng_ceil_div(nk, bk) - 1) * bk;  // the last slice's first k
 GRNG_UNROLL
         for (int q = 0; q < kPer; ++q) {
-            const int ch = t + Threads * q, r = ch / Chunks, c = ch % Chunks;
+            const int ch = thread + Threads * q, r = ch / Chunks, c = ch % Chunks;
             dst[q] = swz(r, c);
             long long at;
             if (RowsAreK) {
                 have[q] = min(max(no - o0 - 8 * c, 0), 8);
+                tail[q] = k_last + r < nk ? have[q] : 0;
                 at = (long long)r * ld + o0 + 8 * c;
             } else {
                 have[q] = o0 + r < no ? 8 : 0;
+                tail[q] = have[q] > 0 ? min(max(nk - k_last - 8 * c, 0), 8) : 0;
                 at = (long long)(o0 + r) * ld + 8 * c;
             }
             // A chunk with nothing to read keeps a valid address (cp.async's contract).
@@ -140,24 +141,17 @@ GRNG_UNROLL
         }
     }
 
-    // The copies of the K slice at k0 (of K's extent nk; full: the slice lies wholly inside
-    // it) of the plane `plane` elements past the planned one, into the stage tile at byte
-    // offset `tile` of the shared buffer (base, base_s), zero-filled past the edges.
-    // `fallback`: a valid address for chunks with nothing to read.
-    __device__ __forceinline__ void copy(void* base, unsigned base_s, int tile, int k0, int nk,
-                                         bool full, int ld, long long plane,
+    // The copies of the K slice at k0 (`last`: K's last slice) of the plane `plane` elements
+    // past the planned one, into the stage tile at byte offset `tile` of the shared buffer
+    // (base, base_s), zero-filled past the edges. `fallback`: a valid address for chunks with
+    // nothing to read.
+    __device__ __forceinline__ void copy(void* base, unsigned base_s, int tile, int k0, bool last,
+                                         int ld, long long plane,
                                          const __nv_bfloat16* fallback) const {
         const long long off = (RowsAreK ? (long long)k0 * ld : (long long)k0) + plane;
 GRNG_UNROLL
         for (int q = 0; q < kPer; ++q) {
-            int h = have[q];
-            if (!full) {
-                const int ch = t + Threads * q;
-                if (RowsAreK)
-                    h = k0 + ch / Chunks < nk ? h : 0;
-                else
-                    h = h > 0 ? min(max(nk - k0 - 8 * (ch % Chunks), 0), 8) : 0;
-            }
+            const int h = last ? tail[q] : have[q];
             grng_cp_async_16_at(base, base_s, tile + dst[q], h > 0 ? g[q] + off : fallback,
                                 2 * h);
         }
@@ -234,9 +228,9 @@ GRNG_UNROLL
     PlanA pa;
     PlanB pb;
     if (Vec) {
-        pa.init(A, lda, i0, M, threadIdx.x,
+        pa.init(A, lda, i0, M, K, GRNG_GEMM_BK, threadIdx.x,
                 [](int r, int c) { return 2 * grng_swizzle<AL::kChunks>(r, c); });
-        pb.init(B, ldb, j0, N, threadIdx.x,
+        pb.init(B, ldb, j0, N, K, GRNG_GEMM_BK, threadIdx.x,
                 [](int r, int c) { return 2 * grng_swizzle<BL::kChunks>(r, c); });
     }
     // The next slice to load: its stage, term and K offset, advanced by adds.
@@ -248,9 +242,9 @@ GRNG_UNROLL
         const long long ob = Terms == 1 ? 0 : plb * b_plane;
         const int tile = ld_stage * kStageBytes;
         if (Vec) {
-            const bool full = ld_k0 + GRNG_GEMM_BK <= K;
-            pa.copy(smem, smem_s, tile, ld_k0, K, full, lda, oa, A);
-            pb.copy(smem, smem_s, tile + kBTile, ld_k0, K, full, ldb, ob, B);
+            const bool last = ld_k0 + GRNG_GEMM_BK >= K;
+            pa.copy(smem, smem_s, tile, ld_k0, last, lda, oa, A);
+            pb.copy(smem, smem_s, tile + kBTile, ld_k0, last, ldb, ob, B);
         } else {
             __nv_bfloat16* st = smem + ld_stage * GRNG_GEMM_STAGE_ELEMS;
             AL::gather(st, A + oa, lda, i0, ld_k0, M, K);

@@ -239,8 +239,8 @@ GRNG_UNROLL
 
 // The producer warpgroup's loop (pt = 0..127): each slice's two operand tiles into stage
 // v % STAGES once the consumers released it, then the stage's full barrier. Vec: cp.async
-// from per-thread plans made once per tile (GrngLoadPlan: an address add and a cp.async per
-// chunk, the K-tail clamps only in the last slice of a term); else element-wise gathers,
+// from per-thread plans made once per tile (GrngLoadPlan: an address add, a select and a
+// cp.async per chunk); else element-wise gathers,
 // made visible by the release of an ordinary arrive.
 template <class AL, class BL, int Terms, bool Vec>
 __device__ __forceinline__ void grng_wg_produce(const __nv_bfloat16* __restrict__ A, int lda,
@@ -255,8 +255,8 @@ __device__ __forceinline__ void grng_wg_produce(const __nv_bfloat16* __restrict_
     GrngLoadPlan<AL::kRowsAreK, WA::kRows, WA::kChunks, 128> pa;
     GrngLoadPlan<BL::kRowsAreK, WB::kRows, WB::kChunks, 128> pb;
     if (Vec) {
-        pa.init(A, lda, i0, M, pt, [](int r, int c) { return WA::chunk_off(r, c); });
-        pb.init(B, ldb, j0, N, pt, [](int r, int c) { return WB::chunk_off(r, c); });
+        pa.init(A, lda, i0, M, K, GRNG_WG_BK, pt, [](int r, int c) { return WA::chunk_off(r, c); });
+        pb.init(B, ldb, j0, N, K, GRNG_WG_BK, pt, [](int r, int c) { return WB::chunk_off(r, c); });
     }
     const unsigned base_s = grng_smem_addr(base);
     const int nslices = Terms * grng_ceil_div(K, GRNG_WG_BK);
@@ -270,9 +270,9 @@ __device__ __forceinline__ void grng_wg_produce(const __nv_bfloat16* __restrict_
         const long long oa = Terms == 1 ? 0 : pla * a_plane;
         const long long ob = Terms == 1 ? 0 : plb * b_plane;
         if (Vec) {
-            const bool whole = k0 + GRNG_WG_BK <= K;
-            pa.copy(base, base_s, tile, k0, K, whole, lda, oa, A);
-            pb.copy(base, base_s, tile + GRNG_WG_TILE_BYTES, k0, K, whole, ldb, ob, B);
+            const bool last = k0 + GRNG_WG_BK >= K;
+            pa.copy(base, base_s, tile, k0, last, lda, oa, A);
+            pb.copy(base, base_s, tile + GRNG_WG_TILE_BYTES, k0, last, ldb, ob, B);
             grng_mbar_arrive_cp_async(&full[s]);
         } else {
             grng_wg_gather<AL>(base + tile, A + oa, lda, i0, k0, M, K, pt);
