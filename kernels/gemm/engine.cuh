@@ -17,6 +17,9 @@
 //   free zeros that the epilogue skips. When a row stride is not a multiple of 8 elements or
 //   a base is not 16-byte aligned, 16-byte chunks would straddle rows: the loader then
 //   gathers the chunk element by element (synchronous shared stores, same barriers).
+// - What a K slice issues is its copies, ldmatrix, mma and their address adds: the loads are
+//   planned once per tile (GrngLoadPlan), fragment offsets are per-lane constants, and the
+//   gather path is a separate instantiation (docs/gpu.md "Issue budget").
 //
 // Operand layouts (template parameters): GrngKInner stores element (o, k) at p[o·ld + k]
 // (k contiguous: A row-major, or B transposed), GrngKOuter at p[k·ld + o] (o contiguous: B
