@@ -45,25 +45,21 @@
 // shared memory is only guaranteed 128-byte aligned). src/cuda/launch.rs: WG_SMEM.
 #define GRNG_WG_SMEM (GRNG_WG_STAGES * 2 * GRNG_WG_TILE_BYTES + 1024)
 
-__device__ __forceinline__ unsigned grng_smem_addr(const void* p) {
-    return (unsigned)__cvta_generic_to_shared(p);
-}
-
 // mbarrier (PTX ISA "Parallel Synchronization and Communication Instructions: mbarrier").
 __device__ __forceinline__ void grng_mbar_init(unsigned long long* bar, unsigned count) {
-    asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;\n" ::"r"(grng_smem_addr(bar)),
+    asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;\n" ::"r"(grng_shared_u32(bar)),
                  "r"(count));
 }
 __device__ __forceinline__ void grng_mbar_arrive(unsigned long long* bar) {
     asm volatile("{\n.reg .b64 st;\nmbarrier.arrive.shared::cta.b64 st, [%0];\n}\n" ::"r"(
-                     grng_smem_addr(bar))
+                     grng_shared_u32(bar))
                  : "memory");
 }
 // One arrival on `bar` once every cp.async this thread issued before has completed; .noinc:
 // the arrival counts against the barrier's expected count like an ordinary arrive.
 __device__ __forceinline__ void grng_mbar_arrive_cp_async(unsigned long long* bar) {
     asm volatile("cp.async.mbarrier.arrive.noinc.shared::cta.b64 [%0];\n" ::"r"(
-                     grng_smem_addr(bar))
+                     grng_shared_u32(bar))
                  : "memory");
 }
 // Waits until the phase of parity `parity` has completed (the phase before the current one
@@ -89,14 +85,14 @@ __device__ __forceinline__ void grng_mbar_wait(unsigned long long* bar, unsigned
             "setp.gt.u64 late, t, 34359738368;\n"
             "@late trap;\n"
             "bra wait_%=;\n"
-            "end_%=:\n}\n" ::"r"(grng_smem_addr(bar)),
+            "end_%=:\n}\n" ::"r"(grng_shared_u32(bar)),
             "r"(parity)
             : "memory");
     else
         asm volatile(
             "{\n.reg .pred done;\nwait_%=:\n"
             "mbarrier.try_wait.parity.shared::cta.b64 done, [%0], %1;\n"
-            "@!done bra wait_%=;\n}\n" ::"r"(grng_smem_addr(bar)),
+            "@!done bra wait_%=;\n}\n" ::"r"(grng_shared_u32(bar)),
             "r"(parity)
             : "memory");
 }
@@ -258,7 +254,7 @@ __device__ __forceinline__ void grng_wg_produce(const __nv_bfloat16* __restrict_
         pa.init(A, lda, i0, M, K, GRNG_WG_BK, pt, [](int r, int c) { return WA::chunk_off(r, c); });
         pb.init(B, ldb, j0, N, K, GRNG_WG_BK, pt, [](int r, int c) { return WB::chunk_off(r, c); });
     }
-    const unsigned base_s = grng_smem_addr(base);
+    const unsigned base_s = grng_shared_u32(base);
     const int nslices = Terms * grng_ceil_div(K, GRNG_WG_BK);
     int s = 0, round = 0, term = 0, k0 = 0;
     for (int v = 0; v < nslices; ++v) {
@@ -312,7 +308,7 @@ __device__ __forceinline__ void grng_wg_gemm_tile(const __nv_bfloat16* __restric
     __shared__ __align__(8) unsigned long long full[GRNG_WG_STAGES], empty[GRNG_WG_STAGES];
     // Stage s: A tile at base + 2s·TILE, B tile right after it; base 1024-byte aligned.
     unsigned char* smem_raw = reinterpret_cast<unsigned char*>(smem);
-    const unsigned raw = grng_smem_addr(smem_raw);
+    const unsigned raw = grng_shared_u32(smem_raw);
     unsigned char* base = smem_raw + (((raw + 1023u) & ~1023u) - raw);
     const int wg = threadIdx.x / 128, t = threadIdx.x % 128;
     const int nk = grng_ceil_div(K, GRNG_WG_BK);
@@ -345,7 +341,7 @@ GRNG_UNROLL
             // The stage was written through the generic proxy (cp.async, st.shared) and is
             // read by wgmma through the async proxy.
             asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
-            const unsigned sa = grng_smem_addr(base + 2 * s * GRNG_WG_TILE_BYTES);
+            const unsigned sa = grng_shared_u32(base + 2 * s * GRNG_WG_TILE_BYTES);
             const unsigned sb = sa + GRNG_WG_TILE_BYTES;
             grng_wgmma_fence();
 GRNG_UNROLL
