@@ -144,6 +144,13 @@ pub(crate) fn symmetric_product(
         (0..n).for_each(|i| c.row_mut(i).fill(0.0));
         return Ok(());
     }
+    // `X·Yᵀ` packs `X` along its rows' stride (`gemm::unaliased`; the other layouts read
+    // their left operand along unit strides).
+    let mut copy = super::gemm::take_scratch();
+    let a = match (ta, tb) {
+        (Trans::No, Trans::Yes) => super::gemm::unaliased(a, n, &mut copy),
+        _ => a,
+    };
     let ((a_rs, a_cs), (b_rs, b_cs)) = (op_strides(ta, a.ld()), op_strides(tb, b.ld()));
     // SAFETY: `check_gemm` fixed op(A) as n x k and op(B) as k x n, which the views' strides
     // address in bounds; both are only read, and `c` (n x n, borrowed mutably) aliases
@@ -157,6 +164,7 @@ pub(crate) fn symmetric_product(
             c,
         )
     };
+    super::gemm::put_scratch(copy);
     Ok(())
 }
 
