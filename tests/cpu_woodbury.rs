@@ -400,8 +400,11 @@ fn lazy_rows_against_dense(shape: (usize, usize)) {
     };
     let mut rows = KronOptimizer::new(&DEV, &[shape], cfg).unwrap();
     let mut dense = KronOptimizer::new(&DEV, &[shape], cfg).unwrap();
+    // The rows' route again, handed the factors' Gram matrices too.
+    let mut grams = KronOptimizer::new(&DEV, &[shape], cfg).unwrap();
     let w0 = common::vals(&mut rng, o * i);
-    let (mut wr, mut wd) = (
+    let (mut wr, mut wd, mut wg) = (
+        vec![DEV.upload(o, i, &w0).unwrap()],
         vec![DEV.upload(o, i, &w0).unwrap()],
         vec![DEV.upload(o, i, &w0).unwrap()],
     );
@@ -430,14 +433,39 @@ fn lazy_rows_against_dense(shape: (usize, usize)) {
         );
         let stats = [KronStats { a: &sa, e: &se }];
         let stats = rows.needs_stats().then_some(&stats[..]);
-        let fact = [grng::optim::kron::KronGrad::Factored { e: &ed, a: &ad }];
-        // Every third step hands the rows' optimizer the dense gradient: its state switches
-        // routes (the dense inverse formed from the rows on demand, each route's caches).
-        let ir = if k % 3 == 2 {
-            rows.step(&mut wr, &[&gd], stats).unwrap()
-        } else {
-            rows.step_grads(&mut wr, &fact, stats).unwrap()
+        let fact = [KronGrad::Factored { e: &ed, a: &ad }];
+        let gram = |x: &Matrix| {
+            let mut c = DEV.zeros(m_b, m_b).unwrap();
+            DEV.gemm(Trans::No, Trans::Yes, 1.0 / m_b as f32, x, x, 0.0, &mut c)
+                .unwrap();
+            c
         };
+        let (ee, aa) = (gram(&ed), gram(&ad));
+        let with_grams = [KronGrad::FactoredWithGrams {
+            e: &ed,
+            a: &ad,
+            ee: &ee,
+            aa: &aa,
+        }];
+        // Every third step hands the rows' optimizers the dense gradient: their state switches
+        // routes (the dense inverse formed from the rows on demand, each route's caches).
+        let (ir, ig) = if k % 3 == 2 {
+            (
+                rows.step(&mut wr, &[&gd], stats).unwrap(),
+                grams.step(&mut wg, &[&gd], stats).unwrap(),
+            )
+        } else {
+            (
+                rows.step_grads(&mut wr, &fact, stats).unwrap(),
+                grams.step_grads(&mut wg, &with_grams, stats).unwrap(),
+            )
+        };
+        // The Gram matrices only enter the model's linear term: the same `P`, bit for bit.
+        assert_eq!(
+            host(&wg[0]),
+            host(&wr[0]),
+            "step {k}: weights with the Gram matrices"
+        );
         let id = dense.step(&mut wd, &[&gd], stats).unwrap();
         assert_eq!(
             (ir.first_order_updates, ir.lazy_recomputes, ir.refreshed),
@@ -485,18 +513,26 @@ fn lazy_rows_against_dense(shape: (usize, usize)) {
             worst <= drift + w_scale,
             "step {k}: |ΔW| {worst:e} > {drift:e}"
         );
-        if let (Some(qr), Some(qd)) = (ir.predicted_change, id.predicted_change) {
+        if let (Some(qr), Some(qd), Some(qg)) = (
+            ir.predicted_change,
+            id.predicted_change,
+            ig.predicted_change,
+        ) {
             let tol = constant * qd.abs() as f64 + 1e-12;
-            assert!(
-                (qr as f64 - qd as f64).abs() <= tol,
-                "step {k}: predicted {qr} vs {qd}"
-            );
+            for (q, route) in [(qr, "rows"), (qg, "rows with the Gram matrices")] {
+                assert!(
+                    (q as f64 - qd as f64).abs() <= tol,
+                    "step {k}: predicted {q} ({route}) vs {qd}"
+                );
+            }
             // r = 1 (ρ falls) on even steps, r = 0 (ρ rises) on odd ones.
             let after = if k % 2 == 0 { 1.0 + qd } else { 1.0 };
             rows.observe_loss(1.0, after).unwrap();
             dense.observe_loss(1.0, after).unwrap();
+            grams.observe_loss(1.0, after).unwrap();
         }
         assert_eq!(rows.rho(), dense.rho());
+        assert_eq!(grams.rho(), dense.rho());
     }
     assert!(
         rows.counters().first_order_updates > 0,

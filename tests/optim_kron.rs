@@ -573,8 +573,9 @@ proptest! {
     }
 }
 
-/// A factored gradient with NaN in `e`, or with `e` and `a` of different row counts, is a
-/// typed error naming it, and the optimizer is unchanged.
+/// A factored gradient with NaN in `e`, with `e` and `a` of different row counts, or with
+/// Gram matrices of the wrong shape or not finite, is a typed error naming it, and the
+/// optimizer is unchanged.
 #[test]
 fn bad_factored_gradient_is_rejected_and_changes_nothing() {
     let mut rng = common::seeded_rng();
@@ -618,6 +619,29 @@ fn bad_factored_gradient_is_rejected_and_changes_nothing() {
         matches!(err, Error::Shape { arg: "grads.a", .. }),
         "{err:?}"
     );
+    // The Gram matrices of `KronGrad::FactoredWithGrams`: `m x m` and finite.
+    let (ee, aa) = (rand_mat(&mut rng, m, m), rand_mat(&mut rng, m, m));
+    let wide = rand_mat(&mut rng, m, m + 1);
+    let nan_aa = with_value(&aa, 4, f32::NAN);
+    for (ee, aa, arg) in [
+        (&wide, &aa, "grads.ee"),
+        (&ee, &wide, "grads.aa"),
+        (&ee, &nan_aa, "grads.aa"),
+    ] {
+        let g = [KronGrad::FactoredWithGrams {
+            e: &e,
+            a: &a,
+            ee,
+            aa,
+        }];
+        let err = opt.step_grads(&mut w, &g, Some(&stats)).unwrap_err();
+        let named = match err {
+            Error::Shape { arg, .. } => arg,
+            Error::NonFinite { arg, index: 4, .. } => arg,
+            _ => "",
+        };
+        assert_eq!(named, arg, "{err:?}");
+    }
     assert_eq!((snapshot(&opt), host(&w[0])), before);
 }
 

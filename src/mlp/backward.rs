@@ -384,17 +384,28 @@ pub fn sample_class(p: &[f32], u: f64) -> usize {
     last
 }
 
+/// [`LayerStats::gradient_norm`]: `‖G‖_F²` and the Gram matrices it came from, if it did.
+#[derive(Debug)]
+pub struct GradientNorm {
+    /// `‖(1/m) eᵀa‖_F²` in `f64`.
+    pub norm_sq: f64,
+    /// `((1/m)·eeᵀ, (1/m)·aaᵀ)`, `m x m` each, when the norm came from them: what
+    /// [`crate::optim::kron::KronGrad::FactoredWithGrams`] takes.
+    pub grams: Option<(Mat, Mat)>,
+}
+
 impl LayerStats {
     /// `‖(1/m) eᵀa‖_F²` (`m` = rows) in `f64`, the squared norm of the gradient these data
     /// statistics factor. When the two `m x m` Gram matrices (by the SYRK, `m²/2` multiply-adds
     /// per column) cost less than the `d_out x d_in` product (`m·(d_out + d_in) <
-    /// 2·d_out·d_in`) it is `⟨eeᵀ, aaᵀ⟩/m²` (`‖eᵀa‖² = tr(aᵀe·eᵀa) = tr(eeᵀ·aaᵀ)`), else the
-    /// product is formed. Both are f32 products summed in f64: off by about `k·2⁻²⁴` (`k` the
-    /// inner dimension) relative to the same sum on absolute values.
+    /// 2·d_out·d_in`) it is `⟨eeᵀ, aaᵀ⟩/m²` (`‖eᵀa‖² = tr(aᵀe·eᵀa) = tr(eeᵀ·aaᵀ)`), and the
+    /// Gram matrices come with it; else the product is formed. Both are f32 products summed
+    /// in f64: off by about `k·2⁻²⁴` (`k` the inner dimension) relative to the same sum on
+    /// absolute values.
     ///
     /// # Errors
     /// Allocation failures ([`crate::Error::OutOfMemory`]).
-    pub fn gradient_norm_sq(&self) -> Result<f64> {
+    pub fn gradient_norm(&self) -> Result<GradientNorm> {
         let (m, d_out, d_in) = (self.e.rows(), self.e.cols(), self.a.cols());
         let inv_m = 1.0 / m.max(1) as f32;
         let product = |r: usize, c: usize, f: &dyn Fn(MatMut<'_, f32>) -> Result<()>| {
@@ -406,13 +417,27 @@ impl LayerStats {
             let gram = |x: &Mat| product(m, m, &|c| gram_rows(x.as_ref(), inv_m, c));
             let (ee, aa) = crate::cpu::join_tasks(|| gram(&self.e), || gram(&self.a));
             let (ee, aa) = (ee?, aa?);
-            Ok(dot_f64(ee.as_slice(), aa.as_slice()))
+            Ok(GradientNorm {
+                norm_sq: dot_f64(ee.as_slice(), aa.as_slice()),
+                grams: Some((ee, aa)),
+            })
         } else {
             let (e, a) = (self.e.as_ref(), self.a.as_ref());
             let g = product(d_out, d_in, &|c| {
                 gemm(Trans::Yes, Trans::No, inv_m, e, a, 0.0, c)
             })?;
-            Ok(dot_f64(g.as_slice(), g.as_slice()))
+            Ok(GradientNorm {
+                norm_sq: dot_f64(g.as_slice(), g.as_slice()),
+                grams: None,
+            })
         }
+    }
+
+    /// [`LayerStats::gradient_norm`]'s `‖G‖_F²` alone.
+    ///
+    /// # Errors
+    /// As [`LayerStats::gradient_norm`].
+    pub fn gradient_norm_sq(&self) -> Result<f64> {
+        Ok(self.gradient_norm()?.norm_sq)
     }
 }

@@ -33,7 +33,7 @@ mod hvp;
 mod jacobian;
 mod model;
 
-pub use backward::{sample_class, BackwardScratch};
+pub use backward::{sample_class, BackwardScratch, GradientNorm};
 pub use jacobian::OutputJacobian;
 pub use model::{Forward, Mlp};
 

@@ -445,20 +445,31 @@ impl Trainer {
                 } else {
                     let b = mlp.backward_factors_from(fwd, batch.targets);
                     let (layers, loss) = skip_nonfinite!(b, f32::NAN, f32::NAN);
-                    // Layers as parallel tasks (`cpu::map_tasks`), summed in layer order.
+                    // Layers as parallel tasks (`cpu::map_tasks`), summed in layer order. The
+                    // norm's Gram matrices go to the optimizer with the factors
+                    // (`KronGrad::FactoredWithGrams`: the rows' route reuses them).
                     let mut sq = 0.0;
-                    for s in
-                        crate::cpu::map_tasks(layers.iter().collect(), |s| s.gradient_norm_sq())
-                    {
-                        sq += s?;
+                    let mut grams = Vec::with_capacity(layers.len());
+                    for n in crate::cpu::map_tasks(layers.iter().collect(), |s| s.gradient_norm()) {
+                        let n = n?;
+                        sq += n.norm_sq;
+                        grams.push(n.grams);
                     }
                     // A non-finite `E` makes the norm non-finite (`A`'s bias column is 1),
-                    // so this one test covers the factors too.
+                    // so this one test covers the factors (and their Gram matrices) too.
                     let gn = sq.sqrt() as f32;
                     if !loss.is_finite() || !gn.is_finite() {
                         return Ok(Outcome::skip(loss, gn));
                     }
-                    (loss, gn, Upload::Factored(upload_stats(device, layers)?))
+                    let grams = grams
+                        .into_iter()
+                        .map(|g| match g {
+                            Some((ee, aa)) => Ok(Some((tensor(device, ee)?, tensor(device, aa)?))),
+                            None => Ok(None),
+                        })
+                        .collect::<Result<Vec<_>>>()?;
+                    let factors = upload_stats(device, layers)?;
+                    (loss, gn, Upload::Factored(factors, grams))
                 };
                 let stats = match fisher_layers {
                     Some(layers) => {
@@ -477,9 +488,13 @@ impl Trainer {
                     .map(|v| v.iter().map(|(a, e)| KronStats { a, e }).collect());
                 let grad_refs: Vec<KronGrad<'_>> = match &grads {
                     Upload::Dense(gs) => gs.iter().map(KronGrad::Dense).collect(),
-                    Upload::Factored(fs) => fs
+                    Upload::Factored(fs, grams) => fs
                         .iter()
-                        .map(|(a, e)| KronGrad::Factored { e, a })
+                        .zip(grams)
+                        .map(|((a, e), g)| match g {
+                            Some((ee, aa)) => KronGrad::FactoredWithGrams { e, a, ee, aa },
+                            None => KronGrad::Factored { e, a },
+                        })
                         .collect(),
                 };
                 let predicted = match opt.step_grads(params, &grad_refs, kron.as_deref()) {
@@ -771,7 +786,8 @@ fn upload_layers(device: &Device, mlp: &Mlp, flat: &[f32]) -> Result<Vec<Matrix>
 /// of `G = (1/m) EᵀA`.
 enum Upload {
     Dense(Vec<Matrix>),
-    Factored(Vec<(Matrix, Matrix)>),
+    /// Per layer `(A, E)` and the Gram matrices `(EEᵀ/m, AAᵀ/m)` where the norm formed them.
+    Factored(Vec<(Matrix, Matrix)>, Vec<Option<(Matrix, Matrix)>>),
 }
 
 /// Per-layer `(A, E)` statistics on `device`: on the CPU the buffers themselves (moved, no

@@ -71,6 +71,51 @@ pub enum KronGrad<'a> {
         /// Layer inputs, `m x d_in`.
         a: &'a Matrix,
     },
+    /// [`KronGrad::Factored`] with the rows' Gram matrices the caller has formed anyway (for
+    /// `‖G‖_F² = ⟨EEᵀ, AAᵀ⟩/m²`, [`crate::mlp::LayerStats::gradient_norm`]): `ee = (1/m)·EEᵀ`,
+    /// `aa = (1/m)·AAᵀ`, both `m x m`. On the rows' route (`ε = 0`, `low_rank.rs`) they give
+    /// the model's linear term `⟨G, P⟩` by `m x m x m` products instead of `m x m x d` ones
+    /// ([`super::low_rank::LowRank::right`]); elsewhere they are not read. They are trusted
+    /// to be the Gram matrices of `e` and `a` (checked for shape and finiteness only): others
+    /// give a wrong predicted change, not an error.
+    FactoredWithGrams {
+        /// Output gradients, `m x d_out`.
+        e: &'a Matrix,
+        /// Layer inputs, `m x d_in`.
+        a: &'a Matrix,
+        /// `(1/m)·EEᵀ`, `m x m`.
+        ee: &'a Matrix,
+        /// `(1/m)·AAᵀ`, `m x m`.
+        aa: &'a Matrix,
+    },
+}
+
+/// A [`KronGrad`] by its form.
+pub(super) enum Parts<'a> {
+    Dense(&'a Matrix),
+    Factored(Factors<'a>),
+}
+
+/// A factored gradient's parts: `e`, `a` and the Gram matrices `(ee, aa)` when given.
+pub(super) struct Factors<'a> {
+    pub e: &'a Matrix,
+    pub a: &'a Matrix,
+    pub grams: Option<(&'a Matrix, &'a Matrix)>,
+}
+
+impl<'a> KronGrad<'a> {
+    /// The gradient by its form.
+    pub(super) fn parts(&self) -> Parts<'a> {
+        match *self {
+            KronGrad::Dense(g) => Parts::Dense(g),
+            KronGrad::Factored { e, a } => Parts::Factored(Factors { e, a, grams: None }),
+            KronGrad::FactoredWithGrams { e, a, ee, aa } => Parts::Factored(Factors {
+                e,
+                a,
+                grams: Some((ee, aa)),
+            }),
+        }
+    }
 }
 
 /// True when `g` comes by its batch factors and the factored route (module docs) costs fewer
@@ -86,7 +131,7 @@ pub(super) fn factored_is_cheaper(
     (d_out, d_in): (usize, usize),
     with_model: bool,
 ) -> bool {
-    let KronGrad::Factored { e, .. } = g else {
+    let Parts::Factored(Factors { e, .. }) = g.parts() else {
         return false;
     };
     let (m, o, i) = (e.rows() as f64, d_out as f64, d_in as f64);
@@ -197,23 +242,36 @@ pub(super) fn precondition(
 ) -> Result<Preconditioned> {
     let (o, i) = (v.gamma.dim(), v.lambda.dim());
     let rows_route = |x: &InverseView<'_>| matches!(x, InverseView::LowRank(..));
-    let cheaper = factored_is_cheaper(&g, (o, i), with_model);
-    match g {
-        // The rows' route (`low_rank.rs`) multiplies the batch factors themselves: fewer of
-        // them where the layer's narrow side is narrower than the batch ([`thin_factors`]).
-        KronGrad::Factored { e, a } if rows_route(&v.gamma_inv) || rows_route(&v.lambda_inv) => {
-            match thin_factors(d, v, e, a)? {
-                Some((e, a)) => factored(d, v, &e, &a, with_model, spare),
-                None => factored(d, v, e, a, with_model, spare),
-            }
-        }
-        KronGrad::Factored { e, a } if cheaper => factored(d, v, e, a, with_model, spare),
-        KronGrad::Factored { e, a } => {
-            let g = gemm(d, Trans::Yes, Trans::No, 1.0 / e.rows() as f32, e, a)?;
-            dense(d, v, &g, with_model)
-        }
-        KronGrad::Dense(g) => dense(d, v, g, with_model),
+    let f = match g.parts() {
+        Parts::Dense(g) => return dense(d, v, g, with_model),
+        Parts::Factored(f) => f,
+    };
+    let model = |grams| Model {
+        with: with_model,
+        grams,
+    };
+    // The rows' route (`low_rank.rs`) multiplies the batch factors themselves: fewer of them
+    // where the layer's narrow side is narrower than the batch ([`thin_factors`], whose
+    // factors are not the ones the Gram matrices are of).
+    if rows_route(&v.gamma_inv) || rows_route(&v.lambda_inv) {
+        return match thin_factors(d, v, f.e, f.a)? {
+            Some((e, a)) => factored(d, v, (&e, &a), model(None), spare),
+            None => factored(d, v, (f.e, f.a), model(f.grams), spare),
+        };
     }
+    if factored_is_cheaper(&g, (o, i), with_model) {
+        return factored(d, v, (f.e, f.a), model(f.grams), spare);
+    }
+    let g = gemm(d, Trans::Yes, Trans::No, 1.0 / f.e.rows() as f32, f.e, f.a)?;
+    dense(d, v, &g, with_model)
+}
+
+/// What [`factored`] computes besides `P`: the model's terms (`with`), and the caller's Gram
+/// matrices `(ee, aa)` of the factors ([`KronGrad::FactoredWithGrams`]) if any.
+#[derive(Clone, Copy)]
+struct Model<'a> {
+    with: bool,
+    grams: Option<(&'a Matrix, &'a Matrix)>,
 }
 
 /// The gradient `G = (1/m)EᵀA` of a layer with a narrow side `k = min(d_out, d_in) < m`
@@ -336,11 +394,15 @@ fn dense(d: &Device, v: &LayerView<'_>, g: &Matrix, with_model: bool) -> Result<
 fn factored(
     d: &Device,
     v: &LayerView<'_>,
-    e: &Matrix,
-    a: &Matrix,
-    with_model: bool,
+    (e, a): (&Matrix, &Matrix),
+    model: Model<'_>,
     spare: Option<Matrix>,
 ) -> Result<Preconditioned> {
+    let with_model = model.with;
+    let (ee, aa) = match model.grams {
+        Some((ee, aa)) => (Some(ee), Some(aa)),
+        None => (None, None),
+    };
     let m = e.rows();
     // Each operand prepared once (on the kernel devices: split into bf16 planes once, where
     // every product would split both of its operands again): `e`, `a`, `U` and `W` are read
@@ -349,15 +411,16 @@ fn factored(
     let (no, yes) = (Trans::No, Trans::Yes);
     let inv_m = 1.0 / m as f32;
     // `U = Γ̃⁻¹Eᵀ` (`d_out x m`) dense, or `Uᵀ = E·Γ̃⁻¹` (`m x d_out`) through the rows with
-    // `K_Γ = R_Γ·U`; `t_u` says which one `u` holds. A first-order inverse by products
-    // keeps `U₀ = X₀Eᵀ` (and `W₀ = AX₀`) for the model.
+    // `K_Γ = R_Γ·U` (and `EU` from the caller's `EEᵀ`); `t_u` says which one `u` holds. A
+    // first-order inverse by products keeps `U₀ = X₀Eᵀ` (and `W₀ = AX₀`) for the model.
     // The two sides are independent tasks (`tasks.rs`).
-    let ((u, t_u, k_gamma, u0), (w, k_lambda, w0)) = tasks::join(
+    let ((u, t_u, k_gamma, u0, eu_rows), (w, k_lambda, w0, awt_rows)) = tasks::join(
         d,
         || match v.gamma_inv {
             InverseView::Dense { x, .. } => Ok((
                 d.product_of(no, yes, 1.0, &d.operand(x)?, &eo)?,
                 no,
+                None,
                 None,
                 None,
             )),
@@ -366,27 +429,30 @@ fn factored(
                 let u0 = d.product_of(no, yes, 1.0, &x0, &eo)?;
                 let u1 = d.product_of(no, no, 1.0, &x0, &d.operand(&u0)?)?;
                 let u = d.axpy_over(-dl, AxpyOver::X { x: u1, y: &u0 })?;
-                Ok((u, no, None, Some(u0)))
+                Ok((u, no, None, Some(u0), None))
             }
             InverseView::LowRank(lr, t) => {
-                let (ut, k) = lr.right(d, t, e, with_model)?;
-                Ok((ut, yes, k, None))
+                let r = lr.right(d, t, e, with_model, ee)?;
+                Ok((r.yx, yes, r.k, None, r.linear))
             }
         },
         || match v.lambda_inv {
-            InverseView::Dense { x, .. } => {
-                Ok((d.product_of(no, no, 1.0, &ao, &d.operand(x)?)?, None, None))
-            }
+            InverseView::Dense { x, .. } => Ok((
+                d.product_of(no, no, 1.0, &ao, &d.operand(x)?)?,
+                None,
+                None,
+                None,
+            )),
             InverseView::FirstOrder { x0, d: dl, .. } => {
                 let x0 = d.operand(x0)?;
                 let w0 = d.product_of(no, no, 1.0, &ao, &x0)?;
                 let w1 = d.product_of(no, no, 1.0, &d.operand(&w0)?, &x0)?;
                 let w = d.axpy_over(-dl, AxpyOver::X { x: w1, y: &w0 })?;
-                Ok((w, None, Some(w0)))
+                Ok((w, None, Some(w0), None))
             }
             InverseView::LowRank(lr, t) => {
-                let (w, k) = lr.right(d, t, a, with_model)?;
-                Ok((w, k, None))
+                let r = lr.right(d, t, a, with_model, aa)?;
+                Ok((r.yx, r.k, None, r.linear))
             }
         },
     )?;
@@ -401,7 +467,10 @@ fn factored(
             d,
             || {
                 // `EU = E·Γ̃⁻¹·Eᵀ` and every `UᵀΓU` below are symmetric (module docs).
-                let eu = d.symmetric_product_of(no, t_u, inv_m, &eo, &uo)?;
+                let eu = match eu_rows {
+                    Some(eu) => eu,
+                    None => d.symmetric_product_of(no, t_u, inv_m, &eo, &uo)?,
+                };
                 // `UᵀΓU`: through the rows `KᵀK/m'` (`Γ = R_ΓᵀR_Γ/m'`), by `X₀`'s identity
                 // for a first-order inverse, by the identity `EU − λ·UᵀU` (`u` is `U` on the
                 // dense side), else by the factor.
@@ -423,7 +492,10 @@ fn factored(
                 Ok((eu, ugu))
             },
             || {
-                let awt = d.symmetric_product_of(no, yes, inv_m, &ao, &wo)?;
+                let awt = match awt_rows {
+                    Some(awt) => awt,
+                    None => d.symmetric_product_of(no, yes, inv_m, &ao, &wo)?,
+                };
                 let wlw = match (&k_lambda, w0, v.lambda_inv) {
                     (Some(k), ..) => gram(d, k, inv_m / k.rows() as f32)?,
                     (None, Some(w0), InverseView::FirstOrder { lambda0, d: dl, .. }) => {

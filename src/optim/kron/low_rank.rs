@@ -141,28 +141,54 @@ impl LowRank {
     }
 
     /// `Y·X(λ)` for the batch factor `y` (`m_b x n`) and, with `model`, `K = R·(Y·X(λ))ᵀ =
-    /// T·(R·Yᵀ)` (`m x m_b`), whose Gram `KᵀK/m` is `(Y·X)·F·(Y·X)ᵀ`. `y` is checked by the
-    /// caller; each product checks its result.
+    /// T·(R·Yᵀ)` (`m x m_b`), whose Gram `KᵀK/m` is `(Y·X)·F·(Y·X)ᵀ`. With `gram` = `YYᵀ/m_b`
+    /// too (the caller's, [`super::KronGrad::FactoredWithGrams`]), also the model's linear
+    /// factor `Y·X·Yᵀ/m_b = g₀·gram + CᵀHC/m_b` with `C = R·Yᵀ`: two `m x m x m_b` products in
+    /// place of an `m_b x m_b x n` one. `y` is checked by the caller; each product checks
+    /// its result.
     pub fn right(
         &self,
         d: &Device,
         t: &Terms,
         y: &Matrix,
         model: bool,
-    ) -> Result<(Matrix, Option<Matrix>)> {
+        gram: Option<&Matrix>,
+    ) -> Result<Applied> {
         let (no, yes) = (Trans::No, Trans::Yes);
         let c = d.product_valid_inputs(no, yes, 1.0, &self.rows, y)?;
         let hc = d.product_valid_inputs(no, no, 1.0, &t.h, &c)?;
+        let (co, hco) = (d.operand(&c)?, d.operand(&hc)?);
         // The correction is checked by the axpy it feeds.
-        let corr = d.product_consumed(yes, no, 1.0, &d.operand(&hc)?, &d.operand(&self.rows)?)?;
+        let corr = d.product_consumed(yes, no, 1.0, &hco, &d.operand(&self.rows)?)?;
         let yx = d.axpy_over(t.g0, AxpyOver::Y { x: y, y: corr })?;
-        let k = if model {
-            Some(d.product_valid_inputs(no, no, 1.0, &t.t, &c)?)
-        } else {
-            None
+        let (k, linear) = match (model, gram) {
+            (false, _) => (None, None),
+            (true, gram) => {
+                let k = d.product_valid_inputs(no, no, 1.0, &t.t, &c)?;
+                let linear = match gram {
+                    // `CᵀHC` is symmetric (`H` is).
+                    Some(g) => {
+                        let inv_m = 1.0 / y.rows() as f32;
+                        let chc = d.symmetric_product_of(yes, no, inv_m, &co, &hco)?;
+                        Some(d.axpy_over(t.g0, AxpyOver::Y { x: g, y: chc })?)
+                    }
+                    None => None,
+                };
+                (Some(k), linear)
+            }
         };
-        Ok((yx, k))
+        Ok(Applied { yx, k, linear })
     }
+}
+
+/// What [`LowRank::right`] gives.
+pub(crate) struct Applied {
+    /// `Y·X(λ)`, `m_b x n`.
+    pub yx: Matrix,
+    /// `K = R·(Y·X(λ))ᵀ`, `m x m_b`, with the model.
+    pub k: Option<Matrix>,
+    /// `Y·X(λ)·Yᵀ/m_b`, `m_b x m_b`, with the model and the caller's Gram matrix.
+    pub linear: Option<Matrix>,
 }
 
 /// What a factor state's `inverse` holds while its [`LowRank`] forms the dense inverse on

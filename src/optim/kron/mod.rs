@@ -63,7 +63,9 @@ pub use factored::KronGrad;
 pub use state::{KronCounters, KronFactorState, KronLayerState, KronState, KronStepInfo};
 
 use self::damping::{factor_dampings, FactorScalars};
-use self::factored::{by_identity, factored_is_cheaper, LayerView, ModelTerms, Preconditioned};
+use self::factored::{
+    by_identity, factored_is_cheaper, Factors, LayerView, ModelTerms, Parts, Preconditioned,
+};
 use self::layer::{formed_view, known_norm, Ctx, InverseView, Retarget};
 use super::{KronStats, StatsView};
 use crate::device::{Device, Matrix};
@@ -606,13 +608,13 @@ impl KronOptimizer {
         check_shape(op, "grads", (grads.len(), 1), (self.shapes.len(), 1))?;
         let mut named = Vec::with_capacity(2 * grads.len());
         for (g, &(o, i)) in grads.iter().zip(&self.shapes) {
-            match *g {
-                KronGrad::Dense(g) => {
+            match g.parts() {
+                Parts::Dense(g) => {
                     self.device.check_on(op, g)?;
                     check_shape(op, "grads", g.shape(), (o, i))?;
                     named.push(("grads", g));
                 }
-                KronGrad::Factored { e, a } => {
+                Parts::Factored(Factors { e, a, grams }) => {
                     self.device.check_on(op, e)?;
                     self.device.check_on(op, a)?;
                     let m = e.rows().max(1);
@@ -620,6 +622,13 @@ impl KronOptimizer {
                     check_shape(op, "grads.a", a.shape(), (m, i))?;
                     named.push(("grads.e", e));
                     named.push(("grads.a", a));
+                    if let Some((ee, aa)) = grams {
+                        for (arg, x) in [("grads.ee", ee), ("grads.aa", aa)] {
+                            self.device.check_on(op, x)?;
+                            check_shape(op, arg, x.shape(), (e.rows(), e.rows()))?;
+                            named.push((arg, x));
+                        }
+                    }
                 }
             }
         }
@@ -849,7 +858,9 @@ fn check_predicted(op: &'static str, q: f64) -> Result<f32> {
 /// gradients all come by their batch factors, the form that route multiplies (a dense
 /// gradient keeps the dense inverses, so their caches stay the dense route's).
 fn low_rank(grads: &[KronGrad<'_>]) -> bool {
-    grads.iter().all(|g| matches!(g, KronGrad::Factored { .. }))
+    grads
+        .iter()
+        .all(|g| matches!(g.parts(), Parts::Factored(_)))
 }
 
 /// Dense [`KronGrad`]s of plain gradient matrices.
