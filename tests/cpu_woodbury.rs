@@ -370,7 +370,25 @@ fn low_rank_inverse_only_where_it_applies() {
 /// compared relative to their size with the same constant.
 #[test]
 fn lazy_steps_through_the_rows_match_the_dense_route() {
-    lazy_rows_against_dense(SHAPE);
+    lazy_rows_against_dense(&mut common::seeded_rng(), SHAPE, (20, 24));
+}
+
+proptest! {
+    #![proptest_config(common::proptest_config(16))]
+
+    /// [`lazy_steps_through_the_rows_match_the_dense_route`] on ragged shapes: both sides
+    /// wider than 64 (the rows' route on each), from 1 to 32 statistics rows and 1 to 40
+    /// batch rows.
+    #[test]
+    fn lazy_rows_match_the_dense_route_on_ragged_shapes(
+        seed in any::<u64>(),
+        o in 65usize..=140,
+        i in 65usize..=140,
+        m_s in 1usize..=32,
+        m_b in 1usize..=40,
+    ) {
+        lazy_rows_against_dense(&mut ChaCha8Rng::seed_from_u64(seed), (o, i), (m_s, m_b));
+    }
 }
 
 /// As [`lazy_steps_through_the_rows_match_the_dense_route`] for layers with a side narrower
@@ -379,14 +397,19 @@ fn lazy_steps_through_the_rows_match_the_dense_route() {
 /// output side (the rows' route on `Λ`) and a narrow input side (on `Γ`).
 #[test]
 fn narrow_layers_take_the_rows_route_by_fewer_rows() {
-    lazy_rows_against_dense((8, 100));
-    lazy_rows_against_dense((100, 8));
+    let mut rng = common::seeded_rng();
+    lazy_rows_against_dense(&mut rng, (8, 100), (20, 24));
+    lazy_rows_against_dense(&mut rng, (100, 8), (20, 24));
 }
 
-fn lazy_rows_against_dense(shape: (usize, usize)) {
-    let mut rng = common::seeded_rng();
+/// Twelve steps of a `shape` layer from `m_s` statistics rows and `m_b` batch rows on the
+/// rows' route (with and without the factors' Gram matrices) against the dense route.
+fn lazy_rows_against_dense(
+    rng: &mut ChaCha8Rng,
+    shape: (usize, usize),
+    (m_s, m_b): (usize, usize),
+) {
     let (o, i) = shape;
-    let (m_s, m_b) = (20, 24);
     let cfg = KronConfig {
         ema: 0.0,
         skip: 4,
@@ -402,7 +425,7 @@ fn lazy_rows_against_dense(shape: (usize, usize)) {
     let mut dense = KronOptimizer::new(&DEV, &[shape], cfg).unwrap();
     // The rows' route again, handed the factors' Gram matrices too.
     let mut grams = KronOptimizer::new(&DEV, &[shape], cfg).unwrap();
-    let w0 = common::vals(&mut rng, o * i);
+    let w0 = common::vals(rng, o * i);
     let (mut wr, mut wd, mut wg) = (
         vec![DEV.upload(o, i, &w0).unwrap()],
         vec![DEV.upload(o, i, &w0).unwrap()],
@@ -410,10 +433,7 @@ fn lazy_rows_against_dense(shape: (usize, usize)) {
     );
     let mut drift = 0.0f64;
     for k in 0..12 {
-        let (e, a) = (
-            common::vals(&mut rng, m_b * o),
-            common::vals(&mut rng, m_b * i),
-        );
+        let (e, a) = (common::vals(rng, m_b * o), common::vals(rng, m_b * i));
         let (ed, ad) = (
             DEV.upload(m_b, o, &e).unwrap(),
             DEV.upload(m_b, i, &a).unwrap(),
@@ -426,10 +446,8 @@ fn lazy_rows_against_dense(shape: (usize, usize)) {
             .collect();
         let gd = DEV.upload(o, i, &g).unwrap();
         let (sa, se) = (
-            DEV.upload(m_s, i, &common::vals(&mut rng, m_s * i))
-                .unwrap(),
-            DEV.upload(m_s, o, &common::vals(&mut rng, m_s * o))
-                .unwrap(),
+            DEV.upload(m_s, i, &common::vals(rng, m_s * i)).unwrap(),
+            DEV.upload(m_s, o, &common::vals(rng, m_s * o)).unwrap(),
         );
         let stats = [KronStats { a: &sa, e: &se }];
         let stats = rows.needs_stats().then_some(&stats[..]);

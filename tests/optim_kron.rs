@@ -513,6 +513,33 @@ fn factored_matches_dense_on(
         fac,
         sh,
     )?;
+    // The same step handed the factors' Gram matrices (`KronGrad::FactoredWithGrams`): only
+    // the CPU's rows' route reads them, for factors wider than 64 (`tests/cpu_woodbury.rs`),
+    // so at these widths they change nothing: the same weights and predicted change, bit for
+    // bit, on every device.
+    let gram = |x: &Matrix| {
+        let mut c = dev.zeros(m, m).unwrap();
+        dev.gemm(Trans::No, Trans::Yes, 1.0 / m as f32, x, x, 0.0, &mut c)
+            .unwrap();
+        c
+    };
+    let (ee, aa) = (gram(&e), gram(&a));
+    let with_grams = [KronGrad::FactoredWithGrams {
+        e: &e,
+        a: &a,
+        ee: &ee,
+        aa: &aa,
+    }];
+    let mut wg = vec![dev.upload(d_out, d_in, &w0).unwrap()];
+    let mut opt_g = KronOptimizer::new(dev, &shapes, cfg).unwrap();
+    let qg = opt_g
+        .step_grads(&mut wg, &with_grams, Some(&stats))
+        .unwrap();
+    prop_assert_eq!(host(&wg[0]), host(&wf[0]));
+    prop_assert_eq!(
+        qg.predicted_change.map(f32::to_bits),
+        qf.predicted_change.map(f32::to_bits)
+    );
 
     // A lazy step at a moved damping (a good model lowers ρ by φ = 0.8 on both): the dense
     // route applies the first-order inverses `X₀ − d·X₀²` as formed (with `S₀`), the factored
