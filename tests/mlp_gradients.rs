@@ -904,3 +904,75 @@ fn linear_regression_data() {
     assert!(linear_regression(5, 0, 1, 0.1, 0).is_err());
     assert!(linear_regression(5, 2, 1, -0.1, 0).is_err());
 }
+
+proptest! {
+    #![proptest_config(common::proptest_config(16))]
+
+    /// `Mlp::evaluate_from_first` from `forward_keeping_first`'s `z_0` and `dz = 0` is
+    /// `Mlp::evaluate` bit for bit (the same `φ`, products and loss), for one to three layers,
+    /// both activations and both losses; with `dz = x̄_0·ΔW̄_0ᵀ` (f64, rounded) it is the
+    /// evaluation after `W̄_0 ← W̄_0 + ΔW̄_0` up to rounding (`10⁻⁴` relative to the loss: the
+    /// two round `z_0` differently, by `~d_0·2⁻²⁴` of `|x̄||W̄|`). Wrong shapes are typed errors.
+    #[test]
+    fn evaluation_from_the_first_layer_outputs(
+        seed in any::<u64>(),
+        sizes in prop::collection::vec(1usize..=12, 2..=4),
+        m in 1usize..=9,
+        relu in any::<bool>(),
+        squared in any::<bool>(),
+    ) {
+        let mut rng = ChaCha8Rng::seed_from_u64(seed);
+        let (d0, d1) = (sizes[0], sizes[1]);
+        let config = MlpConfig {
+            sizes: sizes.clone(),
+            activation: if relu { Activation::Relu } else { Activation::Tanh },
+            loss: if squared { Loss::SquaredError } else { Loss::SoftmaxCrossEntropy },
+        };
+        let mut mlp = Mlp::new(config, seed).unwrap();
+        let c = *sizes.last().unwrap();
+        let xv: Vec<f32> = (0..m * d0).map(|_| rng.random_range(-1.0f32..1.0)).collect();
+        let x = MatRef::new(&xv, m, d0).unwrap();
+        let labels: Vec<usize> = (0..m).map(|_| rng.random_range(0..c)).collect();
+        let tv: Vec<f32> = (0..m * c).map(|_| rng.random_range(-1.0f32..1.0)).collect();
+        let targets = if squared {
+            Targets::Values(MatRef::new(&tv, m, c).unwrap())
+        } else {
+            Targets::Classes(&labels)
+        };
+        let fwd = mlp.forward_keeping_first(x).unwrap();
+        let kept = fwd.first_outputs().expect("kept");
+        prop_assert_eq!(kept.shape(), (m, d1));
+        let z0: Vec<f32> = (0..m).flat_map(|r| kept.row(r).to_vec()).collect();
+        let z0 = Mat::from_vec(z0, m, d1).unwrap();
+        prop_assert!(mlp.forward(x).unwrap().first_outputs().is_none());
+        let zero = Mat::zeros(m, d1);
+        let want = mlp.evaluate(x, targets).unwrap();
+        let got = mlp.evaluate_from_first(z0.as_ref(), zero.as_ref(), targets).unwrap();
+        prop_assert_eq!(got.to_bits(), want.to_bits());
+        // A change of layer 0's weights, through `dz`.
+        let dw: Vec<f32> = (0..d1 * (d0 + 1)).map(|_| rng.random_range(-0.1f32..0.1)).collect();
+        let dz: Vec<f32> = (0..m * d1)
+            .map(|k| {
+                let (r, j) = (k / d1, k % d1);
+                let xbar = |p: usize| if p < d0 { xv[r * d0 + p] as f64 } else { 1.0 };
+                (0..=d0).map(|p| xbar(p) * dw[j * (d0 + 1) + p] as f64).sum::<f64>() as f32
+            })
+            .collect();
+        let dz = Mat::from_vec(dz, m, d1).unwrap();
+        let got = mlp.evaluate_from_first(z0.as_ref(), dz.as_ref(), targets).unwrap();
+        let mut l0 = mlp.layer_mut(0).unwrap();
+        for r in 0..d1 {
+            for (w, d) in l0.row_mut(r).iter_mut().zip(&dw[r * (d0 + 1)..]) {
+                *w += d;
+            }
+        }
+        let want = mlp.evaluate(x, targets).unwrap();
+        prop_assert!((got - want).abs() <= 1e-4 * want.abs().max(1.0), "{got} vs {want}");
+        // Shapes: `z0`, `dz` `m x d_1`, targets for `m` rows.
+        let wide = Mat::zeros(m, d1 + 1);
+        for (z, d) in [(wide.as_ref(), zero.as_ref()), (z0.as_ref(), wide.as_ref())] {
+            let err = mlp.evaluate_from_first(z, d, targets).unwrap_err();
+            prop_assert!(matches!(err, Error::Shape { .. }), "{err:?}");
+        }
+    }
+}

@@ -2583,3 +2583,95 @@ fn first_order_inverse_update_tracks_a_growing_damping() {
     }
     assert!(runs[2].0 > 1e-4, "error far above f32 rounding");
 }
+
+proptest! {
+    #![proptest_config(common::proptest_config(16))]
+
+    /// `step_grads_with_output_change` gives layer 0's output change on its factored
+    /// gradient's batch rows, `ΔZ = A·(W̄' − W̄)ᵀ`, with the weights and step info of
+    /// `step_grads` bit for bit. Four steps (refreshes at 0 and 3, first-order lazy steps at a
+    /// damping moved by the model between), each from `W̄ = 0` so that `W̄' − W̄ = W̄'`
+    /// exactly, on the factored route with dense inverses (widths 24–64, batch ≤ 8) or through
+    /// the rows (widths 100–140, `ε = 0`). Against `A·W̄'ᵀ` in f64, entry by entry within
+    /// `4·(d_in + 2m + 4)·u·η·(|A||X_Λ||A|ᵀ|E||X_Γ|/m)` plus `2u·(|A||W̄'|ᵀ)`: the f32
+    /// roundings of `AVᵀ/m` (inner `d_in`), of `(AVᵀ/m)·Uᵀ` and of `P = UV/m` (inner `m`
+    /// each) from the same `U`, `V`, and of `W̄'`; `|X|` the first-order scale
+    /// (`common::first_order_scale64`) at a drift of 20% of the formation damping, more than
+    /// two moves of `ρ` by 0.8 give. A layer index past the last is a typed error, and a
+    /// dense gradient gives no change.
+    #[test]
+    fn output_change_is_the_step_on_the_batch_rows(
+        seed in any::<u64>(),
+        (d_out, d_in) in (24usize..=64, 24usize..=64),
+        wide in any::<bool>(),
+        m in 1usize..=8,
+        m_s in 1usize..=12,
+        ema in prop_oneof![Just(0.0f32), Just(0.95)],
+        variant in prop_oneof![Just(KronVariant::Ring), Just(KronVariant::Ngd)],
+    ) {
+        let mut rng = ChaCha8Rng::seed_from_u64(seed);
+        let (o, i) = if wide { (d_out + 76, d_in + 76) } else { (d_out, d_in) };
+        let mut cfg = variant_config(variant);
+        (cfg.ema, cfg.skip, cfg.phi, cfg.inverse) = (ema, 3, 0.8, InverseMethod::Cholesky);
+        let shapes = [(o, i), (3, o)];
+        let mut plain = KronOptimizer::new(&DEV, &shapes, cfg).unwrap();
+        let mut with = KronOptimizer::new(&DEV, &shapes, cfg).unwrap();
+        let zeros = || vec![DEV.zeros(o, i).unwrap(), DEV.zeros(3, o).unwrap()];
+        for k in 0..4 {
+            let (e, a) = (rand_mat(&mut rng, m, o), rand_mat(&mut rng, m, i));
+            let (e2, a2) = (rand_mat(&mut rng, m, 3), rand_mat(&mut rng, m, o));
+            let grads = [KronGrad::Factored { e: &e, a: &a }, KronGrad::Factored { e: &e2, a: &a2 }];
+            let (sa, se) = (rand_mat(&mut rng, m_s, i), rand_mat(&mut rng, m_s, o));
+            let (sa2, se2) = (rand_mat(&mut rng, m_s, o), rand_mat(&mut rng, m_s, 3));
+            let stats = [KronStats { a: &sa, e: &se }, KronStats { a: &sa2, e: &se2 }];
+            let stats = plain.needs_stats().then_some(&stats[..]);
+            let (mut wp, mut ww) = (zeros(), zeros());
+            if k == 0 {
+                let err = with
+                    .step_grads_with_output_change(&mut ww, &grads, stats, 2)
+                    .unwrap_err();
+                prop_assert!(matches!(err, Error::Value { arg: "layer", .. }), "{err:?}");
+            }
+            let ip = plain.step_grads(&mut wp, &grads, stats).unwrap();
+            let (iw, dz) = with
+                .step_grads_with_output_change(&mut ww, &grads, stats, 0)
+                .unwrap();
+            prop_assert_eq!(ip, iw);
+            for (p, w) in wp.iter().zip(&ww) {
+                prop_assert_eq!(host(p), host(w));
+            }
+            let dz = dz.expect("the factored route with the model gives the change");
+            prop_assert_eq!(dz.shape(), (m, o));
+            let st = plain.state().unwrap();
+            let l = &st.layers[0];
+            let bound = |s: &KronFactorState| common::first_order_scale64(s, s.damping * 0.8);
+            let (chain, _) = factored_chains(&bound(&l.gamma), &bound(&l.lambda), &e, &a);
+            let (aabs, w1) = (abs64(&a), host(&wp[0]));
+            let scale = common::matmul64(&aabs, &transpose64(&chain, o, i), m, i, o);
+            let wabs: Vec<f64> = w1.iter().map(|v| v.abs() as f64).collect();
+            let wt = |v: &[f64]| transpose64(v, o, i);
+            let want = common::matmul64(&f64s(&a), &wt(&w1.iter().map(|&v| v as f64).collect::<Vec<_>>()), m, i, o);
+            let round = common::matmul64(&aabs, &wt(&wabs), m, i, o);
+            let unit = 4.0 * (i + 2 * m + 4) as f64 * common::U32;
+            for (idx, (&got, &w)) in host(&dz).iter().zip(&want).enumerate() {
+                let tol = unit * iw.lr as f64 * scale[idx] + 2.0 * common::U32 * round[idx]
+                    + f32::MIN_POSITIVE as f64;
+                prop_assert!(
+                    (got as f64 - w).abs() <= tol,
+                    "step {k} [{idx}]: ΔZ {got} vs A·W̄'ᵀ {w}, tol {tol:e}"
+                );
+            }
+            // A good model: ρ falls by φ, so the next lazy step retargets its inverses.
+            let q = ip.predicted_change.unwrap();
+            plain.observe_loss(1.0, 1.0 + q).unwrap();
+            with.observe_loss(1.0, 1.0 + q).unwrap();
+        }
+        // A dense gradient has no factors to give the change by.
+        let g = rand_mat(&mut rng, o, i);
+        let g2 = rand_mat(&mut rng, 3, o);
+        let (_, dz) = with
+            .step_grads_with_output_change(&mut zeros(), &[KronGrad::Dense(&g), KronGrad::Dense(&g2)], None, 0)
+            .unwrap();
+        prop_assert!(dz.is_none());
+    }
+}

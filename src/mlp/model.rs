@@ -60,6 +60,9 @@ pub struct Forward {
     pub(crate) logits: Mat,
     /// `m x d_L`: model outputs `ŷ` (probabilities for softmax, `= logits` for squared error).
     pub(crate) y: Mat,
+    /// `m x d_1`: layer 0's pre-activations `z_0`, kept by [`Mlp::forward_keeping_first`]
+    /// (else empty).
+    pub(crate) first: Mat,
     pub(crate) stamp: u64,
 }
 
@@ -70,6 +73,7 @@ impl Forward {
             a: Vec::new(),
             logits: Mat::zeros(0, 0),
             y: Mat::zeros(0, 0),
+            first: Mat::zeros(0, 0),
             // Stamps start at 1: 0 is no parameters' stamp.
             stamp: 0,
         }
@@ -78,6 +82,15 @@ impl Forward {
     /// Batch size `m`.
     pub fn batch_size(&self) -> usize {
         self.logits.rows()
+    }
+    /// Takes the kept pre-activations of [`Forward::first_outputs`] out of the pass.
+    pub(crate) fn take_first(&mut self) -> Option<Mat> {
+        (self.first.rows() > 0).then(|| std::mem::replace(&mut self.first, Mat::zeros(0, 0)))
+    }
+    /// Layer 0's pre-activations `z_0 = x̄_0·W̄_0ᵀ` (`m x d_1`) when the pass kept them
+    /// ([`Mlp::forward_keeping_first`]), for [`Mlp::evaluate_from_first`].
+    pub fn first_outputs(&self) -> Option<MatRef<'_, f32>> {
+        (self.first.rows() > 0).then(|| self.first.as_ref())
     }
     /// Augmented inputs of layer `l`, `m x (d_l + 1)` (last column 1); `None` past the last layer.
     pub fn inputs(&self, l: usize) -> Option<MatRef<'_, f32>> {
@@ -306,21 +319,125 @@ impl Mlp {
     /// # Errors
     /// As [`Mlp::forward`].
     pub fn forward_into(&self, x: MatRef<'_, f32>, fwd: &mut Forward) -> Result<()> {
+        self.forward_with(x, fwd, false)
+    }
+
+    /// [`Mlp::forward`] that also keeps layer 0's pre-activations `z_0`
+    /// ([`Forward::first_outputs`], one more `m x d_1` write as the activation reads them): a
+    /// trainer that evaluates the loss after a step on the same batch then starts from
+    /// `z_0 + Δz_0` ([`Mlp::evaluate_from_first`]).
+    ///
+    /// # Errors
+    /// As [`Mlp::forward`].
+    pub fn forward_keeping_first(&self, x: MatRef<'_, f32>) -> Result<Forward> {
+        let mut fwd = Forward::empty();
+        self.forward_with(x, &mut fwd, true)?;
+        Ok(fwd)
+    }
+
+    fn forward_with(&self, x: MatRef<'_, f32>, fwd: &mut Forward, keep_first: bool) -> Result<()> {
         const OP: &str = "Mlp::forward";
         fwd.stamp = 0;
         self.check_input(OP, x)?;
         self.check_params_finite(OP)?;
         let m = x.rows();
         let nl = self.num_layers();
-        let Forward { a, logits, y, .. } = fwd;
+        let Forward {
+            a,
+            logits,
+            y,
+            first,
+            ..
+        } = fwd;
         a.truncate(nl);
         a.resize_with(nl, || Mat::zeros(0, 0));
         fit(&mut a[0], m, x.cols() + 1);
         fill_augmented(&mut a[0], |k| x.row(k));
-        for l in 0..nl {
+        if !keep_first {
+            *first = Mat::zeros(0, 0);
+        }
+        self.layers_from(0, a, logits, keep_first.then_some(first))?;
+        self.outputs(logits, y);
+        fwd.stamp = self.stamp;
+        Ok(())
+    }
+
+    /// The mean loss on a batch whose layer-0 pre-activations are `z0 + dz` (`m x d_1` each),
+    /// through layers `1..L` at the current parameters: with `z0` from
+    /// [`Mlp::forward_keeping_first`] and `dz` the change a step made to them
+    /// ([`crate::optim::kron::KronOptimizer::step_grads_with_output_change`]), the loss after
+    /// the step on that batch without layer 0's `m·d_0·d_1` product — the loss of
+    /// [`Mlp::evaluate`] up to rounding. Not finite where the sum or the layers overflow.
+    ///
+    /// # Errors
+    /// [`Error::Shape`] for `z0`, `dz` or `targets` of the wrong shape, [`Error::NonFinite`]
+    /// for NaN/Inf in the parameters.
+    pub fn evaluate_from_first(
+        &self,
+        z0: MatRef<'_, f32>,
+        dz: MatRef<'_, f32>,
+        targets: Targets<'_>,
+    ) -> Result<f32> {
+        const OP: &str = "Mlp::evaluate_from_first";
+        let (m, d1) = (z0.rows(), self.config.sizes[1]);
+        check_shape(OP, "z0", z0.shape(), (m.max(1), d1))?;
+        check_shape(OP, "dz", dz.shape(), (m, d1))?;
+        self.check_targets(OP, targets, m)?;
+        self.check_params_finite(OP)?;
+        let nl = self.num_layers();
+        let mut fwd = Forward::empty();
+        let Forward { a, logits, y, .. } = &mut fwd;
+        a.resize_with(nl, || Mat::zeros(0, 0));
+        // Layer 0's outputs as the pass would leave them: `φ(z)` augmented by 1 in layer 1's
+        // inputs, or the logits of a one-layer network.
+        let sum = |dst: &mut [f32], k: usize| {
+            for ((o, &z), &d) in dst.iter_mut().zip(z0.row(k)).zip(dz.row(k)) {
+                *o = z + d;
+            }
+        };
+        if nl == 1 {
+            fit(logits, m, d1);
+            logits
+                .as_mut_slice()
+                .par_chunks_mut(d1)
+                .with_min_len(min_rows(d1))
+                .enumerate()
+                .for_each(|(k, row)| sum(row, k));
+        } else {
+            fit(&mut a[1], m, d1 + 1);
+            let act = self.config.activation;
+            a[1].as_mut_slice()
+                .par_chunks_mut(d1 + 1)
+                .with_min_len(min_rows(d1))
+                .enumerate()
+                .for_each(|(k, row)| {
+                    sum(&mut row[..d1], k);
+                    activate(act, &mut row[..d1]);
+                    row[d1] = 1.0;
+                });
+            self.layers_from(1, a, logits, None)?;
+        }
+        self.outputs(logits, y);
+        let mut e = Mat::zeros(0, 0);
+        Ok(self.output_grad_into(&fwd, targets, &mut e))
+    }
+
+    /// Layers `from..L` of a forward pass whose inputs `a[from]` are in place: each layer's
+    /// `z_l` lands straight in the first `d_out` columns of the augmented `x̄_{l+1}` and `φ`
+    /// runs in place there (no separate `z`, no copy), the last one's in `logits`. `first`,
+    /// when given, receives layer `from`'s pre-activations (copied as the activation reads
+    /// them).
+    fn layers_from(
+        &self,
+        from: usize,
+        a: &mut [Mat],
+        logits: &mut Mat,
+        mut first: Option<&mut Mat>,
+    ) -> Result<()> {
+        let nl = self.num_layers();
+        let m = a[from].rows();
+        for l in from..nl {
             let d_out = self.config.sizes[l + 1];
-            // A hidden layer's z_l lands straight in the first d_out columns of the augmented
-            // x̄_{l+1} and φ runs in place there: no separate z, no copy.
             let hidden = l + 1 < nl;
             let width = d_out + usize::from(hidden);
             let (inputs, rest) = a.split_at_mut(l + 1);
@@ -335,22 +452,37 @@ impl Mlp {
                 0.0,
                 MatMut::with_ld(out.as_mut_slice(), m, d_out, width)?,
             )?;
+            let mut keep = first.take();
+            if let Some(k) = keep.as_deref_mut() {
+                fit(k, m, d_out);
+            }
             if hidden {
                 let act = self.config.activation;
-                out.as_mut_slice()
-                    .par_chunks_mut(width)
-                    .with_min_len(min_rows(d_out))
-                    .for_each(|row| {
-                        let z = &mut row[..d_out];
-                        match act {
-                            Activation::Tanh => math::tanh_in_place(z),
-                            Activation::Relu => relu_in_place(z),
-                        }
+                let rows = out.as_mut_slice().par_chunks_mut(width);
+                match keep {
+                    Some(keep) => rows
+                        .zip(keep.as_mut_slice().par_chunks_mut(d_out))
+                        .with_min_len(min_rows(d_out))
+                        .for_each(|(row, z)| {
+                            z.copy_from_slice(&row[..d_out]);
+                            activate(act, &mut row[..d_out]);
+                            row[d_out] = 1.0;
+                        }),
+                    None => rows.with_min_len(min_rows(d_out)).for_each(|row| {
+                        activate(act, &mut row[..d_out]);
                         row[d_out] = 1.0;
-                    });
+                    }),
+                }
+            } else if let Some(keep) = keep {
+                keep.as_mut_slice().copy_from_slice(out.as_slice());
             }
         }
-        fit(y, m, logits.cols());
+        Ok(())
+    }
+
+    /// `ŷ` from the logits: a copy, softmax by rows for the cross-entropy loss.
+    fn outputs(&self, logits: &Mat, y: &mut Mat) {
+        fit(y, logits.rows(), logits.cols());
         y.as_mut_slice().copy_from_slice(logits.as_slice());
         if let Loss::SoftmaxCrossEntropy = self.config.loss {
             let c = logits.cols();
@@ -359,8 +491,6 @@ impl Mlp {
                 .with_min_len(min_rows(c))
                 .for_each(softmax_in_place);
         }
-        fwd.stamp = self.stamp;
-        Ok(())
     }
 
     /// `Err(Error::NonFinite)` for NaN/Inf in the parameters: one scan per parameter change
@@ -541,6 +671,14 @@ impl Mlp {
     /// Predicted class (largest output) for each row of `x` (`m x d_0`).
     pub fn predict(&self, x: MatRef<'_, f32>) -> Result<Vec<usize>> {
         Ok(self.forward(x)?.argmax())
+    }
+}
+
+/// `φ` in place over one row's pre-activations.
+fn activate(act: Activation, z: &mut [f32]) {
+    match act {
+        Activation::Tanh => math::tanh_in_place(z),
+        Activation::Relu => relu_in_place(z),
     }
 }
 

@@ -414,9 +414,19 @@ impl Trainer {
         let outcome = match &mut self.engine {
             Engine::Kron { opt, params, flat } => {
                 let refresh = opt.needs_stats();
+                // RING's and NGD's steps that form the model give layer 0's output change on
+                // this batch (`step_grads_with_output_change`): the loss after the step then
+                // starts from the kept `z_0` instead of layer 0's product.
+                let keep_first = self.config.method != Method::Reng && opt.adapts_damping();
                 // One forward pass serves the gradient and, on refresh steps, the Fisher
                 // statistics: same parameters, same batch, so the same numbers as two passes.
-                let fwd = skip_nonfinite!(mlp.forward(batch.x), f32::NAN, f32::NAN);
+                let fwd = if keep_first {
+                    mlp.forward_keeping_first(batch.x)
+                } else {
+                    mlp.forward(batch.x)
+                };
+                let mut fwd = skip_nonfinite!(fwd, f32::NAN, f32::NAN);
+                let first = fwd.take_first();
                 // The Fisher statistics first, while the pass is borrowed: RING's and NGD's
                 // gradient factors then take its `A_l` without a copy. The gradient draws no
                 // labels, and on a step skipped below the ones drawn here are given back
@@ -497,8 +507,16 @@ impl Trainer {
                         })
                         .collect(),
                 };
-                let predicted = match opt.step_grads(params, &grad_refs, kron.as_deref()) {
-                    Ok(info) => info.predicted_change.is_some(),
+                let stepped = match first {
+                    Some(_) => {
+                        opt.step_grads_with_output_change(params, &grad_refs, kron.as_deref(), 0)
+                    }
+                    None => opt
+                        .step_grads(params, &grad_refs, kron.as_deref())
+                        .map(|i| (i, None)),
+                };
+                let (predicted, change) = match stepped {
+                    Ok((info, change)) => (info.predicted_change.is_some(), change),
                     Err(Error::NonFinite { .. }) => {
                         opt.reject_step();
                         self.counters.rejected_updates += 1;
@@ -518,7 +536,16 @@ impl Trainer {
                 }
                 // The LM rule compares plain losses, also for RENG (its regularized loss
                 // would need a second backward pass after the step).
-                let after = match mlp.evaluate(batch.x, batch.targets) {
+                let after = match (&first, change) {
+                    (Some(z0), Some(dz)) => {
+                        // The buffer itself on the CPU, a download elsewhere.
+                        let (m, d) = dz.shape();
+                        let dz = Mat::from_vec(dz.into_host_vec()?, m, d)?;
+                        mlp.evaluate_from_first(z0.as_ref(), dz.as_ref(), batch.targets)
+                    }
+                    _ => mlp.evaluate(batch.x, batch.targets),
+                };
+                let after = match after {
                     Err(Error::NonFinite { .. }) => f32::NAN,
                     r => r?,
                 };

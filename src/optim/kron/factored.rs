@@ -194,6 +194,8 @@ pub(super) fn by_identity(
 pub(super) struct Preconditioned {
     pub p: Matrix,
     pub terms: Option<(Scalar, Scalar)>,
+    /// `α·A·Pᵀ` (`m x d_out`) when [`precondition`] was asked for it and could give it.
+    pub output_change: Option<Matrix>,
     /// `(λ_Λ, λ_Γ)` of the inverses applied.
     damping: (f32, f32),
 }
@@ -233,11 +235,17 @@ impl ModelTerms {
 ///
 /// `spare`: a matrix of `P`'s shape the caller gives up (the layer's weights of the last step),
 /// which the factored route writes `P` over instead of allocating it.
+///
+/// `output_change`: `Some(α)` asks for `α·A·Pᵀ` (`m x d_out`): for `α = −η`, the change of the
+/// layer's outputs `A·W̄ᵀ` on the batch rows `A` of its factored gradient under the update
+/// `W̄ ← W̄ − ηP`. The factored route with the model gives it as `α·(AVᵀ/m)·Uᵀ` from its own
+/// `m x m` term (`P = UV/m`): one `m x m x d_out` product where `A·W̄'ᵀ` costs `m·d_in·d_out`.
+/// `None` on the other routes (and for factors refactored by [`thin_factors`]).
 pub(super) fn precondition(
     d: &Device,
     v: &LayerView<'_>,
     g: KronGrad<'_>,
-    with_model: bool,
+    (with_model, output_change): (bool, Option<f32>),
     spare: Option<Matrix>,
 ) -> Result<Preconditioned> {
     let (o, i) = (v.gamma.dim(), v.lambda.dim());
@@ -246,32 +254,35 @@ pub(super) fn precondition(
         Parts::Dense(g) => return dense(d, v, g, with_model),
         Parts::Factored(f) => f,
     };
-    let model = |grams| Model {
+    let model = |grams, output_change| Model {
         with: with_model,
         grams,
+        output_change,
     };
     // The rows' route (`low_rank.rs`) multiplies the batch factors themselves: fewer of them
     // where the layer's narrow side is narrower than the batch ([`thin_factors`], whose
     // factors are not the ones the Gram matrices are of).
     if rows_route(&v.gamma_inv) || rows_route(&v.lambda_inv) {
         return match thin_factors(d, v, f.e, f.a)? {
-            Some((e, a)) => factored(d, v, (&e, &a), model(None), spare),
-            None => factored(d, v, (f.e, f.a), model(f.grams), spare),
+            Some((e, a)) => factored(d, v, (&e, &a), model(None, None), spare),
+            None => factored(d, v, (f.e, f.a), model(f.grams, output_change), spare),
         };
     }
     if factored_is_cheaper(&g, (o, i), with_model) {
-        return factored(d, v, (f.e, f.a), model(f.grams), spare);
+        return factored(d, v, (f.e, f.a), model(f.grams, output_change), spare);
     }
     let g = gemm(d, Trans::Yes, Trans::No, 1.0 / f.e.rows() as f32, f.e, f.a)?;
     dense(d, v, &g, with_model)
 }
 
-/// What [`factored`] computes besides `P`: the model's terms (`with`), and the caller's Gram
-/// matrices `(ee, aa)` of the factors ([`KronGrad::FactoredWithGrams`]) if any.
+/// What [`factored`] computes besides `P`: the model's terms (`with`), with the caller's Gram
+/// matrices `(ee, aa)` of the factors ([`KronGrad::FactoredWithGrams`]) if any, and
+/// [`precondition`]'s `output_change` (with the terms only).
 #[derive(Clone, Copy)]
 struct Model<'a> {
     with: bool,
     grams: Option<(&'a Matrix, &'a Matrix)>,
+    output_change: Option<f32>,
 }
 
 /// The gradient `G = (1/m)EᵀA` of a layer with a narrow side `k = min(d_out, d_in) < m`
@@ -386,6 +397,7 @@ fn dense(d: &Device, v: &LayerView<'_>, g: &Matrix, with_model: bool) -> Result<
     Ok(Preconditioned {
         p,
         terms,
+        output_change: None,
         damping: v.damping,
     })
 }
@@ -515,13 +527,28 @@ fn factored(
                 Ok((awt, wlw))
             },
         )?;
-        Some((d.dot_deferred(&eu, &awt)?, d.dot_deferred(&ugu, &wlw)?))
+        // `A·Pᵀ = (AVᵀ/m)·Uᵀ` (`u` holds `Uᵀ` where `t_u` is `Yes`). The CPU does not check
+        // it (a non-finite change makes the loss after the step non-finite where it is
+        // evaluated); the kernel devices' epilogue does, as for every product.
+        let output_change = match model.output_change {
+            Some(alpha) => {
+                let tu = if t_u == yes { no } else { yes };
+                Some(d.product_consumed(no, tu, alpha, &d.operand(&awt)?, &uo)?)
+            }
+            None => None,
+        };
+        (
+            Some((d.dot_deferred(&eu, &awt)?, d.dot_deferred(&ugu, &wlw)?)),
+            output_change,
+        )
     } else {
-        None
+        (None, None)
     };
+    let (terms, output_change) = terms;
     Ok(Preconditioned {
         p,
         terms,
+        output_change,
         damping: v.damping,
     })
 }

@@ -285,7 +285,7 @@ impl KronOptimizer {
             self.check_inputs(op, grads, stats)?;
             let mut counters = self.st.counters;
             let plan = self.plan(stats, grads, false, &mut counters)?;
-            let ps = self.preconditioned(&plan, grads, false, Vec::new())?;
+            let ps = self.preconditioned(&plan, grads, false, None, Vec::new())?;
             Ok((plan, counters, ps))
         })?;
         self.commit(plan, counters);
@@ -313,7 +313,9 @@ impl KronOptimizer {
         stats: Option<&[KronStats<'_>]>,
     ) -> Result<KronStepInfo> {
         let grads = dense(grads);
-        self.step_impl("KronOptimizer::step", params, &grads, stats)
+        Ok(self
+            .step_impl("KronOptimizer::step", params, &grads, stats, None)?
+            .0)
     }
 
     /// [`KronOptimizer::step`] with each layer's gradient dense or by its batch factors, as in
@@ -328,7 +330,40 @@ impl KronOptimizer {
         grads: &[KronGrad<'_>],
         stats: Option<&[KronStats<'_>]>,
     ) -> Result<KronStepInfo> {
-        self.step_impl("KronOptimizer::step_grads", params, grads, stats)
+        let op = "KronOptimizer::step_grads";
+        Ok(self.step_impl(op, params, grads, stats, None)?.0)
+    }
+
+    /// [`KronOptimizer::step_grads`], also giving layer `layer`'s output change on the batch
+    /// rows of its factored gradient: `ΔZ = A·(W̄' − W̄)ᵀ = −η·A·Pᵀ` (`m x d_out`, on this
+    /// optimizer's device), where the step's own factors give it by one `m x m x d_out`
+    /// product (`P = UV/m`, `A·Pᵀ = (AVᵀ/m)·Uᵀ`). A trainer that evaluates the loss after the
+    /// step on the same batch (the Levenberg–Marquardt rule) takes the first layer's new
+    /// outputs as `Z + ΔZ` instead of the `m·d_in·d_out` product `A·W̄'ᵀ`: the same values up
+    /// to rounding (those of `W̄'` and of the two products). `None` where the step did not form
+    /// the model ([`KronOptimizer::adapts_damping`]) or the layer's gradient did not take the
+    /// factored route (a dense gradient, or one cheaper to form). Not checked for finiteness
+    /// on the CPU: a non-finite `ΔZ` gives a non-finite loss after the step.
+    ///
+    /// # Errors
+    /// As [`KronOptimizer::step_grads`]; [`Error::Value`] for `layer` past the last layer.
+    pub fn step_grads_with_output_change(
+        &mut self,
+        params: &mut [Matrix],
+        grads: &[KronGrad<'_>],
+        stats: Option<&[KronStats<'_>]>,
+        layer: usize,
+    ) -> Result<(KronStepInfo, Option<Matrix>)> {
+        let op = "KronOptimizer::step_grads_with_output_change";
+        if layer >= self.shapes.len() {
+            return Err(Error::Value {
+                op,
+                arg: "layer",
+                value: layer as f64,
+                expected: "a layer index below the number of layers",
+            });
+        }
+        self.step_impl(op, params, grads, stats, Some(layer))
     }
 
     fn step_impl(
@@ -337,9 +372,10 @@ impl KronOptimizer {
         params: &mut [Matrix],
         grads: &[KronGrad<'_>],
         stats: Option<&[KronStats<'_>]>,
-    ) -> Result<KronStepInfo> {
+        output_change: Option<usize>,
+    ) -> Result<(KronStepInfo, Option<Matrix>)> {
         crate::cpu::on_pool(self.pool_work(), || {
-            self.step_on_pool(op, params, grads, stats)
+            self.step_on_pool(op, params, grads, stats, output_change)
         })
     }
 
@@ -349,7 +385,8 @@ impl KronOptimizer {
         params: &mut [Matrix],
         grads: &[KronGrad<'_>],
         stats: Option<&[KronStats<'_>]>,
-    ) -> Result<KronStepInfo> {
+        output_change: Option<usize>,
+    ) -> Result<(KronStepInfo, Option<Matrix>)> {
         let before = self.st.counters;
         let eta = self.effective_lr();
         let with_model = self.adapts_damping();
@@ -365,7 +402,9 @@ impl KronOptimizer {
             let mut counters = before;
             let plan = self.plan(stats, grads, with_model, &mut counters)?;
             let spare = spare.take().unwrap_or_default();
-            let ps = self.preconditioned(&plan, grads, with_model, spare)?;
+            let change = output_change.filter(|_| with_model).map(|l| (l, -eta));
+            let mut ps = self.preconditioned(&plan, grads, with_model, change, spare)?;
+            let change = change.and_then(|(l, _)| ps[l].output_change.take());
             let mut terms = Vec::with_capacity(ps.len());
             for p in &ps {
                 terms.push(p.model_terms(&self.device)?);
@@ -392,9 +431,9 @@ impl KronOptimizer {
                     }
                 }
             }
-            Ok((plan, counters, terms, updated))
+            Ok((plan, counters, terms, updated, change))
         })?;
-        let (plan, counters, terms, updated) = step;
+        let (plan, counters, terms, updated, change) = step;
         let q = self.predicted(&terms, &readout).unwrap_or(f64::NAN);
         let q = check_predicted(op, q)?;
         let refreshed = matches!(plan, Plan::Refresh(..));
@@ -413,7 +452,7 @@ impl KronOptimizer {
             replaced.for_each(drop);
         }
         let delta = |f: fn(&KronCounters) -> u64| (f(&counters) - f(&before)) as u32;
-        Ok(KronStepInfo {
+        let info = KronStepInfo {
             refreshed,
             predicted_change: predicted,
             rho: self.st.rho,
@@ -421,7 +460,8 @@ impl KronOptimizer {
             first_order_updates: delta(|c| c.first_order_updates),
             lazy_recomputes: delta(|c| c.lazy_recomputes),
             fallbacks: delta(|c| c.fallbacks()),
-        })
+        };
+        Ok((info, change))
     }
 
     /// The quadratic model's predicted change summed over the layers (a layer without terms
@@ -796,6 +836,7 @@ impl KronOptimizer {
         plan: &Plan,
         grads: &[KronGrad<'_>],
         with_model: bool,
+        output_change: Option<(usize, f32)>,
         spare: Vec<Matrix>,
     ) -> Result<Vec<Preconditioned>> {
         let mut spare = spare.into_iter();
@@ -806,7 +847,8 @@ impl KronOptimizer {
             .collect();
         tasks::map(&self.device, layers, |(l, g, spare)| {
             let view = self.view(plan, l)?;
-            factored::precondition(&self.device, &view, g, with_model, spare)
+            let change = output_change.filter(|&(k, _)| k == l).map(|(_, a)| a);
+            factored::precondition(&self.device, &view, g, (with_model, change), spare)
         })
     }
 
