@@ -471,11 +471,15 @@ impl Trainer {
                     if !loss.is_finite() || !gn.is_finite() {
                         return Ok(Outcome::skip(loss, gn));
                     }
+                    // Only the CPU has the rows' route: elsewhere they would be uploaded for
+                    // nothing.
                     let grams = grams
                         .into_iter()
                         .map(|g| match g {
-                            Some((ee, aa)) => Ok(Some((tensor(device, ee)?, tensor(device, aa)?))),
-                            None => Ok(None),
+                            Some((ee, aa)) if matches!(device, Device::Cpu) => {
+                                Ok(Some((tensor(device, ee)?, tensor(device, aa)?)))
+                            }
+                            _ => Ok(None),
                         })
                         .collect::<Result<Vec<_>>>()?;
                     let factors = upload_stats(device, layers)?;
