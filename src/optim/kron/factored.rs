@@ -75,7 +75,7 @@ pub enum KronGrad<'a> {
     /// `‖G‖_F² = ⟨EEᵀ, AAᵀ⟩/m²`, [`crate::mlp::LayerStats::gradient_norm`]): `ee = (1/m)·EEᵀ`,
     /// `aa = (1/m)·AAᵀ`, both `m x m`. On the rows' route (`ε = 0`, `low_rank.rs`) they give
     /// the model's linear term `⟨G, P⟩` by `m x m x m` products instead of `m x m x d` ones
-    /// ([`super::low_rank::LowRank::right`]); elsewhere they are not read. They are trusted
+    /// (`LowRank::right`); elsewhere they are not read. They are trusted
     /// to be the Gram matrices of `e` and `a` (checked for shape and finiteness only): others
     /// give a wrong predicted change, not an error.
     FactoredWithGrams {
