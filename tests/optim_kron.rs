@@ -2620,7 +2620,10 @@ proptest! {
         for k in 0..4 {
             let (e, a) = (rand_mat(&mut rng, m, o), rand_mat(&mut rng, m, i));
             let (e2, a2) = (rand_mat(&mut rng, m, 3), rand_mat(&mut rng, m, o));
-            let grads = [KronGrad::Factored { e: &e, a: &a }, KronGrad::Factored { e: &e2, a: &a2 }];
+            let grads = [
+                KronGrad::Factored { e: &e, a: &a },
+                KronGrad::Factored { e: &e2, a: &a2 },
+            ];
             let (sa, se) = (rand_mat(&mut rng, m_s, i), rand_mat(&mut rng, m_s, o));
             let (sa2, se2) = (rand_mat(&mut rng, m_s, o), rand_mat(&mut rng, m_s, 3));
             let stats = [KronStats { a: &sa, e: &se }, KronStats { a: &sa2, e: &se2 }];
@@ -2650,7 +2653,8 @@ proptest! {
             let scale = common::matmul64(&aabs, &transpose64(&chain, o, i), m, i, o);
             let wabs: Vec<f64> = w1.iter().map(|v| v.abs() as f64).collect();
             let wt = |v: &[f64]| transpose64(v, o, i);
-            let want = common::matmul64(&f64s(&a), &wt(&w1.iter().map(|&v| v as f64).collect::<Vec<_>>()), m, i, o);
+            let w64: Vec<f64> = w1.iter().map(|&v| v as f64).collect();
+            let want = common::matmul64(&f64s(&a), &wt(&w64), m, i, o);
             let round = common::matmul64(&aabs, &wt(&wabs), m, i, o);
             let unit = 4.0 * (i + 2 * m + 4) as f64 * common::U32;
             for (idx, (&got, &w)) in host(&dz).iter().zip(&want).enumerate() {
@@ -2669,8 +2673,9 @@ proptest! {
         // A dense gradient has no factors to give the change by.
         let g = rand_mat(&mut rng, o, i);
         let g2 = rand_mat(&mut rng, 3, o);
+        let dense = [KronGrad::Dense(&g), KronGrad::Dense(&g2)];
         let (_, dz) = with
-            .step_grads_with_output_change(&mut zeros(), &[KronGrad::Dense(&g), KronGrad::Dense(&g2)], None, 0)
+            .step_grads_with_output_change(&mut zeros(), &dense, None, 0)
             .unwrap();
         prop_assert!(dz.is_none());
     }

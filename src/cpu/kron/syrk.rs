@@ -556,8 +556,8 @@ mod tests {
         /// through `gram_rows`, whose `op(B)` is `X` itself), in every transpose layout, on
         /// ragged shapes (`n` on and off the 64-wide block columns and 256-row tasks, padded
         /// rows, and rows a multiple of 256 floats apart, which the product copies first:
-        /// `gemm::unaliased`), equals the product computed here, exactly: the entries are small integers
-        /// and `α` a power of two, so every partial sum is exact in `f32` (at most
+        /// `gemm::unaliased`), equals the product computed here, exactly: the entries are small
+        /// integers and `α` a power of two, so every partial sum is exact in `f32` (at most
         /// `k·3·(k·2·3) < 2²⁴`) in any order. `C` starts as NaN: it is never read, and both
         /// triangles are written (so the result is exactly symmetric).
         #[test]
