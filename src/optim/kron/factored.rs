@@ -411,10 +411,7 @@ fn factored(
     spare: Option<Matrix>,
 ) -> Result<Preconditioned> {
     let with_model = model.with;
-    let (ee, aa) = match model.grams {
-        Some((ee, aa)) => (Some(ee), Some(aa)),
-        None => (None, None),
-    };
+    let (ee, aa) = model.grams.unzip();
     let m = e.rows();
     // Each operand prepared once (on the kernel devices: split into bf16 planes once, where
     // every product would split both of its operands again): `e`, `a`, `U` and `W` are read
@@ -471,7 +468,7 @@ fn factored(
     let (uo, wo) = (d.operand(&u)?, d.operand(&w)?);
     // Checked by the update it feeds (`Device::axpy_over`), and by the model's `‖P‖²`.
     let p = d.product_consumed_over((t_u, no), inv_m, (&uo, &wo), spare)?;
-    let terms = if with_model {
+    let (terms, output_change) = if with_model {
         // Each m x m pair scaled by 1/m so the inner products need no further 1/m². The Γ
         // side's two products and the Λ side's are independent tasks.
         let (lambda_l, lambda_g) = v.damping;
@@ -544,7 +541,6 @@ fn factored(
     } else {
         (None, None)
     };
-    let (terms, output_change) = terms;
     Ok(Preconditioned {
         p,
         terms,

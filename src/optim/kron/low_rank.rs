@@ -157,25 +157,23 @@ impl LowRank {
         let (no, yes) = (Trans::No, Trans::Yes);
         let c = d.product_valid_inputs(no, yes, 1.0, &self.rows, y)?;
         let hc = d.product_valid_inputs(no, no, 1.0, &t.h, &c)?;
-        let (co, hco) = (d.operand(&c)?, d.operand(&hc)?);
+        let hco = d.operand(&hc)?;
         // The correction is checked by the axpy it feeds.
         let corr = d.product_consumed(yes, no, 1.0, &hco, &d.operand(&self.rows)?)?;
         let yx = d.axpy_over(t.g0, AxpyOver::Y { x: y, y: corr })?;
-        let (k, linear) = match (model, gram) {
-            (false, _) => (None, None),
-            (true, gram) => {
-                let k = d.product_valid_inputs(no, no, 1.0, &t.t, &c)?;
-                let linear = match gram {
-                    // `CᵀHC` is symmetric (`H` is).
-                    Some(g) => {
-                        let inv_m = 1.0 / y.rows() as f32;
-                        let chc = d.symmetric_product_of(yes, no, inv_m, &co, &hco)?;
-                        Some(d.axpy_over(t.g0, AxpyOver::Y { x: g, y: chc })?)
-                    }
-                    None => None,
-                };
-                (Some(k), linear)
+        let k = if model {
+            Some(d.product_valid_inputs(no, no, 1.0, &t.t, &c)?)
+        } else {
+            None
+        };
+        let linear = match gram.filter(|_| model) {
+            // `CᵀHC` is symmetric (`H` is).
+            Some(g) => {
+                let inv_m = 1.0 / y.rows() as f32;
+                let chc = d.symmetric_product_of(yes, no, inv_m, &d.operand(&c)?, &hco)?;
+                Some(d.axpy_over(t.g0, AxpyOver::Y { x: g, y: chc })?)
             }
+            None => None,
         };
         Ok(Applied { yx, k, linear })
     }

@@ -402,7 +402,8 @@ impl KronOptimizer {
             let mut counters = before;
             let plan = self.plan(stats, grads, with_model, &mut counters)?;
             let spare = spare.take().unwrap_or_default();
-            let change = output_change.filter(|_| with_model).map(|l| (l, -eta));
+            // Formed with the model's terms only (`factored::precondition`).
+            let change = output_change.map(|l| (l, -eta));
             let mut ps = self.preconditioned(&plan, grads, with_model, change, spare)?;
             let change = change.and_then(|(l, _)| ps[l].output_change.take());
             let mut terms = Vec::with_capacity(ps.len());
