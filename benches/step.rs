@@ -18,6 +18,10 @@
 //! lazy cost: criterion averages over many consecutive steps); a large `S` (say 100000)
 //! measures the lazy step alone. The Kalman methods take ONE sample per step (SPEC §6), so
 //! their time is per sample, not per batch.
+//! Before timing a variant the bench prints its GEMM work per step, `gemm LABEL: X GFLOP/step`
+//! (`grng::cpu::gemm::gemm_flops` over 16 steps): a ratio of two steps' times cannot fall
+//! below the ratio of their flops where both run the same micro-kernel near its peak.
+//! `--test` runs each variant once after those steps: the flop lines alone, quickly.
 //! Quick smoke run: `GRNG_BENCH_SHAPE=64-32-10 GRNG_BENCH_BATCH=32 cargo bench --bench step`.
 //!
 //! The learning rates are tiny so thousands of repeated steps on one batch stay finite; they
@@ -119,6 +123,9 @@ fn variants(batch: usize) -> Vec<(String, MethodConfig)> {
     out
 }
 
+/// Steps over which each variant's GEMM flops are counted (`grng::cpu::gemm::gemm_flops`).
+const FLOP_STEPS: usize = 16;
+
 fn bench(c: &mut Criterion) {
     let sizes = shape();
     let batch: usize = env_or("GRNG_BENCH_BATCH", "256")
@@ -160,6 +167,14 @@ fn bench(c: &mut Criterion) {
             x: grng::mat::MatRef::new(&x.as_slice()[..m * d0], m, d0).expect("batch view"),
             targets: Targets::Classes(&labels[..m]),
         };
+        // The GEMM engine's work per step over `FLOP_STEPS` steps before the timing (two
+        // refreshes at S = 8): each variant's flop floor against the others.
+        let before = grng::cpu::gemm::gemm_flops();
+        for _ in 0..FLOP_STEPS {
+            black_box(trainer.step(step_batch).expect("training step"));
+        }
+        let flops = (grng::cpu::gemm::gemm_flops() - before) as f64 / FLOP_STEPS as f64;
+        println!("gemm {label}: {:.3} GFLOP/step", flops / 1e9);
         group.bench_function(label, |b| {
             b.iter(|| black_box(trainer.step(step_batch).expect("training step")))
         });

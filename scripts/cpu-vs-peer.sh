@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# Issue 13's CPU table in one run: `benches/step.rs` binaries interleaved (scripts/step-compare.sh)
+# Issue 13's CPU table in one run: the last binary's GEMM flops per step (each ratio's floor), then
+# `benches/step.rs` binaries interleaved (scripts/step-compare.sh)
 # at the defaults (RING ε = 0.95, NGD ε = 0), at RING's ε = 0 with T = 1 and T = 5, then the
 # peer (optax AdamW, kfac-jax K-FAC: scripts/peer_kfac_jax.py) and AdamW against optax in
 # three interleaved rounds. Run it on a quiet machine; compare ratios within the run.
@@ -20,6 +21,14 @@ cd "$(dirname "$0")/.."
 rounds=${ROUNDS:-3}
 py=${PEER_PYTHON:-/work/venv-peer/bin/python}
 compare=scripts/step-compare.sh
+last=${*: -1}
+# The GEMM work per step (benches/step.rs's `--test` mode prints it and times nothing): where
+# two steps run the same micro-kernel near its peak, their time ratio does not fall below it.
+echo "== GEMM GFLOP per step, $(basename "$last"): defaults; RING ε = 0 with T = 1, T = 5"
+GRNG_BENCH_ONLY=adamw,ring,ngd GRNG_BENCH_SKIPS=8 "$last" --test 2>&1 | grep GFLOP
+GRNG_BENCH_EMA=0 GRNG_BENCH_ONLY=ring GRNG_BENCH_SKIPS=8 "$last" --test 2>&1 | grep GFLOP
+GRNG_BENCH_EMA=0 GRNG_BENCH_LM_INTERVAL=5 GRNG_BENCH_ONLY=ring GRNG_BENCH_SKIPS=8 \
+    "$last" --test 2>&1 | grep GFLOP
 echo "== $(date -u +%H:%M:%S) defaults (RING ε = 0.95, NGD ε = 0), S = 8"
 GRNG_BENCH_ONLY=adamw,ring,ngd GRNG_BENCH_SKIPS=8 $compare "$rounds" "$@"
 echo "== RING ε = 0, T = 1, S = 8"
@@ -30,7 +39,6 @@ GRNG_BENCH_EMA=0 GRNG_BENCH_LM_INTERVAL=5 GRNG_BENCH_ONLY=adamw,ring GRNG_BENCH_
 echo "== $(date -u +%H:%M:%S) peer"
 "$py" scripts/peer_kfac_jax.py 2>&1 | tail -5
 echo "== AdamW against optax, interleaved"
-last=${*: -1}
 for _ in $(seq "$rounds"); do
     "$py" scripts/peer_kfac_jax.py --only-adamw --steps 20 2>/dev/null | tail -1
     GRNG_BENCH_ONLY=adamw "$last" --bench --warm-up-time 1 --measurement-time 3 2>&1 | grep time:

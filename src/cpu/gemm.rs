@@ -2,6 +2,9 @@
 //!
 //! The inner kernel is the `gemm` crate (the micro-kernels faer itself builds on), run with
 //! rayon parallelism; this module only maps grng's views and BLAS conventions onto it.
+//! [`gemm_flops`] counts the work every call of it runs (here and in the SYRK's tiles).
+
+use std::sync::atomic::{AtomicU64, Ordering};
 
 use rayon::prelude::*;
 
@@ -325,6 +328,31 @@ fn column_blocks(n: usize, work: usize, transposed_b: bool) -> usize {
     (4 * threads).min(n / 64)
 }
 
+/// Floating-point operations (`2·m·n·k` a call) the `gemm` crate has run for grng in this
+/// process ([`count_flops`]).
+static FLOPS: AtomicU64 = AtomicU64::new(0);
+
+/// How many `f32` floating-point operations grng's CPU GEMM engine has run since the process
+/// started: `2·m·n·k` for every call of the `gemm` crate — the products of [`gemm`] (and of
+/// [`crate::Device::Cpu`]'s matrix ops), and each tile of the SYRK, whose diagonal blocks are
+/// computed whole (so a SYRK counts a little more than its lower triangle). Not counted: the
+/// `f64` Cholesky and Woodbury work (faer's and our own), and element-wise passes. The
+/// difference over a span of work is that work's GEMM cost: e.g. `benches/step.rs` prints it
+/// per training step, the flop floor of a method against another. A process-wide count:
+/// concurrent work on other threads adds to it.
+pub fn gemm_flops() -> u64 {
+    FLOPS.load(Ordering::Relaxed)
+}
+
+/// Adds one `m x n x k` call of the crate to [`gemm_flops`].
+pub(crate) fn count_flops(m: usize, n: usize, k: usize) {
+    let flops = 2u64
+        .saturating_mul(m as u64)
+        .saturating_mul(n as u64)
+        .saturating_mul(k as u64);
+    FLOPS.fetch_add(flops, Ordering::Relaxed);
+}
+
 /// One call of the `gemm` crate on row-major C: `C ← α·op(A)·op(B) + β·C` with `op(A)`
 /// `m x k` at `(ptr, row stride, column stride)`, `op(B)` `k x n` likewise and C `m x n` with
 /// leading dimension `c_ld`.
@@ -346,6 +374,7 @@ unsafe fn crate_gemm(
     (alpha, beta): (f32, f32),
     par: ::gemm::Parallelism,
 ) {
+    count_flops(m, n, k);
     ::gemm::gemm(
         m, n, k, c, 1, c_ld, read_dst, a, a_cs, a_rs, b, b_cs, b_rs, beta, alpha, false, false,
         false, par,

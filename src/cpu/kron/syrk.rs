@@ -241,6 +241,7 @@ unsafe fn tile_product(
     (alpha, beta): (f32, f32),
     mirror_after: bool,
 ) {
+    crate::cpu::gemm::count_flops(t.w, t.r1 - t.r0, k);
     ::gemm::gemm(
         t.w,
         t.r1 - t.r0,
