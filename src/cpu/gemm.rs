@@ -333,7 +333,7 @@ fn column_blocks(n: usize, work: usize, transposed_b: bool) -> usize {
 static FLOPS: AtomicU64 = AtomicU64::new(0);
 
 /// How many `f32` floating-point operations grng's CPU GEMM engine has run since the process
-/// started: `2·m·n·k` for every call of the `gemm` crate — the products of [`gemm`] (and of
+/// started: `2·m·n·k` for every call of the `gemm` crate — the products of [`gemm()`] (and of
 /// [`crate::Device::Cpu`]'s matrix ops), and each tile of the SYRK, whose diagonal blocks are
 /// computed whole (so a SYRK counts a little more than its lower triangle). Not counted: the
 /// `f64` Cholesky and Woodbury work (faer's and our own), and element-wise passes. The
