@@ -49,8 +49,13 @@ fn snapshot(opt: &KronOptimizer) -> Snapshot {
 
 // ---------- dense f64 references ----------
 
-/// Largest eigenvalue of a symmetric matrix by cyclic Jacobi rotations (f64).
+/// Largest eigenvalue of a symmetric matrix (f64).
 fn max_eig64(a: &[f64], n: usize) -> f64 {
+    eigs64(a, n)[0]
+}
+
+/// Eigenvalues of a symmetric matrix by cyclic Jacobi rotations (f64), largest first.
+fn eigs64(a: &[f64], n: usize) -> Vec<f64> {
     let mut a = a.to_vec();
     for _ in 0..100 {
         let off: f64 = (0..n)
@@ -84,9 +89,9 @@ fn max_eig64(a: &[f64], n: usize) -> f64 {
             }
         }
     }
-    (0..n)
-        .map(|i| a[i * n + i])
-        .fold(f64::NEG_INFINITY, f64::max)
+    let mut d: Vec<f64> = (0..n).map(|i| a[i * n + i]).collect();
+    d.sort_by(|x, y| y.total_cmp(x));
+    d
 }
 
 /// Solves `K x = b` (dense, f64) by Gaussian elimination with partial pivoting.
@@ -240,10 +245,23 @@ proptest! {
             }
         };
         let (dl, dg) = (dl.max(1e-6), dg.max(1e-6));
+        // RING's norms come from power iterations that stop once the Rayleigh quotient moves
+        // by ≤ `tol` of itself in a step; the quotient's error shrinks by `r² = (λ₂/λ₁)²` a
+        // step, so it is then about `tol/(1 − r²)` relative, twice that allowed: a nearly
+        // double top eigenvalue (it failed at `r = 0.995`) loosens the check, a clear gap not.
+        let power = |f: &[f64], n: usize| match variant {
+            KronVariant::Ring => {
+                let ev = eigs64(f, n);
+                let r = if n > 1 && ev[0] > 0.0 { ev[1] / ev[0] } else { 0.0 };
+                2.0 * cfg.power.tol as f64 / (1.0 - r * r).max(1e-12)
+            }
+            _ => 0.0,
+        };
         if opt.counters().fallbacks() == 0 {
-            // f32 factors (relative rounding ~ m·2⁻²⁴) and a power iteration to 1e-7.
-            prop_assert!((sl.damping as f64 - dl).abs() <= 1e-5 * dl, "{} vs {}", sl.damping, dl);
-            prop_assert!((sg.damping as f64 - dg).abs() <= 1e-5 * dg, "{} vs {}", sg.damping, dg);
+            // f32 factors (relative rounding ~ m·2⁻²⁴) and the power iterations' stopping error.
+            let (tl, tg) = (1e-5 + power(&lam, d_in), 1e-5 + power(&gam, d_out));
+            prop_assert!((sl.damping as f64 - dl).abs() <= tl * dl, "{} vs {}", sl.damping, dl);
+            prop_assert!((sg.damping as f64 - dg).abs() <= tg * dg, "{} vs {}", sg.damping, dg);
         }
 
         // P from the returned step: W1 = W0 − ηP.
