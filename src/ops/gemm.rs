@@ -395,8 +395,8 @@ mod tests {
         /// diagonal is checked against the reference of `(j, i)`, the element it computed:
         /// `E·U` with `U` rounded to f32 is symmetric only to within `2⁻²⁴·(Σ|e_i||u_j| +
         /// Σ|e_j||u_i|)`, which the `(i, j)` bound alone need not cover (CI failed at `k = 3`,
-        /// the mirrored element's terms much larger than its own). The CPU's result is exactly symmetric; a
-        /// product that is not square is an [`crate::Error::Shape`] on both.
+        /// the mirrored element's terms much larger than its own). The CPU's result is exactly
+        /// symmetric; a product that is not square is an [`crate::Error::Shape`] on both.
         #[test]
         fn symmetric_product_matches_the_product(
             m in 2usize..=80,
