@@ -418,8 +418,7 @@ impl Mlp {
             self.layers_from(1, a, logits, None)?;
         }
         self.outputs(logits, y);
-        let mut e = Mat::zeros(0, 0);
-        Ok(self.output_grad_into(&fwd, targets, &mut e))
+        Ok(self.output_grad(&fwd, targets).1)
     }
 
     /// Layers `from..L` of a forward pass whose inputs `a[from]` are in place: each layer's
