@@ -21,8 +21,8 @@ for tool in ptxas cuobjdump nvdisasm; do
 done
 
 # Build with the tools exported; the build script's out_dir holds the PTX.
-out_dir="$(cargo build --release --lib --message-format=json 2>/dev/null |
-    jq -r 'select(.reason == "build-script-executed" and (.package_id | test("grng"))) | .out_dir' |
+out_dir="$(cargo build --release -p grng --lib --message-format=json 2>/dev/null |
+    jq -r 'select(.reason == "build-script-executed" and (.package_id | test("/crates/grng#"))) | .out_dir' |
     tail -n 1)"
 if [[ -z "$out_dir" || ! -f "$out_dir/ptx.rs" ]]; then
     echo "audit: could not find the build's PTX (cargo build --release failed?)" >&2

@@ -3,11 +3,11 @@
 # driver, the CUDA toolkit and PyTorch but no Rust toolchain and no network — into DIR:
 #   bundle.tar.xz  one archive of
 #     tests/NAME   every integration-test binary (the emu_* ones also run their Device::Cuda
-#                  arms); candle_grng built with `--features candle-cuda` (its CUDA arms)
+#                  arms); candle_grng built with `-p grng-candle --features cuda` (its CUDA arms)
 #     bench/gpu    the GPU benchmark (benches/gpu.rs), when the project has one
-#     bench/candle_step  the candle training-step bench, `--features candle-cuda` (CUDA rows)
+#     bench/candle_step  the candle training-step bench, `-p grng-candle --features cuda` (CUDA rows)
 #     bin/grng     the main job
-#     bin/candle_mlp  the digits MLP through candle, `--features candle-cuda`
+#     bin/candle_mlp  the digits MLP through candle, `-p grng-candle --features cuda`
 #   run-all.sh  unpacks it and runs them all there: `DIR/run-all.sh OUT [--ncu] [--bench-args "ARGS"]`
 # grng's kernels are embedded as PTX (the pip CUDA tools are installed first if needed);
 # candle's are compiled by nvcc 13.0 (`install-cuda-tools.sh --candle`: pip wheels unless a
@@ -57,11 +57,11 @@ mkdir -p "$stage/tests" "$stage/bench" "$stage/bin"
 
 echo "gpu-bundle: building (release, kernels embedded)" >&2
 cargo build --release --bin grng
-# candle_grng comes from the candle-cuda build below (without the feature it holds no test).
+# candle_grng comes from the grng-candle `cuda` build below (without the feature it holds no test).
 tests="$(cargo test --release --no-run --tests --message-format=json | executables test |
     grep -v '^candle_grng ')"
 bench=""
-if [[ -f benches/gpu.rs ]]; then
+if [[ -f crates/grng/benches/gpu.rs ]]; then
     bench="$(cargo bench --no-run --bench gpu --message-format=json | executables bench)"
 fi
 main="${CARGO_TARGET_DIR:-target}/release/grng"
@@ -70,20 +70,20 @@ if ! grep -aq '\.target sm_' "$main"; then
     echo "gpu-bundle: $main has no embedded PTX (kernels not built)" >&2
     exit 1
 fi
-# Packed now: the candle-cuda test build below relinks target/release/grng with the feature.
+# Packed now: the grng-candle `cuda` test build below relinks target/release/grng with the feature.
 pack "$main" "$stage/bin/grng"
 pack_all "$stage/tests" <<<"$tests"
 pack_all "$stage/bench" <<<"$bench"
 
-# The candle-cuda binaries, built in the environment of install-cuda-tools.sh --candle only
+# The grng-candle `cuda` binaries, built in the environment of install-cuda-tools.sh --candle only
 # (a subshell): the builds above keep theirs, so nothing of them is rebuilt.
 candle_cuda() {
     (
         eval "$(scripts/install-cuda-tools.sh --quiet --candle)"
-        cargo "$@" --features candle-cuda --message-format=json
+        cargo "$@" -p grng-candle --features cuda --message-format=json
     )
 }
-echo "gpu-bundle: building the candle-cuda binaries (candle's kernels: nvcc, minutes the first time)" >&2
+echo "gpu-bundle: building the grng-candle `cuda` binaries (candle's kernels: nvcc, minutes the first time)" >&2
 # Assigned first: a failed build then stops the script (set -e), not a silently missing binary.
 candle_test="$(candle_cuda test --release --no-run --test candle_grng | executables test)"
 candle_bench="$(candle_cuda bench --no-run --bench candle_step | executables bench)"

@@ -48,7 +48,7 @@ class Design:
 # sm_80 engine (engine.cuh): 128x128x32 slices, 3 stages, 8 warps of 64x32 warp tiles.
 # Per slice: cp.async writes 2 x 128x32 bf16 = 16 KiB; ldmatrix reads per warp A 64x32 +
 # B 32x32 = 6 KiB, x 8 warps = 48 KiB. 2 blocks/SM for newton_gemm_tc (115 registers,
-# 48 KiB), 1 for kron_syrk_ema_tc (172 registers) — the Newton figure is used for both.
+# 48 KiB), 1 for syrk_ema_tc (172 registers) — the Newton figure is used for both.
 SM80 = Design("sm_80 mma.sync 128x128x32 s3", 32, 16384 + 49152, 0.62, 2)
 # sm_90a path (wgmma_sm90.cuh): 128x128x64 slices, 4 stages, producer + 2 consumer
 # warpgroups of m64n128k16. Per slice: cp.async writes 2 x 128x64 bf16 = 32 KiB; wgmma reads
@@ -78,7 +78,7 @@ for n in (2048, 4096):
     tri = t * (t + 1) // 2
     # SYRK+EMA m = n: lower-triangle tiles only; reads A once, reads the old lower triangle
     # (ε ≠ 0) and writes both triangles of Λ (f32).
-    row("SYRK+EMA bf16 (kron_syrk_ema_tc)", f"m=n={n}", n * n * (n + 1),
+    row("SYRK+EMA bf16 (syrk_ema_tc)", f"m=n={n}", n * n * (n + 1),
         2 * n * n + 4 * n * n / 2 + 4 * n * n, tri, 2 * TILE * TILE * n)
 for n in (2048, 4096):
     t = math.ceil(n / TILE)
@@ -89,7 +89,7 @@ for n in (2048, 4096):
 for n in (4096,):
     t = math.ceil(n / TILE)
     # Preconditioning Γ⁻¹GΛ⁻¹ at f32 accuracy: two split3 products of 6 bf16 plane products
-    # each (precond_gemm3_tc, sm_80 engine only; sm_90a column: if it were ported).
+    # each (gemm3_tc, sm_80 engine only; sm_90a column: if it were ported).
     row("precond f32 (2 split3 products)", f"n={n}", 2 * 6 * 2 * n**3, 2 * (3 * 2 * 2 * n * n + 4 * n * n),
         2 * t * t, 6 * 2 * TILE * TILE * n)
 
@@ -97,7 +97,7 @@ print()
 print(f"{'streaming kernel':<32} {'size':<12} {'GFLOP':>8} {'MB':>8} {'floor µs':>9}")
 for n, d, s in ((10**6, 10, 4), (5 * 10**7, 10, 4), (5 * 10**7, 10, 2), (10**6, 256, 4),
                 (10**6, 256, 2)):
-    # Gram pass reads H and σ; update pass reads H, μ, σ and writes μ, σ (two passes, SPEC §3):
+    # Gram pass reads H and σ; update pass reads H, μ, σ and writes μ, σ (two passes, docs/math.md §3):
     # 2·n·d_o·s + 20n bytes, s = 4 (f32 H) or 2 (bf16 H). FLOPs: the Gram's upper triangle and
     # z = L⁻¹h_i are n·d(d+1)/2 FMAs each, h_iᵀw n·d more. d_o = 256 is compute-bound on the
     # SIMT path (docs/gpu.md, "The Kalman step").

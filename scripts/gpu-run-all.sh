@@ -107,7 +107,7 @@ for d in "${libdirs[@]}"; do
     LD_LIBRARY_PATH="$d${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
 done
 export LD_LIBRARY_PATH="${LD_LIBRARY_PATH:-}"
-# What the dynamic loader will pick for each name cudarc opens (or, in the candle-cuda binaries,
+# What the dynamic loader will pick for each name cudarc opens (or, in the grng-candle `cuda` binaries,
 # links: libcudart, libcurand and the .so.13/.so.12 names of CUDA 13 too) (first LD_LIBRARY_PATH hit,
 # else ldconfig), with its real file and the version in that file's name. The bench prints
 # the ones it actually mapped ("loaded:" lines, copied into the summary below).

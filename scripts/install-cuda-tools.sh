@@ -5,8 +5,8 @@
 #
 # Usage: scripts/install-cuda-tools.sh [--quiet] [--candle]   (idempotent: does nothing when present)
 #   eval "$(scripts/install-cuda-tools.sh --quiet)"   # install if needed and export
-#   --candle   also the CUDA 13.0 toolchain of grng's `candle-cuda` feature (below), and its
-#              exports after the first ones (for the candle-cuda builds only)
+#   --candle   also the CUDA 13.0 toolchain of grng-candle's `cuda` feature (below), and its
+#              exports after the first ones (for the grng-candle `cuda` builds only)
 set -euo pipefail
 cd "$(dirname "$0")/.."
 root="$PWD/.cuda-tools"
@@ -104,7 +104,7 @@ else
         # library of the same soname defining every driver function cudarc binds, each
         # returning CUDA_ERROR_STUB_LIBRARY (34). Only the linker sees it (and a CPU-only run
         # with it on LD_LIBRARY_PATH, where every CUDA arm then finds no GPU).
-        cudarc="$(cargo metadata --format-version 1 --features candle-cuda | "$py" -c '
+        cudarc="$(cargo metadata --format-version 1 --features grng-candle/cuda | "$py" -c '
 import json, os, sys
 print(next(os.path.dirname(p["manifest_path"]) for p in json.load(sys.stdin)["packages"] if p["name"] == "cudarc"))')"
         mkdir -p "$cuda/lib/stubs"
@@ -116,7 +116,7 @@ print(next(os.path.dirname(p["manifest_path"]) for p in json.load(sys.stdin)["pa
     # The wheel's nvcc does not search the CCCL wheel's headers (nv/target, cuda/std).
     cccl="-I$cuda/include/cccl"
 fi
-[[ $quiet == 1 ]] || echo "# candle-cuda toolchain ready in $cuda; export for the candle-cuda builds:" >&2
+[[ $quiet == 1 ]] || echo "# grng-candle `cuda` toolchain ready in $cuda; export for the grng-candle `cuda` builds:" >&2
 # NVCC: candle-kernels' build (cudaforge) takes it before PATH. NVCC_APPEND_FLAGS: read by nvcc
 # itself. CUDA_COMPUTE_CAP=90: no GPU to ask here; the kernels are built for sm_90a, what both
 # lent GPUs (H100, H200) are. CUDA_HOME: where cudarc's build script looks for the libraries

@@ -1,0 +1,326 @@
+// Preconditioning kernels (docs/math.md §1-2, §5 "small kernels"): the f32-accurate tensor-core
+// GEMM (split3 planes on the GEMM engine) behind P = Γ̃⁻¹ G Λ̃⁻¹ and the damped-inverse update
+// X ← X − dλ·X·X, and the plain bf16 one (Device::gemm on bf16 operands); the fp32 SIMT
+// GEMM behind the batch gradient (1/m)EᵀA and the f32 Newton products; the diagonal helpers
+// (A ← A + λI, trace).
+//
+// Launchers: src/cuda/gemm.rs.
+#include "common.cuh"
+#include "gemm/engine.cuh"
+#include "gemm/wgmma_sm90.cuh"
+
+// ---------------------------------------------------------------------------------------
+// *p ← α·acc + β·*p (returned too), the GEMM epilogue of both paths (β = 0 never reads *p).
+__device__ __forceinline__ float gemm_axpby(float* p, float alpha, float acc, float beta) {
+    float v = alpha * acc;
+    if (beta != 0.0f) v = fmaf(beta, *p, v);
+    *p = v;
+    return v;
+}
+
+// ---------------------------------------------------------------------------------------
+// fp32 GEMM: C (M x N) ← α·op(A)·op(B) + β·C, op(A) M x K, op(B) K x N, all row-major with
+// leading dimensions lda/ldb/ldc. β = 0 never reads C; the launcher passes K = 0 for α = 0
+// so A and B are never read then either.
+//
+// Block tile 64x64 with 16-deep k slices, 256 threads, each owning a 4x4 register block
+// (rows ty*4.., cols tx*4..): per k step a thread does 2 float4 shared loads for 16 FMAs,
+// and the 64x64 tile keeps enough blocks in flight at the factor sizes of the paper
+// (d = 64..1024: 1..256 blocks) where a 128x128 tile would leave most SMs idle. The next
+// k slice is prefetched into registers while the current one is consumed (one shared
+// buffer, two barriers per slice). Global loads are coalesced for every transpose case:
+// each operand tile is read along its contiguous dimension and stored k-major in shared
+// memory (padded rows of 68 floats keep the 16-byte alignment of the float4 reads).
+#define PG_BM 64
+#define PG_BN 64
+#define PG_BK 16
+#define PG_LDS (PG_BM + 4)
+#define PG_THREADS 256
+
+// Loads the 64x16 slice op(A)[m0.., k0..] into registers (zero outside the matrix).
+// Element e = tid + 256 l of the slice is (row i, depth kk); the mapping follows A's
+// contiguous dimension so consecutive threads read consecutive addresses.
+template <bool TA>
+__device__ __forceinline__ void pg_load_a(const float* __restrict__ A, int M, int K, int lda,
+                                          int m0, int k0, float (&r)[4]) {
+GRNG_UNROLL
+    for (int l = 0; l < 4; ++l) {
+        const int e = threadIdx.x + PG_THREADS * l;
+        const int i = TA ? e % PG_BM : e / PG_BK;
+        const int kk = TA ? e / PG_BM : e % PG_BK;
+        const int gi = m0 + i, gk = k0 + kk;
+        float v = 0.0f;
+        if (gi < M && gk < K)
+            v = TA ? A[(long long)gk * lda + gi] : A[(long long)gi * lda + gk];
+        r[l] = v;
+    }
+}
+
+template <bool TA>
+__device__ __forceinline__ void pg_store_a(float* As, const float (&r)[4]) {
+GRNG_UNROLL
+    for (int l = 0; l < 4; ++l) {
+        const int e = threadIdx.x + PG_THREADS * l;
+        const int i = TA ? e % PG_BM : e / PG_BK;
+        const int kk = TA ? e / PG_BM : e % PG_BK;
+        As[kk * PG_LDS + i] = r[l];
+    }
+}
+
+// Loads the 16x64 slice op(B)[k0.., n0..] into registers (zero outside the matrix).
+template <bool TB>
+__device__ __forceinline__ void pg_load_b(const float* __restrict__ B, int N, int K, int ldb,
+                                          int n0, int k0, float (&r)[4]) {
+GRNG_UNROLL
+    for (int l = 0; l < 4; ++l) {
+        const int e = threadIdx.x + PG_THREADS * l;
+        const int j = TB ? e / PG_BK : e % PG_BN;
+        const int kk = TB ? e % PG_BK : e / PG_BN;
+        const int gj = n0 + j, gk = k0 + kk;
+        float v = 0.0f;
+        if (gj < N && gk < K)
+            v = TB ? B[(long long)gj * ldb + gk] : B[(long long)gk * ldb + gj];
+        r[l] = v;
+    }
+}
+
+template <bool TB>
+__device__ __forceinline__ void pg_store_b(float* Bs, const float (&r)[4]) {
+GRNG_UNROLL
+    for (int l = 0; l < 4; ++l) {
+        const int e = threadIdx.x + PG_THREADS * l;
+        const int j = TB ? e / PG_BK : e % PG_BN;
+        const int kk = TB ? e % PG_BK : e / PG_BN;
+        Bs[kk * PG_LDS + j] = r[l];
+    }
+}
+
+template <bool TA, bool TB>
+__device__ __forceinline__ void gemm_body(const float* __restrict__ A,
+                                                  const float* __restrict__ B,
+                                                  float* __restrict__ C, int M, int N, int K,
+                                                  int lda, int ldb, int ldc, float alpha,
+                                                  float beta) {
+    __align__(16) __shared__ float As[PG_BK * PG_LDS];
+    __align__(16) __shared__ float Bs[PG_BK * PG_LDS];
+    const int tx = threadIdx.x % 16, ty = threadIdx.x / 16;
+    const int m0 = blockIdx.y * PG_BM, n0 = blockIdx.x * PG_BN;
+
+    float acc[4][4];
+GRNG_UNROLL
+    for (int r = 0; r < 4; ++r)
+GRNG_UNROLL
+        for (int c = 0; c < 4; ++c) acc[r][c] = 0.0f;
+
+    float ra[4], rb[4];
+    if (K > 0) {
+        pg_load_a<TA>(A, M, K, lda, m0, 0, ra);
+        pg_load_b<TB>(B, N, K, ldb, n0, 0, rb);
+    }
+    for (int k0 = 0; k0 < K; k0 += PG_BK) {
+        __syncthreads();  // the previous slice has been consumed
+        pg_store_a<TA>(As, ra);
+        pg_store_b<TB>(Bs, rb);
+        __syncthreads();
+        if (k0 + PG_BK < K) {  // prefetch the next slice; its latency hides behind the FMAs
+            pg_load_a<TA>(A, M, K, lda, m0, k0 + PG_BK, ra);
+            pg_load_b<TB>(B, N, K, ldb, n0, k0 + PG_BK, rb);
+        }
+        grng_fma_slice_4x4<PG_BK, PG_LDS>(As, Bs, ty, tx, acc);
+    }
+
+GRNG_UNROLL
+    for (int r = 0; r < 4; ++r) {
+        const int i = m0 + ty * 4 + r;
+        if (i >= M) continue;
+GRNG_UNROLL
+        for (int c = 0; c < 4; ++c) {
+            const int j = n0 + tx * 4 + c;
+            if (j >= N) continue;
+            gemm_axpby(C + (long long)i * ldc + j, alpha, acc[r][c], beta);
+        }
+    }
+}
+
+// One entry point per transpose combination (n = op(X) = X, t = op(X) = Xᵀ); grid
+// (ceil(N/64), ceil(M/64)), block 256, no dynamic shared memory.
+#define PRECOND_GEMM(name, TA, TB)                                                           \
+    extern "C" __global__ void __launch_bounds__(PG_THREADS)                                 \
+        name(const float* __restrict__ A, const float* __restrict__ B, float* __restrict__ C, \
+             int M, int N, int K, int lda, int ldb, int ldc, float alpha, float beta) {      \
+        gemm_body<TA, TB>(A, B, C, M, N, K, lda, ldb, ldc, alpha, beta);             \
+    }                                                                                        \
+    GRNG_EMU_ENTRY(name, (const float*, const float*, float*, int, int, int, int, int, int,  \
+                          float, float))
+
+PRECOND_GEMM(gemm_nn, false, false)
+PRECOND_GEMM(gemm_nt, false, true)
+PRECOND_GEMM(gemm_tn, true, false)
+PRECOND_GEMM(gemm_tt, true, true)
+
+// ---------------------------------------------------------------------------------------
+// f32-accurate products on the tensor cores (preconditioning, damped-inverse update): each
+// f32 operand is split once into three bf16 planes (gemm_split3), then gemm3_tc
+// runs the GEMM engine over the 6 significant plane products (engine.cuh, "Split
+// products"), f32 accumulation, with the same α·C + β·C_old epilogue as the fp32 GEMM.
+
+// planes[p·count + i] = plane p (hi, mid, lo) of x[i], i < count. Grid-stride, block 256.
+extern "C" __global__ void __launch_bounds__(256)
+    gemm_split3(const float* __restrict__ x, __nv_bfloat16* __restrict__ planes,
+                   long long count) {
+    for (long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x; i < count;
+         i += (long long)gridDim.x * blockDim.x) {
+        __nv_bfloat16 hi, mid, lo;
+        grng_split3(x[i], hi, mid, lo);
+        planes[i] = hi;
+        planes[count + i] = mid;
+        planes[2 * count + i] = lo;
+    }
+}
+GRNG_EMU_ENTRY(gemm_split3, (const float*, __nv_bfloat16*, long long))
+
+// C (M x N, ld ldc) ← α·acc + β·C. With a status (not null), the first flat index
+// i·ldc + j of a NaN/Inf written is flagged while the tile is stored (the result check in
+// the same pass: a per-thread minimum, then a warp minimum and one atomicMin per warp that
+// saw one, grng_flag_first); the caller passes ldc = N, so it is the row-major index.
+struct PrecondAxpby {
+    float* __restrict__ C;
+    int ldc;
+    float alpha, beta;
+    int* __restrict__ status;
+    int bad = GRNG_NONE;
+    __device__ __forceinline__ void operator()(int i, int j, float acc) {
+        const float v = gemm_axpby(C + (long long)i * ldc + j, alpha, acc, beta);
+        // A thread's elements do not come in index order (fragment layout): keep the least.
+        if (status != nullptr && !isfinite(v)) bad = min(bad, i * ldc + j);
+    }
+    // Every thread calls it; `status` is the same for the whole grid, so the warp agrees.
+    __device__ __forceinline__ void finish() {
+        if (status != nullptr) grng_flag_first(status, bad);
+    }
+};
+
+// C ← α·op(A)·op(B) + β·C with A, B given as split3 planes (a_plane, b_plane elements
+// apart; lda, ldb the stored row lengths). trans bit 0: op(A) = Aᵀ, bit 1: op(B) = Bᵀ.
+// status: null, or an int preset to GRNG_NONE that gets the first flat index of a NaN/Inf
+// in C (PrecondAxpby; M·N must fit an int then). Grid
+// (ceil(N/128), ceil(M/128)), block 256, GRNG_GEMM_SMEM bytes of dynamic shared memory.
+extern "C" __global__ void __launch_bounds__(GRNG_GEMM_THREADS)
+    gemm3_tc(const __nv_bfloat16* __restrict__ a, int lda, long long a_plane,
+                     const __nv_bfloat16* __restrict__ b, int ldb, long long b_plane,
+                     float* __restrict__ c, int ldc, int M, int N, int K, float alpha, float beta,
+                     int trans, int* __restrict__ status) {
+    GRNG_DYN_SHARED(__nv_bfloat16, smem);
+    PrecondAxpby epi{c, ldc, alpha, beta, status};
+    grng_gemm_tile_any<GRNG_SPLIT3_TERMS>(a, lda, a_plane, b, ldb, b_plane, M, N, K, trans,
+                                          smem, epi);
+}
+GRNG_EMU_ENTRY(gemm3_tc, (const __nv_bfloat16*, int, long long, const __nv_bfloat16*, int,
+                                  long long, float*, int, int, int, int, float, float, int, int*))
+
+#ifdef GRNG_SM90A
+// The sm_90a instance of gemm3_tc (kernels/gemm/wgmma_sm90.cuh, the split products
+// on wgmma): same parameters, grid and epilogue; block 384, GRNG_WG_SMEM bytes of dynamic
+// shared memory. Only in the compute_90a build.
+extern "C" __global__ void __launch_bounds__(GRNG_WG_THREADS, 1)
+    gemm3_wg_tc(const __nv_bfloat16* __restrict__ a, int lda, long long a_plane,
+                        const __nv_bfloat16* __restrict__ b, int ldb, long long b_plane,
+                        float* __restrict__ c, int ldc, int M, int N, int K, float alpha,
+                        float beta, int trans, int* __restrict__ status) {
+    GRNG_DYN_SHARED(__nv_bfloat16, smem);
+    PrecondAxpby epi{c, ldc, alpha, beta, status};
+    grng_wg_gemm_tile_any<GRNG_SPLIT3_TERMS>(a, lda, a_plane, b, ldb, b_plane, M, N, K, trans,
+                                             smem, epi);
+}
+#endif
+
+// The plain bf16 product (Device::gemm on bf16 operands): gemm3_tc's parameters,
+// layouts, grid, block and shared memory with one term, so a_plane and b_plane are unused.
+extern "C" __global__ void __launch_bounds__(GRNG_GEMM_THREADS)
+    gemm_tc(const __nv_bfloat16* __restrict__ a, int lda, long long a_plane,
+                    const __nv_bfloat16* __restrict__ b, int ldb, long long b_plane,
+                    float* __restrict__ c, int ldc, int M, int N, int K, float alpha, float beta,
+                    int trans, int* __restrict__ status) {
+    GRNG_DYN_SHARED(__nv_bfloat16, smem);
+    PrecondAxpby epi{c, ldc, alpha, beta, status};
+    grng_gemm_tile_any<1>(a, lda, a_plane, b, ldb, b_plane, M, N, K, trans, smem, epi);
+}
+GRNG_EMU_ENTRY(gemm_tc, (const __nv_bfloat16*, int, long long, const __nv_bfloat16*, int,
+                                 long long, float*, int, int, int, int, float, float, int, int*))
+
+#ifdef GRNG_SM90A
+// The sm_90a instance of gemm_tc (Device::gemm on bf16 operands on wgmma): same
+// parameters, grid and epilogue; block 384, GRNG_WG_SMEM bytes of dynamic shared memory.
+// Only in the compute_90a build.
+extern "C" __global__ void __launch_bounds__(GRNG_WG_THREADS, 1)
+    gemm_wg_tc(const __nv_bfloat16* __restrict__ a, int lda, long long a_plane,
+                       const __nv_bfloat16* __restrict__ b, int ldb, long long b_plane,
+                       float* __restrict__ c, int ldc, int M, int N, int K, float alpha, float beta,
+                       int trans, int* __restrict__ status) {
+    GRNG_DYN_SHARED(__nv_bfloat16, smem);
+    PrecondAxpby epi{c, ldc, alpha, beta, status};
+    grng_wg_gemm_tile_any<1>(a, lda, a_plane, b, ldb, b_plane, M, N, K, trans, smem, epi);
+}
+#endif
+
+// ---------------------------------------------------------------------------------------
+// a[i, i] += lambda for i < n (a is n x n with leading dimension ld). Grid-stride over the
+// diagonal: n strided elements, each its own memory sector anyway.
+extern "C" __global__ void gemm_add_diagonal(float* __restrict__ a, int n, int ld,
+                                                float lambda) {
+    for (int i = blockIdx.x * blockDim.x + threadIdx.x; i < n; i += gridDim.x * blockDim.x)
+        a[(long long)i * (ld + 1)] += lambda;
+}
+GRNG_EMU_ENTRY(gemm_add_diagonal, (float*, int, int, float))
+
+// ---------------------------------------------------------------------------------------
+// Trace of an n x n matrix (leading dimension ld), one block (blockDim.x a multiple of 32,
+// at most 1024). The finite diagonal entries are summed in f64 (like the CPU backend; an
+// f32 sum of f32 values cannot overflow f64), and the smallest index of a non-finite entry
+// is found alongside, so the host learns both from one 3-float read-back:
+// out[0] = the sum rounded to f32, out[1] = that index as int bits (−1: none),
+// out[2] = the offending value (0 when none).
+extern "C" __global__ void __launch_bounds__(1024)
+    gemm_trace(const float* __restrict__ a, int n, int ld, float* __restrict__ out) {
+    __shared__ double wsum[32];
+    __shared__ int wbad[32];
+    double s = 0.0;
+    int bad = 0x7fffffff;
+    // Ascending per thread, so the first non-finite entry a thread meets is its smallest.
+    for (int i = threadIdx.x; i < n; i += blockDim.x) {
+        const float v = a[(long long)i * (ld + 1)];
+        if (fabsf(v) <= 3.402823466e38f) {
+            s += (double)v;
+        } else if (bad == 0x7fffffff) {
+            bad = i;
+        }
+    }
+GRNG_UNROLL
+    for (int o = 16; o > 0; o >>= 1) {
+        s += __shfl_xor_sync(GRNG_FULL_MASK, s, o);
+        bad = min(bad, __shfl_xor_sync(GRNG_FULL_MASK, bad, o));
+    }
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    const int nwarps = blockDim.x >> 5;
+    if (lane == 0) {
+        wsum[warp] = s;
+        wbad[warp] = bad;
+    }
+    __syncthreads();
+    if (warp == 0) {
+        s = lane < nwarps ? wsum[lane] : 0.0;
+        bad = lane < nwarps ? wbad[lane] : 0x7fffffff;
+GRNG_UNROLL
+        for (int o = 16; o > 0; o >>= 1) {
+            s += __shfl_xor_sync(GRNG_FULL_MASK, s, o);
+            bad = min(bad, __shfl_xor_sync(GRNG_FULL_MASK, bad, o));
+        }
+        if (lane == 0) {
+            const bool none = bad == 0x7fffffff;
+            out[0] = (float)s;
+            out[1] = __int_as_float(none ? -1 : bad);
+            out[2] = none ? 0.0f : a[(long long)bad * (ld + 1)];
+        }
+    }
+}
+GRNG_EMU_ENTRY(gemm_trace, (const float*, int, int, float*))

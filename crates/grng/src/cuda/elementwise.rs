@@ -1,0 +1,833 @@
+//! Launchers of `kernels/elementwise.cu`: element-wise vector operations, the fused optimizer
+//! updates and the deterministic two-pass reductions, for [`Device::Emulated`] and
+//! [`Device::Cuda`] (called by the GPU arms of [`crate::ops::elementwise`]).
+//!
+//! Semantics are those of [`crate::cpu::elementwise`], errors included: a failed call
+//! changes nothing. Shapes and scalars are validated once, by the ops; the launchers check
+//! only buffer lengths against the `n` they pass to a kernel (memory safety). The fused
+//! optimizer updates check values while they stream: the kernel reads the old state, writes
+//! new buffers and records the first NaN/Inf per input array and the first sign violation
+//! (integer `atomicMin`, only where a bad value is seen) into a 5-int status; the host
+//! reads it once (the only synchronization) and swaps the new buffers in when it is clean,
+//! else reports the error the CPU backend would report. A clean update thus costs one pass
+//! and one 20-byte read-back. `axpy` and `scale` still run the read-only
+//! `elementwise_check` pass first, into the status their kernel reads before writing.
+//!
+//! Matrices hold `f32`; integer slots of the status live in an `f32` matrix as bit patterns.
+
+use super::deferred::{self, filled, first_flagged, queued_status, Scalar, NONE};
+use super::launch::{
+    kernel, launch, stream_config, to_i32, KernelArgs, LaunchConfig, STREAM_BLOCK,
+};
+use std::any::Any;
+
+use crate::device::{Device, Element, Matrix};
+use crate::error::{check_len, check_value, Error, Result};
+use crate::params::elementwise::{
+    AdamWCoeffs, MultiLayout, MultiUpdate, SgdCoeffs, SophiaCoeffs, MULTI_SLOTS,
+};
+use half::bf16;
+
+kernel!(pub(crate) AXPY = ELEMENTWISE::elementwise_axpy;);
+kernel!(pub(crate) AXPY_NEW = ELEMENTWISE::elementwise_axpy_new;);
+kernel!(pub(crate) SCALE = ELEMENTWISE::elementwise_scale;);
+kernel!(pub(crate) COPY = ELEMENTWISE::elementwise_copy;);
+kernel!(pub(crate) DOT_PARTIAL = ELEMENTWISE::elementwise_dot_partial;);
+kernel!(pub(crate) DOT_FINAL = ELEMENTWISE::elementwise_dot_final;);
+kernel!(pub(crate) CHECK = ELEMENTWISE::elementwise_check;);
+kernel!(pub(crate) CHECK_BF16 = ELEMENTWISE::elementwise_check_bf16;);
+kernel!(pub(crate) SGD = ELEMENTWISE::elementwise_sgd;);
+kernel!(pub(crate) ADAMW = ELEMENTWISE::elementwise_adamw;);
+kernel!(pub(crate) SOPHIA = ELEMENTWISE::elementwise_sophia;);
+kernel!(pub(crate) HESSIAN_EMA = ELEMENTWISE::elementwise_hessian_ema;);
+kernel!(pub(crate) MULTI_SGD = ELEMENTWISE::elementwise_multi_sgd;);
+kernel!(pub(crate) MULTI_ADAMW = ELEMENTWISE::elementwise_multi_adamw;);
+kernel!(pub(crate) MULTI_SOPHIA = ELEMENTWISE::elementwise_multi_sophia;);
+
+/// Grid cap of pass 1 of the reductions: at most this many f64 partials for pass 2. The grid
+/// is a function of `n` only, so the summation order (and the result) is device-independent.
+const REDUCE_BLOCKS: usize = 1024;
+
+/// A fresh 5-slot status (every slot [`NONE`]).
+fn new_status(dev: &Device) -> Result<Matrix> {
+    filled(dev, 5, NONE as u32)
+}
+
+/// The sign condition of one checked array: `(array index, strict)` — `strict` rejects
+/// `v ≤ 0`, otherwise `v < 0`.
+type SignCheck = Option<(usize, bool)>;
+
+/// Queues `elementwise_check` over `arrays` (1..=4 of one length) into the 5 status slots
+/// of `status` from float `at` on.
+fn queue_check(
+    dev: &Device,
+    op: &'static str,
+    arrays: &[(&'static str, &Matrix)],
+    sign: SignCheck,
+    (status, at): (&mut Matrix, usize),
+) -> Result<()> {
+    let n = arrays[0].1.len();
+    let ptr = |a: usize| arrays[a.min(arrays.len() - 1)].1;
+    let (sign_arr, strict) = sign.map_or((-1, 0), |(a, s)| (a as i32, i32::from(s)));
+    let mut args = KernelArgs::new(dev);
+    args.input(op, ptr(0))?
+        .input(op, ptr(1))?
+        .input(op, ptr(2))?
+        .input(op, ptr(3))?
+        .scalar(arrays.len() as i32)
+        .scalar(sign_arr)
+        .scalar(strict)
+        .scalar(to_i32(op, arrays[0].0, n)?)
+        .output_at(op, status, at, 5)?;
+    // SAFETY: elementwise_check(const float* a0, const float* a1, const float* a2,
+    // const float* a3, int narr, int sign_arr, int strict, int n, int* status): the four
+    // pointers are matrices of n floats (callers pass arrays of one length; unused slots
+    // repeat the last one and are not read, narr = arrays.len() <= 4); status points at 5
+    // ints inside its buffer (`output_at`);
+    // threads read index i < n only.
+    unsafe { launch(&CHECK, stream_config(n)?, args) }
+}
+
+/// Reads `status` back (the synchronization point) and turns it into the error the CPU
+/// backend reports for the same inputs: the first array (in `arrays` order) holding a
+/// NaN/Inf, at its first such index; else the first sign violation.
+fn status_result(
+    op: &'static str,
+    arrays: &[(&'static str, &Matrix)],
+    sign: SignCheck,
+    status: &Matrix,
+) -> Result<()> {
+    let s: Vec<i32> = status
+        .to_vec()?
+        .iter()
+        .map(|v| v.to_bits() as i32)
+        .collect();
+    for (a, &(arg, m)) in arrays.iter().enumerate() {
+        if s[a] != NONE {
+            let index = s[a] as usize;
+            return Err(Error::NonFinite {
+                op,
+                arg,
+                index,
+                value: m.to_vec()?[index],
+            });
+        }
+    }
+    match sign {
+        Some((a, strict)) if s[4] != NONE => {
+            let (arg, m) = arrays[a];
+            let value = m.to_vec()?[s[4] as usize] as f64;
+            let expected = if strict {
+                "every entry > 0"
+            } else {
+                "every entry >= 0"
+            };
+            check_value(op, arg, value, false, expected)
+        }
+        _ => Ok(()),
+    }
+}
+
+/// Validates `arrays` on the device the way the CPU backend does (first NaN/Inf per array,
+/// then the sign condition); reads back a status (one synchronization).
+pub(crate) fn validate(
+    dev: &Device,
+    op: &'static str,
+    arrays: &[(&'static str, &Matrix)],
+    sign: SignCheck,
+) -> Result<()> {
+    if arrays[0].1.is_empty() {
+        return Ok(());
+    }
+    let mut status = new_status(dev)?;
+    queue_check(dev, op, arrays, sign, (&mut status, 0))?;
+    status_result(op, arrays, sign, &status)
+}
+
+/// [`crate::Device::check_finite`] on a kernel device: `Err(Error::NonFinite)` at the first
+/// NaN/Inf of each matrix, in `arrays` order. Consecutive `f32` matrices of one length are
+/// checked by one `elementwise_check` launch (up to 4 at once), a `bf16` matrix by
+/// `elementwise_check_bf16`; each launch costs one 20-byte status read-back (a stream
+/// synchronization on a GPU) — or, inside [`crate::Device::deferred`], none: the launch
+/// writes into the scope's ledger and the scope reads it once (`cuda::deferred`). Read-only.
+pub(crate) fn check_finite<T: Element>(
+    dev: &Device,
+    op: &'static str,
+    arrays: &[(&'static str, &Matrix<T>)],
+) -> Result<()> {
+    let mut rest = arrays;
+    while let Some(&(arg, first)) = rest.first() {
+        let any: &dyn Any = first;
+        if let Some(m) = any.downcast_ref::<Matrix<f32>>() {
+            let mut group = vec![(arg, m)];
+            for &(arg, next) in rest[1..].iter().take(3) {
+                let any: &dyn Any = next;
+                match any.downcast_ref::<Matrix<f32>>() {
+                    Some(next) if next.len() == m.len() => group.push((arg, next)),
+                    _ => break,
+                }
+            }
+            rest = &rest[group.len()..];
+            let queue = |status: &mut Matrix, at| queue_check(dev, op, &group, None, (status, at));
+            if let Some(status) = queued_status(dev, 5, queue)? {
+                status_result(op, &group, None, &status)?;
+            }
+        } else if let Some(m) = any.downcast_ref::<Matrix<bf16>>() {
+            rest = &rest[1..];
+            check_bf16(dev, op, arg, m)?;
+        } else {
+            return Err(Error::DeviceUnavailable(format!(
+                "{op}: no finiteness check for elements of type {}",
+                std::any::type_name::<T>()
+            )));
+        }
+    }
+    Ok(())
+}
+
+/// `elementwise_check_bf16` over `m` and one status read-back.
+fn check_bf16(dev: &Device, op: &'static str, arg: &'static str, m: &Matrix<bf16>) -> Result<()> {
+    let n = to_i32(op, arg, m.len())?;
+    if n == 0 {
+        return Ok(());
+    }
+    let queue = |status: &mut Matrix, at: usize| {
+        let mut args = KernelArgs::new(dev);
+        args.input(op, m)?.scalar(n).output_at(op, status, at, 1)?;
+        // SAFETY: elementwise_check_bf16(const __nv_bfloat16* a, int n, int* status): a holds
+        // n bf16 values, status points at an int inside its buffer (`output_at`), the only
+        // one written; threads read index i < n only.
+        unsafe { launch(&CHECK_BF16, stream_config(m.len())?, args) }
+    };
+    match first_flagged(dev, queue)? {
+        None => Ok(()),
+        Some(index) => Err(Error::NonFinite {
+            op,
+            arg,
+            index,
+            value: m.to_vec()?[index].to_f32(),
+        }),
+    }
+}
+
+/// `y ← α x + y` (same length); `y` unchanged on error (non-finite `x` or `y`). `α` is
+/// checked by [`Device::axpy`].
+pub(crate) fn axpy(dev: &Device, alpha: f32, x: &Matrix, y: &mut Matrix) -> Result<()> {
+    const OP: &str = "cuda::axpy";
+    // Memory safety: the kernel reads and writes n = len(y) elements of both.
+    check_len(OP, "x", x.len(), y.len())?;
+    let n = to_i32(OP, "y", y.len())?;
+    if n == 0 {
+        return Ok(());
+    }
+    let cfg = stream_config(y.len())?;
+    let mut status = new_status(dev)?;
+    queue_check(dev, OP, &[("x", x), ("y", &*y)], None, (&mut status, 0))?;
+    let mut args = KernelArgs::new(dev);
+    args.output(OP, y)?
+        .input(OP, x)?
+        .scalar(alpha)
+        .scalar(n)
+        .input(OP, &status)?;
+    // SAFETY: elementwise_axpy(float* y, const float* x, float alpha, int n, const int*
+    // status): x and y hold n floats (checked above), status 5 ints; indices stay below n.
+    unsafe { launch(&AXPY, cfg, args)? };
+    status_result(OP, &[("x", x), ("y", &*y)], None, &status)
+}
+
+/// `y + α x` (same length) into a new matrix of `y`'s shape, checked while it streams
+/// (`elementwise_axpy_new`): `Err(Error::NonFinite)` at the first NaN/Inf of `x`, else of
+/// `y`, else of the result (`"result (overflow)"`), as the CPU's `axpy_new` reports them. One
+/// pass and one status read-back, or none inside [`crate::Device::deferred`] (the scope
+/// reads the status). `α` is checked by [`Device::axpy_new`].
+pub(crate) fn axpy_new(dev: &Device, alpha: f32, x: &Matrix, y: &Matrix) -> Result<Matrix> {
+    const OP: &str = "cuda::axpy_new";
+    // Memory safety: the kernel reads x and y and writes out, n = len(y) elements each.
+    check_len(OP, "x", x.len(), y.len())?;
+    let n = to_i32(OP, "y", y.len())?;
+    let mut out = dev.zeros(y.rows(), y.cols())?;
+    if n == 0 {
+        return Ok(out);
+    }
+    let cfg = stream_config(y.len())?;
+    let queue = |out: &mut Matrix, status: &mut Matrix, at: usize| {
+        let mut args = KernelArgs::new(dev);
+        args.output(OP, out)?
+            .input(OP, x)?
+            .input(OP, y)?
+            .scalar(alpha)
+            .scalar(n)
+            .output_at(OP, status, at, 5)?;
+        // SAFETY: elementwise_axpy_new(float* out, const float* x, const float* y, float
+        // alpha, int n, int* status): out, x and y hold n floats (out is y's shape, x checked
+        // above); status points at 5 ints inside its buffer (`output_at`), slots 0..2 written;
+        // indices stay below n.
+        unsafe { launch(&AXPY_NEW, cfg, args) }
+    };
+    if let Some(status) = queued_status(dev, 5, |status, at| queue(&mut out, status, at))? {
+        let arrays = [("x", x), ("y", y), (crate::error::OVERFLOW, &out)];
+        status_result(OP, &arrays, None, &status)?;
+    }
+    Ok(out)
+}
+
+/// `x ← α x`; `x` unchanged on error (non-finite `x`). `α` is checked by [`Device::scale`].
+pub(crate) fn scale(dev: &Device, alpha: f32, x: &mut Matrix) -> Result<()> {
+    const OP: &str = "cuda::scale";
+    let n = to_i32(OP, "x", x.len())?;
+    if n == 0 {
+        return Ok(());
+    }
+    let cfg = stream_config(x.len())?;
+    let mut status = new_status(dev)?;
+    queue_check(dev, OP, &[("x", &*x)], None, (&mut status, 0))?;
+    let mut args = KernelArgs::new(dev);
+    args.output(OP, x)?
+        .scalar(alpha)
+        .scalar(n)
+        .input(OP, &status)?;
+    // SAFETY: elementwise_scale(float* x, float alpha, int n, const int* status): x holds n
+    // floats, status 5 ints; indices stay below n.
+    unsafe { launch(&SCALE, cfg, args)? };
+    status_result(OP, &[("x", &*x)], None, &status)
+}
+
+/// `dst ← src` (same length; non-finite values copied as they are). Asynchronous on CUDA.
+pub(crate) fn copy(dev: &Device, src: &Matrix, dst: &mut Matrix) -> Result<()> {
+    const OP: &str = "cuda::copy";
+    // Memory safety: the kernel reads and writes n = len(dst) elements of both.
+    check_len(OP, "src", src.len(), dst.len())?;
+    let n = to_i32(OP, "dst", dst.len())?;
+    if n == 0 {
+        return Ok(());
+    }
+    let cfg = stream_config(src.len())?;
+    let mut args = KernelArgs::new(dev);
+    args.output(OP, dst)?.input(OP, src)?.scalar(n);
+    // SAFETY: elementwise_copy(float* dst, const float* src, int n): both hold n floats
+    // (checked above); indices stay below n.
+    unsafe { launch(&COPY, cfg, args) }
+}
+
+/// `Σ xᵢ yᵢ` in f64 (two-pass, deterministic), rounded to f32 — see [`crate::cpu::elementwise::dot`]
+/// for the error bound, which holds here too (only the f64 summation order differs).
+pub(crate) fn dot(dev: &Device, x: &Matrix, y: &Matrix) -> Result<f32> {
+    const OP: &str = "cuda::dot";
+    // Memory safety: the kernel reads n = len(x) elements of both.
+    check_len(OP, "y", y.len(), x.len())?;
+    reduce(dev, OP, &[("x", x), ("y", y)], false)
+}
+
+/// `√(Σ xᵢ²)` accumulated in f64 like [`dot`], the square root taken in f64.
+pub(crate) fn norm2(dev: &Device, x: &Matrix) -> Result<f32> {
+    reduce(dev, "cuda::norm2", &[("x", x)], true)
+}
+
+/// [`dot`] queued into the ledger of an enclosing [`crate::Device::deferred`] (no read-back
+/// here), or computed now when there is none.
+pub(crate) fn dot_deferred(dev: &Device, x: &Matrix, y: &Matrix) -> Result<Scalar> {
+    const OP: &str = "cuda::dot";
+    check_len(OP, "y", y.len(), x.len())?;
+    let arrays = [("x", x), ("y", y)];
+    let n = to_i32(OP, "x", x.len())?;
+    if n == 0 {
+        return Ok(Scalar::Value(0.0));
+    }
+    match deferred::queue_scalar(dev, |out, at| {
+        queue_reduce(dev, OP, &arrays, false, (out, at))
+    }) {
+        Some(r) => r,
+        None => reduce(dev, OP, &arrays, false).map(Scalar::Value),
+    }
+}
+
+/// The two-pass f64 reduction of `Σ a[0]ᵢ a[last]ᵢ` (`a` holds one or two arrays).
+fn reduce(
+    dev: &Device,
+    op: &'static str,
+    arrays: &[(&'static str, &Matrix)],
+    take_sqrt: bool,
+) -> Result<f32> {
+    let n = to_i32(op, arrays[0].0, arrays[0].1.len())?;
+    if n == 0 {
+        return Ok(0.0);
+    }
+    let mut out = filled(dev, 2, f32::NAN.to_bits())?;
+    queue_reduce(dev, op, arrays, take_sqrt, (&mut out, 0))?;
+    let o = out.to_vec()?;
+    if o[1] != 1.0 {
+        // A non-finite f64 sum needs a NaN/Inf input (finite f32 products cannot overflow
+        // f64): report it as the CPU does, first array first.
+        validate(dev, op, arrays, None)?;
+    }
+    Ok(o[0])
+}
+
+/// Queues [`reduce`]'s two passes over `n ≥ 1` elements; pass 2 writes `(sum, finite flag)`
+/// into `out` from float `at` on.
+fn queue_reduce(
+    dev: &Device,
+    op: &'static str,
+    arrays: &[(&'static str, &Matrix)],
+    take_sqrt: bool,
+    (out, at): (&mut Matrix, usize),
+) -> Result<()> {
+    let (x, y) = (arrays[0].1, arrays[arrays.len() - 1].1);
+    let n = to_i32(op, arrays[0].0, x.len())?;
+    let blocks = x
+        .len()
+        .div_ceil(4 * STREAM_BLOCK as usize)
+        .clamp(1, REDUCE_BLOCKS);
+    // f64 partials in an f32 buffer, one spare float for the kernel's 8-byte alignment; NaN
+    // so that a partial the kernel failed to write poisons the result.
+    let mut partial = filled(dev, 2 * blocks + 1, f32::NAN.to_bits())?;
+    let mut args = KernelArgs::new(dev);
+    args.input(op, x)?
+        .input(op, y)?
+        .scalar(n)
+        .output(op, &mut partial)?;
+    let cfg = LaunchConfig {
+        grid: (blocks as u32, 1, 1),
+        block: (STREAM_BLOCK, 1, 1),
+        shared_mem: 0,
+    };
+    // SAFETY: elementwise_dot_partial(const float* x, const float* y, int n, float* partial):
+    // x and y hold n floats (checked by the callers); block b < blocks writes the f64 at the
+    // 8-byte aligned start of partial + b, inside its 2*blocks+1 floats.
+    unsafe { launch(&DOT_PARTIAL, cfg, args)? };
+    let mut args = KernelArgs::new(dev);
+    args.input(op, &partial)?
+        .scalar(blocks as i32)
+        .scalar(i32::from(take_sqrt))
+        .output_at(op, out, at, 2)?;
+    let cfg = LaunchConfig {
+        grid: (1, 1, 1),
+        block: (STREAM_BLOCK, 1, 1),
+        shared_mem: 0,
+    };
+    // SAFETY: elementwise_dot_final(const float* partial, int nblocks, int take_sqrt, float*
+    // out): reads the `blocks` f64 partials written above (inside 2*blocks+1 floats), thread 0
+    // writes out[0..2], two floats inside `out`'s buffer (`output_at`).
+    unsafe { launch(&DOT_FINAL, cfg, args) }
+}
+
+/// The prologue and epilogue the four fused optimizer updates share: in order, the length
+/// checks (every array against the first: memory safety, the kernel indexes all of them up
+/// to `n`; shapes and coefficients are the op's to check, [`crate::ops::elementwise`]), the
+/// kernels' `int` conversion of `n`, the `n == 0` early return; then fresh output buffers
+/// shaped like the written arrays (`written` indexes into `arrays(bufs)`) and a fresh
+/// status, and `queue_update(bufs, outs, n, status)` queues the update kernel, which reads
+/// the old state, writes `outs` and flags NaN/Inf and sign violations of its inputs into
+/// the status while it streams (no separate check pass); last, the status read-back (the
+/// only synchronization) and either the error the CPU backend would report — the old state
+/// untouched, the outputs dropped — or `commit(bufs, outs)`, which swaps the outputs in (no
+/// copy pass).
+///
+/// `bufs` holds the launcher's matrices (the written ones by `&mut`); `arrays(bufs)` names
+/// all of them in the CPU backend's check order, which is the kernel's status-slot order.
+/// `sign` indexes into that list.
+#[allow(clippy::too_many_arguments)]
+fn fused_update<B, const K: usize, const W: usize>(
+    dev: &Device,
+    op: &'static str,
+    mut bufs: B,
+    arrays: impl for<'b> Fn(&'b B) -> [(&'static str, &'b Matrix); K],
+    written: [usize; W],
+    sign: SignCheck,
+    queue_update: impl FnOnce(&B, &mut [Matrix; W], i32, &mut Matrix) -> Result<()>,
+    commit: impl FnOnce(&mut B, &mut [Matrix; W]),
+) -> Result<()> {
+    let list = arrays(&bufs);
+    let (first, n) = (list[0].0, list[0].1.len());
+    for &(arg, m) in &list[1..] {
+        check_len(op, arg, m.len(), n)?;
+    }
+    let ni = to_i32(op, first, n)?;
+    if n == 0 {
+        return Ok(());
+    }
+    let outs = written
+        .iter()
+        .map(|&a| dev.zeros(list[a].1.rows(), list[a].1.cols()))
+        .collect::<Result<Vec<Matrix>>>()?;
+    let Ok(mut outs) = <[Matrix; W]>::try_from(outs) else {
+        unreachable!("one output per entry of `written`")
+    };
+    let mut status = new_status(dev)?;
+    queue_update(&bufs, &mut outs, ni, &mut status)?;
+    status_result(op, &arrays(&bufs), sign, &status)?;
+    commit(&mut bufs, &mut outs);
+    Ok(())
+}
+
+/// Pushes SGD's coefficient parameters `float lr, float mu, float lrwd`, shared by the
+/// one-tensor and multi-tensor kernels.
+fn sgd_scalars<'b, 'a>(args: &'b mut KernelArgs<'a>, c: &SgdCoeffs) -> &'b mut KernelArgs<'a> {
+    args.scalar(c.lr)
+        .scalar(c.momentum)
+        .scalar(c.lr * c.weight_decay)
+}
+
+/// Pushes AdamW's coefficient parameters `float lr, float b1, float omb1, float b2, float
+/// omb2, float eps, float lrwd, float bc1, float bc2`, shared by the one-tensor and
+/// multi-tensor kernels.
+fn adamw_scalars<'b, 'a>(args: &'b mut KernelArgs<'a>, c: &AdamWCoeffs) -> &'b mut KernelArgs<'a> {
+    let (bc1, bc2) = c.bias_corrections();
+    args.scalar(c.lr)
+        .scalar(c.beta1)
+        .scalar(1.0 - c.beta1)
+        .scalar(c.beta2)
+        .scalar(1.0 - c.beta2)
+        .scalar(c.eps)
+        .scalar(c.lr * c.weight_decay)
+        .scalar(bc1)
+        .scalar(bc2)
+}
+
+/// Pushes Sophia's coefficient parameters `float lr, float b1, float omb1, float gamma, float
+/// eps, float lrwd`, shared by the one-tensor and multi-tensor kernels.
+fn sophia_scalars<'b, 'a>(
+    args: &'b mut KernelArgs<'a>,
+    c: &SophiaCoeffs,
+) -> &'b mut KernelArgs<'a> {
+    args.scalar(c.lr)
+        .scalar(c.beta1)
+        .scalar(1.0 - c.beta1)
+        .scalar(c.gamma)
+        .scalar(c.eps)
+        .scalar(c.lr * c.weight_decay)
+}
+
+/// Fused SGD step (see [`crate::cpu::elementwise::sgd_update`]) on `(params, grad,
+/// momentum_buf)`; nothing written on error.
+pub(crate) fn sgd_update(
+    dev: &Device,
+    operands: (&mut Matrix, &Matrix, &mut Matrix),
+    c: &SgdCoeffs,
+) -> Result<()> {
+    const OP: &str = "cuda::sgd_update";
+    fused_update(
+        dev,
+        OP,
+        operands,
+        |(p, g, b)| [("params", &**p), ("grad", *g), ("momentum_buf", &**b)],
+        [0, 2],
+        None,
+        |(p, g, b), outs, n, status| {
+            let [po, bo] = outs;
+            let mut args = KernelArgs::new(dev);
+            args.input(OP, p)?
+                .input(OP, g)?
+                .input(OP, b)?
+                .output(OP, po)?
+                .output(OP, bo)?;
+            sgd_scalars(&mut args, c).scalar(n).output(OP, status)?;
+            // SAFETY: elementwise_sgd(const float* p, const float* g, const float* b, float*
+            // po, float* bo, float lr, float mu, float lrwd, int n, int* status): p, g, b, po,
+            // bo hold n floats (lengths checked and outputs shaped by `fused_update`), status
+            // 5 ints; indices stay below n.
+            unsafe { launch(&SGD, stream_config(n as usize)?, args) }
+        },
+        |(p, _, b), [po, bo]| {
+            std::mem::swap(*p, po);
+            std::mem::swap(*b, bo);
+        },
+    )
+}
+
+/// Fused AdamW step (see [`crate::cpu::elementwise::adamw_update`]) on `(params, grad, m,
+/// v)`; nothing written on error.
+pub(crate) fn adamw_update(
+    dev: &Device,
+    operands: (&mut Matrix, &Matrix, &mut Matrix, &mut Matrix),
+    c: &AdamWCoeffs,
+) -> Result<()> {
+    const OP: &str = "cuda::adamw_update";
+    fused_update(
+        dev,
+        OP,
+        operands,
+        |(p, g, m, v)| [("params", &**p), ("grad", *g), ("m", &**m), ("v", &**v)],
+        [0, 2, 3],
+        Some((3, false)),
+        |(p, g, m, v), outs, n, status| {
+            let [po, mo, vo] = outs;
+            let mut args = KernelArgs::new(dev);
+            args.input(OP, p)?
+                .input(OP, g)?
+                .input(OP, m)?
+                .input(OP, v)?
+                .output(OP, po)?
+                .output(OP, mo)?
+                .output(OP, vo)?;
+            adamw_scalars(&mut args, c).scalar(n).output(OP, status)?;
+            // SAFETY: elementwise_adamw(const float* p, const float* g, const float* m, const
+            // float* v, float* po, float* mo, float* vo, float lr, float b1, float omb1, float
+            // b2, float omb2, float eps, float lrwd, float bc1, float bc2, int n, int* status):
+            // the seven arrays hold n floats (lengths checked and outputs shaped by
+            // `fused_update`), status 5 ints; indices stay below n.
+            unsafe { launch(&ADAMW, stream_config(n as usize)?, args) }
+        },
+        |(p, _, m, v), [po, mo, vo]| {
+            std::mem::swap(*p, po);
+            std::mem::swap(*m, mo);
+            std::mem::swap(*v, vo);
+        },
+    )
+}
+
+/// Fused Sophia step (see [`crate::cpu::elementwise::sophia_update`]) on `(params, grad, m,
+/// h)`; nothing written on error.
+pub(crate) fn sophia_update(
+    dev: &Device,
+    operands: (&mut Matrix, &Matrix, &mut Matrix, &Matrix),
+    c: &SophiaCoeffs,
+) -> Result<()> {
+    const OP: &str = "cuda::sophia_update";
+    fused_update(
+        dev,
+        OP,
+        operands,
+        |(p, g, m, h)| [("params", &**p), ("grad", *g), ("m", &**m), ("h", *h)],
+        [0, 2],
+        Some((3, false)),
+        |(p, g, m, h), outs, n, status| {
+            let [po, mo] = outs;
+            let mut args = KernelArgs::new(dev);
+            args.input(OP, p)?
+                .input(OP, g)?
+                .input(OP, m)?
+                .input(OP, h)?
+                .output(OP, po)?
+                .output(OP, mo)?;
+            sophia_scalars(&mut args, c).scalar(n).output(OP, status)?;
+            // SAFETY: elementwise_sophia(const float* p, const float* g, const float* m, const
+            // float* h, float* po, float* mo, float lr, float b1, float omb1, float gamma,
+            // float eps, float lrwd, int n, int* status): the six arrays hold n floats
+            // (lengths checked and outputs shaped by `fused_update`), status 5 ints; indices
+            // stay below n.
+            unsafe { launch(&SOPHIA, stream_config(n as usize)?, args) }
+        },
+        |(p, _, m, _), [po, mo]| {
+            std::mem::swap(*p, po);
+            std::mem::swap(*m, mo);
+        },
+    )
+}
+
+/// Sophia-G's Hessian EMA (see [`crate::cpu::elementwise::sophia_hessian_ema`]); `h`
+/// unchanged on error.
+pub(crate) fn sophia_hessian_ema(
+    dev: &Device,
+    h: &mut Matrix,
+    sampled_grad: &Matrix,
+    beta2: f32,
+    batch: usize,
+) -> Result<()> {
+    const OP: &str = "cuda::sophia_hessian_ema";
+    fused_update(
+        dev,
+        OP,
+        (h, sampled_grad),
+        |(h, g)| [("h", &**h), ("sampled_grad", *g)],
+        [0],
+        Some((0, false)),
+        |(h, g), outs, n, status| {
+            let mut args = KernelArgs::new(dev);
+            args.input(OP, h)?
+                .input(OP, g)?
+                .output(OP, &mut outs[0])?
+                .scalar(beta2)
+                .scalar(1.0 - beta2)
+                .scalar(batch as f32)
+                .scalar(n)
+                .output(OP, status)?;
+            // SAFETY: elementwise_hessian_ema(const float* h, const float* g, float* ho, float
+            // b2, float omb2, float bs, int n, int* status): h, g, ho hold n floats (lengths
+            // checked and the output shaped by `fused_update`), status 5 ints; indices stay
+            // below n.
+            unsafe { launch(&HESSIAN_EMA, stream_config(n as usize)?, args) }
+        },
+        |(h, _), [ho]| std::mem::swap(*h, ho),
+    )
+}
+
+/// 32-bit words per tensor in a multi-tensor kernel's table (`EW_ENTRY`): the addresses of
+/// params, gradient, output params and Hessian sample (two words each, low first), then the
+/// length, the state segment's start, the first float4 item and the first flat position.
+const ENTRY: usize = 12;
+
+/// The buffers of one multi-tensor update on a kernel device (see
+/// [`crate::cpu::elementwise::MultiHost`] for their roles): `state` and `next` hold the flat
+/// state arrays and their ping-pong partners (one or two each), `spare` the output params.
+pub(crate) struct MultiDevice<'a> {
+    pub params: &'a [&'a Matrix],
+    pub grads: &'a [&'a Matrix],
+    pub sampled: Option<&'a [&'a Matrix]>,
+    pub state: &'a [Matrix],
+    pub next: &'a mut [Matrix],
+    pub spare: &'a mut [Matrix],
+}
+
+/// One multi-tensor update in ONE launch of `elementwise_multi_{sgd,adamw,sophia}` over every
+/// tensor, then one 36-byte status read-back (the only synchronization); on a clean status the
+/// outputs (`spare`, `next`) hold the step and the caller swaps them in, else the error the CPU
+/// backend reports ([`MultiUpdate::error`]). Nothing is written but the outputs.
+pub(crate) fn multi_update(
+    dev: &Device,
+    op: &'static str,
+    layout: &MultiLayout,
+    upd: &MultiUpdate,
+    bufs: MultiDevice<'_>,
+) -> Result<()> {
+    let MultiDevice {
+        params,
+        grads,
+        sampled,
+        state,
+        next,
+        spare,
+    } = bufs;
+    // Memory safety: the kernel reads and writes lens[t] elements of every per-tensor buffer
+    // and the whole state segments, and needs one entry per tensor.
+    let lens = layout.lens();
+    let count = |arg: &'static str, got: usize| check_len(op, arg, got, lens.len());
+    count("grads", grads.len())?;
+    count("params", params.len())?;
+    count("spare", spare.len())?;
+    let per_tensor = |arg: &'static str, ms: &[&Matrix]| -> Result<()> {
+        ms.iter()
+            .zip(lens)
+            .try_for_each(|(m, &n)| check_len(op, arg, m.len(), n))
+    };
+    per_tensor("params", params)?;
+    per_tensor("grads", grads)?;
+    if let Some(gh) = sampled {
+        count("sampled", gh.len())?;
+        per_tensor("sampled", gh)?;
+    }
+    for (m, &n) in spare.iter().zip(lens) {
+        check_len(op, "spare", m.len(), n)?;
+    }
+    let arrays = upd.arrays();
+    check_len(op, "state", state.len(), arrays)?;
+    check_len(op, "next", next.len(), arrays)?;
+    for m in state.iter().chain(next.iter()) {
+        check_len(op, "state", m.len(), layout.state_len())?;
+    }
+    let ntensors = to_i32(op, "params", lens.len())?;
+    to_i32(op, "params", layout.state_len())?;
+    let items: usize = lens.iter().map(|n| n.div_ceil(4)).sum();
+    let nitems = to_i32(op, "params", items)?;
+    if items == 0 {
+        return Ok(());
+    }
+
+    let table: Matrix;
+    let mut status = filled(dev, MULTI_SLOTS, NONE as u32)?;
+    let mut args = KernelArgs::new(dev);
+    let mut words = vec![0u32; ENTRY * lens.len()];
+    let mut item = 0usize;
+    for (t, ((e, p), po)) in words
+        .chunks_exact_mut(ENTRY)
+        .zip(params)
+        .zip(spare.iter_mut())
+        .enumerate()
+    {
+        let gh = match sampled {
+            Some(gh) => args.address(op, gh[t])?,
+            None => 0,
+        };
+        let addrs = [
+            args.address(op, *p)?,
+            args.address(op, grads[t])?,
+            args.address_mut(op, po)?,
+            gh,
+        ];
+        for (k, a) in addrs.iter().enumerate() {
+            e[2 * k] = *a as u32;
+            e[2 * k + 1] = (*a >> 32) as u32;
+        }
+        // Each below 2^31: lens[t] <= state_len and item, first(t) <= items, total.
+        e[8] = lens[t] as u32;
+        e[9] = layout.segment(t).start as u32;
+        e[10] = item as u32;
+        e[11] = layout.first(t) as u32;
+        item += lens[t].div_ceil(4);
+    }
+    let bits: Vec<f32> = words.into_iter().map(f32::from_bits).collect();
+    table = dev.upload(bits.len(), 1, &bits)?;
+    args.input(op, &table)?.scalar(ntensors).scalar(nitems);
+    let (next0, next1) = next.split_at_mut(1);
+    let cfg = stream_config(4 * items)?;
+    match upd {
+        MultiUpdate::Sgd(c) => {
+            args.input(op, &state[0])?.output(op, &mut next0[0])?;
+            sgd_scalars(&mut args, c).output(op, &mut status)?;
+            // SAFETY: elementwise_multi_sgd(const unsigned* table, int ntensors, int nitems,
+            // const float* b, float* bo, float lr, float mu, float lrwd, int* status): the
+            // table holds ENTRY words per tensor with the addresses of params, grads and
+            // spare, which hold lens[t] floats (checked above) and stay borrowed by `args`;
+            // b, bo hold state_len floats and each tensor's segment lies inside; items and
+            // positions are computed from `layout` as the kernel expects; status holds
+            // MULTI_SLOTS ints.
+            unsafe { launch(&MULTI_SGD, cfg, args)? };
+        }
+        MultiUpdate::AdamW(c) => {
+            args.input(op, &state[0])?
+                .input(op, &state[1])?
+                .output(op, &mut next0[0])?
+                .output(op, &mut next1[0])?;
+            adamw_scalars(&mut args, c).output(op, &mut status)?;
+            // SAFETY: elementwise_multi_adamw(const unsigned* table, int ntensors, int nitems,
+            // const float* m, const float* v, float* mo, float* vo, float lr, float b1, float
+            // omb1, float b2, float omb2, float eps, float lrwd, float bc1, float bc2, int*
+            // status): as for SGD, with the four state buffers of state_len floats.
+            unsafe { launch(&MULTI_ADAMW, cfg, args)? };
+        }
+        MultiUpdate::Sophia(c, refresh) => {
+            let (beta2, batch) = refresh.unwrap_or((0.0, 1));
+            args.input(op, &state[0])?
+                .input(op, &state[1])?
+                .output(op, &mut next0[0])?
+                .output(op, &mut next1[0])?;
+            sophia_scalars(&mut args, c)
+                .scalar(i32::from(refresh.is_some()))
+                .scalar(beta2)
+                .scalar(1.0 - beta2)
+                .scalar(batch as f32)
+                .output(op, &mut status)?;
+            // SAFETY: elementwise_multi_sophia(const unsigned* table, int ntensors, int
+            // nitems, const float* m, const float* h, float* mo, float* ho, float lr, float
+            // b1, float omb1, float gamma, float eps, float lrwd, int refresh, float b2, float
+            // omb2, float bs, int* status): as for AdamW; the sample addresses are read only
+            // when refresh != 0, and then every tensor has one of lens[t] floats (checked).
+            unsafe { launch(&MULTI_SOPHIA, cfg, args)? };
+        }
+    }
+    let s: Vec<i32> = status
+        .to_vec()?
+        .iter()
+        .map(|v| v.to_bits() as i32)
+        .collect();
+    let Some(slot) = s.iter().position(|&v| v != NONE) else {
+        return Ok(());
+    };
+    let pos = s[slot] as usize;
+    let (t, i) = layout.locate(pos);
+    let at_state = |m: &Matrix| -> Result<f32> { Ok(m.to_vec()?[layout.segment(t).start + i]) };
+    let value = match slot {
+        0 => params[t].to_vec()?[i],
+        1 => grads[t].to_vec()?[i],
+        2 => at_state(&state[0])?,
+        3 | 5 => at_state(&state[1])?,
+        4 => match sampled {
+            Some(gh) => gh[t].to_vec()?[i],
+            None => f32::NAN,
+        },
+        6 => spare[t].to_vec()?[i],
+        7 => at_state(&next0[0])?,
+        _ => at_state(&next1[0])?,
+    };
+    Err(upd.error(op, layout, slot, pos, value))
+}

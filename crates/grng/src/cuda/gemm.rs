@@ -1,0 +1,490 @@
+//! Launchers of `kernels/gemm.cu`: the tiled fp32 GEMM (all four transpose cases); the
+//! f32-accurate tensor-core GEMM [`gemm3`] (bf16 split planes on the GEMM engine), the plain
+//! bf16 one [`gemm_tc`], and through [`gemm3`] the Kronecker preconditioning
+//! `P = Γ̃⁻¹ G Λ̃⁻¹` and the damped-inverse update `X ← X − dλ·X·X`; `A ← A + λI`; the trace.
+//!
+//! Every function runs on [`Device::Emulated`] or [`Device::Cuda`] (on the device's stream,
+//! asynchronously, except [`trace`], which reads its scalar back). Arguments are validated
+//! once, by the ops ([`crate::ops`]: shapes, scalars, finiteness); a launcher checks only what
+//! its kernel's memory safety needs (shapes against the dimensions it passes, the kernels'
+//! `int` ranges; device placement is checked by [`KernelArgs`]).
+
+use super::deferred::first_flagged;
+use super::engine::{split3, wg_variant, GEMM_SMEM};
+use super::launch::{kernel, launch, to_i32, Kernel, KernelArgs, LaunchConfig};
+use crate::device::{Device, Matrix};
+use crate::driver::kernel::Sm90Variant;
+use crate::error::{check_shape, Error, Result, OVERFLOW};
+use crate::mat::Trans;
+use crate::shape::gemm_dims;
+use half::bf16;
+
+kernel!(pub GEMM_NN = GEMM::gemm_nn;);
+kernel!(pub GEMM_NT = GEMM::gemm_nt;);
+kernel!(pub GEMM_TN = GEMM::gemm_tn;);
+kernel!(pub GEMM_TT = GEMM::gemm_tt;);
+kernel!(pub ADD_DIAGONAL = GEMM::gemm_add_diagonal;);
+kernel!(pub TRACE = GEMM::gemm_trace;);
+kernel!(pub GEMM3_TC = GEMM::gemm3_tc, sm90 = GEMM3_WG;);
+kernel!(pub GEMM_TC = GEMM::gemm_tc, sm90 = GEMM_BF16_WG;);
+
+kernel!(WG_GEMM3 = GEMM_SM90A::gemm3_wg_tc, emu = gemm3_tc;);
+kernel!(WG_GEMM_BF16 = GEMM_SM90A::gemm_wg_tc, emu = gemm_tc;);
+
+/// The sm_90a variant of `gemm3_tc` ([`GEMM3_TC`]): the split3
+/// (f32-accurate) products of the optimizers and the preconditioning.
+pub const GEMM3_WG: Sm90Variant = wg_variant(WG_GEMM3);
+
+/// The sm_90a variant of `gemm_tc` ([`GEMM_TC`]): `Device::gemm` on
+/// bf16 operands.
+pub const GEMM_BF16_WG: Sm90Variant = wg_variant(WG_GEMM_BF16);
+
+/// Output tile of the GEMM kernels (rows and columns) and its threads per block.
+const GEMM_TILE: usize = 64;
+const GEMM_THREADS: u32 = 256;
+/// Threads of the single-block trace reduction.
+const TRACE_THREADS: u32 = 256;
+
+/// `C ← α·op(A)·op(B) + β·C` with `op(A)` `m x k`, `op(B)` `k x n` and `C` `m x n`, all
+/// row-major and contiguous. BLAS semantics: `β = 0` never reads `C` (it may hold NaN),
+/// `α = 0` (or `k = 0`) never reads `A` and `B`.
+///
+/// One launch of `gemm_{nn,nt,tn,tt}`: 64x64 output tiles, 256 threads.
+///
+/// # Errors
+/// [`Error::DeviceMismatch`], [`Error::Shape`] for disagreeing dimensions, [`Error::Value`]
+/// for a dimension ≥ 2^31, launch/driver errors. `c` is unchanged on error. `α`, `β` are
+/// not checked ([`crate::Device::gemm`] does).
+#[allow(clippy::too_many_arguments)]
+pub fn gemm(
+    dev: &Device,
+    ta: Trans,
+    tb: Trans,
+    alpha: f32,
+    a: &Matrix,
+    b: &Matrix,
+    beta: f32,
+    c: &mut Matrix,
+) -> Result<()> {
+    const OP: &str = "cuda::gemm::gemm";
+    // Memory safety: the kernel indexes a, b, c by these dimensions.
+    let (m, n, k) = gemm_dims(OP, ta, a.shape(), tb, b.shape(), c.shape())?;
+    let (mi, ni) = (to_i32(OP, "m", m)?, to_i32(OP, "n", n)?);
+    let ki = to_i32(OP, "k", k)?;
+    let (lda, ldb, ldc) = (
+        to_i32(OP, "a", a.cols())?,
+        to_i32(OP, "b", b.cols())?,
+        to_i32(OP, "c", c.cols())?,
+    );
+    if m == 0 || n == 0 {
+        return Ok(());
+    }
+    // α = 0: run no k step at all, so A and B are never read (C ← β·C).
+    let k_eff = if alpha == 0.0 { 0 } else { ki };
+    let kernel = match (ta, tb) {
+        (Trans::No, Trans::No) => &GEMM_NN,
+        (Trans::No, Trans::Yes) => &GEMM_NT,
+        (Trans::Yes, Trans::No) => &GEMM_TN,
+        (Trans::Yes, Trans::Yes) => &GEMM_TT,
+    };
+    let cfg = LaunchConfig {
+        grid: (
+            n.div_ceil(GEMM_TILE) as u32,
+            m.div_ceil(GEMM_TILE) as u32,
+            1,
+        ),
+        block: (GEMM_THREADS, 1, 1),
+        shared_mem: 0,
+    };
+    let mut args = KernelArgs::new(dev);
+    args.input(OP, a)?
+        .input(OP, b)?
+        .output(OP, c)?
+        .scalar(mi)
+        .scalar(ni)
+        .scalar(k_eff)
+        .scalar(lda)
+        .scalar(ldb)
+        .scalar(ldc)
+        .scalar(alpha)
+        .scalar(beta);
+    // SAFETY: gemm_{nn,nt,tn,tt}(const float* A, const float* B, float* C, int M,
+    // int N, int K, int lda, int ldb, int ldc, float alpha, float beta). A is stored
+    // (M x K, ld K) or, transposed, (K x M, ld M): a.cols() is its row length either way, and
+    // the kernel reads op(A)(i, kk) only for i < M, kk < K — inside a's rows*cols floats;
+    // likewise B with op(B) K x N, and C (M x N, ld N = c.cols()) only at i < M, j < N.
+    // The grid covers ceil(N/64) x ceil(M/64) tiles; the kernel uses static shared memory.
+    unsafe { launch(kernel, cfg, args) }
+}
+
+/// `a ← a + λ I` for a square `a`.
+///
+/// # Errors
+/// [`Error::DeviceMismatch`], [`Error::Shape`] unless square, launch errors. `a` is unchanged
+/// on error. `λ` is not checked ([`crate::Device::add_diagonal`] does).
+pub fn add_diagonal(dev: &Device, a: &mut Matrix, lambda: f32) -> Result<()> {
+    const OP: &str = "cuda::gemm::add_diagonal";
+    // Memory safety: the kernel writes the n = rows diagonal entries of an n x n matrix.
+    check_shape(OP, "a", a.shape(), (a.rows(), a.rows()))?;
+    let n = a.rows();
+    let ni = to_i32(OP, "a", n)?;
+    if n == 0 {
+        return Ok(());
+    }
+    let cfg = LaunchConfig::for_elements(n, 256)?;
+    let mut args = KernelArgs::new(dev);
+    args.output(OP, a)?.scalar(ni).scalar(ni).scalar(lambda);
+    // SAFETY: gemm_add_diagonal(float* a, int n, int ld, float lambda): a is n x n with
+    // ld = n, and the kernel touches a[i * (ld + 1)] for i < n only, the last at n*n − 1.
+    unsafe { launch(&ADD_DIAGONAL, cfg, args) }
+}
+
+/// Trace of a square matrix: finite diagonal entries summed in `f64` on the device, rounded
+/// to `f32`; one 3-float read-back (this call synchronizes with the device's stream).
+///
+/// # Errors
+/// [`Error::DeviceMismatch`], [`Error::Shape`] unless square, [`Error::NonFinite`] for a
+/// NaN/Inf diagonal entry (the first, flat index `i·n + i`), launch/driver errors.
+pub fn trace(dev: &Device, a: &Matrix) -> Result<f32> {
+    const OP: &str = "cuda::gemm::trace";
+    // Memory safety: the kernel reads the n = rows diagonal entries of an n x n matrix.
+    check_shape(OP, "a", a.shape(), (a.rows(), a.rows()))?;
+    let n = a.rows();
+    let ni = to_i32(OP, "a", n)?;
+    if n == 0 {
+        return Ok(0.0);
+    }
+    let mut out = dev.zeros::<f32>(3, 1)?;
+    let cfg = LaunchConfig {
+        grid: (1, 1, 1),
+        block: (TRACE_THREADS, 1, 1),
+        shared_mem: 0,
+    };
+    let mut args = KernelArgs::new(dev);
+    args.input(OP, a)?
+        .scalar(ni)
+        .scalar(ni)
+        .output(OP, &mut out)?;
+    // SAFETY: gemm_trace(const float* a, int n, int ld, float* out): a is n x n with
+    // ld = n and the kernel reads a[i * (ld + 1)] for i < n only; out holds 3 floats and
+    // thread 0 writes out[0..3]. One block of 256 threads (a multiple of 32, ≤ 1024), as the
+    // kernel's warp reduction requires; static shared memory only.
+    unsafe { launch(&TRACE, cfg, args) }?;
+    let r = out.to_vec()?;
+    let bad = r[1].to_bits() as i32;
+    if bad >= 0 {
+        let i = bad as usize;
+        return Err(Error::NonFinite {
+            op: OP,
+            arg: "a",
+            index: i * n + i,
+            value: r[2],
+        });
+    }
+    Ok(r[0])
+}
+
+/// `C ← α·op(A)·op(B) + β·C` like [`gemm()`], with f32 accuracy on the bf16 tensor cores: `A` and
+/// `B` are split into three bf16 planes each (`gemm_split3`, exact for normal floats) and
+/// `gemm3_tc` sums the 6 plane products above `2^-24` relative on the GEMM engine
+/// (kernels/gemm/engine.cuh, 128x128 tiles, f32 accumulation, small products first). Same
+/// BLAS semantics as [`gemm()`] (`β = 0` never reads `C`, `α = 0` never reads `A`, `B`). `C` may
+/// be `A` or `B`'s source: the product reads only the planes.
+///
+/// # Errors
+/// As [`gemm()`], plus allocation errors (the planes: 6 bytes per element of `A` and `B`). `c`
+/// is unchanged on error.
+#[allow(clippy::too_many_arguments)]
+pub fn gemm3(
+    dev: &Device,
+    ta: Trans,
+    tb: Trans,
+    alpha: f32,
+    a: &Matrix,
+    b: &Matrix,
+    beta: f32,
+    c: &mut Matrix,
+) -> Result<()> {
+    const OP: &str = "cuda::gemm::gemm3";
+    // Memory safety: the kernel indexes the planes and c by these dimensions.
+    gemm_dims(OP, ta, a.shape(), tb, b.shape(), c.shape())?;
+    let (ap, bp) = (
+        operand_planes(dev, alpha, a)?,
+        operand_planes(dev, alpha, b)?,
+    );
+    launch_engine(
+        dev,
+        OP,
+        &GEMM3_TC,
+        (ta, a.shape(), &ap),
+        (tb, b.shape(), &bp),
+        alpha,
+        beta,
+        c,
+        None,
+    )
+}
+
+/// An `f32` matrix with its split3 planes (`gemm_split3`), made once so that several
+/// products reading it ([`product3_checked`]) do not split it again.
+pub struct Split3<'a> {
+    m: &'a Matrix,
+    planes: Matrix<bf16>,
+}
+
+impl<'a> Split3<'a> {
+    /// Splits `m` (one launch, 6 bytes written per element).
+    ///
+    /// # Errors
+    /// Allocation and launch errors.
+    pub fn new(dev: &Device, m: &'a Matrix) -> Result<Self> {
+        Ok(Self {
+            m,
+            planes: split3(dev, m)?,
+        })
+    }
+
+    /// The matrix that was split.
+    pub fn matrix(&self) -> &'a Matrix {
+        self.m
+    }
+}
+
+/// `α·op(A)·op(B)` into `c` (zeros of the product's shape; `β = 0`) like [`gemm3`], from
+/// operands split once ([`Split3`]), with the result check in the same pass: the epilogue
+/// flags the first NaN/Inf it writes, into the ledger of an enclosing `Device::deferred`
+/// scope (no read-back), or else into a status read here. `Err(Error::NonFinite)` names `op`
+/// and `"result (overflow)"` at that index — what a separate finiteness check of `c` would
+/// report, without its pass over `c`.
+///
+/// # Errors
+/// As [`gemm3`], plus that [`Error::NonFinite`]; `c` holds the (rejected) product then.
+#[allow(clippy::too_many_arguments)]
+pub fn product3_checked(
+    dev: &Device,
+    op: &'static str,
+    ta: Trans,
+    tb: Trans,
+    alpha: f32,
+    a: &Split3<'_>,
+    b: &Split3<'_>,
+    c: &mut Matrix,
+) -> Result<()> {
+    gemm_dims(op, ta, a.m.shape(), tb, b.m.shape(), c.shape())?;
+    if c.is_empty() {
+        return Ok(());
+    }
+    let (a, b) = ((ta, a.m.shape(), &a.planes), (tb, b.m.shape(), &b.planes));
+    let flagged = first_flagged(dev, |status, at| {
+        launch_engine(dev, op, &GEMM3_TC, a, b, alpha, 0.0, c, Some((status, at)))
+    })?;
+    match flagged {
+        None => Ok(()),
+        Some(index) => Err(Error::NonFinite {
+            op,
+            arg: OVERFLOW,
+            index,
+            value: c.to_vec()?[index],
+        }),
+    }
+}
+
+/// The split3 planes of a product's operand, or a placeholder element when `α = 0` (no K
+/// slice runs, so the planes are never read).
+fn operand_planes(dev: &Device, alpha: f32, x: &Matrix) -> Result<Matrix<bf16>> {
+    if alpha == 0.0 {
+        dev.zeros::<bf16>(1, 1)
+    } else {
+        split3(dev, x)
+    }
+}
+
+/// `C ← α·op(A)·op(B) + β·C` for bf16 `A`, `B` and f32 `C` on the tensor-core GEMM engine
+/// (`gemm_tc`: kernels/gemm/engine.cuh, 128x128 tiles, `mma.sync` bf16, f32
+/// accumulation, ragged `m`, `n`, `k`). Each product of two bf16 values is exact in f32, so
+/// the result is an f32 GEMM of the widened operands. Same BLAS semantics as [`gemm()`].
+///
+/// # Errors
+/// As [`gemm()`]. `c` is unchanged on error.
+#[allow(clippy::too_many_arguments)]
+pub fn gemm_tc(
+    dev: &Device,
+    ta: Trans,
+    tb: Trans,
+    alpha: f32,
+    a: &Matrix<bf16>,
+    b: &Matrix<bf16>,
+    beta: f32,
+    c: &mut Matrix,
+) -> Result<()> {
+    const OP: &str = "cuda::gemm::gemm_tc";
+    // Memory safety: the kernel indexes a, b and c by these dimensions.
+    gemm_dims(OP, ta, a.shape(), tb, b.shape(), c.shape())?;
+    launch_engine(
+        dev,
+        OP,
+        &GEMM_TC,
+        (ta, a.shape(), a),
+        (tb, b.shape(), b),
+        alpha,
+        beta,
+        c,
+        None,
+    )
+}
+
+/// An operand of [`launch_engine`]: its transpose, the shape of the matrix it holds (for
+/// split3 planes: of the f32 matrix they were split from), and its bf16 data (the planes, or
+/// a placeholder when `α = 0`).
+type Planes<'a> = (Trans, (usize, usize), &'a Matrix<bf16>);
+
+/// Launches `gemm3_tc` (split operands) or `gemm_tc` (bf16 operands, which
+/// ignores the plane offsets) on operands whose shapes passed [`gemm_dims`]. With `status`
+/// (a buffer and the float offset of an int preset to `NONE`) the kernel flags the first
+/// flat index of a NaN/Inf it writes into C there.
+#[allow(clippy::too_many_arguments)]
+fn launch_engine(
+    dev: &Device,
+    op: &'static str,
+    kernel: &Kernel,
+    (ta, a_shape, ap): Planes<'_>,
+    (tb, b_shape, bp): Planes<'_>,
+    alpha: f32,
+    beta: f32,
+    c: &mut Matrix,
+    status: Option<(&mut Matrix, usize)>,
+) -> Result<()> {
+    let (m, n) = c.shape();
+    let k = if ta == Trans::Yes {
+        a_shape.0
+    } else {
+        a_shape.1
+    };
+    let (mi, ni, ki) = (
+        to_i32(op, "m", m)?,
+        to_i32(op, "n", n)?,
+        to_i32(op, "k", k)?,
+    );
+    let (lda, ldb, ldc) = (
+        to_i32(op, "a", a_shape.1)?,
+        to_i32(op, "b", b_shape.1)?,
+        to_i32(op, "c", n)?,
+    );
+    if m == 0 || n == 0 {
+        return Ok(());
+    }
+    let k_eff = if alpha == 0.0 { 0 } else { ki };
+    let grid_y = u32::try_from(m.div_ceil(128))
+        .ok()
+        .filter(|&y| y <= 65_535)
+        .ok_or(Error::Value {
+            op,
+            arg: "m",
+            value: m as f64,
+            expected: "at most 65535 128-row tiles",
+        })?;
+    let cfg = LaunchConfig {
+        grid: (n.div_ceil(128) as u32, grid_y, 1),
+        block: (256, 1, 1),
+        shared_mem: GEMM_SMEM,
+    };
+    if status.is_some() {
+        // The flagged index i·N + j must fit the kernel's int.
+        to_i32(op, "c", c.len())?;
+    }
+    let trans = i32::from(ta == Trans::Yes) | (i32::from(tb == Trans::Yes) << 1);
+    let plane = |s: (usize, usize)| (s.0 * s.1) as i64;
+    let mut args = KernelArgs::new(dev);
+    args.input(op, ap)?
+        .scalar(lda)
+        .scalar(plane(a_shape))
+        .input(op, bp)?
+        .scalar(ldb)
+        .scalar(plane(b_shape))
+        .output(op, c)?
+        .scalar(ldc)
+        .scalar(mi)
+        .scalar(ni)
+        .scalar(k_eff)
+        .scalar(alpha)
+        .scalar(beta)
+        .scalar(trans);
+    match status {
+        Some((s, at)) => args.output_at(op, s, at, 1)?,
+        None => args.scalar(0u64),
+    };
+    // SAFETY: gemm3_tc and gemm_tc(const bf16* a, int lda, long long
+    // a_plane, const bf16* b, int ldb, long long b_plane, float* c, int ldc, int M, int N, int
+    // K, float alpha, float beta, int trans, int* status); status is null (0u64, the 8-byte
+    // pointer slot: the kernel then flags nothing) or one int inside its buffer (`output_at`),
+    // written by atomicMin only. When K > 0 (α ≠ 0) ap holds an a_shape matrix
+    // (gemm_tc) or its 3 split3 planes a_plane elements apart (gemm3_tc), each
+    // stored like A: (M x K, ld K) or transposed (K x M, ld M), so lda = a_shape.1 and the
+    // engine's reads of op(A)(i, kk), i < M, kk < K stay inside each plane (cp.async src-size
+    // cut at the row end); likewise bp. With K = 0 nothing is read. C (M x N, ld N) is
+    // touched only at i < M, j < N. Grid ceil(N/128) x ceil(M/128), block 256, GEMM_SMEM
+    // bytes of dynamic shared memory.
+    unsafe { launch(kernel, cfg, args) }
+}
+
+/// `P = Γ̃⁻¹ (G Λ̃⁻¹)` with `Γ̃⁻¹` `d_out x d_out`, `G` `d_out x d_in`, `Λ̃⁻¹` `d_in x d_in`:
+/// two f32-accurate tensor-core products through a `d_out x d_in` scratch matrix ([`gemm3`],
+/// then [`product3_checked`], which checks `P`'s finiteness in its epilogue: into the ledger
+/// of an enclosing `Device::deferred` scope, or a status read here), computed into a new
+/// matrix that replaces `p` only when clean.
+///
+/// # Errors
+/// [`Error::DeviceMismatch`], [`Error::Shape`] (`p`, and the products' own checks),
+/// allocation/launch errors, [`Error::NonFinite`] naming `op` and `"result (overflow)"` for a
+/// non-finite `P`. `p` is unchanged on error.
+pub(crate) fn precondition_checked(
+    dev: &Device,
+    op: &'static str,
+    gamma_inv: &Matrix,
+    g: &Matrix,
+    lambda_inv: &Matrix,
+    p: &mut Matrix,
+) -> Result<()> {
+    let (d_out, d_in) = g.shape();
+    // Memory safety of the products rests on their own shape checks; `p` must match too.
+    check_shape(op, "p", p.shape(), (d_out, d_in))?;
+    let mut t = dev.zeros::<f32>(d_out, d_in)?;
+    gemm3(dev, Trans::No, Trans::No, 1.0, g, lambda_inv, 0.0, &mut t)?;
+    let mut out = dev.zeros::<f32>(d_out, d_in)?;
+    let (gi, t) = (Split3::new(dev, gamma_inv)?, Split3::new(dev, &t)?);
+    product3_checked(dev, op, Trans::No, Trans::No, 1.0, &gi, &t, &mut out)?;
+    *p = out;
+    Ok(())
+}
+
+/// Lazy-Fisher damped-inverse update `X ← X − dλ · X X` for a square `X`: one f32-accurate
+/// tensor-core product ([`gemm3`], `α = −dλ`, `β = 1`, the fused epilogue) reading the split
+/// planes of the old `X`, so it can update `X` in place.
+/// `dλ = 0` leaves `X` as it is.
+///
+/// # Errors
+/// [`Error::DeviceMismatch`], [`Error::Shape`] unless square, allocation/launch errors. `inv`
+/// is unchanged on error. `dλ` is not checked ([`crate::Device::damped_inverse_update`]
+/// does).
+pub fn damped_inverse_update(dev: &Device, inv: &mut Matrix, dlambda: f32) -> Result<()> {
+    const OP: &str = "cuda::gemm::damped_inverse_update";
+    // Memory safety: the product reads and writes inv as n x n.
+    check_shape(OP, "inv", inv.shape(), (inv.rows(), inv.rows()))?;
+    if dlambda == 0.0 || inv.is_empty() {
+        return Ok(());
+    }
+    let planes = split3(dev, inv)?;
+    let x = (Trans::No, inv.shape(), &planes);
+    launch_engine(dev, OP, &GEMM3_TC, x, x, -dlambda, 1.0, inv, None)
+}
+
+/// Batch gradient `G = (1/m) Eᵀ A` for `E` `m x d_out` (`m ≥ 1`), `A` `m x d_in`, `G`
+/// `d_out x d_in`: the `gemm_tn` kernel with `α = 1/m`, `β = 0` (`G` is not read).
+///
+/// # Errors
+/// [`Error::DeviceMismatch`], [`Error::Shape`] (the GEMM's own checks), launch errors. `g`
+/// is unchanged on error.
+pub fn batch_gradient(dev: &Device, e: &Matrix, a: &Matrix, g: &mut Matrix) -> Result<()> {
+    let m = e.rows();
+    gemm(dev, Trans::Yes, Trans::No, 1.0 / m as f32, e, a, 0.0, g)
+}

@@ -1,0 +1,43 @@
+//! The CUDA backend: the kernels of `kernels/*.cu` driven through cudarc, or executed on the
+//! CPU by the emulator (`kernels/emu/`) for [`crate::Device::Emulated`].
+//!
+//! cudarc is built with dynamic loading, so nothing here needs a CUDA library at build
+//! time or on a machine without a GPU; [`CudaDevice::new`] reports a clear error there.
+//!
+//! Layers: [`launch`] (the argument list and the one `launch` that dispatches to the emulator
+//! or the GPU, over the runtime of [`crate::driver`]), `deferred` (status read-backs, now or
+//! collected), [`engine`] (the tensor-core GEMM engine's shared pieces); one launcher file per kernel
+//! file above them (see `kernels/README.md` and docs/architecture.md).
+
+pub mod cholesky;
+pub(crate) mod deferred;
+pub mod elementwise;
+pub mod engine;
+pub mod gemm;
+pub mod kalman;
+pub mod launch;
+pub mod newton;
+#[cfg(feature = "test-hooks")]
+pub mod selftest;
+pub mod sm90;
+pub mod syrk;
+#[cfg(feature = "test-hooks")]
+pub mod timing;
+
+pub use crate::driver::{emu, ptx, CudaDevice};
+
+/// Loads the module of every kernel file the ops use (through one kernel of each), so that a
+/// driver rejecting the PTX is found when [`crate::Device::auto`] picks a device, not at the
+/// first step.
+pub(crate) fn load_modules(d: &CudaDevice) -> crate::Result<()> {
+    for k in [
+        elementwise::AXPY,
+        kalman::SOLVE,
+        syrk::SYRK_EMA_F32,
+        newton::RESIDUAL,
+        gemm::GEMM_NN,
+    ] {
+        d.preload(&k)?;
+    }
+    Ok(())
+}

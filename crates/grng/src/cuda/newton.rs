@@ -1,0 +1,1026 @@
+//! Launchers of `kernels/newton.cu` and the device-side Newton inversion and power iteration
+//! behind [`Device::newton_inverse`] and [`Device::spectral_norm`] on
+//! [`Device::Emulated`] and [`Device::Cuda`].
+//!
+//! The iteration control (starts, stop/stall/best-iterate rules, restart, `Bf16` polish,
+//! [`NewtonInfo`]) and the power-iteration loop are `crate::iteration`'s, shared
+//! with the CPU oracle ([`crate::cpu::newton`]); this module supplies the primitives (the
+//! crate-internal traits `NewtonBackend` for the iteration's device buffers and `PowerStep`
+//! for the power iteration). Differences from the CPU are rounding-level only: the products
+//! accumulate in a different order. The early `F32` steps compute the powers of `E` as
+//! mirrored products (lower-triangle tiles only) exactly where the CPU mirrors them. Per
+//! iteration one `f32` (the residual) goes to the host for the stop test; per power-iteration step four (the Rayleigh
+//! quotient and `‖Av‖` as double-float pairs). Setup reads back a few per-block partials
+//! (input checks, norms) once. Buffer rotation over three iterates keeps the best one
+//! without copies.
+//!
+//! Shapes and options are validated by [`Device::newton_inverse`] and
+//! [`Device::spectral_norm`]; the primitives below check only their buffers against the `n`
+//! they pass to a kernel and `n ≤ 46340` (the kernels index `n²` elements with `int`): memory
+//! safety.
+//!
+//! Products, all on the tensor-core GEMM engine with the epilogue fused: `Bf16` mode runs
+//! [`newton_gemm_tc`](product_tc) on the bf16 copies the previous epilogues wrote; `F32` mode
+//! (and the `Bf16` run's final `f32` residual and polish) runs `newton_gemm3_tc`
+//! ([`product_f32`]) on split3 planes of the f32 operands, f32-accurate.
+
+use super::engine::{split3_into, wg_variant, GEMM_SMEM};
+use super::launch::{kernel, launch, to_i32, KernelArgs, LaunchConfig};
+use crate::device::{Device, Matrix};
+use crate::driver::kernel::Sm90Variant;
+use crate::error::{check_len, check_shape, Error, Result};
+use crate::iteration::{self as driver, check_symmetric, ANorms, NewtonBackend, PowerStep, Start};
+use crate::params::newton::{InitialGuess, NewtonInfo, NewtonOptions, NewtonOrder, Precision};
+use crate::params::norm::{PowerInfo, PowerOptions};
+use half::bf16;
+
+kernel!(pub GEMM_TC = NEWTON::newton_gemm_tc, sm90 = GEMM_WG;);
+kernel!(pub GEMM3_TC = NEWTON::newton_gemm3_tc, sm90 = NEWTON_GEMM3_WG;);
+kernel!(pub RESIDUAL = NEWTON::newton_residual;);
+kernel!(pub SYM_STATS = NEWTON::newton_sym_stats;);
+kernel!(pub ABS_NORMS = NEWTON::newton_abs_norms;);
+
+kernel!(WG_GEMM = NEWTON_SM90A::newton_gemm_wg_tc, emu = newton_gemm_tc;);
+kernel!(WG_NEWTON3 = NEWTON_SM90A::newton_gemm3_wg_tc, emu = newton_gemm3_tc;);
+
+/// The sm_90a variant of `newton_gemm_tc` ([`GEMM_TC`]).
+pub const GEMM_WG: Sm90Variant = wg_variant(WG_GEMM);
+
+/// The sm_90a variant of `newton_gemm3_tc` ([`GEMM3_TC`]): Newton's
+/// f32-accurate products (f32 mode, the bf16 run's residual and polish).
+pub const NEWTON_GEMM3_WG: Sm90Variant = wg_variant(WG_NEWTON3);
+kernel!(pub INIT_X = NEWTON::newton_init_x;);
+kernel!(pub POWER_MATVEC = NEWTON::newton_power_matvec;);
+kernel!(pub POWER_NORMALIZE = NEWTON::newton_power_normalize;);
+
+/// Output tile of `newton_gemm_tc` and `newton_gemm3_tc` (rows and columns).
+/// The GEMM engine's block tile (kernels/gemm/engine.cuh).
+pub const TILE: usize = 128;
+/// Largest `n`: the kernels index `n²` elements with `int`.
+const MAX_N: usize = 46_340;
+/// Blocks of `newton_power_matvec` (8 rows each, grid-stride beyond).
+const MATVEC_MAX_BLOCKS: usize = 2048;
+
+// Epilogue flags of kernels/newton.cu.
+const ADD1: i32 = 1;
+const ADD2: i32 = 2;
+const OUT_F32: i32 = 4;
+const OUT_BF16: i32 = 8;
+const RESID: i32 = 16;
+const MIRROR: i32 = 32;
+
+/// Number of residual partials a product of `n x n` matrices writes (one per 128x128 tile).
+pub fn partials(n: usize) -> usize {
+    n.div_ceil(TILE).pow(2)
+}
+
+/// The algebra fused into a Newton product `C = A·B` (`n x n`): per element
+/// `v = α·C[r,c] + diag·[r = c] + add1[r,c] + add2[r,c]` (absent terms skipped), written to
+/// `out` (`f32`) and/or `out_bf` (`bf16`, round-to-nearest-even); with `partial`, element `b`
+/// (row-major over the 128x128 output tiles) receives the tile's `Σ v²`.
+///
+/// With `mirror` the caller knows `C` is symmetric (`A` and `B` polynomials in one symmetric
+/// matrix, e.g. powers of `E = I − AX` while `X` is a polynomial in `A`): only the
+/// lower-triangle 128x128 tiles are computed and `C[c, r] = C[r, c]` is mirrored in the
+/// epilogue — the additions still read their own positions. About half the tiles; no
+/// `partial` with it.
+pub struct Epilogue<'a> {
+    pub alpha: f32,
+    pub diag: f32,
+    pub add1: Option<&'a Matrix>,
+    pub add2: Option<&'a Matrix>,
+    pub out: Option<&'a mut Matrix>,
+    pub out_bf: Option<&'a mut Matrix<bf16>>,
+    /// At least [`partials`]`(n)` elements.
+    pub partial: Option<&'a mut Matrix>,
+    /// Lower-triangle tiles only, the product mirrored (see above).
+    pub mirror: bool,
+}
+
+impl<'a> Epilogue<'a> {
+    /// `v = C` with nothing written yet.
+    pub fn new() -> Self {
+        Self {
+            alpha: 1.0,
+            diag: 0.0,
+            add1: None,
+            add2: None,
+            out: None,
+            out_bf: None,
+            partial: None,
+            mirror: false,
+        }
+    }
+}
+
+impl Default for Epilogue<'_> {
+    fn default() -> Self {
+        Self::new()
+    }
+}
+
+/// Placeholder buffers passed for the pointers an epilogue does not use (the kernel never
+/// touches them), so a product needs no allocation.
+pub struct Unused {
+    input: Matrix,
+    out: Matrix,
+    partial: Matrix,
+    out_bf: Matrix<bf16>,
+}
+
+impl Unused {
+    /// One element each on `dev`.
+    pub fn new(dev: &Device) -> Result<Self> {
+        Ok(Self {
+            input: dev.zeros(1, 1)?,
+            out: dev.zeros(1, 1)?,
+            partial: dev.zeros(1, 1)?,
+            out_bf: dev.zeros(1, 1)?,
+        })
+    }
+}
+
+fn value_err(op: &'static str, arg: &'static str, v: f64, expected: &'static str) -> Error {
+    Error::Value {
+        op,
+        arg,
+        value: v,
+        expected,
+    }
+}
+
+/// `n` as an `int` kernel parameter, `1 ≤ n ≤ MAX_N`.
+fn dim(op: &'static str, n: usize) -> Result<i32> {
+    if n == 0 || n > MAX_N {
+        return Err(value_err(op, "n", n as f64, "1 <= n <= 46340"));
+    }
+    to_i32(op, "n", n)
+}
+
+/// Checks the epilogue's operands against `n` and pushes its arguments (add1, add2, out,
+/// out_bf, partial) after the product's operands; returns the flags.
+fn push_epilogue<'a>(
+    op: &'static str,
+    args: &mut KernelArgs<'a>,
+    epi: Epilogue<'a>,
+    unused: &'a mut Unused,
+    n: usize,
+) -> Result<i32> {
+    let mut flags = if epi.mirror { MIRROR } else { 0 };
+    if epi.mirror && epi.partial.is_some() {
+        // The residual partials are indexed over the full tile grid.
+        return Err(value_err(
+            op,
+            "partial",
+            1.0,
+            "no residual partials from a mirrored product",
+        ));
+    }
+    let Unused {
+        input,
+        out,
+        partial,
+        out_bf,
+    } = unused;
+    let input: &'a Matrix = input;
+    let mut add = |m: Option<&'a Matrix>, flag: i32, arg| -> Result<&'a Matrix> {
+        match m {
+            Some(m) => {
+                check_shape(op, arg, m.shape(), (n, n))?;
+                flags |= flag;
+                Ok(m)
+            }
+            None => Ok(input),
+        }
+    };
+    let add1 = add(epi.add1, ADD1, "add1")?;
+    let add2 = add(epi.add2, ADD2, "add2")?;
+    let out = match epi.out {
+        Some(m) => {
+            check_shape(op, "out", m.shape(), (n, n))?;
+            flags |= OUT_F32;
+            m
+        }
+        None => out,
+    };
+    let out_bf = match epi.out_bf {
+        Some(m) => {
+            check_shape(op, "out_bf", m.shape(), (n, n))?;
+            flags |= OUT_BF16;
+            m
+        }
+        None => out_bf,
+    };
+    let partial = match epi.partial {
+        Some(m) => {
+            if m.len() < partials(n) {
+                return Err(Error::Shape {
+                    op,
+                    arg: "partial",
+                    expected: format!("at least {} elements", partials(n)),
+                    got: format!("{}", m.len()),
+                });
+            }
+            flags |= RESID;
+            m
+        }
+        None => partial,
+    };
+    args.input(op, add1)?
+        .input(op, add2)?
+        .output(op, out)?
+        .output(op, out_bf)?
+        .output(op, partial)?
+        .scalar(dim(op, n)?)
+        .scalar(epi.alpha)
+        .scalar(epi.diag)
+        .scalar(flags);
+    Ok(flags)
+}
+
+/// The grid of a product: every tile, or with `mirror` the lower-triangle tile pairs (a 1-D
+/// grid, ≤ 363·364/2 blocks for `n ≤ MAX_N`).
+fn tile_grid(n: usize, mirror: bool) -> (u32, u32, u32) {
+    let t = n.div_ceil(TILE) as u32;
+    if mirror {
+        (t * (t + 1) / 2, 1, 1)
+    } else {
+        (t, t, 1)
+    }
+}
+
+/// `C = A·B` for `n x n` bf16 `a`, `b` on tensor cores (`newton_gemm_tc`: the GEMM engine of
+/// kernels/gemm/engine.cuh, 128x128 tiles, 8 warps of 4x4 mma.sync m16n8k16 accumulators,
+/// f32 accumulation), with `epi` fused into the store. Full products only.
+///
+/// # Errors
+/// [`Error::Shape`] (non-square or mismatched operands, short `partial`), [`Error::Value`]
+/// (`n` outside `1..=46340`, or [`Epilogue::mirror`]), device mismatch, launch errors.
+pub fn product_tc(
+    dev: &Device,
+    a: &Matrix<bf16>,
+    b: &Matrix<bf16>,
+    epi: Epilogue<'_>,
+    unused: &mut Unused,
+) -> Result<()> {
+    const OP: &str = "cuda::newton::product_tc";
+    let n = a.rows();
+    check_shape(OP, "a", a.shape(), (n, n))?;
+    check_shape(OP, "b", b.shape(), (n, n))?;
+    dim(OP, n)?;
+    if epi.mirror {
+        // newton_gemm_tc has no mirrored epilogue (kernels/newton.cu: it would overflow the
+        // kernel's 2-blocks-per-SM register budget); the driver mirrors f32 products only.
+        return Err(value_err(
+            OP,
+            "mirror",
+            1.0,
+            "full products on bf16 operands (mirrored products: product_f32)",
+        ));
+    }
+    let cfg = LaunchConfig {
+        grid: tile_grid(n, false),
+        block: (256, 1, 1),
+        shared_mem: GEMM_SMEM,
+    };
+    let mut args = KernelArgs::new(dev);
+    args.input(OP, a)?.input(OP, b)?;
+    push_epilogue(OP, &mut args, epi, unused, n)?;
+    // SAFETY: newton_gemm_tc(const bf16* a, const bf16* b, const float* add1, const float*
+    // add2, float* out, bf16* out_bf, float* partial, int n, float alpha, float diag, int
+    // flags). a, b and every buffer selected by `flags` are n x n (checked), partial holds
+    // one float per block of the ceil(n/128)² grid; unselected pointers are never touched
+    // (no MIRROR: refused above). The kernel reads and writes only rows/columns < n
+    // (zero-filled tile edges) and uses GEMM_SMEM bytes of dynamic shared memory (3 stages of
+    // two 128x32 bf16 tiles); 16-byte cp.async only when n % 8 == 0 and the operand is 16-byte
+    // aligned (src-size cut at n).
+    unsafe { launch(&GEMM_TC, cfg, args) }
+}
+
+/// Scratch of [`product_f32`]: the split3 planes of both operands (`3n x n` bf16 each).
+pub struct Planes {
+    a: Matrix<bf16>,
+    b: Matrix<bf16>,
+}
+
+impl Planes {
+    /// Planes for `n x n` operands on `dev` (`12 n²` bytes).
+    pub fn new(dev: &Device, n: usize) -> Result<Self> {
+        Ok(Self {
+            a: dev.zeros(3 * n, n)?,
+            b: dev.zeros(3 * n, n)?,
+        })
+    }
+}
+
+/// `C = A·B` for `n x n` f32 `a`, `b` with f32 accuracy on the tensor cores: both are split
+/// into three bf16 planes (`gemm_split3`) in `planes`, then `newton_gemm3_tc` (the GEMM
+/// engine over the 6 significant plane products, see `precond::gemm3`) applies `epi`.
+///
+/// [`Epilogue::mirror`] is honoured here (lower-triangle tiles only).
+///
+/// # Errors
+/// As [`product_tc`] (but a mirror is accepted, without `partial`); `planes` must be for `n`.
+pub fn product_f32(
+    dev: &Device,
+    a: &Matrix,
+    b: &Matrix,
+    planes: &mut Planes,
+    epi: Epilogue<'_>,
+    unused: &mut Unused,
+) -> Result<()> {
+    const OP: &str = "cuda::newton::product_f32";
+    let n = a.rows();
+    check_shape(OP, "a", a.shape(), (n, n))?;
+    check_shape(OP, "b", b.shape(), (n, n))?;
+    dim(OP, n)?;
+    // A square (E·E) is split once.
+    let same = std::ptr::eq(a, b);
+    split3_into(dev, a, &mut planes.a)?;
+    if !same {
+        split3_into(dev, b, &mut planes.b)?;
+    }
+    let cfg = LaunchConfig {
+        grid: tile_grid(n, epi.mirror),
+        block: (256, 1, 1),
+        shared_mem: GEMM_SMEM,
+    };
+    let mut args = KernelArgs::new(dev);
+    args.input(OP, &planes.a)?
+        .input(OP, if same { &planes.a } else { &planes.b })?;
+    push_epilogue(OP, &mut args, epi, unused, n)?;
+    // SAFETY: newton_gemm3_tc(const bf16* a3, const bf16* b3, const float* add1, const float*
+    // add2, float* out, bf16* out_bf, float* partial, int n, float alpha, float diag, int
+    // flags). a3, b3 hold 3 planes of n² bf16 each (split3_into checked their 3n x n shape),
+    // read only at rows/columns < n of each plane; every buffer selected by `flags` is n x n
+    // (checked), partial holds one float per block of the ceil(n/128)² grid; unselected
+    // pointers are never touched; with MIRROR (no partial) the 1-D grid holds the lower tile
+    // pairs, each block writing (r, c) and (c, r) with r, c < n. GEMM_SMEM bytes of dynamic
+    // shared memory.
+    unsafe { launch(&GEMM3_TC, cfg, args) }
+}
+
+/// `res[0] = sqrt(Σ partial[..count] / n)` (one block, fixed-order double sum).
+///
+/// # Errors
+/// [`Error::Shape`] if `partial` holds fewer than `count` or `res` no element;
+/// [`Error::Value`] for `n` out of range; launch errors.
+pub fn residual(
+    dev: &Device,
+    partial: &Matrix,
+    count: usize,
+    n: usize,
+    res: &mut Matrix,
+) -> Result<()> {
+    const OP: &str = "cuda::newton::residual";
+    if partial.len() < count || res.is_empty() {
+        return Err(Error::Shape {
+            op: OP,
+            arg: "partial",
+            expected: format!("at least {count} partials and a 1-element result"),
+            got: format!("{} and {}", partial.len(), res.len()),
+        });
+    }
+    let cfg = LaunchConfig {
+        grid: (1, 1, 1),
+        block: (256, 1, 1),
+        shared_mem: 0,
+    };
+    let mut args = KernelArgs::new(dev);
+    args.input(OP, partial)?
+        .scalar(to_i32(OP, "count", count)?)
+        .scalar(dim(OP, n)?)
+        .output(OP, res)?;
+    // SAFETY: newton_residual(const float* partial, int count, int n, float* res): reads
+    // partial[0..count) (checked above), writes res[0] (non-empty); static shared memory.
+    unsafe { launch(&RESIDUAL, cfg, args) }
+}
+
+/// Input checks and symmetric part of an `n x n` matrix, reduced on the host.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct SymStats {
+    /// `max |a_ij|` over the finite elements.
+    pub max_abs: f32,
+    /// `max |a_ij − a_ji|` over the finite elements.
+    pub max_asym: f32,
+    /// First (row-major) non-finite element: `(flat index, value)`.
+    pub non_finite: Option<(usize, f32)>,
+    /// The largest finite diagonal element: `(row, value)`, the first row on ties.
+    pub top_diagonal: Option<(usize, f32)>,
+}
+
+/// Runs `newton_sym_stats` on `a` (`n x n`): optionally writes `(a + aᵀ)/2` to `sym` and its
+/// bf16 rounding to `sym_bf`, and returns the stats (one small read-back).
+///
+/// # Errors
+/// [`Error::Shape`] unless all are `n x n`, [`Error::Value`] for `n` out of range, device
+/// and launch errors.
+pub fn sym_stats(
+    dev: &Device,
+    a: &Matrix,
+    sym: Option<&mut Matrix>,
+    sym_bf: Option<&mut Matrix<bf16>>,
+    unused: &mut Unused,
+) -> Result<SymStats> {
+    const OP: &str = "cuda::newton::sym_stats";
+    let n = a.rows();
+    check_shape(OP, "a", a.shape(), (n, n))?;
+    let ni = dim(OP, n)?;
+    let bands = n.div_ceil(32);
+    let mut stats: Matrix = dev.zeros(6 * bands, 1)?;
+    let mut flags = 0i32;
+    let sym = match sym {
+        Some(m) => {
+            check_shape(OP, "sym", m.shape(), (n, n))?;
+            flags |= 1;
+            m
+        }
+        None => &mut unused.out,
+    };
+    let sym_bf = match sym_bf {
+        Some(m) => {
+            check_shape(OP, "sym_bf", m.shape(), (n, n))?;
+            flags |= 2;
+            m
+        }
+        None => &mut unused.out_bf,
+    };
+    let cfg = LaunchConfig {
+        grid: (bands as u32, 1, 1),
+        block: (32, 8, 1),
+        shared_mem: 0,
+    };
+    let mut args = KernelArgs::new(dev);
+    args.input(OP, a)?
+        .scalar(ni)
+        .output(OP, sym)?
+        .output(OP, sym_bf)?
+        .output(OP, &mut stats)?
+        .scalar(flags);
+    // SAFETY: newton_sym_stats(const float* a, int n, float* sym, bf16* sym_bf, float* stats,
+    // int flags): a (and sym, sym_bf when flagged) are n x n, touched only at indices < n²;
+    // block b of the ceil(n/32) grid writes stats[6b..6b+6), inside 6·bands floats.
+    unsafe { launch(&SYM_STATS, cfg, args) }?;
+    let v = stats.to_vec()?;
+    let mut out = SymStats {
+        max_abs: 0.0,
+        max_asym: 0.0,
+        non_finite: None,
+        top_diagonal: None,
+    };
+    for s in v.chunks_exact(6) {
+        let row = s[5].to_bits() as i32;
+        // Bands come in row order, so `>` keeps the first row on ties.
+        if row != i32::MAX && out.top_diagonal.is_none_or(|(_, d)| s[4] > d) {
+            out.top_diagonal = Some((row as usize, s[4]));
+        }
+        out.max_abs = out.max_abs.max(s[0]);
+        out.max_asym = out.max_asym.max(s[1]);
+        let idx = s[2].to_bits() as i32;
+        let first = match out.non_finite {
+            Some((i, _)) => (idx as usize) < i,
+            None => true,
+        };
+        if idx != i32::MAX && first {
+            out.non_finite = Some((idx as usize, s[3]));
+        }
+    }
+    Ok(out)
+}
+
+/// `‖m‖∞, ‖m‖₁, ‖m‖_F, tr m` of an `n x n` matrix: `newton_abs_norms` (per-band maxima of
+/// the absolute row and column sums, the band's `Σ m²` and diagonal sum, in double) and a
+/// read-back of `4·ceil(n/32)` floats.
+///
+/// # Errors
+/// [`Error::Shape`] unless square, [`Error::Value`] for `n` out of range, launch errors.
+pub(crate) fn abs_norms(dev: &Device, m: &Matrix) -> Result<ANorms> {
+    const OP: &str = "cuda::newton::abs_norms";
+    let n = m.rows();
+    check_shape(OP, "m", m.shape(), (n, n))?;
+    let ni = dim(OP, n)?;
+    let bands = n.div_ceil(32);
+    let mut part: Matrix = dev.zeros(4 * bands, 1)?;
+    let cfg = LaunchConfig {
+        grid: (bands as u32, 1, 1),
+        block: (32, 8, 1),
+        shared_mem: 0,
+    };
+    let mut args = KernelArgs::new(dev);
+    args.input(OP, m)?.scalar(ni).output(OP, &mut part)?;
+    // SAFETY: newton_abs_norms(const float* m, int n, float* partial): m is n x n, read at
+    // indices < n²; block b of the ceil(n/32) grid writes partial[4b..4b+4).
+    unsafe { launch(&ABS_NORMS, cfg, args) }?;
+    let v = part.to_vec()?;
+    let mut norms = ANorms {
+        inf: 0.0,
+        one: 0.0,
+        fro: 0.0,
+        trace: 0.0,
+    };
+    for p in v.chunks_exact(4) {
+        norms.inf = norms.inf.max(p[0] as f64);
+        norms.one = norms.one.max(p[1] as f64);
+        norms.fro += p[2] as f64;
+        norms.trace += p[3] as f64;
+    }
+    norms.fro = norms.fro.sqrt();
+    Ok(norms)
+}
+
+/// `x ← f32(alpha·a)` (with `a = Some`) or `x ← c·I`, plus the bf16 copy when `x_bf` is given.
+///
+/// # Errors
+/// [`Error::Shape`] unless all are `n x n`, [`Error::Value`] for `n` out of range, launch
+/// errors.
+pub fn init_x(
+    dev: &Device,
+    a: Option<(&Matrix, f64)>,
+    c: f32,
+    x: &mut Matrix,
+    x_bf: Option<&mut Matrix<bf16>>,
+    unused: &mut Unused,
+) -> Result<()> {
+    const OP: &str = "cuda::newton::init_x";
+    let n = x.rows();
+    check_shape(OP, "x", x.shape(), (n, n))?;
+    let ni = dim(OP, n)?;
+    let mut flags = 0;
+    let (src, alpha) = match a {
+        Some((m, alpha)) => {
+            check_shape(OP, "a", m.shape(), (n, n))?;
+            flags |= 1;
+            (m, alpha)
+        }
+        None => (&unused.input, 0.0),
+    };
+    let x_bf = match x_bf {
+        Some(m) => {
+            check_shape(OP, "x_bf", m.shape(), (n, n))?;
+            flags |= 2;
+            m
+        }
+        None => &mut unused.out_bf,
+    };
+    let mut cfg = LaunchConfig::for_elements(n * n, 256)?;
+    cfg.grid.0 = cfg.grid.0.min(4096);
+    let mut args = KernelArgs::new(dev);
+    args.input(OP, src)?
+        .output(OP, x)?
+        .output(OP, x_bf)?
+        .scalar(ni)
+        .scalar(alpha)
+        .scalar(c)
+        .scalar(flags);
+    // SAFETY: newton_init_x(const float* a, float* x, bf16* x_bf, int n, double alpha, float
+    // c, int flags): grid-stride over i < n²; x is n x n, a and x_bf too when flagged
+    // (checked), untouched otherwise.
+    unsafe { launch(&INIT_X, cfg, args) }
+}
+
+/// Power steps on an `n x n` device matrix (`f32` iterate).
+pub(crate) struct DevicePower<'a> {
+    dev: &'a Device,
+    a: &'a Matrix,
+    /// From [`sym_stats`]' pass over `a`.
+    top_diagonal: Option<(usize, f32)>,
+    v: Matrix,
+    w: Matrix,
+    part: Matrix,
+    scal: Matrix,
+}
+
+impl<'a> DevicePower<'a> {
+    fn new(dev: &'a Device, a: &'a Matrix, top_diagonal: Option<(usize, f32)>) -> Result<Self> {
+        let n = a.rows();
+        Ok(Self {
+            dev,
+            a,
+            top_diagonal,
+            v: dev.zeros(n, 1)?,
+            w: dev.zeros(n, 1)?,
+            part: dev.zeros(4 * n.div_ceil(8).min(MATVEC_MAX_BLOCKS), 1)?,
+            scal: dev.zeros(4, 1)?,
+        })
+    }
+}
+
+impl PowerStep for DevicePower<'_> {
+    fn start(&mut self, v0: &[f64]) -> Result<()> {
+        let v0: Vec<f32> = v0.iter().map(|&x| x as f32).collect();
+        self.v = self.dev.upload(self.a.rows(), 1, &v0)?;
+        Ok(())
+    }
+
+    fn step(&mut self) -> Result<(f64, f64)> {
+        power_step(
+            self.dev,
+            self.a,
+            &mut self.v,
+            &mut self.w,
+            &mut self.part,
+            &mut self.scal,
+        )
+    }
+
+    fn top_diagonal(&mut self) -> Result<Option<(usize, f64)>> {
+        Ok(self.top_diagonal.map(|(k, d)| (k, d as f64)))
+    }
+}
+
+/// One power-iteration step on the device: `w = A v`, then `v ← w/‖w‖` (when `‖w‖ > 0`);
+/// returns `(vᵀAv, ‖Av‖)` (the `v` before the step), summed in double.
+fn power_step(
+    dev: &Device,
+    a: &Matrix,
+    v: &mut Matrix,
+    w: &mut Matrix,
+    part: &mut Matrix,
+    scal: &mut Matrix,
+) -> Result<(f64, f64)> {
+    const OP: &str = "cuda::newton::power_step";
+    let n = a.rows();
+    let ni = dim(OP, n)?;
+    check_len(OP, "v", v.len(), n)?;
+    check_len(OP, "w", w.len(), n)?;
+    check_len(OP, "scal", scal.len(), 4)?;
+    let blocks = n.div_ceil(8).min(MATVEC_MAX_BLOCKS);
+    check_len(OP, "partial", part.len(), 4 * blocks)?;
+    let cfg = LaunchConfig {
+        grid: (blocks as u32, 1, 1),
+        block: (256, 1, 1),
+        shared_mem: 0,
+    };
+    let mut args = KernelArgs::new(dev);
+    args.input(OP, a)?
+        .input(OP, v)?
+        .output(OP, w)?
+        .output(OP, part)?
+        .scalar(ni);
+    // SAFETY: newton_power_matvec(const float* a, const float* v, float* w, float* partial,
+    // int n): a is n x n, v and w hold n floats (checked); rows r < n only; block b writes
+    // partial[4b..4b+4), inside 4·blocks floats; block 256 = the kernel's 8 warps.
+    unsafe { launch(&POWER_MATVEC, cfg, args) }?;
+    let cfg = LaunchConfig {
+        grid: (1, 1, 1),
+        block: (256, 1, 1),
+        shared_mem: 0,
+    };
+    let mut args = KernelArgs::new(dev);
+    args.input(OP, part)?
+        .scalar(blocks as i32)
+        .input(OP, w)?
+        .output(OP, v)?
+        .output(OP, scal)?
+        .scalar(ni);
+    // SAFETY: newton_power_normalize(const float* partial, int count, const float* w, float*
+    // v, float* scal, int n): partial holds 4·count floats, w and v n, scal 4 (checked).
+    unsafe { launch(&POWER_NORMALIZE, cfg, args) }?;
+    let s = scal.to_vec()?;
+    Ok((s[0] as f64 + s[1] as f64, s[2] as f64 + s[3] as f64))
+}
+
+/// [`Device::spectral_norm`] on [`Device::Emulated`] / [`Device::Cuda`]: the CPU backend's
+/// power iteration with the matrix-vector products and normalization on the device and the
+/// Rayleigh quotient read back each step. Shapes and options are validated by the caller.
+///
+/// # Errors
+/// [`Error::NonFinite`] for NaN/Inf in `a`, [`Error::Value`] for `n > 46340`, device errors.
+pub(crate) fn spectral_norm(dev: &Device, a: &Matrix, opts: &PowerOptions) -> Result<PowerInfo> {
+    const OP: &str = "Device::spectral_norm";
+    let n = a.rows();
+    if n == 0 {
+        return Ok(PowerInfo {
+            value: 0.0,
+            iterations: 0,
+            converged: true,
+        });
+    }
+    let mut unused = Unused::new(dev)?;
+    let st = sym_stats(dev, a, None, None, &mut unused)?;
+    if let Some((index, value)) = st.non_finite {
+        return Err(Error::NonFinite {
+            op: OP,
+            arg: "a",
+            index,
+            value,
+        });
+    }
+    driver::power_iteration(&mut DevicePower::new(dev, a, st.top_diagonal)?, n, opts)
+}
+
+/// Checks `m` finite and writes its symmetric part (and bf16 copy) — the CPU's
+/// `check_finite_view` + `symmetric_part`; returns `(max |m_ij − m_ji|, max |m_ij|)`.
+fn symmetric_part(
+    dev: &Device,
+    arg: &'static str,
+    m: &Matrix,
+    sym: &mut Matrix,
+    sym_bf: Option<&mut Matrix<bf16>>,
+    unused: &mut Unused,
+) -> Result<(f32, f32)> {
+    let st = sym_stats(dev, m, Some(sym), sym_bf, unused)?;
+    if let Some((index, value)) = st.non_finite {
+        return Err(Error::NonFinite {
+            op: Work::OP,
+            arg,
+            index,
+            value,
+        });
+    }
+    Ok((st.max_asym, st.max_abs))
+}
+
+/// The iteration's device buffers (`n x n` unless noted; bf16 copies are 1x1 placeholders in
+/// `F32` mode, `g` in non-quartic runs).
+struct Work<'d> {
+    dev: &'d Device,
+    n: usize,
+    /// Products in bf16 (tensor cores) now; false in `F32` mode and for the `Bf16` run's
+    /// final f32 check and polish.
+    bf16: bool,
+    a: Matrix,
+    a_bf: Matrix<bf16>,
+    /// Iterates (three, so the current, the best and the next never collide).
+    x: [Matrix; 3],
+    x_bf: [Matrix<bf16>; 3],
+    cur: usize,
+    best: Option<usize>,
+    /// `E = I − AX`.
+    e: Matrix,
+    e_bf: Matrix<bf16>,
+    /// `E²` (quartic).
+    g: Matrix,
+    g_bf: Matrix<bf16>,
+    /// The correction `F` (f32 mode: `f`, bf16 mode: `f_bf`).
+    f: Matrix,
+    f_bf: Matrix<bf16>,
+    /// Split planes of the f32 products.
+    planes: Planes,
+    partial: Matrix,
+    res: Matrix,
+    unused: Unused,
+}
+
+/// `(&v[i], &mut v[j])` for `i ≠ j`.
+fn two<T>(v: &mut [T], i: usize, j: usize) -> (&T, &mut T) {
+    if i < j {
+        let (lo, hi) = v.split_at_mut(j);
+        (&lo[i], &mut hi[0])
+    } else {
+        let (lo, hi) = v.split_at_mut(i);
+        (&hi[0], &mut lo[j])
+    }
+}
+
+impl<'d> Work<'d> {
+    fn new(dev: &'d Device, n: usize, bf16: bool, quartic: bool) -> Result<Self> {
+        let sq = |on: bool| if on { n } else { 1 };
+        let f = |on: bool| dev.zeros::<f32>(sq(on), sq(on));
+        let b = |on: bool| dev.zeros::<bf16>(sq(on), sq(on));
+        Ok(Self {
+            dev,
+            n,
+            bf16,
+            a: f(true)?,
+            a_bf: b(bf16)?,
+            x: [f(true)?, f(true)?, f(true)?],
+            x_bf: [b(bf16)?, b(bf16)?, b(bf16)?],
+            cur: 0,
+            best: None,
+            e: f(true)?,
+            e_bf: b(bf16)?,
+            g: f(quartic)?,
+            g_bf: b(quartic && bf16)?,
+            f: f(true)?,
+            f_bf: b(bf16)?,
+            planes: Planes::new(dev, n)?,
+            partial: dev.zeros(partials(n), 1)?,
+            res: dev.zeros(1, 1)?,
+            unused: Unused::new(dev)?,
+        })
+    }
+}
+
+impl NewtonBackend for Work<'_> {
+    const OP: &'static str = "Device::newton_inverse";
+    type Out = Matrix;
+    fn n(&self) -> usize {
+        self.n
+    }
+
+    fn a_norms(&mut self) -> Result<ANorms> {
+        abs_norms(self.dev, &self.a)
+    }
+
+    /// Into the current buffer (and its bf16 copy).
+    fn set_x(&mut self, start: Start) -> Result<()> {
+        let (src, c) = match start {
+            Start::ScaledA(alpha) => (Some((&self.a, alpha)), 0.0),
+            Start::Identity(c) => (None, c),
+        };
+        let xb = self.bf16.then_some(&mut self.x_bf[self.cur]);
+        init_x(
+            self.dev,
+            src,
+            c,
+            &mut self.x[self.cur],
+            xb,
+            &mut self.unused,
+        )
+    }
+
+    fn e_norms(&mut self) -> Result<(f64, f64)> {
+        let e = abs_norms(self.dev, &self.e)?;
+        Ok((e.inf, e.one))
+    }
+
+    fn mark_best(&mut self) {
+        self.best = Some(self.cur);
+    }
+
+    fn clear_best(&mut self) {
+        self.best = None;
+    }
+
+    fn use_best(&mut self) {
+        self.cur = self.best.unwrap_or(self.cur);
+    }
+
+    fn products_f32(&mut self) {
+        self.bf16 = false;
+    }
+
+    fn into_x(self) -> Result<Matrix> {
+        let cur = self.cur;
+        let Work {
+            x: [x0, x1, x2], ..
+        } = self;
+        Ok(match cur {
+            0 => x0,
+            1 => x1,
+            _ => x2,
+        })
+    }
+
+    /// `E ← I − A X` (bf16 operands in bf16 mode, with E's bf16 copy) and its residual
+    /// `‖E‖_F/√n`, the one value read back.
+    fn product_t(&mut self) -> Result<f32> {
+        let epi = Epilogue {
+            alpha: -1.0,
+            diag: 1.0,
+            out: Some(&mut self.e),
+            partial: Some(&mut self.partial),
+            ..Epilogue::new()
+        };
+        if self.bf16 {
+            let epi = Epilogue {
+                out_bf: Some(&mut self.e_bf),
+                ..epi
+            };
+            product_tc(
+                self.dev,
+                &self.a_bf,
+                &self.x_bf[self.cur],
+                epi,
+                &mut self.unused,
+            )?;
+        } else {
+            product_f32(
+                self.dev,
+                &self.a,
+                &self.x[self.cur],
+                &mut self.planes,
+                epi,
+                &mut self.unused,
+            )?;
+        }
+        residual(
+            self.dev,
+            &self.partial,
+            partials(self.n),
+            self.n,
+            &mut self.res,
+        )?;
+        Ok(self.res.to_vec()?[0])
+    }
+
+    /// `X ← X + X·F` (into a buffer other than the current and the best iterate), with
+    /// `F = E`, `E + E²`, `E + E² + E³` formed in fused epilogues from the current `E`. With
+    /// `sym` (the driver's promise that `X` is a polynomial in `A` — scaled-identity or `αA`
+    /// start, no warm start — so the powers of `E` are symmetric) `E²` and `E³` run as
+    /// mirrored products: lower-triangle tiles only ([`Epilogue::mirror`]).
+    fn step(&mut self, order: NewtonOrder, sym: bool) -> Result<()> {
+        let (dev, bf) = (self.dev, self.bf16);
+        let u = &mut self.unused;
+        match (order, bf) {
+            (NewtonOrder::Quadratic, _) => {}
+            (NewtonOrder::Cubic, true) => {
+                let epi = Epilogue {
+                    add1: Some(&self.e),
+                    out_bf: Some(&mut self.f_bf),
+                    ..Epilogue::new()
+                };
+                product_tc(dev, &self.e_bf, &self.e_bf, epi, u)?;
+            }
+            (NewtonOrder::Cubic, false) => {
+                let epi = Epilogue {
+                    add1: Some(&self.e),
+                    out: Some(&mut self.f),
+                    mirror: sym,
+                    ..Epilogue::new()
+                };
+                product_f32(dev, &self.e, &self.e, &mut self.planes, epi, u)?;
+            }
+            (NewtonOrder::Quartic, true) => {
+                let epi = Epilogue {
+                    out: Some(&mut self.g),
+                    out_bf: Some(&mut self.g_bf),
+                    ..Epilogue::new()
+                };
+                product_tc(dev, &self.e_bf, &self.e_bf, epi, u)?;
+                let epi = Epilogue {
+                    add1: Some(&self.g),
+                    add2: Some(&self.e),
+                    out_bf: Some(&mut self.f_bf),
+                    ..Epilogue::new()
+                };
+                product_tc(dev, &self.g_bf, &self.e_bf, epi, u)?;
+            }
+            (NewtonOrder::Quartic, false) => {
+                let epi = Epilogue {
+                    out: Some(&mut self.g),
+                    mirror: sym,
+                    ..Epilogue::new()
+                };
+                product_f32(dev, &self.e, &self.e, &mut self.planes, epi, u)?;
+                let epi = Epilogue {
+                    add1: Some(&self.g),
+                    add2: Some(&self.e),
+                    out: Some(&mut self.f),
+                    mirror: sym,
+                    ..Epilogue::new()
+                };
+                product_f32(dev, &self.g, &self.e, &mut self.planes, epi, u)?;
+            }
+        }
+        let quad = order == NewtonOrder::Quadratic;
+        let next = (0..3)
+            .find(|&i| i != self.cur && Some(i) != self.best)
+            .unwrap_or((self.cur + 1) % 3);
+        let (x, x_next) = two(&mut self.x, self.cur, next);
+        if bf {
+            let (xb, xb_next) = two(&mut self.x_bf, self.cur, next);
+            let epi = Epilogue {
+                add1: Some(x),
+                out: Some(x_next),
+                out_bf: Some(xb_next),
+                ..Epilogue::new()
+            };
+            let f = if quad { &self.e_bf } else { &self.f_bf };
+            product_tc(dev, xb, f, epi, u)?;
+        } else {
+            let epi = Epilogue {
+                add1: Some(x),
+                out: Some(x_next),
+                ..Epilogue::new()
+            };
+            let f = if quad { &self.e } else { &self.f };
+            product_f32(dev, x, f, &mut self.planes, epi, u)?;
+        }
+        self.cur = next;
+        Ok(())
+    }
+}
+
+/// [`Device::newton_inverse`] on [`Device::Emulated`] / [`Device::Cuda`]; see the module
+/// docs. `a` (and `warm`) are on `dev` with shapes and options already validated.
+///
+/// # Errors
+/// As [`crate::cpu::newton::newton_inverse`], plus [`Error::Value`] for `n > 46340` and
+/// device errors.
+pub(crate) fn newton_inverse(
+    dev: &Device,
+    a: &Matrix,
+    warm: Option<&Matrix>,
+    opts: &NewtonOptions,
+) -> Result<(Matrix, NewtonInfo)> {
+    const OP: &str = Work::OP;
+    let n = a.rows();
+    dim(OP, n)?;
+    let bf16 = opts.precision == Precision::Bf16;
+    let mut it = Work::new(dev, n, bf16, opts.order == NewtonOrder::Quartic)?;
+    let a_bf = bf16.then_some(&mut it.a_bf);
+    let (max_asym, max_abs) = symmetric_part(dev, "a", a, &mut it.a, a_bf, &mut it.unused)?;
+    check_symmetric(OP, "a", max_asym, max_abs)?;
+    // The warm start (a hint: its symmetric part, unchecked) goes to buffer 0, the current.
+    let warm = match (opts.init, warm) {
+        (InitialGuess::Warm, Some(w)) => {
+            let xb = bf16.then_some(&mut it.x_bf[0]);
+            symmetric_part(dev, "warm", w, &mut it.x[0], xb, &mut it.unused)?;
+            true
+        }
+        _ => false,
+    };
+    driver::newton_inverse(it, warm, opts)
+}

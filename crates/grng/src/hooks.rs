@@ -1,0 +1,114 @@
+//! Test and benchmark instrumentation of the kernel devices, behind the cargo feature
+//! `test-hooks` (which grng's own tests and benches turn on through their dev-dependency):
+//! the launch record (which kernels ran, for benches that must name them and tests of the
+//! launch sequence), the per-thread read-back count (the synchronizations an op costs), and
+//! the injection of a PTX rejection (a driver that will not load a kernel file). Kernel timing
+//! is `cuda::timing`, the emulated sm_90a device `cuda::sm90::inject_sm90`, both behind
+//! the same feature.
+//!
+//! Without the feature the public switches do not exist and the launch path's calls below are
+//! empty inline functions: a release build of a user's trainer carries no process-wide test
+//! state and reads none per launch.
+
+#[cfg(feature = "test-hooks")]
+use std::sync::atomic::{AtomicBool, Ordering};
+#[cfg(feature = "test-hooks")]
+use std::sync::{Mutex, PoisonError};
+
+/// Whether launches are recorded (one relaxed load per launch).
+#[cfg(feature = "test-hooks")]
+static RECORDING: AtomicBool = AtomicBool::new(false);
+/// Kernels launched since recording was last switched on or drained, in launch order.
+#[cfg(feature = "test-hooks")]
+static LAUNCHED: Mutex<Vec<&'static str>> = Mutex::new(Vec::new());
+
+/// Records `name` when recording is on: every kernel launch, and work that is not a kernel of
+/// ours (a cuSOLVER call, a host fallback), so the record shows it beside the kernels.
+#[inline(always)]
+pub(crate) fn record(name: &'static str) {
+    #[cfg(feature = "test-hooks")]
+    if RECORDING.load(Ordering::Relaxed) {
+        LAUNCHED
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+            .push(name);
+    }
+    #[cfg(not(feature = "test-hooks"))]
+    let _ = name;
+}
+
+/// Switches the launch record on (clearing it) or off. For benchmarks, which must name the
+/// kernels that produced a timing and refuse to time a path that fell back to the host or to
+/// another kernel (`benches/gpu.rs`). Process-wide: every thread's launches are recorded.
+#[cfg(feature = "test-hooks")]
+pub fn record_launches(on: bool) {
+    LAUNCHED
+        .lock()
+        .unwrap_or_else(PoisonError::into_inner)
+        .clear();
+    RECORDING.store(on, Ordering::Relaxed);
+}
+
+/// The kernels launched (emulated or on a GPU) since the last call or
+/// [`record_launches`]`(true)`, in order, and clears the record.
+#[cfg(feature = "test-hooks")]
+pub fn take_launches() -> Vec<&'static str> {
+    std::mem::take(&mut *LAUNCHED.lock().unwrap_or_else(PoisonError::into_inner))
+}
+
+#[cfg(feature = "test-hooks")]
+thread_local! {
+    /// Matrices this thread copied to the host with `Matrix::to_vec` ([`read_backs`]).
+    static READ_BACKS: std::cell::Cell<u64> = const { std::cell::Cell::new(0) };
+}
+
+/// Counts one `Matrix::to_vec` on this thread.
+#[inline(always)]
+pub(crate) fn count_read_back() {
+    #[cfg(feature = "test-hooks")]
+    READ_BACKS.with(|c| c.set(c.get() + 1));
+}
+
+/// How many matrices this thread has read to the host with `Matrix::to_vec` so far: every
+/// status, scalar and result read-back of the kernel devices goes through it, and on a GPU
+/// each is a device→host copy that waits for the stream. Per thread, so tests running in
+/// parallel do not see each other's reads; CPU-device matrices count too (a host copy), so
+/// compare counts around work on one kernel device. For tests of the synchronizations an op
+/// costs (`tests/emu_deferred.rs`).
+#[cfg(feature = "test-hooks")]
+pub fn read_backs() -> u64 {
+    READ_BACKS.with(std::cell::Cell::get)
+}
+
+/// Whether a PTX rejection is being injected ([`inject_ptx_reject`]): one relaxed load per
+/// emulated launch, and per module load on a GPU.
+#[cfg(feature = "test-hooks")]
+static INJECTING: AtomicBool = AtomicBool::new(false);
+/// The kernel file whose module load fails while [`INJECTING`] (`"*"`: every file).
+#[cfg(feature = "test-hooks")]
+static REJECTED_FILE: Mutex<Option<&'static str>> = Mutex::new(None);
+
+/// Fault injection for tests: from now on, loading the module of kernel file `file` (its PTX
+/// constant name, `"KALMAN"` for `kernels/kalman.cu`; `"*"` for every file) fails as a driver
+/// that rejects its PTX would, on [`crate::Device::Emulated`] (each launch stands for a module
+/// load) and on [`crate::Device::Cuda`] (before the driver is asked); `None` stops it.
+/// Process-wide: use it in a test binary whose other tests launch no kernel meanwhile.
+#[cfg(feature = "test-hooks")]
+pub fn inject_ptx_reject(file: Option<&'static str>) {
+    *REJECTED_FILE.lock().unwrap_or_else(PoisonError::into_inner) = file;
+    INJECTING.store(file.is_some(), Ordering::Relaxed);
+}
+
+/// Whether loading the module of kernel file `file` is to fail: only under
+/// [`inject_ptx_reject`] of it (`launch::check_module_load` makes the error).
+#[inline(always)]
+pub(crate) fn rejection_injected(file: &str) -> bool {
+    #[cfg(feature = "test-hooks")]
+    if INJECTING.load(Ordering::Relaxed) {
+        let rejected = *REJECTED_FILE.lock().unwrap_or_else(PoisonError::into_inner);
+        return rejected.is_some_and(|f| f == "*" || f == file);
+    }
+    #[cfg(not(feature = "test-hooks"))]
+    let _ = file;
+    false
+}

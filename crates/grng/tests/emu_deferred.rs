@@ -1,0 +1,399 @@
+//! One read-back per Kronecker step on the kernel devices (the emulator, and CUDA when a GPU
+//! is present): inside `KronOptimizer::{step, step_grads, precondition}` every finiteness
+//! check and model reduction writes into one device buffer read once at the end of the step
+//! (`cuda::deferred`), where each op used to synchronize on its own status. A failed check
+//! runs the step again eagerly, so the error is the eager one and nothing changes.
+//!
+//! The optimizer's products check their results in the GEMM epilogue, in the same pass
+//! (`product_epilogue_flags_the_first_overflow`).
+//!
+//! Counted with `grng::hooks::read_backs` (this thread's `Matrix::to_vec` calls; the
+//! steps here are below `cpu::on_pool`'s threshold, so they run on the test's thread).
+
+use grng::cuda::gemm::{product3_checked, Split3};
+use grng::hooks::{read_backs, record_launches, take_launches};
+use grng::mat::Trans;
+use grng::optim::kron::{KronConfig, KronGrad, KronOptimizer, KronVariant};
+use grng::optim::KronStats;
+use grng::{Device, Error, Matrix};
+use rand::Rng;
+use rand_chacha::ChaCha8Rng;
+use std::sync::{Mutex, PoisonError};
+
+use common::{devices, vals};
+use grng_testkit as common;
+
+/// The launch record is process-wide: the tests of this file take turns.
+static SERIAL: Mutex<()> = Mutex::new(());
+
+/// Ragged layers: a factor spanning two 64-wide tiles, a narrow one, a wide output.
+const SHAPES: [(usize, usize); 3] = [(9, 70), (3, 6), (17, 5)];
+const M: usize = 5;
+
+fn upload_all(dev: &Device, rng: &mut ChaCha8Rng, dims: &[(usize, usize)]) -> Vec<Matrix> {
+    dims.iter()
+        .map(|&(r, c)| dev.upload(r, c, &vals(rng, r * c)).unwrap())
+        .collect()
+}
+
+fn config(variant: KronVariant) -> KronConfig {
+    let base = match variant {
+        KronVariant::Ring => KronConfig::ring(),
+        KronVariant::Reng => KronConfig::reng(),
+        KronVariant::Ngd => KronConfig::ngd(),
+    };
+    common::drifting_config(base)
+}
+
+/// Everything a failed step must leave as it was: ρ, the step count, the counters, every
+/// factor, inverse and cached square (bits), and the parameters (bits).
+fn snapshot(opt: &KronOptimizer, params: &[Matrix]) -> String {
+    let st = opt.state().unwrap();
+    let bits =
+        |m: &Matrix| -> Vec<u32> { m.to_vec().unwrap().iter().map(|v| v.to_bits()).collect() };
+    let mut s = format!(
+        "{} {} {:?} {:?}",
+        st.rho.to_bits(),
+        st.steps,
+        st.counters,
+        st.predicted
+    );
+    for l in &st.layers {
+        for f in [&l.lambda, &l.gamma] {
+            let sq = f.square().map(bits);
+            s += &format!(
+                "{:?}{:?}{:?}{}",
+                bits(&f.factor),
+                bits(&f.inverse),
+                sq,
+                f.damping.to_bits()
+            );
+        }
+    }
+    for p in params {
+        s += &format!("{:?}", bits(p));
+    }
+    s
+}
+
+/// A refreshed optimizer whose ρ has moved, so the coming lazy steps retarget their
+/// inverses by the first-order update (an `axpy_new` per factor, and once a square).
+fn refreshed(
+    dev: &Device,
+    rng: &mut ChaCha8Rng,
+    variant: KronVariant,
+) -> (KronOptimizer, Vec<Matrix>) {
+    let mut opt = KronOptimizer::new(dev, &SHAPES, config(variant)).unwrap();
+    let a = upload_all(dev, rng, &SHAPES.map(|(_, i)| (M, i)));
+    let e = upload_all(dev, rng, &SHAPES.map(|(o, _)| (M, o)));
+    let stats: Vec<KronStats> = a.iter().zip(&e).map(|(a, e)| KronStats { a, e }).collect();
+    let grads = upload_all(dev, rng, &SHAPES);
+    let mut params = upload_all(dev, rng, &SHAPES);
+    let g: Vec<&Matrix> = grads.iter().collect();
+    opt.step(&mut params, &g, Some(&stats)).unwrap();
+    // A good step: ρ ← φρ, so the next step's damping target differs from the formation's.
+    opt.observe_loss(1.0, 0.0).unwrap();
+    (opt, params)
+}
+
+/// Lazy steps, dense and factored, and a lazy preconditioning each read back exactly once,
+/// with the first-order inverse update in use (counted), for every variant.
+#[test]
+fn lazy_kron_steps_read_back_once() {
+    let _serial = SERIAL.lock().unwrap_or_else(PoisonError::into_inner);
+    let mut rng = common::seeded_rng();
+    for dev in devices() {
+        for variant in [KronVariant::Ring, KronVariant::Reng, KronVariant::Ngd] {
+            let (mut opt, mut params) = refreshed(&dev, &mut rng, variant);
+            for k in 0..4 {
+                let grads = upload_all(&dev, &mut rng, &SHAPES);
+                let e = upload_all(&dev, &mut rng, &SHAPES.map(|(o, _)| (M, o)));
+                let a = upload_all(&dev, &mut rng, &SHAPES.map(|(_, i)| (M, i)));
+                let kg: Vec<KronGrad> = if k % 2 == 0 {
+                    grads.iter().map(KronGrad::Dense).collect()
+                } else {
+                    e.iter()
+                        .zip(&a)
+                        .map(|(e, a)| KronGrad::Factored { e, a })
+                        .collect()
+                };
+                let before = read_backs();
+                let info = opt.step_grads(&mut params, &kg, None).unwrap();
+                let reads = read_backs() - before;
+                assert_eq!(
+                    reads,
+                    1,
+                    "{} {variant:?} lazy step {k}: {info:?}",
+                    dev.name()
+                );
+                assert!(!info.refreshed);
+                assert_eq!(info.first_order_updates, 2 * SHAPES.len() as u32);
+                assert!(
+                    info.predicted_change.unwrap().is_finite()
+                        && info.predicted_change.unwrap() < 0.0
+                );
+                // ρ moves every step (up: r < 0; down: r = 1), so every step retargets, and
+                // stays within one factor φ of the formation's (first-order updates).
+                let after = if k % 2 == 0 {
+                    2.0
+                } else {
+                    1.0 + info.predicted_change.unwrap()
+                };
+                opt.observe_loss(1.0, after).unwrap();
+            }
+            let grads = upload_all(&dev, &mut rng, &SHAPES);
+            let g: Vec<&Matrix> = grads.iter().collect();
+            let before = read_backs();
+            let ps = opt.precondition(&g, None).unwrap();
+            assert_eq!(
+                read_backs() - before,
+                1,
+                "{} {variant:?} precondition",
+                dev.name()
+            );
+            assert_eq!(ps.len(), SHAPES.len());
+        }
+    }
+}
+
+/// A NaN/Inf planted at a random place — a gradient, a factored gradient's rows, or the
+/// parameters — on a lazy step: the error is the eager one (the CPU backend's, which checks
+/// as it goes: same argument, index and value) and the optimizer and parameters are
+/// unchanged bit for bit.
+#[test]
+fn a_bad_value_in_a_deferred_step_is_the_eager_error_and_changes_nothing() {
+    let _serial = SERIAL.lock().unwrap_or_else(PoisonError::into_inner);
+    let mut rng = common::seeded_rng();
+    for dev in devices() {
+        for case in 0..12 {
+            let variant = [KronVariant::Ring, KronVariant::Reng, KronVariant::Ngd][case % 3];
+            let (mut opt, mut params) = refreshed(&dev, &mut rng, variant);
+            let mut grads = SHAPES.map(|(o, i)| vals(&mut rng, o * i)).to_vec();
+            let mut e = SHAPES.map(|(o, _)| vals(&mut rng, M * o)).to_vec();
+            let mut a = SHAPES.map(|(_, i)| vals(&mut rng, M * i)).to_vec();
+            let mut p = params
+                .iter()
+                .map(|p| p.to_vec().unwrap())
+                .collect::<Vec<_>>();
+            let factored = case % 2 == 1;
+            let layer = rng.random_range(0..SHAPES.len());
+            let bad = [f32::NAN, f32::INFINITY, f32::NEG_INFINITY][rng.random_range(0..3)];
+            let (target, arg) = match rng.random_range(0..3) {
+                0 if factored => (&mut e[layer], "grads.e"),
+                1 if factored => (&mut a[layer], "grads.a"),
+                0 | 1 => (&mut grads[layer], "grads"),
+                _ => (&mut p[layer], "params"),
+            };
+            let index = rng.random_range(0..target.len());
+            target[index] = bad;
+            let up = |v: &[Vec<f32>], dims: &[(usize, usize)]| -> Vec<Matrix> {
+                v.iter()
+                    .zip(dims)
+                    .map(|(v, &(r, c))| dev.upload(r, c, v).unwrap())
+                    .collect()
+            };
+            for (w, v) in params.iter_mut().zip(up(&p, &SHAPES)) {
+                *w = v;
+            }
+            let (gm, em, am) = (
+                up(&grads, &SHAPES),
+                up(&e, &SHAPES.map(|(o, _)| (M, o))),
+                up(&a, &SHAPES.map(|(_, i)| (M, i))),
+            );
+            let kg: Vec<KronGrad> = if factored {
+                em.iter()
+                    .zip(&am)
+                    .map(|(e, a)| KronGrad::Factored { e, a })
+                    .collect()
+            } else {
+                gm.iter().map(KronGrad::Dense).collect()
+            };
+            let before = snapshot(&opt, &params);
+            let err = opt.step_grads(&mut params, &kg, None).unwrap_err();
+            match err {
+                Error::NonFinite {
+                    arg: got,
+                    index: i,
+                    value,
+                    ..
+                } => {
+                    assert_eq!((got, i), (arg, index), "{} case {case}: {err}", dev.name());
+                    assert_eq!(value.to_bits(), bad.to_bits(), "case {case}");
+                }
+                e => panic!("{} case {case}: {e}", dev.name()),
+            }
+            assert_eq!(
+                snapshot(&opt, &params),
+                before,
+                "{} case {case}",
+                dev.name()
+            );
+        }
+    }
+}
+
+/// Stored form of an `r x c` row-major `op(X)`: itself, or its transpose (`c x r`).
+fn stored(op_x: &[f32], r: usize, c: usize, t: Trans) -> (Vec<f32>, (usize, usize)) {
+    match t {
+        Trans::No => (op_x.to_vec(), (r, c)),
+        Trans::Yes => {
+            let mut s = vec![0.0; r * c];
+            for i in 0..r {
+                for j in 0..c {
+                    s[j * r + i] = op_x[i * c + j];
+                }
+            }
+            (s, (c, r))
+        }
+    }
+}
+
+/// The split3 product checks its result in its epilogue (no separate pass over `C`): rows of
+/// `op(A)` and columns of `op(B)` set to `1e30` make exactly their crossings overflow, so the
+/// first non-finite flat index of `C` is `min(rows)·N + min(cols)`, which the error must
+/// name, with a non-finite value; the same product without planted values is `Ok`. Ragged
+/// shapes across 128-wide tiles and every transpose; and a pattern whose least index one
+/// thread reaches after a larger one. (An epilogue that never flags passes the overflow as
+/// `Ok`; one that keeps a thread's first hit instead of its least index fails the pattern.)
+#[test]
+fn product_epilogue_flags_the_first_overflow() {
+    let _serial = SERIAL.lock().unwrap_or_else(PoisonError::into_inner);
+    let mut rng = common::seeded_rng();
+    for dev in devices() {
+        for case in 0..10 {
+            // Every fifth case plants the crossing pattern below, which needs m ≥ 16, n ≥ 32.
+            let crossing = case % 5 == 4;
+            let (lo_m, lo_n, lo_k) = if crossing { (16, 32, 2) } else { (1, 1, 1) };
+            let (m, n, k) = (
+                rng.random_range(lo_m..=160),
+                rng.random_range(lo_n..=160),
+                rng.random_range(lo_k..=40),
+            );
+            let (ta, tb) = (
+                [Trans::No, Trans::Yes][rng.random_range(0..2)],
+                [Trans::No, Trans::Yes][rng.random_range(0..2)],
+            );
+            let mut opa = vals(&mut rng, m * k);
+            let mut opb = vals(&mut rng, k * n);
+            let mut expected = None;
+            if crossing {
+                // Only (r, j + 8) and (r + 8, j) overflow: A[r,0]·B[0,j+8] and
+                // A[r+8,1]·B[1,j]; the other products with the huge entries meet entries in
+                // [-1, 1] or 0. With r mod 16 < 8 and j mod 32 < 24 both are stored by one
+                // thread (the mma fragment's rows r, r+8 and 8-column groups of j, j+8 in one
+                // warp tile), which reaches (r + 8, j) first: only the least index is right.
+                let r = 16 * rng.random_range(0..(m - 8) / 16 + usize::from((m - 8) % 16 > 0))
+                    + rng.random_range(0..8);
+                let j = 32 * rng.random_range(0..(n - 8) / 32 + usize::from((n - 8) % 32 > 0))
+                    + rng.random_range(0..24);
+                let (r, j) = (r.min(m - 9), j.min(n - 9));
+                for (row, kk) in [(r, 0), (r + 8, 1)] {
+                    opa[row * k..(row + 1) * k].fill(0.0);
+                    opa[row * k + kk] = 1e30;
+                }
+                for (kk, col, zero) in [(0, j + 8, j), (1, j, j + 8)] {
+                    opb[kk * n + col] = 1e30;
+                    opb[kk * n + zero] = 0.0;
+                }
+                expected = Some(r * n + j + 8);
+            } else if case % 5 != 0 {
+                let rows: Vec<usize> = (0..rng.random_range(1..=3))
+                    .map(|_| rng.random_range(0..m))
+                    .collect();
+                let cols: Vec<usize> = (0..rng.random_range(1..=3))
+                    .map(|_| rng.random_range(0..n))
+                    .collect();
+                for &r in &rows {
+                    opa[r * k..(r + 1) * k].fill(1e30);
+                }
+                for &c in &cols {
+                    for kk in 0..k {
+                        opb[kk * n + c] = 1e30;
+                    }
+                }
+                let (r0, c0) = (rows.iter().min().unwrap(), cols.iter().min().unwrap());
+                expected = Some(r0 * n + c0);
+            }
+            let (sa, sha) = stored(&opa, m, k, ta);
+            let (sb, shb) = stored(&opb, k, n, tb);
+            let a = dev.upload(sha.0, sha.1, &sa).unwrap();
+            let b = dev.upload(shb.0, shb.1, &sb).unwrap();
+            let mut c = dev.zeros(m, n).unwrap();
+            let (a, b) = (
+                Split3::new(&dev, &a).unwrap(),
+                Split3::new(&dev, &b).unwrap(),
+            );
+            let r = product3_checked(&dev, "test", ta, tb, 1.0, &a, &b, &mut c);
+            let what = format!("{} case {case}: {m}x{n}x{k} {ta:?}{tb:?}", dev.name());
+            match (r, expected) {
+                (Ok(()), None) => {}
+                (
+                    Err(Error::NonFinite {
+                        arg, index, value, ..
+                    }),
+                    Some(first),
+                ) => {
+                    assert_eq!((arg, index), ("result (overflow)", first), "{what}");
+                    // Inf, or NaN where split3's plane products overflow with both signs.
+                    assert!(!value.is_finite(), "{what}: {value}");
+                }
+                (r, e) => panic!("{what}: {r:?}, expected first overflow {e:?}"),
+            }
+        }
+    }
+}
+
+/// A factored lazy step splits each product operand once: the 9 products of a factored
+/// layer (3 for `P`, 6 for the model's terms) read 10 distinct operands (`E`, `A`, `Γ̃⁻¹`,
+/// `Λ̃⁻¹`, `U`, `W`, `Γ`, `Λ`, `ΓU`, `WΛ`), so 10 `gemm_split3` launches where splitting
+/// per product took 18. One layer the cost model sends down the factored route (`m = 5`,
+/// `9 x 70`), squares already cached, so the step's only other launches are element-wise.
+#[test]
+fn factored_lazy_step_splits_each_operand_once() {
+    let _serial = SERIAL.lock().unwrap_or_else(PoisonError::into_inner);
+    let mut rng = common::seeded_rng();
+    let shape = [(9usize, 70usize)];
+    for dev in devices() {
+        let mut opt = KronOptimizer::new(&dev, &shape, config(KronVariant::Ring)).unwrap();
+        let a = upload_all(&dev, &mut rng, &[(M, 70)]);
+        let e = upload_all(&dev, &mut rng, &[(M, 9)]);
+        let stats = [KronStats { a: &a[0], e: &e[0] }];
+        let mut params = upload_all(&dev, &mut rng, &shape);
+        let mut step =
+            |opt: &mut KronOptimizer, rng: &mut ChaCha8Rng, stats: Option<&[KronStats]>| {
+                let (e, a) = (
+                    upload_all(&dev, rng, &[(M, 9)]),
+                    upload_all(&dev, rng, &[(M, 70)]),
+                );
+                let kg = [KronGrad::Factored { e: &e[0], a: &a[0] }];
+                record_launches(true);
+                let info = opt.step_grads(&mut params, &kg, stats).unwrap();
+                let launched = take_launches();
+                record_launches(false);
+                // Up, then down: ρ moves every step, within the first-order range.
+                let after = if opt.steps().is_multiple_of(2) {
+                    2.0
+                } else {
+                    1.0 + info.predicted_change.unwrap()
+                };
+                opt.observe_loss(1.0, after).unwrap();
+                launched
+            };
+        step(&mut opt, &mut rng, Some(&stats));
+        step(&mut opt, &mut rng, None); // forms and caches the squares
+        let launched = step(&mut opt, &mut rng, None);
+        let count = |f: &dyn Fn(&str) -> bool| launched.iter().filter(|n| f(n)).count();
+        assert_eq!(
+            count(&|n| n.starts_with("gemm3")),
+            9,
+            "{}: {launched:?}",
+            dev.name()
+        );
+        assert_eq!(
+            count(&|n| n == "gemm_split3"),
+            10,
+            "{}: {launched:?}",
+            dev.name()
+        );
+    }
+}

@@ -1,0 +1,398 @@
+//! The sm_90a GEMM path (`kernels/gemm/wgmma_sm90.cuh`, `grng::cuda::sm90`): its selection,
+//! first-use self-check and counted fallback, and, on a compute capability 9.0 GPU, its
+//! products against the CPU.
+//!
+//! The emulator models sm_80 primitives, so the selection logic is tested on
+//! `Device::Emulated` through `inject_sm90` (a "capable" device whose sm_90a kernels are their
+//! sm_80 twins, or one whose self-check product comes back wrong) and `inject_ptx_reject` (an
+//! sm_90a module the driver rejects). The injections are process-wide, so those scenarios run
+//! in a child process, which also lets the parent count the stderr lines.
+
+use grng_testkit as common;
+
+use grng::cuda::gemm::{gemm3, gemm_tc};
+use grng::cuda::newton::{product_f32, product_tc, Epilogue, Planes, Unused};
+use grng::cuda::sm90::{check, fallbacks, inject_sm90, Sm90Injection};
+use grng::cuda::syrk::syrk_ema_tc;
+use grng::hooks::{inject_ptx_reject, record_launches, take_launches};
+use grng::mat::Trans;
+use grng::{Device, Error, Matrix};
+use half::bf16;
+use rand::Rng;
+use rand_chacha::ChaCha8Rng;
+
+/// `len` bf16 values drawn from [-1, 1), and their f64 widening (exact).
+fn bf16_vals(rng: &mut ChaCha8Rng, len: usize) -> (Vec<bf16>, Vec<f64>) {
+    let v: Vec<bf16> = common::vals(rng, len)
+        .into_iter()
+        .map(bf16::from_f32)
+        .collect();
+    let w = v.iter().map(|x| f64::from(x.to_f32())).collect();
+    (v, w)
+}
+
+/// Checks `got` (f32, n x n row-major) against α·Σ_k x(i, k)·y(k, j) in f64. Tolerance: the
+/// bf16 products are exact in f32 and each of the k f32 additions errs by at most one ulp
+/// (2^-23 relative to the running |sum| ≤ Σ|x||y|, any order, round-to-nearest or truncating
+/// accumulator), and α's rounding adds 2^-24: |err| ≤ (k + 1)·2^-23·α·Σ|x||y|; 2x margin.
+fn check_product(
+    what: &str,
+    got: &[f32],
+    n: usize,
+    k: usize,
+    alpha: f64,
+    x: impl Fn(usize, usize) -> f64,
+    y: impl Fn(usize, usize) -> f64,
+) {
+    for i in 0..n {
+        for j in 0..n {
+            let (mut s, mut abs) = (0.0, 0.0);
+            for p in 0..k {
+                s += x(i, p) * y(p, j);
+                abs += (x(i, p) * y(p, j)).abs();
+            }
+            let tol = 2.0 * (k as f64 + 1.0) * f64::powi(2.0, -23) * alpha * abs;
+            let g = f64::from(got[i * n + j]);
+            assert!(
+                (g - alpha * s).abs() <= tol,
+                "{what}: ({i}, {j}) = {g}, want {} ± {tol:e}",
+                alpha * s
+            );
+        }
+    }
+}
+
+/// One Newton product C = A·B on `dev` (ragged n), checked against f64; returns the launches.
+fn product(dev: &Device, rng: &mut ChaCha8Rng, n: usize) -> grng::Result<Vec<&'static str>> {
+    let (a, aw) = bf16_vals(rng, n * n);
+    let (b, bw) = bf16_vals(rng, n * n);
+    let (am, bm) = (dev.upload(n, n, &a)?, dev.upload(n, n, &b)?);
+    let mut out: Matrix = dev.zeros(n, n)?;
+    let mut unused = Unused::new(dev)?;
+    take_launches();
+    let epi = Epilogue {
+        out: Some(&mut out),
+        ..Epilogue::new()
+    };
+    product_tc(dev, &am, &bm, epi, &mut unused)?;
+    let launched = take_launches();
+    let got = out.to_vec()?;
+    check_product(
+        "A·B",
+        &got,
+        n,
+        n,
+        1.0,
+        |i, p| aw[i * n + p],
+        |p, j| bw[p * n + j],
+    );
+    Ok(launched)
+}
+
+/// One SYRK Λ = (1/m)·SᵀS (ε = 0) on `dev`, checked against f64; returns the launches.
+fn syrk(dev: &Device, rng: &mut ChaCha8Rng, m: usize, n: usize) -> grng::Result<Vec<&'static str>> {
+    let (s, sw) = bf16_vals(rng, m * n);
+    let sm = dev.upload(m, n, &s)?;
+    let mut l: Matrix = dev.zeros(n, n)?;
+    take_launches();
+    syrk_ema_tc(dev, &sm, 0.0, &mut l)?;
+    let launched = take_launches();
+    let got = l.to_vec()?;
+    let alpha = 1.0 / m as f64;
+    check_product(
+        "SᵀS/m",
+        &got,
+        n,
+        m,
+        alpha,
+        |i, p| sw[p * n + i],
+        |p, j| sw[p * n + j],
+    );
+    Ok(launched)
+}
+
+/// Checks `got` (f32, m x n row-major) against Σ_k x(i, k)·y(k, j) in f64 within the split3
+/// products' bound `(k + 8)·2⁻²⁴·Σ|x||y|` (`cuda::gemm::gemm3`), 2x margin.
+fn check_split3(
+    what: &str,
+    got: &[f32],
+    (m, n, k): (usize, usize, usize),
+    x: impl Fn(usize, usize) -> f64,
+    y: impl Fn(usize, usize) -> f64,
+) {
+    for i in 0..m {
+        for j in 0..n {
+            let (mut s, mut abs) = (0.0f64, 0.0f64);
+            for p in 0..k {
+                s += x(i, p) * y(p, j);
+                abs += (x(i, p) * y(p, j)).abs();
+            }
+            let tol = 2.0 * (k as f64 + 8.0) * f64::powi(2.0, -24) * abs;
+            let g = f64::from(got[i * n + j]);
+            assert!(
+                (g - s).abs() <= tol,
+                "{what}: ({i}, {j}) = {g}, want {s} ± {tol:e}"
+            );
+        }
+    }
+}
+
+/// One split3 (f32-accurate) product C = op(A)·op(B) on `dev` through
+/// `cuda::gemm::gemm3`, `op(A)` m x k transposed, checked against f64 ([`check_split3`]);
+/// returns the launches.
+fn split_product(
+    dev: &Device,
+    rng: &mut ChaCha8Rng,
+    m: usize,
+    n: usize,
+    k: usize,
+) -> grng::Result<Vec<&'static str>> {
+    let (a, b) = (common::vals(rng, k * m), common::vals(rng, k * n));
+    let (am, bm) = (dev.upload(k, m, &a)?, dev.upload(k, n, &b)?);
+    let mut c: Matrix = dev.zeros(m, n)?;
+    take_launches();
+    gemm3(dev, Trans::Yes, Trans::No, 1.0, &am, &bm, 0.0, &mut c)?;
+    let launched = take_launches();
+    let x = |i: usize, p: usize| f64::from(a[p * m + i]);
+    let y = |p: usize, j: usize| f64::from(b[p * n + j]);
+    check_split3("AᵀB split3", &c.to_vec()?, (m, n, k), x, y);
+    Ok(launched)
+}
+
+/// One plain bf16 product C = α·Aᵀ·B on `dev` through `cuda::gemm::gemm_tc` (`Device::gemm`
+/// on bf16), A k x n, B k x n, checked against f64 ([`check_product`]); returns the launches.
+fn bf16_product(
+    dev: &Device,
+    rng: &mut ChaCha8Rng,
+    n: usize,
+    k: usize,
+) -> grng::Result<Vec<&'static str>> {
+    let ((a, aw), (b, bw)) = (bf16_vals(rng, k * n), bf16_vals(rng, k * n));
+    let (am, bm) = (dev.upload(k, n, &a)?, dev.upload(k, n, &b)?);
+    let mut c: Matrix = dev.zeros(n, n)?;
+    let alpha = 0.5f32;
+    take_launches();
+    gemm_tc(dev, Trans::Yes, Trans::No, alpha, &am, &bm, 0.0, &mut c)?;
+    let launched = take_launches();
+    let x = |i: usize, p: usize| aw[p * n + i];
+    let y = |p: usize, j: usize| bw[p * n + j];
+    check_product("α·AᵀB bf16", &c.to_vec()?, n, k, f64::from(alpha), x, y);
+    Ok(launched)
+}
+
+/// One Newton split3 product C = A·B (f32, n x n) on `dev` through
+/// `cuda::newton::product_f32`, checked against f64 ([`check_split3`]); returns the launches.
+fn newton_f32_product(
+    dev: &Device,
+    rng: &mut ChaCha8Rng,
+    n: usize,
+) -> grng::Result<Vec<&'static str>> {
+    let (a, b) = (common::vals(rng, n * n), common::vals(rng, n * n));
+    let (am, bm) = (dev.upload(n, n, &a)?, dev.upload(n, n, &b)?);
+    let mut out: Matrix = dev.zeros(n, n)?;
+    let mut planes = Planes::new(dev, n)?;
+    let mut unused = Unused::new(dev)?;
+    take_launches();
+    let epi = Epilogue {
+        out: Some(&mut out),
+        ..Epilogue::new()
+    };
+    product_f32(dev, &am, &bm, &mut planes, epi, &mut unused)?;
+    let launched = take_launches();
+    let x = |i: usize, p: usize| f64::from(a[i * n + p]);
+    let y = |p: usize, j: usize| f64::from(b[p * n + j]);
+    check_split3("A·B split3", &out.to_vec()?, (n, n, n), x, y);
+    Ok(launched)
+}
+
+/// The self-check's launches up to its first sm_90a failure (`stop`: 0 = none, 1 = Newton
+/// product, 2 = SYRK, 3 = split3 product; the bf16 product and Newton's split3 product follow).
+fn self_check(stop: usize) -> Vec<&'static str> {
+    let all = [
+        "newton_gemm_tc",
+        "newton_gemm_wg_tc",
+        "syrk_ema_tc",
+        "syrk_ema_wg_tc",
+        "gemm_split3",
+        "gemm_split3",
+        "gemm3_tc",
+        "gemm_split3",
+        "gemm_split3",
+        "gemm3_wg_tc",
+        "gemm_tc",
+        "gemm_wg_tc",
+        "gemm_split3",
+        "gemm_split3",
+        "newton_gemm3_tc",
+        "gemm_split3",
+        "gemm_split3",
+        "newton_gemm3_wg_tc",
+    ];
+    match stop {
+        1 => all[..2].to_vec(),
+        2 => all[..4].to_vec(),
+        3 => all[..10].to_vec(),
+        _ => all.to_vec(),
+    }
+}
+
+/// Set in the child process that runs the emulated scenarios.
+const CHILD: &str = "GRNG_SM90_SELECT_CHILD";
+/// The start of the line a fallback prints.
+const FALLBACK_LINE: &str = "grng: the sm_90a GEMM kernels failed their self-check";
+
+#[test]
+fn selection_self_check_and_counted_fallback() {
+    if std::env::var_os(CHILD).is_none() {
+        let seed = common::master_seed().to_string();
+        let stderr = common::run_child(
+            "selection_self_check_and_counted_fallback",
+            &[(CHILD, Some("1")), ("GRNG_TEST_SEED", Some(&seed))],
+        );
+        // Exactly one line per fallback (three below), each saying why.
+        let lines: Vec<&str> = stderr
+            .lines()
+            .filter(|l| l.starts_with(FALLBACK_LINE))
+            .collect();
+        assert_eq!(lines.len(), 3, "{stderr}");
+        assert!(
+            lines[0].contains("newton_gemm_wg_tc: element 0"),
+            "{}",
+            lines[0]
+        );
+        assert!(
+            lines[1].contains("syrk_ema_wg_tc") && lines[1].contains("rejected the PTX"),
+            "{}",
+            lines[1]
+        );
+        assert!(
+            lines[2].contains("gemm3_wg_tc") && lines[2].contains("rejected the PTX"),
+            "{}",
+            lines[2]
+        );
+        return;
+    }
+
+    let dev = Device::Emulated;
+    let mut rng = common::seeded_rng();
+    // Two tile rows or columns, the second partial; K spans a partial slice.
+    let ragged = |rng: &mut ChaCha8Rng| rng.random_range(129..=200usize);
+    record_launches(true);
+
+    // No injection: the emulator is no sm_90 device; nothing is checked or counted.
+    let n = ragged(&mut rng);
+    assert_eq!(product(&dev, &mut rng, n).unwrap(), ["newton_gemm_tc"]);
+    assert!(!check(&dev).unwrap());
+    assert_eq!(fallbacks(), 0);
+
+    // A capable device: the first GEMM runs the self-check, then the sm_90a kernels, for good.
+    inject_sm90(Some(Sm90Injection::Capable));
+    let n = ragged(&mut rng);
+    let mut want = self_check(0);
+    want.push("newton_gemm_wg_tc");
+    assert_eq!(product(&dev, &mut rng, n).unwrap(), want);
+    let (m, n) = (ragged(&mut rng), ragged(&mut rng));
+    assert_eq!(syrk(&dev, &mut rng, m, n).unwrap(), ["syrk_ema_wg_tc"]);
+    assert_eq!(product(&dev, &mut rng, n).unwrap(), ["newton_gemm_wg_tc"]);
+    let k = rng.random_range(1..=70usize);
+    assert_eq!(
+        split_product(&dev, &mut rng, m, n, k).unwrap(),
+        ["gemm_split3", "gemm_split3", "gemm3_wg_tc"]
+    );
+    assert_eq!(
+        newton_f32_product(&dev, &mut rng, n).unwrap(),
+        ["gemm_split3", "gemm_split3", "newton_gemm3_wg_tc"]
+    );
+    assert_eq!(bf16_product(&dev, &mut rng, n, k).unwrap(), ["gemm_wg_tc"]);
+    assert!(check(&dev).unwrap());
+    assert_eq!(fallbacks(), 0);
+
+    // An sm_80 failure during the self-check (its reference side) is the caller's error and
+    // decides nothing: the next launch checks again.
+    inject_sm90(Some(Sm90Injection::Capable));
+    inject_ptx_reject(Some("NEWTON"));
+    let n = ragged(&mut rng);
+    match product(&dev, &mut rng, n) {
+        Err(Error::DeviceUnavailable(msg)) => assert!(msg.contains("kernel file NEWTON:"), "{msg}"),
+        other => panic!("expected DeviceUnavailable, got {other:?}"),
+    }
+    inject_ptx_reject(None);
+    assert_eq!(fallbacks(), 0);
+    let mut want = self_check(0);
+    want.push("newton_gemm_wg_tc");
+    assert_eq!(product(&dev, &mut rng, n).unwrap(), want);
+
+    // The self-check's sm_90a product is wrong: fall back, count, and stay on sm_80; the
+    // product the caller gets is right (checked in `product`).
+    inject_sm90(Some(Sm90Injection::Mismatch));
+    let n = ragged(&mut rng);
+    let mut want = self_check(1);
+    want.push("newton_gemm_tc");
+    assert_eq!(product(&dev, &mut rng, n).unwrap(), want);
+    assert_eq!(fallbacks(), 1);
+    let (m, n) = (ragged(&mut rng), ragged(&mut rng));
+    assert_eq!(syrk(&dev, &mut rng, m, n).unwrap(), ["syrk_ema_tc"]);
+    assert!(!check(&dev).unwrap());
+    assert_eq!(fallbacks(), 1);
+
+    // The driver rejects the sm_90a module of kron.cu: fall back at the SYRK's check.
+    inject_sm90(Some(Sm90Injection::Capable));
+    inject_ptx_reject(Some("SYRK_SM90A"));
+    let (m, n) = (ragged(&mut rng), ragged(&mut rng));
+    let mut want = self_check(2);
+    want.push("syrk_ema_tc");
+    assert_eq!(syrk(&dev, &mut rng, m, n).unwrap(), want);
+    inject_ptx_reject(None);
+    assert_eq!(fallbacks(), 2);
+    assert_eq!(product(&dev, &mut rng, n).unwrap(), ["newton_gemm_tc"]);
+
+    // The driver rejects the sm_90a module of precond.cu: fall back at the split3 check.
+    inject_sm90(Some(Sm90Injection::Capable));
+    inject_ptx_reject(Some("GEMM_SM90A"));
+    let (m, n) = (ragged(&mut rng), ragged(&mut rng));
+    // The caller's operands are split before its product's launch runs the self-check.
+    let mut want = vec!["gemm_split3", "gemm_split3"];
+    want.extend(self_check(3));
+    want.push("gemm3_tc");
+    assert_eq!(split_product(&dev, &mut rng, m, n, 33).unwrap(), want);
+    inject_ptx_reject(None);
+    assert_eq!(fallbacks(), 3);
+
+    inject_sm90(None);
+    record_launches(false);
+}
+
+/// CUDA arm: on a compute capability 9.0 GPU the sm_90a kernels pass their self-check and
+/// their products match the CPU (ragged sizes: partial tiles and K slices; n % 8 != 0 for the
+/// element-wise loads, n % 8 == 0 for cp.async). Skipped elsewhere.
+#[test]
+fn sm90a_products_match_f64_on_a_cc90_gpu() {
+    let Some(dev) = common::cuda() else { return };
+    let Device::Cuda(d) = &dev else {
+        unreachable!()
+    };
+    if d.context().compute_capability().ok() != Some((9, 0)) {
+        eprintln!("note: sm_90a arm skipped (the GPU is not compute capability 9.0)");
+        return;
+    }
+    let mut rng = common::seeded_rng();
+    // The self-check passes on a working GPU (else a fallback line says why).
+    assert!(check(&dev).unwrap());
+    record_launches(true);
+    for n in [136usize, 131, 257, 520] {
+        let launched = product(&dev, &mut rng, n).unwrap();
+        assert_eq!(launched, ["newton_gemm_wg_tc"]);
+        let m = rng.random_range(1..=600usize);
+        let launched = syrk(&dev, &mut rng, m, n).unwrap();
+        assert_eq!(launched, ["syrk_ema_wg_tc"]);
+        let k = rng.random_range(1..=300usize);
+        let launched = split_product(&dev, &mut rng, m, n, k).unwrap();
+        assert_eq!(launched[2], "gemm3_wg_tc");
+        let launched = newton_f32_product(&dev, &mut rng, n).unwrap();
+        assert_eq!(launched[2], "newton_gemm3_wg_tc");
+        let launched = bf16_product(&dev, &mut rng, n, k).unwrap();
+        assert_eq!(launched, ["gemm_wg_tc"]);
+    }
+    record_launches(false);
+    assert_eq!(fallbacks(), 0);
+}
