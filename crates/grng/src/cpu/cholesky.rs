@@ -102,7 +102,7 @@ fn factor_view(
 ) -> Result<faer::Mat<f64>> {
     let n = a.rows();
     check_shape(op, arg, a.shape(), (n, n))?;
-    let mut l = widen_lower((op, arg), a, shift)?;
+    let mut l = widen_lower(op, arg, a, shift)?;
     match super::on_pool(inverse_work(n) / 3, || llt_in_place(&mut l))? {
         // Error path only: the pivot's value from the row-major widening.
         Some(index) => Err(Error::NotSpd {
@@ -163,7 +163,8 @@ const TILE: usize = 64;
 /// [`shifted`] by `shift`, and an overflowing one is an [`Error::NonFinite`] naming
 /// [`OVERFLOW`].
 fn widen_lower(
-    (op, arg): (&'static str, &'static str),
+    op: &'static str,
+    arg: &'static str,
     a: MatRef<'_, f32>,
     shift: f32,
 ) -> Result<faer::Mat<f64>> {

@@ -12,8 +12,7 @@ use crate::element::Element;
 use crate::error::Error;
 use crate::error::{check_shape, Result};
 use crate::mat::{MatMut, MatRef, Trans};
-use crate::shape::check_gemm;
-use crate::shape::check_syrk_args;
+use crate::shape::{check_gemm, check_syrk_args};
 
 /// `Λ ← ε Λ + (1−ε)/m · AᵀA` for `A` of shape `m x n` (`T` = `f32` or `bf16`) and `Λ`
 /// (`factor`) of shape `n x n`, both row-major views.

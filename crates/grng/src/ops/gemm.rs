@@ -7,8 +7,7 @@ use crate::cuda::gemm::Split3;
 use crate::device::{Device, Element, Matrix};
 use crate::error::Result;
 use crate::mat::Trans;
-use crate::shape::check_batch_gradient_args;
-use crate::shape::{check_gemm, op_shape};
+use crate::shape::{check_batch_gradient_args, check_gemm, op_shape};
 use half::bf16;
 
 /// The op every GEMM entry point reports in its errors.
@@ -52,7 +51,7 @@ impl Device {
             self.check_finite(OP, "c", c)?;
         }
         self.commit_finite(OP, [(OVERFLOW, c, beta != 0.0)], |[c]| {
-            self.gemm_kernel((ta, tb), alpha, (a, b), beta, c)
+            self.gemm_kernel(ta, tb, alpha, a, b, beta, c)
         })
     }
 
@@ -80,7 +79,7 @@ impl Device {
         a: &Matrix<T>,
         b: &Matrix<T>,
     ) -> Result<Matrix> {
-        let c = self.product_unchecked((ta, tb), alpha, (a, b))?;
+        let c = self.product_unchecked(ta, tb, alpha, a, b)?;
         // The kernel devices' `f32` products were checked by their epilogue.
         let epilogue_checked = !matches!(self, Device::Cpu)
             && std::any::TypeId::of::<T>() == std::any::TypeId::of::<f32>();
@@ -108,7 +107,7 @@ impl Device {
     ) -> Result<Matrix> {
         match (self, a, b) {
             (Device::Cpu, Operand::Host(a), Operand::Host(b)) => {
-                self.product_unchecked((ta, tb), alpha, (*a, *b))
+                self.product_unchecked(ta, tb, alpha, *a, *b)
             }
             (Device::Emulated | Device::Cuda(_), Operand::Split(a), Operand::Split(b)) => {
                 let rows = op_shape(ta, a.matrix().shape()).0;
@@ -158,9 +157,11 @@ impl Device {
     /// devices' `f32` products are [`Device::product_of`]'s, checked by their epilogue.
     fn product_unchecked<T: Element>(
         &self,
-        (ta, tb): (Trans, Trans),
+        ta: Trans,
+        tb: Trans,
         alpha: f32,
-        (a, b): (&Matrix<T>, &Matrix<T>),
+        a: &Matrix<T>,
+        b: &Matrix<T>,
     ) -> Result<Matrix> {
         let (da, db): (&dyn Any, &dyn Any) = (a, b);
         let f32s = da.downcast_ref::<Matrix>().zip(db.downcast_ref::<Matrix>());
@@ -199,7 +200,7 @@ impl Device {
             }
             _ => {
                 let mut c = self.zeros(m, n)?;
-                self.gemm_kernel((ta, tb), alpha, (a, b), 0.0, &mut c)?;
+                self.gemm_kernel(ta, tb, alpha, a, b, 0.0, &mut c)?;
                 c
             }
         };
@@ -279,11 +280,14 @@ impl Device {
     }
 
     /// The product itself on this device's backend, writing `c` in place.
+    #[allow(clippy::too_many_arguments)]
     fn gemm_kernel<T: Element>(
         &self,
-        (ta, tb): (Trans, Trans),
+        ta: Trans,
+        tb: Trans,
         alpha: f32,
-        (a, b): (&Matrix<T>, &Matrix<T>),
+        a: &Matrix<T>,
+        b: &Matrix<T>,
         beta: f32,
         c: &mut Matrix,
     ) -> Result<()> {

@@ -114,7 +114,7 @@ fn syrk_on_worker<T: Element>(
             // SAFETY: the panel holds hp rows of n columns `ldp` apart (a view of A, or
             // `wide`, its columns j0..j0 + w written just above); `at` has room for n rows of
             // `ldt ≥ hp` floats, of which this task alone writes rows j0..j0 + w.
-            unsafe { transpose((panel.0.add(j0), ldp), (at.0.add(j0 * ldt), ldt), (hp, w)) };
+            unsafe { transpose(panel.0.add(j0), ldp, at.0.add(j0 * ldt), ldt, hp, w) };
         });
         let beta = if p == 0 { beta } else { 1.0 };
         let last = s0 + hp == m;
@@ -368,14 +368,17 @@ unsafe fn mirror_avx(p: SharedPtr, ldc: usize, t: Tile) {
 /// # Safety
 /// Both ranges must be in bounds and disjoint.
 unsafe fn transpose(
-    (src, lds): (*const f32, usize),
-    (dst, ldd): (*mut f32, usize),
-    (rows, cols): (usize, usize),
+    src: *const f32,
+    lds: usize,
+    dst: *mut f32,
+    ldd: usize,
+    rows: usize,
+    cols: usize,
 ) {
     #[cfg(target_arch = "x86_64")]
     {
         if std::arch::is_x86_feature_detected!("avx") {
-            return transpose_avx((src, lds), (dst, ldd), (rows, cols));
+            return transpose_avx(src, lds, dst, ldd, rows, cols);
         }
     }
     transpose_scalar(src, lds, dst, ldd, (0, rows), (0, cols));
@@ -400,9 +403,12 @@ unsafe fn transpose_scalar(
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx")]
 unsafe fn transpose_avx(
-    (src, lds): (*const f32, usize),
-    (dst, ldd): (*mut f32, usize),
-    (rows, cols): (usize, usize),
+    src: *const f32,
+    lds: usize,
+    dst: *mut f32,
+    ldd: usize,
+    rows: usize,
+    cols: usize,
 ) {
     let (r16, c16) = (rows / 16 * 16, cols / 16 * 16);
     for rb in (0..r16).step_by(16) {
@@ -520,7 +526,7 @@ mod tests {
                     (0, rows),
                     (0, cols),
                 );
-                transpose_avx((src.as_ptr(), lds), (got.as_mut_ptr(), ldd), (rows, cols));
+                transpose_avx(src.as_ptr(), lds, got.as_mut_ptr(), ldd, rows, cols);
             }
             assert_eq!(got, want, "transpose {rows}x{cols} pad {pad}");
         }
