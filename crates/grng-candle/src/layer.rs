@@ -130,7 +130,10 @@ impl KronLinear {
 
     /// `(d_out, d_in + 1)`: the Kronecker shape of `W̄` (`(d_out, d_in)` without bias).
     pub fn shape(&self) -> (usize, usize) {
-        (self.inner.d_out, self.inner.d_in + usize::from(self.inner.bias))
+        (
+            self.inner.d_out,
+            self.inner.d_in + usize::from(self.inner.bias),
+        )
     }
 
     fn record(&self) -> std::sync::MutexGuard<'_, Record> {

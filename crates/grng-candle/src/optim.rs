@@ -518,13 +518,19 @@ impl GrngOptimizer {
                 let mut mu0 = Vec::new();
                 for l in &arm.layers {
                     let w = l.weight().as_tensor();
-                    mu0.extend(w.flatten_all().and_then(|w| w.to_vec1::<f32>()).map_err(from_candle)?);
+                    mu0.extend(
+                        w.flatten_all()
+                            .and_then(|w| w.to_vec1::<f32>())
+                            .map_err(from_candle)?,
+                    );
                 }
-                arm.filter.insert(RKalman::new(&dev, &mu0, d_o, arm.config)?)
+                arm.filter
+                    .insert(RKalman::new(&dev, &mu0, d_o, arm.config)?)
             }
         };
         grng::error::check_shape(OP, "logits (n·C)", (d_o, 1), (filter.d_o(), 1))?;
-        let info = super::view::with_matrix(&jac.h, ViewAs::Matrix, |h| filter.step(h, &innovation))?;
+        let info =
+            super::view::with_matrix(&jac.h, ViewAs::Matrix, |h| filter.step(h, &innovation))?;
         let mu = filter.params().to_vec()?;
         let mut at = 0;
         for l in &arm.layers {
