@@ -17,23 +17,22 @@
 //! Writes `OUT/table.md` (the tables printed), `OUT/curves.csv` and `OUT/curves-N.svg` (validation
 //! accuracy and gradient norm against iterations, the paper's Figures 1–2, per training size).
 
-use candle_core::{DType, Device as CDevice, Tensor, Var};
+use candle_core::{DType, Device as CDevice, Tensor};
 use clap::Parser;
 use grng::optim::adamw::AdamWConfig;
-use grng::optim::fisher::{sample_class, FisherMode};
 use grng::optim::kalman::RKalmanConfig;
 use grng::optim::kron::{InverseMethod, KronConfig};
 use grng::optim::sophia::SophiaConfig;
 use grng::optim::OptimizerConfig;
 use grng::{Error, Result};
-use grng_candle::{capture_fisher, GrngConfig, GrngOptimizer, KronLinear, LoraConfig};
+use grng_candle::LoraConfig;
 use grng_lora::sentiment::{self, mcc, Example, Splits};
-use grng_lora::{mean_pool, Adapt, AdaptConfig, BertModel, BertTokenizer, Pass};
+use grng_lora::{Adapt, AdaptConfig, BertModel, BertTokenizer, Pass, SentenceClassifier};
 use grng_train::report::svg::{figure, Panel, Scale, Series};
 use grng_train::report::{fmt_seconds, text_table};
 use grng_train::train::Method;
 use rand::seq::SliceRandom;
-use rand::{Rng, SeedableRng};
+use rand::SeedableRng;
 use rand_chacha::ChaCha8Rng;
 use std::fmt::Write as _;
 use std::path::PathBuf;
@@ -155,6 +154,17 @@ impl Features {
         self.labels.len()
     }
 
+    /// The classifier's predictions over every row, in chunks.
+    fn predict(&self, clf: &SentenceClassifier) -> Result<Vec<u32>> {
+        let mut out = Vec::with_capacity(self.len());
+        let all: Vec<u32> = (0..self.len() as u32).collect();
+        for idx in all.chunks(128) {
+            let (h, m, _) = self.rows(idx)?;
+            out.extend(clf.predict(&h, &m)?);
+        }
+        Ok(out)
+    }
+
     /// Rows `idx`: hidden, mask, labels.
     fn rows(&self, idx: &[u32]) -> Result<(Tensor, Tensor, Vec<u32>)> {
         let i = c(Tensor::from_slice(idx, idx.len(), self.hidden.device()))?;
@@ -164,56 +174,6 @@ impl Features {
             idx.iter().map(|&k| self.labels[k as usize]).collect(),
         ))
     }
-}
-
-/// The adapted encoder top, mean pooling and the head.
-struct Classifier {
-    model: BertModel,
-    head: KronLinear,
-    first: usize,
-}
-
-impl Classifier {
-    fn logits(&self, hidden: &Tensor, mask: &Tensor, pass: Pass) -> Result<Tensor> {
-        let h = self.model.encode_from(hidden, mask, self.first, pass)?;
-        let pooled = mean_pool(&h, mask)?;
-        match pass {
-            Pass::Train => self.head.forward_record(&pooled),
-            Pass::Eval => self.head.forward_eval(&pooled),
-        }
-    }
-
-    /// Every trainable layer: the adapters, then the head.
-    fn layers(&self) -> Vec<KronLinear> {
-        let mut l = self.model.adapters();
-        l.push(self.head.clone());
-        l
-    }
-
-    fn vars(&self) -> Vec<Var> {
-        self.layers().iter().map(|l| l.weight().clone()).collect()
-    }
-
-    /// Predicted classes over `f`, in chunks.
-    fn predict(&self, f: &Features) -> Result<Vec<u32>> {
-        let mut out = Vec::with_capacity(f.len());
-        let all: Vec<u32> = (0..f.len() as u32).collect();
-        for idx in all.chunks(128) {
-            let (h, m, _) = f.rows(idx)?;
-            let z = self.logits(&h, &m, Pass::Eval)?;
-            out.extend(c(z.argmax(1).and_then(|a| a.to_vec1::<u32>()))?);
-        }
-        Ok(out)
-    }
-}
-
-fn loss(logits: &Tensor, y: &[u32]) -> Result<Tensor> {
-    let y = c(Tensor::from_slice(y, y.len(), logits.device()))?;
-    c(candle_nn::loss::cross_entropy(logits, &y))
-}
-
-fn scalar(t: &Tensor) -> Result<f32> {
-    c(t.to_scalar::<f32>())
 }
 
 fn accuracy(pred: &[u32], truth: &[u32]) -> f64 {
@@ -316,18 +276,6 @@ struct Setup<'a> {
     dev: &'a CDevice,
 }
 
-fn grad_norm(clf: &Classifier, probe: &(Tensor, Tensor, Vec<u32>)) -> Result<f64> {
-    let z = clf.logits(&probe.0, &probe.1, Pass::Train)?;
-    let grads = c(loss(&z, &probe.2)?.backward())?;
-    let mut sq = 0.0f64;
-    for v in clf.vars() {
-        if let Some(g) = grads.get(v.as_tensor()) {
-            sq += c(g.sqr().and_then(|s| s.sum_all()?.to_scalar::<f32>()))? as f64;
-        }
-    }
-    Ok(sq.sqrt())
-}
-
 fn run(s: &Setup<'_>, arm: Arm, n_train: usize, seed: u64) -> Result<RunResult> {
     let args = s.args;
     let mut rng = ChaCha8Rng::seed_from_u64(seed);
@@ -344,42 +292,17 @@ fn run(s: &Setup<'_>, arm: Arm, n_train: usize, seed: u64) -> Result<RunResult> 
         alpha: args.alpha,
     };
     let model = BertModel::load(s.model_dir, s.dev, Some((lora, adapt)), &mut rng)?;
-    let hidden = model.config().hidden_size;
-    let bound = 1.0 / (hidden as f32).sqrt();
-    let w: Vec<f32> = (0..2 * (hidden + 1))
-        .map(|i| {
-            if i % (hidden + 1) == hidden {
-                0.0
-            } else {
-                rng.random_range(-bound..bound)
-            }
-        })
-        .collect();
-    let head = KronLinear::from_weights(&c(Tensor::from_vec(w, (2, hidden + 1), s.dev))?)?;
-    let clf = Classifier {
-        model,
-        head,
-        first: s.first,
-    };
-    let method = arm.config(args.steps);
-    let mut opt = GrngOptimizer::try_new(
-        clf.vars(),
-        GrngConfig {
-            method,
-            rest: adamw(args.steps),
-            layers: clf.layers(),
-        },
-    )?;
-    let is_kalman = matches!(method, OptimizerConfig::Kalman(_));
+    let clf = SentenceClassifier::new(model, s.first, 2, &mut rng)?;
+    let mut opt = clf.optimizer(arm.config(args.steps), adamw(args.steps))?;
     let probe_idx: Vec<u32> = (0..n_train.min(64) as u32).collect();
     let probe = s.train.rows(&probe_idx)?;
     let mut order: Vec<u32> = Vec::new();
     let mut fisher_rng = ChaCha8Rng::seed_from_u64(seed ^ 0xF15E);
-    let eval = |clf: &Classifier, step: usize| -> Result<Point> {
+    let eval = |clf: &SentenceClassifier, step: usize| -> Result<Point> {
         Ok(Point {
             step,
-            val_acc: accuracy(&clf.predict(s.val)?, &s.val.labels),
-            grad_norm: grad_norm(clf, &probe)?,
+            val_acc: accuracy(&s.val.predict(clf)?, &s.val.labels),
+            grad_norm: clf.grad_norm(&probe.0, &probe.1, &probe.2)?,
         })
     };
     let mut curve = vec![eval(&clf, 0)?];
@@ -396,38 +319,7 @@ fn run(s: &Setup<'_>, arm: Arm, n_train: usize, seed: u64) -> Result<RunResult> 
         let idx: Vec<u32> = order.drain(..args.batch.min(order.len())).collect();
         let (h, m, y) = s.train.rows(&idx)?;
         let t0 = Instant::now();
-        let outcome = (|| -> Result<()> {
-            let z = clf.logits(&h, &m, Pass::Train)?;
-            if is_kalman {
-                opt.step_kalman(&z, &y)?;
-                return Ok(());
-            }
-            let l = loss(&z, &y)?;
-            let before = scalar(&l)?;
-            let mut grads = c(l.backward())?;
-            opt.regularize(&mut grads, || {
-                c(loss(&clf.logits(&h, &m, Pass::Train)?, &y)?.backward())
-            })?;
-            if opt.needs_fisher() {
-                capture_fisher(&clf.layers(), &z, FisherMode::Sampled, &y, &mut fisher_rng)?;
-            }
-            if opt.needs_sophia_sample() {
-                // Sophia-G: the gradient of the loss on labels drawn from the model.
-                let p: Vec<f32> = c(candle_nn::ops::softmax_last_dim(&z)
-                    .and_then(|p| p.flatten_all()?.to_vec1()))?;
-                let drawn: Vec<u32> = p
-                    .chunks(2)
-                    .map(|pk| sample_class(pk, fisher_rng.random::<f64>()) as u32)
-                    .collect();
-                let zs = clf.logits(&h, &m, Pass::Train)?;
-                let sg = c(loss(&zs, &drawn)?.backward())?;
-                opt.set_sophia_sample(&sg, y.len());
-            }
-            opt.step_observed(&grads, before, || {
-                scalar(&loss(&clf.logits(&h, &m, Pass::Eval)?, &y)?)
-            })?;
-            Ok(())
-        })();
+        let outcome = clf.train_step(&mut opt, &h, &m, &y, &mut fisher_rng);
         let dt = t0.elapsed().as_secs_f64();
         if let Err(e) = outcome {
             failure = Some(format!("step {step}: {e}"));
@@ -443,7 +335,7 @@ fn run(s: &Setup<'_>, arm: Arm, n_train: usize, seed: u64) -> Result<RunResult> 
             curve.push(p);
         }
     }
-    let pred = clf.predict(s.test)?;
+    let pred = s.test.predict(&clf)?;
     Ok(RunResult {
         curve,
         test_acc: accuracy(&pred, &s.test.labels),
