@@ -26,6 +26,8 @@ struct Inner {
     w: Var,
     d_in: usize,
     d_out: usize,
+    /// Whether `W̄` carries a bias column (inputs augmented with a 1).
+    bias: bool,
     record: Mutex<Record>,
 }
 
@@ -35,6 +37,9 @@ struct Inner {
 ///
 /// Inputs are `(..., d_in)`; every leading dimension is a sample (a sequence position counts
 /// as one), so the statistics have `n` = product-of-leading-dimensions rows.
+///
+/// [`KronLinear::bias_free`] makes a layer `z = W x` without the bias column (LoRA's
+/// adapters, [`crate::LoraLinear`]): there `W̄ = W` and `x̄ = x`.
 #[derive(Clone)]
 pub struct KronLinear {
     inner: Arc<Inner>,
@@ -57,13 +62,32 @@ impl KronLinear {
     /// [`Error::Shape`] for a tensor of another rank or fewer than 2 columns;
     /// [`Error::Candle`] when candle cannot copy it.
     pub fn from_weights(w_bar: &Tensor) -> Result<Self> {
+        Self::with_weights("KronLinear::from_weights", w_bar, true)
+    }
+
+    /// A layer `z = W x` without bias, with the weights `W` (`d_out x d_in`, f32) copied into a
+    /// fresh variable: its Kronecker shape is `(d_out, d_in)`.
+    ///
+    /// # Errors
+    /// [`Error::Shape`] for a tensor of another rank or a zero size; [`Error::Candle`] when
+    /// candle cannot copy it.
+    pub fn bias_free(w: &Tensor) -> Result<Self> {
+        Self::with_weights("KronLinear::bias_free", w, false)
+    }
+
+    fn with_weights(op: &'static str, w_bar: &Tensor, bias: bool) -> Result<Self> {
+        let min_cols = 1 + usize::from(bias);
         let (d_out, cols) = match w_bar.dims() {
-            [r, c] if *c >= 2 && *r >= 1 => (*r, *c),
+            [r, c] if *c >= min_cols && *r >= 1 => (*r, *c),
             d => {
                 return Err(Error::Shape {
-                    op: "KronLinear::from_weights",
+                    op,
                     arg: "w_bar",
-                    expected: "d_out x (d_in + 1) with d_out, d_in ≥ 1".into(),
+                    expected: if bias {
+                        "d_out x (d_in + 1) with d_out, d_in ≥ 1".into()
+                    } else {
+                        "d_out x d_in with d_out, d_in ≥ 1".into()
+                    },
                     got: format!("{d:?}"),
                 })
             }
@@ -73,8 +97,9 @@ impl KronLinear {
         Ok(Self {
             inner: Arc::new(Inner {
                 w,
-                d_in: cols - 1,
+                d_in: cols - usize::from(bias),
                 d_out,
+                bias,
                 record: Mutex::new(Record::default()),
             }),
         })
@@ -97,14 +122,18 @@ impl KronLinear {
         Self::from_weights(&w)
     }
 
-    /// The augmented weights `W̄ = [W b]`, `d_out x (d_in + 1)`.
+    /// The augmented weights `W̄ = [W b]`, `d_out x (d_in + 1)` (`W`, `d_out x d_in`, for a
+    /// [`KronLinear::bias_free`] layer).
     pub fn weight(&self) -> &Var {
         &self.inner.w
     }
 
-    /// `(d_out, d_in + 1)`: the Kronecker shape of `W̄`.
+    /// `(d_out, d_in + 1)`: the Kronecker shape of `W̄` (`(d_out, d_in)` without bias).
     pub fn shape(&self) -> (usize, usize) {
-        (self.inner.d_out, self.inner.d_in + 1)
+        (
+            self.inner.d_out,
+            self.inner.d_in + usize::from(self.inner.bias),
+        )
     }
 
     fn record(&self) -> std::sync::MutexGuard<'_, Record> {
@@ -167,7 +196,8 @@ impl KronLinear {
         self.project(&a, &lead, None)
     }
 
-    /// `x̄ = [x; 1]` as `n x (d_in + 1)` rows and the leading dimensions of `x`.
+    /// `x̄ = [x; 1]` as `n x (d_in + 1)` rows (`x` as `n x d_in` without bias) and the leading
+    /// dimensions of `x`.
     fn augmented(&self, x: &Tensor) -> Result<(Tensor, Vec<usize>)> {
         let dims = x.dims();
         let d_in = self.inner.d_in;
@@ -184,8 +214,12 @@ impl KronLinear {
         }
         let lead = dims[..dims.len() - 1].to_vec();
         let n = lead.iter().product::<usize>();
+        let bias = self.inner.bias;
         let a = (|| {
             let x = x.reshape((n, d_in))?;
+            if !bias {
+                return Ok(x);
+            }
             let ones = Tensor::ones((n, 1), x.dtype(), x.device())?;
             Tensor::cat(&[&x, &ones], 1)
         })()
@@ -258,6 +292,11 @@ fn check_value_pos(op: &'static str, d_in: usize, d_out: usize) -> Result<()> {
 /// extra backward pass of `Σ_k v_kᵀ z_k` with `v_k` the output-layer rows (`C` passes for
 /// `Exact`). `labels` are checked in every mode, read only by `Empirical`.
 ///
+/// A layer applied at `T` positions of each sample (a transformer's projection under a pooled
+/// classifier: its recorded forward pass has `n·T` rows, sample-major) gets one row of `A` and
+/// `E` per position, with `E` scaled by `√T`: the K-FAC-expand factors (Eschenhagen et al.,
+/// NeurIPS 2023), `A = (1/(nT))Σ x̄x̄ᵀ`, `Γ = (1/n)Σ_k Σ_t e_kt e_ktᵀ`.
+///
 /// # Errors
 /// [`Error::Shape`] for `logits` not `n x C` or `labels` not `n` long;
 /// [`Error::Value`] for a label `≥ C`, or a layer without a recorded forward pass of `n` rows;
@@ -270,42 +309,11 @@ pub fn capture_fisher<R: Rng + ?Sized>(
     rng: &mut R,
 ) -> Result<()> {
     const OP: &str = "grng_candle::capture_fisher";
-    let (n, c) = match logits.dims() {
-        [n, c] => (*n, *c),
-        d => {
-            return Err(Error::Shape {
-                op: OP,
-                arg: "logits",
-                expected: "n x C".into(),
-                got: format!("{d:?}"),
-            })
-        }
-    };
+    let Probed { n, c, p, recorded } = probed(OP, layers, logits)?;
     check_len(OP, "labels", labels.len(), n)?;
     if let Some(&bad) = labels.iter().find(|&&y| y as usize >= c) {
         return grng::error::check_value(OP, "labels", bad as f64, false, "labels < C");
     }
-    let recorded: Vec<(Tensor, Var)> = layers
-        .iter()
-        .enumerate()
-        .map(|(l, layer)| {
-            let r = layer.record();
-            match (&r.a, &r.probe) {
-                (Some(a), Some(p)) if a.dims()[0] == n => Ok((a.clone(), p.clone())),
-                _ => Err(Error::Value {
-                    op: OP,
-                    arg: "layers",
-                    value: l as f64,
-                    expected: "layers whose last recorded forward pass produced `logits`",
-                }),
-            }
-        })
-        .collect::<Result<_>>()?;
-    let p: Vec<f32> =
-        candle_nn::ops::softmax_last_dim(&logits.to_dtype(DType::F32).map_err(from_candle)?)
-            .and_then(|p| p.flatten_all()?.to_vec1())
-            .map_err(from_candle)?;
-    grng::error::check_finite(OP, "softmax(logits)", &p)?;
     let rows = |k: usize| &p[k * c..(k + 1) * c];
     // Output-layer gradient rows `v` (n x C) of each backward pass.
     let passes: Vec<Vec<f32>> = match mode {
@@ -339,33 +347,26 @@ pub fn capture_fisher<R: Rng + ?Sized>(
     };
     let per_pass: Vec<Vec<Tensor>> = passes
         .iter()
-        .map(|v| {
-            let v = Tensor::from_slice(v, (n, c), logits.device())?;
-            let grads = logits.mul(&v)?.sum_all()?.backward()?;
-            recorded
-                .iter()
-                .enumerate()
-                .map(|(l, (_, probe))| {
-                    grads.get(probe.as_tensor()).cloned().ok_or_else(|| {
-                        candle_core::Error::Msg(format!(
-                            "{OP}: the output of layers[{l}] does not reach `logits`"
-                        ))
-                    })
-                })
-                .collect::<candle_core::Result<Vec<_>>>()
-        })
-        .collect::<candle_core::Result<_>>()
-        .map_err(from_candle)?;
+        .map(|v| probe_gradients(OP, logits, &recorded, v))
+        .collect::<Result<_>>()?;
     let stats: Vec<(Tensor, Tensor)> = recorded
         .iter()
         .enumerate()
         .map(|(l, (a, _))| {
+            // K-FAC-expand for a layer applied at T positions per sample: √T·e, so that
+            // Γ = EᵀE/(nT) = (1/n)Σ_k Σ_t e_kt e_ktᵀ (a sum over the positions of a sample,
+            // a mean over samples) beside A = (1/(nT))Σ x̄ x̄ᵀ. T = 1 leaves E as it is.
+            let positions = a.dims()[0] / n;
+            let expand = |e: Tensor| match positions {
+                1 => Ok(e),
+                t => e.affine((t as f64).sqrt(), 0.0),
+            };
             if per_pass.len() == 1 {
-                return Ok((a.clone(), per_pass[0][l].detach()));
+                return Ok((a.clone(), expand(per_pass[0][l].detach())?));
             }
             // Exact: row k·C + cls of E from pass `cls`, row k of A repeated C times.
             let es: Vec<&Tensor> = per_pass.iter().map(|p| &p[l]).collect();
-            let e = Tensor::stack(&es, 1)?.flatten_to(1)?.detach();
+            let e = expand(Tensor::stack(&es, 1)?.flatten_to(1)?.detach())?;
             let (rows_a, cols_a) = a.dims2()?;
             let a = a
                 .unsqueeze(1)?
@@ -380,4 +381,144 @@ pub fn capture_fisher<R: Rng + ?Sized>(
         layer.record().stats = Some((owned(&a)?, owned(&e)?));
     }
     Ok(())
+}
+
+/// The softmax of `logits` (`n x C`) and each layer's recorded rows `x̄` and output probe from
+/// the forward pass that produced them.
+struct Probed {
+    n: usize,
+    c: usize,
+    /// `softmax(logits)`, row-major `n x C`, finite.
+    p: Vec<f32>,
+    recorded: Vec<(Tensor, Var)>,
+}
+
+fn probed(op: &'static str, layers: &[KronLinear], logits: &Tensor) -> Result<Probed> {
+    let (n, c) = match logits.dims() {
+        [n, c] if *n >= 1 && *c >= 1 => (*n, *c),
+        d => {
+            return Err(Error::Shape {
+                op,
+                arg: "logits",
+                expected: "n x C with n, C ≥ 1".into(),
+                got: format!("{d:?}"),
+            })
+        }
+    };
+    let recorded = layers
+        .iter()
+        .enumerate()
+        .map(|(l, layer)| {
+            let r = layer.record();
+            match (&r.a, &r.probe) {
+                (Some(a), Some(p)) if a.dims()[0] % n == 0 => Ok((a.clone(), p.clone())),
+                _ => Err(Error::Value {
+                    op,
+                    arg: "layers",
+                    value: l as f64,
+                    expected: "layers whose last recorded forward pass produced `logits` \
+                               (n or n·T rows)",
+                }),
+            }
+        })
+        .collect::<Result<_>>()?;
+    let p: Vec<f32> =
+        candle_nn::ops::softmax_last_dim(&logits.to_dtype(DType::F32).map_err(from_candle)?)
+            .and_then(|p| p.flatten_all()?.to_vec1())
+            .map_err(from_candle)?;
+    grng::error::check_finite(op, "softmax(logits)", &p)?;
+    Ok(Probed { n, c, p, recorded })
+}
+
+/// One backward pass of `Σ_k v_kᵀ z_k` (`v` row-major `n x C`, `z = logits`): each layer's
+/// probe gradient, `∂(Σ_k v_kᵀ z_k)/∂(layer output)` (`rows x d_out`).
+fn probe_gradients(
+    op: &'static str,
+    logits: &Tensor,
+    recorded: &[(Tensor, Var)],
+    v: &[f32],
+) -> Result<Vec<Tensor>> {
+    (|| {
+        let v = Tensor::from_slice(v, logits.dims(), logits.device())?;
+        let grads = logits.mul(&v)?.sum_all()?.backward()?;
+        recorded
+            .iter()
+            .enumerate()
+            .map(|(l, (_, probe))| {
+                grads.get(probe.as_tensor()).cloned().ok_or_else(|| {
+                    candle_core::Error::Msg(format!(
+                        "{op}: the output of layers[{l}] does not reach `logits`"
+                    ))
+                })
+            })
+            .collect::<candle_core::Result<Vec<_>>>()
+    })()
+    .map_err(from_candle)
+}
+
+/// The Kalman filters' observation of a classifier (docs/math.md §3): the predicted
+/// probabilities `ŷ = softmax(z)` and their Jacobian `H = ∂ŷ/∂θ` with respect to the weights
+/// `θ` of `layers`, from the forward pass that produced `logits`.
+#[derive(Clone, Debug)]
+pub struct OutputJacobian {
+    /// `ŷ`, `n·C` long, sample-major (`ŷ[k·C + j] = p_kj`): the layout of [`RKalman`]'s
+    /// stacked observation.
+    ///
+    /// [`RKalman`]: grng::optim::kalman::RKalman
+    pub probs: Vec<f32>,
+    /// `H`, `n·C x N` (`f32`, row-major): row `k·C + j` is `∂p_kj/∂θ`; its columns are the
+    /// layers' weights `W̄_l` flattened row-major, layer after layer (`N = Σ_l d_out·d_in`,
+    /// the shapes of [`KronLinear::shape`]).
+    pub h: Tensor,
+}
+
+/// The output Jacobian of a softmax classifier with respect to the weights of `layers` (each
+/// must have recorded the forward pass that produced `logits`, `n x C`), from `C` backward
+/// passes: pass `j` backpropagates row `j` of `∂p_k/∂z_k = diag(p_k) − p_k p_kᵀ` for every
+/// sample at once, and the per-sample rows follow from each layer's recorded inputs and
+/// probe gradients, `∂p_kj/∂W̄ = Σ_t e⁽ʲ⁾_kt x̄_ktᵀ` (a sum over the layer's `T` positions per
+/// sample). Costs `C` backward passes and `n·C·N` memory — for classifiers with few classes,
+/// as the Kalman filters' `d_o = n·C` observation is.
+///
+/// # Errors
+/// [`Error::Shape`] for `logits` not `n x C`; [`Error::Value`] for a layer without a recorded
+/// forward pass of `n·T` rows; [`Error::NonFinite`] for NaN/Inf logits; [`Error::Candle`].
+pub fn output_jacobian(layers: &[KronLinear], logits: &Tensor) -> Result<OutputJacobian> {
+    const OP: &str = "grng_candle::output_jacobian";
+    let Probed { n, c, p, recorded } = probed(OP, layers, logits)?;
+    let per_class: Vec<Tensor> = (0..c)
+        .map(|j| {
+            // Row j of diag(p_k) − p_k p_kᵀ: p_kj·(onehot(j) − p_k).
+            let mut v = vec![0.0f32; n * c];
+            for k in 0..n {
+                let pk = &p[k * c..(k + 1) * c];
+                for (vi, &pi) in v[k * c..(k + 1) * c].iter_mut().zip(pk) {
+                    *vi = -pk[j] * pi;
+                }
+                v[k * c + j] += pk[j];
+            }
+            let es = probe_gradients(OP, logits, &recorded, &v)?;
+            let blocks = recorded
+                .iter()
+                .zip(&es)
+                .map(|((a, _), e)| {
+                    // (n, d_out, T)·(n, T, d_in): the sum over a sample's positions.
+                    let (rows, d_in) = a.dims2()?;
+                    let d_out = e.dims2()?.1;
+                    let t = rows / n;
+                    let e = e.reshape((n, t, d_out))?.transpose(1, 2)?;
+                    let a = a.reshape((n, t, d_in))?;
+                    e.matmul(&a)?.reshape((n, d_out * d_in))
+                })
+                .collect::<candle_core::Result<Vec<_>>>()
+                .map_err(from_candle)?;
+            Tensor::cat(&blocks, 1).map_err(from_candle)
+        })
+        .collect::<Result<_>>()?;
+    let h = (|| {
+        let cols = per_class[0].dims2()?.1;
+        Tensor::stack(&per_class, 1)?.reshape((n * c, cols))
+    })()
+    .map_err(from_candle)?;
+    Ok(OutputJacobian { probs: p, h })
 }

@@ -7,6 +7,8 @@
 //! - [`KronLinear`]: a linear layer `y = W̄ x̄` (`W̄ = [W b]`, `x̄ = [x; 1]`, docs/math.md §1) that
 //!   records its inputs `A` and output gradients `E` for the Kronecker factors;
 //!   [`capture_fisher`] forms them in the reference trainer's three [`FisherMode`]s.
+//! - [`LoraLinear`]: a frozen linear layer with LoRA adapters `A`, `B` that are bias-free
+//!   `KronLinear`s of their own, so the Kronecker methods precondition each adapter.
 //! - [`GrngOptimizer`]: a `candle_nn::Optimizer` running RING, RENG, NGD, AdamW, SGD or
 //!   Sophia, with `KronLinear` weights Kronecker-preconditioned and every other variable
 //!   updated by AdamW; [`GrngOptimizer::regularize`] forms RENG's `g + 2c·H_L g` and
@@ -25,7 +27,7 @@
 //! `tests/candle_grng.rs` skip without one.
 //!
 //! Where things are: `view.rs` (views), `cuda.rs` (CUDA storages, feature `cuda`), `layer.rs`
-//! (layer, statistics), `optim.rs` (optimizer); tests `tests/candle_grng.rs`; examples
+//! (layer, statistics), `lora.rs` (LoRA), `optim.rs` (optimizer); tests `tests/candle_grng.rs`; examples
 //! `examples/candle_{mlp,gpt}.rs`; bench `benches/candle_step.rs`.
 //!
 //! [`FisherMode`]: grng::optim::fisher::FisherMode
@@ -34,9 +36,11 @@ mod buffer;
 #[cfg(feature = "cuda")]
 mod cuda;
 mod layer;
+mod lora;
 mod optim;
 mod view;
 
-pub use layer::{capture_fisher, KronLinear};
+pub use layer::{capture_fisher, output_jacobian, KronLinear, OutputJacobian};
+pub use lora::{LoraConfig, LoraLinear};
 pub use optim::{GrngConfig, GrngOptimizer, Observed};
 pub use view::{candle_device, grng_device, with_matrices, with_matrix, ViewAs};

@@ -1,12 +1,14 @@
 //! [`GrngOptimizer`]: grng's optimizers behind `candle_nn::Optimizer`, with parameter groups.
 
 use super::buffer::{from_candle, to_candle};
-use super::layer::KronLinear;
+use super::layer::{output_jacobian, KronLinear};
 use super::view::{check_same_device, grng_device, owned, storage_addr, with_matrices, ViewAs};
 use candle_core::backprop::GradStore;
 use candle_core::{Tensor, Var};
 use grng::error::{Error, Result};
+use grng::ops::kalman::KalmanInfo;
 use grng::optim::adamw::{AdamW, AdamWConfig};
+use grng::optim::kalman::{RKalman, RKalmanConfig};
 use grng::optim::kron::{KronConfig, KronGrad, KronOptimizer, KronStepInfo, KronVariant};
 use grng::optim::sgd::Sgd;
 use grng::optim::sophia::{Sophia, SophiaHessians};
@@ -18,10 +20,11 @@ use grng::{Device, Matrix};
 #[derive(Clone, Debug)]
 pub struct GrngConfig {
     /// The method: [`OptimizerConfig::Kron`] (RING, RENG, NGD by its variant),
-    /// [`OptimizerConfig::AdamW`], [`OptimizerConfig::Sgd`] or [`OptimizerConfig::Sophia`].
-    /// [`OptimizerConfig::Kalman`] is refused: the Kalman filters update from the output
-    /// Jacobian `H = ∂ŷ/∂θ` (`d_o·m x n`), which candle's reverse mode gives only one output
-    /// row per backward pass.
+    /// [`OptimizerConfig::AdamW`], [`OptimizerConfig::Sgd`], [`OptimizerConfig::Sophia`], or
+    /// [`OptimizerConfig::Kalman`] (R-Kalman, Kalman) when every variable is a [`KronLinear`]
+    /// weight: the filters update from the output Jacobian `H = ∂ŷ/∂θ`, which
+    /// [`output_jacobian`](crate::output_jacobian) forms from the layers' recorded inputs
+    /// and probes (step with [`GrngOptimizer::step_kalman`]).
     pub method: OptimizerConfig,
     /// AdamW for the variables that are not [`KronLinear`] weights (Kronecker methods only:
     /// norms, embeddings, free biases).
@@ -60,6 +63,16 @@ fn lend_once<'t>(ts: &mut Vec<&'t Tensor>, t: &'t Tensor) -> usize {
     }
 }
 
+/// R-Kalman or Kalman over the weights of the Kronecker layers, flattened layer after layer
+/// (the columns of [`output_jacobian`]'s `H`). The filter is made at the first step, when the
+/// observation's size `d_o = n·C` is known; its mean `μ` is the parameters, written back to
+/// the layers' variables after every step.
+struct KalmanArm {
+    config: RKalmanConfig,
+    filter: Option<RKalman>,
+    layers: Vec<KronLinear>,
+}
+
 /// The first-order optimizer of the variables that are not `KronLinear` weights: one
 /// multi-tensor optimizer over all of them (each seen as a column), so a step is one device op.
 enum Flat {
@@ -81,6 +94,7 @@ enum Flat {
 pub struct GrngOptimizer {
     device: Device,
     kron: Option<(KronOptimizer, Vec<KronLinear>)>,
+    kalman: Option<KalmanArm>,
     /// `None` when every variable is a `KronLinear` weight.
     flat: Option<(Flat, Vec<Var>)>,
     rest: AdamWConfig,
@@ -125,6 +139,7 @@ impl GrngOptimizer {
             None => Device::Cpu,
         };
         let kron_ids: Vec<_> = config.layers.iter().map(|l| l.weight().id()).collect();
+        let mut kalman = None;
         let (kron, flat_vars): (_, Vec<Var>) = match config.method {
             OptimizerConfig::Kron(k) => {
                 let shapes: Vec<_> = config.layers.iter().map(KronLinear::shape).collect();
@@ -135,14 +150,23 @@ impl GrngOptimizer {
                 let rest = vars.into_iter().filter(|v| !kron_ids.contains(&v.id()));
                 (kron, rest.collect())
             }
-            OptimizerConfig::Kalman(_) => {
-                return Err(Error::Value {
-                    op: OP,
-                    arg: "config.method",
-                    value: 0.0,
-                    expected:
-                        "a Kronecker or first-order method (Kalman needs the output Jacobian)",
-                })
+            OptimizerConfig::Kalman(c) => {
+                c.validate()?;
+                if config.layers.is_empty() || vars.iter().any(|v| !kron_ids.contains(&v.id())) {
+                    return Err(Error::Value {
+                        op: OP,
+                        arg: "vars",
+                        value: vars.len() as f64,
+                        expected: "KronLinear weights only, at least one (the Kalman filters' \
+                                   Jacobian comes from the layers' recorded passes)",
+                    });
+                }
+                kalman = Some(KalmanArm {
+                    config: c,
+                    filter: None,
+                    layers: config.layers.clone(),
+                });
+                (None, Vec::new())
             }
             _ => (None, vars),
         };
@@ -170,6 +194,7 @@ impl GrngOptimizer {
         Ok(Self {
             device,
             kron,
+            kalman,
             flat,
             rest: config.rest,
             method: config.method,
@@ -282,6 +307,14 @@ impl GrngOptimizer {
     /// first-order update that overflows after the Kronecker step ran).
     pub fn try_step(&mut self, grads: &GradStore) -> Result<Option<KronStepInfo>> {
         const OP: &str = "GrngOptimizer::step";
+        if self.kalman.is_some() {
+            return Err(Error::Value {
+                op: OP,
+                arg: "method",
+                value: 0.0,
+                expected: "a gradient method (Kalman filters step with step_kalman)",
+            });
+        }
         let dev = self.device.clone();
         let finite = |arg: &'static str, t: &Tensor| -> Result<Tensor> {
             let t = owned(t)?;
@@ -440,6 +473,74 @@ impl GrngOptimizer {
         if sample.is_some() {
             self.sophia_sample = None;
         }
+        Ok(info)
+    }
+
+    /// One R-Kalman / Kalman step (docs/math.md §3) on the batch whose recorded forward pass
+    /// produced `logits` (`n x C`, softmax classifier) with the data `labels`: the
+    /// observation is the one-hot labels against `ŷ = softmax(z)`, `d_o = n·C`, with the
+    /// Jacobian of [`output_jacobian`](crate::output_jacobian). The filter is made at the
+    /// first step from the layers' current weights; `n` is fixed from then on (the
+    /// observation noise `R` is `d_o x d_o`). The layers' variables are set to the filter's
+    /// mean afterwards.
+    ///
+    /// # Errors
+    /// [`Error::Value`] when the method is not a Kalman filter, or for a label `≥ C`;
+    /// [`Error::Shape`] for `labels` not `n` long or an `n` other than the first step's;
+    /// those of [`output_jacobian`](crate::output_jacobian) and [`RKalman::step`]. On error
+    /// nothing changes.
+    pub fn step_kalman(&mut self, logits: &Tensor, labels: &[u32]) -> Result<KalmanInfo> {
+        const OP: &str = "GrngOptimizer::step_kalman";
+        let dev = self.device.clone();
+        let Some(arm) = &mut self.kalman else {
+            return Err(Error::Value {
+                op: OP,
+                arg: "method",
+                value: 0.0,
+                expected: "OptimizerConfig::Kalman (gradient methods step with try_step)",
+            });
+        };
+        let jac = output_jacobian(&arm.layers, logits)?;
+        let d_o = jac.probs.len();
+        let (n, c) = logits.dims2().map_err(from_candle)?;
+        grng::error::check_len(OP, "labels", labels.len(), n)?;
+        if let Some(&bad) = labels.iter().find(|&&y| y as usize >= c) {
+            grng::error::check_value(OP, "labels", bad as f64, false, "labels < C")?;
+        }
+        let mut innovation: Vec<f32> = jac.probs.iter().map(|p| -p).collect();
+        for (k, &y) in labels.iter().enumerate() {
+            innovation[k * c + y as usize] += 1.0;
+        }
+        let innovation = dev.upload(d_o, 1, &innovation)?;
+        let filter = match &mut arm.filter {
+            Some(f) => f,
+            None => {
+                let mut mu0 = Vec::new();
+                for l in &arm.layers {
+                    let w = l.weight().as_tensor();
+                    mu0.extend(
+                        w.flatten_all()
+                            .and_then(|w| w.to_vec1::<f32>())
+                            .map_err(from_candle)?,
+                    );
+                }
+                arm.filter
+                    .insert(RKalman::new(&dev, &mu0, d_o, arm.config)?)
+            }
+        };
+        grng::error::check_shape(OP, "logits (n·C)", (d_o, 1), (filter.d_o(), 1))?;
+        let info =
+            super::view::with_matrix(&jac.h, ViewAs::Matrix, |h| filter.step(h, &innovation))?;
+        let mu = filter.params().to_vec()?;
+        let mut at = 0;
+        for l in &arm.layers {
+            let w = l.weight();
+            let len = w.elem_count();
+            let t = Tensor::from_slice(&mu[at..at + len], w.dims(), w.device());
+            t.and_then(|t| w.set(&t)).map_err(from_candle)?;
+            at += len;
+        }
+        arm.layers.iter().for_each(KronLinear::end_step);
         Ok(info)
     }
 

@@ -971,3 +971,87 @@ mod cuda {
         assert!(grng_candle::candle_device("cuda:0").unwrap().is_cuda());
     }
 }
+
+// ---- Kalman filters: the output Jacobian against the reference MLP, the step against grng ----
+
+/// `output_jacobian` of the candle layers is the reference MLP's `output_jacobian` (the same
+/// network and batch, computed by its own backward pass); `step_kalman` is grng's
+/// `RKalman::step` on that Jacobian, bit for bit, over two steps (R-Kalman and plain Kalman),
+/// the layers' variables set to the filter's mean.
+///
+/// Jacobian tolerance: entries are `p_kj·(δ_jc − p_kc)·(∂z/∂θ)` with `|p(1−p)| ≤ 1/4`,
+/// inputs in `[−1, 1]` and weights `≤ 1/√d_in`, backpropagated through two `f32` layers of
+/// width ≤ 6 in different summation orders: ≲ 20 roundings of unit-scale terms, `≤ 2e-6`;
+/// checked at `1e-5`.
+#[test]
+fn kalman_steps_match_grng() {
+    use grng::optim::kalman::{RKalman, RKalmanConfig};
+    for config in [RKalmanConfig::default(), RKalmanConfig::plain()] {
+        let Case {
+            mlp,
+            layers,
+            x,
+            labels,
+        } = case(vec![6, 5, 4], 3, common::seed());
+        let (m, c) = (labels.len(), 4);
+        let reference = mlp.output_jacobian(x.as_ref()).unwrap();
+        let (vars, mut opt) = optimizer_on(&layers, OptimizerConfig::Kalman(config));
+        let mu0: Vec<f32> = vars.iter().flat_map(|v| host(v)).collect();
+        assert_eq!(mu0, mlp.params());
+        let mut filter = RKalman::new(&Device::Cpu, &mu0, m * c, config).unwrap();
+        for step in 0..2 {
+            let z = logits(&layers, &x, None);
+            let jac = grng_candle::output_jacobian(&layers, &z).unwrap();
+            if step == 0 {
+                assert_eq!(jac.h.dims(), &[m * c, mlp.num_params()]);
+                assert!(max_diff(&host(&jac.h), reference.h.as_slice()) <= 1e-5);
+                assert!(max_diff(&jac.probs, reference.y.as_slice()) <= 1e-6);
+            }
+            let mut innovation: Vec<f32> = jac.probs.iter().map(|p| -p).collect();
+            for (k, &y) in labels.iter().enumerate() {
+                innovation[k * c + y] += 1.0;
+            }
+            let h = mat(&Device::Cpu, &jac.h, m * c, mlp.num_params());
+            let innovation = Device::Cpu.upload(m * c, 1, &innovation).unwrap();
+            filter.step(&h, &innovation).unwrap();
+            opt.step_kalman(&z, &u32s(&labels)).unwrap();
+            let now: Vec<f32> = vars.iter().flat_map(|v| host(v)).collect();
+            assert_eq!(now, filter.params().to_vec().unwrap(), "step {step}");
+        }
+    }
+}
+
+/// The Kalman arm refuses what it cannot do, and a failed step changes nothing.
+#[test]
+fn bad_kalman_input_is_a_typed_error_and_changes_nothing() {
+    let Case {
+        layers, x, labels, ..
+    } = case(vec![5, 4, 3], 4, common::seed());
+    let kalman = OptimizerConfig::Kalman(grng::optim::kalman::RKalmanConfig::default());
+    let (vars, mut opt) = optimizer_on(&layers, kalman);
+    let before: Vec<Vec<f32>> = vars.iter().map(|v| host(v)).collect();
+    let z = logits(&layers, &x, None);
+    let grads = z.sum_all().unwrap().backward().unwrap();
+    assert!(matches!(opt.try_step(&grads), Err(Error::Value { .. })));
+    let y = u32s(&labels);
+    let r = opt.step_kalman(&z, &y[1..]);
+    assert!(matches!(r, Err(Error::Shape { .. })), "{r:?}");
+    let r = opt.step_kalman(&z, &[3, 0, 0, 0]);
+    assert!(matches!(r, Err(Error::Value { .. })), "{r:?}");
+    let nan = z.affine(f64::NAN, 0.0).unwrap();
+    let r = opt.step_kalman(&nan, &y);
+    assert!(matches!(r, Err(Error::NonFinite { .. })), "{r:?}");
+    assert_eq!(vars.iter().map(|v| host(v)).collect::<Vec<_>>(), before);
+    opt.step_kalman(&z, &y).unwrap();
+    // The batch size is the filter's from the first step on.
+    let short = Mat::from_vec(x.as_slice()[..10].to_vec(), 2, 5).unwrap();
+    let z2 = logits(&layers, &short, None);
+    let after: Vec<Vec<f32>> = vars.iter().map(|v| host(v)).collect();
+    let r = opt.step_kalman(&z2, &y[..2]);
+    assert!(matches!(r, Err(Error::Shape { .. })), "{r:?}");
+    assert_eq!(vars.iter().map(|v| host(v)).collect::<Vec<_>>(), after);
+    // A gradient method has no Kalman step.
+    let (_, mut ring) = optimizer_on(&layers, OptimizerConfig::Kron(KronConfig::ring()));
+    let z = logits(&layers, &x, None);
+    assert!(matches!(ring.step_kalman(&z, &y), Err(Error::Value { .. })));
+}
