@@ -23,13 +23,12 @@
 //! against `tests/fixtures/minilm-reference.json`, made by `scripts/minilm-reference.py`).
 
 mod bert;
-mod lora_placeholder;
 mod tokenize;
 
 pub use bert::{
     mean_pool, random_weights, Adapt, AdaptConfig, BertConfig, BertModel, Pass, WEIGHTS_FILE,
 };
-pub use lora_placeholder::{LoraConfig, LoraLinear};
+pub use grng_candle::{LoraConfig, LoraLinear};
 pub use tokenize::{BertTokenizer, Encoded};
 
 use grng::{Error, Result};

@@ -86,6 +86,9 @@ impl BertTokenizer {
                 format!("no {} token: not a BERT tokenizer", absent.join(", ")),
             ));
         };
+        // The file's own truncation and padding (all-MiniLM-L6-v2's pads to 128) go: the
+        // framing check sees the bare template, and ours replace them below.
+        tokenizer.with_padding(None);
         let framed = tokenizer
             .encode("", true)
             .map_err(|e| pretrained(path, format!("cannot encode: {e}")))?;
@@ -125,7 +128,13 @@ impl BertTokenizer {
     /// not on valid UTF-8) or candle cannot make the tensors.
     pub fn encode<S: AsRef<str>>(&self, texts: &[S], device: &Device) -> Result<Encoded> {
         const OP: &str = "BertTokenizer::encode";
-        grng::error::check_value(OP, "texts.len()", 0.0, !texts.is_empty(), "at least one text")?;
+        grng::error::check_value(
+            OP,
+            "texts.len()",
+            0.0,
+            !texts.is_empty(),
+            "at least one text",
+        )?;
         let inputs = texts.iter().map(|t| t.as_ref()).collect::<Vec<_>>();
         let encodings = self
             .tokenizer

@@ -410,10 +410,22 @@ impl BertModel {
         self.check_layer(OP, "from_layer", from_layer)?;
         let (b, s) = match hidden.dims() {
             &[b, s, h] if b > 0 && s > 0 && h == self.config.hidden_size => (b, s),
-            d => return Err(shape(OP, "hidden", format!("batch x seq x {}", self.config.hidden_size), d)),
+            d => {
+                return Err(shape(
+                    OP,
+                    "hidden",
+                    format!("batch x seq x {}", self.config.hidden_size),
+                    d,
+                ))
+            }
         };
         check_dims(OP, "mask", mask, &[b, s])?;
-        self.encode(hidden.clone(), mask, from_layer..self.frozen.layers.len(), pass)
+        self.encode(
+            hidden.clone(),
+            mask,
+            from_layer..self.frozen.layers.len(),
+            pass,
+        )
     }
 
     /// The encoder layers `layers` on `hidden`.
@@ -452,16 +464,32 @@ impl BertModel {
 
     fn check_layer(&self, op: &'static str, arg: &'static str, layer: usize) -> Result<()> {
         let n = self.frozen.layers.len();
-        grng::error::check_value(op, arg, layer as f64, layer <= n, "at most num_hidden_layers")
+        grng::error::check_value(
+            op,
+            arg,
+            layer as f64,
+            layer <= n,
+            "at most num_hidden_layers",
+        )
     }
 
     /// `(batch, seq)` of a `batch x seq` token tensor with both ≥ 1 and `seq` within the
     /// position table.
-    fn check_tokens(&self, op: &'static str, arg: &'static str, t: &Tensor) -> Result<(usize, usize)> {
+    fn check_tokens(
+        &self,
+        op: &'static str,
+        arg: &'static str,
+        t: &Tensor,
+    ) -> Result<(usize, usize)> {
         let max = self.config.max_position_embeddings;
         match t.dims() {
             &[b, s] if b > 0 && s > 0 && s <= max => Ok((b, s)),
-            d => Err(shape(op, arg, format!("batch x seq, both ≥ 1, seq ≤ {max}"), d)),
+            d => Err(shape(
+                op,
+                arg,
+                format!("batch x seq, both ≥ 1, seq ≤ {max}"),
+                d,
+            )),
         }
     }
 }

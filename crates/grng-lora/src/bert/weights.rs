@@ -33,12 +33,12 @@ impl Checkpoint {
 
     /// Tensors already in memory (named as in a file at `path`, for the error messages).
     pub(super) fn new(tensors: HashMap<String, Tensor>, path: &Path) -> Self {
-        let prefix = if !tensors.contains_key(WORDS) && tensors.contains_key(&format!("bert.{WORDS}"))
-        {
-            "bert."
-        } else {
-            ""
-        };
+        let prefix =
+            if !tensors.contains_key(WORDS) && tensors.contains_key(&format!("bert.{WORDS}")) {
+                "bert."
+            } else {
+                ""
+            };
         Self {
             tensors,
             prefix,
@@ -56,7 +56,9 @@ impl Checkpoint {
         let t = self.tensors.remove(&key).ok_or_else(|| {
             pretrained(
                 &self.path,
-                format!("no tensor `{key}`: not a BERT checkpoint of the architecture in config.json"),
+                format!(
+                    "no tensor `{key}`: not a BERT checkpoint of the architecture in config.json"
+                ),
             )
         })?;
         if t.dims() != shape {
@@ -101,10 +103,10 @@ pub(super) fn random_tensor<R: Rng + ?Sized>(
         (0.0, 1.0 / (shape[shape.len() - 1] as f32).sqrt())
     };
     let n = shape.iter().product::<usize>();
-    let v = grng::error::try_vec(n, 1, 0.0f32)?
-        .into_iter()
-        .map(|_| center + rng.random_range(-half_width..half_width))
-        .collect::<Vec<_>>();
+    let mut v = grng::error::try_vec(n, 1, 0.0f32)?;
+    for x in &mut v {
+        *x = center + rng.random_range(-half_width..half_width);
+    }
     Tensor::from_vec(v, shape, device).grng()
 }
 
