@@ -101,6 +101,18 @@ pub enum Error {
     /// An error raised by candle itself (through `grng-candle`).
     #[error("candle: {0}")]
     Candle(String),
+    /// A pretrained model's folder or files (config, weights, tokenizer) that are missing or
+    /// do not fit the model that reads them: a tensor absent or of another shape, an
+    /// unsupported architecture, a tokenizer of another vocabulary (raised by `grng-lora`).
+    /// `reason` names the tensor, field or token, and says how to get the model where the
+    /// folder is missing.
+    #[error("{}: {reason}", path.display())]
+    Pretrained {
+        /// The folder or file that does not fit.
+        path: std::path::PathBuf,
+        /// What is wrong, naming the tensor, field or token.
+        reason: String,
+    },
     /// A file-system error, with the path it happened on.
     #[error("{}: {source}", path.display())]
     Io {
