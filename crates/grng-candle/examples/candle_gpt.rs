@@ -3,8 +3,8 @@
 //! preconditioned by RING / RENG / NGD; embeddings and layer norms take AdamW.
 //!
 //! ```sh
-//! cargo run --release --features candle --example candle_gpt            # RING, NGD, AdamW
-//! cargo run --release --features candle --example candle_gpt -- --methods ring,reng,ngd,adamw --steps 400
+//! cargo run --release -p grng-candle --example candle_gpt            # RING, NGD, AdamW
+//! cargo run --release -p grng-candle --example candle_gpt -- --methods ring,reng,ngd,adamw --steps 400
 //! ```
 //!
 //! Data: Genesis and Exodus of the King James Bible (`data/kjv-genesis-exodus.txt`, public
@@ -493,14 +493,16 @@ fn main() -> std::result::Result<(), Box<dyn std::error::Error>> {
         .map(|m| train(m, &corpus, &args, &dev))
         .collect::<Result<Vec<_>>>()?;
     println!(
-        "\n{:<6} {:>9} {:>12} {:>10}",
-        "method", "val loss", "train time", "s/step"
+        "\n{:<6} {:>11} {:>9} {:>12} {:>10}",
+        "method", "val loss@0", "val loss", "train time", "s/step"
     );
     for r in &runs {
+        let first = r.curve.first().map_or(f32::NAN, |p| p.2);
         let &(steps, secs, v) = r.curve.last().unwrap_or(&(0, 0.0, f32::NAN));
         println!(
-            "{:<6} {:>9.3} {:>11.1}s {:>10.3}",
+            "{:<6} {:>11.3} {:>9.3} {:>11.1}s {:>10.3}",
             r.method.label(),
+            first,
             v,
             secs,
             secs / steps.max(1) as f64

@@ -240,6 +240,11 @@ impl GrngOptimizer {
         Ok(())
     }
 
+    /// True for R-Kalman and Kalman, which step with [`GrngOptimizer::step_kalman`].
+    pub fn is_kalman(&self) -> bool {
+        self.kalman.is_some()
+    }
+
     /// True when the coming step refreshes the Kronecker factors: run
     /// [`capture_fisher`](super::capture_fisher) on this batch before [`GrngOptimizer::try_step`].
     pub fn needs_fisher(&self) -> bool {
