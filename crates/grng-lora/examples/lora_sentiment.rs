@@ -306,8 +306,7 @@ fn run(s: &Setup<'_>, arm: Arm, n_train: usize, seed: u64) -> Result<RunResult> 
         })
     };
     let mut curve = vec![eval(&clf, 0)?];
-    let (mut step_times, mut clock, mut to_target, mut failure) =
-        (Vec::new(), 0.0f64, None, None);
+    let (mut step_times, mut clock, mut to_target, mut failure) = (Vec::new(), 0.0f64, None, None);
     for step in 1..=args.steps {
         if order.len() < args.batch {
             // A fresh epoch: the whole training set reshuffled (a partial batch is never
@@ -463,7 +462,9 @@ fn main() -> std::result::Result<(), Box<dyn std::error::Error>> {
                     "n = {n} {} seed {seed}: test {:.1}%{}",
                     arm.label(),
                     100.0 * r.test_acc,
-                    r.failure.as_deref().map_or(String::new(), |f| format!(" ({f})"))
+                    r.failure
+                        .as_deref()
+                        .map_or(String::new(), |f| format!(" ({f})"))
                 );
                 results.push(r);
             }
@@ -507,7 +508,13 @@ fn main() -> std::result::Result<(), Box<dyn std::error::Error>> {
                         "{:.2e}",
                         final_norm.iter().sum::<f64>() / final_norm.len().max(1) as f64
                     ),
-                    fmt_seconds(results.iter().map(|r| r.step_times.iter().sum::<f64>()).sum::<f64>() / results.len() as f64),
+                    fmt_seconds(
+                        results
+                            .iter()
+                            .map(|r| r.step_times.iter().sum::<f64>())
+                            .sum::<f64>()
+                            / results.len() as f64,
+                    ),
                     failures.to_string(),
                 ],
                 step,

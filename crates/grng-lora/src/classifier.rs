@@ -135,7 +135,13 @@ impl SentenceClassifier {
     ///
     /// # Errors
     /// As [`SentenceClassifier::logits`]; [`Error::Candle`] for a label ≥ classes.
-    pub fn loss(&self, hidden: &Tensor, mask: &Tensor, labels: &[u32], pass: Pass) -> Result<Tensor> {
+    pub fn loss(
+        &self,
+        hidden: &Tensor,
+        mask: &Tensor,
+        labels: &[u32],
+        pass: Pass,
+    ) -> Result<Tensor> {
         cross_entropy(&self.logits(hidden, mask, pass)?, labels)
     }
 
@@ -175,8 +181,8 @@ impl SentenceClassifier {
         })?;
         if opt.needs_sophia_sample() {
             let classes = c(z.dims2())?.1;
-            let p: Vec<f32> = c(candle_nn::ops::softmax_last_dim(&z)
-                .and_then(|p| p.flatten_all()?.to_vec1()))?;
+            let p: Vec<f32> =
+                c(candle_nn::ops::softmax_last_dim(&z).and_then(|p| p.flatten_all()?.to_vec1()))?;
             let drawn: Vec<u32> = p
                 .chunks(classes)
                 .map(|pk| sample_class(pk, rng.random::<f64>()) as u32)
@@ -184,7 +190,11 @@ impl SentenceClassifier {
             let sampled = c(self.loss(hidden, mask, &drawn, Pass::Train)?.backward())?;
             opt.set_sophia_sample(&sampled, labels.len());
         }
-        let after = || c(self.loss(hidden, mask, labels, Pass::Eval)?.to_scalar::<f32>());
+        let after = || {
+            c(self
+                .loss(hidden, mask, labels, Pass::Eval)?
+                .to_scalar::<f32>())
+        };
         match opt.step_observed(&grads, before, after)? {
             Observed::Applied { .. } | Observed::Rejected => Ok(before),
         }

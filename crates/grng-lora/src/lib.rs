@@ -23,31 +23,36 @@
 //! against `tests/fixtures/minilm-reference.json`, made by `scripts/minilm-reference.py`).
 
 mod bert;
+mod classifier;
+pub mod sentiment;
 mod tokenize;
 
 pub use bert::{
     mean_pool, random_weights, Adapt, AdaptConfig, BertConfig, BertModel, Pass, WEIGHTS_FILE,
 };
+pub use classifier::SentenceClassifier;
 pub use grng_candle::{LoraConfig, LoraLinear};
 pub use tokenize::{BertTokenizer, Encoded};
 
 use grng::{Error, Result};
 use std::path::{Path, PathBuf};
 
-/// The model's folder: `$GRNG_MINILM` when set, else `scripts/fetch-minilm.sh`'s default,
-/// `${GRNG_CACHE:-$HOME/.cache/grng}/all-MiniLM-L6-v2`.
-pub fn minilm_dir() -> PathBuf {
-    if let Some(dir) = std::env::var_os("GRNG_MINILM") {
-        return dir.into();
-    }
-    let cache = std::env::var_os("GRNG_CACHE").map_or_else(
+/// What `scripts/fetch-minilm.sh` fills by default: `${GRNG_CACHE:-$HOME/.cache/grng}`.
+pub fn cache_dir() -> PathBuf {
+    std::env::var_os("GRNG_CACHE").map_or_else(
         || {
             let home = std::env::var_os("HOME").unwrap_or_default();
             Path::new(&home).join(".cache/grng")
         },
         PathBuf::from,
-    );
-    cache.join("all-MiniLM-L6-v2")
+    )
+}
+
+/// The model's folder: `$GRNG_MINILM` when set, else `scripts/fetch-minilm.sh`'s default,
+/// [`cache_dir`]`/all-MiniLM-L6-v2`.
+pub fn minilm_dir() -> PathBuf {
+    std::env::var_os("GRNG_MINILM")
+        .map_or_else(|| cache_dir().join("all-MiniLM-L6-v2"), PathBuf::from)
 }
 
 /// [`Error::Pretrained`] on `path`.

@@ -68,7 +68,8 @@ pub fn load(path: &Path) -> Result<Vec<Example>> {
             expected: "id<TAB>mean rating in [-4, 4]<TAB>non-empty text",
         };
         let mut fields = line.splitn(3, '\t');
-        let (Some(_id), Some(rating), Some(sentence)) = (fields.next(), fields.next(), fields.next())
+        let (Some(_id), Some(rating), Some(sentence)) =
+            (fields.next(), fields.next(), fields.next())
         else {
             return Err(bad());
         };

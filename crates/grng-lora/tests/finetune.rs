@@ -39,7 +39,10 @@ fn methods() -> Vec<(&'static str, OptimizerConfig)> {
         ("RING", kron(KronConfig::ring())),
         ("RENG", kron(KronConfig::reng())),
         ("NGD", kron(KronConfig::ngd())),
-        ("R-Kalman", OptimizerConfig::Kalman(RKalmanConfig::default())),
+        (
+            "R-Kalman",
+            OptimizerConfig::Kalman(RKalmanConfig::default()),
+        ),
         ("Kalman", OptimizerConfig::Kalman(RKalmanConfig::plain())),
         (
             "AdamW",
@@ -98,10 +101,17 @@ fn tiny_bert_fine_tunes_with_every_method() {
     let seed = common::seed();
     for (name, method) in methods() {
         let mut rng = ChaCha8Rng::seed_from_u64(seed);
-        let lora = LoraConfig { rank: 2, alpha: 2.0 };
-        let model =
-            BertModel::random(tiny(), &CDevice::Cpu, Some((lora, AdaptConfig::default())), &mut rng)
-                .unwrap();
+        let lora = LoraConfig {
+            rank: 2,
+            alpha: 2.0,
+        };
+        let model = BertModel::random(
+            tiny(),
+            &CDevice::Cpu,
+            Some((lora, AdaptConfig::default())),
+            &mut rng,
+        )
+        .unwrap();
         let (ids, types, mask, labels) = data(&mut rng);
         let clf = SentenceClassifier::new(model, 0, 2, &mut rng).unwrap();
         let hidden = clf.embed(&ids, &types, &mask).unwrap();

@@ -45,7 +45,10 @@ fn bad_files_are_typed_errors() {
     }
     let missing = std::path::Path::new("/nonexistent/grng/snippets.txt");
     let e = sentiment::load(missing).unwrap_err().to_string();
-    assert!(e.contains("/nonexistent/grng/snippets.txt") && e.contains("fetch-minilm.sh"), "{e}");
+    assert!(
+        e.contains("/nonexistent/grng/snippets.txt") && e.contains("fetch-minilm.sh"),
+        "{e}"
+    );
 }
 
 /// Splits are a fixed-seed shuffle: the same seed the same split, disjoint parts covering
@@ -53,7 +56,12 @@ fn bad_files_are_typed_errors() {
 #[test]
 fn splits_are_fixed_disjoint_and_nested() {
     let body: String = (0..50)
-        .map(|i| format!("{i}\t{}\tsnippet {i}\n", if i % 2 == 0 { 1.5 } else { -1.5 }))
+        .map(|i| {
+            format!(
+                "{i}\t{}\tsnippet {i}\n",
+                if i % 2 == 0 { 1.5 } else { -1.5 }
+            )
+        })
         .collect();
     let ex = sentiment::load(&write("split.txt", &body)).unwrap();
     let a = Splits::new(ex.clone(), 7, 10, 15).unwrap();
@@ -73,8 +81,16 @@ fn splits_are_fixed_disjoint_and_nested() {
     assert_eq!(a.train(5).unwrap(), &a.train(20).unwrap()[..5]);
     assert!(matches!(a.train(26), Err(Error::Value { .. })));
     assert!(matches!(a.train(0), Err(Error::Value { .. })));
-    assert!(matches!(Splits::new(ex, 7, 25, 25), Err(Error::Value { .. })));
-    let other = Splits::new(sentiment::load(&write("split.txt", &body)).unwrap(), 8, 10, 15);
+    assert!(matches!(
+        Splits::new(ex, 7, 25, 25),
+        Err(Error::Value { .. })
+    ));
+    let other = Splits::new(
+        sentiment::load(&write("split.txt", &body)).unwrap(),
+        8,
+        10,
+        15,
+    );
     assert_ne!(other.unwrap().pool, a.pool);
 }
 

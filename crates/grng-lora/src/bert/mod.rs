@@ -313,6 +313,18 @@ impl BertModel {
         &self.config
     }
 
+    /// The lowest encoder layer holding an adapter (`num_hidden_layers` when none does): the
+    /// layers below it are frozen whole, so their outputs may be cached
+    /// ([`BertModel::embed_and_encode`]).
+    pub fn first_adapted(&self) -> usize {
+        self.first_adapted
+    }
+
+    /// The device the weights live on.
+    pub fn device(&self) -> Device {
+        self.frozen.words.device().clone()
+    }
+
     /// Every adapter, `[A, B]` of each adapted projection, layer by layer (bottom up) and in
     /// the order query, key, value, attention output, intermediate, output: hand them to
     /// [`grng_candle::GrngConfig`] as Kronecker layers. Empty without adapters.
