@@ -48,14 +48,15 @@ pub enum Observed {
 }
 
 /// The index of `t` in `ts`, appending it unless a tensor of the same storage is there
-/// already ([`with_matrices`] lends each storage once).
-fn lend_once<'t>(ts: &mut Vec<&'t Tensor>, t: &'t Tensor) -> usize {
+/// already at or after `from` ([`with_matrices`] lends each storage once; the read-only
+/// operands after `from` may share one, as two adapters fed the same input do).
+fn lend_once<'t>(ts: &mut Vec<&'t Tensor>, t: &'t Tensor, from: usize) -> usize {
     let addr = storage_addr(t);
-    match ts
+    match ts[from..]
         .iter()
         .position(|u| addr.is_some() && storage_addr(u) == addr)
     {
-        Some(i) => i,
+        Some(i) => from + i,
         None => {
             ts.push(t);
             ts.len() - 1
@@ -413,20 +414,22 @@ impl GrngOptimizer {
             let l = layers.len();
             let mut ts: Vec<&Tensor> = layers.iter().map(|k| k.weight().as_tensor()).collect();
             ts.extend(gs.iter());
-            if let Some(s) = &stats {
-                ts.extend(s.iter().map(|(a, _)| a));
-                ts.extend(s.iter().map(|(_, e)| e));
-            }
-            // A layer's factors, by index into `ts`: `a` is often the Fisher statistics' own
-            // tensor on a refresh step (one storage is lent once).
+            // The statistics and factors by index into `ts`, each storage lent once: layers
+            // fed the same input (a LoRA layer's query and value adapters) record one
+            // storage, and a layer's factor `a` is often its statistics' own tensor.
+            let from = 2 * l;
+            let si: Option<Vec<(usize, usize)>> = stats.as_ref().map(|s| {
+                s.iter()
+                    .map(|(a, e)| (lend_once(&mut ts, a, from), lend_once(&mut ts, e, from)))
+                    .collect()
+            });
             let mut fi: Vec<Option<(usize, usize)>> = Vec::with_capacity(l);
             for f in &factors {
                 fi.push(
                     f.as_ref()
-                        .map(|(e, a)| (lend_once(&mut ts, e), lend_once(&mut ts, a))),
+                        .map(|(e, a)| (lend_once(&mut ts, e, from), lend_once(&mut ts, a, from))),
                 );
             }
-            let has_stats = stats.is_some();
             info = Some(with_matrices(&ts, ViewAs::Matrix, |ms| {
                 let (w, rest) = ms.split_at_mut(l);
                 let kg: Vec<KronGrad<'_>> = (0..l)
@@ -438,11 +441,11 @@ impl GrngOptimizer {
                         None => KronGrad::Dense(&rest[i]),
                     })
                     .collect();
-                let st: Option<Vec<KronStats<'_>>> = has_stats.then(|| {
-                    (0..l)
-                        .map(|i| KronStats {
-                            a: &rest[l + i],
-                            e: &rest[2 * l + i],
+                let st: Option<Vec<KronStats<'_>>> = si.as_ref().map(|si| {
+                    si.iter()
+                        .map(|&(a, e)| KronStats {
+                            a: &rest[a - l],
+                            e: &rest[e - l],
                         })
                         .collect()
                 });
