@@ -58,7 +58,7 @@ struct Args {
     #[arg(long, default_value = "64,256")]
     train_sizes: String,
     /// Optimizer steps per run.
-    #[arg(long, default_value_t = 100)]
+    #[arg(long, default_value_t = 50)]
     steps: usize,
     /// Sentences per batch (the Kalman filters' observation is `batch x 2` probabilities).
     #[arg(long, default_value_t = 16)]
@@ -89,13 +89,13 @@ struct Args {
     #[arg(long, default_value_t = 8.0)]
     alpha: f32,
     /// Validation accuracy whose first crossing gives "steps/time to target".
-    #[arg(long, default_value_t = 0.8)]
+    #[arg(long, default_value_t = 0.7)]
     target: f32,
     /// Also run RING with the Fisher refreshed every step (S = 1) beside its default S = 8:
     /// the paper's "lazy Fisher costs no accuracy".
     #[arg(long)]
     lazy_ablation: bool,
-    /// One seed, the 256-example training set, 60 steps, 500 test sentences.
+    /// One seed, the 256-example training set, 30 steps, 500 test sentences.
     #[arg(long)]
     quick: bool,
     /// Output folder.
@@ -369,7 +369,7 @@ fn main() -> std::result::Result<(), Box<dyn std::error::Error>> {
     if args.quick {
         args.seeds = 1;
         args.train_sizes = "256".into();
-        args.steps = 60;
+        args.steps = 30;
         args.test = 500;
     }
     let dev = CDevice::Cpu;
