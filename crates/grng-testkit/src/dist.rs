@@ -46,11 +46,11 @@ pub fn ranks<R: Send>(p: usize, f: impl Fn(Arc<dyn Communicator>) -> R + Sync) -
     })
 }
 
-/// `p` uneven shard sizes in `1..=6` (not all equal), and their offsets.
+/// `p` uneven shard sizes in `1..=6` (not all equal when `p > 1`), and their offsets.
 fn shards(rng: &mut ChaCha8Rng, p: usize) -> Vec<(usize, usize)> {
     loop {
         let sizes: Vec<usize> = (0..p).map(|_| rng.random_range(1..=6)).collect();
-        if sizes.windows(2).any(|w| w[0] != w[1]) {
+        if p == 1 || sizes.windows(2).any(|w| w[0] != w[1]) {
             let mut at = 0;
             return sizes
                 .iter()
@@ -517,10 +517,13 @@ pub fn failures(comm: Arc<dyn Communicator>, seed: u64) {
     let dp = DataParallel::new(comm.clone());
 
     // AdamW: the last rank's model has one more parameter.
+    // (Every rank draws the same values, so the streams stay together.)
     let mine = if last { n + 1 } else { n };
     let mut opt = AdamW::new(&dev, mine, AdamWConfig::default()).unwrap();
     opt.set_data_parallel(Some(dp.clone()));
-    let mut theta = dev.upload(mine, 1, &crate::vals(&mut rng, mine)).unwrap();
+    let mut theta = dev
+        .upload(mine, 1, &crate::vals(&mut rng, n + 1)[..mine])
+        .unwrap();
     let before = theta.to_vec().unwrap();
     let g = dev.upload(mine, 1, &vec![0.5; mine]).unwrap();
     let e = opt.step(&mut theta, &g).unwrap_err();
@@ -591,7 +594,7 @@ pub fn failures(comm: Arc<dyn Communicator>, seed: u64) {
 /// Every check on this rank, for a runner with one communicator (the MPI example): each case
 /// draws its inputs from `seed` mixed with its index.
 pub fn all(comm: Arc<dyn Communicator>, seed: u64) {
-    let case = |i: u64| seed ^ i.wrapping_mul(0x9e37_79b9_7f4a_7c15);
+    let case = |i| case(seed, i);
     elementwise::<Sgd>(comm.clone(), case(1));
     elementwise::<AdamW>(comm.clone(), case(2));
     elementwise::<Sophia>(comm.clone(), case(3));
@@ -608,6 +611,20 @@ pub fn all(comm: Arc<dyn Communicator>, seed: u64) {
     kalman(comm.clone(), case(30), RKalmanConfig::default());
     kalman(comm.clone(), case(31), RKalmanConfig::plain());
     failures(comm, case(40));
+}
+
+/// Case `i`'s seed: `seed` mixed with `i`.
+fn case(seed: u64, i: u64) -> u64 {
+    seed ^ i.wrapping_mul(0x9e37_79b9_7f4a_7c15)
+}
+
+/// The equivalence checks that hold on a world of one rank (the failure check needs two):
+/// the world-of-one NCCL test.
+pub fn all_single(comm: Arc<dyn Communicator>, seed: u64) {
+    let case = |i| case(seed, i);
+    elementwise::<AdamW>(comm.clone(), case(2));
+    kron(comm.clone(), case(10), KronConfig::ring(), true);
+    kalman(comm, case(30), RKalmanConfig::default());
 }
 
 /// The Kronecker configurations checked: RING, RENG, NGD, and RING with the EMA (factors

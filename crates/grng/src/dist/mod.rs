@@ -13,7 +13,7 @@
 //! # No hang, nothing changed
 //! A collective that one rank skips (its inputs failed a check) or calls with another length
 //! (its shapes differ) would hang or corrupt every rank. So each reduction of a step starts
-//! with a fixed-size agreement (the crate-private `reduce`): every rank all-reduces, in `f64`, whether its
+//! with a fixed-size agreement: every rank all-reduces, in `f64`, whether its
 //! local checks failed and its payload's signature `s` (lengths and shapes, in 20-bit
 //! chunks), with their squares. A rank passes when the sums are `P·s` and `P·s²` for its own
 //! `s`; if the signatures are not all equal, the mean of the squares exceeds the square of
@@ -40,6 +40,7 @@ pub use self::nccl::Nccl;
 pub use self::threads::Threads;
 
 use std::fmt;
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 
 use crate::device::{Device, Matrix};
@@ -119,6 +120,9 @@ pub struct DataParallel {
     comm: Arc<dyn Communicator>,
     rows: usize,
     grads_reduced: bool,
+    /// Reductions taken part in, shared by the handle's clones (the optimizer's and its
+    /// trainer's): [`DataParallel::reductions`].
+    reductions: Arc<AtomicU64>,
 }
 
 impl DataParallel {
@@ -129,6 +133,7 @@ impl DataParallel {
             comm,
             rows: 1,
             grads_reduced: false,
+            reductions: Arc::default(),
         }
     }
 
@@ -160,6 +165,57 @@ impl DataParallel {
     pub fn comm(&self) -> &dyn Communicator {
         &*self.comm
     }
+
+    /// `values ← Σ_p m_p·values_p / Σ_p m_p` over the ranks (`m_p` their
+    /// [`DataParallel::rows`]), after the agreement of the module docs; returns `Σ_p m_p`.
+    /// For a trainer's own reductions (a loss, RENG's gradient before its Hessian product).
+    ///
+    /// # Errors
+    /// [`Error::Ranks`] when another rank's call failed or had another length (`values` is
+    /// then unchanged), [`Error::Communicator`].
+    pub fn all_reduce_mean(&self, op: &'static str, values: &mut [f32]) -> Result<usize> {
+        let local = try_vec(values.len(), 1, 0.0f32).map(|mut v| {
+            v.copy_from_slice(values);
+            vec![Part::Mean(v, self.rows)]
+        });
+        let r = self.reduce(op, local)?;
+        values.copy_from_slice(&r[0].values);
+        Ok(r[0].weight)
+    }
+
+    /// Takes part in the ranks' coming reduction as a rank whose inputs failed, so that every
+    /// other rank's call fails too ([`Error::Ranks`]) instead of waiting for this one: for a
+    /// trainer that skips a step (a non-finite loss on its shard) before its optimizer
+    /// reduced anything ([`DataParallel::reductions`] unchanged).
+    ///
+    /// # Errors
+    /// [`Error::Communicator`].
+    pub fn abstain(&self, op: &'static str) -> Result<()> {
+        let failed = Err(Error::Ranks {
+            op,
+            reason: "this rank abstained",
+        });
+        match self.reduce(op, failed) {
+            Err(Error::Communicator(e)) => Err(Error::Communicator(e)),
+            _ => Ok(()),
+        }
+    }
+
+    /// Reductions this handle and its clones have taken part in: a step that made none on
+    /// one rank must [`DataParallel::abstain`] there.
+    pub fn reductions(&self) -> u64 {
+        self.reductions.load(Ordering::Relaxed)
+    }
+
+    /// [`reduce`] over this handle's communicator, counted.
+    pub(crate) fn reduce(
+        &self,
+        op: &'static str,
+        local: Result<Vec<Part>>,
+    ) -> Result<Vec<Reduced>> {
+        self.reductions.fetch_add(1, Ordering::Relaxed);
+        reduce(&*self.comm, op, local)
+    }
 }
 
 /// One host vector of a reduction ([`reduce`]).
@@ -188,7 +244,7 @@ const CHUNK_BITS: u32 = 20;
 /// rank that had it, [`Error::Ranks`] on the others, and [`Error::Ranks`] on every rank
 /// when the parts' count, kinds or lengths differ between ranks — before any payload moves.
 /// A weight above `2²⁴` (where an `f32` count stops being exact) fails the same way.
-pub(crate) fn reduce(
+fn reduce(
     comm: &dyn Communicator,
     op: &'static str,
     local: Result<Vec<Part>>,
@@ -332,7 +388,7 @@ pub(crate) struct Tensors<'a> {
 /// each list's count, shapes, device and finiteness — come first, so a bad input is named by
 /// the rank that has it (the others fail with [`Error::Ranks`]).
 pub(crate) fn reduce_tensors(
-    comm: &dyn Communicator,
+    dp: &DataParallel,
     op: &'static str,
     device: &Device,
     pre: Result<()>,
@@ -355,7 +411,7 @@ pub(crate) fn reduce_tensors(
             })
             .collect()
     });
-    let reduced = reduce(comm, op, local)?;
+    let reduced = dp.reduce(op, local)?;
     lists
         .iter()
         .zip(reduced)

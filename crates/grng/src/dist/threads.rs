@@ -8,8 +8,10 @@ use crate::error::{Error, Result};
 /// One rank of a world of threads ([`Threads::world`]): each collective waits for all `P`
 /// ranks, then hands every rank the result, summed in rank order (so the same bits on every
 /// rank and from run to run). For tests of the data-parallel steps and for running them on
-/// one machine without MPI; every rank must be driven by its own thread.
-#[derive(Clone, Debug)]
+/// one machine without MPI; every rank must be driven by its own thread. A rank that is
+/// dropped (its thread ended, or panicked) makes the other ranks' waiting collectives fail
+/// with [`Error::Communicator`] instead of waiting forever.
+#[derive(Debug)]
 pub struct Threads {
     rank: usize,
     shared: Arc<Shared>,
@@ -30,6 +32,8 @@ struct Round {
     arrived: usize,
     result: Option<std::result::Result<Arc<Data>, String>>,
     taken: usize,
+    /// Ranks dropped: a collective they have not joined can never complete.
+    left: usize,
 }
 
 #[derive(Clone, Debug)]
@@ -99,6 +103,14 @@ impl Threads {
             self.shared.turn.notify_all();
         }
         while g.result.is_none() {
+            if g.left > 0 {
+                // Withdraw, so a later collective does not count this contribution.
+                g.slots[self.rank] = None;
+                g.arrived -= 1;
+                return Err(Error::Communicator(
+                    "a rank left the world before joining this collective".into(),
+                ));
+            }
             g = self.wait(g)?;
         }
         let result = g.result.clone().expect("set above");
@@ -158,6 +170,16 @@ fn combine(slots: Vec<Data>) -> std::result::Result<Data, String> {
             } else {
                 mismatch()
             }
+        }
+    }
+}
+
+impl Drop for Threads {
+    fn drop(&mut self) {
+        // A poisoned lock: the other ranks already fail on it.
+        if let Ok(mut g) = self.shared.round.lock() {
+            g.left += 1;
+            self.shared.turn.notify_all();
         }
     }
 }

@@ -10,7 +10,7 @@
 //! the life of the optimizer (the paper uses batch 1).
 
 use crate::device::{Device, Matrix};
-use crate::dist::{self, Communicator, DataParallel, Part};
+use crate::dist::{DataParallel, Part};
 use crate::error::{check_finite, check_len, check_shape, check_value, Error, Result};
 use crate::ops::kalman::{JacobianElement, KalmanInfo, KalmanOptions, KalmanState};
 
@@ -116,12 +116,12 @@ impl RKalman {
     /// of zero-padded copies, after the ranks' agreement.
     fn gathered<T: JacobianElement>(
         &self,
-        comm: &dyn Communicator,
+        dp: &DataParallel,
         h: &Matrix<T>,
         innovation: &Matrix,
     ) -> Result<(Matrix<T>, Matrix)> {
         const OP: &str = "RKalman::step";
-        let (p, rank) = (comm.size(), comm.rank());
+        let (p, rank) = (dp.comm().size(), dp.comm().rank());
         let (n, d_o) = (self.n(), self.d_o());
         let rows = h.rows();
         let pre = check_shape(OP, "h", h.shape(), (rows, n))
@@ -131,7 +131,7 @@ impl RKalman {
             slots[rank] = rows as f32;
             vec![Part::Sum(slots)]
         });
-        let counts = dist::reduce(comm, OP, counts)?;
+        let counts = dp.reduce(OP, counts)?;
         let counts: Vec<usize> = counts[0].values.iter().map(|&r| r as usize).collect();
         // The same sums on every rank: every rank fails alike, before the payload.
         check_len(OP, "Σ ranks' rows (h)", counts.iter().sum(), d_o)?;
@@ -141,7 +141,7 @@ impl RKalman {
             *d = v.to_f32();
         }
         full[d_o * n + at..d_o * n + at + rows].copy_from_slice(&innovation.to_vec()?);
-        let mut gathered = dist::reduce(comm, OP, Ok(vec![Part::Sum(full)]))?;
+        let mut gathered = dp.reduce(OP, Ok(vec![Part::Sum(full)]))?;
         let full = std::mem::take(&mut gathered[0].values);
         // Zeros added to a value leave it exact, so a bf16 row converts back unchanged.
         let h: Vec<T> = full[..d_o * n].iter().map(|&v| T::from_f32(v)).collect();
@@ -176,7 +176,7 @@ impl RKalman {
     ) -> Result<KalmanInfo> {
         const OP: &str = "RKalman::step";
         let gathered = match &self.dp {
-            Some(dp) => Some(self.gathered(dp.comm(), h, innovation)?),
+            Some(dp) => Some(self.gathered(dp, h, innovation)?),
             None => None,
         };
         let (h, innovation) = match &gathered {

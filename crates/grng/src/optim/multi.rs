@@ -180,7 +180,7 @@ impl<C: Validate> Tensors<C> {
             }
             Ok(())
         });
-        dist::reduce_tensors(dp.comm(), op, &self.device, pre, &lists).map(Some)
+        dist::reduce_tensors(dp, op, &self.device, pre, &lists).map(Some)
     }
 
     /// [`Tensors::step`] given the step's gradients: `grads`, or when data-parallel their

@@ -249,7 +249,7 @@ impl KronOptimizer {
             }
             Ok(parts)
         };
-        let mut reduced = dist::reduce(dp.comm(), op, local())?.into_iter();
+        let mut reduced = dp.reduce(op, local())?.into_iter();
         let grads = if dp.grads_reduced() {
             None
         } else {
@@ -645,7 +645,7 @@ impl KronOptimizer {
                     Err(e) => (0.0, Err(e)),
                 };
                 // This rank's error is returned here, the others' as `Error::Ranks`.
-                let r = dist::reduce(dp.comm(), OP, local)?;
+                let r = dp.reduce(OP, local)?;
                 (q, r[0].values[0], r[0].values[1])
             }
         };
