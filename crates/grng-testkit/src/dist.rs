@@ -332,14 +332,12 @@ fn kron_run(
                 g
             })
             .collect();
+        let (by_factors, stats) = factored_inputs(&mats);
         let grads: Vec<KronGrad<'_>> = if factored {
-            mats.iter()
-                .map(|(a, e)| KronGrad::Factored { e, a })
-                .collect()
+            by_factors
         } else {
             dense.iter().map(KronGrad::Dense).collect()
         };
-        let stats: Vec<KronStats<'_>> = mats.iter().map(|(a, e)| KronStats { a, e }).collect();
         let stats = opt.needs_stats().then_some(&stats[..]);
         opt.step_grads(&mut w, &grads, stats).unwrap();
         let ws = w.iter().map(|m| m.to_vec().unwrap()).collect();
@@ -569,11 +567,7 @@ pub fn failures(comm: Arc<dyn Communicator>, seed: u64) {
             (a, e)
         })
         .collect();
-    let grads: Vec<KronGrad<'_>> = mats
-        .iter()
-        .map(|(a, e)| KronGrad::Factored { e, a })
-        .collect();
-    let stats: Vec<KronStats<'_>> = mats.iter().map(|(a, e)| KronStats { a, e }).collect();
+    let (grads, stats) = factored_inputs(&mats);
     let e = kron.step_grads(&mut w, &grads, Some(&stats)).unwrap_err();
     assert!(matches!(e, Error::Ranks { .. }), "rank {rank}: {e}");
     let w1: Vec<Vec<f32>> = w.iter().map(|m| m.to_vec().unwrap()).collect();
@@ -611,6 +605,16 @@ pub fn all(comm: Arc<dyn Communicator>, seed: u64) {
     kalman(comm.clone(), case(30), RKalmanConfig::default());
     kalman(comm.clone(), case(31), RKalmanConfig::plain());
     failures(comm, case(40));
+}
+
+/// Each layer's `(A, E)` as a factored gradient and as statistics.
+pub fn factored_inputs(mats: &[(Matrix, Matrix)]) -> (Vec<KronGrad<'_>>, Vec<KronStats<'_>>) {
+    let grads = mats
+        .iter()
+        .map(|(a, e)| KronGrad::Factored { e, a })
+        .collect();
+    let stats = mats.iter().map(|(a, e)| KronStats { a, e }).collect();
+    (grads, stats)
 }
 
 /// Case `i`'s seed: `seed` mixed with `i`.

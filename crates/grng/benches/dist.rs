@@ -15,8 +15,7 @@ use std::time::{Duration, Instant};
 
 use grng::dist::{Communicator, DataParallel, Threads};
 use grng::optim::adamw::{AdamW, AdamWConfig};
-use grng::optim::kron::{KronConfig, KronGrad, KronOptimizer};
-use grng::optim::KronStats;
+use grng::optim::kron::{KronConfig, KronOptimizer};
 use grng::{Device, Matrix, Result};
 use rand::{Rng, SeedableRng};
 use rand_chacha::ChaCha8Rng;
@@ -102,11 +101,7 @@ fn ring(comm: Arc<Counting>, steps: usize) -> Row {
         .iter()
         .map(|&(o, i)| (rows(&mut rng, &dev, m, i), rows(&mut rng, &dev, m, o)))
         .collect();
-    let grads: Vec<KronGrad<'_>> = mats
-        .iter()
-        .map(|(a, e)| KronGrad::Factored { e, a })
-        .collect();
-    let stats: Vec<KronStats<'_>> = mats.iter().map(|(a, e)| KronStats { a, e }).collect();
+    let (grads, stats) = grng_testkit::dist::factored_inputs(&mats);
     measure(&comm, steps, || {
         let s = opt.needs_stats().then_some(&stats[..]);
         opt.step_grads(&mut w, &grads, s).unwrap();

@@ -128,38 +128,30 @@ impl Threads {
 /// The ranks' contributions (in rank order) combined: sums added in rank order, the root's
 /// broadcast buffer; an error when the ranks called different collectives or lengths.
 fn combine(slots: Vec<Data>) -> std::result::Result<Data, String> {
-    let mismatch = || Err("the ranks called different collectives or lengths".to_string());
+    let mismatch = || "the ranks called different collectives or lengths".to_string();
     let mut it = slots.into_iter();
     let first = it.next().expect("size >= 1");
     match first {
-        Data::F32(mut acc) => {
-            for d in it {
-                match d {
-                    Data::F32(x) if x.len() == acc.len() => {
-                        acc.iter_mut().zip(&x).for_each(|(a, b)| *a += b)
-                    }
-                    _ => return mismatch(),
-                }
-            }
-            Ok(Data::F32(acc))
+        Data::F32(acc) => {
+            let rest = it.map(|d| match d {
+                Data::F32(x) => Some(x),
+                _ => None,
+            });
+            added(acc, rest).map(Data::F32).ok_or_else(mismatch)
         }
-        Data::F64(mut acc) => {
-            for d in it {
-                match d {
-                    Data::F64(x) if x.len() == acc.len() => {
-                        acc.iter_mut().zip(&x).for_each(|(a, b)| *a += b)
-                    }
-                    _ => return mismatch(),
-                }
-            }
-            Ok(Data::F64(acc))
+        Data::F64(acc) => {
+            let rest = it.map(|d| match d {
+                Data::F64(x) => Some(x),
+                _ => None,
+            });
+            added(acc, rest).map(Data::F64).ok_or_else(mismatch)
         }
         Data::Broadcast(x, root) => {
             let mut all = vec![x];
             for d in it {
                 match d {
                     Data::Broadcast(y, r) if r == root && y.len() == all[0].len() => all.push(y),
-                    _ => return mismatch(),
+                    _ => return Err(mismatch()),
                 }
             }
             Ok(Data::F32(all.swap_remove(root)))
@@ -168,10 +160,23 @@ fn combine(slots: Vec<Data>) -> std::result::Result<Data, String> {
             if it.all(|d| matches!(d, Data::Barrier)) {
                 Ok(Data::Barrier)
             } else {
-                mismatch()
+                Err(mismatch())
             }
         }
     }
+}
+
+/// `acc` plus every vector of `rest`, in order; `None` when one is missing or of another
+/// length.
+fn added<T: Copy + std::ops::AddAssign>(
+    mut acc: Vec<T>,
+    rest: impl Iterator<Item = Option<Vec<T>>>,
+) -> Option<Vec<T>> {
+    for x in rest {
+        let x = x.filter(|x| x.len() == acc.len())?;
+        acc.iter_mut().zip(&x).for_each(|(a, &b)| *a += b);
+    }
+    Some(acc)
 }
 
 impl Drop for Threads {
