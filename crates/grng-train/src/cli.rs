@@ -119,10 +119,11 @@ pub enum DistKind {
     Nccl,
 }
 
-/// The communicator of `--dist` on `device` (`None` without the flag), and the one that
-/// started it when it must live as long (MPI stays initialized while NCCL runs).
+/// A communicator of `--dist`.
 type Comm = std::sync::Arc<dyn grng::dist::Communicator>;
 
+/// The communicator of `--dist` on `device` (`None` without the flag), and the one that
+/// started it when it must live as long (MPI stays initialized while NCCL runs).
 fn communicator(kind: Option<DistKind>, device: &Device) -> Result<Option<(Comm, Option<Comm>)>> {
     let Some(kind) = kind else {
         return Ok(None);

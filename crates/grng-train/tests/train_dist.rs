@@ -12,6 +12,7 @@
 
 use grng::dist::DataParallel;
 use grng::Device;
+use grng_testkit as common;
 use grng_testkit::dist::ranks;
 use grng_train::data::synthetic_classification;
 use grng_train::train::{
@@ -51,8 +52,9 @@ fn numbers(r: &MethodResult) -> Vec<u32> {
 
 #[test]
 fn sharded_runs_are_the_single_process_run() {
-    let data = synthetic_classification(150, 6, 3, 5).expect("data");
-    let (train, val, test) = data.split(5, (0.6, 0.2)).expect("split");
+    let seed = common::seed();
+    let data = synthetic_classification(150, 6, 3, seed).expect("data");
+    let (train, val, test) = data.split(seed, (0.6, 0.2)).expect("split");
     let splits = Splits { train, val, test };
     let mut worst = 0.0f64;
     for method in Method::ALL {
