@@ -383,6 +383,9 @@ pub(crate) struct Tensors<'a> {
     pub weight: usize,
 }
 
+/// Per list of a [`reduce_tensors`]: its mean tensors and the ranks' total weight.
+pub(crate) type TensorMeans = Vec<(Vec<Matrix>, usize)>;
+
 /// Each list's weighted mean over the ranks ([`reduce`]), uploaded to `device` with the
 /// expected shapes, and its total weight. This rank's checks — `pre` (the caller's), then
 /// each list's count, shapes, device and finiteness — come first, so a bad input is named by
@@ -393,7 +396,7 @@ pub(crate) fn reduce_tensors(
     device: &Device,
     pre: Result<()>,
     lists: &[Tensors<'_>],
-) -> Result<Vec<(Vec<Matrix>, usize)>> {
+) -> Result<TensorMeans> {
     let local = pre.and_then(|()| {
         lists
             .iter()

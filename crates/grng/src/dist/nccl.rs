@@ -70,12 +70,12 @@ impl Nccl {
         if bootstrap.rank() == 0 {
             let made = Id::new().map_err(|e| nccl_err("unique id", e))?;
             for (d, &c) in id.iter_mut().zip(made.internal()) {
-                *d = f32::from(c as i8);
+                *d = f32::from(c as u8);
             }
         }
-        // A byte is exact in f32.
+        // A byte is exact in f32 (`c_char` is `i8` or `u8` by target: sent as its bits).
         bootstrap.broadcast(&mut id, 0)?;
-        let internal = id.map(|c| c as i8 as std::ffi::c_char);
+        let internal = id.map(|c| c as u8 as std::ffi::c_char);
         let stream = device.stream().clone();
         let comm = Comm::from_rank(
             stream.clone(),

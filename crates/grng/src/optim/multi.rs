@@ -150,7 +150,7 @@ impl<C: Validate> Tensors<C> {
         params: &[&mut Matrix],
         grads: &[&Matrix],
         also: Option<(&'static str, &[&Matrix], usize)>,
-    ) -> Result<Option<Vec<(Vec<Matrix>, usize)>>> {
+    ) -> Result<Option<dist::TensorMeans>> {
         let Some(dp) = &self.dp else {
             return Ok(None);
         };
