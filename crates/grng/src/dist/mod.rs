@@ -27,6 +27,29 @@
 //! different ranks), so `Mpi` reduces to rank 0 and broadcasts; [`Threads`] adds in rank
 //! order; NCCL's ring gives every rank the same chunks.
 
+/// The [`Communicator`] methods of a transport with fields `rank`, `size` and a generic
+/// `sum` (`Mpi`, `Nccl`): written once.
+#[cfg(any(feature = "mpi", feature = "nccl"))]
+macro_rules! rank_size_sums {
+    () => {
+        fn rank(&self) -> usize {
+            self.rank
+        }
+
+        fn size(&self) -> usize {
+            self.size
+        }
+
+        fn all_reduce_sum(&self, buf: &mut [f32]) -> Result<()> {
+            self.sum(buf)
+        }
+
+        fn all_reduce_sum_f64(&self, buf: &mut [f64]) -> Result<()> {
+            self.sum(buf)
+        }
+    };
+}
+
 #[cfg(feature = "mpi")]
 mod mpi;
 #[cfg(feature = "nccl")]

@@ -89,21 +89,7 @@ impl Mpi {
 }
 
 impl Communicator for Mpi {
-    fn rank(&self) -> usize {
-        self.rank
-    }
-
-    fn size(&self) -> usize {
-        self.size
-    }
-
-    fn all_reduce_sum(&self, buf: &mut [f32]) -> Result<()> {
-        self.sum(buf)
-    }
-
-    fn all_reduce_sum_f64(&self, buf: &mut [f64]) -> Result<()> {
-        self.sum(buf)
-    }
+    rank_size_sums!();
 
     fn broadcast(&self, buf: &mut [f32], root: usize) -> Result<()> {
         check_root("Mpi::broadcast", root, self.size)?;
