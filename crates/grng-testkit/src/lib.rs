@@ -7,6 +7,8 @@
 
 use std::sync::OnceLock;
 
+pub mod dist;
+
 use grng::cuda::CudaDevice;
 use grng::optim::kron::{InverseMethod, KronConfig, KronFactorState};
 use grng::{Device, Trans};

@@ -12,10 +12,11 @@ use indicatif::{ProgressBar, ProgressStyle};
 use crate::mlp::{Activation, FisherMode};
 use crate::report;
 use crate::train::{
-    self, Checkpointing, Method, MethodConfig, MethodResult, OptimizerConfig, RunConfig, Splits,
-    UnknownMethod,
+    self, Checkpointing, Dist, Method, MethodConfig, MethodResult, OptimizerConfig, RunConfig,
+    Splits, UnknownMethod,
 };
 use grng::device::Device;
+use grng::dist::DataParallel;
 use grng::error::{Error, Result};
 
 /// Train an MLP on the UCI handwritten digits (1797 8x8 images, CC BY 4.0, shipped in the
@@ -99,6 +100,61 @@ pub struct Cli {
     /// Stop each optimizer after this many steps in all (counting steps before a resume).
     #[arg(long, value_name = "N")]
     pub max_steps: Option<u64>,
+
+    /// Data-parallel training, one process per rank started by mpirun: each rank steps on
+    /// its shard of every batch and the optimizers reduce the shards, so the table is the
+    /// single process's at the same --batch-size (docs/distributed.md). mpi: MPI between the
+    /// ranks (build with --features mpi); nccl: NCCL between one GPU per rank, MPI to start
+    /// them (--features mpi,nccl). Rank 0 prints and writes.
+    #[arg(long, value_enum)]
+    pub dist: Option<DistKind>,
+}
+
+/// The distributed engine of `--dist`.
+#[derive(clap::ValueEnum, Clone, Copy, Debug, PartialEq, Eq)]
+pub enum DistKind {
+    /// MPI (`grng::dist::Mpi`).
+    Mpi,
+    /// NCCL (`grng::dist::Nccl`), bootstrapped over MPI.
+    Nccl,
+}
+
+/// A communicator of `--dist`.
+type Comm = std::sync::Arc<dyn grng::dist::Communicator>;
+
+/// The communicator of `--dist` on `device` (`None` without the flag), and the one that
+/// started it when it must live as long (MPI stays initialized while NCCL runs).
+fn communicator(kind: Option<DistKind>, device: &Device) -> Result<Option<(Comm, Option<Comm>)>> {
+    let Some(kind) = kind else {
+        return Ok(None);
+    };
+    #[cfg(feature = "mpi")]
+    if kind == DistKind::Mpi {
+        return Ok(Some((std::sync::Arc::new(grng::dist::Mpi::init()?), None)));
+    }
+    #[cfg(all(feature = "mpi", feature = "nccl"))]
+    if kind == DistKind::Nccl {
+        let Device::Cuda(cuda) = device else {
+            return Err(Error::DeviceUnavailable(
+                "--dist nccl needs --device cuda (one GPU per rank)".into(),
+            ));
+        };
+        let mpi = grng::dist::Mpi::init()?;
+        let nccl = grng::dist::Nccl::over(&mpi, cuda)?;
+        return Ok(Some((
+            std::sync::Arc::new(nccl),
+            Some(std::sync::Arc::new(mpi)),
+        )));
+    }
+    let _ = device;
+    Err(Error::DeviceUnavailable(format!(
+        "--dist {kind:?} needs a build with the `{}` feature(s) (docs/distributed.md)",
+        if kind == DistKind::Mpi {
+            "mpi"
+        } else {
+            "mpi,nccl"
+        }
+    )))
 }
 
 /// Hidden nonlinearity on the command line.
@@ -140,6 +196,17 @@ pub fn run(cli: &Cli) -> Result<()> {
     // Before any work: a run that cannot write its results fails now, naming the folder.
     report::prepare_output_dir(&cli.out)?;
     let device = train::device_by_name(&cli.device)?;
+    let (comm, _bootstrap) = communicator(cli.dist, &device)?.unzip();
+    // Data-parallel: rank 0 prints, draws the bars and writes the outputs.
+    let main = comm.as_ref().is_none_or(|c| c.rank() == 0);
+    if comm.is_some() && cli.sweep {
+        return Err(Error::Value {
+            op: "grng",
+            arg: "--sweep",
+            value: 1.0,
+            expected: "no --sweep with --dist",
+        });
+    }
     let run = RunConfig {
         epochs: cli.epochs,
         batch_size: cli.batch_size,
@@ -162,10 +229,21 @@ pub fn run(cli: &Cli) -> Result<()> {
             every: cli.checkpoint_every,
             resume: cli.resume,
         }),
+        dist: comm.map(|c| Dist(DataParallel::new(c))),
     };
     run.validate()?;
     let splits = Splits::digits(cli.seed)?;
     let methods = &cli.optimizers.0;
+    if !main {
+        for &method in methods {
+            let config = run.apply(MethodConfig::tuned(method));
+            train::train_method(&device, &splits, &run, config, &mut |_, _| {})?;
+        }
+        return Ok(());
+    }
+    if let Some(d) = &run.dist {
+        println!("data-parallel: {} ranks", d.0.comm().size());
+    }
     println!(
         "UCI digits: {} train / {} validation / {} test samples; MLP {:?} ({:?}); device {}",
         splits.train.len(),

@@ -52,6 +52,7 @@ fn run_config(max_steps: u64, checkpoint: Option<Checkpointing>) -> RunConfig {
         eval_points: 7,
         max_steps: Some(max_steps),
         checkpoint,
+        dist: None,
     }
 }
 

@@ -121,6 +121,17 @@ pub enum Error {
         /// The operating system's error.
         source: std::io::Error,
     },
+    /// A data-parallel step could not proceed on every rank alike (`grng::dist`): another
+    /// rank's inputs failed their checks, or the ranks' shapes differ. Every rank returns an
+    /// error, before any payload moved, and nothing changed.
+    #[error("{op}: {reason}")]
+    Ranks {
+        op: &'static str,
+        reason: &'static str,
+    },
+    /// The distributed engine (MPI, NCCL, the thread communicator) failed.
+    #[error("communicator: {0}")]
+    Communicator(String),
 }
 
 impl Error {

@@ -64,6 +64,7 @@ pub mod checkpoint;
 pub mod cpu;
 pub mod cuda;
 pub mod device;
+pub mod dist;
 pub mod driver;
 pub mod element;
 pub mod error;

@@ -73,13 +73,40 @@ impl Mlp {
         targets: Targets<'_>,
         c: f32,
     ) -> Result<(f32, Vec<f32>)> {
+        self.regularized_gradient_reduced(fwd, targets, c, &mut |_| Ok(()))
+    }
+
+    /// [`Mlp::regularized_gradient_from`] for data-parallel training: `reduce` turns this
+    /// shard's mean into the whole batch's (the ranks' mean by rows), applied to `g` before
+    /// the Hessian product and to `H_L g` after, so the result is the whole batch's
+    /// `g + 2c·H_L g` (`H_L g` is linear in the batch for a fixed `g`). The loss is the
+    /// shard's.
+    ///
+    /// # Errors
+    /// As [`Mlp::regularized_gradient_from`], and `reduce`'s.
+    pub fn regularized_gradient_reduced(
+        &self,
+        fwd: &Forward,
+        targets: Targets<'_>,
+        c: f32,
+        reduce: &mut dyn FnMut(&mut [f32]) -> Result<()>,
+    ) -> Result<(f32, Vec<f32>)> {
         const OP: &str = "Mlp::regularized_gradient_from";
         check_nonneg(OP, "c", c)?;
         let b = self.backward(fwd, targets)?;
         let mut g = b.grad;
+        reduce(&mut g)?;
         if c > 0.0 {
             let deltas: Vec<Mat> = b.layers.into_iter().map(|s| s.e).collect();
-            let hg = self.r_op(fwd, &deltas, &g)?;
+            // An overflow after `g`'s reduction still takes part in `H_L g`'s, as NaN: every
+            // rank's result is then non-finite and every rank skips the step alike (a
+            // single process skips it too, on the error).
+            let mut hg = match self.r_op(fwd, &deltas, &g) {
+                Ok(hg) => hg,
+                Err(grng::Error::NonFinite { .. }) => vec![f32::NAN; g.len()],
+                Err(e) => return Err(e),
+            };
+            reduce(&mut hg)?;
             for (gi, hi) in g.iter_mut().zip(hg) {
                 *gi += 2.0 * c * hi;
             }

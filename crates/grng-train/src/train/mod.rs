@@ -15,7 +15,9 @@ mod trainer;
 pub use grng::optim::OptimizerConfig;
 pub use hyper::{Knob, MethodConfig, DEFAULT_BATCH};
 pub use method::{Method, UnknownMethod};
-pub use run::{train_method, Checkpointing, CurvePoint, MethodResult, RunConfig, Splits, SPLIT};
+pub use run::{
+    train_method, Checkpointing, CurvePoint, Dist, MethodResult, RunConfig, Splits, SPLIT,
+};
 pub use sweep::{best, sweep, SweepPoint};
 pub use trainer::{Batch, StepReport, Trainer, TrainerCounters};
 

@@ -66,6 +66,37 @@ pub struct RunConfig {
     pub max_steps: Option<u64>,
     /// Periodic checkpoints and resuming ([`Checkpointing`]); `None` reads and writes nothing.
     pub checkpoint: Option<Checkpointing>,
+    /// Data-parallel training ([`Dist`]); `None`: one process.
+    pub dist: Option<Dist>,
+}
+
+/// Data-parallel training of the gradient methods: every rank runs [`train_method`] with the
+/// same run, and steps on its shard of each batch (rank `r` of `P` takes the `r`-th of `P`
+/// nearly equal parts, the first `B mod P` one row longer) through
+/// [`Trainer::step_shard`]; the Kalman methods (one sample per step) are not sharded. Only
+/// rank 0 writes checkpoints; every rank can resume from them, whatever the number of
+/// ranks that wrote them (the state is the same on every rank).
+#[derive(Clone, Debug)]
+pub struct Dist(pub grng::dist::DataParallel);
+
+impl PartialEq for Dist {
+    /// The same communicator.
+    fn eq(&self, other: &Self) -> bool {
+        std::ptr::addr_eq(self.0.comm(), other.0.comm())
+    }
+}
+
+impl Dist {
+    fn rank(&self) -> usize {
+        self.0.comm().rank()
+    }
+
+    /// This rank's part of a batch of `b` rows: its first row and its row count.
+    fn shard(&self, b: usize) -> (usize, usize) {
+        let (p, r) = (self.0.comm().size(), self.rank());
+        let (base, extra) = (b / p, b % p);
+        (r * base + r.min(extra), base + usize::from(r < extra))
+    }
 }
 
 /// Where and how often [`train_method`] saves its state, and whether it resumes from it.
@@ -105,6 +136,7 @@ impl Default for RunConfig {
             eval_points: 200,
             max_steps: None,
             checkpoint: None,
+            dist: None,
         }
     }
 }
@@ -386,6 +418,10 @@ pub fn train_method(
     // A per-method stream: methods do not share sampled labels, yet every run repeats.
     let stream = run.seed ^ (0x9E37_79B9_7F4A_7C15u64.wrapping_mul(config.method as u64 + 1));
     let mut trainer = Trainer::new(device, mlp, config, stream)?;
+    trainer.set_data_parallel(run.dist.as_ref().map(|d| d.0.clone()))?;
+    // Sharded: the gradient methods under `run.dist`; only rank 0 writes checkpoints.
+    let dist = run.dist.as_ref().filter(|_| !config.method.is_kalman());
+    let writes = run.dist.as_ref().is_none_or(|d| d.rank() == 0);
     let train_len = splits.train.len();
     let total = run.total_steps(&config, train_len);
     let ckpt = run.checkpoint.as_ref().map(|c| (c, c.path(&config)));
@@ -429,12 +465,22 @@ pub fn train_method(
             if config.method.is_kalman() && idx.len() != config.batch_size {
                 continue;
             }
-            let (x, labels) = splits.train.gather(&idx)?;
+            let (first, rows) = dist.map_or((0, idx.len()), |d| d.shard(idx.len()));
+            if rows == 0 {
+                failure = Some(Error::Value {
+                    op: "train_method",
+                    arg: "batch_size",
+                    value: idx.len() as f64,
+                    expected: "a batch of at least one row per rank",
+                });
+                break 'epochs;
+            }
+            let (x, labels) = splits.train.gather(&idx[first..first + rows])?;
             let batch = Batch {
                 x: x.as_ref(),
                 targets: Targets::Classes(&labels),
             };
-            match trainer.step(batch) {
+            match trainer.step_shard(batch, first, idx.len()) {
                 Ok(r) => {
                     elapsed += r.time;
                     step_times.push(r.time.as_secs_f64());
@@ -465,7 +511,7 @@ pub fn train_method(
                 }
             }
             if let (Some(n), Some((_, path))) = (save_every, &ckpt) {
-                if step % n == 0 && step < total {
+                if step % n == 0 && step < total && writes {
                     save_checkpoint(path, &trainer, &pos, run, train_len)?;
                 }
             }
@@ -473,7 +519,7 @@ pub fn train_method(
         pos.epoch = epoch + 1;
         pos.batch = 0;
     }
-    if let (None, Some((_, path))) = (&failure, &ckpt) {
+    if let (None, Some((_, path)), true) = (&failure, &ckpt, writes) {
         save_checkpoint(path, &trainer, &pos, run, train_len)?;
     }
     let test_acc = if failure.is_none() {

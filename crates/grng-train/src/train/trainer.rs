@@ -5,9 +5,10 @@ use std::time::{Duration, Instant};
 use rand::SeedableRng;
 use rand_chacha::ChaCha8Rng;
 
-use crate::mlp::{BackwardScratch, Forward, LayerStats, Loss, Mlp, Targets};
+use crate::mlp::{BackwardScratch, FisherMode, Forward, LayerStats, Loss, Mlp, Targets};
 use grng::checkpoint::{load_all, save_all, Checkpoint, Reader, Writer};
 use grng::device::{Device, Matrix};
+use grng::dist::DataParallel;
 use grng::error::{check_len, Error, Result};
 use grng::mat::{Mat, MatRef};
 use grng::optim::adamw::AdamW;
@@ -194,6 +195,9 @@ pub struct Trainer {
     steps: u64,
     /// Trainer-owned counts (the Kronecker fields stay 0 here; see [`Trainer::counters`]).
     counters: TrainerCounters,
+    /// Data-parallel training ([`Trainer::set_data_parallel`]) and this step's shard: its
+    /// first row and the global batch's rows.
+    dist: Option<(DataParallel, usize, usize)>,
 }
 
 // `skip_nonfinite!(expr)`: the value of a `Result`, or a skipped step for a
@@ -203,7 +207,8 @@ macro_rules! skip_nonfinite {
     ($e:expr, $loss:expr, $gn:expr) => {
         match $e {
             Ok(v) => v,
-            Err(Error::NonFinite { .. } | Error::NonFiniteTensor { .. }) => {
+            // `Ranks`: data-parallel, another rank's shard gave such a value (or disagreed).
+            Err(Error::NonFinite { .. } | Error::NonFiniteTensor { .. } | Error::Ranks { .. }) => {
                 return Ok(Outcome::skip($loss, $gn))
             }
             Err(e) => return Err(e),
@@ -284,6 +289,7 @@ impl Trainer {
             mlp,
             engine,
             rng: ChaCha8Rng::seed_from_u64(seed),
+            dist: None,
             steps: 0,
             counters: TrainerCounters::default(),
         })
@@ -321,6 +327,91 @@ impl Trainer {
             c.power_unconverged = k.power_unconverged;
         }
         c
+    }
+
+    /// Makes the training data-parallel (or single-process again with `None`): every rank
+    /// holds the whole network and steps on its shard of each batch
+    /// ([`Trainer::step_shard`]); the optimizer reduces the shards' gradients and statistics
+    /// (`grng::dist`), so every rank takes the step one process takes on the whole batch.
+    /// RENG's gradient `g + 2c·H_L g` is formed from the reduced `g` and reduced again. The
+    /// sampled labels stay the single process's: each rank draws the whole batch's and keeps
+    /// its rows'. The Kalman methods observe one sample per step: they are not sharded (every
+    /// rank steps the whole batch, nothing to reduce), so `dp` is ignored for them.
+    ///
+    /// # Errors
+    /// [`Error::Value`] for a squared-error network with sampled labels (its per-value
+    /// draws are not sharded).
+    pub fn set_data_parallel(&mut self, dp: Option<DataParallel>) -> Result<()> {
+        let sampled = matches!(self.config.fisher, FisherMode::Sampled)
+            || matches!(self.engine, Engine::Sophia { .. });
+        if dp.is_some() && sampled && self.mlp.config().loss != Loss::SoftmaxCrossEntropy {
+            return Err(Error::Value {
+                op: "Trainer::set_data_parallel",
+                arg: "loss",
+                value: f64::NAN,
+                expected: "softmax cross-entropy when labels are sampled",
+            });
+        }
+        let reng = self.config.method == Method::Reng;
+        let opt_dp = dp
+            .clone()
+            .map(|d| if reng { d.with_grads_reduced() } else { d });
+        match &mut self.engine {
+            Engine::Kron { opt, .. } => opt.set_data_parallel(opt_dp),
+            Engine::Sgd { opt, .. } => opt.set_data_parallel(opt_dp),
+            Engine::AdamW { opt, .. } => opt.set_data_parallel(opt_dp),
+            Engine::Sophia { opt, .. } => opt.set_data_parallel(opt_dp),
+            Engine::Kalman { .. } => {
+                self.dist = None;
+                return Ok(());
+            }
+        }
+        self.dist = dp.map(|d| (d, 0, 0));
+        Ok(())
+    }
+
+    /// [`Trainer::step`] on this rank's shard of a data-parallel batch: `batch` holds rows
+    /// `first .. first + m` of a global batch of `total` rows (see
+    /// [`Trainer::set_data_parallel`]; single-process, `first = 0` and `total = m`). A step
+    /// this rank skips before its optimizer reduced anything is announced to the other ranks
+    /// ([`DataParallel::abstain`]), which then skip it too.
+    ///
+    /// # Errors
+    /// As [`Trainer::step`]; [`Error::Value`] for a shard outside `total`.
+    pub fn step_shard(
+        &mut self,
+        batch: Batch<'_>,
+        first: usize,
+        total: usize,
+    ) -> Result<StepReport> {
+        const OP: &str = "Trainer::step_shard";
+        let m = batch.x.rows();
+        grng::error::check_value(
+            OP,
+            "total",
+            total as f64,
+            first + m <= total,
+            "first + batch rows <= total",
+        )?;
+        let Some((dp, ..)) = &self.dist else {
+            return self.step(batch);
+        };
+        let mut dp = dp.clone();
+        dp.set_rows(m);
+        let before = dp.reductions();
+        self.dist = Some((dp.clone(), first, total));
+        match &mut self.engine {
+            Engine::Kron { opt, .. } => set_rows(opt.data_parallel_mut(), m),
+            Engine::Sgd { opt, .. } => set_rows(opt.data_parallel_mut(), m),
+            Engine::AdamW { opt, .. } => set_rows(opt.data_parallel_mut(), m),
+            Engine::Sophia { opt, .. } => set_rows(opt.data_parallel_mut(), m),
+            Engine::Kalman { .. } => {}
+        }
+        let report = self.step(batch)?;
+        if report.skipped && dp.reductions() == before {
+            dp.abstain(OP)?;
+        }
+        Ok(report)
     }
 
     /// One training step on `batch` (forward, backward, the statistics the method needs, the
@@ -412,6 +503,11 @@ impl Trainer {
         let device = &self.device;
         let mlp = &mut self.mlp;
         let rng = &mut self.rng;
+        let dp = self.dist.as_ref().map(|(dp, ..)| dp);
+        let shard = self
+            .dist
+            .as_ref()
+            .map(|&(_, first, total)| (first, m, total));
         let outcome = match &mut self.engine {
             Engine::Kron { opt, params, flat } => {
                 let refresh = opt.needs_stats();
@@ -433,7 +529,10 @@ impl Trainer {
                 // labels, and on a step skipped below the ones drawn here are given back
                 // (`Trainer::step`).
                 let fisher_layers = if refresh {
-                    Some(mlp.fisher_stats(&fwd, fisher, batch.targets, rng)?)
+                    let draws = shard.filter(|_| fisher == FisherMode::Sampled);
+                    Some(drawing_shard(rng, draws, |rng| {
+                        mlp.fisher_stats(&fwd, fisher, batch.targets, rng)
+                    })?)
                 } else {
                     None
                 };
@@ -445,7 +544,22 @@ impl Trainer {
                         OptimizerConfig::Kron(k) => k.grad_reg,
                         _ => 0.0,
                     };
-                    let r = mlp.regularized_gradient_from(&fwd, batch.targets, c);
+                    // Data-parallel: `g` reduced before its Hessian product, `H_L g` after.
+                    let r = match dp {
+                        None => mlp.regularized_gradient_from(&fwd, batch.targets, c),
+                        // The batch's mean loss too: every rank skips on it alike.
+                        Some(dp) => {
+                            let reduce = &mut |v: &mut [f32]| {
+                                dp.all_reduce_mean("Trainer::step", v).map(drop)
+                            };
+                            mlp.regularized_gradient_reduced(&fwd, batch.targets, c, reduce)
+                                .and_then(|(loss, g)| {
+                                    let mut l = [loss];
+                                    reduce(&mut l)?;
+                                    Ok((l[0], g))
+                                })
+                        }
+                    };
                     let (loss, grad) = skip_nonfinite!(r, f32::NAN, f32::NAN);
                     let gn = norm(&grad);
                     if !loss.is_finite() || !gn.is_finite() {
@@ -527,6 +641,8 @@ impl Trainer {
                         self.counters.rejected_updates += 1;
                         return Ok(Outcome::skip(loss, gn));
                     }
+                    // Data-parallel: another rank's shard failed its checks.
+                    Err(Error::Ranks { .. }) => return Ok(Outcome::skip(loss, gn)),
                     Err(e) => return Err(e),
                 };
                 // The stepped layers go into the network by a swap of flat vectors: `flat`
@@ -554,9 +670,11 @@ impl Trainer {
                     Err(Error::NonFinite { .. }) => f32::NAN,
                     r => r?,
                 };
-                // A non-finite `after` raises ρ.
+                // A non-finite `after` raises ρ. Data-parallel, the losses are the ranks'
+                // means: the observation counts a non-finite one on every rank alike.
+                let nonfinite = opt.counters().nonfinite_losses;
                 opt.observe_loss(loss, after)?;
-                if after.is_finite() {
+                if opt.counters().nonfinite_losses == nonfinite {
                     Outcome {
                         loss,
                         loss_after: Some(after),
@@ -602,7 +720,8 @@ impl Trainer {
                 }
                 let refresh = opt.needs_hessian();
                 let sampled = if refresh {
-                    let s = skip_nonfinite!(mlp.backward_sampled(fwd, rng), loss, gn);
+                    let s = drawing_shard(rng, shard, |rng| mlp.backward_sampled(fwd, rng));
+                    let s = skip_nonfinite!(s, loss, gn);
                     if !all_finite(&s.grad) {
                         return Ok(Outcome::skip(loss, gn));
                     }
@@ -645,6 +764,35 @@ impl Trainer {
         };
         Ok(outcome)
     }
+}
+
+/// Sets this step's rows on a data-parallel optimizer's handle.
+fn set_rows(dp: Option<&mut DataParallel>, rows: usize) {
+    if let Some(dp) = dp {
+        dp.set_rows(rows);
+    }
+}
+
+/// Runs `draw` (which draws one uniform per row of a `m`-row shard from `rng`) as if it drew
+/// for the whole data-parallel batch: the rows before the shard's first and after its last
+/// are drawn and dropped, so each rank keeps the single process's labels for its rows.
+fn drawing_shard<T>(
+    rng: &mut ChaCha8Rng,
+    shard: Option<(usize, usize, usize)>,
+    draw: impl FnOnce(&mut ChaCha8Rng) -> T,
+) -> T {
+    use rand::Rng as _;
+    let Some((first, m, total)) = shard else {
+        return draw(rng);
+    };
+    (0..first).for_each(|_| {
+        let _: f64 = rng.random();
+    });
+    let t = draw(rng);
+    (first + m..total).for_each(|_| {
+        let _: f64 = rng.random();
+    });
+    t
 }
 
 /// What [`Trainer::update`] did (the parts of a [`StepReport`] it knows).

@@ -201,9 +201,14 @@ impl AdamW {
     /// of the first NaN/Inf (or overflowing result). On error neither `params` nor the
     /// optimizer changes.
     pub fn step_many(&mut self, params: &mut [&mut Matrix], grads: &[&Matrix]) -> Result<()> {
-        self.inner.step(|device, state, config, t| {
-            device.adamw_update_many(params, grads, state, &config.coeffs(t))
-        })
+        self.inner.step_with_grads(
+            "AdamW::step",
+            params,
+            grads,
+            |device, state, config, t, params, grads| {
+                device.adamw_update_many(params, grads, state, &config.coeffs(t))
+            },
+        )
     }
 
     /// The learning rate the next step will use.

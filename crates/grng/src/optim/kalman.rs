@@ -10,6 +10,7 @@
 //! the life of the optimizer (the paper uses batch 1).
 
 use crate::device::{Device, Matrix};
+use crate::dist::{DataParallel, Part};
 use crate::error::{check_finite, check_len, check_shape, check_value, Error, Result};
 use crate::ops::kalman::{JacobianElement, KalmanInfo, KalmanOptions, KalmanState};
 
@@ -75,6 +76,8 @@ pub struct RKalman {
     config: RKalmanConfig,
     state: KalmanState,
     steps: u64,
+    /// Data-parallel steps ([`RKalman::set_data_parallel`]).
+    dp: Option<DataParallel>,
 }
 
 impl RKalman {
@@ -91,7 +94,61 @@ impl RKalman {
             config,
             state,
             steps: 0,
+            dp: None,
         })
+    }
+
+    /// Makes the steps data-parallel over a communicator (or single-process again with
+    /// `None`). The filter couples every pair of observations of a batch through the
+    /// innovation covariance `S = H·diag(σ)·Hᵀ + R` (`d_o x d_o`) and its gain, so a rank's
+    /// shard cannot be summed into a smaller statistic: each step gathers the ranks' Jacobian
+    /// rows and innovations (rank `p`'s `r_p` rows at its offset; `Σ_p r_p = d_o`, the size
+    /// the filter was made for) and every rank runs the single-process step on the whole
+    /// observation — the same bits as one process on the concatenated batch. Cost:
+    /// `d_o·(n + 1)` values per step (`docs/distributed.md`). [`DataParallel::rows`] is not
+    /// read: the row counts are the Jacobians'.
+    pub fn set_data_parallel(&mut self, dp: Option<DataParallel>) {
+        self.dp = dp;
+    }
+
+    /// The whole observation of a data-parallel step: every rank's Jacobian rows and
+    /// innovations at their offsets (`Σ_p r_p` must be `d_o`), gathered by a sum all-reduce
+    /// of zero-padded copies, after the ranks' agreement.
+    fn gathered<T: JacobianElement>(
+        &self,
+        dp: &DataParallel,
+        h: &Matrix<T>,
+        innovation: &Matrix,
+    ) -> Result<(Matrix<T>, Matrix)> {
+        const OP: &str = "RKalman::step";
+        let (p, rank) = (dp.comm().size(), dp.comm().rank());
+        let (n, d_o) = (self.n(), self.d_o());
+        let rows = h.rows();
+        let pre = check_shape(OP, "h", h.shape(), (rows, n))
+            .and_then(|()| check_shape(OP, "innovation", innovation.shape(), (rows, 1)));
+        let counts = pre.map(|()| {
+            let mut slots = vec![0.0f32; p];
+            slots[rank] = rows as f32;
+            vec![Part::Sum(slots)]
+        });
+        let counts = dp.reduce(OP, counts)?;
+        let counts: Vec<usize> = counts[0].values.iter().map(|&r| r as usize).collect();
+        // The same sums on every rank: every rank fails alike, before the payload.
+        check_len(OP, "Σ ranks' rows (h)", counts.iter().sum(), d_o)?;
+        let at: usize = counts[..rank].iter().sum();
+        let mut full = crate::error::try_vec(d_o * (n + 1), 1, 0.0f32)?;
+        for (d, v) in full[at * n..(at + rows) * n].iter_mut().zip(h.to_vec()?) {
+            *d = v.to_f32();
+        }
+        full[d_o * n + at..d_o * n + at + rows].copy_from_slice(&innovation.to_vec()?);
+        let mut gathered = dp.reduce(OP, Ok(vec![Part::Sum(full)]))?;
+        let full = std::mem::take(&mut gathered[0].values);
+        // Zeros added to a value leave it exact, so a bf16 row converts back unchanged.
+        let h: Vec<T> = full[..d_o * n].iter().map(|&v| T::from_f32(v)).collect();
+        Ok((
+            self.device.upload(d_o, n, &h)?,
+            self.device.upload(d_o, 1, &full[d_o * n..])?,
+        ))
     }
 
     /// The plain Kalman baseline: [`RKalman::new`] with `config.kalman.rho` set to 0.
@@ -118,6 +175,14 @@ impl RKalman {
         innovation: &Matrix,
     ) -> Result<KalmanInfo> {
         const OP: &str = "RKalman::step";
+        let gathered = match &self.dp {
+            Some(dp) => Some(self.gathered(dp, h, innovation)?),
+            None => None,
+        };
+        let (h, innovation) = match &gathered {
+            Some((h, v)) => (h, v),
+            None => (h, innovation),
+        };
         check_shape(OP, "h", h.shape(), (self.d_o(), self.n()))?;
         check_shape(OP, "innovation", innovation.shape(), (self.d_o(), 1))?;
         // The largest product is the innovation covariance `H·diag(σ)·Hᵀ`: `d_o²·n`.

@@ -13,7 +13,8 @@
 
 use crate::cpu::elementwise::check_nonnegative;
 use crate::device::{Device, Matrix};
-use crate::error::{check_finite, check_len, Error, Result};
+use crate::dist::{self, DataParallel};
+use crate::error::{check_finite, check_len, check_shape, Error, Result};
 use crate::ops::elementwise::MultiState;
 
 /// The accessors every element-wise optimizer `$opt` (a struct whose `inner` is a
@@ -39,6 +40,19 @@ macro_rules! tensor_accessors {
             /// The configuration in use.
             pub fn config(&self) -> &$config {
                 self.inner.config()
+            }
+
+            /// Makes the steps data-parallel over a communicator (or single-process again
+            /// with `None`): each step's gradients are averaged over the ranks by their rows
+            /// ([`DataParallel`](crate::dist::DataParallel)) before the update, so every
+            /// rank takes the step of the concatenated batch.
+            pub fn set_data_parallel(&mut self, dp: Option<crate::dist::DataParallel>) {
+                self.inner.dp = dp;
+            }
+
+            /// The data-parallel setting, to set this rank's rows for the coming steps.
+            pub fn data_parallel_mut(&mut self) -> Option<&mut crate::dist::DataParallel> {
+                self.inner.dp.as_mut()
             }
         }
     };
@@ -87,6 +101,8 @@ pub(crate) struct Tensors<C> {
     /// The per-tensor layout and the optimizer's state arrays.
     state: MultiState,
     steps: u64,
+    /// Data-parallel steps: the gradients averaged over the ranks first.
+    pub(crate) dp: Option<DataParallel>,
 }
 
 impl<C: Validate> Tensors<C> {
@@ -106,6 +122,7 @@ impl<C: Validate> Tensors<C> {
             config,
             state: MultiState::new(device, shapes, arrays)?,
             steps: 0,
+            dp: None,
         })
     }
 
@@ -119,6 +136,79 @@ impl<C: Validate> Tensors<C> {
         update(&self.device, &mut self.state, &self.config, t)?;
         self.steps = t;
         Ok(())
+    }
+
+    /// The lists a step averages over the ranks when data-parallel (`None` otherwise):
+    /// `grads` unless they come reduced, then `also` (Sophia's Hessian sample with its own
+    /// weight). Returns the means, in that order, with their total weights. `pre` is the
+    /// step's own checks so far and `params` its parameters, checked against the shapes: a
+    /// failure on any rank fails the call on every rank before anything moves.
+    pub(crate) fn reduced(
+        &self,
+        op: &'static str,
+        pre: Result<()>,
+        params: &[&mut Matrix],
+        grads: &[&Matrix],
+        also: Option<(&'static str, &[&Matrix], usize)>,
+    ) -> Result<Option<dist::TensorMeans>> {
+        let Some(dp) = &self.dp else {
+            return Ok(None);
+        };
+        let shapes = self.shapes();
+        let mut lists = Vec::new();
+        if !dp.grads_reduced() {
+            lists.push(dist::Tensors {
+                arg: "grads",
+                tensors: grads,
+                shapes,
+                weight: dp.rows(),
+            });
+        }
+        if let Some((arg, tensors, weight)) = also {
+            lists.push(dist::Tensors {
+                arg,
+                tensors,
+                shapes,
+                weight,
+            });
+        }
+        let pre = pre.and_then(|()| {
+            check_shape(op, "params", (params.len(), 1), (shapes.len(), 1))?;
+            for (p, &shape) in params.iter().zip(shapes) {
+                self.device.check_on(op, p)?;
+                check_shape(op, "params", p.shape(), shape)?;
+            }
+            Ok(())
+        });
+        dist::reduce_tensors(dp, op, &self.device, pre, &lists).map(Some)
+    }
+
+    /// [`Tensors::step`] given the step's gradients: `grads`, or when data-parallel their
+    /// mean over the ranks ([`Tensors::reduced`]).
+    pub(crate) fn step_with_grads(
+        &mut self,
+        op: &'static str,
+        params: &mut [&mut Matrix],
+        grads: &[&Matrix],
+        update: impl FnOnce(
+            &Device,
+            &mut MultiState,
+            &C,
+            u64,
+            &mut [&mut Matrix],
+            &[&Matrix],
+        ) -> Result<()>,
+    ) -> Result<()> {
+        let reduced = self.reduced(op, Ok(()), params, grads, None)?;
+        let means: Vec<&Matrix>;
+        let grads = match reduced.as_deref() {
+            Some([(g, _), ..]) => {
+                means = g.iter().collect();
+                &means
+            }
+            _ => grads,
+        };
+        self.step(|d, s, c, t| update(d, s, c, t, params, grads))
     }
 
     /// `‖g‖₂` of the last step's gradients ([`MultiState::last_grad_sq`]).

@@ -114,9 +114,14 @@ impl Sgd {
     /// [`Error::NonFiniteTensor`] naming the tensor and index of the first NaN/Inf (or
     /// overflowing result). On error neither `params` nor the optimizer changes.
     pub fn step_many(&mut self, params: &mut [&mut Matrix], grads: &[&Matrix]) -> Result<()> {
-        self.inner.step(|device, state, config, _| {
-            device.sgd_update_many(params, grads, state, &config.coeffs())
-        })
+        self.inner.step_with_grads(
+            "Sgd::step",
+            params,
+            grads,
+            |device, state, config, _, params, grads| {
+                device.sgd_update_many(params, grads, state, &config.coeffs())
+            },
+        )
     }
 
     /// `‖g‖₂` of the last step's gradients (all tensors), where the update measured it

@@ -197,15 +197,44 @@ impl Sophia {
         hess: Option<SophiaHessians<'_>>,
     ) -> Result<()> {
         const OP: &str = "Sophia::step";
-        if hess.is_none() && self.needs_hessian() {
-            return check_value(
+        let missing = if hess.is_none() && self.needs_hessian() {
+            check_value(
                 OP,
                 "hess",
                 0.0,
                 false,
                 "a Hessian sample on this step (needs_hessian() is true)",
-            );
-        }
+            )
+        } else {
+            Ok(())
+        };
+        // Single-process: fail now. Data-parallel: fail inside the agreement, on every rank.
+        let missing = match (&self.inner.dp, missing) {
+            (None, m) => {
+                m?;
+                Ok(())
+            }
+            (Some(_), m) => m,
+        };
+        // Data-parallel: the gradients averaged by rows, the Hessian sample by its batch
+        // (the concatenated batch's `ĝ`, over `Σ_p B_p` samples).
+        let also = hess.map(|h| ("hess.sampled_grads", h.sampled_grads, h.batch));
+        let reduced = self.inner.reduced(OP, missing, params, grads, also)?;
+        let reduces_grads = self.inner.dp.as_ref().is_some_and(|d| !d.grads_reduced());
+        let mut lists = reduced.iter().flatten();
+        let means: Option<Vec<&Matrix>> = reduces_grads
+            .then(|| lists.next().map(|(g, _)| g.iter().collect()))
+            .flatten();
+        let sampled: Option<(Vec<&Matrix>, usize)> =
+            lists.next().map(|(h, b)| (h.iter().collect(), *b));
+        let grads = means.as_deref().unwrap_or(grads);
+        let hess = match &sampled {
+            Some((s, batch)) => Some(SophiaHessians {
+                sampled_grads: s,
+                batch: *batch,
+            }),
+            None => hess,
+        };
         self.inner.step(|device, state, config, _| {
             let refresh = hess.map(|h| SophiaRefresh {
                 sampled_grads: h.sampled_grads,

@@ -72,12 +72,7 @@ impl Ctx<'_> {
             // ε = 0 (or the first refresh, which replaces) never reads the old factor.
             _ => 0.0,
         };
-        let rows = match x {
-            StatsView::F32(x) if self.cfg.stats_precision == Precision::Bf16 => {
-                Rows::Rounded(self.device.round_to_bf16(x)?)
-            }
-            x => Rows::Given(x),
-        };
+        let rows = self.rows(x)?;
         // RING's `‖F‖₂` from the rows when `F = (1/m) xᵀx` exactly (replaced, not blended) and
         // `m < n`: the `m x m` Gram `(1/m) x xᵀ` has the same nonzero eigenvalues, and each
         // power-iteration step then reads `m²` values instead of `n²` (16x fewer at m = 256,
@@ -101,15 +96,61 @@ impl Ctx<'_> {
             }
             _ => replaced_factor(self.device, &rows)?,
         };
-        // Each scalar only for the variant that reads it: both are host round trips.
         let (norm, trace) = match self.cfg.variant {
             KronVariant::Ring if gram_norm => (self.rows_norm(&rows, c)?, 0.0),
-            KronVariant::Ring => (self.spectral_norm(&f, c)?, 0.0),
-            KronVariant::Reng => (0.0, 0.0),
-            KronVariant::Ngd => (0.0, self.device.trace(&f)?),
+            _ => self.formed_scalars(&f, c)?,
         };
         let rows = (eps == 0.0).then_some(rows);
         Ok((Refreshed::Formed(f, rows), scalars(norm, trace)))
+    }
+
+    /// The statistics rows `x` as the factor's SYRK reads them: `f32` rows rounded to `bf16`
+    /// when [`KronConfig::stats_precision`] says so.
+    pub fn rows<'x>(&self, x: StatsView<'x>) -> Result<Rows<'x>> {
+        Ok(match x {
+            StatsView::F32(x) if self.cfg.stats_precision == Precision::Bf16 => {
+                Rows::Rounded(self.device.round_to_bf16(x)?)
+            }
+            x => Rows::Given(x),
+        })
+    }
+
+    /// [`Ctx::factor`] from the mean Gram matrix `(1/M) Σ_p x_pᵀx_p` of a data-parallel step's
+    /// ranks (`crate::dist`) instead of rows: blended into `old`'s factor by the EMA when
+    /// there is one, always formed (the rows' routes need rows at hand).
+    pub fn factor_from_gram<'x>(
+        &self,
+        gram: &Matrix,
+        old: Option<&KronFactorState>,
+        c: &mut KronCounters,
+    ) -> Result<(Refreshed<'x>, FactorScalars)> {
+        let f = match old {
+            Some(o) if self.cfg.ema > 0.0 => {
+                let mut f = o.dense_factor()?.try_clone()?;
+                self.device.scale(self.cfg.ema, &mut f)?;
+                self.device.axpy(1.0 - self.cfg.ema, gram, &mut f)?;
+                f
+            }
+            _ => gram.try_clone()?,
+        };
+        let (norm, trace) = self.formed_scalars(&f, c)?;
+        let scalars = FactorScalars {
+            dim: f.rows(),
+            norm,
+            trace,
+        };
+        Ok((Refreshed::Formed(f, None), scalars))
+    }
+
+    /// The damping rules' scalars of a formed factor `f`: `(‖f‖₂, 0)` for RING, `(0, tr f)`
+    /// for NGD, zeros for RENG — each only for the variant that reads it: both are host round
+    /// trips.
+    fn formed_scalars(&self, f: &Matrix, c: &mut KronCounters) -> Result<(f32, f32)> {
+        Ok(match self.cfg.variant {
+            KronVariant::Ring => (self.spectral_norm(f, c)?, 0.0),
+            KronVariant::Reng => (0.0, 0.0),
+            KronVariant::Ngd => (0.0, self.device.trace(f)?),
+        })
     }
 
     /// Whether [`Ctx::factor`] leaves a replaced factor to its rows: on the CPU, inverted by

@@ -71,6 +71,7 @@ use self::factored::{
 use self::layer::{formed_view, known_norm, Ctx, Retarget};
 use super::{KronStats, StatsView};
 use crate::device::{Device, Matrix};
+use crate::dist::{self, DataParallel, Part};
 use crate::error::{check_shape, check_value, Error, Result};
 use crate::ops::elementwise::AxpyOver;
 use crate::ops::Readout;
@@ -88,6 +89,39 @@ pub struct KronOptimizer {
     /// instead of being allocated every step. Not state (any contents serve): empty after
     /// `new` and after a failed step.
     spare: Vec<Matrix>,
+    /// Data-parallel steps ([`KronOptimizer::set_data_parallel`]).
+    dp: Option<DataParallel>,
+}
+
+/// The statistics a refresh forms its factors from: the caller's rows, or (data-parallel)
+/// each layer's `[Λ, Γ]` mean Gram matrices over the ranks.
+#[derive(Clone, Copy)]
+enum StatsIn<'s, 'a> {
+    Rows(&'s [KronStats<'a>]),
+    Grams(&'s [[Matrix; 2]]),
+}
+
+impl<'a> StatsIn<'_, 'a> {
+    /// Layer `l`'s refreshed factor `side` (0: `Λ`, 1: `Γ`) blended into `old`.
+    fn factor(
+        &self,
+        ctx: &Ctx<'_>,
+        (l, side): (usize, usize),
+        old: Option<&KronFactorState>,
+        c: &mut KronCounters,
+    ) -> Result<(layer::Refreshed<'a>, damping::FactorScalars)> {
+        match *self {
+            StatsIn::Rows(s) => ctx.factor([s[l].a, s[l].e][side].view(), old, c),
+            StatsIn::Grams(g) => ctx.factor_from_gram(&g[l][side], old, c),
+        }
+    }
+}
+
+/// A data-parallel call's inputs, reduced over the ranks: dense gradients (`None` when they
+/// come reduced) and, on a refresh, the factors' mean Gram matrices.
+struct Reduced {
+    grads: Option<Vec<Matrix>>,
+    grams: Option<Vec<[Matrix; 2]>>,
 }
 
 /// How the inverses move on this call: rebuilt from statistics, or retargeted lazily.
@@ -147,7 +181,103 @@ impl KronOptimizer {
                 layers: Vec::new(),
             },
             spare: Vec::new(),
+            dp: None,
         })
+    }
+
+    /// Makes the steps data-parallel over a communicator (or single-process again with
+    /// `None`). Each call then reduces, in one all-reduce after the ranks' agreement
+    /// (`crate::dist`): the gradients, averaged by [`DataParallel::rows`] (unless they come
+    /// reduced), made dense first where given by factors; and on a refresh each layer's
+    /// statistics as the lower triangles of their Gram matrices, averaged by their own row
+    /// counts, before the EMA. Every rank then forms the same factors and inverses and
+    /// takes the step one process takes on the concatenated batch (`docs/distributed.md`).
+    /// [`KronOptimizer::observe_loss`] averages the ranks' losses by rows likewise.
+    pub fn set_data_parallel(&mut self, dp: Option<DataParallel>) {
+        self.dp = dp;
+    }
+
+    /// The data-parallel setting, to set this rank's rows for the coming steps.
+    pub fn data_parallel_mut(&mut self) -> Option<&mut DataParallel> {
+        self.dp.as_mut()
+    }
+
+    /// Data-parallel: this call's inputs reduced over the ranks (`None` when single-process).
+    /// This rank's checks (`check_inputs`, and `params` when given) go into the agreement,
+    /// so a bad input on any rank fails the call on every rank before anything moves.
+    fn reduce_inputs(
+        &self,
+        op: &'static str,
+        grads: &[KronGrad<'_>],
+        stats: Option<&[KronStats<'_>]>,
+        params: Option<&[Matrix]>,
+    ) -> Result<Option<Reduced>> {
+        let Some(dp) = &self.dp else {
+            return Ok(None);
+        };
+        let ctx = Ctx {
+            device: &self.device,
+            cfg: &self.config,
+        };
+        let local = || -> Result<Vec<Part>> {
+            self.check_inputs(op, grads, stats.map(StatsIn::Rows))?;
+            if let Some(params) = params {
+                self.check_layers(op, "params", params.iter())?;
+            }
+            let mut parts = Vec::new();
+            if !dp.grads_reduced() {
+                let mut flat = Vec::new();
+                for (g, &(o, i)) in grads.iter().zip(&self.shapes) {
+                    match g.parts() {
+                        Parts::Dense(g) => flat.extend(g.to_vec()?),
+                        Parts::Factored(Factors { e, a, .. }) => {
+                            let mut dense = self.device.zeros(o, i)?;
+                            self.device.batch_gradient(e, a, &mut dense)?;
+                            flat.extend(dense.to_vec()?);
+                        }
+                    }
+                }
+                parts.push(Part::Mean(flat, dp.rows()));
+            }
+            for s in stats.into_iter().flatten() {
+                for x in [s.a.view(), s.e.view()] {
+                    let (m, n) = x.shape();
+                    let gram = rows::replaced_factor(&self.device, &ctx.rows(x)?)?;
+                    let tri = dist::lower_triangle(&gram.to_vec()?, n);
+                    parts.push(Part::Mean(tri, m));
+                }
+            }
+            Ok(parts)
+        };
+        let mut reduced = dp.reduce(op, local())?.into_iter();
+        let grads = if dp.grads_reduced() {
+            None
+        } else {
+            let flat = reduced.next().map(|r| r.values).unwrap_or_default();
+            let mut at = 0;
+            let mut gs = Vec::with_capacity(self.shapes.len());
+            for &(o, i) in &self.shapes {
+                gs.push(self.device.upload(o, i, &flat[at..at + o * i])?);
+                at += o * i;
+            }
+            Some(gs)
+        };
+        let grams = match stats {
+            None => None,
+            Some(_) => {
+                let mut grams = Vec::with_capacity(self.shapes.len());
+                for &(o, i) in &self.shapes {
+                    let mut side = |n: usize| -> Result<Matrix> {
+                        let tri = reduced.next().map(|r| r.values).unwrap_or_default();
+                        self.device
+                            .upload(n, n, &dist::from_lower_triangle(&tri, n)?)
+                    };
+                    grams.push([side(i)?, side(o)?]);
+                }
+                Some(grams)
+            }
+        };
+        Ok(Some(Reduced { grads, grams }))
     }
 
     /// The configuration (`rho` there is the initial value; see [`KronOptimizer::rho`]).
@@ -261,8 +391,10 @@ impl KronOptimizer {
         grads: &[KronGrad<'_>],
         stats: Option<&[KronStats<'_>]>,
     ) -> Result<Vec<Matrix>> {
+        let reduced = self.reduce_inputs(op, grads, stats, None)?;
+        let (grads, stats) = inputs(reduced.as_ref(), grads, stats);
         crate::cpu::on_pool(self.pool_work(), || {
-            self.precondition_on_pool(op, grads, stats)
+            self.precondition_on_pool(op, &grads, stats)
         })
     }
 
@@ -279,7 +411,7 @@ impl KronOptimizer {
         &mut self,
         op: &'static str,
         grads: &[KronGrad<'_>],
-        stats: Option<&[KronStats<'_>]>,
+        stats: Option<StatsIn<'_, '_>>,
     ) -> Result<Vec<Matrix>> {
         // Every check of the call read back once (`Device::deferred`); the body builds new
         // matrices only, installed below.
@@ -376,6 +508,9 @@ impl KronOptimizer {
         stats: Option<&[KronStats<'_>]>,
         output_change: Option<usize>,
     ) -> Result<(KronStepInfo, Option<Matrix>)> {
+        let reduced = self.reduce_inputs(op, grads, stats, Some(&*params))?;
+        let (grads, stats) = inputs(reduced.as_ref(), grads, stats);
+        let grads = &grads[..];
         crate::cpu::on_pool(self.pool_work(), || {
             let before = self.st.counters;
             let eta = self.effective_lr();
@@ -480,22 +615,40 @@ impl KronOptimizer {
     /// [`Error::NonFinite`] for a non-finite `before`. Unchanged on error.
     pub fn observe_loss(&mut self, before: f32, after: f32) -> Result<()> {
         const OP: &str = "KronOptimizer::observe_loss";
-        let Some(q) = self.st.predicted else {
-            return Err(Error::Value {
-                op: OP,
-                arg: "predicted change",
-                value: f64::NAN,
-                expected: "a step() that formed the model (adapts_damping()), not yet observed",
-            });
+        let checks = || -> Result<f32> {
+            let Some(q) = self.st.predicted else {
+                return Err(Error::Value {
+                    op: OP,
+                    arg: "predicted change",
+                    value: f64::NAN,
+                    expected: "a step() that formed the model (adapts_damping()), not yet observed",
+                });
+            };
+            if !before.is_finite() {
+                return Err(Error::NonFinite {
+                    op: OP,
+                    arg: "before",
+                    index: 0,
+                    value: before,
+                });
+            }
+            Ok(q)
         };
-        if !before.is_finite() {
-            return Err(Error::NonFinite {
-                op: OP,
-                arg: "before",
-                index: 0,
-                value: before,
-            });
-        }
+        let q = checks();
+        // Data-parallel: the concatenated batch's losses, the ranks' means weighted by rows
+        // (the same on every rank, so `ρ` stays one value).
+        let (q, before, after) = match &self.dp {
+            None => (q?, before, after),
+            Some(dp) => {
+                let (q, local) = match q {
+                    Ok(q) => (q, Ok(vec![Part::Mean(vec![before, after], dp.rows())])),
+                    Err(e) => (0.0, Err(e)),
+                };
+                // This rank's error is returned here, the others' as `Error::Ranks`.
+                let r = dp.reduce(OP, local)?;
+                (q, r[0].values[0], r[0].values[1])
+            }
+        };
         let c = &mut self.st.counters;
         self.st.predicted = None;
         let r = if !after.is_finite() {
@@ -635,7 +788,7 @@ impl KronOptimizer {
         &self,
         op: &'static str,
         grads: &[KronGrad<'_>],
-        stats: Option<&[KronStats<'_>]>,
+        stats: Option<StatsIn<'_, '_>>,
     ) -> Result<()> {
         check_shape(op, "grads", (grads.len(), 1), (self.shapes.len(), 1))?;
         let mut named = Vec::with_capacity(2 * grads.len());
@@ -674,8 +827,9 @@ impl KronOptimizer {
                 value: self.st.steps as f64,
                 expected: "statistics on a refresh step (see needs_stats())",
             }),
-            None => Ok(()),
-            Some(stats) => {
+            // Formed by `reduce_inputs`, with the layers' shapes.
+            None | Some(StatsIn::Grams(_)) => Ok(()),
+            Some(StatsIn::Rows(stats)) => {
                 check_shape(op, "stats", (stats.len(), 1), (self.shapes.len(), 1))?;
                 for (s, &(o, i)) in stats.iter().zip(&self.shapes) {
                     for (arg, m, cols) in [("stats.a", s.a.view(), i), ("stats.e", s.e.view(), o)] {
@@ -714,7 +868,7 @@ impl KronOptimizer {
     /// takes it with the model ([`Retarget::ByProducts`]).
     fn plan(
         &self,
-        stats: Option<&[KronStats<'_>]>,
+        stats: Option<StatsIn<'_, '_>>,
         grads: &[KronGrad<'_>],
         with_model: bool,
         c: &mut KronCounters,
@@ -748,46 +902,42 @@ impl KronOptimizer {
             })?;
             return Ok(Plan::Lazy(tally(ups, c), low_rank));
         };
-        let layers = tasks::map(
-            &self.device,
-            stats.iter().enumerate().collect(),
-            |(l, s)| {
-                let old = self.st.layers.get(l);
-                let (mut cl, mut cg) = (KronCounters::default(), KronCounters::default());
-                let ((fl, sl), (fg, sg)) = tasks::join(
-                    ctx.device,
-                    || ctx.factor(s.a.view(), old.map(|o| &o.lambda), &mut cl),
-                    || ctx.factor(s.e.view(), old.map(|o| &o.gamma), &mut cg),
-                )?;
-                let (dl, dg) = factor_dampings(&self.config, rho, sl, sg);
-                let (il, ig) = tasks::join(
-                    ctx.device,
-                    || {
-                        ctx.inverse(
-                            fl.arg(),
-                            dl,
-                            known_norm(sl.norm),
-                            old.and_then(|o| o.lambda.warm_start()),
-                            &mut cl,
-                        )
-                    },
-                    || {
-                        ctx.inverse(
-                            fg.arg(),
-                            dg,
-                            known_norm(sg.norm),
-                            old.and_then(|o| o.gamma.warm_start()),
-                            &mut cg,
-                        )
-                    },
-                )?;
-                let layer = KronLayerState {
-                    lambda: il.with_factor(fl, sl)?,
-                    gamma: ig.with_factor(fg, sg)?,
-                };
-                Ok((layer, [cl, cg]))
-            },
-        )?;
+        let layers = tasks::map(&self.device, (0..self.shapes.len()).collect(), |l| {
+            let old = self.st.layers.get(l);
+            let (mut cl, mut cg) = (KronCounters::default(), KronCounters::default());
+            let ((fl, sl), (fg, sg)) = tasks::join(
+                ctx.device,
+                || stats.factor(&ctx, (l, 0), old.map(|o| &o.lambda), &mut cl),
+                || stats.factor(&ctx, (l, 1), old.map(|o| &o.gamma), &mut cg),
+            )?;
+            let (dl, dg) = factor_dampings(&self.config, rho, sl, sg);
+            let (il, ig) = tasks::join(
+                ctx.device,
+                || {
+                    ctx.inverse(
+                        fl.arg(),
+                        dl,
+                        known_norm(sl.norm),
+                        old.and_then(|o| o.lambda.warm_start()),
+                        &mut cl,
+                    )
+                },
+                || {
+                    ctx.inverse(
+                        fg.arg(),
+                        dg,
+                        known_norm(sg.norm),
+                        old.and_then(|o| o.gamma.warm_start()),
+                        &mut cg,
+                    )
+                },
+            )?;
+            let layer = KronLayerState {
+                lambda: il.with_factor(fl, sl)?,
+                gamma: ig.with_factor(fg, sg)?,
+            };
+            Ok((layer, [cl, cg]))
+        })?;
         c.refreshes += 1;
         Ok(Plan::Refresh(tally(layers, c), low_rank))
     }
@@ -895,6 +1045,23 @@ fn low_rank(grads: &[KronGrad<'_>]) -> bool {
     grads
         .iter()
         .all(|g| matches!(g.parts(), Parts::Factored(_)))
+}
+
+/// A call's gradients and statistics as its body uses them: the data-parallel reduction's
+/// where there is one, else the caller's.
+fn inputs<'s, 'a>(
+    reduced: Option<&'s Reduced>,
+    grads: &'s [KronGrad<'a>],
+    stats: Option<&'s [KronStats<'a>]>,
+) -> (Vec<KronGrad<'s>>, Option<StatsIn<'s, 'a>>) {
+    let Some(r) = reduced else {
+        return (grads.to_vec(), stats.map(StatsIn::Rows));
+    };
+    let grads = match &r.grads {
+        Some(gs) => gs.iter().map(KronGrad::Dense).collect(),
+        None => grads.to_vec(),
+    };
+    (grads, r.grams.as_deref().map(StatsIn::Grams))
 }
 
 /// Dense [`KronGrad`]s of plain gradient matrices.
