@@ -108,6 +108,10 @@ struct Args {
     /// Output folder.
     #[arg(long, default_value = "out/lora")]
     out: PathBuf,
+    /// `cpu`; `cuda` or `cuda:N` when built with `-p grng-lora --features cuda` (candle's CUDA
+    /// build, see grng-candle's `cuda` feature: built, never run on a GPU yet).
+    #[arg(long, default_value = "cpu")]
+    device: String,
 }
 
 fn c<T>(r: candle_core::Result<T>) -> Result<T> {
@@ -381,7 +385,7 @@ fn main() -> std::result::Result<(), Box<dyn std::error::Error>> {
         args.train_sizes = "256".into();
         args.steps = 30;
     }
-    let dev = CDevice::Cpu;
+    let dev = grng_candle::candle_device(&args.device)?;
     let model_dir = args.model.clone().unwrap_or_else(grng_lora::minilm_dir);
     let data = args.data.clone().unwrap_or_else(sentiment::default_path);
     let mut arms: Vec<Arm> = Method::parse_list(&args.methods)?
