@@ -30,7 +30,7 @@ use grng_lora::sentiment::{self, mcc, Example, Splits};
 use grng_lora::{Adapt, AdaptConfig, BertModel, BertTokenizer, Pass, SentenceClassifier};
 use grng_train::report::svg::{figure, Panel, Scale, Series};
 use grng_train::report::{fmt_seconds, text_table};
-use grng_train::train::Method;
+use grng_train::train::{median, Method};
 use rand::seq::SliceRandom;
 use rand::SeedableRng;
 use rand_chacha::ChaCha8Rng;
@@ -357,14 +357,6 @@ fn run(s: &Setup<'_>, arm: Arm, n_train: usize, seed: u64) -> Result<RunResult> 
         time_to_target: to_target,
         failure,
     })
-}
-
-fn median(v: &mut [f64]) -> f64 {
-    if v.is_empty() {
-        return f64::NAN;
-    }
-    v.sort_by(f64::total_cmp);
-    v[v.len() / 2]
 }
 
 /// `mean ± std` (sample standard deviation) in percent.

@@ -1,7 +1,7 @@
 //! [`SentenceClassifier`]: the adapted top of an encoder, mean pooling and a linear head, and
 //! one training step of any grng method on it.
 
-use crate::{mean_pool, BertModel, Pass};
+use crate::{mean_pool, BertModel, Candle, Pass};
 use candle_core::{Tensor, Var};
 use grng::error::{Error, Result};
 use grng::optim::adamw::AdamWConfig;
@@ -9,10 +9,6 @@ use grng::optim::fisher::{sample_class, FisherMode};
 use grng::optim::OptimizerConfig;
 use grng_candle::{capture_fisher, GrngConfig, GrngOptimizer, KronLinear, Observed};
 use rand::Rng;
-
-fn c<T>(r: candle_core::Result<T>) -> Result<T> {
-    r.map_err(|e| Error::Candle(e.to_string()))
-}
 
 /// The encoder layers `first..` (with their adapters), mean pooling and a head `W̄ = [W b]`
 /// (`classes x (hidden + 1)`, a [`KronLinear`] trained with the adapters). It reads the
@@ -68,7 +64,8 @@ impl SentenceClassifier {
             })
             .collect();
         let dev = encoder.device();
-        let head = KronLinear::from_weights(&c(Tensor::from_vec(w, (classes, hidden + 1), &dev))?)?;
+        let head =
+            KronLinear::from_weights(&Tensor::from_vec(w, (classes, hidden + 1), &dev).grng()?)?;
         Ok(Self {
             encoder,
             head,
@@ -166,34 +163,40 @@ impl SentenceClassifier {
     ) -> Result<f32> {
         let z = self.logits(hidden, mask, Pass::Train)?;
         let l = cross_entropy(&z, labels)?;
-        let before = c(l.to_scalar::<f32>())?;
+        let before = l.to_scalar::<f32>().grng()?;
         if opt.is_kalman() {
             opt.step_kalman(&z, labels)?;
             return Ok(before);
         }
-        let mut grads = c(l.backward())?;
+        let mut grads = l.backward().grng()?;
         // Before RENG's extra passes: the statistics are read from the pass that made `z`.
         if opt.needs_fisher() {
             capture_fisher(&self.layers(), &z, FisherMode::Sampled, labels, rng)?;
         }
         opt.regularize(&mut grads, || {
-            c(self.loss(hidden, mask, labels, Pass::Train)?.backward())
+            self.loss(hidden, mask, labels, Pass::Train)?
+                .backward()
+                .grng()
         })?;
         if opt.needs_sophia_sample() {
-            let classes = c(z.dims2())?.1;
-            let p: Vec<f32> =
-                c(candle_nn::ops::softmax_last_dim(&z).and_then(|p| p.flatten_all()?.to_vec1()))?;
+            let classes = z.dims2().grng()?.1;
+            let p: Vec<f32> = candle_nn::ops::softmax_last_dim(&z)
+                .and_then(|p| p.flatten_all()?.to_vec1())
+                .grng()?;
             let drawn: Vec<u32> = p
                 .chunks(classes)
                 .map(|pk| sample_class(pk, rng.random::<f64>()) as u32)
                 .collect();
-            let sampled = c(self.loss(hidden, mask, &drawn, Pass::Train)?.backward())?;
+            let sampled = self
+                .loss(hidden, mask, &drawn, Pass::Train)?
+                .backward()
+                .grng()?;
             opt.set_sophia_sample(&sampled, labels.len());
         }
         let after = || {
-            c(self
-                .loss(hidden, mask, labels, Pass::Eval)?
-                .to_scalar::<f32>())
+            self.loss(hidden, mask, labels, Pass::Eval)?
+                .to_scalar::<f32>()
+                .grng()
         };
         match opt.step_observed(&grads, before, after)? {
             Observed::Applied { .. } | Observed::Rejected => Ok(before),
@@ -205,11 +208,17 @@ impl SentenceClassifier {
     /// # Errors
     /// As [`SentenceClassifier::loss`].
     pub fn grad_norm(&self, hidden: &Tensor, mask: &Tensor, labels: &[u32]) -> Result<f64> {
-        let grads = c(self.loss(hidden, mask, labels, Pass::Train)?.backward())?;
+        let grads = self
+            .loss(hidden, mask, labels, Pass::Train)?
+            .backward()
+            .grng()?;
         let mut sq = 0.0f64;
         for v in self.vars() {
             if let Some(g) = grads.get(v.as_tensor()) {
-                sq += c(g.sqr().and_then(|s| s.sum_all()?.to_scalar::<f32>()))? as f64;
+                sq += g
+                    .sqr()
+                    .and_then(|s| s.sum_all()?.to_scalar::<f32>())
+                    .grng()? as f64;
             }
         }
         Ok(sq.sqrt())
@@ -221,12 +230,12 @@ impl SentenceClassifier {
     /// As [`SentenceClassifier::logits`].
     pub fn predict(&self, hidden: &Tensor, mask: &Tensor) -> Result<Vec<u32>> {
         let z = self.logits(hidden, mask, Pass::Eval)?;
-        c(z.argmax(1).and_then(|a| a.to_vec1::<u32>()))
+        z.argmax(1).and_then(|a| a.to_vec1::<u32>()).grng()
     }
 }
 
 /// Mean cross-entropy of `logits` (`n x C`) against `labels`.
 fn cross_entropy(logits: &Tensor, labels: &[u32]) -> Result<Tensor> {
-    let y = c(Tensor::from_slice(labels, labels.len(), logits.device()))?;
-    c(candle_nn::loss::cross_entropy(logits, &y))
+    let y = Tensor::from_slice(labels, labels.len(), logits.device()).grng()?;
+    candle_nn::loss::cross_entropy(logits, &y).grng()
 }

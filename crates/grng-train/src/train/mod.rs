@@ -16,7 +16,7 @@ pub use grng::optim::OptimizerConfig;
 pub use hyper::{Knob, MethodConfig, DEFAULT_BATCH};
 pub use method::{Method, UnknownMethod};
 pub use run::{
-    train_method, Checkpointing, CurvePoint, Dist, MethodResult, RunConfig, Splits, SPLIT,
+    median, train_method, Checkpointing, CurvePoint, Dist, MethodResult, RunConfig, Splits, SPLIT,
 };
 pub use sweep::{best, sweep, SweepPoint};
 pub use trainer::{Batch, StepReport, Trainer, TrainerCounters};

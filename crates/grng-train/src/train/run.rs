@@ -545,8 +545,9 @@ pub fn train_method(
     })
 }
 
-/// Median of `v` (sorted in place); `NaN` when empty.
-fn median(v: &mut [f64]) -> f64 {
+/// Median of `v` (sorted in place; the mean of the two middle values for an even length);
+/// `NaN` when empty.
+pub fn median(v: &mut [f64]) -> f64 {
     if v.is_empty() {
         return f64::NAN;
     }
