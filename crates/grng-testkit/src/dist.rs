@@ -18,7 +18,7 @@
 
 use std::sync::Arc;
 
-use grng::dist::{Communicator, DataParallel, Threads};
+use grng::dist::{Communicator, DataParallel, Inversions, Threads};
 use grng::optim::adamw::{AdamW, AdamWConfig};
 use grng::optim::kalman::{RKalman, RKalmanConfig};
 use grng::optim::kron::{KronConfig, KronFactorState, KronGrad, KronOptimizer, KronState};
@@ -346,6 +346,24 @@ fn kron_run(
     trace
 }
 
+/// Asserts that `b` is `a` bit for bit: every matrix, scalar and counter.
+fn assert_state_bits(a: &KronState, b: &KronState, what: &str) {
+    let (ma, mb) = (a.matrices(), b.matrices());
+    assert_eq!(ma.len(), mb.len(), "{what}: matrices");
+    for ((name, x), (_, y)) in ma.iter().zip(&mb) {
+        let (x, y) = (x.to_vec().unwrap(), y.to_vec().unwrap());
+        let same = x.len() == y.len() && x.iter().zip(&y).all(|(u, v)| u.to_bits() == v.to_bits());
+        assert!(same, "{what}: {name} differs");
+    }
+    let (sa, sb) = (a.scalars(), b.scalars());
+    let same = sa.len() == sb.len()
+        && sa
+            .iter()
+            .zip(&sb)
+            .all(|(u, v)| u.0 == v.0 && u.1.to_bits() == v.1.to_bits());
+    assert!(same, "{what}: scalars {sa:?} vs {sb:?}");
+}
+
 fn fro(x: &[f32]) -> f64 {
     x.iter().map(|&v| (v as f64).powi(2)).sum::<f64>().sqrt()
 }
@@ -381,6 +399,11 @@ fn abs_gram(x: &[f32], y: &[f32], m: usize, a: usize, b: usize) -> f64 {
 /// start and each stops once an iteration moves it by at most `tol`, so they differ by at
 /// most a couple of such moves, `|δλ|/λ ≤ 4·tol` (asserted); RENG's `√ρ` is the same and
 /// NGD's trace ratio moves by `δF`'s relative size.
+///
+/// The ranks run it twice, inverting every layer everywhere and spread over the ranks
+/// ([`Inversions`]): the spread run must hold the other's weights and whole state bit for bit
+/// after every step (the same code inverts the same factors, and the CPU's Cholesky inverse
+/// is exactly symmetric, so its triangle loses nothing) — so it is within the bound too.
 pub fn kron(comm: Arc<dyn Communicator>, seed: u64, config: KronConfig, factored: bool) {
     let mut rng = ChaCha8Rng::seed_from_u64(seed);
     let p = comm.size();
@@ -392,9 +415,16 @@ pub fn kron(comm: Arc<dyn Communicator>, seed: u64, config: KronConfig, factored
     let shard = shards[comm.rank()];
     let mut dp = DataParallel::new(comm.clone());
     dp.set_rows(shard.1);
-    let got = kron_run(&prob, config, shard, factored, Some(dp));
+    let got = kron_run(&prob, config, shard, factored, Some(dp.clone()));
     for (t, (w, _)) in got.iter().enumerate() {
         assert_same_bits(&*comm, &format!("weights after step {t}"), &w.concat());
+    }
+    let spread = dp.with_inversions(Inversions::Spread);
+    let spread = kron_run(&prob, config, shard, factored, Some(spread));
+    for (t, ((w, st), (ws, sts))) in got.iter().zip(&spread).enumerate() {
+        let what = format!("{:?} P={p} step {t}: spread", config.variant);
+        assert_eq!(ws, w, "{what} weights; case seed {seed}");
+        assert_state_bits(st, sts, &what);
     }
     let r = mean_gap(m, p);
     let eta = (config.lr / prob.shapes.len() as f32) as f64;
@@ -572,6 +602,7 @@ pub fn failures(comm: Arc<dyn Communicator>, seed: u64) {
     assert!(matches!(e, Error::Ranks { .. }), "rank {rank}: {e}");
     let w1: Vec<Vec<f32>> = w.iter().map(|m| m.to_vec().unwrap()).collect();
     assert_eq!((kron.steps(), w1), (0, w0));
+    spread_failure(&comm, seed);
 
     // Kalman: the ranks' rows do not add up to the filter's observation size.
     let mut filter = RKalman::new(&dev, &[0.1; 3], 2 * p, RKalmanConfig::default()).unwrap();
@@ -583,6 +614,74 @@ pub fn failures(comm: Arc<dyn Communicator>, seed: u64) {
     let e = filter.step(&h, &v).unwrap_err();
     assert!(matches!(e, Error::Shape { .. }), "rank {rank}: {e}");
     assert_eq!(filter.state().unwrap(), before);
+}
+
+/// The spread refresh's failure check: RING without a damping floor, one layer's error rows
+/// zero on every rank, so that layer's `Γ = 0` gets the damping `√ρ·‖Γ‖₂ = 0` and its
+/// Cholesky inversion fails — on the one rank that owns the layer ([`Inversions::Spread`]),
+/// which reports it ([`Error::NotSpd`]); every other rank fails with [`Error::Ranks`],
+/// every optimizer and weight unchanged. Then a good refresh steps every rank together with
+/// the same bits as inverting everywhere.
+fn spread_failure(comm: &Arc<dyn Communicator>, seed: u64) {
+    // Its own stream: the checks before it draw different amounts on the last rank.
+    let rng = &mut ChaCha8Rng::seed_from_u64(case(seed, 1));
+    let dev = Device::Cpu;
+    let rank = comm.rank();
+    let shapes = [(3, 4), (2, 5), (4, 3)];
+    let config = KronConfig {
+        damping_floor: 0.0,
+        ..KronConfig::ring()
+    };
+    let w0: Vec<Vec<f32>> = shapes
+        .iter()
+        .map(|&(o, i)| crate::vals(rng, o * i))
+        .collect();
+    let draw = |rng: &mut ChaCha8Rng, dead: Option<usize>| -> Vec<(Matrix, Matrix)> {
+        shapes
+            .iter()
+            .enumerate()
+            .map(|(l, &(o, i))| {
+                let a = dev.upload(3, i, &crate::vals(rng, 3 * i)).unwrap();
+                let mut e = crate::vals(rng, 3 * o);
+                if dead == Some(l) {
+                    e.iter_mut().for_each(|v| *v = 0.0);
+                }
+                (a, dev.upload(3, o, &e).unwrap())
+            })
+            .collect()
+    };
+    let bad = draw(rng, Some(1));
+    let good = draw(rng, None);
+    let run = |inversions| {
+        let mut kron = KronOptimizer::new(&dev, &shapes, config).unwrap();
+        let dp = DataParallel::new(comm.clone()).with_inversions(inversions);
+        kron.set_data_parallel(Some(dp));
+        let mut w: Vec<Matrix> = w0
+            .iter()
+            .zip(&shapes)
+            .map(|(w, &(o, i))| dev.upload(o, i, w).unwrap())
+            .collect();
+        let (grads, stats) = factored_inputs(&bad);
+        let e = kron.step_grads(&mut w, &grads, Some(&stats)).unwrap_err();
+        let w1: Vec<Vec<f32>> = w.iter().map(|m| m.to_vec().unwrap()).collect();
+        assert_eq!((kron.steps(), &w1), (0, &w0), "rank {rank}: changed by {e}");
+        assert!(kron.state().unwrap().layers.is_empty());
+        let (grads, stats) = factored_inputs(&good);
+        kron.step_grads(&mut w, &grads, Some(&stats)).unwrap();
+        let w: Vec<Vec<f32>> = w.iter().map(|m| m.to_vec().unwrap()).collect();
+        (e, w, kron.state().unwrap())
+    };
+    let (e, w, st) = run(Inversions::Everywhere);
+    assert!(matches!(e, Error::NotSpd { .. }), "rank {rank}: {e}");
+    let (e, ws, sts) = run(Inversions::Spread);
+    // Layer 1 (costs 2³ + 5³ = 133, the largest) goes to rank 0.
+    match (&e, rank) {
+        (Error::NotSpd { .. }, 0) | (Error::Ranks { .. }, 1..) => {}
+        _ => panic!("rank {rank}: unexpected {e}"),
+    }
+    assert_eq!(ws, w, "rank {rank}: spread weights after the good step");
+    assert_state_bits(&st, &sts, "spread state after the good step");
+    assert_same_bits(&**comm, "spread weights after the good step", &ws.concat());
 }
 
 /// Every check on this rank, for a runner with one communicator (the MPI example): each case

@@ -108,6 +108,30 @@ pub struct Cli {
     /// them (--features mpi,nccl). Rank 0 prints and writes.
     #[arg(long, value_enum)]
     pub dist: Option<DistKind>,
+
+    /// With --dist: where RING, RENG and NGD invert their factors at a refresh. everywhere:
+    /// every rank inverts every layer (no bytes); spread: each layer on one rank, its
+    /// inverses broadcast (KAISA-style; docs/distributed.md says when it wins).
+    #[arg(long, value_enum, default_value = "everywhere")]
+    pub inversions: InversionsArg,
+}
+
+/// `--inversions` ([`grng::dist::Inversions`]).
+#[derive(clap::ValueEnum, Clone, Copy, Debug, PartialEq, Eq)]
+pub enum InversionsArg {
+    /// [`grng::dist::Inversions::Everywhere`].
+    Everywhere,
+    /// [`grng::dist::Inversions::Spread`].
+    Spread,
+}
+
+impl From<InversionsArg> for grng::dist::Inversions {
+    fn from(a: InversionsArg) -> Self {
+        match a {
+            InversionsArg::Everywhere => Self::Everywhere,
+            InversionsArg::Spread => Self::Spread,
+        }
+    }
 }
 
 /// The distributed engine of `--dist`.
@@ -229,7 +253,7 @@ pub fn run(cli: &Cli) -> Result<()> {
             every: cli.checkpoint_every,
             resume: cli.resume,
         }),
-        dist: comm.map(|c| Dist(DataParallel::new(c))),
+        dist: comm.map(|c| Dist(DataParallel::new(c).with_inversions(cli.inversions.into()))),
     };
     run.validate()?;
     let splits = Splits::digits(cli.seed)?;

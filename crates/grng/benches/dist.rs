@@ -1,8 +1,10 @@
-//! Data-parallel step cost (`docs/distributed.md`): RING (`S = 8`) and AdamW on the
-//! 784-1024-1024-10 MLP's layer shapes (with biases), global batch 256, at 1 and 2 ranks of
-//! the thread communicator. Per step: wall time, time inside the collectives (packing and
-//! waiting for the other rank included) and the bytes each rank puts into them — the figures
-//! the cost model of `docs/distributed.md` scales to 8 and 64 GPUs with NCCL's ring cost.
+//! Data-parallel step cost (`docs/distributed.md`): RING (`S = 8`; at 2 ranks also with its
+//! inversions spread, `Inversions::Spread`) and AdamW on the 784-1024-1024-10 MLP's layer
+//! shapes (with biases), global batch 256, at 1 and 2 ranks of the thread communicator. Per
+//! step: wall time (and for RING the median refresh and lazy step), time inside the
+//! collectives (packing and waiting for the other rank included) and the bytes each rank puts
+//! into them — the figures the cost model of `docs/distributed.md` scales to 8 and 64 GPUs
+//! with NCCL's ring cost.
 //! The last line checks the target: RING's bytes per step at `S = 8` over AdamW's gradient
 //! all-reduce, at most 1.3.
 //!
@@ -13,7 +15,7 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use grng::dist::{Communicator, DataParallel, Threads};
+use grng::dist::{Communicator, DataParallel, Inversions, Threads};
 use grng::optim::adamw::{AdamW, AdamWConfig};
 use grng::optim::kron::{KronConfig, KronOptimizer};
 use grng::{Device, Matrix, Result};
@@ -64,11 +66,13 @@ impl Communicator for Counting {
     }
 }
 
-/// Per-step averages of one rank: wall time, time in collectives, bytes.
+/// Per-step averages of one rank: wall time, time in collectives, bytes; and the median
+/// refresh and lazy step of a Kronecker method (`S = 8`).
 struct Row {
     step: Duration,
     comm: Duration,
     bytes: f64,
+    split: Option<[Duration; 2]>,
 }
 
 fn rows(rng: &mut ChaCha8Rng, dev: &Device, m: usize, n: usize) -> Matrix {
@@ -77,7 +81,7 @@ fn rows(rng: &mut ChaCha8Rng, dev: &Device, m: usize, n: usize) -> Matrix {
 }
 
 /// `steps` RING steps on this rank's `BATCH / P` rows, factored gradients, `S = 8`.
-fn ring(comm: Arc<Counting>, steps: usize) -> Row {
+fn ring(comm: Arc<Counting>, steps: usize, inversions: Inversions) -> Row {
     let dev = Device::Cpu;
     let p = comm.size();
     let m = BATCH / p;
@@ -89,7 +93,7 @@ fn ring(comm: Arc<Counting>, steps: usize) -> Row {
     };
     let mut opt = KronOptimizer::new(&dev, &SHAPES, config).unwrap();
     if p > 1 {
-        let mut dp = DataParallel::new(comm.clone());
+        let mut dp = DataParallel::new(comm.clone()).with_inversions(inversions);
         dp.set_rows(m);
         opt.set_data_parallel(Some(dp));
     }
@@ -102,10 +106,17 @@ fn ring(comm: Arc<Counting>, steps: usize) -> Row {
         .map(|&(o, i)| (rows(&mut rng, &dev, m, i), rows(&mut rng, &dev, m, o)))
         .collect();
     let (grads, stats) = grng_testkit::dist::factored_inputs(&mats);
-    measure(&comm, steps, || {
+    let (mut row, times) = measure(&comm, steps, || {
         let s = opt.needs_stats().then_some(&stats[..]);
         opt.step_grads(&mut w, &grads, s).unwrap();
-    })
+    });
+    let median = |keep: fn(usize) -> bool| {
+        let mut t: Vec<Duration> = (0..steps).filter(|&k| keep(k)).map(|k| times[k]).collect();
+        t.sort();
+        t[t.len() / 2]
+    };
+    row.split = Some([median(|k| k % 8 == 0), median(|k| k % 8 != 0)]);
+    row
 }
 
 /// `steps` AdamW steps over the same parameters (its gradient all-reduce).
@@ -132,19 +143,27 @@ fn adamw(comm: Arc<Counting>, steps: usize) -> Row {
         let mut ps: Vec<&mut Matrix> = w.iter_mut().collect();
         opt.step_many(&mut ps, &g).unwrap();
     })
+    .0
 }
 
-fn measure(comm: &Counting, steps: usize, mut step: impl FnMut()) -> Row {
+/// The averages of `steps` calls of `step`, and each call's time.
+fn measure(comm: &Counting, steps: usize, mut step: impl FnMut()) -> (Row, Vec<Duration>) {
     let t = Instant::now();
-    for _ in 0..steps {
-        step();
-    }
+    let times = (0..steps)
+        .map(|_| {
+            let t = Instant::now();
+            step();
+            t.elapsed()
+        })
+        .collect();
     let n = steps as u32;
-    Row {
+    let row = Row {
         step: t.elapsed() / n,
         comm: Duration::from_nanos(comm.nanos.load(Ordering::Relaxed)) / n,
         bytes: comm.bytes.load(Ordering::Relaxed) as f64 / steps as f64,
-    }
+        split: None,
+    };
+    (row, times)
 }
 
 fn world(p: usize, f: impl Fn(Arc<Counting>) -> Row + Sync) -> Row {
@@ -187,27 +206,43 @@ fn main() {
         rayon::current_num_threads()
     );
     println!(
-        "{:<16} {:>5} {:>12} {:>14} {:>16}",
-        "method", "ranks", "step (ms)", "in comm (ms)", "bytes/step/rank"
+        "{:<16} {:>5} {:>12} {:>12} {:>10} {:>14} {:>16}",
+        "method",
+        "ranks",
+        "step (ms)",
+        "refresh (ms)",
+        "lazy (ms)",
+        "in comm (ms)",
+        "bytes/step/rank"
     );
+    let ms = |d: Duration| format!("{:.2}", d.as_secs_f64() * 1e3);
     let mut bytes = [0.0f64; 2];
-    for (i, (name, f)) in [
-        ("RING S=8", ring as fn(Arc<Counting>, usize) -> Row),
-        ("AdamW", adamw),
-    ]
-    .into_iter()
-    .enumerate()
-    {
-        for p in [1, 2] {
+    let ring_spread = |c, steps| ring(c, steps, Inversions::Spread);
+    let rows: [(
+        &str,
+        &[usize],
+        &(dyn Fn(Arc<Counting>, usize) -> Row + Sync),
+    ); 3] = [
+        ("RING S=8", &[1, 2], &|c, steps| {
+            ring(c, steps, Inversions::Everywhere)
+        }),
+        ("RING S=8 spread", &[2], &ring_spread),
+        ("AdamW", &[1, 2], &adamw),
+    ];
+    for (name, ps, f) in rows {
+        for &p in ps {
             let r = world(p, |c| f(c, steps));
+            let [refresh, lazy] = r.split.map_or(["-".into(), "-".into()], |s| s.map(ms));
             println!(
-                "{name:<16} {p:>5} {:>12.2} {:>14.2} {:>16.0}",
-                r.step.as_secs_f64() * 1e3,
-                r.comm.as_secs_f64() * 1e3,
+                "{name:<16} {p:>5} {:>12} {refresh:>12} {lazy:>10} {:>14} {:>16.0}",
+                ms(r.step),
+                ms(r.comm),
                 r.bytes
             );
-            if p == 2 {
-                bytes[i] = r.bytes;
+            match (name, p) {
+                ("RING S=8", 2) => bytes[0] = r.bytes,
+                ("AdamW", 2) => bytes[1] = r.bytes,
+                _ => {}
             }
         }
     }

@@ -130,8 +130,37 @@ fn check_root(op: &'static str, root: usize, size: usize) -> Result<()> {
     crate::error::check_value(op, "root", root as f64, root < size, "root < size")
 }
 
+/// Where a data-parallel refresh of the Kronecker optimizers (RING, RENG, NGD) inverts each
+/// layer's factors (`docs/distributed.md` has the memory, bytes and when each wins).
+///
+/// Either way every rank forms every factor from the reduced statistics (the state holds
+/// them, and the lazy steps between refreshes retarget every inverse on every rank), and
+/// every rank ends the refresh with the same state, bit for bit.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub enum Inversions {
+    /// Every rank inverts every layer's two factors (and, for RING, takes their spectral
+    /// norms): identical inputs, identical results, no bytes.
+    #[default]
+    Everywhere,
+    /// KAISA-style: each layer is refreshed on one rank — its factors' norms or traces,
+    /// dampings and inverses — and broadcast from there, each inverse as its lower triangle
+    /// (`n(n+1)/2` values) with its scalars and counters. Layers go to ranks by their
+    /// inversion cost `d_in³ + d_out³`, largest first, each to the rank with the least cost so
+    /// far (longest-processing-time first), so a rank's inversions take about `1/min(P, L)`
+    /// of all of them. A rank whose inversion fails (a factor that is not positive
+    /// definite) fails the refresh on every rank, before anything changes: its own error
+    /// there, [`Error::Ranks`] on the others.
+    ///
+    /// The step is the [`Inversions::Everywhere`] step bit for bit where the inverse is
+    /// exactly symmetric (the CPU's Cholesky inverse, the default there); a Newton inverse
+    /// (symmetric to rounding) travels as its lower triangle, so the step differs from the
+    /// `Everywhere` step by that rounding (every rank still holds the same bits).
+    Spread,
+}
+
 /// An optimizer's data-parallel setting: the communicator, this rank's share of the current
-/// batch and whether the gradients it is given are already reduced.
+/// batch, whether the gradients it is given are already reduced and where the Kronecker
+/// factors are inverted.
 ///
 /// With it, a step reduces the rank's gradient `G_p` (the mean over its `m_p` rows) to
 /// `Σ_p m_p G_p / Σ_p m_p` — the mean over the concatenated batch, so ragged shards weigh by
@@ -143,6 +172,7 @@ pub struct DataParallel {
     comm: Arc<dyn Communicator>,
     rows: usize,
     grads_reduced: bool,
+    inversions: Inversions,
     /// Reductions taken part in, shared by the handle's clones (the optimizer's and its
     /// trainer's): [`DataParallel::reductions`].
     reductions: Arc<AtomicU64>,
@@ -156,6 +186,7 @@ impl DataParallel {
             comm,
             rows: 1,
             grads_reduced: false,
+            inversions: Inversions::Everywhere,
             reductions: Arc::default(),
         }
     }
@@ -166,6 +197,18 @@ impl DataParallel {
     pub fn with_grads_reduced(mut self) -> Self {
         self.grads_reduced = true;
         self
+    }
+
+    /// Where the Kronecker optimizers' refreshes invert the factors ([`Inversions`]; default
+    /// [`Inversions::Everywhere`]). Every rank must use the same setting.
+    pub fn with_inversions(mut self, inversions: Inversions) -> Self {
+        self.inversions = inversions;
+        self
+    }
+
+    /// Where the Kronecker factors are inverted ([`DataParallel::with_inversions`]).
+    pub fn inversions(&self) -> Inversions {
+        self.inversions
     }
 
     /// This rank's rows `m_p` in the coming steps' gradients (the weight of its gradient in
@@ -230,6 +273,66 @@ impl DataParallel {
         self.reductions.load(Ordering::Relaxed)
     }
 
+    /// Every task's results on every rank, each task computed on its owner (`owners[t]`, the
+    /// rank: [`owners`]) and broadcast from there: `mine` holds this rank's tasks' results
+    /// in task order (each `lens[t]` values), or the error that stopped them. One broadcast
+    /// per rank that owns a task (its tasks' results after a status value), made by every
+    /// rank whatever happened locally, so a failure reaches every rank without a hang: this
+    /// rank's own error where it failed, else [`Error::Ranks`] when another rank's did.
+    ///
+    /// # Errors
+    /// As described, and [`Error::Communicator`].
+    pub(crate) fn exchange(
+        &self,
+        op: &'static str,
+        owners: &[usize],
+        lens: &[usize],
+        mine: Result<Vec<Vec<f32>>>,
+    ) -> Result<Vec<Vec<f32>>> {
+        let comm = &*self.comm;
+        let mut out = vec![Vec::new(); owners.len()];
+        let mut failed = false;
+        let mut mine = mine.map(Vec::into_iter);
+        for root in 0..comm.size() {
+            let tasks: Vec<usize> = (0..owners.len()).filter(|&t| owners[t] == root).collect();
+            if tasks.is_empty() {
+                continue;
+            }
+            let len = 1 + tasks.iter().map(|&t| lens[t]).sum::<usize>();
+            let mut buf = try_vec(len, 1, 0.0f32)?;
+            if root == comm.rank() {
+                match &mut mine {
+                    Ok(results) => {
+                        let mut at = 1;
+                        for (&t, r) in tasks.iter().zip(results) {
+                            buf[at..at + lens[t]].copy_from_slice(&r);
+                            at += lens[t];
+                        }
+                    }
+                    Err(_) => buf[0] = 1.0,
+                }
+            }
+            comm.broadcast(&mut buf, root)?;
+            if buf[0] != 0.0 {
+                failed = true;
+                continue;
+            }
+            let mut at = 1;
+            for &t in &tasks {
+                out[t] = buf[at..at + lens[t]].to_vec();
+                at += lens[t];
+            }
+        }
+        mine?;
+        if failed {
+            return Err(Error::Ranks {
+                op,
+                reason: "another rank's share of the work failed (its own error names it)",
+            });
+        }
+        Ok(out)
+    }
+
     /// [`reduce`] over this handle's communicator, counted.
     pub(crate) fn reduce(
         &self,
@@ -239,6 +342,25 @@ impl DataParallel {
         self.reductions.fetch_add(1, Ordering::Relaxed);
         reduce(&*self.comm, op, local)
     }
+}
+
+/// The rank each task goes to, tasks of cost `costs[t]` spread over `p` ranks by the
+/// longest-processing-time rule: by decreasing cost (ties: the lower index first), each to
+/// the rank with the least cost so far (ties: the lower rank). Within `4/3` of the best
+/// largest load (Graham 1969); the same on every rank (a function of the costs alone).
+pub(crate) fn owners(costs: &[f64], p: usize) -> Vec<usize> {
+    let mut order: Vec<usize> = (0..costs.len()).collect();
+    order.sort_by(|&a, &b| costs[b].total_cmp(&costs[a]).then(a.cmp(&b)));
+    let mut load = vec![0.0f64; p.max(1)];
+    let mut out = vec![0; costs.len()];
+    for t in order {
+        let r = (0..load.len())
+            .min_by(|&a, &b| load[a].total_cmp(&load[b]).then(a.cmp(&b)))
+            .unwrap_or(0);
+        load[r] += costs[t];
+        out[t] = r;
+    }
+    out
 }
 
 /// One host vector of a reduction ([`reduce`]).
@@ -484,6 +606,18 @@ pub(crate) fn from_lower_triangle(t: &[f32], n: usize) -> Result<Vec<f32>> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn owners_balance_by_cost() {
+        // The 784-1024-1024-10 MLP's layers (d_in³ + d_out³): the largest alone at P = 2.
+        let c = |i: f64, o: f64| i.powi(3) + o.powi(3);
+        let costs = [c(785.0, 1024.0), c(1025.0, 1024.0), c(1025.0, 10.0)];
+        assert_eq!(owners(&costs, 2), vec![1, 0, 1]);
+        assert_eq!(owners(&costs, 3), vec![1, 0, 2]);
+        assert_eq!(owners(&costs, 1), vec![0, 0, 0]);
+        // Equal costs go round the ranks in task order.
+        assert_eq!(owners(&[1.0; 5], 2), vec![0, 1, 0, 1, 0]);
+    }
 
     #[test]
     fn triangle_round_trip() {

@@ -124,15 +124,7 @@ impl Ctx<'_> {
         old: Option<&KronFactorState>,
         c: &mut KronCounters,
     ) -> Result<(Refreshed<'x>, FactorScalars)> {
-        let f = match old {
-            Some(o) if self.cfg.ema > 0.0 => {
-                let mut f = o.dense_factor()?.try_clone()?;
-                self.device.scale(self.cfg.ema, &mut f)?;
-                self.device.axpy(1.0 - self.cfg.ema, gram, &mut f)?;
-                f
-            }
-            _ => gram.try_clone()?,
-        };
+        let f = self.blended_gram(gram, old)?;
         let (norm, trace) = self.formed_scalars(&f, c)?;
         let scalars = FactorScalars {
             dim: f.rows(),
@@ -140,6 +132,21 @@ impl Ctx<'_> {
             trace,
         };
         Ok((Refreshed::Formed(f, None), scalars))
+    }
+
+    /// The factor of [`Ctx::factor_from_gram`] without its scalars: `gram` blended into
+    /// `old`'s factor by the EMA, or `gram` itself. (A spread refresh's ranks form every
+    /// factor so, and take the scalars and inverses from the layer's owner.)
+    pub fn blended_gram(&self, gram: &Matrix, old: Option<&KronFactorState>) -> Result<Matrix> {
+        match old {
+            Some(o) if self.cfg.ema > 0.0 => {
+                let mut f = o.dense_factor()?.try_clone()?;
+                self.device.scale(self.cfg.ema, &mut f)?;
+                self.device.axpy(1.0 - self.cfg.ema, gram, &mut f)?;
+                Ok(f)
+            }
+            _ => gram.try_clone(),
+        }
     }
 
     /// The damping rules' scalars of a formed factor `f`: `(‖f‖₂, 0)` for RING, `(0, tr f)`
@@ -592,7 +599,7 @@ pub(super) struct InverseUpdate {
 
 impl InverseUpdate {
     /// `inverse` at `damping`, its norm bounded by `1/damping` (see [`Ctx::inverse`]).
-    fn new(
+    pub(super) fn new(
         inverse: Matrix,
         damping: f32,
         low_rank: Option<Box<LowRank>>,

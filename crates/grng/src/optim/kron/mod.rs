@@ -68,10 +68,10 @@ use self::factored::{
     by_identity, factored_is_cheaper, Factors, InverseView, LayerView, ModelTerms, Parts,
     Preconditioned,
 };
-use self::layer::{formed_view, known_norm, Ctx, Retarget};
+use self::layer::{formed_view, known_norm, Ctx, InverseUpdate, Refreshed, Retarget};
 use super::{KronStats, StatsView};
 use crate::device::{Device, Matrix};
-use crate::dist::{self, DataParallel, Part};
+use crate::dist::{self, DataParallel, Inversions, Part};
 use crate::error::{check_shape, check_value, Error, Result};
 use crate::ops::elementwise::AxpyOver;
 use crate::ops::Readout;
@@ -94,11 +94,13 @@ pub struct KronOptimizer {
 }
 
 /// The statistics a refresh forms its factors from: the caller's rows, or (data-parallel)
-/// each layer's `[Λ, Γ]` mean Gram matrices over the ranks.
+/// each layer's `[Λ, Γ]` mean Gram matrices over the ranks, with a spread refresh's results
+/// as the layers' owners sent them ([`KronOptimizer::spread_inversions`]).
 #[derive(Clone, Copy)]
 enum StatsIn<'s, 'a> {
     Rows(&'s [KronStats<'a>]),
     Grams(&'s [[Matrix; 2]]),
+    Spread(&'s [[Matrix; 2]], &'s [Vec<f32>]),
 }
 
 impl<'a> StatsIn<'_, 'a> {
@@ -112,7 +114,7 @@ impl<'a> StatsIn<'_, 'a> {
     ) -> Result<(layer::Refreshed<'a>, damping::FactorScalars)> {
         match *self {
             StatsIn::Rows(s) => ctx.factor([s[l].a, s[l].e][side].view(), old, c),
-            StatsIn::Grams(g) => ctx.factor_from_gram(&g[l][side], old, c),
+            StatsIn::Grams(g) | StatsIn::Spread(g, _) => ctx.factor_from_gram(&g[l][side], old, c),
         }
     }
 }
@@ -393,6 +395,8 @@ impl KronOptimizer {
     ) -> Result<Vec<Matrix>> {
         let reduced = self.reduce_inputs(op, grads, stats, None)?;
         let (grads, stats) = inputs(reduced.as_ref(), grads, stats);
+        let received = self.spread_inversions(op, stats)?;
+        let stats = with_received(stats, received.as_deref());
         crate::cpu::on_pool(self.pool_work(), || {
             self.precondition_on_pool(op, &grads, stats)
         })
@@ -510,6 +514,8 @@ impl KronOptimizer {
     ) -> Result<(KronStepInfo, Option<Matrix>)> {
         let reduced = self.reduce_inputs(op, grads, stats, Some(&*params))?;
         let (grads, stats) = inputs(reduced.as_ref(), grads, stats);
+        let received = self.spread_inversions(op, stats)?;
+        let stats = with_received(stats, received.as_deref());
         let grads = &grads[..];
         crate::cpu::on_pool(self.pool_work(), || {
             let before = self.st.counters;
@@ -828,7 +834,7 @@ impl KronOptimizer {
                 expected: "statistics on a refresh step (see needs_stats())",
             }),
             // Formed by `reduce_inputs`, with the layers' shapes.
-            None | Some(StatsIn::Grams(_)) => Ok(()),
+            None | Some(StatsIn::Grams(_) | StatsIn::Spread(..)) => Ok(()),
             Some(StatsIn::Rows(stats)) => {
                 check_shape(op, "stats", (stats.len(), 1), (self.shapes.len(), 1))?;
                 for (s, &(o, i)) in stats.iter().zip(&self.shapes) {
@@ -902,44 +908,149 @@ impl KronOptimizer {
             })?;
             return Ok(Plan::Lazy(tally(ups, c), low_rank));
         };
-        let layers = tasks::map(&self.device, (0..self.shapes.len()).collect(), |l| {
-            let old = self.st.layers.get(l);
-            let (mut cl, mut cg) = (KronCounters::default(), KronCounters::default());
-            let ((fl, sl), (fg, sg)) = tasks::join(
-                ctx.device,
-                || stats.factor(&ctx, (l, 0), old.map(|o| &o.lambda), &mut cl),
-                || stats.factor(&ctx, (l, 1), old.map(|o| &o.gamma), &mut cg),
-            )?;
-            let (dl, dg) = factor_dampings(&self.config, rho, sl, sg);
-            let (il, ig) = tasks::join(
-                ctx.device,
-                || {
-                    ctx.inverse(
-                        fl.arg(),
-                        dl,
-                        known_norm(sl.norm),
-                        old.and_then(|o| o.lambda.warm_start()),
-                        &mut cl,
-                    )
-                },
-                || {
-                    ctx.inverse(
-                        fg.arg(),
-                        dg,
-                        known_norm(sg.norm),
-                        old.and_then(|o| o.gamma.warm_start()),
-                        &mut cg,
-                    )
-                },
-            )?;
-            let layer = KronLayerState {
-                lambda: il.with_factor(fl, sl)?,
-                gamma: ig.with_factor(fg, sg)?,
-            };
-            Ok((layer, [cl, cg]))
-        })?;
+        let all = (0..self.shapes.len()).collect();
+        let layers = match stats {
+            StatsIn::Spread(grams, received) => tasks::map(&self.device, all, |l| {
+                self.received_layer(&grams[l], &received[l], l)
+            })?,
+            _ => tasks::map(&self.device, all, |l| self.refresh_layer(stats, l))?,
+        };
         c.refreshes += 1;
         Ok(Plan::Refresh(tally(layers, c), low_rank))
+    }
+
+    /// Layer `l` refreshed from `stats`: both factors, their scalars and dampings at the
+    /// current `ρ`, their inverses, and each factor's counters.
+    fn refresh_layer(
+        &self,
+        stats: StatsIn<'_, '_>,
+        l: usize,
+    ) -> Result<(KronLayerState, [KronCounters; 2])> {
+        let ctx = Ctx {
+            device: &self.device,
+            cfg: &self.config,
+        };
+        let rho = self.st.rho;
+        let old = self.st.layers.get(l);
+        let (mut cl, mut cg) = (KronCounters::default(), KronCounters::default());
+        let ((fl, sl), (fg, sg)) = tasks::join(
+            ctx.device,
+            || stats.factor(&ctx, (l, 0), old.map(|o| &o.lambda), &mut cl),
+            || stats.factor(&ctx, (l, 1), old.map(|o| &o.gamma), &mut cg),
+        )?;
+        let (dl, dg) = factor_dampings(&self.config, rho, sl, sg);
+        let (il, ig) = tasks::join(
+            ctx.device,
+            || {
+                ctx.inverse(
+                    fl.arg(),
+                    dl,
+                    known_norm(sl.norm),
+                    old.and_then(|o| o.lambda.warm_start()),
+                    &mut cl,
+                )
+            },
+            || {
+                ctx.inverse(
+                    fg.arg(),
+                    dg,
+                    known_norm(sg.norm),
+                    old.and_then(|o| o.gamma.warm_start()),
+                    &mut cg,
+                )
+            },
+        )?;
+        let layer = KronLayerState {
+            lambda: il.with_factor(fl, sl)?,
+            gamma: ig.with_factor(fg, sg)?,
+        };
+        Ok((layer, [cl, cg]))
+    }
+
+    /// Layer `l` of a spread refresh on this rank: its factors blended from the reduced
+    /// Gram matrices `grams` (`[Λ, Γ]`) here, as its owner did, and the rest as the owner
+    /// sent it (`packed`: [`packed`] of `Λ` then of `Γ`).
+    fn received_layer(
+        &self,
+        grams: &[Matrix; 2],
+        packed: &[f32],
+        l: usize,
+    ) -> Result<(KronLayerState, [KronCounters; 2])> {
+        let ctx = Ctx {
+            device: &self.device,
+            cfg: &self.config,
+        };
+        let old = self.st.layers.get(l);
+        let (o, i) = self.shapes[l];
+        let (pl, pg) = packed.split_at(packed_len(i));
+        let factor = |gram, old, packed: &[f32], n| -> Result<(KronFactorState, KronCounters)> {
+            let f = ctx.blended_gram(gram, old)?;
+            let t = n * (n + 1) / 2;
+            let inverse = self
+                .device
+                .upload(n, n, &dist::from_lower_triangle(&packed[..t], n)?)?;
+            let [damping, norm, trace] = [packed[t], packed[t + 1], packed[t + 2]];
+            let counts = std::array::from_fn(|k| packed[t + 3 + k] as u64);
+            let scalars = FactorScalars {
+                dim: n,
+                norm,
+                trace,
+            };
+            let state = InverseUpdate::new(inverse, damping, None, None)
+                .with_factor(Refreshed::Formed(f, None), scalars)?;
+            Ok((state, KronCounters::from_values(counts)))
+        };
+        let (lambda, cl) = factor(&grams[0], old.map(|o| &o.lambda), pl, i)?;
+        let (gamma, cg) = factor(&grams[1], old.map(|o| &o.gamma), pg, o)?;
+        Ok((KronLayerState { lambda, gamma }, [cl, cg]))
+    }
+
+    /// A data-parallel refresh's inversions with [`Inversions::Spread`]: this rank refreshes
+    /// the layers it owns ([`dist::owners`] by `d_in³ + d_out³`) from the reduced Gram
+    /// matrices in `stats`, and every rank receives every layer's results from its owner
+    /// ([`DataParallel::exchange`]), one [`packed`] per factor. `None` (nothing moves)
+    /// unless the call refreshes data-parallel with `Spread`. Outside the CPU pool: a rank
+    /// waiting in a collective must not hold a pool worker that another rank's thread of the
+    /// same process needs ([`dist::Threads`]).
+    fn spread_inversions(
+        &self,
+        op: &'static str,
+        stats: Option<StatsIn<'_, '_>>,
+    ) -> Result<Option<Vec<Vec<f32>>>> {
+        let (Some(dp), Some(stats @ StatsIn::Grams(_))) = (&self.dp, stats) else {
+            return Ok(None);
+        };
+        if dp.inversions() != Inversions::Spread {
+            return Ok(None);
+        }
+        let cube = |n: usize| (n as f64).powi(3);
+        let costs: Vec<f64> = self
+            .shapes
+            .iter()
+            .map(|&(o, i)| cube(i) + cube(o))
+            .collect();
+        let owners = dist::owners(&costs, dp.comm().size());
+        let rank = dp.comm().rank();
+        let lens: Vec<usize> = self
+            .shapes
+            .iter()
+            .map(|&(o, i)| packed_len(i) + packed_len(o))
+            .collect();
+        let mine = crate::cpu::on_pool(self.pool_work(), || {
+            let ours: Vec<usize> = (0..owners.len()).filter(|&l| owners[l] == rank).collect();
+            let (layers, _) = self.device.deferred(|| {
+                tasks::map(&self.device, ours.clone(), |l| self.refresh_layer(stats, l))
+            })?;
+            layers
+                .iter()
+                .map(|(layer, [cl, cg])| {
+                    let mut v = packed(&layer.lambda, cl)?;
+                    v.extend(packed(&layer.gamma, cg)?);
+                    Ok(v)
+                })
+                .collect()
+        });
+        dp.exchange(op, &owners, &lens, mine).map(Some)
     }
 
     /// The matrices layer `l` uses under `plan`.
@@ -1067,4 +1178,34 @@ fn inputs<'s, 'a>(
 /// Dense [`KronGrad`]s of plain gradient matrices.
 fn dense<'a>(grads: &[&'a Matrix]) -> Vec<KronGrad<'a>> {
     grads.iter().map(|&g| KronGrad::Dense(g)).collect()
+}
+
+/// `stats` with a spread refresh's results ([`KronOptimizer::spread_inversions`]) where
+/// there are some.
+fn with_received<'s, 'a>(
+    stats: Option<StatsIn<'s, 'a>>,
+    received: Option<&'s [Vec<f32>]>,
+) -> Option<StatsIn<'s, 'a>> {
+    match (stats, received) {
+        (Some(StatsIn::Grams(g)), Some(r)) => Some(StatsIn::Spread(g, r)),
+        (s, _) => s,
+    }
+}
+
+/// What a spread refresh sends of one refreshed factor `s` (`n x n`) with its counters `c`:
+/// the inverse's lower triangle (`n(n+1)/2` values; exactly symmetric from the CPU's
+/// Cholesky), then the damping, norm and trace, then the counts ([`packed_len`] in all).
+/// One refresh's counts of one factor are at most Newton's iteration budget, far below
+/// `2²⁴`: exact in `f32`.
+fn packed(s: &KronFactorState, c: &KronCounters) -> Result<Vec<f32>> {
+    let n = s.dim();
+    let mut v = dist::lower_triangle(&s.dense_inverse()?.to_vec()?, n);
+    v.extend([s.damping, s.norm, s.trace]);
+    v.extend(c.values().map(|x| x as f32));
+    Ok(v)
+}
+
+/// [`packed`]'s length for an `n x n` factor.
+fn packed_len(n: usize) -> usize {
+    n * (n + 1) / 2 + 3 + KronCounters::default().values().len()
 }

@@ -203,6 +203,34 @@ impl KronCounters {
         self.nonfinite_losses += nonfinite_losses;
     }
 
+    /// The counts in declaration order ([`KronCounters::named`]'s values), and back
+    /// ([`KronCounters::from_values`]): what a spread refresh sends.
+    pub(crate) fn values(&self) -> [u64; 14] {
+        self.named().map(|(_, v)| v)
+    }
+
+    /// The counters of [`KronCounters::values`].
+    pub(crate) fn from_values(v: [u64; 14]) -> Self {
+        let [refreshes, first_order_updates, lazy_recomputes, newton_inversions, newton_iterations, newton_divergences, newton_retries, cholesky_fallbacks, cholesky_inversions, low_rank_inversions, power_unconverged, lm_updates, lm_skipped, nonfinite_losses] =
+            v;
+        Self {
+            refreshes,
+            first_order_updates,
+            lazy_recomputes,
+            newton_inversions,
+            newton_iterations,
+            newton_divergences,
+            newton_retries,
+            cholesky_fallbacks,
+            cholesky_inversions,
+            low_rank_inversions,
+            power_unconverged,
+            lm_updates,
+            lm_skipped,
+            nonfinite_losses,
+        }
+    }
+
     /// All fallbacks taken: Newton retries with more damping plus Cholesky fallbacks.
     pub fn fallbacks(&self) -> u64 {
         self.newton_retries + self.cholesky_fallbacks
