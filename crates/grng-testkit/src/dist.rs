@@ -262,14 +262,22 @@ struct KronProblem {
 }
 
 impl KronProblem {
-    fn draw(rng: &mut ChaCha8Rng, m: usize, steps: usize) -> Self {
-        // M ≥ every dimension, so one process forms its factors as the ranks do (RING's
-        // norm from the factor, not from the rows' `m x m` Gram: module docs of `layer.rs`).
+    /// Two layers of `M` rows per step, each `d_out` in `outs` and `d_in` in `ins` (capped
+    /// at `M`: see [`kron`]).
+    fn draw(
+        rng: &mut ChaCha8Rng,
+        m: usize,
+        steps: usize,
+        (outs, ins): (
+            std::ops::RangeInclusive<usize>,
+            std::ops::RangeInclusive<usize>,
+        ),
+    ) -> Self {
         let shapes: Vec<(usize, usize)> = (0..2)
             .map(|_| {
                 (
-                    rng.random_range(2..=m.min(5)),
-                    rng.random_range(2..=m.min(6)),
+                    rng.random_range(outs.clone()),
+                    rng.random_range(ins.clone()),
                 )
             })
             .collect();
@@ -410,7 +418,10 @@ pub fn kron(comm: Arc<dyn Communicator>, seed: u64, config: KronConfig, factored
     let shards = shards(&mut rng, p);
     let m: usize = shards.iter().map(|s| s.1).sum();
     let config = KronConfig { skip: 2, ..config };
-    let prob = KronProblem::draw(&mut rng, m, 3);
+    // M ≥ every dimension, so the ranks reduce Gram matrices and dense gradients (fewer values
+    // than their rows, `KronOptimizer::set_data_parallel`) and one process forms its factors
+    // as they do (RING's norm from the factor, not from the rows' `m x m` Gram: `layer.rs`).
+    let prob = KronProblem::draw(&mut rng, m, 3, (2..=m.clamp(2, 5), 2..=m.clamp(2, 6)));
     let want = kron_run(&prob, config, (0, m), factored, None);
     let shard = shards[comm.rank()];
     let mut dp = DataParallel::new(comm.clone());
@@ -492,6 +503,34 @@ pub fn kron(comm: Arc<dyn Communicator>, seed: u64, config: KronConfig, factored
             );
         }
     }
+}
+
+/// This rank's part of the rows check: layers more than twice as wide as the batch (and
+/// `n > 64`), factored gradients, so one process takes the rows' routes (the Woodbury inverse,
+/// RING's norm from the `m x m` Gram, the factored preconditioning, the lazy steps' `m x m`
+/// terms). The ranks gather every rank's rows instead of reducing dense gradients and Gram
+/// matrices (fewer values), so they take that process's step on the concatenated batch:
+/// weights and whole state the same bits, after every step (a refresh, a lazy step, a
+/// refresh; `T = 3`, `S = 2`).
+pub fn kron_rows(comm: Arc<dyn Communicator>, seed: u64, config: KronConfig) {
+    let mut rng = ChaCha8Rng::seed_from_u64(seed);
+    let p = comm.size();
+    let shards = shards(&mut rng, p);
+    let m: usize = shards.iter().map(|s| s.1).sum();
+    let config = KronConfig { skip: 2, ..config };
+    let prob = KronProblem::draw(&mut rng, m, 3, (65..=80, 65..=80));
+    let want = kron_run(&prob, config, (0, m), true, None);
+    let shard = shards[comm.rank()];
+    let mut dp = DataParallel::new(comm.clone());
+    dp.set_rows(shard.1);
+    let got = kron_run(&prob, config, shard, true, Some(dp));
+    for (t, ((w, st), (wg, stg))) in want.iter().zip(&got).enumerate() {
+        let what = format!("{:?} P={p} step {t}: gathered rows", config.variant);
+        assert_eq!(wg, w, "{what} weights; case seed {seed}");
+        assert_state_bits(st, stg, &what);
+    }
+    let low_rank = got[2].1.counters.low_rank_inversions;
+    assert!(low_rank > 0, "the rows' route was not taken");
 }
 
 /// This rank's part of the Kalman check: the filter (R-Kalman, or plain with `rho = 0`)
@@ -700,6 +739,9 @@ pub fn all(comm: Arc<dyn Communicator>, seed: u64) {
                 factored,
             );
         }
+    }
+    for (i, config) in kron_configs().into_iter().take(3).enumerate() {
+        kron_rows(comm.clone(), case(20 + i as u64), config);
     }
     kalman(comm.clone(), case(30), RKalmanConfig::default());
     kalman(comm.clone(), case(31), RKalmanConfig::plain());

@@ -42,6 +42,13 @@ fn kron_equivalence_every_variant() {
 }
 
 #[test]
+fn kron_few_rows_take_the_single_process_step() {
+    for config in dist::kron_configs().into_iter().take(3) {
+        on_worlds(|comm, seed| dist::kron_rows(comm, seed, config));
+    }
+}
+
+#[test]
 fn kalman_gathers_the_whole_observation() {
     on_worlds(|comm, seed| dist::kalman(comm, seed, RKalmanConfig::default()));
     on_worlds(|comm, seed| dist::kalman(comm, seed, RKalmanConfig::plain()));

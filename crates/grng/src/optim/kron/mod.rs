@@ -119,11 +119,28 @@ impl<'a> StatsIn<'_, 'a> {
     }
 }
 
-/// A data-parallel call's inputs, reduced over the ranks: dense gradients (`None` when they
-/// come reduced) and, on a refresh, the factors' mean Gram matrices.
+/// A data-parallel call's inputs, reduced over the ranks ([`KronOptimizer::reduce_inputs`]):
+/// the gradients as their mean or as every rank's rows gathered (neither when they come
+/// reduced) and, on a refresh, the statistics as the factors' mean Gram matrices or as every
+/// rank's rows gathered.
 struct Reduced {
+    /// The dense mean gradients.
     grads: Option<Vec<Matrix>>,
+    /// Per layer the gathered `(E, A)` (`M x d_out`, `M x d_in`): the concatenated batch's
+    /// factored gradient.
+    grad_rows: Option<Vec<(Matrix, Matrix)>>,
+    /// Per layer the mean Gram matrices `[Λ, Γ]`.
     grams: Option<Vec<[Matrix; 2]>>,
+    /// Per layer the gathered statistics rows `(A, E)`: the concatenated batch's.
+    stat_rows: Option<Vec<(Matrix, Matrix)>>,
+}
+
+impl Reduced {
+    /// The gathered statistics rows as the single process takes them.
+    fn stats(&self) -> Option<Vec<KronStats<'_>>> {
+        let rows = self.stat_rows.as_ref()?;
+        Some(rows.iter().map(|(a, e)| KronStats { a, e }).collect())
+    }
 }
 
 /// How the inverses move on this call: rebuilt from statistics, or retargeted lazily.
@@ -207,6 +224,18 @@ impl KronOptimizer {
     /// Data-parallel: this call's inputs reduced over the ranks (`None` when single-process).
     /// This rank's checks (`check_inputs`, and `params` when given) go into the agreement,
     /// so a bad input on any rank fails the call on every rank before anything moves.
+    ///
+    /// Two reductions. The first sums every rank's row counts (each rank writes its own
+    /// slots): the gradients' rows per layer when every gradient is factored, the statistics'
+    /// rows per factor. The second moves, whichever is fewer values (the same choice on every
+    /// rank: it reads the totals only), the gradients as their dense mean or as every rank's
+    /// rows `(E, A)` gathered, and the statistics as the lower triangles of their mean Gram
+    /// matrices or as every rank's rows gathered (with [`Inversions::Everywhere`]: a spread
+    /// refresh inverts Gram-formed factors). Gathered rows make the call the single process's
+    /// on the concatenated batch — its rows' routes included (`rows.rs`, `low_rank.rs`: the
+    /// Woodbury inverse, RING's norm from the `m x m` Gram, the factored preconditioning),
+    /// which a Gram matrix cannot take. A gather is an all-reduce of zero-padded rows (the
+    /// trait has no all-gather).
     fn reduce_inputs(
         &self,
         op: &'static str,
@@ -221,16 +250,80 @@ impl KronOptimizer {
             device: &self.device,
             cfg: &self.config,
         };
-        let local = || -> Result<Vec<Part>> {
+        let (p, rank) = (dp.comm().size(), dp.comm().rank());
+        // This rank's row counts: per layer the gradient's (0 when a gradient is dense or
+        // comes reduced), then per layer the statistics' `A` and `E`.
+        let checked = || -> Result<Vec<Part>> {
             self.check_inputs(op, grads, stats.map(StatsIn::Rows))?;
             if let Some(params) = params {
                 self.check_layers(op, "params", params.iter())?;
             }
+            let by_rows = !dp.grads_reduced() && low_rank(grads);
+            let mut counts: Vec<usize> = grads
+                .iter()
+                .map(|g| match g.parts() {
+                    Parts::Factored(Factors { e, .. }) if by_rows => e.rows(),
+                    _ => 0,
+                })
+                .collect();
+            for s in stats.into_iter().flatten() {
+                counts.extend([s.a.view().shape().0, s.e.view().shape().0]);
+            }
+            let mut slots = vec![0.0f32; counts.len() * p];
+            for (k, &c) in counts.iter().enumerate() {
+                slots[k * p + rank] = c as f32;
+            }
+            Ok(vec![Part::Sum(slots)])
+        };
+        let slots = dp.reduce(op, checked())?.remove(0).values;
+        // Per count: every rank's (exact: the sum adds one nonzero per slot), its total and
+        // this rank's offset in the gathered rows.
+        let rows_of = |k: usize| -> (usize, usize) {
+            let of = |r: usize| slots[k * p + r] as usize;
+            ((0..p).map(of).sum(), (0..rank).map(of).sum())
+        };
+        let layers = self.shapes.len();
+        let grad_rows = (0..layers).all(|l| (0..p).all(|r| slots[l * p + r] > 0.0))
+            && self
+                .shapes
+                .iter()
+                .enumerate()
+                .map(|(l, &(o, i))| rows_of(l).0 * (o + i))
+                .sum::<usize>()
+                < self.shapes.iter().map(|&(o, i)| o * i).sum();
+        let stat_rows = stats.is_some()
+            && dp.inversions() == Inversions::Everywhere
+            && self
+                .shapes
+                .iter()
+                .enumerate()
+                .map(|(l, &(o, i))| {
+                    rows_of(layers + 2 * l).0 * i + rows_of(layers + 2 * l + 1).0 * o
+                })
+                .sum::<usize>()
+                < self
+                    .shapes
+                    .iter()
+                    .map(|&(o, i)| i * (i + 1) / 2 + o * (o + 1) / 2)
+                    .sum();
+        // This rank's rows `x` (`m x n`) in its place among every rank's (`M x n`, zeros
+        // elsewhere).
+        let padded = |x: &[f32], n: usize, k: usize| -> Result<Part> {
+            let (total, at) = rows_of(k);
+            let mut v = crate::error::try_vec(total, n, 0.0f32)?;
+            v[at * n..at * n + x.len()].copy_from_slice(x);
+            Ok(Part::Sum(v))
+        };
+        let local = || -> Result<Vec<Part>> {
             let mut parts = Vec::new();
             if !dp.grads_reduced() {
                 let mut flat = Vec::new();
-                for (g, &(o, i)) in grads.iter().zip(&self.shapes) {
+                for (l, (g, &(o, i))) in grads.iter().zip(&self.shapes).enumerate() {
                     match g.parts() {
+                        Parts::Factored(Factors { e, a, .. }) if grad_rows => {
+                            parts.push(padded(&e.to_vec()?, o, l)?);
+                            parts.push(padded(&a.to_vec()?, i, l)?);
+                        }
                         Parts::Dense(g) => flat.extend(g.to_vec()?),
                         Parts::Factored(Factors { e, a, .. }) => {
                             let mut dense = self.device.zeros(o, i)?;
@@ -239,47 +332,81 @@ impl KronOptimizer {
                         }
                     }
                 }
-                parts.push(Part::Mean(flat, dp.rows()));
+                if !grad_rows {
+                    parts.push(Part::Mean(flat, dp.rows()));
+                }
             }
-            for s in stats.into_iter().flatten() {
-                for x in [s.a.view(), s.e.view()] {
+            for (l, s) in stats.into_iter().flatten().enumerate() {
+                for (side, x) in [s.a.view(), s.e.view()].into_iter().enumerate() {
                     let (m, n) = x.shape();
-                    let gram = rows::replaced_factor(&self.device, &ctx.rows(x)?)?;
-                    let tri = dist::lower_triangle(&gram.to_vec()?, n);
-                    parts.push(Part::Mean(tri, m));
+                    if stat_rows {
+                        let host = match x {
+                            StatsView::F32(x) => x.to_vec()?,
+                            StatsView::Bf16(x) => crate::ops::gemm::widen(x)?.to_vec()?,
+                        };
+                        parts.push(padded(&host, n, layers + 2 * l + side)?);
+                    } else {
+                        let gram = rows::replaced_factor(&self.device, &ctx.rows(x)?)?;
+                        let tri = dist::lower_triangle(&gram.to_vec()?, n);
+                        parts.push(Part::Mean(tri, m));
+                    }
                 }
             }
             Ok(parts)
         };
         let mut reduced = dp.reduce(op, local())?.into_iter();
-        let grads = if dp.grads_reduced() {
-            None
+        let mut next = || reduced.next().map(|r| r.values).unwrap_or_default();
+        let (grads, grad_rows) = if dp.grads_reduced() {
+            (None, None)
+        } else if grad_rows {
+            let mut gs = Vec::with_capacity(layers);
+            for (l, &(o, i)) in self.shapes.iter().enumerate() {
+                let m = rows_of(l).0;
+                let e = self.device.upload(m, o, &next())?;
+                gs.push((e, self.device.upload(m, i, &next())?));
+            }
+            (None, Some(gs))
         } else {
-            let flat = reduced.next().map(|r| r.values).unwrap_or_default();
+            let flat = next();
             let mut at = 0;
-            let mut gs = Vec::with_capacity(self.shapes.len());
+            let mut gs = Vec::with_capacity(layers);
             for &(o, i) in &self.shapes {
                 gs.push(self.device.upload(o, i, &flat[at..at + o * i])?);
                 at += o * i;
             }
-            Some(gs)
+            (Some(gs), None)
         };
-        let grams = match stats {
-            None => None,
+        let (grams, stat_rows) = match stats {
+            None => (None, None),
+            Some(_) if stat_rows => {
+                let mut rows = Vec::with_capacity(layers);
+                for (l, &(o, i)) in self.shapes.iter().enumerate() {
+                    let a = self.device.upload(rows_of(layers + 2 * l).0, i, &next())?;
+                    let e = self
+                        .device
+                        .upload(rows_of(layers + 2 * l + 1).0, o, &next())?;
+                    rows.push((a, e));
+                }
+                (None, Some(rows))
+            }
             Some(_) => {
-                let mut grams = Vec::with_capacity(self.shapes.len());
+                let mut grams = Vec::with_capacity(layers);
                 for &(o, i) in &self.shapes {
                     let mut side = |n: usize| -> Result<Matrix> {
-                        let tri = reduced.next().map(|r| r.values).unwrap_or_default();
                         self.device
-                            .upload(n, n, &dist::from_lower_triangle(&tri, n)?)
+                            .upload(n, n, &dist::from_lower_triangle(&next(), n)?)
                     };
                     grams.push([side(i)?, side(o)?]);
                 }
-                Some(grams)
+                (Some(grams), None)
             }
         };
-        Ok(Some(Reduced { grads, grams }))
+        Ok(Some(Reduced {
+            grads,
+            grad_rows,
+            grams,
+            stat_rows,
+        }))
     }
 
     /// The configuration (`rho` there is the initial value; see [`KronOptimizer::rho`]).
@@ -394,7 +521,8 @@ impl KronOptimizer {
         stats: Option<&[KronStats<'_>]>,
     ) -> Result<Vec<Matrix>> {
         let reduced = self.reduce_inputs(op, grads, stats, None)?;
-        let (grads, stats) = inputs(reduced.as_ref(), grads, stats);
+        let gathered = reduced.as_ref().and_then(Reduced::stats);
+        let (grads, stats) = inputs(reduced.as_ref(), gathered.as_deref(), grads, stats);
         let received = self.spread_inversions(op, stats)?;
         let stats = with_received(stats, received.as_deref());
         crate::cpu::on_pool(self.pool_work(), || {
@@ -513,7 +641,8 @@ impl KronOptimizer {
         output_change: Option<usize>,
     ) -> Result<(KronStepInfo, Option<Matrix>)> {
         let reduced = self.reduce_inputs(op, grads, stats, Some(&*params))?;
-        let (grads, stats) = inputs(reduced.as_ref(), grads, stats);
+        let gathered = reduced.as_ref().and_then(Reduced::stats);
+        let (grads, stats) = inputs(reduced.as_ref(), gathered.as_deref(), grads, stats);
         let received = self.spread_inversions(op, stats)?;
         let stats = with_received(stats, received.as_deref());
         let grads = &grads[..];
@@ -1159,20 +1288,31 @@ fn low_rank(grads: &[KronGrad<'_>]) -> bool {
 }
 
 /// A call's gradients and statistics as its body uses them: the data-parallel reduction's
-/// where there is one, else the caller's.
-fn inputs<'s, 'a>(
+/// where there is one (`gathered`: its statistics rows, [`Reduced::stats`]), else the
+/// caller's.
+fn inputs<'s>(
     reduced: Option<&'s Reduced>,
-    grads: &'s [KronGrad<'a>],
-    stats: Option<&'s [KronStats<'a>]>,
-) -> (Vec<KronGrad<'s>>, Option<StatsIn<'s, 'a>>) {
+    gathered: Option<&'s [KronStats<'s>]>,
+    grads: &'s [KronGrad<'s>],
+    stats: Option<&'s [KronStats<'s>]>,
+) -> (Vec<KronGrad<'s>>, Option<StatsIn<'s, 's>>) {
     let Some(r) = reduced else {
         return (grads.to_vec(), stats.map(StatsIn::Rows));
     };
-    let grads = match &r.grads {
-        Some(gs) => gs.iter().map(KronGrad::Dense).collect(),
-        None => grads.to_vec(),
+    let grads = match (&r.grads, &r.grad_rows) {
+        (Some(gs), _) => gs.iter().map(KronGrad::Dense).collect(),
+        (None, Some(rows)) => rows
+            .iter()
+            .map(|(e, a)| KronGrad::Factored { e, a })
+            .collect(),
+        (None, None) => grads.to_vec(),
     };
-    (grads, r.grams.as_deref().map(StatsIn::Grams))
+    let stats = match (gathered, &r.grams) {
+        (Some(s), _) => Some(StatsIn::Rows(s)),
+        (None, Some(g)) => Some(StatsIn::Grams(g)),
+        (None, None) => None,
+    };
+    (grads, stats)
 }
 
 /// Dense [`KronGrad`]s of plain gradient matrices.
