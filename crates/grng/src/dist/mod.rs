@@ -149,7 +149,9 @@ pub enum Inversions {
     /// far (longest-processing-time first), so a rank's inversions take about `1/min(P, L)`
     /// of all of them. A rank whose inversion fails (a factor that is not positive
     /// definite) fails the refresh on every rank, before anything changes: its own error
-    /// there, [`Error::Ranks`] on the others.
+    /// there, [`Error::Ranks`] on the others. The statistics then travel as Gram matrices,
+    /// never as rows (the rows' routes keep an `m x m` kernel, not the dense inverse every
+    /// rank installs).
     ///
     /// The step is the [`Inversions::Everywhere`] step bit for bit where the inverse is
     /// exactly symmetric (the CPU's Cholesky inverse, the default there); a Newton inverse

@@ -205,12 +205,16 @@ impl KronOptimizer {
     }
 
     /// Makes the steps data-parallel over a communicator (or single-process again with
-    /// `None`). Each call then reduces, in one all-reduce after the ranks' agreement
-    /// (`crate::dist`): the gradients, averaged by [`DataParallel::rows`] (unless they come
-    /// reduced), made dense first where given by factors; and on a refresh each layer's
-    /// statistics as the lower triangles of their Gram matrices, averaged by their own row
-    /// counts, before the EMA. Every rank then forms the same factors and inverses and
-    /// takes the step one process takes on the concatenated batch (`docs/distributed.md`).
+    /// `None`). Each call then sums the ranks' row counts, and reduces, in one all-reduce
+    /// after the ranks' agreement (`crate::dist`): the gradients (unless they come reduced)
+    /// as every rank's rows gathered when all are factored and their rows are fewer values
+    /// than the dense gradients, else averaged by [`DataParallel::rows`], made dense first
+    /// where given by factors; and on a refresh each layer's statistics, before the EMA, as
+    /// every rank's rows gathered when they are fewer values than the Gram matrices' lower
+    /// triangles (and the inversions are not spread, [`dist::Inversions`]), else as those
+    /// triangles averaged by their own row counts. Every rank then forms the same factors
+    /// and inverses and takes the step one process takes on the concatenated batch — with
+    /// gathered rows exactly that step, the rows' routes included (`docs/distributed.md`).
     /// [`KronOptimizer::observe_loss`] averages the ranks' losses by rows likewise.
     pub fn set_data_parallel(&mut self, dp: Option<DataParallel>) {
         self.dp = dp;
