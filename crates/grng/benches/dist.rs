@@ -217,21 +217,18 @@ fn main() {
     );
     let ms = |d: Duration| format!("{:.2}", d.as_secs_f64() * 1e3);
     let mut bytes = [0.0f64; 2];
-    let ring_spread = |c, steps| ring(c, steps, Inversions::Spread);
-    let rows: [(
-        &str,
-        &[usize],
-        &(dyn Fn(Arc<Counting>, usize) -> Row + Sync),
-    ); 3] = [
-        ("RING S=8", &[1, 2], &|c, steps| {
-            ring(c, steps, Inversions::Everywhere)
-        }),
-        ("RING S=8 spread", &[2], &ring_spread),
-        ("AdamW", &[1, 2], &adamw),
+    // RING with its inversions where they happen, or AdamW.
+    let rows = [
+        ("RING S=8", &[1, 2][..], Some(Inversions::Everywhere)),
+        ("RING S=8 spread", &[2], Some(Inversions::Spread)),
+        ("AdamW", &[1, 2], None),
     ];
-    for (name, ps, f) in rows {
+    for (name, ps, inversions) in rows {
         for &p in ps {
-            let r = world(p, |c| f(c, steps));
+            let r = world(p, |c| match inversions {
+                Some(i) => ring(c, steps, i),
+                None => adamw(c, steps),
+            });
             let [refresh, lazy] = r.split.map_or(["-".into(), "-".into()], |s| s.map(ms));
             println!(
                 "{name:<16} {p:>5} {:>12} {refresh:>12} {lazy:>10} {:>14} {:>16.0}",
