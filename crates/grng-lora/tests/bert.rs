@@ -59,13 +59,15 @@ fn uniform(shape: &[usize], rng: &mut impl Rng) -> Tensor {
     Tensor::from_vec(v, shape, &CPU).unwrap()
 }
 
-/// Gives every adapter `B` (zero at init) random entries, so that the adapters change the
-/// output.
-fn perturb_adapters(model: &BertModel, rng: &mut impl Rng) {
+/// A [`tiny`] model adapted in every projection of its `top` layers, every adapter `B` (zero
+/// at init) given random entries so that the adapters change the output.
+fn adapted_model(top: usize, rng: &mut impl Rng) -> BertModel {
+    let model = BertModel::random(tiny(), &CPU, lora_all(top), rng).unwrap();
     for b in model.adapters().iter().skip(1).step_by(2) {
         let v = b.weight();
         v.set(&(uniform(v.dims(), rng) * 0.5).unwrap()).unwrap();
     }
+    model
 }
 
 /// `batch x seq` ids of the given lengths (random tokens, `[PAD]` = 0 after), type ids 0 and
@@ -112,8 +114,7 @@ fn max_abs(a: &Tensor) -> f32 {
 #[test]
 fn forward_shapes_and_padding_invariance() {
     let mut rng = common::seeded_rng();
-    let model = BertModel::random(tiny(), &CPU, lora_all(2), &mut rng).unwrap();
-    perturb_adapters(&model, &mut rng);
+    let model = adapted_model(2, &mut rng);
     let lens = [5, 1, 9, 3];
     let (ids, types, mask) = tokens(&lens, 12, &mut rng);
     for pass in [Pass::Eval, Pass::Train] {
@@ -144,8 +145,7 @@ fn forward_shapes_and_padding_invariance() {
 fn cached_lower_layers_continue_exactly() {
     let mut rng = common::seeded_rng();
     // Adapters in the top layer only: layer 0 is frozen whole and may be cached.
-    let model = BertModel::random(tiny(), &CPU, lora_all(1), &mut rng).unwrap();
-    perturb_adapters(&model, &mut rng);
+    let model = adapted_model(1, &mut rng);
     let (ids, types, mask) = tokens(&[7, 4, 10], 10, &mut rng);
     // A training pass may continue from a cache of the layers below the adapted one (0 or
     // 1 here); an evaluation pass from any layer.
@@ -231,8 +231,7 @@ fn query_value_adapters_and_top_layers() {
 #[test]
 fn training_pass_differentiates_every_adapter() {
     let mut rng = common::seeded_rng();
-    let model = BertModel::random(tiny(), &CPU, lora_all(2), &mut rng).unwrap();
-    perturb_adapters(&model, &mut rng);
+    let model = adapted_model(2, &mut rng);
     let (ids, types, mask) = tokens(&[8, 3, 5], 8, &mut rng);
     // A loss that depends on every position and feature.
     let target = uniform(&[3, 16], &mut rng);
@@ -278,8 +277,7 @@ fn training_pass_differentiates_every_adapter() {
 #[test]
 fn training_and_evaluation_passes_agree() {
     let mut rng = common::seeded_rng();
-    let model = BertModel::random(tiny(), &CPU, lora_all(2), &mut rng).unwrap();
-    perturb_adapters(&model, &mut rng);
+    let model = adapted_model(2, &mut rng);
     let (ids, types, mask) = tokens(&[9, 4], 9, &mut rng);
     let train = model.forward(&ids, &types, &mask, Pass::Train).unwrap();
     let eval = model.forward(&ids, &types, &mask, Pass::Eval).unwrap();

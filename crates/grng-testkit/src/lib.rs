@@ -10,6 +10,7 @@ use std::sync::OnceLock;
 pub mod dist;
 
 use grng::cuda::CudaDevice;
+use grng::ops::elementwise::AdamWCoeffs;
 use grng::optim::kron::{InverseMethod, KronConfig, KronFactorState};
 use grng::{Device, Trans};
 use proptest::test_runner::{Config, RngSeed};
@@ -75,6 +76,17 @@ pub fn seeded_rng() -> ChaCha8Rng {
 
 /// Unit roundoff of f32.
 pub const U32: f64 = 1.0 / (1u64 << 24) as f64;
+
+/// Usual AdamW coefficients at a step past the first (`step` 3: neither bias correction is
+/// 1), the baseline the fused-update tests check and vary.
+pub const ADAMW: AdamWCoeffs = AdamWCoeffs {
+    lr: 1e-3,
+    beta1: 0.9,
+    beta2: 0.999,
+    eps: 1e-8,
+    weight_decay: 0.01,
+    step: 3,
+};
 
 /// The kernel devices to check: always the emulator, plus CUDA when a GPU is present
 /// ([`cuda`]).

@@ -49,33 +49,42 @@ __device__ __forceinline__ float grng_warp_max(float v) {
     return v;
 }
 
-// Sum of `v` over the whole block, returned to every thread. blockDim.x * blockDim.y *
+// `v` reduced over the whole block by the warp reduction `Warp`, returned to every thread;
+// `identity` stands in for the warps a block does not have. blockDim.x * blockDim.y *
 // blockDim.z must be a multiple of 32; `scratch` is shared memory of at least 32 floats.
 // Every thread of the block must call it (it contains __syncthreads); scratch may be reused
 // right after it returns.
-__device__ __forceinline__ float grng_block_sum(float v, float* scratch) {
+template <float (*Warp)(float)>
+__device__ __forceinline__ float grng_block_reduce(float v, float* scratch, float identity) {
     const int tid = threadIdx.x + blockDim.x * (threadIdx.y + blockDim.y * threadIdx.z);
     const int nwarps = (blockDim.x * blockDim.y * blockDim.z) / 32;
-    v = grng_warp_sum(v);
+    v = Warp(v);
     if ((tid & 31) == 0) scratch[tid >> 5] = v;
     __syncthreads();
-    float t = (tid & 31) < nwarps ? scratch[tid & 31] : 0.0f;
-    t = grng_warp_sum(t);
+    float t = (tid & 31) < nwarps ? scratch[tid & 31] : identity;
+    t = Warp(t);
     __syncthreads();
     return t;
 }
 
-// Maximum of `v` over the whole block; same contract as grng_block_sum.
+// Sum of `v` over the whole block (grng_block_reduce's contract).
+__device__ __forceinline__ float grng_block_sum(float v, float* scratch) {
+    return grng_block_reduce<grng_warp_sum>(v, scratch, 0.0f);
+}
+
+// Maximum of `v` over the whole block (grng_block_reduce's contract).
 __device__ __forceinline__ float grng_block_max(float v, float* scratch) {
-    const int tid = threadIdx.x + blockDim.x * (threadIdx.y + blockDim.y * threadIdx.z);
-    const int nwarps = (blockDim.x * blockDim.y * blockDim.z) / 32;
-    v = grng_warp_max(v);
-    if ((tid & 31) == 0) scratch[tid >> 5] = v;
-    __syncthreads();
-    float t = (tid & 31) < nwarps ? scratch[tid & 31] : __int_as_float(0xff800000);  // -inf
-    t = grng_warp_max(t);
-    __syncthreads();
-    return t;
+    return grng_block_reduce<grng_warp_max>(v, scratch, __int_as_float(0xff800000));  // -inf
+}
+
+// A float buffer used as f64 scratch: its first 8-byte aligned address (host buffers of the
+// emulator are only 4-byte aligned; the launchers allocate one spare float for this).
+__device__ __forceinline__ const double* grng_as_f64(const float* p) {
+    const unsigned long long a = (reinterpret_cast<unsigned long long>(p) + 7ull) & ~7ull;
+    return reinterpret_cast<const double*>(a);
+}
+__device__ __forceinline__ double* grng_as_f64(float* p) {
+    return const_cast<double*>(grng_as_f64(static_cast<const float*>(p)));
 }
 
 // "No bad index" in a first-bad-index status slot (INT_MAX; NVRTC has no <climits>).

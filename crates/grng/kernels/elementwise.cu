@@ -40,17 +40,6 @@ __device__ __forceinline__ bool ew_clean(const int* status) {
     return (status[0] & status[1] & status[2] & status[3] & status[4]) == EW_NONE;
 }
 
-// A float buffer used as f64 scratch: its first 8-byte aligned address (host buffers of the
-// emulator are only 4-byte aligned; the launcher allocates one spare float for this).
-__device__ __forceinline__ double* ew_as_f64(float* p) {
-    const unsigned long long a = (reinterpret_cast<unsigned long long>(p) + 7ull) & ~7ull;
-    return reinterpret_cast<double*>(a);
-}
-__device__ __forceinline__ const double* ew_as_f64(const float* p) {
-    const unsigned long long a = (reinterpret_cast<unsigned long long>(p) + 7ull) & ~7ull;
-    return reinterpret_cast<const double*>(a);
-}
-
 // Sum of a double over the block (blockDim.x a multiple of 32, at most 1024), fixed tree
 // order; the result is valid in thread 0.
 __device__ __forceinline__ double ew_block_sum_f64(double v) {
@@ -171,7 +160,7 @@ extern "C" __global__ void elementwise_copy(float* __restrict__ dst, const float
 }
 GRNG_EMU_ENTRY(elementwise_copy, (float*, const float*, int))
 
-// Pass 1 of Σ x_i y_i: block b writes its f64 partial to ew_as_f64(partial)[b]. For norm2
+// Pass 1 of Σ x_i y_i: block b writes its f64 partial to grng_as_f64(partial)[b]. For norm2
 // the launcher passes x twice. blockDim.x a multiple of 32.
 extern "C" __global__ void elementwise_dot_partial(const float* __restrict__ x,
                                                    const float* __restrict__ y, int n,
@@ -190,7 +179,7 @@ extern "C" __global__ void elementwise_dot_partial(const float* __restrict__ x,
     for (int i = 4 * n4 + EW_TID; i < n; i += EW_STRIDE)
         acc += static_cast<double>(x[i]) * static_cast<double>(y[i]);
     const double total = ew_block_sum_f64(acc);
-    if (threadIdx.x == 0) ew_as_f64(partial)[blockIdx.x] = total;
+    if (threadIdx.x == 0) grng_as_f64(partial)[blockIdx.x] = total;
 }
 GRNG_EMU_ENTRY(elementwise_dot_partial, (const float*, const float*, int, float*))
 
@@ -199,7 +188,7 @@ GRNG_EMU_ENTRY(elementwise_dot_partial, (const float*, const float*, int, float*
 // finite, else 0 (a NaN/Inf input; finite f32 products cannot overflow f64).
 extern "C" __global__ void elementwise_dot_final(const float* __restrict__ partial, int nblocks,
                                                  int take_sqrt, float* __restrict__ out) {
-    const double* p = ew_as_f64(partial);
+    const double* p = grng_as_f64(partial);
     double acc = 0.0;
     for (int b = threadIdx.x; b < nblocks; b += blockDim.x) acc += p[b];
     const double total = ew_block_sum_f64(acc);

@@ -36,62 +36,46 @@ __device__ __forceinline__ float gemm_axpby(float* p, float alpha, float acc, fl
 #define PG_BK 16
 #define PG_LDS (PG_BM + 4)
 #define PG_THREADS 256
+static_assert(PG_BN == PG_BM, "pg_load reads op(B)'s slice as op(A)'s, transposed");
 
-// Loads the 64x16 slice op(A)[m0.., k0..] into registers (zero outside the matrix).
-// Element e = tid + 256 l of the slice is (row i, depth kk); the mapping follows A's
-// contiguous dimension so consecutive threads read consecutive addresses.
-template <bool TA>
-__device__ __forceinline__ void pg_load_a(const float* __restrict__ A, int M, int K, int lda,
-                                          int m0, int k0, float (&r)[4]) {
+// One operand's 64x16 slice of the tile (op(A)[m0.., k0..], or op(B)[k0.., n0..] as its
+// transpose, since PG_BN == PG_BM): the 64 values along the tile's edge (rows i of op(A),
+// columns j of op(B)) by 16 along k. KOuter: the operand is stored k-major (X[k·ld + i]:
+// Aᵀ stored for op(A) = Aᵀ, B stored for op(B) = B), else i-major (X[i·ld + k]).
+// Element e = tid + 256 l of the slice is (i, kk); the mapping follows X's contiguous
+// dimension so consecutive threads read consecutive addresses.
+template <bool KOuter>
+__device__ __forceinline__ void pg_slice_at(int l, int& i, int& kk) {
+    const int e = threadIdx.x + PG_THREADS * l;
+    i = KOuter ? e % PG_BM : e / PG_BK;
+    kk = KOuter ? e / PG_BM : e % PG_BK;
+}
+
+// Loads the slice of X (`rows` x K along the edge and k, leading dimension ld) at edge
+// offset o0, depth k0 into registers (zero outside the matrix).
+template <bool KOuter>
+__device__ __forceinline__ void pg_load(const float* __restrict__ X, int rows, int K, int ld,
+                                        int o0, int k0, float (&r)[4]) {
 GRNG_UNROLL
     for (int l = 0; l < 4; ++l) {
-        const int e = threadIdx.x + PG_THREADS * l;
-        const int i = TA ? e % PG_BM : e / PG_BK;
-        const int kk = TA ? e / PG_BM : e % PG_BK;
-        const int gi = m0 + i, gk = k0 + kk;
+        int i, kk;
+        pg_slice_at<KOuter>(l, i, kk);
+        const int gi = o0 + i, gk = k0 + kk;
         float v = 0.0f;
-        if (gi < M && gk < K)
-            v = TA ? A[(long long)gk * lda + gi] : A[(long long)gi * lda + gk];
+        if (gi < rows && gk < K)
+            v = KOuter ? X[(long long)gk * ld + gi] : X[(long long)gi * ld + gk];
         r[l] = v;
     }
 }
 
-template <bool TA>
-__device__ __forceinline__ void pg_store_a(float* As, const float (&r)[4]) {
+// Stores a loaded slice k-major in shared memory: Xs[kk·PG_LDS + i].
+template <bool KOuter>
+__device__ __forceinline__ void pg_store(float* Xs, const float (&r)[4]) {
 GRNG_UNROLL
     for (int l = 0; l < 4; ++l) {
-        const int e = threadIdx.x + PG_THREADS * l;
-        const int i = TA ? e % PG_BM : e / PG_BK;
-        const int kk = TA ? e / PG_BM : e % PG_BK;
-        As[kk * PG_LDS + i] = r[l];
-    }
-}
-
-// Loads the 16x64 slice op(B)[k0.., n0..] into registers (zero outside the matrix).
-template <bool TB>
-__device__ __forceinline__ void pg_load_b(const float* __restrict__ B, int N, int K, int ldb,
-                                          int n0, int k0, float (&r)[4]) {
-GRNG_UNROLL
-    for (int l = 0; l < 4; ++l) {
-        const int e = threadIdx.x + PG_THREADS * l;
-        const int j = TB ? e / PG_BK : e % PG_BN;
-        const int kk = TB ? e % PG_BK : e / PG_BN;
-        const int gj = n0 + j, gk = k0 + kk;
-        float v = 0.0f;
-        if (gj < N && gk < K)
-            v = TB ? B[(long long)gj * ldb + gk] : B[(long long)gk * ldb + gj];
-        r[l] = v;
-    }
-}
-
-template <bool TB>
-__device__ __forceinline__ void pg_store_b(float* Bs, const float (&r)[4]) {
-GRNG_UNROLL
-    for (int l = 0; l < 4; ++l) {
-        const int e = threadIdx.x + PG_THREADS * l;
-        const int j = TB ? e / PG_BK : e % PG_BN;
-        const int kk = TB ? e % PG_BK : e / PG_BN;
-        Bs[kk * PG_LDS + j] = r[l];
+        int i, kk;
+        pg_slice_at<KOuter>(l, i, kk);
+        Xs[kk * PG_LDS + i] = r[l];
     }
 }
 
@@ -106,25 +90,21 @@ __device__ __forceinline__ void gemm_body(const float* __restrict__ A,
     const int tx = threadIdx.x % 16, ty = threadIdx.x / 16;
     const int m0 = blockIdx.y * PG_BM, n0 = blockIdx.x * PG_BN;
 
-    float acc[4][4];
-GRNG_UNROLL
-    for (int r = 0; r < 4; ++r)
-GRNG_UNROLL
-        for (int c = 0; c < 4; ++c) acc[r][c] = 0.0f;
+    float acc[4][4] = {};
 
     float ra[4], rb[4];
     if (K > 0) {
-        pg_load_a<TA>(A, M, K, lda, m0, 0, ra);
-        pg_load_b<TB>(B, N, K, ldb, n0, 0, rb);
+        pg_load<TA>(A, M, K, lda, m0, 0, ra);
+        pg_load<!TB>(B, N, K, ldb, n0, 0, rb);
     }
     for (int k0 = 0; k0 < K; k0 += PG_BK) {
         __syncthreads();  // the previous slice has been consumed
-        pg_store_a<TA>(As, ra);
-        pg_store_b<TB>(Bs, rb);
+        pg_store<TA>(As, ra);
+        pg_store<!TB>(Bs, rb);
         __syncthreads();
         if (k0 + PG_BK < K) {  // prefetch the next slice; its latency hides behind the FMAs
-            pg_load_a<TA>(A, M, K, lda, m0, k0 + PG_BK, ra);
-            pg_load_b<TB>(B, N, K, ldb, n0, k0 + PG_BK, rb);
+            pg_load<TA>(A, M, K, lda, m0, k0 + PG_BK, ra);
+            pg_load<!TB>(B, N, K, ldb, n0, k0 + PG_BK, rb);
         }
         grng_fma_slice_4x4<PG_BK, PG_LDS>(As, Bs, ty, tx, acc);
     }
@@ -200,67 +180,41 @@ struct PrecondAxpby {
     }
 };
 
+// The entry points of the bf16 products: one signature and epilogue (PrecondAxpby), the
+// mainloop TILE_ANY over TERMS plane products, __launch_bounds__(__VA_ARGS__). Each sm_80
+// kernel has an sm_90a instance (kernels/gemm/wgmma_sm90.cuh) that only the compute_90a
+// build compiles: same parameters, grid and epilogue; block 384, GRNG_WG_SMEM bytes of
+// dynamic shared memory.
+#define GEMM_TC(name, TILE_ANY, TERMS, ...)                                                   \
+    extern "C" __global__ void __launch_bounds__(__VA_ARGS__)                                 \
+        name(const __nv_bfloat16* __restrict__ a, int lda, long long a_plane,                 \
+             const __nv_bfloat16* __restrict__ b, int ldb, long long b_plane,                 \
+             float* __restrict__ c, int ldc, int M, int N, int K, float alpha, float beta,    \
+             int trans, int* __restrict__ status) {                                           \
+        GRNG_DYN_SHARED(__nv_bfloat16, smem);                                                 \
+        PrecondAxpby epi{c, ldc, alpha, beta, status};                                        \
+        TILE_ANY<TERMS>(a, lda, a_plane, b, ldb, b_plane, M, N, K, trans, smem, epi);          \
+    }
+#define GEMM_TC_TYPES                                                                          \
+    (const __nv_bfloat16*, int, long long, const __nv_bfloat16*, int, long long, float*, int, \
+     int, int, int, float, float, int, int*)
+
 // C ← α·op(A)·op(B) + β·C with A, B given as split3 planes (a_plane, b_plane elements
 // apart; lda, ldb the stored row lengths). trans bit 0: op(A) = Aᵀ, bit 1: op(B) = Bᵀ.
 // status: null, or an int preset to GRNG_NONE that gets the first flat index of a NaN/Inf
 // in C (PrecondAxpby; M·N must fit an int then). Grid
 // (ceil(N/128), ceil(M/128)), block 256, GRNG_GEMM_SMEM bytes of dynamic shared memory.
-extern "C" __global__ void __launch_bounds__(GRNG_GEMM_THREADS)
-    gemm3_tc(const __nv_bfloat16* __restrict__ a, int lda, long long a_plane,
-                     const __nv_bfloat16* __restrict__ b, int ldb, long long b_plane,
-                     float* __restrict__ c, int ldc, int M, int N, int K, float alpha, float beta,
-                     int trans, int* __restrict__ status) {
-    GRNG_DYN_SHARED(__nv_bfloat16, smem);
-    PrecondAxpby epi{c, ldc, alpha, beta, status};
-    grng_gemm_tile_any<GRNG_SPLIT3_TERMS>(a, lda, a_plane, b, ldb, b_plane, M, N, K, trans,
-                                          smem, epi);
-}
-GRNG_EMU_ENTRY(gemm3_tc, (const __nv_bfloat16*, int, long long, const __nv_bfloat16*, int,
-                                  long long, float*, int, int, int, int, float, float, int, int*))
-
-#ifdef GRNG_SM90A
-// The sm_90a instance of gemm3_tc (kernels/gemm/wgmma_sm90.cuh, the split products
-// on wgmma): same parameters, grid and epilogue; block 384, GRNG_WG_SMEM bytes of dynamic
-// shared memory. Only in the compute_90a build.
-extern "C" __global__ void __launch_bounds__(GRNG_WG_THREADS, 1)
-    gemm3_wg_tc(const __nv_bfloat16* __restrict__ a, int lda, long long a_plane,
-                        const __nv_bfloat16* __restrict__ b, int ldb, long long b_plane,
-                        float* __restrict__ c, int ldc, int M, int N, int K, float alpha,
-                        float beta, int trans, int* __restrict__ status) {
-    GRNG_DYN_SHARED(__nv_bfloat16, smem);
-    PrecondAxpby epi{c, ldc, alpha, beta, status};
-    grng_wg_gemm_tile_any<GRNG_SPLIT3_TERMS>(a, lda, a_plane, b, ldb, b_plane, M, N, K, trans,
-                                             smem, epi);
-}
-#endif
+GEMM_TC(gemm3_tc, grng_gemm_tile_any, GRNG_SPLIT3_TERMS, GRNG_GEMM_THREADS)
+GRNG_EMU_ENTRY(gemm3_tc, GEMM_TC_TYPES)
 
 // The plain bf16 product (Device::gemm on bf16 operands): gemm3_tc's parameters,
 // layouts, grid, block and shared memory with one term, so a_plane and b_plane are unused.
-extern "C" __global__ void __launch_bounds__(GRNG_GEMM_THREADS)
-    gemm_tc(const __nv_bfloat16* __restrict__ a, int lda, long long a_plane,
-                    const __nv_bfloat16* __restrict__ b, int ldb, long long b_plane,
-                    float* __restrict__ c, int ldc, int M, int N, int K, float alpha, float beta,
-                    int trans, int* __restrict__ status) {
-    GRNG_DYN_SHARED(__nv_bfloat16, smem);
-    PrecondAxpby epi{c, ldc, alpha, beta, status};
-    grng_gemm_tile_any<1>(a, lda, a_plane, b, ldb, b_plane, M, N, K, trans, smem, epi);
-}
-GRNG_EMU_ENTRY(gemm_tc, (const __nv_bfloat16*, int, long long, const __nv_bfloat16*, int,
-                                 long long, float*, int, int, int, int, float, float, int, int*))
+GEMM_TC(gemm_tc, grng_gemm_tile_any, 1, GRNG_GEMM_THREADS)
+GRNG_EMU_ENTRY(gemm_tc, GEMM_TC_TYPES)
 
 #ifdef GRNG_SM90A
-// The sm_90a instance of gemm_tc (Device::gemm on bf16 operands on wgmma): same
-// parameters, grid and epilogue; block 384, GRNG_WG_SMEM bytes of dynamic shared memory.
-// Only in the compute_90a build.
-extern "C" __global__ void __launch_bounds__(GRNG_WG_THREADS, 1)
-    gemm_wg_tc(const __nv_bfloat16* __restrict__ a, int lda, long long a_plane,
-                       const __nv_bfloat16* __restrict__ b, int ldb, long long b_plane,
-                       float* __restrict__ c, int ldc, int M, int N, int K, float alpha, float beta,
-                       int trans, int* __restrict__ status) {
-    GRNG_DYN_SHARED(__nv_bfloat16, smem);
-    PrecondAxpby epi{c, ldc, alpha, beta, status};
-    grng_wg_gemm_tile_any<1>(a, lda, a_plane, b, ldb, b_plane, M, N, K, trans, smem, epi);
-}
+GEMM_TC(gemm3_wg_tc, grng_wg_gemm_tile_any, GRNG_SPLIT3_TERMS, GRNG_WG_THREADS, 1)
+GEMM_TC(gemm_wg_tc, grng_wg_gemm_tile_any, 1, GRNG_WG_THREADS, 1)
 #endif
 
 // ---------------------------------------------------------------------------------------

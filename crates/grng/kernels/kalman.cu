@@ -65,14 +65,6 @@
 // Per-block flags of pass 1 (ints after the partials): first bad σ, σ ≤ 0, H.
 #define KAL_NFLAGS 3
 
-__device__ __forceinline__ double* kal_f64(float* p) {
-    const unsigned long long a = (reinterpret_cast<unsigned long long>(p) + 7ull) & ~7ull;
-    return reinterpret_cast<double*>(a);
-}
-__device__ __forceinline__ const double* kal_f64(const float* p) {
-    const unsigned long long a = (reinterpret_cast<unsigned long long>(p) + 7ull) & ~7ull;
-    return reinterpret_cast<const double*>(a);
-}
 __device__ __forceinline__ int* kal_istat(float* status) {
     return reinterpret_cast<int*>(status + KAL_ISTAT);
 }
@@ -181,7 +173,7 @@ __device__ __forceinline__ void kal_gram_partial(const HT* __restrict__ h,
             for (int y = 0; y < 4; ++y)
                 accd[x][y] += __shfl_xor_sync(GRNG_FULL_MASK, accd[x][y], off);
     if (active && lane == 0) {
-        double* out = kal_f64(partial);
+        double* out = grng_as_f64(partial);
         GRNG_UNROLL
         for (int x = 0; x < 4; ++x)
             GRNG_UNROLL
@@ -234,7 +226,7 @@ extern "C" __global__ void kalman_gram_reduce(const float* __restrict__ partial,
         }
         return;
     }
-    const double* src = kal_f64(partial) + static_cast<long long>(pair) * nblocks;
+    const double* src = grng_as_f64(partial) + static_cast<long long>(pair) * nblocks;
     double acc = 0.0;
     for (int b = lane; b < nblocks; b += 32) acc += src[b];
     for (int off = 16; off > 0; off >>= 1) acc += __shfl_xor_sync(GRNG_FULL_MASK, acc, off);
@@ -242,7 +234,7 @@ extern "C" __global__ void kalman_gram_reduce(const float* __restrict__ partial,
         int j = 0, rest = pair;
         while (rest >= d_o - j) rest -= d_o - j, ++j;
         const int k = j + rest;
-        double* P = kal_f64(p);
+        double* P = grng_as_f64(p);
         P[j * d_o + k] = acc;
         P[k * d_o + j] = acc;
     }
@@ -322,13 +314,13 @@ extern "C" __global__ void kalman_solve(const float* __restrict__ p, const float
     const int dd = d_o * d_o, tid = threadIdx.x;
     // Global memory written by one thread is visible to the block after __syncthreads, as
     // shared memory is: the algorithm below does not depend on where X1..sy live.
-    double* X1 = d_o <= KAL_SMEM_DO ? smem : kal_f64(work);
+    double* X1 = d_o <= KAL_SMEM_DO ? smem : grng_as_f64(work);
     double* X2 = X1 + dd;
     double* X3 = X2 + dd;
     double* sv = X3 + dd;
     double* sy = sv + d_o;
-    const double* P = kal_f64(p);
-    double* dstat = kal_f64(status);
+    const double* P = grng_as_f64(p);
+    double* dstat = grng_as_f64(status);
     int* istat = kal_istat(status);
     __shared__ double s_delta;
 

@@ -87,11 +87,7 @@ extern "C" __global__ void __launch_bounds__(KF_THREADS)
     const float* Bt = diag ? As : Bs;
     const int tx = threadIdx.x % 16, ty = threadIdx.x / 16;
 
-    float acc[4][4];
-GRNG_UNROLL
-    for (int r = 0; r < 4; ++r)
-GRNG_UNROLL
-        for (int c = 0; c < 4; ++c) acc[r][c] = 0.0f;
+    float acc[4][4] = {};
 
     float ra[4], rb[4];
     kf_load(A, m, n, 0, bi * KRON_T, ra);
@@ -139,18 +135,23 @@ struct KronEmaMirror {
     __device__ __forceinline__ void finish() {}
 };
 
+// The tensor-core SYRK entry points: the mainloop TILE (grng_gemm_tile, or the sm_90a
+// grng_wg_gemm_tile) on the lower-triangle tile of blockIdx.x, __launch_bounds__(__VA_ARGS__).
+#define SYRK_EMA_TC(name, TILE, ...)                                                           \
+    extern "C" __global__ void __launch_bounds__(__VA_ARGS__)                                  \
+        name(const __nv_bfloat16* __restrict__ A, float* __restrict__ L, int m, int n,          \
+             float alpha, float eps) {                                                         \
+        GRNG_DYN_SHARED(__nv_bfloat16, smem);                                                  \
+        int bi, bj;                                                                            \
+        grng_tri_tile(blockIdx.x, bi, bj);                                                     \
+        KronEmaMirror epi{L, n, alpha, eps};                                                   \
+        TILE<GrngKOuter, GrngKOuter, 1>(A, n, 0, A, n, 0, n, n, m, bi * GRNG_GEMM_BM,          \
+                                        bj * GRNG_GEMM_BM, smem, epi);                         \
+    }
+
 // Grid (nt(nt+1)/2) with nt = ceil(n/128), block 256, GRNG_GEMM_SMEM bytes of dynamic
 // shared memory.
-extern "C" __global__ void __launch_bounds__(GRNG_GEMM_THREADS)
-    syrk_ema_tc(const __nv_bfloat16* __restrict__ A, float* __restrict__ L, int m, int n,
-                     float alpha, float eps) {
-    GRNG_DYN_SHARED(__nv_bfloat16, smem);
-    int bi, bj;
-    grng_tri_tile(blockIdx.x, bi, bj);
-    KronEmaMirror epi{L, n, alpha, eps};
-    grng_gemm_tile<GrngKOuter, GrngKOuter, 1>(A, n, 0, A, n, 0, n, n, m, bi * GRNG_GEMM_BM,
-                                              bj * GRNG_GEMM_BM, smem, epi);
-}
+SYRK_EMA_TC(syrk_ema_tc, grng_gemm_tile, GRNG_GEMM_THREADS)
 GRNG_EMU_ENTRY(syrk_ema_tc, (const __nv_bfloat16*, float*, int, int, float, float))
 
 // ---------------------------------------------------------------------------------------
@@ -168,14 +169,5 @@ GRNG_EMU_ENTRY(syrk_round_bf16, (const float*, __nv_bfloat16*, long long))
 #ifdef GRNG_SM90A
 // The sm_90a instance (kernels/gemm/wgmma_sm90.cuh), same parameters, grid and epilogue;
 // block 384, GRNG_WG_SMEM bytes of dynamic shared memory. Only in the compute_90a build.
-extern "C" __global__ void __launch_bounds__(GRNG_WG_THREADS, 1)
-    syrk_ema_wg_tc(const __nv_bfloat16* __restrict__ A, float* __restrict__ L, int m,
-                        int n, float alpha, float eps) {
-    GRNG_DYN_SHARED(__nv_bfloat16, smem);
-    int bi, bj;
-    grng_tri_tile(blockIdx.x, bi, bj);
-    KronEmaMirror epi{L, n, alpha, eps};
-    grng_wg_gemm_tile<GrngKOuter, GrngKOuter, 1>(A, n, 0, A, n, 0, n, n, m, bi * GRNG_GEMM_BM,
-                                                 bj * GRNG_GEMM_BM, smem, epi);
-}
+SYRK_EMA_TC(syrk_ema_wg_tc, grng_wg_gemm_tile, GRNG_WG_THREADS, 1)
 #endif

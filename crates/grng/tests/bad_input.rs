@@ -632,14 +632,7 @@ fn elementwise_ops(t: &mut Tally, rng: &mut ChaCha8Rng, n: usize) {
         |(p, m)| DEV.sgd_update(p, &huge, m, &big_lr),
     );
 
-    let adam = AdamWCoeffs {
-        lr: 1e-3,
-        beta1: 0.9,
-        beta2: 0.999,
-        eps: 1e-8,
-        weight_decay: 0.01,
-        step: 3,
-    };
+    let adam = common::ADAMW;
     let tgt = "Device::adamw_update";
     let mut pmv = (mat(rng, n, 1), mat(rng, n, 1), filled(n, 1, 0.5));
     let bad_adam: [(&'static [&'static str], AdamWCoeffs); 8] = [

@@ -52,32 +52,6 @@ fn op_at(x: &[f32], cols: usize, t: Trans, i: usize, j: usize) -> f32 {
     }
 }
 
-/// `|α|·|op(A)|·|op(B)| + |β|·|C|`, the scale of each element's rounding error, in f64.
-#[allow(clippy::too_many_arguments)]
-fn abs_scale(
-    (ta, tb): (Trans, Trans),
-    (m, n, k): (usize, usize, usize),
-    alpha: f32,
-    a: &[f32],
-    b: &[f32],
-    beta: f32,
-    c: &[f32],
-) -> Vec<f64> {
-    let a_cols = if ta == Trans::No { k } else { m };
-    let b_cols = if tb == Trans::No { n } else { k };
-    let mut s = vec![0.0f64; m * n];
-    for i in 0..m {
-        for j in 0..n {
-            let mut t = 0.0f64;
-            for p in 0..k {
-                t += (op_at(a, a_cols, ta, i, p) as f64 * op_at(b, b_cols, tb, p, j) as f64).abs();
-            }
-            s[i * n + j] = (alpha as f64).abs() * t + (beta as f64 * c[i * n + j] as f64).abs();
-        }
-    }
-    s
-}
-
 /// Elementwise `|got − want| ≤ 2·(k + 4)·u·scale`: both the kernel and the CPU GEMM sum k
 /// rounded products in f32 (different orders and blockings), each within (k + 2)·u·scale
 /// of the exact value after the α/β epilogue.
@@ -190,7 +164,7 @@ fn gemm_matches_cpu_on<T: Element>(
     launcher: GemmFn<T>,
 ) -> Result<(), TestCaseError> {
     let ((ar, ac), (br, bc)) = (t.a_shape, t.b_shape);
-    let scale = abs_scale((ta, tb), (m, n, k), alpha, af, bf, beta, &t.c0);
+    let scale = common::abs_gemm((ta, tb), (m, n, k), alpha, af, bf, beta, &t.c0);
     let cpu = Device::Cpu;
     let mut cw = cpu.upload(m, n, &t.c0).unwrap();
     let (cpu_a, cpu_b) = (
@@ -261,7 +235,7 @@ proptest! {
         let t = gemm_case(seed, (m, n, k), ta, tb);
         let (a, b, c0) = (t.a.clone(), t.b.clone(), t.c0.clone());
         let ((ar, ac), (br, bc)) = (t.a_shape, t.b_shape);
-        let scale = abs_scale((ta, tb), (m, n, k), alpha, &a, &b, beta, &c0);
+        let scale = common::abs_gemm((ta, tb), (m, n, k), alpha, &a, &b, beta, &c0);
         for dev in devices() {
             let am = dev.upload(ar, ac, &a).unwrap();
             let bm = dev.upload(br, bc, &b).unwrap();
@@ -304,11 +278,11 @@ proptest! {
         )
         .unwrap();
         let want = pw.to_vec().unwrap();
-        // |Γ̃⁻¹| (|G| |Λ̃⁻¹|) in f64.
+        // |Γ̃⁻¹| (|G| |Λ̃⁻¹|).
         let abs = |v: &[f32]| v.iter().map(|x| x.abs()).collect::<Vec<f32>>();
-        let t = abs_scale((Trans::No, Trans::No), (d_out, d_in, d_in), 1.0, &abs(&g), &abs(&li), 0.0, &vec![0.0; d_out * d_in]);
+        let t = common::abs_gemm((Trans::No, Trans::No), (d_out, d_in, d_in), 1.0, &abs(&g), &abs(&li), 0.0, &vec![0.0; d_out * d_in]);
         let t32: Vec<f32> = t.iter().map(|&x| x as f32).collect();
-        let scale = abs_scale((Trans::No, Trans::No), (d_out, d_in, d_out), 1.0, &abs(&gi), &t32, 0.0, &vec![0.0; d_out * d_in]);
+        let scale = common::abs_gemm((Trans::No, Trans::No), (d_out, d_in, d_out), 1.0, &abs(&gi), &t32, 0.0, &vec![0.0; d_out * d_in]);
         for dev in devices() {
             let mut p = dev.upload(d_out, d_in, &vec![f32::NAN; d_out * d_in]).unwrap();
             dev.precondition(
@@ -335,7 +309,7 @@ proptest! {
         let mut xw = cpu.upload(n, n, &x).unwrap();
         cpu.damped_inverse_update(&mut xw, dl).unwrap();
         let want = xw.to_vec().unwrap();
-        let scale = abs_scale((Trans::No, Trans::No), (n, n, n), -dl, &x, &x, 1.0, &x);
+        let scale = common::abs_gemm((Trans::No, Trans::No), (n, n, n), -dl, &x, &x, 1.0, &x);
         for dev in devices() {
             let mut xm = dev.upload(n, n, &x).unwrap();
             dev.damped_inverse_update(&mut xm, dl).unwrap();
@@ -420,7 +394,7 @@ fn larger_gemm_matches_cpu() {
                 c.to_vec().unwrap()
             };
             let cw = product(&Device::Cpu);
-            let scale = abs_scale((ta, tb), (m, n, k), 0.7, &a, &b, -0.5, &c0);
+            let scale = common::abs_gemm((ta, tb), (m, n, k), 0.7, &a, &b, -0.5, &c0);
             for dev in devices() {
                 check_close(&product(&dev), &cw, &scale, k).unwrap();
             }

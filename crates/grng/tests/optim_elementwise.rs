@@ -294,14 +294,7 @@ fn parallel_path_matches_f64() {
     dev.sgd_update(&mut p, &up(&g), &mut b, &c).unwrap();
     check_sgd(&p0, &g, &m0, &c, &host(&p), &host(&b)).unwrap();
 
-    let c = AdamWCoeffs {
-        lr: 1e-3,
-        beta1: 0.9,
-        beta2: 0.999,
-        eps: 1e-8,
-        weight_decay: 0.01,
-        step: 3,
-    };
+    let c = common::ADAMW;
     let (mut p, mut m, mut v) = (up(&p0), up(&m0), up(&w0));
     dev.adamw_update(&mut p, &up(&g), &mut m, &mut v, &c)
         .unwrap();

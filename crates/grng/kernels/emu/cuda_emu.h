@@ -311,26 +311,18 @@ inline float __powf(float a, float b) { return std::pow(a, b); }
 inline float __fdividef(float a, float b) { return a / b; }
 inline float fdividef(float a, float b) { return a / b; }
 inline float __saturatef(float x) { return x != x ? 0.0f : (x < 0.0f ? 0.0f : (x > 1.0f ? 1.0f : x)); }
-inline int __float_as_int(float f) {
-    int i;
-    std::memcpy(&i, &f, 4);
-    return i;
+// The bits of a 4-byte `from` as a `To` (CUDA's __*_as_* reinterpretations).
+template <class To, class From>
+inline To grng_emu_bits(From from) {
+    static_assert(sizeof(To) == 4 && sizeof(From) == 4, "4-byte reinterpretations only");
+    To to;
+    std::memcpy(&to, &from, 4);
+    return to;
 }
-inline float __int_as_float(int i) {
-    float f;
-    std::memcpy(&f, &i, 4);
-    return f;
-}
-inline unsigned __float_as_uint(float f) {
-    unsigned i;
-    std::memcpy(&i, &f, 4);
-    return i;
-}
-inline float __uint_as_float(unsigned i) {
-    float f;
-    std::memcpy(&f, &i, 4);
-    return f;
-}
+inline int __float_as_int(float f) { return grng_emu_bits<int>(f); }
+inline float __int_as_float(int i) { return grng_emu_bits<float>(i); }
+inline unsigned __float_as_uint(float f) { return grng_emu_bits<unsigned>(f); }
+inline float __uint_as_float(unsigned i) { return grng_emu_bits<float>(i); }
 inline int __popc(unsigned x) { return __builtin_popcount(x); }
 inline int __popcll(unsigned long long x) { return __builtin_popcountll(x); }
 inline int __clz(int x) { return x == 0 ? 32 : __builtin_clz(static_cast<unsigned>(x)); }

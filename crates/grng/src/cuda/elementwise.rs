@@ -386,11 +386,7 @@ fn queue_reduce(
         .input(op, y)?
         .scalar(n)
         .output(op, &mut partial)?;
-    let cfg = LaunchConfig {
-        grid: (blocks as u32, 1, 1),
-        block: (STREAM_BLOCK, 1, 1),
-        shared_mem: 0,
-    };
+    let cfg = LaunchConfig::linear(blocks as u32, STREAM_BLOCK);
     // SAFETY: elementwise_dot_partial(const float* x, const float* y, int n, float* partial):
     // x and y hold n floats (checked by the callers); block b < blocks writes the f64 at the
     // 8-byte aligned start of partial + b, inside its 2*blocks+1 floats.
@@ -400,11 +396,7 @@ fn queue_reduce(
         .scalar(blocks as i32)
         .scalar(i32::from(take_sqrt))
         .output_at(op, out, at, 2)?;
-    let cfg = LaunchConfig {
-        grid: (1, 1, 1),
-        block: (STREAM_BLOCK, 1, 1),
-        shared_mem: 0,
-    };
+    let cfg = LaunchConfig::linear(1, STREAM_BLOCK);
     // SAFETY: elementwise_dot_final(const float* partial, int nblocks, int take_sqrt, float*
     // out): reads the `blocks` f64 partials written above (inside 2*blocks+1 floats), thread 0
     // writes out[0..2], two floats inside `out`'s buffer (`output_at`).

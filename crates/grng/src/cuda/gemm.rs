@@ -155,11 +155,7 @@ pub fn trace(dev: &Device, a: &Matrix) -> Result<f32> {
         return Ok(0.0);
     }
     let mut out = dev.zeros::<f32>(3, 1)?;
-    let cfg = LaunchConfig {
-        grid: (1, 1, 1),
-        block: (TRACE_THREADS, 1, 1),
-        shared_mem: 0,
-    };
+    let cfg = LaunchConfig::linear(1, TRACE_THREADS);
     let mut args = KernelArgs::new(dev);
     args.input(OP, a)?
         .scalar(ni)

@@ -315,11 +315,10 @@ pub fn kalman_step<T: JacobianElement>(
         .scalar(d)
         .output(OP, p)?
         .output(OP, status)?;
-    let cfg = LaunchConfig {
-        grid: ((g.npairs + 1).div_ceil(THREADS as usize / 32) as u32, 1, 1),
-        block: (THREADS, 1, 1),
-        shared_mem: 0,
-    };
+    let cfg = LaunchConfig::linear(
+        (g.npairs + 1).div_ceil(THREADS as usize / 32) as u32,
+        THREADS,
+    );
     // SAFETY: kalman_gram_reduce(const float* partial, int nblocks, int flag_off, int d_o,
     // float* p, float* status): warp w < npairs reads partials pair*blocks .. +blocks and
     // writes two f64 entries of p (2*d_o² + 1 floats); warp npairs reads the NFLAGS*blocks
@@ -393,11 +392,10 @@ pub fn kalman_step<T: JacobianElement>(
             shared_mem: ((d_o * WIDE_TW + 2 * THREADS as usize) * 4) as u32,
         }
     } else {
-        LaunchConfig {
-            grid: (n.div_ceil(THREADS as usize).min(UPDATE_BLOCKS) as u32, 1, 1),
-            block: (THREADS, 1, 1),
-            shared_mem: 0,
-        }
+        LaunchConfig::linear(
+            n.div_ceil(THREADS as usize).min(UPDATE_BLOCKS) as u32,
+            THREADS,
+        )
     };
     // SAFETY: kalman_update_{dD,wide}_{f32,bf16}(const T* h, const float* mu, const float*
     // sigma, const float* gain, float q, float floor, int d_o, int n, float* mu_out, float*

@@ -270,9 +270,5 @@ pub(crate) fn stream_config(n: usize) -> Result<LaunchConfig> {
     let blocks = items
         .div_ceil(STREAM_BLOCK as usize)
         .clamp(1, STREAM_MAX_BLOCKS);
-    Ok(LaunchConfig {
-        grid: (blocks as u32, 1, 1),
-        block: (STREAM_BLOCK, 1, 1),
-        shared_mem: 0,
-    })
+    Ok(LaunchConfig::linear(blocks as u32, STREAM_BLOCK))
 }

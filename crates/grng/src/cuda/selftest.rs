@@ -149,11 +149,7 @@ pub fn shfl(
     let ncases = cases.len() / 3;
     check_len(OP, "out", out.len(), n * ncases)?;
     check_len(OP, "out64", out64.len(), 2 * n * ncases)?;
-    let cfg = LaunchConfig {
-        grid: (to_i32(OP, "input", n / block as usize)? as u32, 1, 1),
-        block: (block, 1, 1),
-        shared_mem: 0,
-    };
+    let cfg = LaunchConfig::linear(to_i32(OP, "input", n / block as usize)? as u32, block);
     let mut args = KernelArgs::new(dev);
     args.input(OP, input)?
         .output(OP, out)?
@@ -181,11 +177,7 @@ pub fn vote(
     let blocks = whole_blocks(OP, "input", n, block)?;
     check_len(OP, "out", out.len(), 9 * n)?;
     check_len(OP, "blk", blk.len(), 3 * blocks)?;
-    let cfg = LaunchConfig {
-        grid: (to_i32(OP, "input", blocks)? as u32, 1, 1),
-        block: (block, 1, 1),
-        shared_mem: 0,
-    };
+    let cfg = LaunchConfig::linear(to_i32(OP, "input", blocks)? as u32, block);
     let mut args = KernelArgs::new(dev);
     args.input(OP, input)?
         .output(OP, out)?
@@ -213,11 +205,7 @@ pub fn atomics(
     check_len(OP, "acc", acc.len(), 1)?;
     check_len(OP, "iacc", iacc.len(), 4)?;
     check_len(OP, "slot", slot.len(), n)?;
-    let cfg = LaunchConfig {
-        grid: (grid, 1, 1),
-        block: (block, 1, 1),
-        shared_mem: 0,
-    };
+    let cfg = LaunchConfig::linear(grid, block);
     let mut args = KernelArgs::new(dev);
     args.input(OP, x)?
         .input(OP, k)?
@@ -349,11 +337,7 @@ pub fn barriers(
     check_len(OP, "out", out.len(), n)?;
     check_len(OP, "sums", sums.len(), blocks * iters)?;
     check_len(OP, "wmax", wmax.len(), n / 32)?;
-    let cfg = LaunchConfig {
-        grid: (to_i32(OP, "x", blocks)? as u32, 1, 1),
-        block: (block, 1, 1),
-        shared_mem: 0,
-    };
+    let cfg = LaunchConfig::linear(to_i32(OP, "x", blocks)? as u32, block);
     let mut args = KernelArgs::new(dev);
     args.input(OP, x)?
         .output(OP, out)?
@@ -426,11 +410,7 @@ pub fn overhead(
 ) -> Result<()> {
     const OP: &str = "selftest::overhead";
     check_len(OP, "out", out.len(), blocks as usize * block as usize)?;
-    let cfg = LaunchConfig {
-        grid: (blocks, 1, 1),
-        block: (block, 1, 1),
-        shared_mem: 0,
-    };
+    let cfg = LaunchConfig::linear(blocks, block);
     let mut args = KernelArgs::new(dev);
     args.output(OP, out)?
         .scalar(to_i32(OP, "barriers", barriers as usize)?);
@@ -453,11 +433,7 @@ pub fn misuse(dev: &Device, out: &mut Matrix<f32>, mode: i32) -> Result<()> {
         return Err(value_err(OP, "mode", mode as usize, "0..=3"));
     }
     check_len(OP, "out", out.len(), 256)?;
-    let cfg = LaunchConfig {
-        grid: (1, 1, 1),
-        block: (32, 1, 1),
-        shared_mem: 0,
-    };
+    let cfg = LaunchConfig::linear(1, 32);
     let mut args = KernelArgs::new(dev);
     args.output(OP, out)?.scalar(mode);
     // SAFETY: selftest_misuse(float* out, int mode): 32 threads write out[0..32) or, through
@@ -486,11 +462,7 @@ pub fn mma(
     check_len(OP, "b", b.len(), 128 * count)?;
     check_len(OP, "c", c.len(), 128 * count)?;
     check_len(OP, "d", d.len(), 128 * count)?;
-    let cfg = LaunchConfig {
-        grid: (count as u32, 1, 1),
-        block: (32, 1, 1),
-        shared_mem: 0,
-    };
+    let cfg = LaunchConfig::linear(count as u32, 32);
     let mut args = KernelArgs::new(dev);
     args.input(OP, a)?
         .input(OP, b)?
@@ -579,11 +551,7 @@ pub fn cp_async(
 pub fn swizzle(dev: &Device, out: &mut Matrix<f32>) -> Result<()> {
     const OP: &str = "selftest::swizzle";
     check_len(OP, "out", out.len(), 4096)?;
-    let cfg = LaunchConfig {
-        grid: (1, 1, 1),
-        block: (1024, 1, 1),
-        shared_mem: 0,
-    };
+    let cfg = LaunchConfig::linear(1, 1024);
     let mut args = KernelArgs::new(dev);
     args.output(OP, out)?;
     // SAFETY: selftest_swizzle(int* out): thread (row, chunk) writes out[(k 64 + row) 16 +

@@ -41,6 +41,15 @@ pub struct LaunchConfig {
 }
 
 impl LaunchConfig {
+    /// A 1-D launch of `grid` blocks of `block` threads, no shared memory (not validated).
+    pub const fn linear(grid: u32, block: u32) -> Self {
+        Self {
+            grid: (grid, 1, 1),
+            block: (block, 1, 1),
+            shared_mem: 0,
+        }
+    }
+
     /// A 1-D launch of `ceil(n / block)` blocks of `block` threads, no shared memory.
     pub fn for_elements(n: usize, block: u32) -> Result<Self> {
         let blocks = if block == 0 {
@@ -48,11 +57,7 @@ impl LaunchConfig {
         } else {
             n.div_ceil(block as usize).max(1)
         };
-        let cfg = Self {
-            grid: (u32::try_from(blocks).unwrap_or(u32::MAX), 1, 1),
-            block: (block, 1, 1),
-            shared_mem: 0,
-        };
+        let cfg = Self::linear(u32::try_from(blocks).unwrap_or(u32::MAX), block);
         cfg.validate("LaunchConfig::for_elements")?;
         Ok(cfg)
     }
