@@ -57,14 +57,12 @@ fn bound(k: usize, alpha: f64, abs: f64) -> f64 {
 }
 
 /// One comparison of the self-check: `run` on sm_80 (an error there is the caller's: `Err`)
-/// and on sm_90a (an error there fails the check), element (i, j) of the `cols`-column result
-/// within `bound(i, j)`; `corrupt` adds 1 to the sm_90a result's first element (the
-/// `Mismatch` injection).
+/// and on sm_90a (an error there fails the check), element `e` within `bound(e)`; `corrupt`
+/// adds 1 to the sm_90a result's first element (the `Mismatch` injection).
 fn both_paths(
     name: &str,
-    cols: usize,
     run: impl Fn(Path) -> Result<Vec<f32>>,
-    bound: impl Fn(usize, usize) -> f64,
+    bound: impl Fn(usize) -> f64,
     corrupt: bool,
 ) -> Result<std::result::Result<(), String>> {
     let want = run(Path::Sm80)?;
@@ -75,26 +73,8 @@ fn both_paths(
     if corrupt {
         got[0] += 1.0;
     }
-    let bounds: Vec<f64> = (0..want.len()).map(|e| bound(e / cols, e % cols)).collect();
+    let bounds: Vec<f64> = (0..want.len()).map(bound).collect();
     Ok(compare(name, &got, &want, &bounds))
-}
-
-/// `launch` into a zeroed `rows x cols` result with every GEMM launch forced onto `path`,
-/// read back.
-fn on_path(
-    dev: &Device,
-    path: Path,
-    (rows, cols): (usize, usize),
-    launch: impl FnOnce(&mut Matrix) -> Result<()>,
-) -> Result<Vec<f32>> {
-    let mut out: Matrix = dev.zeros(rows, cols)?;
-    forced(path, || launch(&mut out))?;
-    out.to_vec()
-}
-
-/// Σ_l |term(l)| over `k` terms: the magnitude an element's rounding error scales with.
-fn abs_sum(k: usize, term: impl Fn(usize) -> f64) -> f64 {
-    (0..k).map(|l| term(l).abs()).sum()
 }
 
 /// Bound on |sm_90a − sm_80| for a split3 (f32-accurate) product element whose Σ|a_k·b_k| over
@@ -113,22 +93,25 @@ fn grng_sm90_self_check(dev: &Device, mismatch: bool) -> Result<std::result::Res
     let (a, b) = (check_values(n * n, 0x9E37), check_values(n * n, 0x7F4A));
     let (am, bm) = (dev.upload(n, n, &a)?, dev.upload(n, n, &b)?);
     let product = |path| -> Result<Vec<f32>> {
+        let mut out = dev.zeros(n, n)?;
         let mut unused = Unused::new(dev)?;
-        on_path(dev, path, (n, n), |out| {
+        forced(path, || {
             let epi = Epilogue {
-                out: Some(out),
+                out: Some(&mut out),
                 ..Epilogue::new()
             };
             product_tc(dev, &am, &bm, epi, &mut unused)
-        })
+        })?;
+        out.to_vec()
     };
-    let product_bound = |i: usize, j: usize| {
-        let abs = abs_sum(n, |k| {
-            f64::from(a[i * n + k].to_f32() * b[k * n + j].to_f32())
-        });
+    let product_bound = |e: usize| {
+        let (i, j) = (e / n, e % n);
+        let abs = (0..n)
+            .map(|k| f64::from(a[i * n + k].to_f32() * b[k * n + j].to_f32()).abs())
+            .sum();
         bound(n, 1.0, abs)
     };
-    if let Err(why) = both_paths("newton_gemm_wg_tc", n, product, product_bound, mismatch)? {
+    if let Err(why) = both_paths("newton_gemm_wg_tc", product, product_bound, mismatch)? {
         return Ok(Err(why));
     }
 
@@ -138,18 +121,19 @@ fn grng_sm90_self_check(dev: &Device, mismatch: bool) -> Result<std::result::Res
     let s = check_values(m * n2, 0x5DEE);
     let sm = dev.upload(m, n2, &s)?;
     let alpha = 1.0 / m as f32;
-    let syrk = |path| {
-        on_path(dev, path, (n2, n2), |l| {
-            super::syrk::syrk_ema_tc(dev, &sm, 0.0, l)
-        })
+    let syrk = |path| -> Result<Vec<f32>> {
+        let mut l: Matrix = dev.zeros(n2, n2)?;
+        forced(path, || super::syrk::syrk_ema_tc(dev, &sm, 0.0, &mut l))?;
+        l.to_vec()
     };
-    let syrk_bound = |i: usize, j: usize| {
-        let abs = abs_sum(m, |k| {
-            f64::from(s[k * n2 + i].to_f32() * s[k * n2 + j].to_f32())
-        });
+    let syrk_bound = |e: usize| {
+        let (i, j) = (e / n2, e % n2);
+        let abs = (0..m)
+            .map(|k| f64::from(s[k * n2 + i].to_f32() * s[k * n2 + j].to_f32()).abs())
+            .sum();
         bound(m, f64::from(alpha), abs)
     };
-    if let Err(why) = both_paths("syrk_ema_wg_tc", n2, syrk, syrk_bound, false)? {
+    if let Err(why) = both_paths("syrk_ema_wg_tc", syrk, syrk_bound, false)? {
         return Ok(Err(why));
     }
 
@@ -165,18 +149,21 @@ fn grng_sm90_self_check(dev: &Device, mismatch: bool) -> Result<std::result::Res
     };
     let (a3, b3) = (f32s(k3 * m3, 0x3C6E), f32s(k3 * n3, 0x2545));
     let (a3m, b3m) = (dev.upload(k3, m3, &a3)?, dev.upload(k3, n3, &b3)?);
-    let split = |path| {
-        on_path(dev, path, (m3, n3), |c| {
-            super::gemm::gemm3(dev, Trans::Yes, Trans::No, 1.0, &a3m, &b3m, 0.0, c)
-        })
+    let split = |path| -> Result<Vec<f32>> {
+        let mut c: Matrix = dev.zeros(m3, n3)?;
+        forced(path, || {
+            super::gemm::gemm3(dev, Trans::Yes, Trans::No, 1.0, &a3m, &b3m, 0.0, &mut c)
+        })?;
+        c.to_vec()
     };
-    let split_bound = |i: usize, j: usize| {
-        let abs = abs_sum(k3, |k| {
-            f64::from(a3[k * m3 + i]) * f64::from(b3[k * n3 + j])
-        });
+    let split_bound = |e: usize| {
+        let (i, j) = (e / n3, e % n3);
+        let abs = (0..k3)
+            .map(|k| (f64::from(a3[k * m3 + i]) * f64::from(b3[k * n3 + j])).abs())
+            .sum();
         split3_bound(k3, abs)
     };
-    if let Err(why) = both_paths("gemm3_wg_tc", n3, split, split_bound, false)? {
+    if let Err(why) = both_paths("gemm3_wg_tc", split, split_bound, false)? {
         return Ok(Err(why));
     }
 
@@ -185,18 +172,21 @@ fn grng_sm90_self_check(dev: &Device, mismatch: bool) -> Result<std::result::Res
     let (a5, b5) = (check_values(k3 * m3, 0x1F3D), check_values(k3 * n3, 0x6A09));
     let (a5m, b5m) = (dev.upload(k3, m3, &a5)?, dev.upload(k3, n3, &b5)?);
     let alpha5 = 0.75f32;
-    let plain = |path| {
-        on_path(dev, path, (m3, n3), |c| {
-            super::gemm::gemm_tc(dev, Trans::Yes, Trans::No, alpha5, &a5m, &b5m, 0.0, c)
-        })
+    let plain = |path| -> Result<Vec<f32>> {
+        let mut c: Matrix = dev.zeros(m3, n3)?;
+        forced(path, || {
+            super::gemm::gemm_tc(dev, Trans::Yes, Trans::No, alpha5, &a5m, &b5m, 0.0, &mut c)
+        })?;
+        c.to_vec()
     };
-    let plain_bound = |i: usize, j: usize| {
-        let abs = abs_sum(k3, |k| {
-            f64::from(a5[k * m3 + i].to_f32() * b5[k * n3 + j].to_f32())
-        });
+    let plain_bound = |e: usize| {
+        let (i, j) = (e / n3, e % n3);
+        let abs = (0..k3)
+            .map(|k| f64::from(a5[k * m3 + i].to_f32() * b5[k * n3 + j].to_f32()).abs())
+            .sum();
         bound(k3, f64::from(alpha5), abs)
     };
-    if let Err(why) = both_paths("gemm_wg_tc", n3, plain, plain_bound, false)? {
+    if let Err(why) = both_paths("gemm_wg_tc", plain, plain_bound, false)? {
         return Ok(Err(why));
     }
 
@@ -206,21 +196,24 @@ fn grng_sm90_self_check(dev: &Device, mismatch: bool) -> Result<std::result::Res
     let (a4, b4) = (&a3[..n4 * n4], &b3[..n4 * n4]);
     let (a4m, b4m) = (dev.upload(n4, n4, a4)?, dev.upload(n4, n4, b4)?);
     let newton3 = |path| -> Result<Vec<f32>> {
+        let mut out = dev.zeros(n4, n4)?;
         let mut planes = Planes::new(dev, n4)?;
         let mut unused = Unused::new(dev)?;
-        on_path(dev, path, (n4, n4), |out| {
+        forced(path, || {
             let epi = Epilogue {
-                out: Some(out),
+                out: Some(&mut out),
                 ..Epilogue::new()
             };
             product_f32(dev, &a4m, &b4m, &mut planes, epi, &mut unused)
-        })
+        })?;
+        out.to_vec()
     };
-    let newton3_bound = |i: usize, j: usize| {
-        let abs = abs_sum(n4, |k| {
-            f64::from(a4[i * n4 + k]) * f64::from(b4[k * n4 + j])
-        });
+    let newton3_bound = |e: usize| {
+        let (i, j) = (e / n4, e % n4);
+        let abs = (0..n4)
+            .map(|k| (f64::from(a4[i * n4 + k]) * f64::from(b4[k * n4 + j])).abs())
+            .sum();
         split3_bound(n4, abs)
     };
-    both_paths("newton_gemm3_wg_tc", n4, newton3, newton3_bound, false)
+    both_paths("newton_gemm3_wg_tc", newton3, newton3_bound, false)
 }
