@@ -20,7 +20,6 @@ pub mod newton;
 #[cfg(feature = "test-hooks")]
 pub mod selftest;
 pub mod sm90;
-mod sm90_check;
 pub mod syrk;
 #[cfg(feature = "test-hooks")]
 pub mod timing;
