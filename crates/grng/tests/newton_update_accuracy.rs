@@ -142,38 +142,24 @@ fn kernel_default() -> InverseMethod {
 }
 
 proptest! {
-    #![proptest_config(common::proptest_config(12))]
+    #![proptest_config(common::proptest_config(15))]
 
-    /// The CPU: its default (Cholesky, or Woodbury from the rows) and the kernel devices'
-    /// default Newton run by the CPU backend.
+    /// `on`: the CPU's default (Cholesky, or Woodbury from the rows), the kernel devices'
+    /// default Newton run by the CPU backend, or the emulator's default (warm-started Newton
+    /// in `kernels/newton.cu`).
     #[test]
-    fn cpu_update_matches_f64_reference(
+    fn update_matches_f64_reference(
+        on in 0u8..3,
         d_out in 17usize..=130,
         d_in in 17usize..=130,
-        newton: bool,
         seed: u64,
     ) {
+        let dev = if on == 2 { Device::Emulated } else { Device::Cpu };
         for (name, mut cfg) in variants() {
-            if newton {
+            if on == 1 {
                 cfg.inverse = kernel_default();
             }
-            check(&Device::Cpu, cfg, name, d_out, d_in, seed);
-        }
-    }
-}
-
-proptest! {
-    #![proptest_config(common::proptest_config(4))]
-
-    /// The emulator runs the device's default (warm-started Newton in `kernels/newton.cu`).
-    #[test]
-    fn emulated_update_matches_f64_reference(
-        d_out in 17usize..=130,
-        d_in in 17usize..=130,
-        seed: u64,
-    ) {
-        for (name, cfg) in variants() {
-            check(&Device::Emulated, cfg, name, d_out, d_in, seed);
+            check(&dev, cfg, name, d_out, d_in, seed);
         }
     }
 }

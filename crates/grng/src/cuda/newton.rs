@@ -28,6 +28,7 @@ use super::engine::{split3_into, wg_variant, GEMM_SMEM};
 use super::launch::{kernel, launch, to_i32, KernelArgs, LaunchConfig};
 use crate::device::{Device, Matrix};
 use crate::driver::kernel::Sm90Variant;
+use crate::element::Element;
 use crate::error::{check_len, check_shape, Error, Result};
 use crate::iteration::{self as driver, check_symmetric, ANorms, NewtonBackend, PowerStep, Start};
 use crate::params::newton::{InitialGuess, NewtonInfo, NewtonOptions, NewtonOrder, Precision};
@@ -249,6 +250,15 @@ fn tile_grid(n: usize, mirror: bool) -> (u32, u32, u32) {
     }
 }
 
+/// `n` of the operands of an `n x n` product: both `n x n`, `1 ≤ n ≤ MAX_N`.
+fn square_pair<T: Element>(op: &'static str, a: &Matrix<T>, b: &Matrix<T>) -> Result<usize> {
+    let n = a.rows();
+    check_shape(op, "a", a.shape(), (n, n))?;
+    check_shape(op, "b", b.shape(), (n, n))?;
+    dim(op, n)?;
+    Ok(n)
+}
+
 /// The launch of a product kernel (all share kernels/newton.cu's `NEWTON_GEMM_PARAMS`): the
 /// tile grid (lower-triangle tiles under [`Epilogue::mirror`]), block 256, `GEMM_SMEM` bytes,
 /// and the arguments `a`, `b`, then `epi`'s.
@@ -287,10 +297,7 @@ pub fn product_tc(
     unused: &mut Unused,
 ) -> Result<()> {
     const OP: &str = "cuda::newton::product_tc";
-    let n = a.rows();
-    check_shape(OP, "a", a.shape(), (n, n))?;
-    check_shape(OP, "b", b.shape(), (n, n))?;
-    dim(OP, n)?;
+    let n = square_pair(OP, a, b)?;
     if epi.mirror {
         // newton_gemm_tc has no mirrored epilogue (kernels/newton.cu: it would overflow the
         // kernel's 2-blocks-per-SM register budget); the driver mirrors f32 products only.
@@ -346,10 +353,7 @@ pub fn product_f32(
     unused: &mut Unused,
 ) -> Result<()> {
     const OP: &str = "cuda::newton::product_f32";
-    let n = a.rows();
-    check_shape(OP, "a", a.shape(), (n, n))?;
-    check_shape(OP, "b", b.shape(), (n, n))?;
-    dim(OP, n)?;
+    let n = square_pair(OP, a, b)?;
     // A square (E·E) is split once.
     let same = std::ptr::eq(a, b);
     split3_into(dev, a, &mut planes.a)?;
