@@ -58,9 +58,9 @@ pub enum NewtonStop {
     /// or lowers it to more than twice what exact arithmetic allows from the previous one
     /// (`r_{k+1} ≤ (√n·r_k)^(p−1)·r_k`: rounding, not convergence, set it, so further steps
     /// cannot go lower). The best iterate is returned; `tol` is the acceptance bound (a floor
-    /// above it is [`Error::Diverged`](crate::Error::Diverged)). Usually one step more than
-    /// [`NewtonStop::Tol`] (`docs/math.md` §2), for the residual of the floor (`≈ 5e-9·κ`)
-    /// instead of up to `tol`.
+    /// above it is [`Error::Diverged`](crate::Error::Diverged)). 0–1 steps more than
+    /// [`NewtonStop::Tol`], at most 2 (`docs/math.md` §2), for the residual of the floor
+    /// (`≈ 5e-9·κ`) instead of up to `tol`.
     #[default]
     Floor,
     /// At the first residual `≤ tol` (the default before the floor rule): the cheapest stop,
