@@ -109,6 +109,20 @@ struct NewtonEpi {
     __device__ __forceinline__ void finish() { newton_store_partial(sq, partial, flags); }
 };
 
+// The parameters of the four product entries (bf16 operands, or split3 planes n² elements
+// apart, then the epilogue's buffers and scalars), their emulator type list, and the
+// epilogue they build from them: one signature, so the Rust launchers pass one argument list.
+#define NEWTON_GEMM_PARAMS                                                                       \
+    const __nv_bfloat16 *__restrict__ a, const __nv_bfloat16 *__restrict__ b,                   \
+        const float *__restrict__ add1, const float *__restrict__ add2,                         \
+        float *__restrict__ out, __nv_bfloat16 *__restrict__ out_bf,                            \
+        float *__restrict__ partial, int n, float alpha, float diag, int flags
+#define NEWTON_GEMM_TYPES                                                                        \
+    (const __nv_bfloat16*, const __nv_bfloat16*, const float*, const float*, float*,             \
+     __nv_bfloat16*, float*, int, float, float, int)
+#define NEWTON_EPI(AllowMirror)                                                                  \
+    NewtonEpi<AllowMirror> epi { add1, add2, out, out_bf, partial, n, alpha, diag, flags, 0.0f }
+
 // Both entries share this body: Terms = 1 for bf16 operands, GRNG_SPLIT3_TERMS for f32
 // operands given as split3 planes n² elements apart (f32-accurate, engine.cuh).
 template <int Terms, bool AllowMirror>
@@ -125,16 +139,11 @@ __device__ __forceinline__ void newton_gemm_body(const __nv_bfloat16* __restrict
 }
 
 extern "C" __global__ void __launch_bounds__(GRNG_GEMM_THREADS, 2)
-    newton_gemm_tc(const __nv_bfloat16* __restrict__ a, const __nv_bfloat16* __restrict__ b,
-                   const float* __restrict__ add1, const float* __restrict__ add2,
-                   float* __restrict__ out, __nv_bfloat16* __restrict__ out_bf,
-                   float* __restrict__ partial, int n, float alpha, float diag, int flags) {
-    NewtonEpi<false> epi{add1, add2, out, out_bf, partial, n, alpha, diag, flags, 0.0f};
+    newton_gemm_tc(NEWTON_GEMM_PARAMS) {
+    NEWTON_EPI(false);
     newton_gemm_body<1>(a, b, 0, epi);
 }
-GRNG_EMU_ENTRY(newton_gemm_tc, (const __nv_bfloat16*, const __nv_bfloat16*, const float*,
-                                const float*, float*, __nv_bfloat16*, float*, int, float, float,
-                                int))
+GRNG_EMU_ENTRY(newton_gemm_tc, NEWTON_GEMM_TYPES)
 
 #ifdef GRNG_SM90A
 // A template like newton_gemm_body: the dynamic shared memory must be declared with the
@@ -156,38 +165,27 @@ __device__ __forceinline__ void newton_gemm_wg_body(const __nv_bfloat16* __restr
 // as newton_gemm_tc and newton_gemm3_tc; block 384, GRNG_WG_SMEM bytes of dynamic shared
 // memory. Only in the compute_90a build.
 extern "C" __global__ void __launch_bounds__(GRNG_WG_THREADS, 1)
-    newton_gemm_wg_tc(const __nv_bfloat16* __restrict__ a, const __nv_bfloat16* __restrict__ b,
-                      const float* __restrict__ add1, const float* __restrict__ add2,
-                      float* __restrict__ out, __nv_bfloat16* __restrict__ out_bf,
-                      float* __restrict__ partial, int n, float alpha, float diag, int flags) {
+    newton_gemm_wg_tc(NEWTON_GEMM_PARAMS) {
     // Full products only, as newton_gemm_tc (NewtonEpi<false>: the mirror is split3-only).
-    NewtonEpi<false> epi{add1, add2, out, out_bf, partial, n, alpha, diag, flags, 0.0f};
+    NEWTON_EPI(false);
     newton_gemm_wg_body<1, false>(a, b, 0, epi);
 }
 
 extern "C" __global__ void __launch_bounds__(GRNG_WG_THREADS, 1)
-    newton_gemm3_wg_tc(const __nv_bfloat16* __restrict__ a3, const __nv_bfloat16* __restrict__ b3,
-                       const float* __restrict__ add1, const float* __restrict__ add2,
-                       float* __restrict__ out, __nv_bfloat16* __restrict__ out_bf,
-                       float* __restrict__ partial, int n, float alpha, float diag, int flags) {
-    NewtonEpi<true> epi{add1, add2, out, out_bf, partial, n, alpha, diag, flags, 0.0f};
-    newton_gemm_wg_body<GRNG_SPLIT3_TERMS, true>(a3, b3, (long long)n * n, epi);
+    newton_gemm3_wg_tc(NEWTON_GEMM_PARAMS) {
+    NEWTON_EPI(true);
+    newton_gemm_wg_body<GRNG_SPLIT3_TERMS, true>(a, b, (long long)n * n, epi);
 }
 #endif
 
-// The f32 products (f32 mode, the bf16 run's f32 residual and polish): a3, b3 hold the three
+// The f32 products (f32 mode, the bf16 run's f32 residual and polish): a, b hold the three
 // split3 planes of the f32 A and B (plane p at p·n²). Same grid, block and shared memory.
 extern "C" __global__ void __launch_bounds__(GRNG_GEMM_THREADS)
-    newton_gemm3_tc(const __nv_bfloat16* __restrict__ a3, const __nv_bfloat16* __restrict__ b3,
-                    const float* __restrict__ add1, const float* __restrict__ add2,
-                    float* __restrict__ out, __nv_bfloat16* __restrict__ out_bf,
-                    float* __restrict__ partial, int n, float alpha, float diag, int flags) {
-    NewtonEpi<true> epi{add1, add2, out, out_bf, partial, n, alpha, diag, flags, 0.0f};
-    newton_gemm_body<GRNG_SPLIT3_TERMS>(a3, b3, (long long)n * n, epi);
+    newton_gemm3_tc(NEWTON_GEMM_PARAMS) {
+    NEWTON_EPI(true);
+    newton_gemm_body<GRNG_SPLIT3_TERMS>(a, b, (long long)n * n, epi);
 }
-GRNG_EMU_ENTRY(newton_gemm3_tc, (const __nv_bfloat16*, const __nv_bfloat16*, const float*,
-                                 const float*, float*, __nv_bfloat16*, float*, int, float, float,
-                                 int))
+GRNG_EMU_ENTRY(newton_gemm3_tc, NEWTON_GEMM_TYPES)
 
 // ---------------------------------------------------------------------------------------
 // Reductions in double with a fixed tree (deterministic for a given launch shape).

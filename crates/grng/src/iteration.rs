@@ -6,12 +6,18 @@
 //! (they call it with their primitives; it names neither), beside [`crate::params`].
 
 use crate::error::{DivergenceReason, Error, Result};
-use crate::params::newton::{InitialGuess, NewtonInfo, NewtonOptions, NewtonOrder, Precision};
+use crate::params::newton::{
+    InitialGuess, NewtonInfo, NewtonOptions, NewtonOrder, NewtonStop, Precision,
+};
 use crate::params::norm::{PowerInfo, PowerOptions};
 
 /// Below this best residual the iteration is in its fast-convergence regime, where a residual
 /// that stops falling means the rounding floor.
 pub const ARMED: f32 = 0.5;
+
+/// How far a residual must exceed the exact-arithmetic bound from the previous one to count
+/// as the rounding floor ([`NewtonStop::Floor`]): rounding then makes at least half of it.
+pub const ROUNDING_MARGIN: f64 = 2.0;
 
 /// Relative growth per step tolerated above [`ARMED`] (rounding noise on a residual near 1,
 /// which is far larger in `Bf16` mode) before it counts as divergence.
@@ -317,8 +323,8 @@ pub(crate) fn newton_inverse<B: NewtonBackend>(
 
 /// Iterates from the current `X₀` (whose residual is `r`) under the stopping rules of
 /// [`crate::cpu::newton`], appending each residual to `history`. Returns the best residual
-/// and the step that reached it; the iterate is left current (`F32`) or kept as the best
-/// (`Bf16`).
+/// and the step that reached it; the iterate is left current (`F32`: the best one) or kept as
+/// the best (`Bf16`).
 fn iterate<B: NewtonBackend>(
     b: &mut B,
     opts: &NewtonOptions,
@@ -332,6 +338,13 @@ fn iterate<B: NewtonBackend>(
     let mut best_iter = 0;
     let mut prev_r = f32::INFINITY;
     let mut sym_phase = !bf16;
+    // F32 to its rounding floor: `tol` only bounds what is accepted (NewtonStop::Floor).
+    let to_floor = !bf16 && opts.stop == NewtonStop::Floor;
+    let p = match opts.order {
+        NewtonOrder::Quadratic => 2,
+        NewtonOrder::Cubic => 3,
+        NewtonOrder::Quartic => 4,
+    };
     let diverged = |reason, iterations, residual: f32| Error::Diverged {
         op: B::OP,
         reason,
@@ -346,7 +359,7 @@ fn iterate<B: NewtonBackend>(
             }
             return Err(diverged(DivergenceReason::NonFinite, iterations, r));
         }
-        if r <= opts.tol {
+        if r <= opts.tol && !to_floor {
             best_r = r;
             best_iter = iterations;
             b.mark_best();
@@ -356,12 +369,17 @@ fn iterate<B: NewtonBackend>(
             best_r = r;
             best_iter = iterations;
             b.mark_best();
+            if to_floor && r <= opts.tol && at_floor(r, prev_r, b.n(), p) {
+                break;
+            }
         } else if sym_phase {
             // The noise of the mirrored products stalled the early phase: go on with full
             // products, which correct it.
             sym_phase = false;
         } else if best_r < ARMED {
-            if bf16 {
+            if bf16 || (to_floor && best_r <= opts.tol) {
+                // The floor, reached by the best iterate.
+                b.use_best();
                 break;
             }
             let reason = if r > 2.0 * best_r {
@@ -374,6 +392,11 @@ fn iterate<B: NewtonBackend>(
             return Err(diverged(DivergenceReason::Growing, iterations, r));
         }
         if iterations == opts.max_iter {
+            if to_floor && best_r <= opts.tol {
+                // Still falling below `tol`: acceptable, if short of the floor.
+                b.use_best();
+                break;
+            }
             return Err(diverged(DivergenceReason::NotConverged, iterations, r));
         }
         // Symmetric-result products only in the early f32 phase: the last steps must be full
@@ -387,6 +410,18 @@ fn iterate<B: NewtonBackend>(
         r = b.product_t()?;
     }
     Ok((best_r, best_iter))
+}
+
+/// Whether the residual `r`, just lowered from `prev`, is the rounding floor: in exact
+/// arithmetic `E ↦ E^p` and `‖E^p‖_F ≤ ‖E‖₂^(p−1)‖E‖_F ≤ (√n·‖E‖_F)^(p−1)‖E‖_F` give
+/// `r ≤ (√n·prev)^(p−1)·prev` (tight when one eigencomponent dominates, so a slow component
+/// never looks like the floor); more than [`ROUNDING_MARGIN`] times that means rounding set
+/// `r`, and the next step, made of the same roundings, cannot go clearly lower. `r = 0`
+/// cannot go lower either. Saves the step that would find no improvement.
+fn at_floor(r: f32, prev: f32, n: usize, p: i32) -> bool {
+    let prev = prev as f64;
+    let exact = ((n as f64).sqrt() * prev).powi(p - 1) * prev;
+    r == 0.0 || r as f64 > ROUNDING_MARGIN * exact
 }
 
 /// `X₀ = c I`, `c = 2/(λ_hi + min(λ_low, λ_hi))` with `λ_hi = 1.1·min(λ_est, bound)`:

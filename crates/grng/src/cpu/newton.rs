@@ -29,14 +29,21 @@
 //! a polynomial in `A`) use full products throughout. The returned `X` is symmetric only to
 //! rounding; symmetrizing it would raise its residual as mirroring `X·F` does.
 //!
-//! **Stopping.** The iteration returns as soon as the residual is `≤ tol`. In exact arithmetic
+//! **Stopping.** With [`NewtonStop::Tol`] (and in `Bf16` mode) the iteration returns as soon
+//! as the residual is `≤ tol`. With [`NewtonStop::Floor`], the `F32` default, it goes on past
+//! `tol` to the rounding floor and returns its best iterate, once the residual `r ≤ tol`
+//! either did not fall or fell to more than [`ROUNDING_MARGIN`] times the exact-arithmetic
+//! bound `(√n·r_prev)^(p−1)·r_prev` (then rounding, not convergence, set it: the next step
+//! would find the floor, not go below it); `tol` bounds the floor accepted. The budget running
+//! out below `tol` returns the best iterate too. In exact arithmetic
 //! the residual never grows from any of the three starts, so a residual that stops falling
 //! means either the rounding floor was reached or the iteration diverges:
 //! - non-finite residual → [`DivergenceReason::NonFinite`](crate::error::DivergenceReason::NonFinite) (`Bf16` past its floor: best
 //!   iterate returned);
 //! - during the mirrored phase, no improvement ends that phase (full products from then on);
 //! - once the best residual is below [`ARMED`], no improvement means the floor: `F32` mode
-//!   errs ([`DivergenceReason::NotConverged`](crate::error::DivergenceReason::NotConverged), or [`DivergenceReason::Growing`](crate::error::DivergenceReason::Growing) for a jump
+//!   returns its best iterate if that is `≤ tol` ([`NewtonStop::Floor`]) and errs otherwise
+//!   ([`DivergenceReason::NotConverged`](crate::error::DivergenceReason::NotConverged), or [`DivergenceReason::Growing`](crate::error::DivergenceReason::Growing) for a jump
 //!   above twice the best); `Bf16` mode returns its best iterate;
 //! - above [`ARMED`] (the first steps from the paper's start sit near 1) only a clear growth,
 //!   more than [`GROWTH_SLACK`] relative per step, is divergence ([`DivergenceReason::Growing`](crate::error::DivergenceReason::Growing));
@@ -55,7 +62,8 @@
 //! | 1000 | 4.0e-6 – 5.6e-6 | 3.3e-2 – 1.2e-1 | 9.8e-4 – 2.2e-2 | 6–7 |
 //!
 //! The `f32` floor grows about linearly, `≈ 5e-9·κ`, so the default `tol = 1e-4` holds to
-//! κ ≈ 1e4. The `bf16` floor, `≲ 4e-3·κ^0.55` for n ≥ 48 (the bound `tests/cpu_newton.rs`
+//! κ ≈ 1e4; [`NewtonStop::Floor`] returns it, where [`NewtonStop::Tol`] stopped anywhere below
+//! `1e-4` (what that costs in steps: docs/math.md §2). The `bf16` floor, `≲ 4e-3·κ^0.55` for n ≥ 48 (the bound `tests/cpu_newton.rs`
 //! checks; n = 16 reached 0.17 at κ = 836, n = 25 1.02x the bound at κ = 790), is set by the rounding of `A` itself. At
 //! n = 256–512 it is below docs/math.md §2's numpy figures (4.5e-3, 9e-3, 1.7e-2, 0.14 at κ = 10, 33,
 //! 100, 1000); rounding the small correction `F` rather than `p(T) ≈ I` to bf16 is the likely
@@ -67,9 +75,11 @@ use super::check_finite_view;
 use super::gemm::gemm;
 use crate::error::{try_collect, try_vec, Result};
 use crate::iteration::{self as driver, check_symmetric, ANorms, NewtonBackend, Start};
-pub use crate::iteration::{ARMED, GROWTH_SLACK, SYM_SWITCH, SYM_TOL};
+pub use crate::iteration::{ARMED, GROWTH_SLACK, ROUNDING_MARGIN, SYM_SWITCH, SYM_TOL};
 use crate::mat::{Mat, MatMut, MatRef, Trans};
-use crate::params::newton::{InitialGuess, NewtonInfo, NewtonOptions, NewtonOrder, Precision};
+use crate::params::newton::{
+    InitialGuess, NewtonInfo, NewtonOptions, NewtonOrder, NewtonStop, Precision,
+};
 use crate::shape::check_square;
 
 /// Inverse of the symmetric positive definite `n x n` matrix `a` by Newton iteration; see the
@@ -102,7 +112,10 @@ pub fn newton_inverse(
         _ => None,
     };
     let has_warm = warm_sym.is_some();
-    let it = Iteration::new(a_sym, warm_sym, n, opts.precision == Precision::Bf16)?;
+    let bf16 = opts.precision == Precision::Bf16;
+    // Both modes that run to a floor return their best iterate, so keep it.
+    let keep_best = bf16 || opts.stop == NewtonStop::Floor;
+    let it = Iteration::new(a_sym, warm_sym, n, bf16, keep_best)?;
     driver::newton_inverse(it, has_warm, opts)
 }
 
@@ -111,7 +124,7 @@ struct Iteration {
     n: usize,
     /// Products with `bf16`-rounded operands now.
     bf16: bool,
-    /// `Bf16` mode: the best iterate is kept in `best`.
+    /// The best iterate is kept in `best` (`Bf16` mode, [`NewtonStop::Floor`]).
     keep_best: bool,
     /// `A` (symmetric part), `f32`.
     a: Vec<f32>,
@@ -121,7 +134,7 @@ struct Iteration {
     x: Vec<f32>,
     /// `T = AX`.
     t: Vec<f32>,
-    /// The best iterate so far (`Bf16` mode).
+    /// The best iterate so far (when `keep_best`).
     best: Vec<f32>,
     /// Scratch: `T²`, `U`, the polynomial, the new iterate, rounded operands.
     w1: Vec<f32>,
@@ -132,7 +145,13 @@ struct Iteration {
 }
 
 impl Iteration {
-    fn new(a: Vec<f32>, warm: Option<Vec<f32>>, n: usize, bf16: bool) -> Result<Self> {
+    fn new(
+        a: Vec<f32>,
+        warm: Option<Vec<f32>>,
+        n: usize,
+        bf16: bool,
+        keep_best: bool,
+    ) -> Result<Self> {
         let mut a_bf = Vec::new();
         if bf16 {
             a_bf = try_vec(n, n, 0.0)?;
@@ -142,7 +161,7 @@ impl Iteration {
         Ok(Self {
             n,
             bf16,
-            keep_best: bf16,
+            keep_best,
             a,
             a_bf,
             x: warm.unwrap_or_default(),

@@ -28,6 +28,7 @@ use super::engine::{split3_into, wg_variant, GEMM_SMEM};
 use super::launch::{kernel, launch, to_i32, KernelArgs, LaunchConfig};
 use crate::device::{Device, Matrix};
 use crate::driver::kernel::Sm90Variant;
+use crate::element::Element;
 use crate::error::{check_len, check_shape, Error, Result};
 use crate::iteration::{self as driver, check_symmetric, ANorms, NewtonBackend, PowerStep, Start};
 use crate::params::newton::{InitialGuess, NewtonInfo, NewtonOptions, NewtonOrder, Precision};
@@ -249,6 +250,38 @@ fn tile_grid(n: usize, mirror: bool) -> (u32, u32, u32) {
     }
 }
 
+/// `n` of the operands of an `n x n` product: both `n x n`, `1 ≤ n ≤ MAX_N`.
+fn square_pair<T: Element>(op: &'static str, a: &Matrix<T>, b: &Matrix<T>) -> Result<usize> {
+    let n = a.rows();
+    check_shape(op, "a", a.shape(), (n, n))?;
+    check_shape(op, "b", b.shape(), (n, n))?;
+    dim(op, n)?;
+    Ok(n)
+}
+
+/// The launch of a product kernel (all share kernels/newton.cu's `NEWTON_GEMM_PARAMS`): the
+/// tile grid (lower-triangle tiles under [`Epilogue::mirror`]), block 256, `GEMM_SMEM` bytes,
+/// and the arguments `a`, `b`, then `epi`'s.
+fn product_launch<'a>(
+    op: &'static str,
+    dev: &'a Device,
+    a: &'a Matrix<bf16>,
+    b: &'a Matrix<bf16>,
+    epi: Epilogue<'a>,
+    unused: &'a mut Unused,
+    n: usize,
+) -> Result<(LaunchConfig, KernelArgs<'a>)> {
+    let cfg = LaunchConfig {
+        grid: tile_grid(n, epi.mirror),
+        block: (256, 1, 1),
+        shared_mem: GEMM_SMEM,
+    };
+    let mut args = KernelArgs::new(dev);
+    args.input(op, a)?.input(op, b)?;
+    push_epilogue(op, &mut args, epi, unused, n)?;
+    Ok((cfg, args))
+}
+
 /// `C = A·B` for `n x n` bf16 `a`, `b` on tensor cores (`newton_gemm_tc`: the GEMM engine of
 /// kernels/gemm/engine.cuh, 128x128 tiles, 8 warps of 4x4 mma.sync m16n8k16 accumulators,
 /// f32 accumulation), with `epi` fused into the store. Full products only.
@@ -264,10 +297,7 @@ pub fn product_tc(
     unused: &mut Unused,
 ) -> Result<()> {
     const OP: &str = "cuda::newton::product_tc";
-    let n = a.rows();
-    check_shape(OP, "a", a.shape(), (n, n))?;
-    check_shape(OP, "b", b.shape(), (n, n))?;
-    dim(OP, n)?;
+    let n = square_pair(OP, a, b)?;
     if epi.mirror {
         // newton_gemm_tc has no mirrored epilogue (kernels/newton.cu: it would overflow the
         // kernel's 2-blocks-per-SM register budget); the driver mirrors f32 products only.
@@ -278,14 +308,7 @@ pub fn product_tc(
             "full products on bf16 operands (mirrored products: product_f32)",
         ));
     }
-    let cfg = LaunchConfig {
-        grid: tile_grid(n, false),
-        block: (256, 1, 1),
-        shared_mem: GEMM_SMEM,
-    };
-    let mut args = KernelArgs::new(dev);
-    args.input(OP, a)?.input(OP, b)?;
-    push_epilogue(OP, &mut args, epi, unused, n)?;
+    let (cfg, args) = product_launch(OP, dev, a, b, epi, unused, n)?;
     // SAFETY: newton_gemm_tc(const bf16* a, const bf16* b, const float* add1, const float*
     // add2, float* out, bf16* out_bf, float* partial, int n, float alpha, float diag, int
     // flags). a, b and every buffer selected by `flags` are n x n (checked), partial holds
@@ -330,28 +353,18 @@ pub fn product_f32(
     unused: &mut Unused,
 ) -> Result<()> {
     const OP: &str = "cuda::newton::product_f32";
-    let n = a.rows();
-    check_shape(OP, "a", a.shape(), (n, n))?;
-    check_shape(OP, "b", b.shape(), (n, n))?;
-    dim(OP, n)?;
+    let n = square_pair(OP, a, b)?;
     // A square (E·E) is split once.
     let same = std::ptr::eq(a, b);
     split3_into(dev, a, &mut planes.a)?;
     if !same {
         split3_into(dev, b, &mut planes.b)?;
     }
-    let cfg = LaunchConfig {
-        grid: tile_grid(n, epi.mirror),
-        block: (256, 1, 1),
-        shared_mem: GEMM_SMEM,
-    };
-    let mut args = KernelArgs::new(dev);
-    args.input(OP, &planes.a)?
-        .input(OP, if same { &planes.a } else { &planes.b })?;
-    push_epilogue(OP, &mut args, epi, unused, n)?;
-    // SAFETY: newton_gemm3_tc(const bf16* a3, const bf16* b3, const float* add1, const float*
+    let b3 = if same { &planes.a } else { &planes.b };
+    let (cfg, args) = product_launch(OP, dev, &planes.a, b3, epi, unused, n)?;
+    // SAFETY: newton_gemm3_tc(const bf16* a, const bf16* b, const float* add1, const float*
     // add2, float* out, bf16* out_bf, float* partial, int n, float alpha, float diag, int
-    // flags). a3, b3 hold 3 planes of n² bf16 each (split3_into checked their 3n x n shape),
+    // flags). a, b hold 3 planes of n² bf16 each (split3_into checked their 3n x n shape),
     // read only at rows/columns < n of each plane; every buffer selected by `flags` is n x n
     // (checked), partial holds one float per block of the ceil(n/128)² grid; unselected
     // pointers are never touched; with MIRROR (no partial) the 1-D grid holds the lower tile

@@ -4,13 +4,15 @@
 
 use crate::device::{Device, Matrix};
 use crate::error::{check_shape, Result};
-pub use crate::params::newton::{InitialGuess, NewtonInfo, NewtonOptions, NewtonOrder, Precision};
+pub use crate::params::newton::{
+    InitialGuess, NewtonInfo, NewtonOptions, NewtonOrder, NewtonStop, Precision,
+};
 use crate::shape::check_square;
 
 /// The stopping thresholds of the Newton iteration (its control lives below both backends,
 /// in the crate-internal `iteration` module; see [`crate::cpu::newton`] for the rules).
 pub mod driver {
-    pub use crate::iteration::{ARMED, GROWTH_SLACK, SYM_SWITCH, SYM_TOL};
+    pub use crate::iteration::{ARMED, GROWTH_SLACK, ROUNDING_MARGIN, SYM_SWITCH, SYM_TOL};
 }
 
 impl Device {

@@ -50,6 +50,25 @@ pub enum Precision {
     Bf16,
 }
 
+/// Where an `F32` iteration stops (docs/math.md §2). Ignored in [`Precision::Bf16`] mode,
+/// which always runs to its floor (its `tol` is below any `bf16` floor but the smallest κ).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Default)]
+pub enum NewtonStop {
+    /// At the `f32` rounding floor: past `tol`, until a step no longer lowers the residual,
+    /// or lowers it to more than twice what exact arithmetic allows from the previous one
+    /// (`r_{k+1} ≤ (√n·r_k)^(p−1)·r_k`: rounding, not convergence, set it, so further steps
+    /// cannot go lower). The best iterate is returned; `tol` is the acceptance bound (a floor
+    /// above it is [`Error::Diverged`](crate::Error::Diverged)). 0–1 steps more than
+    /// [`NewtonStop::Tol`], at most 2 (`docs/math.md` §2), for the residual of the floor
+    /// (`≈ 5e-9·κ`) instead of up to `tol`.
+    #[default]
+    Floor,
+    /// At the first residual `≤ tol` (the default before the floor rule): the cheapest stop,
+    /// which leaves up to `tol` of residual — at `1e-4`, a few `1e-5` of relative error in a
+    /// preconditioned update.
+    Tol,
+}
+
 /// Settings of [`Device::newton_inverse`](crate::Device::newton_inverse).
 #[derive(Clone, Copy, Debug, PartialEq)]
 pub struct NewtonOptions {
@@ -59,9 +78,13 @@ pub struct NewtonOptions {
     pub init: InitialGuess,
     /// Product arithmetic. Default [`Precision::F32`].
     pub precision: Precision,
-    /// Stop once the residual `‖I − AX‖_F / √n` is at most `tol` (`> 0`). Default `1e-4`,
-    /// which `f32` reaches up to condition numbers of about `1e4`.
+    /// The residual `‖I − AX‖_F / √n` (`tol > 0`) that is good enough: with
+    /// [`NewtonStop::Floor`] (the default) the largest accepted floor, with
+    /// [`NewtonStop::Tol`] (and in `Bf16` mode) the stop itself. Default `1e-4`, which the
+    /// `f32` floor stays below up to condition numbers of about `1e4`.
     pub tol: f32,
+    /// Where the `F32` iteration stops. Default [`NewtonStop::Floor`].
+    pub stop: NewtonStop,
     /// Iteration budget (`0` only evaluates `X₀`). Default `100`: the cubic iteration from
     /// the scaled identity needs about `log₃ κ + 3` steps, the quadratic one from the paper's
     /// start about `2 log₂ κ + 5`.
@@ -89,6 +112,7 @@ impl Default for NewtonOptions {
             init: InitialGuess::ScaledIdentity,
             precision: Precision::F32,
             tol: 1e-4,
+            stop: NewtonStop::Floor,
             max_iter: 100,
             lambda_low: 0.0,
             lambda_high: None,
@@ -129,7 +153,8 @@ pub struct NewtonInfo {
     pub init_used: InitialGuess,
     /// `residual_history[k]` = residual of `X_k` as the iteration saw it (from its own
     /// products, so with `bf16` inputs in `Bf16` mode); `X₀` first. `iterations + 1` entries
-    /// in `F32` mode (`Bf16` adds the steps past its best iterate); after a restart the two
+    /// with [`NewtonStop::Tol`] (`Bf16`, and [`NewtonStop::Floor`] where a step did not
+    /// improve, add the steps past the best iterate); after a restart the two
     /// runs follow each other, each from its own `X₀`.
     pub residual_history: Vec<f32>,
     /// Whether the `Bf16` polish step was applied (it is dropped when it does not help).

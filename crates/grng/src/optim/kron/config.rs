@@ -27,8 +27,8 @@ pub enum InverseMethod {
     /// [`InverseMethod::resolve`]: [`InverseMethod::Cholesky`] on [`Device::Cpu`] (faer's
     /// blocked Cholesky inverse takes about n³ flops, Newton about 18 GEMMs of 2n³: 5–10x
     /// slower on a CPU, `docs/benchmarks.md` §3), warm-started [`InverseMethod::Newton`] with
-    /// default options on [`Device::Cuda`] and [`Device::Emulated`] (GEMM-only and
-    /// device-resident, no triangular solves or host round trip).
+    /// default options (to the `f32` floor) on [`Device::Cuda`] and [`Device::Emulated`]
+    /// (GEMM-only and device-resident, no triangular solves or host round trip).
     ///
     /// On [`Device::Cpu`] a Cholesky inversion at a refresh whose factor is replaced (EMA
     /// `ε = 0`, the default, or the first refresh) from `m ≤ n/2` statistics rows (`n > 64`,
@@ -124,7 +124,11 @@ pub struct KronConfig {
     /// Default `true`.
     pub scale_by_layers: bool,
     /// Inversion method. Default [`InverseMethod::Auto`]: Cholesky on the CPU, cubic Newton
-    /// from the warm start (scaled identity on the first refresh, tolerance `1e-4`) on a GPU.
+    /// from the warm start (scaled identity on the first refresh) to the `f32` floor
+    /// ([`crate::ops::newton::NewtonStop::Floor`]; a floor above `1e-4` is a divergence) on a
+    /// GPU. Until issue 36 it stopped at a residual `≤ 1e-4`, which left a few `1e-5` of
+    /// relative error in the update where the floor leaves ~1e-6, for 0–1 more steps
+    /// (docs/math.md §2).
     pub inverse: InverseMethod,
     /// Power iteration for RING's factor norms `‖Λ‖₂`, `‖Γ‖₂` (its damping; Newton's `λ_max`).
     pub power: PowerOptions,
