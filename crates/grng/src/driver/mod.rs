@@ -32,6 +32,8 @@ struct Cache {
     functions: HashMap<&'static str, Loaded>,
     /// The cuSOLVER handle on this device's stream, made on first use (`cuda::cholesky`).
     cusolver: Option<Arc<cudarc::cusolver::DnHandle>>,
+    /// The cuBLAS handle on this device's stream, made on first use (`cuda::gemm_vendor`).
+    cublas: Option<Arc<cudarc::cublas::CudaBlas>>,
 }
 
 /// Whether libcuda can be loaded: with dynamic loading the first real driver call would panic
@@ -88,6 +90,27 @@ impl CudaDevice {
                 .map_err(|e| Error::Cuda(format!("cusolverDnCreate: {e}")))?,
         );
         cache.cusolver = Some(h.clone());
+        Ok(h)
+    }
+
+    /// The GPU's ordinal (as given to [`CudaDevice::new`]).
+    pub fn ordinal(&self) -> usize {
+        self.ctx.ordinal()
+    }
+
+    /// The cuBLAS handle on this device's stream, created on the first call and kept with the
+    /// device, as [`CudaDevice::cusolver_handle`]. The caller checked that libcublas loads
+    /// (`cuda::gemm_vendor::available`).
+    pub(crate) fn cublas_handle(&self) -> Result<Arc<cudarc::cublas::CudaBlas>> {
+        let mut cache = self.cache.lock().unwrap_or_else(PoisonError::into_inner);
+        if let Some(h) = &cache.cublas {
+            return Ok(h.clone());
+        }
+        let h = Arc::new(
+            cudarc::cublas::CudaBlas::new(self.stream.clone())
+                .map_err(|e| Error::Cuda(format!("cublasCreate: {e}")))?,
+        );
+        cache.cublas = Some(h.clone());
         Ok(h)
     }
 
