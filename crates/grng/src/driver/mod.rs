@@ -125,6 +125,11 @@ impl CudaDevice {
     /// so that re-mapping would come with nearly every op. The pool is the device's, shared
     /// by everything in the process that allocates through it (candle through cudarc too),
     /// and holds its peak: memory freed here is reused here, not returned to other processes.
+    ///
+    /// cudarc's cross-stream event tracking is off for this device's context (grng works on
+    /// one stream; with tracking each allocation would create and destroy two CUDA events):
+    /// a caller that makes another stream on [`CudaDevice::context`] and uses grng's
+    /// buffers there synchronizes the two streams itself.
     pub fn new(ordinal: usize) -> Result<Self> {
         kernels_built()?;
         if !culib_present() {
@@ -133,6 +138,14 @@ impl CudaDevice {
             ));
         }
         let ctx = CudaContext::new(ordinal)?;
+        // SAFETY: cudarc's cross-stream events synchronize buffers used on several streams
+        // of one context object. This object is grng's own (made here), and grng queues all
+        // its work on the one default stream below and creates no other, so the events would
+        // never be waited on — but with tracking on every allocation creates two of them
+        // (and its drop destroys them): four driver calls per buffer, and grng allocates per
+        // op. A stream made on `context()` by the caller must not share grng's buffers
+        // unsynchronized (documented above).
+        unsafe { ctx.disable_event_tracking() };
         if ctx.has_async_alloc() {
             let mut keep_all = u64::MAX;
             pool_release_threshold(&ctx, sys::cuMemPoolSetAttribute, &mut keep_all)?;
