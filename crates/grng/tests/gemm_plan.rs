@@ -98,6 +98,108 @@ fn emulated_products_run_the_engine_and_count_the_missing_vendor() {
     }
 }
 
+/// The Kronecker factors' SYRK through the plan: on the emulator the engine's launchers, bit
+/// for bit, for both operand types and `ε = 0` (the old factor never read) or not.
+#[test]
+fn emulated_syrk_runs_the_engine() {
+    let dev = Device::Emulated;
+    let mut rng = common::seeded_rng();
+    for (m, n, eps) in [(5, 37, 0.0f32), (70, 129, 0.9), (1, 3, 0.5)] {
+        let a = common::vals(&mut rng, m * n);
+        let f0 = common::gram64(&common::vals(&mut rng, n * n), n, n);
+        let f0: Vec<f32> = f0.iter().map(|&v| v as f32).collect();
+        let before = gemm_plan::vendor_absent();
+        let a32 = dev.upload(m, n, &a).unwrap();
+        let (mut planned, mut direct) = (
+            dev.upload(n, n, &f0).unwrap(),
+            dev.upload(n, n, &f0).unwrap(),
+        );
+        dev.syrk_ema(&a32, eps, &mut planned).unwrap();
+        grng::cuda::syrk::syrk_ema_f32(&dev, &a32, eps, &mut direct).unwrap();
+        assert_eq!(bits(&planned), bits(&direct), "f32 {m}x{n} ε {eps}");
+        let a16 = dev
+            .upload(
+                m,
+                n,
+                &a.iter().map(|&v| bf16::from_f32(v)).collect::<Vec<_>>(),
+            )
+            .unwrap();
+        let (mut planned, mut direct) = (
+            dev.upload(n, n, &f0).unwrap(),
+            dev.upload(n, n, &f0).unwrap(),
+        );
+        dev.syrk_ema(&a16, eps, &mut planned).unwrap();
+        grng::cuda::syrk::syrk_ema_tc(&dev, &a16, eps, &mut direct).unwrap();
+        assert_eq!(bits(&planned), bits(&direct), "bf16 {m}x{n} ε {eps}");
+        assert!(gemm_plan::vendor_absent() >= before + 2);
+    }
+}
+
+/// On a GPU: cuBLAS's SYRK-EMA (`Ssyrk` for f32, `GemmEx` for bf16) and the mirror, as the
+/// plan runs them, against the f64 `ε·Λ + (1−ε)/m·AᵀA` read from `Λ`'s lower triangle (the
+/// upper one is poisoned with NaN, which must not be read), each element within
+/// `(m + 2)·2⁻²⁴·((1−ε)/m·|A|ᵀ|A| + ε|Λ|)`, and exactly symmetric.
+#[test]
+fn the_vendor_syrk_matches_f64_and_is_symmetric_on_a_gpu() {
+    let Some(dev) = common::cuda() else { return };
+    if !gemm_vendor::available() {
+        let required = std::env::var("GRNG_REQUIRE_CUDA").is_ok_and(|v| v == "1");
+        assert!(!required, "GRNG_REQUIRE_CUDA=1 but libcublas does not load");
+        return;
+    }
+    let mut rng = common::seeded_rng();
+    for (m, n, eps) in [(37, 200, 0.0f32), (300, 129, 0.95), (1, 65, 0.5)] {
+        for bf in [false, true] {
+            let mut a = common::vals(&mut rng, m * n);
+            if bf {
+                a.iter_mut().for_each(|v| *v = bf16::from_f32(*v).to_f32());
+            }
+            let mut f0 = common::vals(&mut rng, n * n);
+            for i in 0..n {
+                for j in i + 1..n {
+                    f0[i * n + j] = f32::NAN;
+                }
+            }
+            let mut f = dev.upload(n, n, &f0).unwrap();
+            if bf {
+                let a16 = dev
+                    .upload(
+                        m,
+                        n,
+                        &a.iter().map(|&v| bf16::from_f32(v)).collect::<Vec<_>>(),
+                    )
+                    .unwrap();
+                gemm_vendor::syrk_ema(&dev, &a16, eps, &mut f).unwrap();
+            } else {
+                gemm_vendor::syrk_ema(&dev, &dev.upload(m, n, &a).unwrap(), eps, &mut f).unwrap();
+            }
+            grng::cuda::cholesky::mirror_lower(&dev, &mut f).unwrap();
+            let got = f.to_vec().unwrap();
+            common::assert_symmetric(&got, n);
+            let w = f64::from((1.0 - eps) / m as f32);
+            for i in 0..n {
+                for j in 0..=i {
+                    let (mut dot, mut abs) = (0.0f64, 0.0f64);
+                    for r in 0..m {
+                        let p = f64::from(a[r * n + i]) * f64::from(a[r * n + j]);
+                        dot += p;
+                        abs += p.abs();
+                    }
+                    let old = f64::from(f0[i * n + j]);
+                    let want = f64::from(eps) * old + w * dot;
+                    let tol =
+                        (m as f64 + 2.0) * common::U32 * (w * abs + f64::from(eps) * old.abs());
+                    let err = (f64::from(got[i * n + j]) - want).abs();
+                    assert!(
+                        err <= tol,
+                        "bf16={bf} {m}x{n} ε {eps} ({i},{j}): {err:e} > {tol:e}"
+                    );
+                }
+            }
+        }
+    }
+}
+
 /// `GRNG_GEMM` is read once per process: the forced-vendor case runs in a child.
 #[test]
 fn forced_vendor_without_a_vendor_is_a_typed_error() {

@@ -32,6 +32,7 @@ use half::bf16;
 
 use super::gemm::{self as engine, Split3};
 use super::gemm_vendor::{self as vendor, VendorElement};
+use super::syrk;
 use crate::device::{Device, Element, Matrix};
 use crate::error::{Error, Result, OVERFLOW};
 use crate::mat::Trans;
@@ -99,9 +100,22 @@ pub enum Format {
     F32Checked,
 }
 
+/// What is computed.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum Product {
+    /// `C ← α·op(A)·op(B) + β·C`.
+    Gemm,
+    /// The Kronecker factor's `Λ ← ε·Λ + (1−ε)/m·AᵀA`, exactly symmetric: the engine's
+    /// lower-triangle SYRK with its mirror, or cuBLAS (`Ssyrk` for `f32`, `GemmEx` for `bf16`)
+    /// and `newton_mirror_lower`.
+    SyrkEma,
+}
+
 /// One product's description: the key of a choice with its [`ShapeClass`] and device.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
 pub struct GemmPlan {
+    /// What is computed.
+    pub product: Product,
     /// Operands and accuracy.
     pub format: Format,
     /// Whether `A` is transposed (`op(A) = Aᵀ`).
@@ -382,22 +396,30 @@ fn frobenius<T: Element>(x: &Matrix<T>) -> Result<f64> {
 type EngineGemm<T> =
     fn(&Device, Trans, Trans, f32, &Matrix<T>, &Matrix<T>, f32, &mut Matrix) -> Result<()>;
 
-/// The operand types of [`gemm`]: each with its plan format and engine launcher.
+/// The engine's SYRK-EMA launcher of an operand type.
+type EngineSyrk<T> = fn(&Device, &Matrix<T>, f32, &mut Matrix) -> Result<()>;
+
+/// The operand types of [`gemm`] and [`syrk_ema`]: each with its plan format and engine
+/// launchers.
 pub trait PlanElement: VendorElement {
     /// The plan's format of products of this type.
     const FORMAT: Format;
-    /// The engine's launcher.
+    /// The engine's GEMM launcher.
     const ENGINE: EngineGemm<Self>;
+    /// The engine's SYRK-EMA launcher.
+    const ENGINE_SYRK: EngineSyrk<Self>;
 }
 
 impl PlanElement for f32 {
     const FORMAT: Format = Format::F32;
     const ENGINE: EngineGemm<Self> = engine::gemm;
+    const ENGINE_SYRK: EngineSyrk<Self> = syrk::syrk_ema_f32;
 }
 
 impl PlanElement for bf16 {
     const FORMAT: Format = Format::Bf16;
     const ENGINE: EngineGemm<Self> = engine::gemm_tc;
+    const ENGINE_SYRK: EngineSyrk<Self> = syrk::syrk_ema_tc;
 }
 
 /// [`crate::Device::gemm`] on a kernel device: `C ← α·op(A)·op(B) + β·C` with `f32` or
@@ -422,6 +444,7 @@ pub fn gemm<T: PlanElement>(
     const OP: &str = "cuda::gemm_plan::gemm";
     let dims = gemm_dims(OP, ta, a.shape(), tb, b.shape(), c.shape())?;
     let plan = GemmPlan {
+        product: Product::Gemm,
         format: T::FORMAT,
         ta,
         tb,
@@ -466,6 +489,7 @@ pub fn product3_checked(
     let (am, bm) = (a.matrix(), b.matrix());
     let dims = gemm_dims(op, ta, am.shape(), tb, bm.shape(), c.shape())?;
     let plan = GemmPlan {
+        product: Product::Gemm,
         format: Format::F32Checked,
         ta,
         tb,
@@ -483,6 +507,48 @@ pub fn product3_checked(
             super::elementwise::check_finite(dev, op, &[(OVERFLOW, &*out)])
         },
         c,
+    )
+}
+
+/// [`crate::Device::syrk_ema`] on a kernel device: `Λ ← ε·Λ + (1−ε)/m·AᵀA` (`A` `m x n`,
+/// `m ≥ 1`, `f32` or `bf16`; `factor` `n x n`), exactly symmetric, reading only the lower
+/// triangle of the old `Λ` (plan [`Product::SyrkEma`]): the engine's `syrk_ema_f32` /
+/// `syrk_ema_tc`, or cuBLAS ([`vendor::syrk_ema`]) and the mirror of its lower triangle.
+/// The op validated the arguments.
+///
+/// # Errors
+/// As the launchers; the plan's errors of [`gemm`]. `factor` is unchanged on error.
+pub fn syrk_ema<T: PlanElement>(
+    dev: &Device,
+    a: &Matrix<T>,
+    eps: f32,
+    factor: &mut Matrix,
+) -> Result<()> {
+    let (m, n) = a.shape();
+    let plan = GemmPlan {
+        product: Product::SyrkEma,
+        format: T::FORMAT,
+        ta: Trans::Yes,
+        tb: Trans::No,
+        reads_c: eps != 0.0,
+    };
+    let alpha = (1.0 - eps) / m.max(1) as f32;
+    let f_norm = if eps != 0.0 { frobenius(factor)? } else { 0.0 };
+    dispatch(
+        dev,
+        plan,
+        (n, n, m),
+        (alpha, eps),
+        &|| {
+            let na = frobenius(a)?;
+            Ok([na, na, f_norm])
+        },
+        &mut |out| T::ENGINE_SYRK(dev, a, eps, out),
+        &mut |out| {
+            vendor::syrk_ema(dev, a, eps, out)?;
+            super::cholesky::mirror_lower(dev, out)
+        },
+        factor,
     )
 }
 

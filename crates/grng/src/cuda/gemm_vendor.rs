@@ -9,14 +9,14 @@
 //! copy, no transpose pass.
 
 use cudarc::cublas::sys::{
-    cublasComputeType_t, cublasGemmAlgo_t, cublasOperation_t, cudaDataType_t,
+    cublasComputeType_t, cublasFillMode_t, cublasGemmAlgo_t, cublasOperation_t, cudaDataType_t,
 };
 use cudarc::driver::{DevicePtr, DevicePtrMut};
 use half::bf16;
 
 use super::launch::to_i32;
 use crate::device::{Device, Element, Matrix, Storage};
-use crate::error::{Error, Result};
+use crate::error::{check_shape, Error, Result};
 use crate::mat::Trans;
 use crate::shape::gemm_dims;
 
@@ -143,4 +143,71 @@ pub fn gemm<T: VendorElement>(
     };
     crate::hooks::record("cublas:gemm_ex");
     status.map_err(|e| Error::Cuda(format!("{OP}: cublasGemmEx: {e}")))
+}
+
+/// `Λ ← ε·Λ + (1−ε)/m·AᵀA` on the lower triangle of the row-major `Λ` (`n x n`; `A` `m x n`,
+/// `m ≥ 1`), which is the only part of the old `Λ` read: `cublasSsyrk` (`f32` `A`; the
+/// row-major lower triangle is its column-major upper one, and `A` stored row-major is the
+/// column-major `Aᵀ`, so the call is `C = X·Xᵀ` with `X = Aᵀ`, `n x m`) or, for `bf16` `A`
+/// (cuBLAS has no real bf16 SYRK), the full `AᵀA` by `cublasGemmEx` with `β = ε`, whose
+/// lower triangle reads only `Λ`'s. The upper triangle is left for the caller to mirror.
+///
+/// # Errors
+/// As [`gemm`]. `factor` is unchanged on error.
+pub fn syrk_ema<T: VendorElement>(
+    dev: &Device,
+    a: &Matrix<T>,
+    eps: f32,
+    factor: &mut Matrix,
+) -> Result<()> {
+    const OP: &str = "cuda::gemm_vendor::syrk_ema";
+    let (m, n) = a.shape();
+    check_shape(OP, "factor", factor.shape(), (n, n))?;
+    let alpha = (1.0 - eps) / m as f32;
+    if T::DATA_TYPE != cudaDataType_t::CUDA_R_32F {
+        return gemm(dev, Trans::Yes, Trans::No, alpha, a, a, eps, factor);
+    }
+    let Device::Cuda(cuda) = dev else {
+        return Err(Error::DeviceUnavailable(format!(
+            "{OP}: cuBLAS runs on a CUDA device only"
+        )));
+    };
+    if n == 0 {
+        return Ok(());
+    }
+    let (mi, ni) = (to_i32(OP, "m", m)?, to_i32(OP, "n", n)?);
+    let (Storage::Cuda(asl), Storage::Cuda(fsl)) = (&a.storage, &mut factor.storage) else {
+        return Err(Error::DeviceUnavailable(format!(
+            "{OP}: an operand is not in GPU memory"
+        )));
+    };
+    let stream = cuda.stream();
+    let blas = cuda.cublas_handle()?;
+    stream.context().bind_to_thread()?;
+    let (ap, _a_guard) = asl.device_ptr(stream);
+    let (fp, _f_guard) = fsl.device_ptr_mut(stream);
+    // SAFETY: as in `gemm`: a live handle on `stream`, bound; X = Aᵀ is a's storage read as
+    // column-major n x m with ld n = a.cols() (T is f32 here: DATA_TYPE checked above), C is
+    // factor's n x n floats with ld n (checked), of which only the column-major upper triangle
+    // is read and written; the guards keep both buffers alive and ordered on `stream`; α, ε
+    // are host scalars.
+    let status = unsafe {
+        cudarc::cublas::sys::cublasSsyrk_v2(
+            *blas.handle(),
+            cublasFillMode_t::CUBLAS_FILL_MODE_UPPER,
+            cublasOperation_t::CUBLAS_OP_N,
+            ni,
+            mi,
+            &alpha,
+            ap as *const f32,
+            ni,
+            &eps,
+            fp as *mut f32,
+            ni,
+        )
+    };
+    crate::hooks::record("cublas:ssyrk");
+    status
+        .result()
+        .map_err(|e| Error::Cuda(format!("{OP}: cublasSsyrk: {e}")))
 }
