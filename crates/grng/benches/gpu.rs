@@ -178,6 +178,11 @@ impl Bench {
     /// No timing when it launched none (the op ran on the host) or failed (the error is the
     /// row's result, not the end of the bench).
     fn grng(&self, mut f: impl FnMut() -> Res<()>) -> Timed {
+        // A first call outside the record: the GEMM plan's trial on a new shape runs both of
+        // its candidates, and the row names the one it kept.
+        if let Err(e) = f() {
+            return Timed::none(format!("error: {e}"));
+        }
         record_launches(true);
         let r = f().and_then(|()| Ok(self.cuda.synchronize()?));
         let mut names = take_launches();
@@ -1289,8 +1294,31 @@ fn main() -> Res<()> {
             section(&b)?;
         }
     }
+    print_plan_choices();
     print_loaded_libraries();
     Ok(())
+}
+
+/// The GEMM plan's decisions of this run (`grng::cuda::gemm_plan`): per product and shape
+/// class, the candidate kept and the trial's median times.
+fn print_plan_choices() {
+    println!(
+        "\n| GEMM plan | shape class (log2 m, n, k) | kept | engine | cuBLAS | ‖ΔC‖ / bound |"
+    );
+    println!("|---|---|---|---|---|---|");
+    for c in grng::cuda::gemm_plan::choices() {
+        let class = format!("{}, {}, {}", c.class.m, c.class.n, c.class.k);
+        let times = match c.trial {
+            Some(t) => format!(
+                "{:.3} ms | {:.3} ms | {:.2e}",
+                t.engine_secs * 1e3,
+                t.vendor_secs * 1e3,
+                t.difference / t.bound
+            ),
+            None => "forced (GRNG_GEMM) | - | -".into(),
+        };
+        println!("| {:?} | {class} | {:?} | {times} |", c.plan, c.candidate);
+    }
 }
 
 /// One `loaded: PATH` line per NVIDIA library this process mapped (the real files, so the

@@ -207,7 +207,7 @@ impl Mat<f32> {
 }
 
 /// Whether a GEMM operand is used as stored or transposed.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
 pub enum Trans {
     /// Use the operand as stored.
     No,

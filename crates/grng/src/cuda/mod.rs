@@ -7,13 +7,16 @@
 //! Layers: [`launch`] (the argument list and the one `launch` that dispatches to the emulator
 //! or the GPU, over the runtime of [`crate::driver`]), `deferred` (status read-backs, now or
 //! collected), [`engine`] (the tensor-core GEMM engine's shared pieces); one launcher file per kernel
-//! file above them (see `kernels/README.md` and docs/architecture.md).
+//! file above them, [`gemm_vendor`] (cuBLAS) beside them, and [`gemm_plan`] (which of
+//! `gemm` and `gemm_vendor` runs a product) above both (see `kernels/README.md` and docs/architecture.md).
 
 pub mod cholesky;
 pub(crate) mod deferred;
 pub mod elementwise;
 pub mod engine;
 pub mod gemm;
+pub mod gemm_plan;
+pub mod gemm_vendor;
 pub mod kalman;
 pub mod launch;
 pub mod newton;

@@ -32,6 +32,8 @@ struct Cache {
     functions: HashMap<&'static str, Loaded>,
     /// The cuSOLVER handle on this device's stream, made on first use (`cuda::cholesky`).
     cusolver: Option<Arc<cudarc::cusolver::DnHandle>>,
+    /// The cuBLAS handle on this device's stream, made on first use (`cuda::gemm_vendor`).
+    cublas: Option<Arc<cudarc::cublas::CudaBlas>>,
 }
 
 /// Whether libcuda can be loaded: with dynamic loading the first real driver call would panic
@@ -91,6 +93,27 @@ impl CudaDevice {
         Ok(h)
     }
 
+    /// The GPU's ordinal (as given to [`CudaDevice::new`]).
+    pub fn ordinal(&self) -> usize {
+        self.ctx.ordinal()
+    }
+
+    /// The cuBLAS handle on this device's stream, created on the first call and kept with the
+    /// device, as [`CudaDevice::cusolver_handle`]. The caller checked that libcublas loads
+    /// (`cuda::gemm_vendor::available`).
+    pub(crate) fn cublas_handle(&self) -> Result<Arc<cudarc::cublas::CudaBlas>> {
+        let mut cache = self.cache.lock().unwrap_or_else(PoisonError::into_inner);
+        if let Some(h) = &cache.cublas {
+            return Ok(h.clone());
+        }
+        let h = Arc::new(
+            cudarc::cublas::CudaBlas::new(self.stream.clone())
+                .map_err(|e| Error::Cuda(format!("cublasCreate: {e}")))?,
+        );
+        cache.cublas = Some(h.clone());
+        Ok(h)
+    }
+
     /// Opens GPU `ordinal`. Errors (never panics) when the kernels were not compiled at build
     /// time, or libcuda or a GPU is absent.
     ///
@@ -102,6 +125,11 @@ impl CudaDevice {
     /// so that re-mapping would come with nearly every op. The pool is the device's, shared
     /// by everything in the process that allocates through it (candle through cudarc too),
     /// and holds its peak: memory freed here is reused here, not returned to other processes.
+    ///
+    /// cudarc's cross-stream event tracking is off for this device's context (grng works on
+    /// one stream; with tracking each allocation would create and destroy two CUDA events):
+    /// a caller that makes another stream on [`CudaDevice::context`] and uses grng's
+    /// buffers there synchronizes the two streams itself.
     pub fn new(ordinal: usize) -> Result<Self> {
         kernels_built()?;
         if !culib_present() {
@@ -110,6 +138,14 @@ impl CudaDevice {
             ));
         }
         let ctx = CudaContext::new(ordinal)?;
+        // SAFETY: cudarc's cross-stream events synchronize buffers used on several streams
+        // of one context object. This object is grng's own (made here), and grng queues all
+        // its work on the one default stream below and creates no other, so the events would
+        // never be waited on — but with tracking on every allocation creates two of them
+        // (and its drop destroys them): four driver calls per buffer, and grng allocates per
+        // op. A stream made on `context()` by the caller must not share grng's buffers
+        // unsynchronized (documented above).
+        unsafe { ctx.disable_event_tracking() };
         if ctx.has_async_alloc() {
             let mut keep_all = u64::MAX;
             pool_release_threshold(&ctx, sys::cuMemPoolSetAttribute, &mut keep_all)?;

@@ -112,7 +112,7 @@ impl Device {
             (Device::Emulated | Device::Cuda(_), Operand::Split(a), Operand::Split(b)) => {
                 let rows = op_shape(ta, a.matrix().shape()).0;
                 let mut c = self.zeros(rows, op_shape(tb, b.matrix().shape()).1)?;
-                crate::cuda::gemm::product3_checked(self, OP, ta, tb, alpha, a, b, &mut c)?;
+                crate::cuda::gemm_plan::product3_checked(self, OP, ta, tb, alpha, a, b, &mut c)?;
                 Ok(c)
             }
             _ => Err(crate::Error::DeviceMismatch {
@@ -319,8 +319,12 @@ impl Device {
                 crate::cpu::gemm(ta, tb, alpha, a, b, beta, host_mut(c)?)
             }
             Device::Emulated | Device::Cuda(_) => match (f32s, bf16s) {
-                (Some((a, b)), _) => crate::cuda::gemm::gemm(self, ta, tb, alpha, a, b, beta, c),
-                (_, Some((a, b))) => crate::cuda::gemm::gemm_tc(self, ta, tb, alpha, a, b, beta, c),
+                (Some((a, b)), _) => {
+                    crate::cuda::gemm_plan::gemm(self, ta, tb, alpha, a, b, beta, c)
+                }
+                (_, Some((a, b))) => {
+                    crate::cuda::gemm_plan::gemm(self, ta, tb, alpha, a, b, beta, c)
+                }
                 _ => Err(unsupported()),
             },
         }

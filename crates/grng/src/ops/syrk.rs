@@ -22,7 +22,8 @@ impl Device {
     ///
     /// On the kernel devices: `f32` `A` runs `syrk_ema_f32`, `bf16` `A` the tensor-core
     /// `syrk_ema_tc` ([`crate::cuda::syrk`]); both compute the lower-triangle tiles only
-    /// and mirror them (exactly symmetric result).
+    /// and mirror them (exactly symmetric result). On a GPU with cuBLAS the GEMM plan may run
+    /// cuBLAS instead, with the same symmetry ([`crate::cuda::gemm_plan::syrk_ema`]).
     pub fn syrk_ema<T: Element>(&self, a: &Matrix<T>, eps: f32, factor: &mut Matrix) -> Result<()> {
         const OP: &str = "Device::syrk_ema";
         self.check_on(OP, a)?;
@@ -38,9 +39,9 @@ impl Device {
                 // grng implements `Element` for f32 and bf16: pick the kernel of the concrete type.
                 let any: &dyn Any = a;
                 if let Some(a) = any.downcast_ref::<Matrix<f32>>() {
-                    crate::cuda::syrk::syrk_ema_f32(self, a, eps, factor)
+                    crate::cuda::gemm_plan::syrk_ema(self, a, eps, factor)
                 } else if let Some(a) = any.downcast_ref::<Matrix<bf16>>() {
-                    crate::cuda::syrk::syrk_ema_tc(self, a, eps, factor)
+                    crate::cuda::gemm_plan::syrk_ema(self, a, eps, factor)
                 } else {
                     Err(Error::DeviceUnavailable(format!(
                         "{OP}: no kernel for elements of type {}",

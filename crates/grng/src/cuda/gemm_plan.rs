@@ -1,0 +1,600 @@
+//! The GEMM plan: the dense products of [`crate::Device::gemm`] and of the optimizers
+//! (`Device::product_consumed`: the Kronecker step's products, the cached squares) described
+//! once — operand format, transposes, whether `C` is read — and run by one dispatcher over two
+//! candidates: grng's own kernels (the **engine**: `cuda::gemm`'s SIMT GEMM for `f32`, the
+//! tensor-core engine for `bf16` and the f32-accurate split3 products) and the **vendor**
+//! (cuBLAS `cublasGemmEx`, [`super::gemm_vendor`]).
+//!
+//! The vendor library is the floor: on a CUDA device where it loads, the first product of a
+//! (plan, shape class, device) runs both candidates, checks them against each other within
+//! the bound of [`Trial::bound`], times them ([`TRIAL_RUNS`] runs each, CUDA events, the
+//! median) and keeps the faster one for every later product of that key ([`choices`] lists
+//! the decisions with their times, for the bench's kernel column). A pair that disagrees keeps
+//! the engine (the kernels the emulator tests) and says so once on stderr. Where the vendor
+//! is absent — always on [`Device::Emulated`] — the engine runs, each such product is counted
+//! ([`vendor_absent`]) and the first is said on stderr: never a silent slow path.
+//!
+//! `GRNG_GEMM=vendor|engine|auto` ([`Policy`]) forces a side (`auto`, the default, chooses
+//! by measurement); `vendor` where the vendor cannot run is a typed error, not a fallback.
+//! A choice is kept in the process only (no on-disk cache yet), so two processes may pick
+//! differently where the candidates time alike: their results then differ by the rounding
+//! of [`Trial::bound`]; set `GRNG_GEMM` for results reproducible across processes.
+//!
+//! Not in the plan (their kernels fuse what a vendor call cannot): the SYRK with its EMA
+//! (`cuda::syrk`) and Newton's products with their epilogues (`cuda::newton`).
+
+use std::collections::HashMap;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Mutex, Once, OnceLock, PoisonError};
+
+use cudarc::driver::sys::CUevent_flags;
+use half::bf16;
+
+use super::gemm::{self as engine, Split3};
+use super::gemm_vendor::{self as vendor, VendorElement};
+use super::syrk;
+use crate::device::{Device, Element, Matrix};
+use crate::error::{Error, Result, OVERFLOW};
+use crate::mat::Trans;
+use crate::shape::gemm_dims;
+
+/// Runs of each candidate a trial times (after one untimed run that also gives the outputs
+/// compared): the median of three is robust to one interrupted run at a small cost on the
+/// first product of a shape class.
+pub const TRIAL_RUNS: usize = 3;
+
+/// Which side runs the products ([`Policy::from_env`] reads `GRNG_GEMM`).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Policy {
+    /// The faster of the two, measured on first use of a key (the default).
+    Auto,
+    /// cuBLAS always; an error where it cannot run.
+    Vendor,
+    /// grng's own kernels always.
+    Engine,
+}
+
+impl Policy {
+    /// The policy a `GRNG_GEMM` value names (`None`, unset: [`Policy::Auto`]).
+    ///
+    /// # Errors
+    /// [`Error::DeviceUnavailable`] naming the variable for any other value (as a bad
+    /// `GRNG_DEVICE`).
+    pub fn parse(value: Option<&str>) -> Result<Self> {
+        match value {
+            None | Some("auto") => Ok(Self::Auto),
+            Some("vendor") => Ok(Self::Vendor),
+            Some("engine") => Ok(Self::Engine),
+            Some(other) => Err(Error::DeviceUnavailable(format!(
+                "GRNG_GEMM={other:?}: expected vendor, engine or auto"
+            ))),
+        }
+    }
+
+    /// `GRNG_GEMM` as read at the first product of the process.
+    ///
+    /// # Errors
+    /// As [`Policy::parse`], on every product while the value is wrong.
+    pub fn from_env() -> Result<Self> {
+        static POLICY: OnceLock<std::result::Result<Policy, String>> = OnceLock::new();
+        POLICY
+            .get_or_init(|| {
+                Self::parse(std::env::var("GRNG_GEMM").ok().as_deref()).map_err(|e| e.to_string())
+            })
+            .clone()
+            .map_err(Error::DeviceUnavailable)
+    }
+}
+
+/// A product's operands and accuracy.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum Format {
+    /// `f32` operands, `f32` arithmetic (`Device::gemm` on `f32`): engine `gemm_{nn,..}`,
+    /// vendor SGEMM.
+    F32,
+    /// `bf16` operands, `f32` accumulation: engine `gemm_tc`, vendor `GemmEx` bf16 → f32.
+    Bf16,
+    /// `f32` operands at `f32` accuracy with the result checked as it is stored (the
+    /// optimizers' products): engine split3 `gemm3_tc` with its flagging epilogue, vendor
+    /// SGEMM and a check launch.
+    F32Checked,
+}
+
+/// What is computed.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum Product {
+    /// `C ← α·op(A)·op(B) + β·C`.
+    Gemm,
+    /// The Kronecker factor's `Λ ← ε·Λ + (1−ε)/m·AᵀA`, exactly symmetric: the engine's
+    /// lower-triangle SYRK with its mirror, or cuBLAS (`Ssyrk` for `f32`, `GemmEx` for `bf16`)
+    /// and `newton_mirror_lower`.
+    SyrkEma,
+}
+
+/// One product's description: the key of a choice with its [`ShapeClass`] and device.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub struct GemmPlan {
+    /// What is computed.
+    pub product: Product,
+    /// Operands and accuracy.
+    pub format: Format,
+    /// Whether `A` is transposed (`op(A) = Aᵀ`).
+    pub ta: Trans,
+    /// Whether `B` is transposed.
+    pub tb: Trans,
+    /// Whether `C` is read (`β ≠ 0`).
+    pub reads_c: bool,
+}
+
+/// The sizes a choice holds for: `⌈log₂⌉` of `m`, `n` and `k`, so one trial serves every
+/// product within a factor of two of its shape.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub struct ShapeClass {
+    /// `⌈log₂ m⌉`.
+    pub m: u32,
+    /// `⌈log₂ n⌉`.
+    pub n: u32,
+    /// `⌈log₂ k⌉`.
+    pub k: u32,
+}
+
+impl ShapeClass {
+    /// The class of an `m x n x k` product.
+    pub fn of(m: usize, n: usize, k: usize) -> Self {
+        let c = |x: usize| x.max(1).next_power_of_two().trailing_zeros();
+        Self {
+            m: c(m),
+            n: c(n),
+            k: c(k),
+        }
+    }
+}
+
+/// The two candidates.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Candidate {
+    /// grng's kernels.
+    Engine,
+    /// cuBLAS.
+    Vendor,
+}
+
+/// What a trial measured: each candidate's median time over [`TRIAL_RUNS`] runs and the
+/// Frobenius norm of their outputs' difference, against its bound.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct Trial {
+    /// The engine's median seconds.
+    pub engine_secs: f64,
+    /// The vendor's median seconds.
+    pub vendor_secs: f64,
+    /// `‖C_engine − C_vendor‖_F`.
+    pub difference: f64,
+    /// The most [`Trial::difference`] may be ([`Trial::bound`]).
+    pub bound: f64,
+}
+
+impl Trial {
+    /// How far two `f32`-accumulated products of the same operands may differ:
+    /// `2·(k + 8)·2⁻²⁴·(|α|·‖A‖_F·‖B‖_F + |β|·‖C‖_F)`. Each candidate is within
+    /// `(k + 8)·2⁻²⁴·|α|·‖|op(A)||op(B)|‖_F` of the exact product plus a rounding of `β·C`
+    /// (SGEMM's `γ_k`; the split3 engine's bound, `cuda::gemm::gemm3`; bf16 operands multiply
+    /// exactly), and `‖|A||B|‖_F ≤ ‖A‖_F·‖B‖_F`. Loose, but a product with a wrong layout or
+    /// transpose misses it by orders of magnitude.
+    pub fn bound(k: usize, alpha: f32, beta: f32, norms: [f64; 3]) -> f64 {
+        let [a, b, c] = norms;
+        2.0 * (k as f64 + 8.0)
+            * 2f64.powi(-24)
+            * (f64::from(alpha).abs() * a * b + f64::from(beta).abs() * c)
+    }
+
+    /// The decision: the faster candidate, the engine on a tie; the engine whenever the two
+    /// disagree beyond [`Trial::bound`] (a NaN difference included).
+    pub fn decide(&self) -> Candidate {
+        // Written so that a NaN difference fails the agreement test.
+        let agree = self.difference <= self.bound;
+        if !agree || self.vendor_secs >= self.engine_secs {
+            Candidate::Engine
+        } else {
+            Candidate::Vendor
+        }
+    }
+}
+
+/// One decision of the process: its key, the candidate and, where one ran, the trial.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct Choice {
+    /// The product.
+    pub plan: GemmPlan,
+    /// Its sizes.
+    pub class: ShapeClass,
+    /// The device's ordinal.
+    pub ordinal: usize,
+    /// What runs.
+    pub candidate: Candidate,
+    /// The measurement behind it (`None` when a policy forced the side).
+    pub trial: Option<Trial>,
+}
+
+type Key = (GemmPlan, ShapeClass, usize);
+
+fn decisions() -> std::sync::MutexGuard<'static, HashMap<Key, Choice>> {
+    static CHOICES: OnceLock<Mutex<HashMap<Key, Choice>>> = OnceLock::new();
+    CHOICES
+        .get_or_init(Default::default)
+        .lock()
+        .unwrap_or_else(PoisonError::into_inner)
+}
+
+/// The decisions made so far in this process (trials and forced sides), in no order.
+pub fn choices() -> Vec<Choice> {
+    decisions().values().copied().collect()
+}
+
+static VENDOR_ABSENT: AtomicU64 = AtomicU64::new(0);
+
+/// Products of the plan that ran on the engine because the vendor library could not run
+/// (every product on [`Device::Emulated`]; on a GPU while libcublas does not load) since the
+/// process started. `GRNG_GEMM=engine` products are not counted: nothing was missing.
+pub fn vendor_absent() -> u64 {
+    VENDOR_ABSENT.load(Ordering::Relaxed)
+}
+
+fn note_absent(why: &str) {
+    VENDOR_ABSENT.fetch_add(1, Ordering::Relaxed);
+    static SAID: Once = Once::new();
+    SAID.call_once(|| {
+        eprintln!(
+            "grng: GEMMs run on grng's own kernels, no vendor library (counted in \
+             grng::cuda::gemm_plan::vendor_absent): {why}"
+        );
+    });
+}
+
+/// One candidate writing the product into the output it is given.
+type Run<'a> = dyn FnMut(&mut Matrix) -> Result<()> + 'a;
+
+/// The dispatcher: picks the candidate for `plan` on `dev` (a trial on first use under
+/// [`Policy::Auto`]) and runs it into `c`. `dims` is `(m, n, k)`; `norms` gives
+/// `[‖A‖_F, ‖B‖_F, ‖C‖_F]` for a trial's bound, computed only when one runs.
+#[allow(clippy::too_many_arguments)]
+fn dispatch(
+    dev: &Device,
+    plan: GemmPlan,
+    (m, n, k): (usize, usize, usize),
+    (alpha, beta): (f32, f32),
+    norms: &dyn Fn() -> Result<[f64; 3]>,
+    engine: &mut Run<'_>,
+    vendor: &mut Run<'_>,
+    c: &mut Matrix,
+) -> Result<()> {
+    let policy = Policy::from_env()?;
+    // α = 0 or an empty product is C ← β·C, which the engine does without reading A and B.
+    if policy == Policy::Engine || alpha == 0.0 || m == 0 || n == 0 || k == 0 {
+        return engine(c);
+    }
+    let cuda = match dev {
+        Device::Cuda(d) if vendor::available() => d,
+        _ => {
+            let why = match dev {
+                Device::Cuda(_) => "libcublas does not load",
+                _ => "the emulator runs grng's kernels only",
+            };
+            if policy == Policy::Vendor {
+                return Err(Error::DeviceUnavailable(format!(
+                    "GRNG_GEMM=vendor, but {why}"
+                )));
+            }
+            note_absent(why);
+            return engine(c);
+        }
+    };
+    let class = ShapeClass::of(m, n, k);
+    let key = (plan, class, cuda.ordinal());
+    let record = |candidate, trial| {
+        let choice = Choice {
+            plan,
+            class,
+            ordinal: key.2,
+            candidate,
+            trial,
+        };
+        decisions().insert(key, choice);
+    };
+    let known = decisions().get(&key).map(|choice| choice.candidate);
+    let candidate = match (policy, known) {
+        (_, Some(candidate)) => candidate,
+        (Policy::Vendor, None) => {
+            record(Candidate::Vendor, None);
+            Candidate::Vendor
+        }
+        _ => match trial(dev, c, engine, vendor) {
+            Ok(t) => {
+                let trial = Trial {
+                    bound: Trial::bound(k, alpha, beta, norms()?),
+                    ..t
+                };
+                warn_if_disagree(plan, (m, n, k), &trial);
+                record(trial.decide(), Some(trial));
+                trial.decide()
+            }
+            // A failed product (an overflow the check flags): the engine's own error, and
+            // its output in `c`, exactly as without a plan; the next product tries again.
+            Err(_) => return engine(c),
+        },
+    };
+    match candidate {
+        Candidate::Engine => engine(c),
+        Candidate::Vendor => vendor(c),
+    }
+}
+
+/// Says (once per process) that a trial's candidates disagreed beyond its bound.
+fn warn_if_disagree(plan: GemmPlan, (m, n, k): (usize, usize, usize), trial: &Trial) {
+    if trial.difference <= trial.bound {
+        return;
+    }
+    static SAID: Once = Once::new();
+    SAID.call_once(|| {
+        eprintln!(
+            "grng: cuBLAS and grng's kernels disagree on {plan:?} ({m}x{n}x{k}): \
+             ‖ΔC‖_F = {:e} > {:e}; the engine runs",
+            trial.difference, trial.bound
+        );
+    });
+}
+
+/// Runs both candidates into copies of `c` (one untimed run each, whose outputs are compared;
+/// then [`TRIAL_RUNS`] timed runs each), leaving `c` as it was. `bound` is left 0 for the
+/// caller.
+fn trial(dev: &Device, c: &Matrix, engine: &mut Run<'_>, vendor: &mut Run<'_>) -> Result<Trial> {
+    let Device::Cuda(d) = dev else {
+        return Err(Error::DeviceUnavailable(
+            "cuda::gemm_plan: a trial times CUDA events".into(),
+        ));
+    };
+    let stream = d.stream();
+    let time = |run: &mut Run<'_>, out: &mut Matrix| -> Result<f64> {
+        let mut secs = Vec::with_capacity(TRIAL_RUNS);
+        for _ in 0..TRIAL_RUNS {
+            let start = stream.record_event(Some(CUevent_flags::CU_EVENT_DEFAULT))?;
+            run(out)?;
+            let end = stream.record_event(Some(CUevent_flags::CU_EVENT_DEFAULT))?;
+            end.synchronize()?;
+            secs.push(f64::from(start.elapsed_ms(&end)?) / 1e3);
+        }
+        secs.sort_by(f64::total_cmp);
+        Ok(secs[TRIAL_RUNS / 2])
+    };
+    let (mut ce, mut cv) = (c.try_clone()?, c.try_clone()?);
+    engine(&mut ce)?;
+    vendor(&mut cv)?;
+    let (e, v) = (ce.to_vec()?, cv.to_vec()?);
+    let difference = e
+        .iter()
+        .zip(&v)
+        .map(|(&x, &y)| (f64::from(x) - f64::from(y)).powi(2))
+        .sum::<f64>()
+        .sqrt();
+    Ok(Trial {
+        engine_secs: time(engine, &mut ce)?,
+        vendor_secs: time(vendor, &mut cv)?,
+        difference,
+        bound: 0.0,
+    })
+}
+
+/// `‖x‖_F` in `f64` (one download: a trial's bound only).
+fn frobenius<T: Element>(x: &Matrix<T>) -> Result<f64> {
+    Ok(x.to_vec()?
+        .iter()
+        .map(|&v| f64::from(v.to_f32()).powi(2))
+        .sum::<f64>()
+        .sqrt())
+}
+
+/// The engine's launcher of a format's products.
+type EngineGemm<T> =
+    fn(&Device, Trans, Trans, f32, &Matrix<T>, &Matrix<T>, f32, &mut Matrix) -> Result<()>;
+
+/// The engine's SYRK-EMA launcher of an operand type.
+type EngineSyrk<T> = fn(&Device, &Matrix<T>, f32, &mut Matrix) -> Result<()>;
+
+/// The operand types of [`gemm`] and [`syrk_ema`]: each with its plan format and engine
+/// launchers.
+pub trait PlanElement: VendorElement {
+    /// The plan's format of products of this type.
+    const FORMAT: Format;
+    /// The engine's GEMM launcher.
+    const ENGINE: EngineGemm<Self>;
+    /// The engine's SYRK-EMA launcher.
+    const ENGINE_SYRK: EngineSyrk<Self>;
+}
+
+impl PlanElement for f32 {
+    const FORMAT: Format = Format::F32;
+    const ENGINE: EngineGemm<Self> = engine::gemm;
+    const ENGINE_SYRK: EngineSyrk<Self> = syrk::syrk_ema_f32;
+}
+
+impl PlanElement for bf16 {
+    const FORMAT: Format = Format::Bf16;
+    const ENGINE: EngineGemm<Self> = engine::gemm_tc;
+    const ENGINE_SYRK: EngineSyrk<Self> = syrk::syrk_ema_tc;
+}
+
+/// [`crate::Device::gemm`] on a kernel device: `C ← α·op(A)·op(B) + β·C` with `f32` or
+/// `bf16` operands (plan [`Format::F32`] or [`Format::Bf16`]), same BLAS semantics as
+/// [`engine::gemm`]. The op validated the arguments.
+///
+/// # Errors
+/// As [`engine::gemm`] and [`vendor::gemm`]; [`Error::DeviceUnavailable`] for
+/// `GRNG_GEMM=vendor` where cuBLAS cannot run, a bad `GRNG_GEMM`. `c`
+/// is unchanged on error.
+#[allow(clippy::too_many_arguments)]
+pub fn gemm<T: PlanElement>(
+    dev: &Device,
+    ta: Trans,
+    tb: Trans,
+    alpha: f32,
+    a: &Matrix<T>,
+    b: &Matrix<T>,
+    beta: f32,
+    c: &mut Matrix,
+) -> Result<()> {
+    const OP: &str = "cuda::gemm_plan::gemm";
+    let dims = gemm_dims(OP, ta, a.shape(), tb, b.shape(), c.shape())?;
+    let plan = GemmPlan {
+        product: Product::Gemm,
+        format: T::FORMAT,
+        ta,
+        tb,
+        reads_c: beta != 0.0,
+    };
+    let c_norm = if beta != 0.0 {
+        Some(frobenius(c)?)
+    } else {
+        None
+    };
+    dispatch(
+        dev,
+        plan,
+        dims,
+        (alpha, beta),
+        &|| Ok([frobenius(a)?, frobenius(b)?, c_norm.unwrap_or(0.0)]),
+        &mut |out| T::ENGINE(dev, ta, tb, alpha, a, b, beta, out),
+        &mut |out| vendor::gemm(dev, ta, tb, alpha, a, b, beta, out),
+        c,
+    )
+}
+
+/// `α·op(A)·op(B)` into `c` (zeros of the product's shape) at `f32` accuracy with the result
+/// checked (plan [`Format::F32Checked`]): the engine's [`engine::product3_checked`] (split3
+/// planes, flagging epilogue) or cuBLAS SGEMM followed by one finiteness check launch —
+/// into the ledger of an enclosing `Device::deferred` scope either way.
+///
+/// # Errors
+/// As [`engine::product3_checked`]: [`Error::NonFinite`] (`op`, `"result (overflow)"`) for a
+/// non-finite product, `c` holding it; plus the plan's errors of [`gemm`].
+#[allow(clippy::too_many_arguments)]
+pub fn product3_checked(
+    dev: &Device,
+    op: &'static str,
+    ta: Trans,
+    tb: Trans,
+    alpha: f32,
+    a: &Split3<'_>,
+    b: &Split3<'_>,
+    c: &mut Matrix,
+) -> Result<()> {
+    let (am, bm) = (a.matrix(), b.matrix());
+    let dims = gemm_dims(op, ta, am.shape(), tb, bm.shape(), c.shape())?;
+    let plan = GemmPlan {
+        product: Product::Gemm,
+        format: Format::F32Checked,
+        ta,
+        tb,
+        reads_c: false,
+    };
+    dispatch(
+        dev,
+        plan,
+        dims,
+        (alpha, 0.0),
+        &|| Ok([frobenius(am)?, frobenius(bm)?, 0.0]),
+        &mut |out| engine::product3_checked(dev, op, ta, tb, alpha, a, b, out),
+        &mut |out| {
+            vendor::gemm(dev, ta, tb, alpha, am, bm, 0.0, out)?;
+            super::elementwise::check_finite(dev, op, &[(OVERFLOW, &*out)])
+        },
+        c,
+    )
+}
+
+/// [`crate::Device::syrk_ema`] on a kernel device: `Λ ← ε·Λ + (1−ε)/m·AᵀA` (`A` `m x n`,
+/// `m ≥ 1`, `f32` or `bf16`; `factor` `n x n`), exactly symmetric, reading only the lower
+/// triangle of the old `Λ` (plan [`Product::SyrkEma`]): the engine's `syrk_ema_f32` /
+/// `syrk_ema_tc`, or cuBLAS ([`vendor::syrk_ema`]) and the mirror of its lower triangle.
+/// The op validated the arguments.
+///
+/// # Errors
+/// As the launchers; the plan's errors of [`gemm`]. `factor` is unchanged on error.
+pub fn syrk_ema<T: PlanElement>(
+    dev: &Device,
+    a: &Matrix<T>,
+    eps: f32,
+    factor: &mut Matrix,
+) -> Result<()> {
+    let (m, n) = a.shape();
+    let plan = GemmPlan {
+        product: Product::SyrkEma,
+        format: T::FORMAT,
+        ta: Trans::Yes,
+        tb: Trans::No,
+        reads_c: eps != 0.0,
+    };
+    let alpha = (1.0 - eps) / m.max(1) as f32;
+    let f_norm = if eps != 0.0 { frobenius(factor)? } else { 0.0 };
+    dispatch(
+        dev,
+        plan,
+        (n, n, m),
+        (alpha, eps),
+        &|| {
+            let na = frobenius(a)?;
+            Ok([na, na, f_norm])
+        },
+        &mut |out| T::ENGINE_SYRK(dev, a, eps, out),
+        &mut |out| {
+            vendor::syrk_ema(dev, a, eps, out)?;
+            super::cholesky::mirror_lower(dev, out)
+        },
+        factor,
+    )
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn policy_parses_the_three_names_and_refuses_others() {
+        assert_eq!(Policy::parse(None).unwrap(), Policy::Auto);
+        assert_eq!(Policy::parse(Some("auto")).unwrap(), Policy::Auto);
+        assert_eq!(Policy::parse(Some("vendor")).unwrap(), Policy::Vendor);
+        assert_eq!(Policy::parse(Some("engine")).unwrap(), Policy::Engine);
+        let e = Policy::parse(Some("cublas")).unwrap_err();
+        assert!(
+            matches!(e, Error::DeviceUnavailable(ref s) if s.contains("GRNG_GEMM")),
+            "{e}"
+        );
+    }
+
+    #[test]
+    fn the_faster_agreeing_candidate_wins_and_disagreement_keeps_the_engine() {
+        let t = |e, v, d| Trial {
+            engine_secs: e,
+            vendor_secs: v,
+            difference: d,
+            bound: 1e-3,
+        };
+        assert_eq!(t(2.0, 1.0, 1e-4).decide(), Candidate::Vendor);
+        assert_eq!(t(1.0, 2.0, 1e-4).decide(), Candidate::Engine);
+        assert_eq!(t(1.0, 1.0, 0.0).decide(), Candidate::Engine, "a tie");
+        assert_eq!(t(2.0, 1.0, 1e-2).decide(), Candidate::Engine, "disagree");
+        assert_eq!(t(2.0, 1.0, f64::NAN).decide(), Candidate::Engine, "NaN");
+    }
+
+    #[test]
+    fn shape_classes_round_up_to_powers_of_two() {
+        let c = ShapeClass::of(1000, 1024, 1025);
+        assert_eq!((c.m, c.n, c.k), (10, 10, 11));
+        assert_eq!(ShapeClass::of(0, 1, 2), ShapeClass { m: 0, n: 0, k: 1 });
+    }
+
+    #[test]
+    fn the_bound_scales_with_k_and_the_operands() {
+        let b = Trial::bound(1000, 2.0, 0.5, [3.0, 4.0, 10.0]);
+        let want = 2.0 * 1008.0 * 2f64.powi(-24) * (2.0 * 12.0 + 0.5 * 10.0);
+        assert!((b - want).abs() <= 1e-12 * want, "{b} vs {want}");
+    }
+}

@@ -1,0 +1,315 @@
+//! The GEMM plan (`grng::cuda::gemm_plan`): which of grng's kernels and cuBLAS runs a
+//! product. On the emulator (no vendor library) `Device::gemm` must run the engine — the
+//! same bits as the engine's launcher — count each product in `vendor_absent`, and refuse
+//! `GRNG_GEMM=vendor` with a typed error. On a GPU (`GRNG_REQUIRE_CUDA=1` in the bundle):
+//! cuBLAS through the plan's row-major mapping against an f64 reference, every transpose
+//! case and both operand types, and the trial's recorded choice within its bound.
+
+use grng::cuda::{gemm, gemm_plan, gemm_vendor};
+use grng::{Device, Error, Matrix, Trans};
+use half::bf16;
+use rand::Rng;
+
+use grng_testkit as common;
+
+const CASES: [(Trans, Trans); 4] = [
+    (Trans::No, Trans::No),
+    (Trans::No, Trans::Yes),
+    (Trans::Yes, Trans::No),
+    (Trans::Yes, Trans::Yes),
+];
+
+/// A product's operands as stored (`op(A)` `m x k`, `op(B)` `k x n`) and a `C` to add to.
+struct Operands {
+    a: Vec<f32>,
+    b: Vec<f32>,
+    c: Vec<f32>,
+    a_shape: (usize, usize),
+    b_shape: (usize, usize),
+}
+
+fn operands(
+    rng: &mut rand_chacha::ChaCha8Rng,
+    (ta, tb): (Trans, Trans),
+    (m, n, k): (usize, usize, usize),
+) -> Operands {
+    let stored = |t: Trans, r: usize, c: usize| if t == Trans::No { (r, c) } else { (c, r) };
+    Operands {
+        a: common::vals(rng, m * k),
+        b: common::vals(rng, k * n),
+        c: common::vals(rng, m * n),
+        a_shape: stored(ta, m, k),
+        b_shape: stored(tb, k, n),
+    }
+}
+
+fn bits(x: &Matrix) -> Vec<u32> {
+    x.to_vec().unwrap().iter().map(|v| v.to_bits()).collect()
+}
+
+#[test]
+fn emulated_products_run_the_engine_and_count_the_missing_vendor() {
+    let dev = Device::Emulated;
+    let mut rng = common::seeded_rng();
+    for (case, dims) in
+        CASES
+            .into_iter()
+            .zip([(37, 29, 53), (1, 70, 17), (65, 3, 129), (16, 33, 1)])
+    {
+        let (ta, tb) = case;
+        let o = operands(&mut rng, case, dims);
+        let (alpha, beta) = (
+            rng.random_range(-2.0f32..2.0),
+            rng.random_range(-2.0f32..2.0),
+        );
+        let (a, b) = (
+            dev.upload(o.a_shape.0, o.a_shape.1, &o.a).unwrap(),
+            dev.upload(o.b_shape.0, o.b_shape.1, &o.b).unwrap(),
+        );
+        let (a16, b16) = (
+            dev.upload(
+                o.a_shape.0,
+                o.a_shape.1,
+                &o.a.iter().map(|&v| bf16::from_f32(v)).collect::<Vec<_>>(),
+            )
+            .unwrap(),
+            dev.upload(
+                o.b_shape.0,
+                o.b_shape.1,
+                &o.b.iter().map(|&v| bf16::from_f32(v)).collect::<Vec<_>>(),
+            )
+            .unwrap(),
+        );
+        let c0 = dev.upload(dims.0, dims.1, &o.c).unwrap();
+
+        let before = gemm_plan::vendor_absent();
+        let (mut planned, mut direct) = (c0.try_clone().unwrap(), c0.try_clone().unwrap());
+        dev.gemm(ta, tb, alpha, &a, &b, beta, &mut planned).unwrap();
+        gemm::gemm(&dev, ta, tb, alpha, &a, &b, beta, &mut direct).unwrap();
+        assert_eq!(bits(&planned), bits(&direct), "f32 {case:?} {dims:?}");
+
+        let (mut planned, mut direct) = (c0.try_clone().unwrap(), c0.try_clone().unwrap());
+        dev.gemm(ta, tb, alpha, &a16, &b16, beta, &mut planned)
+            .unwrap();
+        gemm::gemm_tc(&dev, ta, tb, alpha, &a16, &b16, beta, &mut direct).unwrap();
+        assert_eq!(bits(&planned), bits(&direct), "bf16 {case:?} {dims:?}");
+        // Other tests of this binary may count too: at least these two products.
+        assert!(gemm_plan::vendor_absent() >= before + 2);
+    }
+}
+
+/// The Kronecker factors' SYRK through the plan: on the emulator the engine's launchers, bit
+/// for bit, for both operand types and `ε = 0` (the old factor never read) or not.
+#[test]
+fn emulated_syrk_runs_the_engine() {
+    let dev = Device::Emulated;
+    let mut rng = common::seeded_rng();
+    for (m, n, eps) in [(5, 37, 0.0f32), (70, 129, 0.9), (1, 3, 0.5)] {
+        let a = common::vals(&mut rng, m * n);
+        let f0 = common::gram64(&common::vals(&mut rng, n * n), n, n);
+        let f0: Vec<f32> = f0.iter().map(|&v| v as f32).collect();
+        let before = gemm_plan::vendor_absent();
+        let a32 = dev.upload(m, n, &a).unwrap();
+        let (mut planned, mut direct) = (
+            dev.upload(n, n, &f0).unwrap(),
+            dev.upload(n, n, &f0).unwrap(),
+        );
+        dev.syrk_ema(&a32, eps, &mut planned).unwrap();
+        grng::cuda::syrk::syrk_ema_f32(&dev, &a32, eps, &mut direct).unwrap();
+        assert_eq!(bits(&planned), bits(&direct), "f32 {m}x{n} ε {eps}");
+        let a16 = dev
+            .upload(
+                m,
+                n,
+                &a.iter().map(|&v| bf16::from_f32(v)).collect::<Vec<_>>(),
+            )
+            .unwrap();
+        let (mut planned, mut direct) = (
+            dev.upload(n, n, &f0).unwrap(),
+            dev.upload(n, n, &f0).unwrap(),
+        );
+        dev.syrk_ema(&a16, eps, &mut planned).unwrap();
+        grng::cuda::syrk::syrk_ema_tc(&dev, &a16, eps, &mut direct).unwrap();
+        assert_eq!(bits(&planned), bits(&direct), "bf16 {m}x{n} ε {eps}");
+        assert!(gemm_plan::vendor_absent() >= before + 2);
+    }
+}
+
+/// On a GPU: cuBLAS's SYRK-EMA (`Ssyrk` for f32, `GemmEx` for bf16) and the mirror, as the
+/// plan runs them, against the f64 `ε·Λ + (1−ε)/m·AᵀA` read from `Λ`'s lower triangle (the
+/// upper one is poisoned with NaN, which must not be read), each element within
+/// `(m + 2)·2⁻²⁴·((1−ε)/m·|A|ᵀ|A| + ε|Λ|)`, and exactly symmetric.
+#[test]
+fn the_vendor_syrk_matches_f64_and_is_symmetric_on_a_gpu() {
+    let Some(dev) = common::cuda() else { return };
+    if !gemm_vendor::available() {
+        let required = std::env::var("GRNG_REQUIRE_CUDA").is_ok_and(|v| v == "1");
+        assert!(!required, "GRNG_REQUIRE_CUDA=1 but libcublas does not load");
+        return;
+    }
+    let mut rng = common::seeded_rng();
+    for (m, n, eps) in [(37, 200, 0.0f32), (300, 129, 0.95), (1, 65, 0.5)] {
+        for bf in [false, true] {
+            let mut a = common::vals(&mut rng, m * n);
+            if bf {
+                a.iter_mut().for_each(|v| *v = bf16::from_f32(*v).to_f32());
+            }
+            let mut f0 = common::vals(&mut rng, n * n);
+            for i in 0..n {
+                for j in i + 1..n {
+                    f0[i * n + j] = f32::NAN;
+                }
+            }
+            let mut f = dev.upload(n, n, &f0).unwrap();
+            if bf {
+                let a16 = dev
+                    .upload(
+                        m,
+                        n,
+                        &a.iter().map(|&v| bf16::from_f32(v)).collect::<Vec<_>>(),
+                    )
+                    .unwrap();
+                gemm_vendor::syrk_ema(&dev, &a16, eps, &mut f).unwrap();
+            } else {
+                gemm_vendor::syrk_ema(&dev, &dev.upload(m, n, &a).unwrap(), eps, &mut f).unwrap();
+            }
+            grng::cuda::cholesky::mirror_lower(&dev, &mut f).unwrap();
+            let got = f.to_vec().unwrap();
+            common::assert_symmetric(&got, n);
+            let w = f64::from((1.0 - eps) / m as f32);
+            for i in 0..n {
+                for j in 0..=i {
+                    let (mut dot, mut abs) = (0.0f64, 0.0f64);
+                    for r in 0..m {
+                        let p = f64::from(a[r * n + i]) * f64::from(a[r * n + j]);
+                        dot += p;
+                        abs += p.abs();
+                    }
+                    let old = f64::from(f0[i * n + j]);
+                    let want = f64::from(eps) * old + w * dot;
+                    let tol =
+                        (m as f64 + 2.0) * common::U32 * (w * abs + f64::from(eps) * old.abs());
+                    let err = (f64::from(got[i * n + j]) - want).abs();
+                    assert!(
+                        err <= tol,
+                        "bf16={bf} {m}x{n} ε {eps} ({i},{j}): {err:e} > {tol:e}"
+                    );
+                }
+            }
+        }
+    }
+}
+
+/// `GRNG_GEMM` is read once per process: the forced-vendor case runs in a child.
+#[test]
+fn forced_vendor_without_a_vendor_is_a_typed_error() {
+    if std::env::var("GRNG_GEMM").as_deref() != Ok("vendor") {
+        common::run_child(
+            "forced_vendor_without_a_vendor_is_a_typed_error",
+            &[("GRNG_GEMM", Some("vendor"))],
+        );
+        return;
+    }
+    let dev = Device::Emulated;
+    let a = dev.upload(3, 4, &[1.0; 12]).unwrap();
+    let b = dev.upload(4, 2, &[1.0; 8]).unwrap();
+    let mut c = dev.upload(3, 2, &[7.0; 6]).unwrap();
+    let e = dev
+        .gemm(Trans::No, Trans::No, 1.0, &a, &b, 1.0, &mut c)
+        .unwrap_err();
+    assert!(
+        matches!(e, Error::DeviceUnavailable(ref s) if s.contains("GRNG_GEMM=vendor")),
+        "{e}"
+    );
+    assert_eq!(c.to_vec().unwrap(), vec![7.0; 6], "c unchanged");
+    // α = 0 never reads A and B: the engine scales C, vendor or not.
+    dev.gemm(Trans::No, Trans::No, 0.0, &a, &b, 0.5, &mut c)
+        .unwrap();
+    assert_eq!(c.to_vec().unwrap(), vec![3.5; 6]);
+}
+
+/// On a GPU: cuBLAS through `gemm_vendor::gemm` (f32 SGEMM, bf16 → f32) against the f64
+/// product, each element within `(k + 2)·2⁻²⁴·(|α||op(A)||op(B)| + |β||C|)` (f32 sums of
+/// exact products, γ_k with margin; bf16 operands are exact in f32); then `Device::gemm`
+/// through the plan, whose recorded trial must have found the candidates within its bound.
+#[test]
+fn the_vendor_matches_f64_and_the_trial_agrees_on_a_gpu() {
+    let Some(dev) = common::cuda() else { return };
+    if !gemm_vendor::available() {
+        let required = std::env::var("GRNG_REQUIRE_CUDA").is_ok_and(|v| v == "1");
+        assert!(!required, "GRNG_REQUIRE_CUDA=1 but libcublas does not load");
+        return;
+    }
+    let mut rng = common::seeded_rng();
+    for case in CASES {
+        let (ta, tb) = case;
+        let dims @ (m, n, k) = (
+            rng.random_range(1..300),
+            rng.random_range(1..300),
+            rng.random_range(1..600),
+        );
+        let mut o = operands(&mut rng, case, dims);
+        for bf in [false, true] {
+            if bf {
+                for v in o.a.iter_mut().chain(o.b.iter_mut()) {
+                    *v = bf16::from_f32(*v).to_f32();
+                }
+            }
+            let (alpha, beta) = (
+                rng.random_range(-2.0f32..2.0),
+                rng.random_range(-2.0f32..2.0),
+            );
+            let scale = common::abs_gemm(case, dims, alpha, &o.a, &o.b, beta, &o.c);
+            let mut c = dev.upload(m, n, &o.c).unwrap();
+            if bf {
+                let up = |(r, cl): (usize, usize), x: &[f32]| {
+                    dev.upload(
+                        r,
+                        cl,
+                        &x.iter().map(|&v| bf16::from_f32(v)).collect::<Vec<_>>(),
+                    )
+                    .unwrap()
+                };
+                let (a, b) = (up(o.a_shape, &o.a), up(o.b_shape, &o.b));
+                gemm_vendor::gemm(&dev, ta, tb, alpha, &a, &b, beta, &mut c).unwrap();
+            } else {
+                let a = dev.upload(o.a_shape.0, o.a_shape.1, &o.a).unwrap();
+                let b = dev.upload(o.b_shape.0, o.b_shape.1, &o.b).unwrap();
+                gemm_vendor::gemm(&dev, ta, tb, alpha, &a, &b, beta, &mut c).unwrap();
+                // The plan's dispatcher on the same product (a trial on its first use).
+                let mut planned = dev.upload(m, n, &o.c).unwrap();
+                dev.gemm(ta, tb, alpha, &a, &b, beta, &mut planned).unwrap();
+            }
+            let got = c.to_vec().unwrap();
+            let op = |x: &[f32], cols: usize, t: Trans, i: usize, j: usize| match t {
+                Trans::No => f64::from(x[i * cols + j]),
+                Trans::Yes => f64::from(x[j * cols + i]),
+            };
+            for i in 0..m {
+                for j in 0..n {
+                    let dot: f64 = (0..k)
+                        .map(|l| op(&o.a, o.a_shape.1, ta, i, l) * op(&o.b, o.b_shape.1, tb, l, j))
+                        .sum();
+                    let want = f64::from(alpha) * dot + f64::from(beta) * f64::from(o.c[i * n + j]);
+                    let tol = (k as f64 + 2.0) * common::U32 * scale[i * n + j];
+                    let err = (f64::from(got[i * n + j]) - want).abs();
+                    assert!(
+                        err <= tol,
+                        "{case:?} bf16={bf} {dims:?} ({i},{j}): {err:e} > {tol:e}"
+                    );
+                }
+            }
+        }
+    }
+    let trials: Vec<_> = gemm_plan::choices()
+        .into_iter()
+        .filter_map(|c| c.trial)
+        .collect();
+    if std::env::var("GRNG_GEMM").is_err() {
+        assert!(!trials.is_empty(), "auto ran no trial");
+    }
+    for t in trials {
+        assert!(t.difference <= t.bound, "{t:?}");
+        assert!(t.engine_secs > 0.0 && t.vendor_secs > 0.0, "{t:?}");
+    }
+}
