@@ -387,3 +387,37 @@ pub fn drifting_config(base: KronConfig) -> KronConfig {
 pub fn is_product(kernel: &str) -> bool {
     kernel.contains("gemm") && !matches!(kernel, "gemm_split3" | "gemm_add_diagonal" | "gemm_trace")
 }
+
+/// The stored shape of an operand whose `op(X)` is `r x c`.
+pub fn stored_shape(t: Trans, (r, c): (usize, usize)) -> (usize, usize) {
+    match t {
+        Trans::No => (r, c),
+        Trans::Yes => (c, r),
+    }
+}
+
+/// Random `A`, `B`, `C` for `op(A)` `m x k`, `op(B)` `k x n`: the values and the stored shapes.
+pub struct GemmCase {
+    /// `A` as stored.
+    pub a: Vec<f32>,
+    /// `B` as stored.
+    pub b: Vec<f32>,
+    /// `C` before the product.
+    pub c0: Vec<f32>,
+    /// `A`'s stored shape.
+    pub a_shape: (usize, usize),
+    /// `B`'s stored shape.
+    pub b_shape: (usize, usize),
+}
+
+/// A [`GemmCase`] drawn from `seed`.
+pub fn gemm_case(seed: u64, (m, n, k): (usize, usize, usize), ta: Trans, tb: Trans) -> GemmCase {
+    let mut rng = ChaCha8Rng::seed_from_u64(seed);
+    GemmCase {
+        a: vals(&mut rng, m * k),
+        b: vals(&mut rng, k * n),
+        c0: vals(&mut rng, m * n),
+        a_shape: stored_shape(ta, (m, k)),
+        b_shape: stored_shape(tb, (k, n)),
+    }
+}

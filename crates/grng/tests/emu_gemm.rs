@@ -13,7 +13,7 @@ use proptest::prelude::*;
 use rand::{Rng, SeedableRng};
 use rand_chacha::ChaCha8Rng;
 
-use common::{devices, vals, U32};
+use common::{devices, gemm_case, stored_shape, vals, GemmCase, U32};
 use grng_testkit as common;
 
 /// 1, small, around the 16-deep k slices and the 64-wide tiles (±1), anything up to 140.
@@ -78,36 +78,9 @@ fn widen(x: &[bf16]) -> Vec<f32> {
     x.iter().map(|v| v.to_f32()).collect()
 }
 
-fn stored_shape(t: Trans, (r, c): (usize, usize)) -> (usize, usize) {
-    match t {
-        Trans::No => (r, c),
-        Trans::Yes => (c, r),
-    }
-}
-
 /// A GEMM launcher with `gemm::gemm`'s signature (`gemm::gemm_tc`'s for `T = bf16`).
 type GemmFn<T> =
     fn(&Device, Trans, Trans, f32, &Matrix<T>, &Matrix<T>, f32, &mut Matrix) -> grng::Result<()>;
-
-/// Random `A`, `B`, `C` for `op(A)` `m x k`, `op(B)` `k x n`: the values and the stored shapes.
-struct GemmCase {
-    a: Vec<f32>,
-    b: Vec<f32>,
-    c0: Vec<f32>,
-    a_shape: (usize, usize),
-    b_shape: (usize, usize),
-}
-
-fn gemm_case(seed: u64, (m, n, k): (usize, usize, usize), ta: Trans, tb: Trans) -> GemmCase {
-    let mut rng = ChaCha8Rng::seed_from_u64(seed);
-    GemmCase {
-        a: vals(&mut rng, m * k),
-        b: vals(&mut rng, k * n),
-        c0: vals(&mut rng, m * n),
-        a_shape: stored_shape(ta, (m, k)),
-        b_shape: stored_shape(tb, (k, n)),
-    }
-}
 
 /// α = 0 through `gemm`: C ← β·C exactly (β = 0 → zeros, C all NaN never read), NaN A and B
 /// never read.

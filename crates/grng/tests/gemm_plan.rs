@@ -19,28 +19,16 @@ const CASES: [(Trans, Trans); 4] = [
     (Trans::Yes, Trans::Yes),
 ];
 
-/// A product's operands as stored (`op(A)` `m x k`, `op(B)` `k x n`) and a `C` to add to.
-struct Operands {
-    a: Vec<f32>,
-    b: Vec<f32>,
-    c: Vec<f32>,
-    a_shape: (usize, usize),
-    b_shape: (usize, usize),
-}
-
-fn operands(
-    rng: &mut rand_chacha::ChaCha8Rng,
-    (ta, tb): (Trans, Trans),
-    (m, n, k): (usize, usize, usize),
-) -> Operands {
-    let stored = |t: Trans, r: usize, c: usize| if t == Trans::No { (r, c) } else { (c, r) };
-    Operands {
-        a: common::vals(rng, m * k),
-        b: common::vals(rng, k * n),
-        c: common::vals(rng, m * n),
-        a_shape: stored(ta, m, k),
-        b_shape: stored(tb, k, n),
-    }
+/// The GPU of the CUDA arms where cuBLAS loads (`GRNG_REQUIRE_CUDA=1` makes its absence a
+/// failure, as a missing GPU's).
+fn gpu_with_cublas() -> Option<Device> {
+    let dev = common::cuda()?;
+    let required = std::env::var("GRNG_REQUIRE_CUDA").is_ok_and(|v| v == "1");
+    assert!(
+        gemm_vendor::available() || !required,
+        "GRNG_REQUIRE_CUDA=1 but libcublas does not load"
+    );
+    gemm_vendor::available().then_some(dev)
 }
 
 fn bits(x: &Matrix) -> Vec<u32> {
@@ -57,7 +45,7 @@ fn emulated_products_run_the_engine_and_count_the_missing_vendor() {
             .zip([(37, 29, 53), (1, 70, 17), (65, 3, 129), (16, 33, 1)])
     {
         let (ta, tb) = case;
-        let o = operands(&mut rng, case, dims);
+        let o = common::gemm_case(rng.random(), dims, ta, tb);
         let (alpha, beta) = (
             rng.random_range(-2.0f32..2.0),
             rng.random_range(-2.0f32..2.0),
@@ -80,7 +68,7 @@ fn emulated_products_run_the_engine_and_count_the_missing_vendor() {
             )
             .unwrap(),
         );
-        let c0 = dev.upload(dims.0, dims.1, &o.c).unwrap();
+        let c0 = dev.upload(dims.0, dims.1, &o.c0).unwrap();
 
         let before = gemm_plan::vendor_absent();
         let (mut planned, mut direct) = (c0.try_clone().unwrap(), c0.try_clone().unwrap());
@@ -141,12 +129,7 @@ fn emulated_syrk_runs_the_engine() {
 /// `(m + 2)·2⁻²⁴·((1−ε)/m·|A|ᵀ|A| + ε|Λ|)`, and exactly symmetric.
 #[test]
 fn the_vendor_syrk_matches_f64_and_is_symmetric_on_a_gpu() {
-    let Some(dev) = common::cuda() else { return };
-    if !gemm_vendor::available() {
-        let required = std::env::var("GRNG_REQUIRE_CUDA").is_ok_and(|v| v == "1");
-        assert!(!required, "GRNG_REQUIRE_CUDA=1 but libcublas does not load");
-        return;
-    }
+    let Some(dev) = gpu_with_cublas() else { return };
     let mut rng = common::seeded_rng();
     for (m, n, eps) in [(37, 200, 0.0f32), (300, 129, 0.95), (1, 65, 0.5)] {
         for bf in [false, true] {
@@ -234,12 +217,7 @@ fn forced_vendor_without_a_vendor_is_a_typed_error() {
 /// through the plan, whose recorded trial must have found the candidates within its bound.
 #[test]
 fn the_vendor_matches_f64_and_the_trial_agrees_on_a_gpu() {
-    let Some(dev) = common::cuda() else { return };
-    if !gemm_vendor::available() {
-        let required = std::env::var("GRNG_REQUIRE_CUDA").is_ok_and(|v| v == "1");
-        assert!(!required, "GRNG_REQUIRE_CUDA=1 but libcublas does not load");
-        return;
-    }
+    let Some(dev) = gpu_with_cublas() else { return };
     let mut rng = common::seeded_rng();
     for case in CASES {
         let (ta, tb) = case;
@@ -248,7 +226,7 @@ fn the_vendor_matches_f64_and_the_trial_agrees_on_a_gpu() {
             rng.random_range(1..300),
             rng.random_range(1..600),
         );
-        let mut o = operands(&mut rng, case, dims);
+        let mut o = common::gemm_case(rng.random(), dims, ta, tb);
         for bf in [false, true] {
             if bf {
                 for v in o.a.iter_mut().chain(o.b.iter_mut()) {
@@ -259,8 +237,8 @@ fn the_vendor_matches_f64_and_the_trial_agrees_on_a_gpu() {
                 rng.random_range(-2.0f32..2.0),
                 rng.random_range(-2.0f32..2.0),
             );
-            let scale = common::abs_gemm(case, dims, alpha, &o.a, &o.b, beta, &o.c);
-            let mut c = dev.upload(m, n, &o.c).unwrap();
+            let scale = common::abs_gemm(case, dims, alpha, &o.a, &o.b, beta, &o.c0);
+            let mut c = dev.upload(m, n, &o.c0).unwrap();
             if bf {
                 let up = |(r, cl): (usize, usize), x: &[f32]| {
                     dev.upload(
@@ -277,7 +255,7 @@ fn the_vendor_matches_f64_and_the_trial_agrees_on_a_gpu() {
                 let b = dev.upload(o.b_shape.0, o.b_shape.1, &o.b).unwrap();
                 gemm_vendor::gemm(&dev, ta, tb, alpha, &a, &b, beta, &mut c).unwrap();
                 // The plan's dispatcher on the same product (a trial on its first use).
-                let mut planned = dev.upload(m, n, &o.c).unwrap();
+                let mut planned = dev.upload(m, n, &o.c0).unwrap();
                 dev.gemm(ta, tb, alpha, &a, &b, beta, &mut planned).unwrap();
             }
             let got = c.to_vec().unwrap();
@@ -290,7 +268,8 @@ fn the_vendor_matches_f64_and_the_trial_agrees_on_a_gpu() {
                     let dot: f64 = (0..k)
                         .map(|l| op(&o.a, o.a_shape.1, ta, i, l) * op(&o.b, o.b_shape.1, tb, l, j))
                         .sum();
-                    let want = f64::from(alpha) * dot + f64::from(beta) * f64::from(o.c[i * n + j]);
+                    let want =
+                        f64::from(alpha) * dot + f64::from(beta) * f64::from(o.c0[i * n + j]);
                     let tol = (k as f64 + 2.0) * common::U32 * scale[i * n + j];
                     let err = (f64::from(got[i * n + j]) - want).abs();
                     assert!(

@@ -399,7 +399,7 @@ type EngineGemm<T> =
 /// The engine's SYRK-EMA launcher of an operand type.
 type EngineSyrk<T> = fn(&Device, &Matrix<T>, f32, &mut Matrix) -> Result<()>;
 
-/// The operand types of [`gemm`] and [`syrk_ema`]: each with its plan format and engine
+/// The operand types of [`gemm()`] and [`syrk_ema`]: each with its plan format and engine
 /// launchers.
 pub trait PlanElement: VendorElement {
     /// The plan's format of products of this type.
@@ -474,7 +474,7 @@ pub fn gemm<T: PlanElement>(
 ///
 /// # Errors
 /// As [`engine::product3_checked`]: [`Error::NonFinite`] (`op`, `"result (overflow)"`) for a
-/// non-finite product, `c` holding it; plus the plan's errors of [`gemm`].
+/// non-finite product, `c` holding it; plus the plan's errors of [`gemm()`].
 #[allow(clippy::too_many_arguments)]
 pub fn product3_checked(
     dev: &Device,
@@ -517,7 +517,7 @@ pub fn product3_checked(
 /// The op validated the arguments.
 ///
 /// # Errors
-/// As the launchers; the plan's errors of [`gemm`]. `factor` is unchanged on error.
+/// As the launchers; the plan's errors of [`gemm()`]. `factor` is unchanged on error.
 pub fn syrk_ema<T: PlanElement>(
     dev: &Device,
     a: &Matrix<T>,

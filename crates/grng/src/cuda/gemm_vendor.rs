@@ -11,10 +11,14 @@
 use cudarc::cublas::sys::{
     cublasComputeType_t, cublasFillMode_t, cublasGemmAlgo_t, cublasOperation_t, cudaDataType_t,
 };
-use cudarc::driver::{DevicePtr, DevicePtrMut};
+use std::sync::Arc;
+
+use cudarc::cublas::CudaBlas;
+use cudarc::driver::{CudaSlice, DevicePtr, DevicePtrMut};
 use half::bf16;
 
 use super::launch::to_i32;
+use super::CudaDevice;
 use crate::device::{Device, Element, Matrix, Storage};
 use crate::error::{check_shape, Error, Result};
 use crate::mat::Trans;
@@ -51,6 +55,40 @@ impl VendorElement for bf16 {
     const DATA_TYPE: cudaDataType_t = cudaDataType_t::CUDA_R_16BF;
 }
 
+/// The GPU of `dev` with its cuBLAS handle, the device's context bound to this thread:
+/// cuBLAS's calls run in the calling thread's current context, which cudarc makes current only
+/// inside its own calls.
+fn bound_handle<'d>(op: &str, dev: &'d Device) -> Result<(&'d CudaDevice, Arc<CudaBlas>)> {
+    let Device::Cuda(cuda) = dev else {
+        return Err(Error::DeviceUnavailable(format!(
+            "{op}: cuBLAS runs on a CUDA device only"
+        )));
+    };
+    let blas = cuda.cublas_handle()?;
+    cuda.stream().context().bind_to_thread()?;
+    Ok((cuda, blas))
+}
+
+/// The GPU memory of `m`.
+fn slice<'m, T: Element>(op: &str, m: &'m Matrix<T>) -> Result<&'m CudaSlice<T>> {
+    match &m.storage {
+        Storage::Cuda(s) => Ok(s),
+        Storage::Host(_) => Err(not_on_gpu(op)),
+    }
+}
+
+/// The GPU memory of `m`, to write.
+fn slice_mut<'m, T: Element>(op: &str, m: &'m mut Matrix<T>) -> Result<&'m mut CudaSlice<T>> {
+    match &mut m.storage {
+        Storage::Cuda(s) => Ok(s),
+        Storage::Host(_) => Err(not_on_gpu(op)),
+    }
+}
+
+fn not_on_gpu(op: &str) -> Error {
+    Error::DeviceUnavailable(format!("{op}: an operand is not in GPU memory"))
+}
+
 fn op(t: Trans) -> cublasOperation_t {
     match t {
         Trans::No => cublasOperation_t::CUBLAS_OP_N,
@@ -80,11 +118,6 @@ pub fn gemm<T: VendorElement>(
     c: &mut Matrix,
 ) -> Result<()> {
     const OP: &str = "cuda::gemm_vendor::gemm";
-    let Device::Cuda(cuda) = dev else {
-        return Err(Error::DeviceUnavailable(format!(
-            "{OP}: cuBLAS runs on a CUDA device only"
-        )));
-    };
     let (m, n, k) = gemm_dims(OP, ta, a.shape(), tb, b.shape(), c.shape())?;
     if m == 0 || n == 0 {
         return Ok(());
@@ -95,21 +128,11 @@ pub fn gemm<T: VendorElement>(
         to_i32(OP, "k", k)?,
     );
     let (lda, ldb) = (to_i32(OP, "a", a.cols())?, to_i32(OP, "b", b.cols())?);
-    let (Storage::Cuda(asl), Storage::Cuda(bsl), Storage::Cuda(csl)) =
-        (&a.storage, &b.storage, &mut c.storage)
-    else {
-        return Err(Error::DeviceUnavailable(format!(
-            "{OP}: an operand is not in GPU memory"
-        )));
-    };
+    let (cuda, blas) = bound_handle(OP, dev)?;
     let stream = cuda.stream();
-    let blas = cuda.cublas_handle()?;
-    // cuBLAS's calls run in the calling thread's current context, which cudarc makes current
-    // only inside its own calls: bind it here, whatever thread this is.
-    stream.context().bind_to_thread()?;
-    let (ap, _a_guard) = asl.device_ptr(stream);
-    let (bp, _b_guard) = bsl.device_ptr(stream);
-    let (cp, _c_guard) = csl.device_ptr_mut(stream);
+    let (ap, _a_guard) = slice(OP, a)?.device_ptr(stream);
+    let (bp, _b_guard) = slice(OP, b)?.device_ptr(stream);
+    let (cp, _c_guard) = slice_mut(OP, c)?.device_ptr_mut(stream);
     // SAFETY: `blas` is a live handle on `stream` (set at its creation), bound to this thread's
     // context above. In column-major terms (module doc) the call computes the n x m matrix
     // Cᵀ (ldc = n = c.cols()) from op(B)ᵀ (n x k: b's storage, ld = b.cols()) and op(A)ᵀ
@@ -153,7 +176,7 @@ pub fn gemm<T: VendorElement>(
 /// lower triangle reads only `Λ`'s. The upper triangle is left for the caller to mirror.
 ///
 /// # Errors
-/// As [`gemm`]. `factor` is unchanged on error.
+/// As [`gemm()`]. `factor` is unchanged on error.
 pub fn syrk_ema<T: VendorElement>(
     dev: &Device,
     a: &Matrix<T>,
@@ -167,25 +190,14 @@ pub fn syrk_ema<T: VendorElement>(
     if T::DATA_TYPE != cudaDataType_t::CUDA_R_32F {
         return gemm(dev, Trans::Yes, Trans::No, alpha, a, a, eps, factor);
     }
-    let Device::Cuda(cuda) = dev else {
-        return Err(Error::DeviceUnavailable(format!(
-            "{OP}: cuBLAS runs on a CUDA device only"
-        )));
-    };
     if n == 0 {
         return Ok(());
     }
     let (mi, ni) = (to_i32(OP, "m", m)?, to_i32(OP, "n", n)?);
-    let (Storage::Cuda(asl), Storage::Cuda(fsl)) = (&a.storage, &mut factor.storage) else {
-        return Err(Error::DeviceUnavailable(format!(
-            "{OP}: an operand is not in GPU memory"
-        )));
-    };
+    let (cuda, blas) = bound_handle(OP, dev)?;
     let stream = cuda.stream();
-    let blas = cuda.cublas_handle()?;
-    stream.context().bind_to_thread()?;
-    let (ap, _a_guard) = asl.device_ptr(stream);
-    let (fp, _f_guard) = fsl.device_ptr_mut(stream);
+    let (ap, _a_guard) = slice(OP, a)?.device_ptr(stream);
+    let (fp, _f_guard) = slice_mut(OP, factor)?.device_ptr_mut(stream);
     // SAFETY: as in `gemm`: a live handle on `stream`, bound; X = Aᵀ is a's storage read as
     // column-major n x m with ld n = a.cols() (T is f32 here: DATA_TYPE checked above), C is
     // factor's n x n floats with ld n (checked), of which only the column-major upper triangle
