@@ -412,7 +412,8 @@ fn f32_tolerance_below_its_floor_is_an_error() {
 /// What the floor rule costs and buys against the tolerance rule on damped factors
 /// (`λ_low = 1/κ`, as the optimizer passes its damping): at most two steps more (one where
 /// the step past `tol` shows the floor by its bound, two where it must show it by not
-/// improving), for a residual at the floor instead of up to `1e-4`. `--nocapture` prints the
+/// improving), for a residual at the floor instead of up to `1e-4` (not below the tolerance
+/// rule's where that one already stopped at the floor). `--nocapture` prints the
 /// counts (docs/math.md §2's table).
 #[test]
 fn floor_rule_costs_at_most_two_steps() {
@@ -442,7 +443,14 @@ fn floor_rule_costs_at_most_two_steps() {
                 steps(&inf),
                 inf.iterations
             );
-            assert!(rf <= f32_floor(kappa) && rf <= rt, "{rf:e} vs {rt:e}");
+            // At the floor; and better than the tolerance rule wherever that one stopped
+            // above the floor (where both end at it, their residuals differ by its rounding
+            // noise either way: 3.9e-7 against 3.5e-7 at n = 256, κ = 10 on one seed).
+            let floor_bound = f32_floor(kappa);
+            assert!(
+                rf <= floor_bound && (rf <= rt || rt <= floor_bound),
+                "{rf:e} vs {rt:e}"
+            );
             assert!(steps(&inf) <= steps(&it) + 2, "{inf:?} vs {it:?}");
         }
     }
