@@ -254,15 +254,16 @@ fn note_absent(why: &str) {
 type Run<'a> = dyn FnMut(&mut Matrix) -> Result<()> + 'a;
 
 /// The dispatcher: picks the candidate for `plan` on `dev` (a trial on first use under
-/// [`Policy::Auto`]) and runs it into `c`. `dims` is `(m, n, k)`; `norms` gives
-/// `[‖A‖_F, ‖B‖_F, ‖C‖_F]` for a trial's bound, computed only when one runs.
+/// [`Policy::Auto`]) and runs it into `c`. `dims` is `(m, n, k)`; `operand_norms` gives
+/// `[‖A‖_F, ‖B‖_F]` for a trial's bound: they and `‖C‖_F` are downloaded only when a trial
+/// runs, never on the products after it.
 #[allow(clippy::too_many_arguments)]
 fn dispatch(
     dev: &Device,
     plan: GemmPlan,
     (m, n, k): (usize, usize, usize),
     (alpha, beta): (f32, f32),
-    norms: &dyn Fn() -> Result<[f64; 3]>,
+    operand_norms: &dyn Fn() -> Result<[f64; 2]>,
     engine: &mut Run<'_>,
     vendor: &mut Run<'_>,
     c: &mut Matrix,
@@ -307,20 +308,23 @@ fn dispatch(
             record(Candidate::Vendor, None);
             Candidate::Vendor
         }
-        _ => match trial(dev, c, engine, vendor) {
-            Ok(t) => {
-                let trial = Trial {
-                    bound: Trial::bound(k, alpha, beta, norms()?),
-                    ..t
-                };
-                warn_if_disagree(plan, (m, n, k), &trial);
-                record(trial.decide(), Some(trial));
-                trial.decide()
+        _ => {
+            let [na, nb] = operand_norms()?;
+            let nc = if beta != 0.0 { frobenius(c)? } else { 0.0 };
+            let bound = Trial::bound(k, alpha, beta, [na, nb, nc]);
+            match trial(dev, c, bound, engine, vendor) {
+                Ok(trial) => {
+                    warn_if_disagree(plan, (m, n, k), &trial);
+                    let candidate = trial.decide();
+                    record(candidate, Some(trial));
+                    candidate
+                }
+                // A failed product (an overflow the check flags): the engine's own error,
+                // and its output in `c`, exactly as without a plan; the next product tries
+                // again.
+                Err(_) => return engine(c),
             }
-            // A failed product (an overflow the check flags): the engine's own error, and
-            // its output in `c`, exactly as without a plan; the next product tries again.
-            Err(_) => return engine(c),
-        },
+        }
     };
     match candidate {
         Candidate::Engine => engine(c),
@@ -344,9 +348,15 @@ fn warn_if_disagree(plan: GemmPlan, (m, n, k): (usize, usize, usize), trial: &Tr
 }
 
 /// Runs both candidates into copies of `c` (one untimed run each, whose outputs are compared;
-/// then [`TRIAL_RUNS`] timed runs each), leaving `c` as it was. `bound` is left 0 for the
-/// caller.
-fn trial(dev: &Device, c: &Matrix, engine: &mut Run<'_>, vendor: &mut Run<'_>) -> Result<Trial> {
+/// then [`TRIAL_RUNS`] timed runs each), leaving `c` as it was; `bound` is what their
+/// difference may be ([`Trial::bound`]).
+fn trial(
+    dev: &Device,
+    c: &Matrix,
+    bound: f64,
+    engine: &mut Run<'_>,
+    vendor: &mut Run<'_>,
+) -> Result<Trial> {
     let Device::Cuda(d) = dev else {
         return Err(Error::DeviceUnavailable(
             "cuda::gemm_plan: a trial times CUDA events".into(),
@@ -379,7 +389,7 @@ fn trial(dev: &Device, c: &Matrix, engine: &mut Run<'_>, vendor: &mut Run<'_>) -
         engine_secs: time(engine, &mut ce)?,
         vendor_secs: time(vendor, &mut cv)?,
         difference,
-        bound: 0.0,
+        bound,
     })
 }
 
@@ -450,17 +460,12 @@ pub fn gemm<T: PlanElement>(
         tb,
         reads_c: beta != 0.0,
     };
-    let c_norm = if beta != 0.0 {
-        Some(frobenius(c)?)
-    } else {
-        None
-    };
     dispatch(
         dev,
         plan,
         dims,
         (alpha, beta),
-        &|| Ok([frobenius(a)?, frobenius(b)?, c_norm.unwrap_or(0.0)]),
+        &|| Ok([frobenius(a)?, frobenius(b)?]),
         &mut |out| T::ENGINE(dev, ta, tb, alpha, a, b, beta, out),
         &mut |out| vendor::gemm(dev, ta, tb, alpha, a, b, beta, out),
         c,
@@ -500,7 +505,7 @@ pub fn product3_checked(
         plan,
         dims,
         (alpha, 0.0),
-        &|| Ok([frobenius(am)?, frobenius(bm)?, 0.0]),
+        &|| Ok([frobenius(am)?, frobenius(bm)?]),
         &mut |out| engine::product3_checked(dev, op, ta, tb, alpha, a, b, out),
         &mut |out| {
             vendor::gemm(dev, ta, tb, alpha, am, bm, 0.0, out)?;
@@ -533,7 +538,6 @@ pub fn syrk_ema<T: PlanElement>(
         reads_c: eps != 0.0,
     };
     let alpha = (1.0 - eps) / m.max(1) as f32;
-    let f_norm = if eps != 0.0 { frobenius(factor)? } else { 0.0 };
     dispatch(
         dev,
         plan,
@@ -541,7 +545,7 @@ pub fn syrk_ema<T: PlanElement>(
         (alpha, eps),
         &|| {
             let na = frobenius(a)?;
-            Ok([na, na, f_norm])
+            Ok([na, na])
         },
         &mut |out| T::ENGINE_SYRK(dev, a, eps, out),
         &mut |out| {
