@@ -101,13 +101,13 @@ pub fn devices() -> Vec<Device> {
 /// With `GRNG_REQUIRE_CUDA=1` (the GPU bundle's run-all.sh sets it) a missing GPU fails the
 /// test instead: there a skipped arm would pass for a tested kernel.
 ///
-/// The device's GEMM path is decided before it is returned (`sm90::check`, as the GPU bench
+/// The device's GEMM path is decided before it is returned (`cuda::check_sm90`, as the GPU bench
 /// does): the first GEMM launch on a compute capability 9.0 GPU runs the sm_90a self-check,
 /// whose launches (sm_80 and sm_90a twins side by side) would otherwise land in the launch
 /// record of whichever test launched first and break its kernel counts (seen on an H200).
 pub fn cuda() -> Option<Device> {
     let dev = gpu(CudaDevice::new(0).map(Device::Cuda))?;
-    grng::cuda::sm90::check(&dev).expect("the sm_80 side of the sm_90a self-check runs");
+    grng::cuda::check_sm90(&dev).expect("the sm_80 side of the sm_90a self-check runs");
     Some(dev)
 }
 

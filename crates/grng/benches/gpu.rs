@@ -1265,7 +1265,7 @@ fn main() -> Res<()> {
         o,
     };
     // The GEMM path (and its one-time self-check) is decided before anything is timed.
-    let sm90 = grng::cuda::sm90::check(&b.dev)?;
+    let sm90 = grng::cuda::check_sm90(&b.dev)?;
     println!(
         "GEMM mainloop: {} (sm_90a fallbacks: {})\n",
         if sm90 {

@@ -10,10 +10,7 @@
 //! On top of that, the library's layers (docs/architecture.md): the launchers of the CUDA
 //! backend (one per kernel file) name no other launcher, only the shared layer below them,
 //! and the lowest layer (`error`, `element`, `mat`, `shape`, `simd`, `hooks`) names nothing
-//! above it.
-//!
-//! One exception, named in [`KNOWN`] and required to exist (so it cannot outlive its cause
-//! unnoticed): the sm_90a self-check.
+//! above it. There is no exception.
 
 use std::collections::{BTreeMap, BTreeSet};
 use std::path::{Path, PathBuf};
@@ -318,35 +315,13 @@ fn resolve(
     Some(base)
 }
 
-/// The one known cycle's closing edges, `(crate, from, to)`: the sm_90a GEMM path is chosen
-/// per device at its first engine launch (`cuda::launch` → `cuda::sm90::select`) by a
-/// self-check that runs the engine's own launchers on both paths and compares them
-/// (`cuda::sm90` → `gemm`, `newton`, `syrk`). Breaking it means deciding the path when a
-/// device is opened, above the launchers: a change of when the check runs that only a
-/// compute capability 9.0 GPU can verify (docs/architecture.md, "Known cycle").
-const KNOWN: [(&str, &str, &str); 3] = [
-    ("grng", "cuda::sm90", "cuda::gemm"),
-    ("grng", "cuda::sm90", "cuda::newton"),
-    ("grng", "cuda::sm90", "cuda::syrk"),
-];
-
-fn known(krate: &str, from: &ModPath, to: &ModPath) -> bool {
-    let (f, t) = (from.join("::"), to.join("::"));
-    KNOWN
-        .iter()
-        .any(|&(k, a, b)| k == krate && f.starts_with(a) && t.starts_with(b))
-}
-
 /// Among the children of each module: the cycles, as messages naming the modules and the
-/// lines of their edges ([`KNOWN`] edges left out).
+/// lines of their edges.
 fn cycles(g: &CrateGraph) -> Vec<String> {
     // Parent → its children's edges: a file in child `a` (or below it) naming child `b`.
     let mut by_parent: BTreeMap<ModPath, BTreeMap<String, BTreeMap<String, String>>> =
         BTreeMap::new();
     for (from, to, at) in &g.edges {
-        if known(&g.name, from, to) {
-            continue;
-        }
         let common = from.iter().zip(to).take_while(|(a, b)| a == b).count();
         if common < from.len() && common < to.len() {
             let parent = from[..common].to_vec();
@@ -467,19 +442,6 @@ fn no_module_of_any_crate_is_in_an_import_cycle() {
     assert!(found.is_empty(), "{}", found.join("\n"));
 }
 
-#[test]
-fn the_known_exception_still_exists() {
-    let edges = grng_edges();
-    for (_, a, b) in KNOWN {
-        assert!(
-            edges
-                .iter()
-                .any(|(f, t, _)| f.join("::") == a && t.join("::") == b),
-            "{a} no longer names {b}: remove it from KNOWN"
-        );
-    }
-}
-
 /// The edges of grng from module `from` (a top-level module, or `cuda::x`) to `to`.
 fn grng_edges() -> Vec<(ModPath, ModPath, String)> {
     graphs()
@@ -493,15 +455,13 @@ fn grng_edges() -> Vec<(ModPath, ModPath, String)> {
 fn launchers_name_no_other_launcher() {
     // The CUDA backend's shared layer below the launchers, and the dispatchers above them
     // (the GEMM plan, choosing between `gemm` and `gemm_vendor`): every other file of `cuda/`
-    // is a kernel file's launcher (or the sm_90a selection over them), which may use the
-    // shared layer and nothing beside; a dispatcher may name launchers, never the reverse.
-    let shared: BTreeSet<&str> = ["launch", "deferred", "engine", "timing"].into();
+    // is a kernel file's launcher, which may use the shared layer and nothing beside; a
+    // dispatcher may name launchers, never the reverse. `sm90` (which mainloop runs) is
+    // shared: `launch` asks it, and the launchers take its self-check helpers.
+    let shared: BTreeSet<&str> = ["launch", "deferred", "engine", "sm90", "timing"].into();
     let dispatchers: BTreeSet<&str> = ["gemm_plan"].into();
     let mut bad = Vec::new();
     for (from, to, at) in grng_edges() {
-        if known("grng", &from, &to) {
-            continue;
-        }
         let (Some(f), Some(t)) = (cuda_child(&from), cuda_child(&to)) else {
             continue;
         };

@@ -10,9 +10,10 @@
 
 use grng_testkit as common;
 
+use grng::cuda::check_sm90;
 use grng::cuda::gemm::{gemm3, gemm_tc};
 use grng::cuda::newton::{product_f32, product_tc, Epilogue, Planes, Unused};
-use grng::cuda::sm90::{check, fallbacks, inject_sm90, Sm90Injection};
+use grng::cuda::sm90::{fallbacks, inject_sm90, Sm90Injection};
 use grng::cuda::syrk::syrk_ema_tc;
 use grng::hooks::{inject_ptx_reject, record_launches, take_launches};
 use grng::mat::Trans;
@@ -205,41 +206,25 @@ fn newton_f32_product(
     Ok(launched)
 }
 
-/// The self-check's launches up to its first sm_90a failure (`stop`: 0 = none, 1 = Newton
-/// product, 2 = SYRK, 3 = split3 product; the bf16 product and Newton's split3 product follow).
-fn self_check(stop: usize) -> Vec<&'static str> {
-    let all = [
-        "newton_gemm_tc",
-        "newton_gemm_wg_tc",
-        "syrk_ema_tc",
-        "syrk_ema_wg_tc",
-        "gemm_split3",
-        "gemm_split3",
-        "gemm3_tc",
-        "gemm_split3",
-        "gemm_split3",
-        "gemm3_wg_tc",
-        "gemm_tc",
-        "gemm_wg_tc",
-        "gemm_split3",
-        "gemm_split3",
-        "newton_gemm3_tc",
-        "gemm_split3",
-        "gemm_split3",
-        "newton_gemm3_wg_tc",
-    ];
-    match stop {
-        1 => all[..2].to_vec(),
-        2 => all[..4].to_vec(),
-        3 => all[..10].to_vec(),
-        _ => all.to_vec(),
-    }
+/// A variant's self-check launches: its product on sm_80 then on sm_90a, each after `splits`
+/// split3 launches of its operands (2 for the split3 products, 0 for the bf16 ones).
+fn checked(sm80: &'static str, sm90: &'static str, splits: usize) -> Vec<&'static str> {
+    let mut v = vec!["gemm_split3"; splits];
+    v.push(sm80);
+    v.extend(vec!["gemm_split3"; splits]);
+    v.push(sm90);
+    v
+}
+
+/// `a`, then `b`, then `c`.
+fn then(a: &[&'static str], b: Vec<&'static str>, c: &[&'static str]) -> Vec<&'static str> {
+    [a, &b, c].concat()
 }
 
 /// Set in the child process that runs the emulated scenarios.
 const CHILD: &str = "GRNG_SM90_SELECT_CHILD";
 /// The start of the line a fallback prints.
-const FALLBACK_LINE: &str = "grng: the sm_90a GEMM kernels failed their self-check";
+const FALLBACK_LINE: &str = "grng: the sm_90a GEMM kernel ";
 
 #[test]
 fn selection_self_check_and_counted_fallback() {
@@ -249,27 +234,25 @@ fn selection_self_check_and_counted_fallback() {
             "selection_self_check_and_counted_fallback",
             &[(CHILD, Some("1")), ("GRNG_TEST_SEED", Some(&seed))],
         );
-        // Exactly one line per fallback (three below), each saying why.
+        // Exactly one line per fallback (seven below), each naming its variant and why.
         let lines: Vec<&str> = stderr
             .lines()
             .filter(|l| l.starts_with(FALLBACK_LINE))
             .collect();
-        assert_eq!(lines.len(), 3, "{stderr}");
-        assert!(
-            lines[0].contains("newton_gemm_wg_tc: element 0"),
-            "{}",
-            lines[0]
-        );
-        assert!(
-            lines[1].contains("syrk_ema_wg_tc") && lines[1].contains("rejected the PTX"),
-            "{}",
-            lines[1]
-        );
-        assert!(
-            lines[2].contains("gemm3_wg_tc") && lines[2].contains("rejected the PTX"),
-            "{}",
-            lines[2]
-        );
+        let want = [
+            ("newton_gemm_wg_tc", "element 0"),
+            ("syrk_ema_wg_tc", "element 0"),
+            ("gemm3_wg_tc", "element 0"),
+            ("gemm_wg_tc", "element 0"),
+            ("newton_gemm3_wg_tc", "element 0"),
+            ("syrk_ema_wg_tc", "rejected the PTX"),
+            ("gemm3_wg_tc", "rejected the PTX"),
+        ];
+        assert_eq!(lines.len(), want.len(), "{stderr}");
+        for (line, (name, why)) in lines.iter().zip(want) {
+            let kernel = format!("{FALLBACK_LINE}{name} failed");
+            assert!(line.starts_with(&kernel) && line.contains(why), "{line}");
+        }
         return;
     }
 
@@ -282,32 +265,47 @@ fn selection_self_check_and_counted_fallback() {
     // No injection: the emulator is no sm_90 device; nothing is checked or counted.
     let n = ragged(&mut rng);
     assert_eq!(product(&dev, &mut rng, n).unwrap(), ["newton_gemm_tc"]);
-    assert!(!check(&dev).unwrap());
+    assert!(!check_sm90(&dev).unwrap());
     assert_eq!(fallbacks(), 0);
 
-    // A capable device: the first GEMM runs the self-check, then the sm_90a kernels, for good.
+    // A capable device: the first launch of each variant runs that variant's self-check,
+    // then the sm_90a kernel, for good.
     inject_sm90(Some(Sm90Injection::Capable));
     let n = ragged(&mut rng);
-    let mut want = self_check(0);
-    want.push("newton_gemm_wg_tc");
+    let want = then(
+        &[],
+        checked("newton_gemm_tc", "newton_gemm_wg_tc", 0),
+        &["newton_gemm_wg_tc"],
+    );
     assert_eq!(product(&dev, &mut rng, n).unwrap(), want);
     let (m, n) = (ragged(&mut rng), ragged(&mut rng));
-    assert_eq!(syrk(&dev, &mut rng, m, n).unwrap(), ["syrk_ema_wg_tc"]);
+    let want = then(
+        &[],
+        checked("syrk_ema_tc", "syrk_ema_wg_tc", 0),
+        &["syrk_ema_wg_tc"],
+    );
+    assert_eq!(syrk(&dev, &mut rng, m, n).unwrap(), want);
     assert_eq!(product(&dev, &mut rng, n).unwrap(), ["newton_gemm_wg_tc"]);
+    assert_eq!(syrk(&dev, &mut rng, m, n).unwrap(), ["syrk_ema_wg_tc"]);
     let k = rng.random_range(1..=70usize);
-    assert_eq!(
-        split_product(&dev, &mut rng, m, n, k).unwrap(),
-        ["gemm_split3", "gemm_split3", "gemm3_wg_tc"]
+    // The caller's operands are split before its product's launch runs the self-check.
+    let split = ["gemm_split3", "gemm_split3"];
+    let want = then(
+        &split,
+        checked("gemm3_tc", "gemm3_wg_tc", 2),
+        &["gemm3_wg_tc"],
     );
-    assert_eq!(
-        newton_f32_product(&dev, &mut rng, n).unwrap(),
-        ["gemm_split3", "gemm_split3", "newton_gemm3_wg_tc"]
-    );
+    assert_eq!(split_product(&dev, &mut rng, m, n, k).unwrap(), want);
+    let checks = checked("newton_gemm3_tc", "newton_gemm3_wg_tc", 2);
+    let want = then(&split, checks, &["newton_gemm3_wg_tc"]);
+    assert_eq!(newton_f32_product(&dev, &mut rng, n).unwrap(), want);
+    let want = then(&[], checked("gemm_tc", "gemm_wg_tc", 0), &["gemm_wg_tc"]);
+    assert_eq!(bf16_product(&dev, &mut rng, n, k).unwrap(), want);
     assert_eq!(bf16_product(&dev, &mut rng, n, k).unwrap(), ["gemm_wg_tc"]);
-    assert!(check(&dev).unwrap());
+    assert!(check_sm90(&dev).unwrap());
     assert_eq!(fallbacks(), 0);
 
-    // An sm_80 failure during the self-check (its reference side) is the caller's error and
+    // An sm_80 failure during a self-check (its reference side) is the caller's error and
     // decides nothing: the next launch checks again.
     inject_sm90(Some(Sm90Injection::Capable));
     inject_ptx_reject(Some("NEWTON"));
@@ -318,45 +316,66 @@ fn selection_self_check_and_counted_fallback() {
     }
     inject_ptx_reject(None);
     assert_eq!(fallbacks(), 0);
-    let mut want = self_check(0);
-    want.push("newton_gemm_wg_tc");
+    let want = then(
+        &[],
+        checked("newton_gemm_tc", "newton_gemm_wg_tc", 0),
+        &["newton_gemm_wg_tc"],
+    );
     assert_eq!(product(&dev, &mut rng, n).unwrap(), want);
 
-    // The self-check's sm_90a product is wrong: fall back, count, and stay on sm_80; the
-    // product the caller gets is right (checked in `product`).
+    // Every self-check's sm_90a product is wrong: each variant falls back at its first launch,
+    // counted, and stays on sm_80; the product the caller gets is right (checked in `product`).
     inject_sm90(Some(Sm90Injection::Mismatch));
     let n = ragged(&mut rng);
-    let mut want = self_check(1);
-    want.push("newton_gemm_tc");
+    let want = then(
+        &[],
+        checked("newton_gemm_tc", "newton_gemm_wg_tc", 0),
+        &["newton_gemm_tc"],
+    );
     assert_eq!(product(&dev, &mut rng, n).unwrap(), want);
     assert_eq!(fallbacks(), 1);
     let (m, n) = (ragged(&mut rng), ragged(&mut rng));
+    let want = then(
+        &[],
+        checked("syrk_ema_tc", "syrk_ema_wg_tc", 0),
+        &["syrk_ema_tc"],
+    );
+    assert_eq!(syrk(&dev, &mut rng, m, n).unwrap(), want);
+    assert_eq!(fallbacks(), 2);
     assert_eq!(syrk(&dev, &mut rng, m, n).unwrap(), ["syrk_ema_tc"]);
-    assert!(!check(&dev).unwrap());
-    assert_eq!(fallbacks(), 1);
+    // The three variants not yet launched are decided (and fall back) here.
+    assert!(!check_sm90(&dev).unwrap());
+    assert_eq!(fallbacks(), 5);
+    assert!(!check_sm90(&dev).unwrap());
+    assert_eq!(fallbacks(), 5);
 
-    // The driver rejects the sm_90a module of kron.cu: fall back at the SYRK's check.
+    // The driver rejects the sm_90a module of syrk.cu: only the SYRK falls back.
     inject_sm90(Some(Sm90Injection::Capable));
     inject_ptx_reject(Some("SYRK_SM90A"));
     let (m, n) = (ragged(&mut rng), ragged(&mut rng));
-    let mut want = self_check(2);
-    want.push("syrk_ema_tc");
+    let want = then(
+        &[],
+        checked("syrk_ema_tc", "syrk_ema_wg_tc", 0),
+        &["syrk_ema_tc"],
+    );
     assert_eq!(syrk(&dev, &mut rng, m, n).unwrap(), want);
     inject_ptx_reject(None);
-    assert_eq!(fallbacks(), 2);
-    assert_eq!(product(&dev, &mut rng, n).unwrap(), ["newton_gemm_tc"]);
+    assert_eq!(fallbacks(), 6);
+    let want = then(
+        &[],
+        checked("newton_gemm_tc", "newton_gemm_wg_tc", 0),
+        &["newton_gemm_wg_tc"],
+    );
+    assert_eq!(product(&dev, &mut rng, n).unwrap(), want);
 
-    // The driver rejects the sm_90a module of precond.cu: fall back at the split3 check.
+    // The driver rejects the sm_90a module of gemm.cu: fall back at the split3 check.
     inject_sm90(Some(Sm90Injection::Capable));
     inject_ptx_reject(Some("GEMM_SM90A"));
     let (m, n) = (ragged(&mut rng), ragged(&mut rng));
-    // The caller's operands are split before its product's launch runs the self-check.
-    let mut want = vec!["gemm_split3", "gemm_split3"];
-    want.extend(self_check(3));
-    want.push("gemm3_tc");
+    let want = then(&split, checked("gemm3_tc", "gemm3_wg_tc", 2), &["gemm3_tc"]);
     assert_eq!(split_product(&dev, &mut rng, m, n, 33).unwrap(), want);
     inject_ptx_reject(None);
-    assert_eq!(fallbacks(), 3);
+    assert_eq!(fallbacks(), 7);
 
     inject_sm90(None);
     record_launches(false);
@@ -377,7 +396,7 @@ fn sm90a_products_match_f64_on_a_cc90_gpu() {
     }
     let mut rng = common::seeded_rng();
     // The self-check passes on a working GPU (else a fallback line says why).
-    assert!(check(&dev).unwrap());
+    assert!(check_sm90(&dev).unwrap());
     record_launches(true);
     for n in [136usize, 131, 257, 520] {
         let launched = product(&dev, &mut rng, n).unwrap();

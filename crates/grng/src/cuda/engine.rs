@@ -5,7 +5,7 @@
 
 use super::launch::{kernel, launch, Kernel, KernelArgs, LaunchConfig};
 use crate::device::{Device, Matrix};
-use crate::driver::kernel::Sm90Variant;
+use crate::driver::kernel::{SelfCheck, Sm90Variant};
 use crate::error::{check_shape, Result};
 use half::bf16;
 
@@ -20,12 +20,14 @@ pub const WG_THREADS: u32 = 384;
 /// bf16 tiles, plus 1 KiB to align them to the 1024-byte swizzle atom.
 pub const WG_SMEM: u32 = 4 * 2 * 128 * 64 * 2 + 1024;
 
-/// The sm_90a variant `kernel` of an engine kernel: [`WG_THREADS`] threads, [`WG_SMEM`] bytes.
-pub(crate) const fn wg_variant(kernel: Kernel) -> Sm90Variant {
+/// The sm_90a variant `kernel` of an engine kernel: [`WG_THREADS`] threads, [`WG_SMEM`] bytes,
+/// run where `check` passes.
+pub(crate) const fn wg_variant(kernel: Kernel, check: SelfCheck) -> Sm90Variant {
     Sm90Variant {
         kernel,
         block: WG_THREADS,
         shared_mem: WG_SMEM,
+        check,
     }
 }
 

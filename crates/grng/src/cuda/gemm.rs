@@ -12,8 +12,10 @@
 use super::deferred::first_flagged;
 use super::engine::{split3, wg_variant, GEMM_SMEM};
 use super::launch::{kernel, launch, to_i32, Kernel, KernelArgs, LaunchConfig};
+use super::sm90;
 use crate::device::{Device, Matrix};
 use crate::driver::kernel::Sm90Variant;
+use crate::driver::CudaDevice;
 use crate::error::{check_shape, Error, Result, OVERFLOW};
 use crate::mat::Trans;
 use crate::shape::gemm_dims;
@@ -33,11 +35,45 @@ kernel!(WG_GEMM_BF16 = GEMM_SM90A::gemm_wg_tc, emu = gemm_tc;);
 
 /// The sm_90a variant of `gemm3_tc` ([`GEMM3_TC`]): the split3
 /// (f32-accurate) products of the optimizers and the preconditioning.
-pub const GEMM3_WG: Sm90Variant = wg_variant(WG_GEMM3);
+pub const GEMM3_WG: Sm90Variant = wg_variant(WG_GEMM3, check_gemm3_wg);
 
 /// The sm_90a variant of `gemm_tc` ([`GEMM_TC`]): `Device::gemm` on
 /// bf16 operands.
-pub const GEMM_BF16_WG: Sm90Variant = wg_variant(WG_GEMM_BF16);
+pub const GEMM_BF16_WG: Sm90Variant = wg_variant(WG_GEMM_BF16, check_gemm_bf16_wg);
+
+/// The shapes of this file's self-checks (`cuda::sm90`): `C = α·AᵀB` for `A` k x m and `B`
+/// k x n stored row-major: op(A) k-outer, a ragged K (one partial slice per term), m and n
+/// not multiples of 8 (the element-wise loads).
+const CHECK_KMN: (usize, usize, usize) = (53, 131, 70);
+
+/// [`GEMM3_WG`]'s self-check: [`gemm3`] of f32 operands at [`CHECK_KMN`].
+fn check_gemm3_wg(gpu: Option<&CudaDevice>) -> Result<std::result::Result<(), String>> {
+    let (k, m, n) = CHECK_KMN;
+    let a = sm90::check_values_f32(k * m, 0x3C6E);
+    let b = sm90::check_values_f32(k * n, 0x2545);
+    let operands = ((k, m, &a[..]), Trans::Yes, (k, n, &b[..]));
+    sm90::check_product(
+        gpu,
+        WG_GEMM3.name,
+        operands,
+        sm90::split3_bound,
+        |dev, a, b, c| gemm3(dev, Trans::Yes, Trans::No, 1.0, a, b, 0.0, c),
+    )
+}
+
+/// [`GEMM_BF16_WG`]'s self-check: [`gemm_tc`] of bf16 operands at [`CHECK_KMN`], α = 0.75.
+fn check_gemm_bf16_wg(gpu: Option<&CudaDevice>) -> Result<std::result::Result<(), String>> {
+    let (k, m, n) = CHECK_KMN;
+    let (a, b) = (
+        sm90::check_values(k * m, 0x1F3D),
+        sm90::check_values(k * n, 0x6A09),
+    );
+    let operands = ((k, m, &a[..]), Trans::Yes, (k, n, &b[..]));
+    let per = |k, abs| sm90::bound(k, 0.75, abs);
+    sm90::check_product(gpu, WG_GEMM_BF16.name, operands, per, |dev, a, b, c| {
+        gemm_tc(dev, Trans::Yes, Trans::No, 0.75, a, b, 0.0, c)
+    })
+}
 
 /// Output tile of the GEMM kernels (rows and columns) and its threads per block.
 const GEMM_TILE: usize = 64;

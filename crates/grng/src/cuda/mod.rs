@@ -44,3 +44,27 @@ pub(crate) fn load_modules(d: &CudaDevice) -> crate::Result<()> {
     }
     Ok(())
 }
+
+/// The kernels with an sm_90a variant (`Kernel::sm90`), each decided on its own.
+pub const SM90_KERNELS: [&crate::driver::kernel::Kernel; 5] = [
+    &gemm::GEMM3_TC,
+    &gemm::GEMM_TC,
+    &newton::GEMM_TC,
+    &newton::GEMM3_TC,
+    &syrk::SYRK_EMA_TC,
+];
+
+/// Decides now, for each of [`SM90_KERNELS`], which path `device` runs it on (its variant's
+/// self-check, on first use: [`sm90`]) and tells whether all of them run sm_90a there.
+/// Benchmarks and test kits call it before timing or recording launches, so the self-checks'
+/// launches stay out of their first measurement.
+///
+/// # Errors
+/// Only when a self-check's sm_80 side fails (that variant is not decided then).
+pub fn check_sm90(device: &crate::Device) -> crate::Result<bool> {
+    let mut all = true;
+    for kernel in SM90_KERNELS {
+        all &= sm90::runs_sm90(kernel, device)?;
+    }
+    Ok(all)
+}

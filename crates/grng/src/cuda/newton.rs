@@ -26,11 +26,14 @@
 
 use super::engine::{split3_into, wg_variant, GEMM_SMEM};
 use super::launch::{kernel, launch, to_i32, KernelArgs, LaunchConfig};
+use super::sm90;
 use crate::device::{Device, Matrix};
 use crate::driver::kernel::Sm90Variant;
+use crate::driver::CudaDevice;
 use crate::element::Element;
 use crate::error::{check_len, check_shape, Error, Result};
 use crate::iteration::{self as driver, check_symmetric, ANorms, NewtonBackend, PowerStep, Start};
+use crate::mat::Trans;
 use crate::params::newton::{InitialGuess, NewtonInfo, NewtonOptions, NewtonOrder, Precision};
 use crate::params::norm::{PowerInfo, PowerOptions};
 use half::bf16;
@@ -45,11 +48,61 @@ kernel!(WG_GEMM = NEWTON_SM90A::newton_gemm_wg_tc, emu = newton_gemm_tc;);
 kernel!(WG_NEWTON3 = NEWTON_SM90A::newton_gemm3_wg_tc, emu = newton_gemm3_tc;);
 
 /// The sm_90a variant of `newton_gemm_tc` ([`GEMM_TC`]).
-pub const GEMM_WG: Sm90Variant = wg_variant(WG_GEMM);
+pub const GEMM_WG: Sm90Variant = wg_variant(WG_GEMM, check_newton_gemm_wg);
 
 /// The sm_90a variant of `newton_gemm3_tc` ([`GEMM3_TC`]): Newton's
 /// f32-accurate products (f32 mode, the bf16 run's residual and polish).
-pub const NEWTON_GEMM3_WG: Sm90Variant = wg_variant(WG_NEWTON3);
+pub const NEWTON_GEMM3_WG: Sm90Variant = wg_variant(WG_NEWTON3, check_newton_gemm3_wg);
+
+/// [`GEMM_WG`]'s self-check (`cuda::sm90`): C = A·B for n = 136 (n % 8 == 0: the 16-byte
+/// cp.async loads; a partial tile).
+fn check_newton_gemm_wg(gpu: Option<&CudaDevice>) -> Result<std::result::Result<(), String>> {
+    let n = 136;
+    let (a, b) = (
+        sm90::check_values(n * n, 0x9E37),
+        sm90::check_values(n * n, 0x7F4A),
+    );
+    let per = |k, abs| sm90::bound(k, 1.0, abs);
+    let operands = ((n, n, &a[..]), Trans::No, (n, n, &b[..]));
+    sm90::check_product(gpu, WG_GEMM.name, operands, per, |dev, a, b, out| {
+        let epi = Epilogue {
+            out: Some(out),
+            ..Epilogue::new()
+        };
+        product_tc(dev, a, b, epi, &mut Unused::new(dev)?)
+    })
+}
+
+/// [`NEWTON_GEMM3_WG`]'s self-check (`cuda::sm90`): the split3 product C = A·B of f32
+/// operands, n = 53 (n % 8 != 0: the element-wise loads; one partial tile and K slice per
+/// plane product).
+fn check_newton_gemm3_wg(gpu: Option<&CudaDevice>) -> Result<std::result::Result<(), String>> {
+    let n = 53;
+    let a = sm90::check_values_f32(n * n, 0x3C6E);
+    let b = sm90::check_values_f32(n * n, 0x2545);
+    let operands = ((n, n, &a[..]), Trans::No, (n, n, &b[..]));
+    sm90::check_product(
+        gpu,
+        WG_NEWTON3.name,
+        operands,
+        sm90::split3_bound,
+        |dev, a, b, out| {
+            let epi = Epilogue {
+                out: Some(out),
+                ..Epilogue::new()
+            };
+            product_f32(
+                dev,
+                a,
+                b,
+                &mut Planes::new(dev, n)?,
+                epi,
+                &mut Unused::new(dev)?,
+            )
+        },
+    )
+}
+
 kernel!(pub INIT_X = NEWTON::newton_init_x;);
 kernel!(pub POWER_MATVEC = NEWTON::newton_power_matvec;);
 kernel!(pub POWER_NORMALIZE = NEWTON::newton_power_normalize;);

@@ -2,25 +2,23 @@
 //! warp-specialized) on a compute capability 9.0 device, the sm_80 engine everywhere else.
 //!
 //! A kernel with an sm_90a variant names it in [`Kernel::sm90`]; [`super::launch::launch`]
-//! asks `select` which one to queue. The first such launch on a device runs a self-check:
-//! small ragged products through both paths (`newton_gemm_tc` against `newton_gemm_wg_tc`
-//! on the 16-byte cp.async path; `syrk_ema_tc` against `syrk_ema_wg_tc`,
-//! `gemm3_tc` against `gemm3_wg_tc` (split3 planes, a transposed operand),
-//! `gemm_tc` against `gemm_wg_tc` (bf16, the same shapes) and
-//! `newton_gemm3_tc` against `newton_gemm3_wg_tc` on the element-wise path), compared within
-//! the f32 accumulation bound. If an sm_90a module does not load, a launch fails or a product
-//! differs, the device falls back to sm_80 for good:
-//! the fallback is counted ([`fallbacks`]), said once on stderr, and never a wrong product.
-//! The launch record (`hooks::record_launches`) names the kernels that actually ran.
+//! asks `select` which one to queue. The first launch of a variant on a device runs that
+//! variant's self-check ([`Sm90Variant::check`]): small ragged products through both paths,
+//! compared within the f32 accumulation bound. The checks are written beside the launchers
+//! that declare the variants (`gemm`, `newton`, `syrk`) and reach this module as data, so this
+//! module, below the launchers, names none of them. If the sm_90a module does not load, a
+//! launch fails or a product differs, that variant falls back to sm_80 on that device for
+//! good: the fallback is counted ([`fallbacks`]), said once on stderr, and never a wrong
+//! product. The launch record (`hooks::record_launches`) names the kernels that actually ran.
 //!
 //! The emulator models sm_80 primitives only, so on [`Device::Emulated`] the sm_90a path
 //! exists only under `inject_sm90` (feature `test-hooks`, tests of this logic): the "sm_90a" launches then run
 //! their sm_80 twin's emulator entry with the sm_80 configuration.
 
-use super::newton::{product_f32, product_tc, Epilogue, Planes, Unused};
-use crate::device::{Device, Matrix};
-pub use crate::driver::kernel::Sm90Variant;
+use crate::device::{Device, Element, Matrix};
 use crate::driver::kernel::{Kernel, LaunchConfig};
+pub use crate::driver::kernel::{SelfCheck, Sm90Variant};
+use crate::driver::CudaDevice;
 use crate::error::Result;
 use crate::mat::Trans;
 use half::bf16;
@@ -35,10 +33,12 @@ enum Path {
     Sm80,
 }
 
-/// Per device (CUDA ordinal; `None`: the emulator under `inject_sm90`), the path decided at
-/// its first GEMM launch. Held across the self-check, so concurrent first launches check once.
-static DECIDED: Mutex<Vec<(Option<usize>, Path)>> = Mutex::new(Vec::new());
-/// Devices that fell back to sm_80 (self-check mismatch or sm_90a load/launch failure).
+/// Per device (CUDA ordinal; `None`: the emulator under `inject_sm90`) and variant (its
+/// kernel's name), the path decided at the variant's first launch there. Held across the
+/// self-check, so concurrent first launches check once.
+static DECIDED: Mutex<Vec<(Option<usize>, &'static str, Path)>> = Mutex::new(Vec::new());
+/// Variants that fell back to sm_80 on a device (self-check mismatch or sm_90a load/launch
+/// failure).
 static FALLBACKS: AtomicU64 = AtomicU64::new(0);
 /// The emulator's stand-in for a compute capability 9.0 device ([`inject_sm90`]).
 #[cfg(feature = "test-hooks")]
@@ -49,7 +49,7 @@ thread_local! {
     static FORCED: Cell<Option<Path>> = const { Cell::new(None) };
 }
 
-/// How many devices fell back from the sm_90a GEMM kernels to the sm_80 engine (a self-check
+/// How many (device, sm_90a variant) pairs fell back to the sm_80 engine (a self-check
 /// mismatch, or an sm_90a module the driver would not load or launch), since the process
 /// started. Each fallback also printed one line on stderr.
 pub fn fallbacks() -> u64 {
@@ -63,14 +63,14 @@ pub enum Sm90Injection {
     /// The emulator acts as a compute capability 9.0 device whose sm_90a kernels agree with
     /// sm_80 (they are their sm_80 twins).
     Capable,
-    /// As `Capable`, but the self-check's sm_90a product comes back with one element off by
+    /// As `Capable`, but every self-check's sm_90a product comes back with one element off by
     /// far more than the bound: a miscompiled or misbehaving sm_90a kernel.
     Mismatch,
 }
 
 /// Fault injection for tests: from now on [`Device::Emulated`] behaves per `what` (`None`:
-/// no sm_90a path, the default), and its decision is forgotten, so its next GEMM launch runs
-/// the self-check again. Combine with `hooks::inject_ptx_reject(Some("NEWTON_SM90A"))` for a
+/// no sm_90a path, the default), and its decisions are forgotten, so the next launch of each
+/// variant runs its self-check again. Combine with `hooks::inject_ptx_reject(Some("NEWTON_SM90A"))` for a
 /// module the driver rejects. Process-wide, like the other injections (feature `test-hooks`).
 #[cfg(feature = "test-hooks")]
 pub fn inject_sm90(what: Option<Sm90Injection>) {
@@ -78,22 +78,36 @@ pub fn inject_sm90(what: Option<Sm90Injection>) {
     DECIDED
         .lock()
         .unwrap_or_else(PoisonError::into_inner)
-        .retain(|(key, _)| key.is_some());
+        .retain(|(key, ..)| key.is_some());
 }
 
-/// Decides now which GEMM path `device` runs (the self-check, on its first use) and tells:
-/// `true` when the sm_90a kernels run there. Benchmarks call it before timing, so the
-/// self-check's launches stay out of their first measurement.
+/// The injected sm_90a device of the emulator: `Some(mismatch)`.
+fn injected() -> Option<bool> {
+    #[cfg(feature = "test-hooks")]
+    return INJECTED
+        .lock()
+        .unwrap_or_else(PoisonError::into_inner)
+        .map(|i| i == Sm90Injection::Mismatch);
+    #[cfg(not(feature = "test-hooks"))]
+    None
+}
+
+/// Decides now which path `device` runs `kernel` on (its variant's self-check, on first use)
+/// and tells: `true` when its sm_90a variant runs there (`false` too for a kernel without one).
 ///
 /// # Errors
 /// Only when the self-check's sm_80 side fails (nothing is decided then).
-pub fn check(device: &Device) -> Result<bool> {
-    Ok(decide(device)? == Path::Sm90)
+pub fn runs_sm90(kernel: &Kernel, device: &Device) -> Result<bool> {
+    Ok(match kernel.sm90 {
+        Some(v) => decide(device, v)? == Path::Sm90,
+        None => false,
+    })
 }
 
 /// The kernel and configuration to launch for `kernel` with `cfg` on `device`: its sm_90a
-/// variant when the device runs them (deciding at the first call per device, see the module
-/// documentation), else `kernel` itself. Errors only when the self-check's sm_80 side fails.
+/// variant when the device runs it (deciding at the first call per device and variant, see
+/// the module documentation), else `kernel` itself. Errors only when the self-check's sm_80
+/// side fails.
 pub(crate) fn select<'k>(
     kernel: &'k Kernel,
     cfg: LaunchConfig,
@@ -104,7 +118,7 @@ pub(crate) fn select<'k>(
     };
     let path = match FORCED.with(Cell::get) {
         Some(p) => p,
-        None => decide(device)?,
+        None => decide(device, v)?,
     };
     Ok(match (path, device) {
         (Path::Sm80, _) => (kernel, cfg),
@@ -121,50 +135,41 @@ pub(crate) fn select<'k>(
     })
 }
 
-/// The path of `device`, running the self-check on first use.
-fn decide(device: &Device) -> Result<Path> {
-    // The emulator's injected sm_90a device: `Some(mismatch)`.
-    #[cfg(feature = "test-hooks")]
-    let injected = INJECTED
-        .lock()
-        .unwrap_or_else(PoisonError::into_inner)
-        .map(|i| i == Sm90Injection::Mismatch);
-    #[cfg(not(feature = "test-hooks"))]
-    let injected: Option<bool> = None;
-    let key = match device {
-        Device::Cuda(d) => Some(d.context().ordinal()),
-        Device::Emulated if injected.is_some() => None,
+/// The path of variant `v` on `device`, running its self-check on first use.
+fn decide(device: &Device, v: &Sm90Variant) -> Result<Path> {
+    let injected = injected();
+    let (key, gpu) = match device {
+        Device::Cuda(d) => (Some(d.context().ordinal()), Some(d)),
+        Device::Emulated if injected.is_some() => (None, None),
         _ => return Ok(Path::Sm80),
     };
+    let name = v.kernel.name;
     let mut decided = DECIDED.lock().unwrap_or_else(PoisonError::into_inner);
-    if let Some(&(_, p)) = decided.iter().find(|(k, _)| *k == key) {
+    if let Some(&(.., p)) = decided.iter().find(|(k, n, _)| *k == key && *n == name) {
         return Ok(p);
     }
-    let path = match device {
+    let path = match gpu {
         // sm_90a code runs on compute capability 9.0 exactly (the `a` features are not
         // forward compatible).
-        Device::Cuda(d)
-            if d.context().compute_capability().ok() != Some((9, 0))
-                || crate::driver::ptx::SYRK_SM90A.is_none()
-                || crate::driver::ptx::NEWTON_SM90A.is_none()
-                || crate::driver::ptx::GEMM_SM90A.is_none() =>
+        Some(d)
+            if d.context().compute_capability().ok() != Some((9, 0)) || v.kernel.ptx.is_none() =>
         {
             Path::Sm80
         }
-        _ => match self_check(device, injected == Some(true))? {
+        _ => match (v.check)(gpu)? {
             Ok(()) => Path::Sm90,
             Err(why) => {
                 FALLBACKS.fetch_add(1, Ordering::Relaxed);
                 eprintln!(
-                    "grng: the sm_90a GEMM kernels failed their self-check on this {} device \
-                     ({why}); using the sm_80 kernels",
+                    "grng: the sm_90a GEMM kernel {name} failed its self-check on this {} \
+                     device ({why}); using the sm_80 kernel",
                     device.name()
                 );
                 Path::Sm80
             }
         },
     };
-    decided.push((key, path));
+    decided.push((key, name, path));
     Ok(path)
 }
 
@@ -178,7 +183,7 @@ fn forced<R>(path: Path, f: impl FnOnce() -> Result<R>) -> Result<R> {
 
 /// `len` bf16 values in [-1, 1) from a fixed xorshift stream (`seed` ≠ 0): not symmetric, so a
 /// transposed operand shows.
-fn check_values(len: usize, mut seed: u64) -> Vec<bf16> {
+pub(crate) fn check_values(len: usize, mut seed: u64) -> Vec<bf16> {
     (0..len)
         .map(|_| {
             seed ^= seed << 13;
@@ -189,23 +194,13 @@ fn check_values(len: usize, mut seed: u64) -> Vec<bf16> {
         .collect()
 }
 
-/// First element of `got` outside `want ± bound`, as a message.
-fn compare(
-    what: &str,
-    got: &[f32],
-    want: &[f32],
-    bound: &[f64],
-) -> std::result::Result<(), String> {
-    match (0..want.len()).find(|&i| {
-        let d = (f64::from(got[i]) - f64::from(want[i])).abs();
-        d.is_nan() || d > bound[i]
-    }) {
-        None => Ok(()),
-        Some(i) => Err(format!(
-            "{what}: element {i} is {} where sm_80 gives {} (bound {:.3e})",
-            got[i], want[i], bound[i]
-        )),
-    }
+/// `len` f32 values in [-1.37, 1.37) for the split3 checks (bf16 values scaled, so each
+/// splits into more than one plane).
+pub(crate) fn check_values_f32(len: usize, seed: u64) -> Vec<f32> {
+    check_values(len, seed)
+        .iter()
+        .map(|v| v.to_f32() * 1.37)
+        .collect()
 }
 
 /// Bound on |sm_90a − sm_80| for an element Σ_k a_k·b_k of `k` terms whose Σ|a_k·b_k| is
@@ -215,167 +210,75 @@ fn compare(
 /// epilogue's α rounding adds ≤ 2^-24·α·abs per path. So the difference is at most
 /// 2·(k + 1)·2^-23·α·abs; the factor 2 on top is margin. A wrong product (swizzle,
 /// descriptor, pipeline hazard) is off by O(α·abs), 2^13/k times more.
-fn bound(k: usize, alpha: f64, abs: f64) -> f64 {
+pub(crate) fn bound(k: usize, alpha: f64, abs: f64) -> f64 {
     4.0 * (k as f64 + 1.0) * f64::powi(2.0, -23) * alpha * abs
-}
-
-/// One comparison of the self-check: `run` on sm_80 (an error there is the caller's: `Err`)
-/// and on sm_90a (an error there fails the check), element `e` within `bound(e)`; `corrupt`
-/// adds 1 to the sm_90a result's first element (the `Mismatch` injection).
-fn both_paths(
-    name: &str,
-    run: impl Fn(Path) -> Result<Vec<f32>>,
-    bound: impl Fn(usize) -> f64,
-    corrupt: bool,
-) -> Result<std::result::Result<(), String>> {
-    let want = run(Path::Sm80)?;
-    let mut got = match run(Path::Sm90) {
-        Ok(v) => v,
-        Err(e) => return Ok(Err(format!("{name}: {e}"))),
-    };
-    if corrupt {
-        got[0] += 1.0;
-    }
-    let bounds: Vec<f64> = (0..want.len()).map(bound).collect();
-    Ok(compare(name, &got, &want, &bounds))
 }
 
 /// Bound on |sm_90a − sm_80| for a split3 (f32-accurate) product element whose Σ|a_k·b_k| over
 /// `k` terms is `abs`: each path is within `(k + 8)·2⁻²⁴·abs` of the exact product
-/// (`precond::gemm3`); 2x on top is margin.
-fn split3_bound(k: usize, abs: f64) -> f64 {
+/// (`gemm::gemm3`); 2x on top is margin.
+pub(crate) fn split3_bound(k: usize, abs: f64) -> f64 {
     4.0 * (k as f64 + 8.0) * f64::powi(2.0, -24) * abs
 }
 
-/// The first-use comparison of every sm_90a kernel against sm_80. `Err`: an sm_80 launch
-/// failed (nothing decided); `Ok(Err(why))`: the sm_90a side failed or differs.
-fn self_check(dev: &Device, mismatch: bool) -> Result<std::result::Result<(), String>> {
-    // Newton product C = A·B, n = 136 (n % 8 == 0: the cp.async loads; a partial tile).
-    let n = 136;
-    let (a, b) = (check_values(n * n, 0x9E37), check_values(n * n, 0x7F4A));
-    let (am, bm) = (dev.upload(n, n, &a)?, dev.upload(n, n, &b)?);
-    let product = |path| -> Result<Vec<f32>> {
-        let mut out = dev.zeros(n, n)?;
-        let mut unused = Unused::new(dev)?;
-        forced(path, || {
-            let epi = Epilogue {
-                out: Some(&mut out),
-                ..Epilogue::new()
-            };
-            product_tc(dev, &am, &bm, epi, &mut unused)
-        })?;
-        out.to_vec()
+/// An operand of a self-check: rows, columns and the row-major values.
+pub(crate) type Values<'a, T> = (usize, usize, &'a [T]);
+
+/// A variant's self-check: `product` computes `C = op(A)·B` (`C` zeros of its shape; `op(A)` is
+/// `a` or its transpose per `op_a`) on the sm_80 path and on the sm_90a path; element `(i, j)`
+/// must agree within `per(k, Σ_p |op(A)(i, p)·B(p, j)|)`. `Err`: the sm_80 side failed;
+/// `Ok(Err(why))`: the sm_90a side failed or differs (under the `Mismatch` injection its
+/// first element is off by 1).
+pub(crate) fn check_product<T: Element>(
+    gpu: Option<&CudaDevice>,
+    name: &str,
+    (a, op_a, b): (Values<'_, T>, Trans, Values<'_, T>),
+    per: impl Fn(usize, f64) -> f64,
+    product: impl Fn(&Device, &Matrix<T>, &Matrix<T>, &mut Matrix) -> Result<()>,
+) -> Result<std::result::Result<(), String>> {
+    let dev = &gpu.map_or(Device::Emulated, |d| Device::Cuda(d.clone()));
+    let ((ar, ac, av), (_, n, bv)) = (a, b);
+    let (am, bm) = (dev.upload(ar, ac, av)?, dev.upload(b.0, n, bv)?);
+    let (m, k) = match op_a {
+        Trans::No => (ar, ac),
+        Trans::Yes => (ac, ar),
     };
-    let product_bound = |e: usize| {
+    let run = || {
+        let mut c = dev.zeros(m, n)?;
+        product(dev, &am, &bm, &mut c)?;
+        c.to_vec()
+    };
+    let x = |i: usize, p: usize| match op_a {
+        Trans::No => av[i * ac + p].to_f32(),
+        Trans::Yes => av[p * ac + i].to_f32(),
+    };
+    let bound = |e: usize| {
         let (i, j) = (e / n, e % n);
-        let abs = (0..n)
-            .map(|k| f64::from(a[i * n + k].to_f32() * b[k * n + j].to_f32()).abs())
+        let abs = (0..k)
+            .map(|p| (f64::from(x(i, p)) * f64::from(bv[p * n + j].to_f32())).abs())
             .sum();
-        bound(n, 1.0, abs)
+        per(k, abs)
     };
-    if let Err(why) = both_paths("newton_gemm_wg_tc", product, product_bound, mismatch)? {
-        return Ok(Err(why));
+    let want = forced(Path::Sm80, run)?;
+    let mut got = match forced(Path::Sm90, run) {
+        Ok(v) => v,
+        Err(e) => return Ok(Err(format!("{name}: {e}"))),
+    };
+    if injected() == Some(true) {
+        got[0] += 1.0;
     }
-
-    // SYRK Λ = α·SᵀS, S m x n2 with n2 = 131 (ld % 8 != 0: the element-wise loads), m = 77
-    // (a partial K slice), ε = 0 (the old Λ is not read).
-    let (m, n2) = (77, 131);
-    let s = check_values(m * n2, 0x5DEE);
-    let sm = dev.upload(m, n2, &s)?;
-    let alpha = 1.0 / m as f32;
-    let syrk = |path| -> Result<Vec<f32>> {
-        let mut l: Matrix = dev.zeros(n2, n2)?;
-        forced(path, || super::syrk::syrk_ema_tc(dev, &sm, 0.0, &mut l))?;
-        l.to_vec()
-    };
-    let syrk_bound = |e: usize| {
-        let (i, j) = (e / n2, e % n2);
-        let abs = (0..m)
-            .map(|k| f64::from(s[k * n2 + i].to_f32() * s[k * n2 + j].to_f32()).abs())
-            .sum();
-        bound(m, f64::from(alpha), abs)
-    };
-    if let Err(why) = both_paths("syrk_ema_wg_tc", syrk, syrk_bound, false)? {
-        return Ok(Err(why));
-    }
-
-    // Split3 product C = Aᵀ·B (f32 operands split into bf16 planes, 6 plane products), A
-    // 53 x 131 and B 53 x 70 stored row-major: op(A) k-outer, a ragged K of 53 (one partial
-    // slice per term) and n = 70, 131 not multiples of 8 (the element-wise loads).
-    let (k3, m3, n3) = (53, 131, 70);
-    let f32s = |len, seed| -> Vec<f32> {
-        check_values(len, seed)
-            .iter()
-            .map(|v| v.to_f32() * 1.37)
-            .collect()
-    };
-    let (a3, b3) = (f32s(k3 * m3, 0x3C6E), f32s(k3 * n3, 0x2545));
-    let (a3m, b3m) = (dev.upload(k3, m3, &a3)?, dev.upload(k3, n3, &b3)?);
-    let split = |path| -> Result<Vec<f32>> {
-        let mut c: Matrix = dev.zeros(m3, n3)?;
-        forced(path, || {
-            super::gemm::gemm3(dev, Trans::Yes, Trans::No, 1.0, &a3m, &b3m, 0.0, &mut c)
-        })?;
-        c.to_vec()
-    };
-    let split_bound = |e: usize| {
-        let (i, j) = (e / n3, e % n3);
-        let abs = (0..k3)
-            .map(|k| (f64::from(a3[k * m3 + i]) * f64::from(b3[k * n3 + j])).abs())
-            .sum();
-        split3_bound(k3, abs)
-    };
-    if let Err(why) = both_paths("gemm3_wg_tc", split, split_bound, false)? {
-        return Ok(Err(why));
-    }
-
-    // Plain bf16 product C = α·Aᵀ·B (Device::gemm on bf16) of the split3 check's shapes: the
-    // element-wise loads, op(A) k-outer, a partial K slice.
-    let (a5, b5) = (check_values(k3 * m3, 0x1F3D), check_values(k3 * n3, 0x6A09));
-    let (a5m, b5m) = (dev.upload(k3, m3, &a5)?, dev.upload(k3, n3, &b5)?);
-    let alpha5 = 0.75f32;
-    let plain = |path| -> Result<Vec<f32>> {
-        let mut c: Matrix = dev.zeros(m3, n3)?;
-        forced(path, || {
-            super::gemm::gemm_tc(dev, Trans::Yes, Trans::No, alpha5, &a5m, &b5m, 0.0, &mut c)
-        })?;
-        c.to_vec()
-    };
-    let plain_bound = |e: usize| {
-        let (i, j) = (e / n3, e % n3);
-        let abs = (0..k3)
-            .map(|k| f64::from(a5[k * m3 + i].to_f32() * b5[k * n3 + j].to_f32()).abs())
-            .sum();
-        bound(k3, f64::from(alpha5), abs)
-    };
-    if let Err(why) = both_paths("gemm_wg_tc", plain, plain_bound, false)? {
-        return Ok(Err(why));
-    }
-
-    // Newton's split3 product C = A·B of the first two f32 operands' 53 x 53 leading blocks
-    // (n % 8 != 0: the element-wise loads; one partial tile and K slice per term).
-    let n4 = k3;
-    let (a4, b4) = (&a3[..n4 * n4], &b3[..n4 * n4]);
-    let (a4m, b4m) = (dev.upload(n4, n4, a4)?, dev.upload(n4, n4, b4)?);
-    let newton3 = |path| -> Result<Vec<f32>> {
-        let mut out = dev.zeros(n4, n4)?;
-        let mut planes = Planes::new(dev, n4)?;
-        let mut unused = Unused::new(dev)?;
-        forced(path, || {
-            let epi = Epilogue {
-                out: Some(&mut out),
-                ..Epilogue::new()
-            };
-            product_f32(dev, &a4m, &b4m, &mut planes, epi, &mut unused)
-        })?;
-        out.to_vec()
-    };
-    let newton3_bound = |e: usize| {
-        let (i, j) = (e / n4, e % n4);
-        let abs = (0..n4)
-            .map(|k| (f64::from(a4[i * n4 + k]) * f64::from(b4[k * n4 + j])).abs())
-            .sum();
-        split3_bound(n4, abs)
-    };
-    both_paths("newton_gemm3_wg_tc", newton3, newton3_bound, false)
+    Ok(
+        match (0..want.len()).find(|&e| {
+            let d = (f64::from(got[e]) - f64::from(want[e])).abs();
+            d.is_nan() || d > bound(e)
+        }) {
+            None => Ok(()),
+            Some(e) => Err(format!(
+                "{name}: element {e} is {} where sm_80 gives {} (bound {:.3e})",
+                got[e],
+                want[e],
+                bound(e)
+            )),
+        },
+    )
 }

@@ -11,9 +11,12 @@
 
 use super::engine::{wg_variant, GEMM_SMEM};
 use super::launch::{kernel, launch, to_i32, KernelArgs, LaunchConfig};
+use super::sm90;
 use crate::device::{Device, Element, Matrix};
 use crate::driver::kernel::Sm90Variant;
+use crate::driver::CudaDevice;
 use crate::error::{check_shape, Error, Result};
+use crate::mat::Trans;
 use half::bf16;
 
 kernel!(pub SYRK_EMA_F32 = SYRK::syrk_ema_f32;);
@@ -23,7 +26,19 @@ kernel!(pub ROUND_BF16 = SYRK::syrk_round_bf16;);
 kernel!(WG_SYRK_EMA = SYRK_SM90A::syrk_ema_wg_tc, emu = syrk_ema_tc;);
 
 /// The sm_90a variant of `syrk_ema_tc` ([`SYRK_EMA_TC`]).
-pub const SYRK_EMA_WG: Sm90Variant = wg_variant(WG_SYRK_EMA);
+pub const SYRK_EMA_WG: Sm90Variant = wg_variant(WG_SYRK_EMA, check_syrk_ema_wg);
+
+/// [`SYRK_EMA_WG`]'s self-check (`cuda::sm90`): Λ = α·SᵀS, S m x n with n = 131 (ld % 8 != 0:
+/// the element-wise loads), m = 77 (a partial K slice), ε = 0 (the old Λ is not read).
+fn check_syrk_ema_wg(gpu: Option<&CudaDevice>) -> Result<std::result::Result<(), String>> {
+    let (m, n) = (77, 131);
+    let s = sm90::check_values(m * n, 0x5DEE);
+    let per = |k, abs| sm90::bound(k, 1.0 / m as f64, abs);
+    let operands = ((m, n, &s[..]), Trans::Yes, (m, n, &s[..]));
+    sm90::check_product(gpu, WG_SYRK_EMA.name, operands, per, |dev, a, _, l| {
+        syrk_ema_tc(dev, a, 0.0, l)
+    })
+}
 
 /// Output tile of `syrk_ema_f32`.
 const TILE_F32: usize = 64;

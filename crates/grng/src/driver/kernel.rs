@@ -4,6 +4,7 @@
 //! `kernel!`, and above nothing but the emulator's entry type and the embedded PTX.
 
 use super::emu::EmuEntry;
+use super::CudaDevice;
 use crate::error::{Error, Result};
 
 /// Largest dynamic shared memory of one block (sm_90's opt-in limit, 227 KiB). Above 48 KiB
@@ -153,7 +154,8 @@ macro_rules! kernel {
 }
 pub(crate) use kernel;
 
-/// The sm_90a variant of a kernel: same parameters and grid, its own block and shared memory.
+/// The sm_90a variant of a kernel: same parameters and grid, its own block and shared memory,
+/// and the self-check that must pass before it runs on a device.
 #[derive(Debug)]
 pub struct Sm90Variant {
     /// The sm_90a kernel (`<FILE>_SM90A` PTX; its emulator entry is the sm_80 twin's).
@@ -162,4 +164,12 @@ pub struct Sm90Variant {
     pub block: u32,
     /// Bytes of dynamic shared memory.
     pub shared_mem: u32,
+    /// Its first-use comparison with the sm_80 kernel (`cuda::sm90`), written beside the
+    /// launcher that declares the variant.
+    pub check: SelfCheck,
 }
+
+/// A variant's self-check on a GPU (`Some`) or the emulator (`None`; the device as this layer,
+/// below `crate::device`, knows it). `Err`: its sm_80 side failed (nothing is decided);
+/// `Ok(Err(why))`: the sm_90a side failed or differs.
+pub type SelfCheck = fn(Option<&CudaDevice>) -> Result<std::result::Result<(), String>>;
