@@ -206,8 +206,8 @@ if [[ -n "$bench_bin" ]]; then
     grep '^GEMM mainloop' "$out/bench-gpu.log" | sed 's/^/bench /' | tee -a "$summary"
     grep '^loaded: ' "$out/bench-gpu.log" | sed 's/^/bench /' | tee -a "$summary"
     if [[ $ncu_on == 1 ]]; then
-        # --launch-skip passes the sm_90a self-check's 8 `_tc` launches (sm90::check, before
-        # any section) and the first case's first warm-up calls. Clocks left alone
+        # --launch-skip passes the sm_90a self-checks' 10 `_tc` launches (check_sm90, before
+        # any section; 2 per variant) on a CC 9.0 device, the first warm-up calls elsewhere. Clocks left alone
         # (--clock-control none): the timings beside them ran at the same clocks.
         for section in gemm-bf16 syrk newton; do
             run "ncu bench gpu $section" "$out/ncu-$section.log" \
