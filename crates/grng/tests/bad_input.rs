@@ -9,6 +9,9 @@
 //! - on error, every mutable operand / the whole optimizer state is bit-for-bit unchanged
 //!   (optimizers are snapshotted through their checkpoint records, which hold every bit).
 //!
+//! Most probes are rows of tables (description, expectation, bad value) run through one call
+//! per target, so a probe is one line; the three flat optimizers share one family ([`Flat`]).
+//!
 //! One test per device (the CPU, and the emulated kernels, whose launch code is the GPU's) runs
 //! every family under a proptest runner (fresh random sizes and values per case) and prints
 //! the counts; violations are listed with file, function and input, then fail it.
@@ -17,6 +20,7 @@ use grng_testkit as common;
 
 use std::cell::{Cell, RefCell};
 use std::collections::BTreeMap;
+use std::fmt::Debug;
 use std::panic::{catch_unwind, AssertUnwindSafe};
 
 use grng::checkpoint::{Checkpoint, Value, Writer};
@@ -24,8 +28,8 @@ use grng::ops::elementwise::{AdamWCoeffs, SgdCoeffs, SophiaCoeffs};
 use grng::ops::kalman::{KalmanOptions, KalmanState};
 use grng::ops::newton::NewtonOptions;
 use grng::ops::norm::PowerOptions;
-use grng::optim::adamw::{AdamW, AdamWConfig, AdamWState};
-use grng::optim::kalman::{RKalman, RKalmanConfig, RKalmanState};
+use grng::optim::adamw::{AdamW, AdamWConfig, AdamWState, LrSchedule::Cosine};
+use grng::optim::kalman::{RKalman, RKalmanConfig};
 use grng::optim::kron::{KronConfig, KronOptimizer};
 use grng::optim::sgd::{Sgd, SgdConfig, SgdState};
 use grng::optim::sophia::{Sophia, SophiaConfig, SophiaHessian, SophiaState};
@@ -108,12 +112,54 @@ fn snap_ck(c: &dyn Checkpoint, extra: &[&Matrix]) -> Snap {
     s
 }
 
+/// The snapshot of a call with no mutable operand.
+fn no_operand(_: &()) -> Snap {
+    snap_mats(&[])
+}
+
+/// The arguments an error must name: any one of these, comma-separated (empty: any error).
+type Args = &'static str;
+
 #[derive(Clone, Copy)]
 enum Expect {
-    /// Strictly invalid: an error naming one of these arguments (empty: any error).
-    Err(&'static [&'static str]),
+    /// Strictly invalid: an error naming one of these arguments.
+    Err(Args),
     /// Huge but finite: an error, or finite results.
     ErrOrFinite,
+}
+
+/// One row of a table of bad inputs: its description, what the call must do, the value.
+type Row<X> = (String, Expect, X);
+
+/// A strictly invalid input `x`, whose error must name one of `args`.
+fn err<X>(input: impl Into<String>, args: Args, x: X) -> Row<X> {
+    (input.into(), Expect::Err(args), x)
+}
+
+/// A huge-but-finite input `x`.
+fn huge<X>(input: impl Into<String>, x: X) -> Row<X> {
+    (input.into(), Expect::ErrOrFinite, x)
+}
+
+/// `base` changed by `edit`.
+fn edited<S>(mut base: S, edit: impl FnOnce(&mut S)) -> S {
+    edit(&mut base);
+    base
+}
+
+/// A rejected config (or set of coefficients): `base` changed by `edit`, described by its
+/// `Debug` form; its error must name one of `args`.
+fn bad<C: Debug>(args: Args, base: C, edit: impl FnOnce(&mut C)) -> Row<C> {
+    let c = edited(base, edit);
+    (format!("{c:?}"), Expect::Err(args), c)
+}
+
+/// [`bad`] rows that each set one field of `base`, whose error must name that field:
+/// `bad_fields!(cfg; lr = -1.0, eps = 0.0)`.
+macro_rules! bad_fields {
+    ($base:expr; $($field:ident = $v:expr),+ $(,)?) => {
+        [$(bad(stringify!($field), $base, |c| c.$field = $v)),+]
+    };
 }
 
 #[derive(Default)]
@@ -123,7 +169,7 @@ struct Tally {
     finite_ok: usize,
     panics: usize,
     /// Per target: [tried, errors, finite results].
-    per_target: BTreeMap<&'static str, [usize; 3]>,
+    per_target: BTreeMap<String, [usize; 3]>,
     violations: Vec<String>,
 }
 
@@ -131,7 +177,7 @@ impl Tally {
     /// Runs `call` on `obj` with `snap` before and after (see the module docs).
     fn probe<O: ?Sized, T: Outputs>(
         &mut self,
-        target: &'static str,
+        target: &str,
         input: &str,
         expect: Expect,
         obj: &mut O,
@@ -139,7 +185,7 @@ impl Tally {
         call: impl FnOnce(&mut O) -> Result<T>,
     ) {
         self.tried += 1;
-        let counts = self.per_target.entry(target).or_default();
+        let counts = self.per_target.entry(target.to_owned()).or_default();
         counts[0] += 1;
         let before = snap(obj);
         let res = catch_unwind(AssertUnwindSafe(|| call(obj)));
@@ -160,8 +206,8 @@ impl Tally {
                 }
                 let msg = e.to_string();
                 if let Expect::Err(args) = expect {
-                    if !args.is_empty() && !args.iter().any(|a| names(&msg).contains(a)) {
-                        violation(format!("error does not name {args:?}: `{msg}`"));
+                    if !args.is_empty() && !args.split(", ").any(|a| names(&msg).contains(&a)) {
+                        violation(format!("error does not name any of `{args}`: `{msg}`"));
                     }
                 }
             }
@@ -179,60 +225,123 @@ impl Tally {
         }
     }
 
-    /// Probes `step` on `obj` with each bad gradient `(input, grad)`: an error naming `grad`.
-    fn probe_grads<O>(
-        &mut self,
-        target: &'static str,
-        grads: &[(String, &Matrix)],
-        obj: &mut O,
-        snap: impl Fn(&O) -> Snap,
-        step: impl Fn(&mut O, &Matrix) -> Result<()>,
-    ) {
-        for (input, g) in grads {
-            self.probe(target, input, Expect::Err(&["grad"]), obj, &snap, |o| {
-                step(o, g)
-            });
+    /// The probes of `target`, whose mutable operands `snap` snapshots.
+    fn on<S>(&mut self, target: impl Into<String>, snap: S) -> On<'_, S> {
+        On {
+            t: self,
+            target: target.into(),
+            snap,
         }
     }
 
-    /// Probes `restore` on `obj` with each bad state `(input, the arguments its error names,
-    /// state)`.
-    fn probe_restores<O, St>(
-        &mut self,
-        target: &'static str,
-        states: &[(String, &'static [&'static str], St)],
-        obj: &mut O,
-        snap: impl Fn(&O) -> Snap,
-        restore: impl Fn(&mut O, &St) -> Result<()>,
-    ) {
-        for (input, args, st) in states {
-            self.probe(target, input, Expect::Err(args), obj, &snap, |o| {
-                restore(o, st)
-            });
-        }
+    /// The probes of `target`, which has no mutable operand.
+    fn pure(&mut self, target: impl Into<String>) -> Pure<'_> {
+        Pure(self.on(target, no_operand as fn(&()) -> Snap))
     }
 
-    /// Probes each rejected config `C` through `set` on the live `obj` (targets `.0`) and
-    /// through `new` from scratch (target `.1`): both must fail naming the config's field.
-    fn probe_configs<O, C: Copy + std::fmt::Debug>(
+    /// Each rejected config must fail both through `set` on the live `obj`
+    /// (`{name}::set_config`) and through `new` from scratch (`{name}::new`).
+    fn configs<O, C: Copy>(
         &mut self,
-        (set_target, new_target): (&'static str, &'static str),
-        cases: &[(&'static [&'static str], C)],
+        name: &str,
+        rows: impl IntoIterator<Item = Row<C>>,
         obj: &mut O,
         snap: impl Fn(&O) -> Snap,
         set: impl Fn(&mut O, C) -> Result<()>,
         new: impl Fn(C) -> Result<()>,
     ) {
-        for &(args, c) in cases {
-            let input = format!("{c:?}");
-            self.probe(set_target, &input, Expect::Err(args), obj, &snap, |o| {
-                set(o, c)
-            });
-            let s0 = |_: &()| snap_mats(&[]);
-            self.probe(new_target, &input, Expect::Err(args), &mut (), s0, |_| {
-                new(c)
-            });
+        let (set_target, new_target) = (format!("{name}::set_config"), format!("{name}::new"));
+        for (input, expect, c) in rows {
+            self.probe(&set_target, &input, expect, obj, &snap, |o| set(o, c));
+            self.probe(&new_target, &input, expect, &mut (), no_operand, |_| new(c));
         }
+    }
+}
+
+/// The probes of one target (see [`Tally::probe`]); `snap` snapshots its mutable operands.
+struct On<'t, S> {
+    t: &'t mut Tally,
+    target: String,
+    snap: S,
+}
+
+impl<S> On<'_, S> {
+    fn probe<O: ?Sized, T: Outputs>(
+        &mut self,
+        input: &str,
+        expect: Expect,
+        obj: &mut O,
+        call: impl FnOnce(&mut O) -> Result<T>,
+    ) where
+        S: Fn(&O) -> Snap,
+    {
+        self.t
+            .probe(&self.target, input, expect, obj, &self.snap, call);
+    }
+
+    /// A strictly invalid input: `call` on `obj` must fail naming one of `args`.
+    fn err<O: ?Sized, T: Outputs>(
+        &mut self,
+        input: impl AsRef<str>,
+        args: Args,
+        obj: &mut O,
+        call: impl FnOnce(&mut O) -> Result<T>,
+    ) where
+        S: Fn(&O) -> Snap,
+    {
+        self.probe(input.as_ref(), Expect::Err(args), obj, call);
+    }
+
+    /// A huge-but-finite input: `call` on `obj` must fail or give finite results.
+    fn huge<O: ?Sized, T: Outputs>(
+        &mut self,
+        input: &str,
+        obj: &mut O,
+        call: impl FnOnce(&mut O) -> Result<T>,
+    ) where
+        S: Fn(&O) -> Snap,
+    {
+        self.probe(input, Expect::ErrOrFinite, obj, call);
+    }
+
+    /// Each row's value `x` as `call(obj, x)`.
+    fn rows<O: ?Sized, X, T: Outputs>(
+        &mut self,
+        obj: &mut O,
+        rows: impl IntoIterator<Item = Row<X>>,
+        call: impl Fn(&mut O, X) -> Result<T>,
+    ) where
+        S: Fn(&O) -> Snap,
+    {
+        for (input, expect, x) in rows {
+            self.probe(&input, expect, obj, |o| call(o, x));
+        }
+    }
+}
+
+/// [`On`] for a target with no mutable operand: nothing to keep unchanged.
+struct Pure<'t>(On<'t, fn(&()) -> Snap>);
+
+impl Pure<'_> {
+    fn err<T: Outputs>(
+        &mut self,
+        input: impl AsRef<str>,
+        args: Args,
+        call: impl FnOnce() -> Result<T>,
+    ) {
+        self.0.err(input, args, &mut (), |_| call());
+    }
+
+    fn huge<T: Outputs>(&mut self, input: &str, call: impl FnOnce() -> Result<T>) {
+        self.0.huge(input, &mut (), |_| call());
+    }
+
+    fn rows<X, T: Outputs>(
+        &mut self,
+        rows: impl IntoIterator<Item = Row<X>>,
+        call: impl Fn(X) -> Result<T>,
+    ) {
+        self.0.rows(&mut (), rows, |_, x| call(x));
     }
 }
 
@@ -364,364 +473,134 @@ fn other_shape(rng: &mut ChaCha8Rng, r: usize, c: usize) -> (usize, usize) {
     }
 }
 
+/// `v` with entry `l` replaced by `x`.
+fn replaced<T: Copy>(v: &[T], l: usize, x: T) -> Vec<T> {
+    let mut v = v.to_vec();
+    v[l] = x;
+    v
+}
+
 // ---------------------------------------------------------------------------------------------
-// Device ops.
+// Device ops. The tables keep one row a line (`rustfmt::skip`): they read as tables.
 
 fn elementwise_ops(t: &mut Tally, rng: &mut ChaCha8Rng, n: usize) {
-    const F: &str = "src/ops/elementwise.rs";
     let x = mat(rng, n, 1);
     let (xs, xd) = poisoned(rng, n, 1);
     let wrong = mat(rng, n + 1, 1);
-    let huge = filled(n, 1, HUGE);
+    let x_huge = filled(n, 1, HUGE);
     let s1 = |m: &Matrix| snap_mats(&[m]);
-
     let mut y = mat(rng, n, 1);
-    let _ = F;
+
     // `axpy` writes `y` in place and `axpy_new` a new matrix; `y` must stay unchanged on error
     // either way, so both get the same probes.
     type Axpy = fn(f32, &Matrix, &mut Matrix) -> Result<()>;
-    let axpys: [(&'static str, Axpy); 2] = [
+    let axpys: [(&str, Axpy); 2] = [
         ("Device::axpy", |a, x, y| DEV.axpy(a, x, y)),
         ("Device::axpy_new", |a, x, y| {
             DEV.axpy_new(a, x, y).map(drop)
         }),
     ];
-    for (tgt, op) in axpys {
-        t.probe(
-            tgt,
-            "x one row longer",
-            Expect::Err(&["x"]),
-            &mut y,
-            s1,
-            |y| op(0.5, &wrong, y),
-        );
-        t.probe(
-            tgt,
-            &format!("x holds {xd}"),
-            Expect::Err(&["x"]),
-            &mut y,
-            s1,
-            |y| op(0.5, &xs, y),
-        );
+    for (target, op) in axpys {
+        let mut p = t.on(target, s1);
+        p.err("x one row longer", "x", &mut y, |y| op(0.5, &wrong, y));
+        p.err(format!("x holds {xd}"), "x", &mut y, |y| op(0.5, &xs, y));
         let a = bad_scalar(rng);
-        t.probe(
-            tgt,
-            &format!("alpha = {a}"),
-            Expect::Err(&["alpha"]),
-            &mut y,
-            s1,
-            |y| op(a, &x, y),
-        );
+        p.err(format!("alpha = {a}"), "alpha", &mut y, |y| op(a, &x, y));
         let (mut ys, yd) = poisoned(rng, n, 1);
-        t.probe(
-            tgt,
-            &format!("y holds {yd}"),
-            Expect::Err(&["y"]),
-            &mut ys,
-            s1,
-            |y| op(0.5, &x, y),
-        );
-        let mut yh = filled(n, 1, HUGE);
-        t.probe(
-            tgt,
-            "alpha = 1e30, x = y = 1e30",
-            Expect::ErrOrFinite,
-            &mut yh,
-            s1,
-            |y| op(HUGE, &huge, y),
-        );
+        p.err(format!("y holds {yd}"), "y", &mut ys, |y| op(0.5, &x, y));
+        let input = "alpha = 1e30, x = y = 1e30";
+        p.huge(input, &mut filled(n, 1, HUGE), |y| op(HUGE, &x_huge, y));
     }
 
-    let tgt = "Device::scale";
+    let mut p = t.on("Device::scale", s1);
     let a = bad_scalar(rng);
-    t.probe(
-        tgt,
-        &format!("alpha = {a}"),
-        Expect::Err(&["alpha"]),
-        &mut y,
-        s1,
-        |y| DEV.scale(a, y),
-    );
+    p.err(format!("alpha = {a}"), "alpha", &mut y, |y| DEV.scale(a, y));
     let (mut ys, yd) = poisoned(rng, n, 1);
-    t.probe(
-        tgt,
-        &format!("x holds {yd}"),
-        Expect::Err(&["x"]),
-        &mut ys,
-        s1,
-        |y| DEV.scale(2.0, y),
-    );
-    let mut yh = filled(n, 1, HUGE);
-    t.probe(
-        tgt,
-        "alpha = 1e30, x = 1e30",
-        Expect::ErrOrFinite,
-        &mut yh,
-        s1,
-        |y| DEV.scale(HUGE, y),
-    );
+    p.err(format!("x holds {yd}"), "x", &mut ys, |y| DEV.scale(2.0, y));
+    let input = "alpha = 1e30, x = 1e30";
+    p.huge(input, &mut filled(n, 1, HUGE), |y| DEV.scale(HUGE, y));
 
-    let tgt = "Device::dot";
-    let mut none = ();
-    let s0 = |_: &()| snap_mats(&[]);
-    t.probe(
-        tgt,
-        "y one row longer",
-        Expect::Err(&["y"]),
-        &mut none,
-        s0,
-        |_| DEV.dot(&x, &wrong),
-    );
-    t.probe(
-        tgt,
-        &format!("x holds {xd}"),
-        Expect::Err(&["x"]),
-        &mut none,
-        s0,
-        |_| DEV.dot(&xs, &x),
-    );
-    t.probe(
-        tgt,
-        "x = y = 1e30",
-        Expect::ErrOrFinite,
-        &mut none,
-        s0,
-        |_| DEV.dot(&huge, &huge),
-    );
+    let mut q = t.pure("Device::dot");
+    q.err("y one row longer", "y", || DEV.dot(&x, &wrong));
+    q.err(format!("x holds {xd}"), "x", || DEV.dot(&xs, &x));
+    q.huge("x = y = 1e30", || DEV.dot(&x_huge, &x_huge));
 
-    let tgt = "Device::norm2";
-    t.probe(
-        tgt,
-        &format!("x holds {xd}"),
-        Expect::Err(&["x"]),
-        &mut none,
-        s0,
-        |_| DEV.norm2(&xs),
-    );
+    let mut q = t.pure("Device::norm2");
+    q.err(format!("x holds {xd}"), "x", || DEV.norm2(&xs));
     let big = filled(n, 1, 3e38);
-    t.probe(tgt, "x = 3e38", Expect::ErrOrFinite, &mut none, s0, |_| {
-        DEV.norm2(&big)
-    });
+    q.huge("x = 3e38", || DEV.norm2(&big));
 
-    let tgt = "Device::copy";
-    t.probe(
-        tgt,
-        "src one row longer",
-        Expect::Err(&["src"]),
-        &mut y,
-        s1,
-        |y| DEV.copy(&wrong, y),
-    );
+    let mut p = t.on("Device::copy", s1);
+    p.err("src one row longer", "src", &mut y, |y| DEV.copy(&wrong, y));
 
-    // Fused updates: operands (params, buffers) snapshotted together.
+    // Fused updates: operands (params, buffers) snapshotted together. SGD and AdamW take the
+    // same bad gradients.
     let s2 = |v: &(Matrix, Matrix)| snap_mats(&[&v.0, &v.1]);
     let s3 = |v: &(Matrix, Matrix, Matrix)| snap_mats(&[&v.0, &v.1, &v.2]);
+    let bad_grads = [
+        err("grad one row longer", "grad", &wrong),
+        err(format!("grad holds {xd}"), "grad", &xs),
+    ];
+
+    let mut p = t.on("Device::sgd_update", s2);
+    let up = |(p, m): &mut (Matrix, Matrix), g: &Matrix, c: SgdCoeffs| DEV.sgd_update(p, g, m, &c);
     let sgd = SgdCoeffs {
         lr: 0.1,
         momentum: 0.9,
         weight_decay: 0.01,
     };
-    let tgt = "Device::sgd_update";
     let mut pm = (mat(rng, n, 1), mat(rng, n, 1));
-    let bad_sgd = [
-        ("lr", SgdCoeffs { lr: -0.1, ..sgd }),
-        (
-            "lr",
-            SgdCoeffs {
-                lr: bad_scalar(rng),
-                ..sgd
-            },
-        ),
-        (
-            "momentum",
-            SgdCoeffs {
-                momentum: 1.0,
-                ..sgd
-            },
-        ),
-        (
-            "momentum",
-            SgdCoeffs {
-                momentum: -0.5,
-                ..sgd
-            },
-        ),
-        (
-            "weight_decay",
-            SgdCoeffs {
-                weight_decay: -1.0,
-                ..sgd
-            },
-        ),
-        (
-            "weight_decay",
-            SgdCoeffs {
-                weight_decay: f32::NAN,
-                ..sgd
-            },
-        ),
-    ];
-    for (arg, c) in bad_sgd {
-        let args: &'static [&'static str] = match arg {
-            "lr" => &["lr"],
-            "momentum" => &["momentum"],
-            _ => &["weight_decay"],
-        };
-        t.probe(
-            tgt,
-            &format!("{c:?}"),
-            Expect::Err(args),
-            &mut pm,
-            s2,
-            |(p, m)| DEV.sgd_update(p, &x, m, &c),
-        );
-    }
-    t.probe(
-        tgt,
-        "grad one row longer",
-        Expect::Err(&["grad"]),
-        &mut pm,
-        s2,
-        |(p, m)| DEV.sgd_update(p, &wrong, m, &sgd),
-    );
-    t.probe(
-        tgt,
-        &format!("grad holds {xd}"),
-        Expect::Err(&["grad"]),
-        &mut pm,
-        s2,
-        |(p, m)| DEV.sgd_update(p, &xs, m, &sgd),
-    );
+    let lr = bad_scalar(rng);
+    let coeffs = bad_fields!(sgd; lr = -0.1, lr = lr, momentum = 1.0, momentum = -0.5,
+        weight_decay = -1.0, weight_decay = f32::NAN);
+    p.rows(&mut pm, coeffs, |o, c| up(o, &x, c));
+    p.rows(&mut pm, bad_grads.clone(), |o, g| up(o, g, sgd));
+    // Operands of their own: (params, momentum_buf), each stepped with `x`.
     let (ps, pd) = poisoned(rng, n, 1);
     let mut pm_bad = (ps, mat(rng, n, 1));
-    t.probe(
-        tgt,
-        &format!("params holds {pd}"),
-        Expect::Err(&["params"]),
-        &mut pm_bad,
-        s2,
-        |(p, m)| DEV.sgd_update(p, &x, m, &sgd),
-    );
+    p.err(format!("params holds {pd}"), "params", &mut pm_bad, |o| {
+        up(o, &x, sgd)
+    });
     let (ms, md) = poisoned(rng, n, 1);
     let mut pm_bad = (mat(rng, n, 1), ms);
-    t.probe(
-        tgt,
-        &format!("momentum_buf holds {md}"),
-        Expect::Err(&["momentum_buf"]),
-        &mut pm_bad,
-        s2,
-        |(p, m)| DEV.sgd_update(p, &x, m, &sgd),
-    );
+    let input = format!("momentum_buf holds {md}");
+    p.err(input, "momentum_buf", &mut pm_bad, |o| up(o, &x, sgd));
     let mut pm_wrong = (mat(rng, n, 1), mat(rng, n + 1, 1));
-    t.probe(
-        tgt,
-        "momentum_buf one row longer",
-        Expect::Err(&["momentum_buf"]),
-        &mut pm_wrong,
-        s2,
-        |(p, m)| DEV.sgd_update(p, &x, m, &sgd),
-    );
+    let input = "momentum_buf one row longer";
+    p.err(input, "momentum_buf", &mut pm_wrong, |o| up(o, &x, sgd));
     let mut pm_huge = (filled(n, 1, HUGE), filled(n, 1, HUGE));
     let big_lr = SgdCoeffs { lr: HUGE, ..sgd };
-    t.probe(
-        tgt,
-        "lr = params = grad = momentum = 1e30",
-        Expect::ErrOrFinite,
-        &mut pm_huge,
-        s2,
-        |(p, m)| DEV.sgd_update(p, &huge, m, &big_lr),
-    );
+    let input = "lr = params = grad = momentum = 1e30";
+    p.huge(input, &mut pm_huge, |o| up(o, &x_huge, big_lr));
 
+    let mut p = t.on("Device::adamw_update", s3);
+    let up = |(p, m, v): &mut (Matrix, Matrix, Matrix), g: &Matrix, c: AdamWCoeffs| {
+        DEV.adamw_update(p, g, m, v, &c)
+    };
     let adam = common::ADAMW;
-    let tgt = "Device::adamw_update";
     let mut pmv = (mat(rng, n, 1), mat(rng, n, 1), filled(n, 1, 0.5));
-    let bad_adam: [(&'static [&'static str], AdamWCoeffs); 8] = [
-        (&["lr"], AdamWCoeffs { lr: -1.0, ..adam }),
-        (&["beta1"], AdamWCoeffs { beta1: 1.0, ..adam }),
-        (
-            &["beta2"],
-            AdamWCoeffs {
-                beta2: f32::NAN,
-                ..adam
-            },
-        ),
-        (
-            &["beta2"],
-            AdamWCoeffs {
-                beta2: -0.1,
-                ..adam
-            },
-        ),
-        (&["eps"], AdamWCoeffs { eps: 0.0, ..adam }),
-        (
-            &["eps"],
-            AdamWCoeffs {
-                eps: f32::INFINITY,
-                ..adam
-            },
-        ),
-        (
-            &["weight_decay"],
-            AdamWCoeffs {
-                weight_decay: -0.5,
-                ..adam
-            },
-        ),
-        (&["step"], AdamWCoeffs { step: 0, ..adam }),
-    ];
-    for (args, c) in bad_adam {
-        t.probe(
-            tgt,
-            &format!("{c:?}"),
-            Expect::Err(args),
-            &mut pmv,
-            s3,
-            |(p, m, v)| DEV.adamw_update(p, &x, m, v, &c),
-        );
-    }
-    t.probe(
-        tgt,
-        &format!("grad holds {xd}"),
-        Expect::Err(&["grad"]),
-        &mut pmv,
-        s3,
-        |(p, m, v)| DEV.adamw_update(p, &xs, m, v, &adam),
-    );
-    t.probe(
-        tgt,
-        "grad one row longer",
-        Expect::Err(&["grad"]),
-        &mut pmv,
-        s3,
-        |(p, m, v)| DEV.adamw_update(p, &wrong, m, v, &adam),
-    );
+    let coeffs = bad_fields!(adam; lr = -1.0, beta1 = 1.0, beta2 = f32::NAN, beta2 = -0.1,
+        eps = 0.0, eps = f32::INFINITY, weight_decay = -0.5, step = 0);
+    p.rows(&mut pmv, coeffs, |o, c| up(o, &x, c));
+    p.rows(&mut pmv, bad_grads, |o, g| up(o, g, adam));
+    // Non-negative but for one entry: a corrupt second moment here, a corrupt Hessian below.
     let mut neg_v = vals(rng, n, 1.0);
     neg_v.iter_mut().for_each(|v| *v = v.abs());
     let k = rng.random_range(0..n);
     neg_v[k] = -0.25;
-    let mut pmv_neg = (
-        mat(rng, n, 1),
-        mat(rng, n, 1),
-        DEV.upload(n, 1, &neg_v).unwrap(),
-    );
-    t.probe(
-        tgt,
-        &format!("v[{k}] = -0.25"),
-        Expect::Err(&["v"]),
-        &mut pmv_neg,
-        s3,
-        |(p, m, v)| DEV.adamw_update(p, &x, m, v, &adam),
-    );
+    let neg = DEV.upload(n, 1, &neg_v).unwrap();
+    let mut pmv_neg = (mat(rng, n, 1), mat(rng, n, 1), neg.try_clone().unwrap());
+    p.err(format!("v[{k}] = -0.25"), "v", &mut pmv_neg, |o| {
+        up(o, &x, adam)
+    });
     let mut pmv_huge = (mat(rng, n, 1), mat(rng, n, 1), filled(n, 1, 0.5));
-    t.probe(
-        tgt,
-        "grad = 1e30 (g² overflows f32)",
-        Expect::ErrOrFinite,
-        &mut pmv_huge,
-        s3,
-        |(p, m, v)| DEV.adamw_update(p, &huge, m, v, &adam),
-    );
+    let input = "grad = 1e30 (g² overflows f32)";
+    p.huge(input, &mut pmv_huge, |o| up(o, &x_huge, adam));
 
+    let mut p = t.on("Device::sophia_update", s2);
+    let up = |(p, m): &mut (Matrix, Matrix), g: &Matrix, h: &Matrix, c: SophiaCoeffs| {
+        DEV.sophia_update(p, g, m, h, &c)
+    };
     let soph = SophiaCoeffs {
         lr: 1e-3,
         beta1: 0.96,
@@ -729,146 +608,48 @@ fn elementwise_ops(t: &mut Tally, rng: &mut ChaCha8Rng, n: usize) {
         eps: 1e-12,
         weight_decay: 0.1,
     };
-    let tgt = "Device::sophia_update";
     let h_ok = filled(n, 1, 0.5);
     let mut pm2 = (mat(rng, n, 1), mat(rng, n, 1));
-    let bad_soph: [(&'static [&'static str], SophiaCoeffs); 6] = [
-        (
-            &["lr"],
-            SophiaCoeffs {
-                lr: f32::NAN,
-                ..soph
-            },
-        ),
-        (&["beta1"], SophiaCoeffs { beta1: 1.5, ..soph }),
-        (&["gamma"], SophiaCoeffs { gamma: 0.0, ..soph }),
-        (
-            &["gamma"],
-            SophiaCoeffs {
-                gamma: -1.0,
-                ..soph
-            },
-        ),
-        (
-            &["eps"],
-            SophiaCoeffs {
-                eps: -1e-12,
-                ..soph
-            },
-        ),
-        (
-            &["weight_decay"],
-            SophiaCoeffs {
-                weight_decay: f32::INFINITY,
-                ..soph
-            },
-        ),
+    let coeffs = bad_fields!(soph; lr = f32::NAN, beta1 = 1.5, gamma = 0.0, gamma = -1.0,
+        eps = -1e-12, weight_decay = f32::INFINITY);
+    p.rows(&mut pm2, coeffs, |o, c| up(o, &x, &h_ok, c));
+    // (grad, h).
+    let rows = [
+        err(format!("h[{k}] = -0.25"), "h", (&x, &neg)),
+        err(format!("h holds {xd}"), "h", (&x, &xs)),
+        err("h one row longer", "h", (&x, &wrong)),
+        err(format!("grad holds {xd}"), "grad", (&xs, &h_ok)),
     ];
-    for (args, c) in bad_soph {
-        t.probe(
-            tgt,
-            &format!("{c:?}"),
-            Expect::Err(args),
-            &mut pm2,
-            s2,
-            |(p, m)| DEV.sophia_update(p, &x, m, &h_ok, &c),
-        );
-    }
-    let neg_h = DEV.upload(n, 1, &neg_v).unwrap();
-    t.probe(
-        tgt,
-        &format!("h[{k}] = -0.25"),
-        Expect::Err(&["h"]),
-        &mut pm2,
-        s2,
-        |(p, m)| DEV.sophia_update(p, &x, m, &neg_h, &soph),
-    );
-    t.probe(
-        tgt,
-        &format!("h holds {xd}"),
-        Expect::Err(&["h"]),
-        &mut pm2,
-        s2,
-        |(p, m)| DEV.sophia_update(p, &x, m, &xs, &soph),
-    );
-    t.probe(
-        tgt,
-        "h one row longer",
-        Expect::Err(&["h"]),
-        &mut pm2,
-        s2,
-        |(p, m)| DEV.sophia_update(p, &x, m, &wrong, &soph),
-    );
-    t.probe(
-        tgt,
-        &format!("grad holds {xd}"),
-        Expect::Err(&["grad"]),
-        &mut pm2,
-        s2,
-        |(p, m)| DEV.sophia_update(p, &xs, m, &h_ok, &soph),
-    );
+    p.rows(&mut pm2, rows, |o, (g, h)| up(o, g, h, soph));
     let mut pm2_huge = (filled(n, 1, HUGE), filled(n, 1, HUGE));
-    let big_wd = SophiaCoeffs {
+    let big = SophiaCoeffs {
         lr: HUGE,
         weight_decay: HUGE,
         ..soph
     };
-    t.probe(
-        tgt,
-        "lr = weight_decay = params = 1e30",
-        Expect::ErrOrFinite,
-        &mut pm2_huge,
-        s2,
-        |(p, m)| DEV.sophia_update(p, &huge, m, &h_ok, &big_wd),
-    );
+    let input = "lr = weight_decay = params = 1e30";
+    p.huge(input, &mut pm2_huge, |o| up(o, &x_huge, &h_ok, big));
 
-    let tgt = "Device::sophia_hessian_ema";
+    let mut p = t.on("Device::sophia_hessian_ema", s1);
+    let ema = |h: &mut Matrix, (g, beta2, batch): (&Matrix, f32, usize)| {
+        DEV.sophia_hessian_ema(h, g, beta2, batch)
+    };
     let mut h = filled(n, 1, 0.5);
-    t.probe(tgt, "batch = 0", Expect::Err(&["batch"]), &mut h, s1, |h| {
-        DEV.sophia_hessian_ema(h, &x, 0.98, 0)
-    });
     let b2 = [1.0, -0.1, f32::NAN][rng.random_range(0..3)];
-    t.probe(
-        tgt,
-        &format!("beta2 = {b2}"),
-        Expect::Err(&["beta2"]),
-        &mut h,
-        s1,
-        |h| DEV.sophia_hessian_ema(h, &x, b2, 4),
-    );
-    t.probe(
-        tgt,
-        &format!("sampled_grad holds {xd}"),
-        Expect::Err(&["sampled_grad"]),
-        &mut h,
-        s1,
-        |h| DEV.sophia_hessian_ema(h, &xs, 0.98, 4),
-    );
-    t.probe(
-        tgt,
-        "sampled_grad one row longer",
-        Expect::Err(&["sampled_grad"]),
-        &mut h,
-        s1,
-        |h| DEV.sophia_hessian_ema(h, &wrong, 0.98, 4),
-    );
-    let mut hn = DEV.upload(n, 1, &neg_v).unwrap();
-    t.probe(
-        tgt,
-        &format!("h[{k}] = -0.25"),
-        Expect::Err(&["h"]),
-        &mut hn,
-        s1,
-        |h| DEV.sophia_hessian_ema(h, &x, 0.98, 4),
-    );
-    t.probe(
-        tgt,
-        "sampled_grad = 1e30 (B·g² overflows f32)",
-        Expect::ErrOrFinite,
-        &mut h,
-        s1,
-        |h| DEV.sophia_hessian_ema(h, &huge, 0.98, 4),
-    );
+    // (sampled_grad, beta2, batch).
+    #[rustfmt::skip]
+    let rows = [
+        err("batch = 0", "batch", (&x, 0.98, 0)),
+        err(format!("beta2 = {b2}"), "beta2", (&x, b2, 4)),
+        err(format!("sampled_grad holds {xd}"), "sampled_grad", (&xs, 0.98, 4)),
+        err("sampled_grad one row longer", "sampled_grad", (&wrong, 0.98, 4)),
+        huge("sampled_grad = 1e30 (B·g² overflows f32)", (&x_huge, 0.98, 4)),
+    ];
+    p.rows(&mut h, rows, ema);
+    let mut h_neg = neg;
+    p.err(format!("h[{k}] = -0.25"), "h", &mut h_neg, |h| {
+        ema(h, (&x, 0.98, 4))
+    });
 }
 
 fn dense_ops(t: &mut Tally, rng: &mut ChaCha8Rng, m: usize, k: usize, n: usize) {
@@ -877,140 +658,54 @@ fn dense_ops(t: &mut Tally, rng: &mut ChaCha8Rng, m: usize, k: usize, n: usize) 
     let b = mat(rng, k, n);
     let mut c = mat(rng, m, n);
 
-    let tgt = "Device::gemm";
     let b_wrong = mat(rng, k + 1, n);
-    t.probe(
-        tgt,
-        "b has k+1 rows",
-        Expect::Err(&["b"]),
-        &mut c,
-        s1,
-        |c| DEV.gemm(Trans::No, Trans::No, 1.0, &a, &b_wrong, 0.0, c),
-    );
     let (r2, c2) = other_shape(rng, m, n);
     let mut c_wrong = mat(rng, r2, c2);
-    t.probe(
-        tgt,
-        &format!("c is {r2}x{c2}"),
-        Expect::Err(&["c"]),
-        &mut c_wrong,
-        s1,
-        |c| DEV.gemm(Trans::No, Trans::No, 1.0, &a, &b, 0.0, c),
-    );
     let al = bad_scalar(rng);
-    t.probe(
-        tgt,
-        &format!("alpha = {al}"),
-        Expect::Err(&["alpha"]),
-        &mut c,
-        s1,
-        |c| DEV.gemm(Trans::No, Trans::No, al, &a, &b, 0.0, c),
-    );
-    t.probe(
-        tgt,
-        &format!("beta = {al}"),
-        Expect::Err(&["beta"]),
-        &mut c,
-        s1,
-        |c| DEV.gemm(Trans::No, Trans::No, 1.0, &a, &b, al, c),
-    );
     let (a_bad, ad) = poisoned(rng, m, k);
-    t.probe(
-        tgt,
-        &format!("a holds {ad}"),
-        Expect::Err(&["a"]),
-        &mut c,
-        s1,
-        |c| DEV.gemm(Trans::No, Trans::No, 1.0, &a_bad, &b, 0.0, c),
-    );
     let (b_bad, bd) = poisoned(rng, k, n);
-    t.probe(
-        tgt,
-        &format!("b holds {bd}"),
-        Expect::Err(&["b"]),
-        &mut c,
-        s1,
-        |c| {
-            DEV.gemm(
-                Trans::No,
-                Trans::Yes,
-                1.0,
-                &a,
-                &DEV.upload(n, k, &b_bad.to_vec().unwrap()).unwrap(),
-                0.0,
-                c,
-            )
-        },
-    );
+    // The same values read as an n x k `b`, used transposed.
+    let bt_bad = DEV.upload(n, k, &b_bad.to_vec().unwrap()).unwrap();
     let (mut c_bad, cd) = poisoned(rng, m, n);
-    t.probe(
-        tgt,
-        &format!("c holds {cd}, beta = 0.5"),
-        Expect::Err(&["c"]),
-        &mut c_bad,
-        s1,
-        |c| DEV.gemm(Trans::No, Trans::No, 1.0, &a, &b, 0.5, c),
-    );
     let (ha, hb) = (filled(m, k, HUGE), filled(k, n, HUGE));
-    t.probe(tgt, "a = b = 1e30", Expect::ErrOrFinite, &mut c, s1, |c| {
-        DEV.gemm(Trans::No, Trans::No, 1.0, &ha, &hb, 0.0, c)
+    let no = Trans::No;
+    // (whether b is transposed, alpha, a, b, beta).
+    #[rustfmt::skip]
+    let rows = [
+        err("b has k+1 rows", "b", (no, 1.0, &a, &b_wrong, 0.0)),
+        err(format!("alpha = {al}"), "alpha", (no, al, &a, &b, 0.0)),
+        err(format!("beta = {al}"), "beta", (no, 1.0, &a, &b, al)),
+        err(format!("a holds {ad}"), "a", (no, 1.0, &a_bad, &b, 0.0)),
+        err(format!("b holds {bd}"), "b", (Trans::Yes, 1.0, &a, &bt_bad, 0.0)),
+        huge("a = b = 1e30", (no, 1.0, &ha, &hb, 0.0)),
+    ];
+    let gemm = |c: &mut Matrix, (tb, al, a, b, be): (Trans, f32, &Matrix, &Matrix, f32)| {
+        DEV.gemm(Trans::No, tb, al, a, b, be, c)
+    };
+    let mut p = t.on("Device::gemm", s1);
+    p.rows(&mut c, rows, gemm);
+    let input = format!("c is {r2}x{c2}");
+    p.err(input, "c", &mut c_wrong, |c| {
+        gemm(c, (no, 1.0, &a, &b, 0.0))
     });
+    let input = format!("c holds {cd}, beta = 0.5");
+    p.err(input, "c", &mut c_bad, |c| gemm(c, (no, 1.0, &a, &b, 0.5)));
 
     // Kronecker factors: A is m x k, factor k x k.
-    let tgt = "Device::syrk_ema";
     let mut f = DEV.upload(k, k, &spd(rng, k)).unwrap();
     let empty = DEV.zeros::<f32>(0, k).unwrap();
-    t.probe(
-        tgt,
-        "a has 0 rows (empty batch)",
-        Expect::Err(&["a"]),
-        &mut f,
-        s1,
-        |f| DEV.syrk_ema(&empty, 0.0, f),
-    );
     let e = [1.0, -0.1, f32::NAN, f32::INFINITY][rng.random_range(0..4)];
-    t.probe(
-        tgt,
-        &format!("eps = {e}"),
-        Expect::Err(&["eps"]),
-        &mut f,
-        s1,
-        |f| DEV.syrk_ema(&a, e, f),
-    );
     let mut f_wrong = mat(rng, k + 1, k + 1);
-    t.probe(
-        tgt,
-        "factor (k+1)x(k+1)",
-        Expect::Err(&["factor"]),
-        &mut f_wrong,
-        s1,
-        |f| DEV.syrk_ema(&a, 0.5, f),
-    );
-    t.probe(
-        tgt,
-        &format!("a holds {ad}"),
-        Expect::Err(&["a"]),
-        &mut f,
-        s1,
-        |f| DEV.syrk_ema(&a_bad, 0.5, f),
-    );
     let (mut f_bad, fd) = poisoned(rng, k, k);
-    t.probe(
-        tgt,
-        &format!("factor holds {fd}, eps = 0.5"),
-        Expect::Err(&["factor"]),
-        &mut f_bad,
-        s1,
-        |f| DEV.syrk_ema(&a, 0.5, f),
-    );
-    t.probe(
-        tgt,
-        "a = 1e30 (AᵀA overflows)",
-        Expect::ErrOrFinite,
-        &mut f,
-        s1,
-        |f| DEV.syrk_ema(&ha, 0.0, f),
-    );
+    // (a, eps).
+    let rows = [
+        err("a has 0 rows (empty batch)", "a", (&empty, 0.0)),
+        err(format!("eps = {e}"), "eps", (&a, e)),
+        err(format!("a holds {ad}"), "a", (&a_bad, 0.5)),
+        huge("a = 1e30 (AᵀA overflows)", (&ha, 0.0)),
+    ];
+    let mut p = t.on("Device::syrk_ema", s1);
+    p.rows(&mut f, rows, |f, (a, eps)| DEV.syrk_ema(a, eps, f));
     // bf16 activations (the tensor-core SYRK on the kernel devices): same checks.
     let to_bf16 = |m: &Matrix| {
         let v: Vec<bf16> = m
@@ -1021,220 +716,98 @@ fn dense_ops(t: &mut Tally, rng: &mut ChaCha8Rng, m: usize, k: usize, n: usize) 
             .collect();
         DEV.upload(m.rows(), m.cols(), &v).unwrap()
     };
-    let a16_bad = to_bf16(&a_bad);
-    t.probe(
-        tgt,
-        &format!("a (bf16) holds {ad}"),
-        Expect::Err(&["a"]),
-        &mut f,
-        s1,
-        |f| DEV.syrk_ema(&a16_bad, 0.5, f),
-    );
-    let ha16 = to_bf16(&ha);
-    t.probe(
-        tgt,
-        "a (bf16) = 1e30 (AᵀA overflows)",
-        Expect::ErrOrFinite,
-        &mut f,
-        s1,
-        |f| DEV.syrk_ema(&ha16, 0.5, f),
-    );
+    let rows = [
+        err(format!("a (bf16) holds {ad}"), "a", to_bf16(&a_bad)),
+        huge("a (bf16) = 1e30 (AᵀA overflows)", to_bf16(&ha)),
+    ];
+    p.rows(&mut f, rows, |f, a| DEV.syrk_ema(&a, 0.5, f));
+    p.err("factor (k+1)x(k+1)", "factor", &mut f_wrong, |f| {
+        DEV.syrk_ema(&a, 0.5, f)
+    });
+    let input = format!("factor holds {fd}, eps = 0.5");
+    p.err(input, "factor", &mut f_bad, |f| DEV.syrk_ema(&a, 0.5, f));
 
     // Batch gradient: E is m x n, A is m x k, G is n x k.
-    let tgt = "Device::batch_gradient";
     let e_ok = mat(rng, m, n);
     let mut g = mat(rng, n, k);
-    let e_empty = DEV.zeros::<f32>(0, n).unwrap();
-    let a_empty = DEV.zeros::<f32>(0, k).unwrap();
-    t.probe(
-        tgt,
-        "e, a have 0 rows (empty batch)",
-        Expect::Err(&["e"]),
-        &mut g,
-        s1,
-        |g| DEV.batch_gradient(&e_empty, &a_empty, g),
+    let (e_empty, a_empty) = (
+        DEV.zeros::<f32>(0, n).unwrap(),
+        DEV.zeros::<f32>(0, k).unwrap(),
     );
     let a_rows = mat(rng, m + 1, k);
-    t.probe(
-        tgt,
-        "a has m+1 rows",
-        Expect::Err(&["a"]),
-        &mut g,
-        s1,
-        |g| DEV.batch_gradient(&e_ok, &a_rows, g),
-    );
     let mut g_wrong = mat(rng, n + 1, k);
-    t.probe(
-        tgt,
-        "g (n+1)xk",
-        Expect::Err(&["g"]),
-        &mut g_wrong,
-        s1,
-        |g| DEV.batch_gradient(&e_ok, &a, g),
-    );
     let (e_bad, ed) = poisoned(rng, m, n);
-    t.probe(
-        tgt,
-        &format!("e holds {ed}"),
-        Expect::Err(&["e"]),
-        &mut g,
-        s1,
-        |g| DEV.batch_gradient(&e_bad, &a, g),
-    );
-    t.probe(
-        tgt,
-        &format!("a holds {ad}"),
-        Expect::Err(&["a"]),
-        &mut g,
-        s1,
-        |g| DEV.batch_gradient(&e_ok, &a_bad, g),
-    );
     let he = filled(m, n, HUGE);
-    t.probe(tgt, "e = a = 1e30", Expect::ErrOrFinite, &mut g, s1, |g| {
-        DEV.batch_gradient(&he, &ha, g)
+    // (e, a).
+    let rows = [
+        err("e, a have 0 rows (empty batch)", "e", (&e_empty, &a_empty)),
+        err("a has m+1 rows", "a", (&e_ok, &a_rows)),
+        err(format!("e holds {ed}"), "e", (&e_bad, &a)),
+        err(format!("a holds {ad}"), "a", (&e_ok, &a_bad)),
+        huge("e = a = 1e30", (&he, &ha)),
+    ];
+    let mut p = t.on("Device::batch_gradient", s1);
+    p.rows(&mut g, rows, |g, (e, a)| DEV.batch_gradient(e, a, g));
+    p.err("g (n+1)xk", "g", &mut g_wrong, |g| {
+        DEV.batch_gradient(&e_ok, &a, g)
     });
 
     // Preconditioning: Γ⁻¹ n x n, G n x k, Λ⁻¹ k x k, P n x k.
-    let tgt = "Device::precondition";
     let gi = DEV.upload(n, n, &spd(rng, n)).unwrap();
     let li = DEV.upload(k, k, &spd(rng, k)).unwrap();
     let g_in = mat(rng, n, k);
-    let mut p = mat(rng, n, k);
+    let mut pc = mat(rng, n, k);
     let gi_wrong = mat(rng, n + 1, n + 1);
-    t.probe(
-        tgt,
-        "gamma_inv (n+1)x(n+1)",
-        Expect::Err(&["gamma_inv"]),
-        &mut p,
-        s1,
-        |p| DEV.precondition(&gi_wrong, &g_in, &li, p),
-    );
     let li_wrong = mat(rng, k, k + 1);
-    t.probe(
-        tgt,
-        "lambda_inv kx(k+1)",
-        Expect::Err(&["lambda_inv"]),
-        &mut p,
-        s1,
-        |p| DEV.precondition(&gi, &g_in, &li_wrong, p),
-    );
-    let mut p_wrong = mat(rng, n, k + 1);
-    t.probe(
-        tgt,
-        "p nx(k+1)",
-        Expect::Err(&["p"]),
-        &mut p_wrong,
-        s1,
-        |p| DEV.precondition(&gi, &g_in, &li, p),
-    );
+    let mut pc_wrong = mat(rng, n, k + 1);
     let (g_bad, gd) = poisoned(rng, n, k);
-    t.probe(
-        tgt,
-        &format!("g holds {gd}"),
-        Expect::Err(&["g"]),
-        &mut p,
-        s1,
-        |p| DEV.precondition(&gi, &g_bad, &li, p),
-    );
     let (li_bad, lid) = poisoned(rng, k, k);
-    t.probe(
-        tgt,
-        &format!("lambda_inv holds {lid}"),
-        Expect::Err(&["lambda_inv"]),
-        &mut p,
-        s1,
-        |p| DEV.precondition(&gi, &g_in, &li_bad, p),
-    );
-    let hg = filled(n, k, HUGE);
-    let hgi = filled(n, n, HUGE);
-    t.probe(
-        tgt,
-        "gamma_inv = g = 1e30",
-        Expect::ErrOrFinite,
-        &mut p,
-        s1,
-        |p| DEV.precondition(&hgi, &hg, &li, p),
-    );
+    let (hg, hgi) = (filled(n, k, HUGE), filled(n, n, HUGE));
+    // (gamma_inv, g, lambda_inv).
+    #[rustfmt::skip]
+    let rows = [
+        err("gamma_inv (n+1)x(n+1)", "gamma_inv", (&gi_wrong, &g_in, &li)),
+        err("lambda_inv kx(k+1)", "lambda_inv", (&gi, &g_in, &li_wrong)),
+        err(format!("g holds {gd}"), "g", (&gi, &g_bad, &li)),
+        err(format!("lambda_inv holds {lid}"), "lambda_inv", (&gi, &g_in, &li_bad)),
+        huge("gamma_inv = g = 1e30", (&hgi, &hg, &li)),
+    ];
+    let mut p = t.on("Device::precondition", s1);
+    p.rows(&mut pc, rows, |pc, (gi, g, li)| {
+        DEV.precondition(gi, g, li, pc)
+    });
+    p.err("p nx(k+1)", "p", &mut pc_wrong, |pc| {
+        DEV.precondition(&gi, &g_in, &li, pc)
+    });
 
-    let tgt = "Device::damped_inverse_update";
+    // The two in-place ops on a k x k matrix and a scalar get the same probes: (target, the
+    // matrix's and the scalar's names, the op, the huge input: description, matrix, scalar).
     let mut x = DEV.upload(k, k, &spd(rng, k)).unwrap();
     let mut x_rect = mat(rng, k, k + 1);
-    t.probe(
-        tgt,
-        "inv kx(k+1)",
-        Expect::Err(&["inv"]),
-        &mut x_rect,
-        s1,
-        |x| DEV.damped_inverse_update(x, 0.01),
-    );
     let dl = bad_scalar(rng);
-    t.probe(
-        tgt,
-        &format!("dlambda = {dl}"),
-        Expect::Err(&["dlambda"]),
-        &mut x,
-        s1,
-        |x| DEV.damped_inverse_update(x, dl),
-    );
-    let (mut x_bad, xd) = poisoned(rng, k, k);
-    t.probe(
-        tgt,
-        &format!("inv holds {xd}"),
-        Expect::Err(&["inv"]),
-        &mut x_bad,
-        s1,
-        |x| DEV.damped_inverse_update(x, 0.01),
-    );
-    let mut x_huge = filled(k, k, HUGE);
-    t.probe(
-        tgt,
-        "inv = 1e30 (X·X overflows)",
-        Expect::ErrOrFinite,
-        &mut x_huge,
-        s1,
-        |x| DEV.damped_inverse_update(x, 0.01),
-    );
-
-    let tgt = "Device::add_diagonal";
-    t.probe(
-        tgt,
-        "a kx(k+1)",
-        Expect::Err(&["a"]),
-        &mut x_rect,
-        s1,
-        |x| DEV.add_diagonal(x, 0.01),
-    );
-    t.probe(
-        tgt,
-        &format!("lambda = {dl}"),
-        Expect::Err(&["lambda"]),
-        &mut x,
-        s1,
-        |x| DEV.add_diagonal(x, dl),
-    );
-    let (mut x_bad, xd) = poisoned(rng, k, k);
-    t.probe(
-        tgt,
-        &format!("a holds {xd}"),
-        Expect::Err(&["a"]),
-        &mut x_bad,
-        s1,
-        |x| DEV.add_diagonal(x, 0.01),
-    );
-    let mut x_big = filled(k, k, 3e38);
-    t.probe(
-        tgt,
-        "a = 3e38, lambda = 1e38 (diagonal overflows)",
-        Expect::ErrOrFinite,
-        &mut x_big,
-        s1,
-        |x| DEV.add_diagonal(x, 1e38),
-    );
+    type SquareOp = fn(&mut Matrix, f32) -> Result<()>;
+    #[rustfmt::skip]
+    let ops: [(&str, Args, Args, SquareOp, &str, f32, f32); 2] = [
+        ("Device::damped_inverse_update", "inv", "dlambda", |x, l| DEV.damped_inverse_update(x, l),
+            "inv = 1e30 (X·X overflows)", HUGE, 0.01),
+        ("Device::add_diagonal", "a", "lambda", |x, l| DEV.add_diagonal(x, l),
+            "a = 3e38, lambda = 1e38 (diagonal overflows)", 3e38, 1e38),
+    ];
+    for (target, x_arg, l_arg, op, huge_input, huge_x, huge_l) in ops {
+        let mut p = t.on(target, s1);
+        p.err(format!("{x_arg} kx(k+1)"), x_arg, &mut x_rect, |x| {
+            op(x, 0.01)
+        });
+        p.err(format!("{l_arg} = {dl}"), l_arg, &mut x, |x| op(x, dl));
+        let (mut x_bad, xd) = poisoned(rng, k, k);
+        p.err(format!("{x_arg} holds {xd}"), x_arg, &mut x_bad, |x| {
+            op(x, 0.01)
+        });
+        p.huge(huge_input, &mut filled(k, k, huge_x), |x| op(x, huge_l));
+    }
 }
 
 fn inverse_ops(t: &mut Tally, rng: &mut ChaCha8Rng, n: usize) {
-    let mut none = ();
-    let s0 = |_: &()| snap_mats(&[]);
     let a = DEV.upload(n, n, &spd(rng, n)).unwrap();
     let rect = mat(rng, n, n + 1);
     let (a_bad, ad) = {
@@ -1248,178 +821,66 @@ fn inverse_ops(t: &mut Tally, rng: &mut ChaCha8Rng, n: usize) {
         (0..n).for_each(|i| v[i * n + i] = HUGE);
         DEV.upload(n, n, &v).unwrap()
     };
+    // The bad square matrices: the ops below each take the first few.
+    let square = [
+        err("a nx(n+1)", "a", &rect),
+        err(format!("a holds {ad}"), "a", &a_bad),
+        err("a not positive definite", "", &indef),
+        huge("a = 1e30·I", &huge_spd),
+    ];
+
+    let mut q = t.pure("Device::newton_inverse");
     let opts = NewtonOptions::default();
-
-    let tgt = "Device::newton_inverse";
-    t.probe(tgt, "a nx(n+1)", Expect::Err(&["a"]), &mut none, s0, |_| {
-        DEV.newton_inverse(&rect, None, &opts)
-    });
+    q.rows(square.clone(), |a| DEV.newton_inverse(a, None, &opts));
     let warm = mat(rng, n + 1, n + 1);
-    t.probe(
-        tgt,
-        "warm (n+1)x(n+1)",
-        Expect::Err(&["warm"]),
-        &mut none,
-        s0,
-        |_| DEV.newton_inverse(&a, Some(&warm), &opts),
-    );
-    t.probe(
-        tgt,
-        &format!("a holds {ad}"),
-        Expect::Err(&["a"]),
-        &mut none,
-        s0,
-        |_| DEV.newton_inverse(&a_bad, None, &opts),
-    );
-    t.probe(
-        tgt,
-        "a not positive definite",
-        Expect::Err(&[]),
-        &mut none,
-        s0,
-        |_| DEV.newton_inverse(&indef, None, &opts),
-    );
+    q.err("warm (n+1)x(n+1)", "warm", || {
+        DEV.newton_inverse(&a, Some(&warm), &opts)
+    });
     let tol = [0.0, -1e-4, f32::NAN][rng.random_range(0..3)];
-    let bad_tol = NewtonOptions { tol, ..opts };
-    t.probe(
-        tgt,
-        &format!("tol = {tol}"),
-        Expect::Err(&["tol"]),
-        &mut none,
-        s0,
-        |_| DEV.newton_inverse(&a, None, &bad_tol),
-    );
-    let bad_low = NewtonOptions {
-        lambda_low: -1.0,
-        ..opts
-    };
-    t.probe(
-        tgt,
-        "lambda_low = -1",
-        Expect::Err(&["lambda_low"]),
-        &mut none,
-        s0,
-        |_| DEV.newton_inverse(&a, None, &bad_low),
-    );
+    #[rustfmt::skip]
+    let rows = [
+        err(format!("tol = {tol}"), "tol", NewtonOptions { tol, ..opts }),
+        err("lambda_low = -1", "lambda_low", NewtonOptions { lambda_low: -1.0, ..opts }),
+    ];
+    q.rows(rows, |o| DEV.newton_inverse(&a, None, &o));
     let empty = DEV.zeros::<f32>(0, 0).unwrap();
-    t.probe(tgt, "a is 0x0", Expect::Err(&["a"]), &mut none, s0, |_| {
-        DEV.newton_inverse(&empty, None, &opts)
-    });
-    t.probe(
-        tgt,
-        "a = 1e30·I",
-        Expect::ErrOrFinite,
-        &mut none,
-        s0,
-        |_| DEV.newton_inverse(&huge_spd, None, &opts),
-    );
+    q.err("a is 0x0", "a", || DEV.newton_inverse(&empty, None, &opts));
 
-    let tgt = "Device::cholesky_inverse";
-    t.probe(tgt, "a nx(n+1)", Expect::Err(&["a"]), &mut none, s0, |_| {
-        DEV.cholesky_inverse(&rect)
-    });
-    t.probe(
-        tgt,
-        &format!("a holds {ad}"),
-        Expect::Err(&["a"]),
-        &mut none,
-        s0,
-        |_| DEV.cholesky_inverse(&a_bad),
-    );
-    t.probe(
-        tgt,
-        "a not positive definite",
-        Expect::Err(&[]),
-        &mut none,
-        s0,
-        |_| DEV.cholesky_inverse(&indef),
-    );
-    t.probe(
-        tgt,
-        "a = 1e30·I",
-        Expect::ErrOrFinite,
-        &mut none,
-        s0,
-        |_| DEV.cholesky_inverse(&huge_spd),
-    );
+    let mut q = t.pure("Device::cholesky_inverse");
+    q.rows(square.clone(), |a| DEV.cholesky_inverse(a));
 
-    let tgt = "Device::spectral_norm";
+    let mut q = t.pure("Device::spectral_norm");
     let popts = PowerOptions::default();
-    t.probe(tgt, "a nx(n+1)", Expect::Err(&["a"]), &mut none, s0, |_| {
-        DEV.spectral_norm(&rect, &popts)
-    });
-    t.probe(
-        tgt,
-        &format!("a holds {ad}"),
-        Expect::Err(&["a"]),
-        &mut none,
-        s0,
-        |_| DEV.spectral_norm(&a_bad, &popts),
-    );
-    let bad_p = PowerOptions { tol: -1.0, ..popts };
-    t.probe(
-        tgt,
-        "tol = -1",
-        Expect::Err(&["tol"]),
-        &mut none,
-        s0,
-        |_| DEV.spectral_norm(&a, &bad_p),
-    );
-    let bad_p = PowerOptions {
-        max_iter: 0,
-        ..popts
-    };
-    t.probe(
-        tgt,
-        "max_iter = 0",
-        Expect::Err(&["max_iter"]),
-        &mut none,
-        s0,
-        |_| DEV.spectral_norm(&a, &bad_p),
-    );
+    q.rows(square[..2].to_vec(), |a| DEV.spectral_norm(a, &popts));
+    #[rustfmt::skip]
+    let rows = [
+        err("tol = -1", "tol", PowerOptions { tol: -1.0, ..popts }),
+        err("max_iter = 0", "max_iter", PowerOptions { max_iter: 0, ..popts }),
+    ];
+    q.rows(rows, |o| DEV.spectral_norm(&a, &o));
     let full_huge = filled(n, n, HUGE);
-    t.probe(
-        tgt,
-        "a = 1e30 everywhere",
-        Expect::ErrOrFinite,
-        &mut none,
-        s0,
-        |_| DEV.spectral_norm(&full_huge, &popts),
-    );
-
-    let tgt = "Device::trace";
-    t.probe(tgt, "a nx(n+1)", Expect::Err(&["a"]), &mut none, s0, |_| {
-        DEV.trace(&rect)
+    q.huge("a = 1e30 everywhere", || {
+        DEV.spectral_norm(&full_huge, &popts)
     });
+
+    let mut q = t.pure("Device::trace");
+    q.rows(square[..1].to_vec(), |a| DEV.trace(a));
     let mut v = spd(rng, n);
     let i = rng.random_range(0..n);
     v[i * n + i] = bad_scalar(rng);
     let diag_bad = DEV.upload(n, n, &v).unwrap();
-    t.probe(
-        tgt,
-        &format!("a[{i},{i}] = {}", v[i * n + i]),
-        Expect::Err(&["a"]),
-        &mut none,
-        s0,
-        |_| DEV.trace(&diag_bad),
-    );
+    q.err(format!("a[{i},{i}] = {}", v[i * n + i]), "a", || {
+        DEV.trace(&diag_bad)
+    });
     let big = {
         let mut v = vec![0.0f32; (n + 2) * (n + 2)];
         (0..n + 2).for_each(|i| v[i * (n + 2) + i] = 3e38);
         DEV.upload(n + 2, n + 2, &v).unwrap()
     };
-    t.probe(
-        tgt,
-        "diagonal of 3e38 (sum overflows)",
-        Expect::ErrOrFinite,
-        &mut none,
-        s0,
-        |_| DEV.trace(&big),
-    );
+    q.huge("diagonal of 3e38 (sum overflows)", || DEV.trace(&big));
 }
 
 fn kalman_ops(t: &mut Tally, rng: &mut ChaCha8Rng, n: usize, d_o: usize) {
-    const TGT: &str = "Device::kalman_step";
     let snap = |s: &KalmanState| snap_mats(&[&s.mu, &s.sigma, &s.r]);
     let mu0 = vals(rng, n, 1.0);
     let mut st = KalmanState::new(&DEV, &mu0, 0.1, d_o).unwrap();
@@ -1430,546 +891,324 @@ fn kalman_ops(t: &mut Tally, rng: &mut ChaCha8Rng, n: usize, d_o: usize) {
     DEV.kalman_step(&mut st, &h, &v, &opts).unwrap();
 
     let h_wide = mat(rng, d_o, n + 1);
-    t.probe(
-        TGT,
-        "h d_o x (n+1)",
-        Expect::Err(&["h", "state.mu"]),
-        &mut st,
-        snap,
-        |s| DEV.kalman_step(s, &h_wide, &v, &opts),
-    );
     let h_tall = mat(rng, d_o + 1, n);
-    t.probe(
-        TGT,
-        "h (d_o+1) x n",
-        Expect::Err(&["h", "state.r"]),
-        &mut st,
-        snap,
-        |s| DEV.kalman_step(s, &h_tall, &v, &opts),
-    );
     let h_empty = DEV.zeros::<f32>(0, n).unwrap();
-    t.probe(
-        TGT,
-        "h 0 x n (empty observation)",
-        Expect::Err(&["h"]),
-        &mut st,
-        snap,
-        |s| DEV.kalman_step(s, &h_empty, &v, &opts),
-    );
     let v_wrong = mat(rng, d_o + 1, 1);
-    t.probe(
-        TGT,
-        "innovation (d_o+1) x 1",
-        Expect::Err(&["innovation"]),
-        &mut st,
-        snap,
-        |s| DEV.kalman_step(s, &h, &v_wrong, &opts),
-    );
     let (h_bad, hd) = poisoned(rng, d_o, n);
-    t.probe(
-        TGT,
-        &format!("h holds {hd}"),
-        Expect::Err(&["h"]),
-        &mut st,
-        snap,
-        |s| DEV.kalman_step(s, &h_bad, &v, &opts),
-    );
     let (v_bad, vd) = poisoned(rng, d_o, 1);
-    t.probe(
-        TGT,
-        &format!("innovation holds {vd}"),
-        Expect::Err(&["innovation"]),
-        &mut st,
-        snap,
-        |s| DEV.kalman_step(s, &h, &v_bad, &opts),
-    );
-    let bad_opts: [(&'static [&'static str], KalmanOptions); 7] = [
-        (&["beta"], KalmanOptions { beta: 1.5, ..opts }),
-        (
-            &["beta"],
-            KalmanOptions {
-                beta: f32::NAN,
-                ..opts
-            },
-        ),
-        (&["rho"], KalmanOptions { rho: -1e-4, ..opts }),
-        (
-            &["process_noise"],
-            KalmanOptions {
-                process_noise: -1.0,
-                ..opts
-            },
-        ),
-        (
-            &["sigma_floor"],
-            KalmanOptions {
-                sigma_floor: 0.0,
-                ..opts
-            },
-        ),
-        (
-            &["jitter"],
-            KalmanOptions {
-                jitter: f32::INFINITY,
-                ..opts
-            },
-        ),
-        (
-            &["max_jitter_escalations"],
-            KalmanOptions {
-                max_jitter_escalations: 1000,
-                ..opts
-            },
-        ),
+    let (h_huge, v_huge) = (filled(d_o, n, HUGE), filled(d_o, 1, HUGE));
+    // (h, innovation).
+    let rows = [
+        err("h d_o x (n+1)", "h, state.mu", (&h_wide, &v)),
+        err("h (d_o+1) x n", "h, state.r", (&h_tall, &v)),
+        err("h 0 x n (empty observation)", "h", (&h_empty, &v)),
+        err("innovation (d_o+1) x 1", "innovation", (&h, &v_wrong)),
+        err(format!("h holds {hd}"), "h", (&h_bad, &v)),
+        err(format!("innovation holds {vd}"), "innovation", (&h, &v_bad)),
     ];
-    for (args, o) in bad_opts {
-        t.probe(
-            TGT,
-            &format!("{o:?}"),
-            Expect::Err(args),
-            &mut st,
-            snap,
-            |s| DEV.kalman_step(s, &h, &v, &o),
-        );
-    }
-    // A state whose σ was corrupted through the public fields.
+    let bad_opts = bad_fields!(opts; beta = 1.5, beta = f32::NAN, rho = -1e-4,
+        process_noise = -1.0, sigma_floor = 0.0, jitter = f32::INFINITY,
+        max_jitter_escalations = 1000);
+    let huges = [
+        huge("h = 1e30 (H Σ Hᵀ overflows)", (&h_huge, &v)),
+        huge("innovation = 1e30", (&h, &v_huge)),
+    ];
+    let mut p = t.on("Device::kalman_step", snap);
+    let step = |s: &mut KalmanState, (h, v): (&Matrix, &Matrix)| DEV.kalman_step(s, h, v, &opts);
+    p.rows(&mut st, rows, step);
+    p.rows(&mut st, bad_opts, |s, o| DEV.kalman_step(s, &h, &v, &o));
+    p.rows(&mut st, huges, step);
+    // States corrupted through the public fields.
     let mut corrupt = KalmanState::new(&DEV, &mu0, 0.1, d_o).unwrap();
     let mut sig = vec![0.1f32; n];
     let i = rng.random_range(0..n);
     sig[i] = -0.1;
     corrupt.sigma = DEV.upload(n, 1, &sig).unwrap();
-    t.probe(
-        TGT,
-        &format!("state.sigma[{i}] = -0.1"),
-        Expect::Err(&["sigma", "state.sigma"]),
-        &mut corrupt,
-        snap,
-        |s| DEV.kalman_step(s, &h, &v, &opts),
-    );
+    let input = format!("state.sigma[{i}] = -0.1");
+    p.err(input, "sigma, state.sigma", &mut corrupt, |s| {
+        step(s, (&h, &v))
+    });
     let mut corrupt = KalmanState::new(&DEV, &mu0, 0.1, d_o).unwrap();
     corrupt.r = DEV.upload(d_o, d_o, &non_spd(rng, d_o)).unwrap();
-    t.probe(
-        TGT,
-        "state.r not positive semidefinite",
-        Expect::ErrOrFinite,
-        &mut corrupt,
-        snap,
-        |s| DEV.kalman_step(s, &h, &v, &opts),
-    );
-    let h_huge = filled(d_o, n, HUGE);
-    t.probe(
-        TGT,
-        "h = 1e30 (H Σ Hᵀ overflows)",
-        Expect::ErrOrFinite,
-        &mut st,
-        snap,
-        |s| DEV.kalman_step(s, &h_huge, &v, &opts),
-    );
-    let v_huge = filled(d_o, 1, HUGE);
-    t.probe(
-        TGT,
-        "innovation = 1e30",
-        Expect::ErrOrFinite,
-        &mut st,
-        snap,
-        |s| DEV.kalman_step(s, &h, &v_huge, &opts),
-    );
+    let input = "state.r not positive semidefinite";
+    p.huge(input, &mut corrupt, |s| step(s, (&h, &v)));
 
-    let tgt = "KalmanState::new";
-    let mut none = ();
-    let s0 = |_: &()| snap_mats(&[]);
     let mut mu_bad = mu0.clone();
     let md = poison(rng, &mut mu_bad);
-    t.probe(
-        tgt,
-        &format!("mu0 holds {md}"),
-        Expect::Err(&["mu0"]),
-        &mut none,
-        s0,
-        |_| KalmanState::new(&DEV, &mu_bad, 0.1, d_o).map(|_| ()),
-    );
-    t.probe(
-        tgt,
-        "mu0 empty",
-        Expect::Err(&["mu0"]),
-        &mut none,
-        s0,
-        |_| KalmanState::new(&DEV, &[], 0.1, d_o).map(|_| ()),
-    );
-    t.probe(tgt, "d_o = 0", Expect::Err(&["d_o"]), &mut none, s0, |_| {
-        KalmanState::new(&DEV, &mu0, 0.1, 0).map(|_| ())
-    });
     let s = [0.0, -0.1, f32::NAN][rng.random_range(0..3)];
-    t.probe(
-        tgt,
-        &format!("sigma0 = {s}"),
-        Expect::Err(&["sigma0"]),
-        &mut none,
-        s0,
-        |_| KalmanState::new(&DEV, &mu0, s, d_o).map(|_| ()),
-    );
+    // (mu0, sigma0, d_o).
+    let rows = [
+        err(format!("mu0 holds {md}"), "mu0", (&mu_bad[..], 0.1, d_o)),
+        err("mu0 empty", "mu0", (&[][..], 0.1, d_o)),
+        err("d_o = 0", "d_o", (&mu0[..], 0.1, 0)),
+        err(format!("sigma0 = {s}"), "sigma0", (&mu0[..], s, d_o)),
+    ];
+    let new = |(mu, s, d)| KalmanState::new(&DEV, mu, s, d).map(drop);
+    t.pure("KalmanState::new").rows(rows, new);
 }
 
 // ---------------------------------------------------------------------------------------------
 // Optimizers.
 
+/// The gradients the flat optimizers are probed with, `n` x 1 unless named.
+struct Grads {
+    x: Matrix,
+    /// `x` with NaN or ±Inf where `xd` says.
+    xs: Matrix,
+    xd: String,
+    /// One row longer.
+    wrong: Matrix,
+    /// `n` x 2.
+    two_cols: Matrix,
+    huge: Matrix,
+}
+
+/// One step of a flat optimizer: (grad, the Hessian sample of a refresh: Sophia's only).
+type Step<'a> = (&'a Matrix, Option<SophiaHessian<'a>>);
+
+fn hess(sampled_grad: &Matrix, batch: usize) -> Option<SophiaHessian<'_>> {
+    Some(SophiaHessian {
+        sampled_grad,
+        batch,
+    })
+}
+
+/// What SGD, AdamW and Sophia share, so that one family ([`flat_optimizer`]) probes all three;
+/// each lists its own bad inputs.
+trait Flat: Checkpoint + Sized {
+    type Config: Copy + Debug + Default;
+    type State: Clone;
+    /// The type's name: its targets are `{NAME}::step` and so on.
+    const NAME: &'static str;
+    /// Whether a step samples the Hessian (Sophia): the warm-up step then gets a sample.
+    const SAMPLES_HESSIAN: bool = false;
+    fn new(n: usize, config: Self::Config) -> Result<Self>;
+    fn step(
+        &mut self,
+        params: &mut Matrix,
+        grad: &Matrix,
+        hess: Option<SophiaHessian<'_>>,
+    ) -> Result<()>;
+    fn set_config(&mut self, config: Self::Config) -> Result<()>;
+    fn state(&self) -> Self::State;
+    fn restore(&mut self, state: &Self::State) -> Result<()>;
+
+    /// Bad steps on the warmed-up optimizer (`hs`: the warm-up's Hessian sample).
+    fn bad_steps<'a>(g: &'a Grads, hs: Option<&'a Matrix>) -> Vec<Row<Step<'a>>>;
+    /// Bad first steps, each with `g.x` on a fresh optimizer with these parameters.
+    fn bad_first_steps(g: &Grads, rng: &mut ChaCha8Rng) -> Vec<Row<Matrix>>;
+    /// Configs that `new` and `set_config` must reject.
+    fn bad_configs() -> Vec<Row<Self::Config>>;
+    /// States that `restore` must reject, made from a good one.
+    fn bad_states(good: &Self::State, rng: &mut ChaCha8Rng) -> Vec<Row<Self::State>>;
+}
+
+/// The half of [`Flat`] that only forwards, the same for all three; `plain step` adds a `step`
+/// without a Hessian sample.
+macro_rules! flat_forwarding {
+    ($ty:ident, $config:ty, $state:ty) => {
+        type Config = $config;
+        type State = $state;
+        const NAME: &'static str = stringify!($ty);
+        fn new(n: usize, config: $config) -> Result<Self> {
+            $ty::new(&DEV, n, config)
+        }
+        fn set_config(&mut self, config: $config) -> Result<()> {
+            $ty::set_config(self, config)
+        }
+        fn state(&self) -> $state {
+            $ty::state(self).unwrap()
+        }
+        fn restore(&mut self, state: &$state) -> Result<()> {
+            $ty::restore(self, state)
+        }
+    };
+    ($ty:ident, $config:ty, $state:ty, plain step) => {
+        flat_forwarding!($ty, $config, $state);
+        fn step(&mut self, p: &mut Matrix, g: &Matrix, _: Option<SophiaHessian<'_>>) -> Result<()> {
+            $ty::step(self, p, g)
+        }
+    };
+}
+
+impl Flat for Sgd {
+    flat_forwarding!(Sgd, SgdConfig, SgdState, plain step);
+
+    fn bad_steps<'a>(g: &'a Grads, _: Option<&'a Matrix>) -> Vec<Row<Step<'a>>> {
+        vec![
+            err("grad one row longer", "grad", (&g.wrong, None)),
+            err("grad n x 2", "grad", (&g.two_cols, None)),
+            err(format!("grad holds {}", g.xd), "grad", (&g.xs, None)),
+            huge("grad = 1e30", (&g.huge, None)),
+        ]
+    }
+
+    fn bad_first_steps(g: &Grads, rng: &mut ChaCha8Rng) -> Vec<Row<Matrix>> {
+        #[rustfmt::skip]
+        let rows = vec![
+            err(format!("params holds {}", g.xd), "params", g.xs.try_clone().unwrap()),
+            err("params one row longer", "params", mat(rng, g.x.rows() + 1, 1)),
+        ];
+        rows
+    }
+
+    fn bad_configs() -> Vec<Row<SgdConfig>> {
+        let cfg = SgdConfig::default();
+        bad_fields!(cfg; lr = -0.1, momentum = 1.0, weight_decay = f32::NAN).into()
+    }
+
+    fn bad_states(good: &SgdState, rng: &mut ChaCha8Rng) -> Vec<Row<SgdState>> {
+        let n = good.momentum.len();
+        let mut m = good.momentum.clone();
+        let md = poison(rng, &mut m);
+        #[rustfmt::skip]
+        let rows = vec![
+            err("momentum length n+1", "momentum",
+                edited(good.clone(), |s| s.momentum = vec![0.1; n + 1])),
+            err(format!("momentum holds {md}"), "momentum",
+                edited(good.clone(), |s| s.momentum = m)),
+        ];
+        rows
+    }
+}
+
+impl Flat for AdamW {
+    flat_forwarding!(AdamW, AdamWConfig, AdamWState, plain step);
+
+    fn bad_steps<'a>(g: &'a Grads, _: Option<&'a Matrix>) -> Vec<Row<Step<'a>>> {
+        vec![
+            err("grad one row longer", "grad", (&g.wrong, None)),
+            err(format!("grad holds {}", g.xd), "grad", (&g.xs, None)),
+            huge("grad = 1e30 (g² overflows f32)", (&g.huge, None)),
+        ]
+    }
+
+    fn bad_first_steps(g: &Grads, _: &mut ChaCha8Rng) -> Vec<Row<Matrix>> {
+        let params = g.xs.try_clone().unwrap();
+        vec![err(format!("params holds {}", g.xd), "params", params)]
+    }
+
+    fn bad_configs() -> Vec<Row<AdamWConfig>> {
+        let cfg = AdamWConfig::default();
+        let mut rows = Vec::from(bad_fields!(cfg; lr = f32::NAN, beta1 = 1.0, beta2 = 2.0,
+            eps = 0.0, weight_decay = -1.0));
+        // A cosine schedule that ends within the warm-up (100 steps), one whose floor is over `lr`.
+        #[rustfmt::skip]
+        rows.extend([
+            bad("schedule.total_steps", cfg,
+                |c| c.schedule = Cosine { total_steps: 10, min_lr: 0.0 }),
+            bad("schedule.min_lr", cfg,
+                |c| c.schedule = Cosine { total_steps: 1000, min_lr: 1.0 }),
+        ]);
+        rows
+    }
+
+    fn bad_states(good: &AdamWState, rng: &mut ChaCha8Rng) -> Vec<Row<AdamWState>> {
+        let n = good.v.len();
+        let k = rng.random_range(0..n);
+        let mut m = good.m.clone();
+        let md = poison(rng, &mut m);
+        #[rustfmt::skip]
+        let rows = vec![
+            err(format!("v[{k}] = -1"), "v", edited(good.clone(), |s| s.v[k] = -1.0)),
+            err(format!("m holds {md}"), "m", edited(good.clone(), |s| s.m = m)),
+            err("v length n-1", "v",
+                edited(good.clone(), |s| s.v = vec![0.0; n.saturating_sub(1)])),
+        ];
+        rows
+    }
+}
+
+impl Flat for Sophia {
+    flat_forwarding!(Sophia, SophiaConfig, SophiaState);
+    const SAMPLES_HESSIAN: bool = true;
+
+    fn step(&mut self, p: &mut Matrix, g: &Matrix, h: Option<SophiaHessian<'_>>) -> Result<()> {
+        Sophia::step(self, p, g, h)
+    }
+
+    fn bad_steps<'a>(g: &'a Grads, hs: Option<&'a Matrix>) -> Vec<Row<Step<'a>>> {
+        let hs = hs.unwrap();
+        #[rustfmt::skip]
+        let rows = vec![
+            err("grad one row longer", "grad", (&g.wrong, None)),
+            err(format!("grad holds {}", g.xd), "grad", (&g.xs, hess(hs, 4))),
+            err(format!("hess.sampled_grad holds {}", g.xd), "sampled_grad",
+                (&g.x, hess(&g.xs, 4))),
+            err("hess.sampled_grad one row longer", "hess.sampled_grad", (&g.x, hess(&g.wrong, 4))),
+            err("hess.batch = 0", "batch", (&g.x, hess(hs, 0))),
+            huge("hess.sampled_grad = 1e30 (B·g² overflows)", (&g.x, hess(&g.huge, 4))),
+        ];
+        rows
+    }
+
+    fn bad_first_steps(g: &Grads, rng: &mut ChaCha8Rng) -> Vec<Row<Matrix>> {
+        let params = mat(rng, g.x.rows(), 1);
+        vec![err("no hess on a refresh step", "hess", params)]
+    }
+
+    fn bad_configs() -> Vec<Row<SophiaConfig>> {
+        let cfg = SophiaConfig::default();
+        bad_fields!(cfg; lr = -1.0, beta1 = 1.0, beta2 = f32::NAN, gamma = 0.0, eps = -1.0,
+            hessian_every = 0)
+        .into()
+    }
+
+    fn bad_states(good: &SophiaState, rng: &mut ChaCha8Rng) -> Vec<Row<SophiaState>> {
+        let n = good.h.len();
+        let k = rng.random_range(0..n);
+        #[rustfmt::skip]
+        let rows = vec![
+            err(format!("h[{k}] = -1"), "h", edited(good.clone(), |s| s.h[k] = -1.0)),
+            err("m length n+2", "m", edited(good.clone(), |s| s.m = vec![0.0; n + 2])),
+        ];
+        rows
+    }
+}
+
+/// The probes of one flat optimizer (see [`Flat`]) on `n` x 1 parameters.
+fn flat_optimizer<O: Flat>(t: &mut Tally, rng: &mut ChaCha8Rng, g: &Grads) {
+    let n = g.x.rows();
+    let snap = |o: &(O, Matrix)| snap_ck(&o.0, &[&o.1]);
+    let mut o = (O::new(n, O::Config::default()).unwrap(), mat(rng, n, 1));
+    // A valid step first, so the state is not at its initial values.
+    let hs = O::SAMPLES_HESSIAN.then(|| mat(rng, n, 1));
+    let warm_up = hs.as_ref().and_then(|h| hess(h, 4));
+    o.0.step(&mut o.1, &g.x, warm_up).unwrap();
+
+    let mut p = t.on(format!("{}::step", O::NAME), snap);
+    p.rows(&mut o, O::bad_steps(g, hs.as_ref()), |(o, p), (g, h)| {
+        o.step(p, g, h)
+    });
+    for (input, expect, params) in O::bad_first_steps(g, rng) {
+        let mut fresh = (O::new(n, O::Config::default()).unwrap(), params);
+        p.probe(&input, expect, &mut fresh, |(o, p)| o.step(p, &g.x, None));
+    }
+    let set = |(o, _): &mut (O, Matrix), c| o.set_config(c);
+    t.configs(O::NAME, O::bad_configs(), &mut o, snap, set, |c| {
+        O::new(n, c).map(drop)
+    });
+    let states = O::bad_states(&o.0.state(), rng);
+    let mut p = t.on(format!("{}::restore", O::NAME), snap);
+    p.rows(&mut o, states, |(o, _), st| o.restore(&st));
+}
+
 fn flat_optimizers(t: &mut Tally, rng: &mut ChaCha8Rng, n: usize) {
     let x = mat(rng, n, 1);
     let (xs, xd) = poisoned(rng, n, 1);
-    let wrong = mat(rng, n + 1, 1);
-    let two_cols = mat(rng, n, 2);
-    let huge = filled(n, 1, HUGE);
-    let mut none = ();
-    let s0 = |_: &()| snap_mats(&[]);
-
-    // SGD.
-    let mut o = (
-        Sgd::new(&DEV, n, SgdConfig::default()).unwrap(),
-        mat(rng, n, 1),
-    );
-    o.0.step(&mut o.1, &x).unwrap();
-    let s = |o: &(Sgd, Matrix)| snap_ck(&o.0, &[&o.1]);
-    let tgt = "Sgd::step";
-    let bad_grads = [
-        ("grad one row longer".into(), &wrong),
-        ("grad n x 2".into(), &two_cols),
-        (format!("grad holds {xd}"), &xs),
-    ];
-    t.probe_grads(tgt, &bad_grads, &mut o, s, |(o, p), g| o.step(p, g));
-    let mut o_bad = (
-        Sgd::new(&DEV, n, SgdConfig::default()).unwrap(),
-        xs.try_clone().unwrap(),
-    );
-    t.probe(
-        tgt,
-        &format!("params holds {xd}"),
-        Expect::Err(&["params"]),
-        &mut o_bad,
-        s,
-        |(o, p)| o.step(p, &x),
-    );
-    let mut o_wrong = (
-        Sgd::new(&DEV, n, SgdConfig::default()).unwrap(),
-        mat(rng, n + 1, 1),
-    );
-    t.probe(
-        tgt,
-        "params one row longer",
-        Expect::Err(&["params"]),
-        &mut o_wrong,
-        s,
-        |(o, p)| o.step(p, &x),
-    );
-    t.probe(
-        tgt,
-        "grad = 1e30",
-        Expect::ErrOrFinite,
-        &mut o,
-        s,
-        |(o, p)| o.step(p, &huge),
-    );
-    let tgt = "Sgd::set_config";
-    let cfg = SgdConfig::default();
-    t.probe_configs(
-        (tgt, "Sgd::new"),
-        &[
-            (&["lr"][..], SgdConfig { lr: -0.1, ..cfg }),
-            (
-                &["momentum"][..],
-                SgdConfig {
-                    momentum: 1.0,
-                    ..cfg
-                },
-            ),
-            (
-                &["weight_decay"][..],
-                SgdConfig {
-                    weight_decay: f32::NAN,
-                    ..cfg
-                },
-            ),
-        ],
-        &mut o,
-        s,
-        |(o, _), c| o.set_config(c),
-        |c| Sgd::new(&DEV, n, c).map(|_| ()),
-    );
-    t.probe(
-        "Sgd::new",
-        "n = 0",
-        Expect::Err(&["n"]),
-        &mut none,
-        s0,
-        |_| Sgd::new(&DEV, 0, cfg).map(|_| ()),
-    );
-    let good = o.0.state().unwrap();
-    let mut m = good.momentum.clone();
-    let md = poison(rng, &mut m);
-    let bad_states = [
-        (
-            "momentum length n+1".into(),
-            &["momentum"][..],
-            SgdState {
-                momentum: vec![0.1; n + 1],
-                ..good.clone()
-            },
-        ),
-        (
-            format!("momentum holds {md}"),
-            &["momentum"][..],
-            SgdState {
-                momentum: m,
-                ..good.clone()
-            },
-        ),
-    ];
-    t.probe_restores("Sgd::restore", &bad_states, &mut o, s, |(o, _), st| {
-        o.restore(st)
-    });
-
-    // AdamW.
-    let mut o = (
-        AdamW::new(&DEV, n, AdamWConfig::default()).unwrap(),
-        mat(rng, n, 1),
-    );
-    o.0.step(&mut o.1, &x).unwrap();
-    let s = |o: &(AdamW, Matrix)| snap_ck(&o.0, &[&o.1]);
-    let tgt = "AdamW::step";
-    let bad_grads = [
-        ("grad one row longer".into(), &wrong),
-        (format!("grad holds {xd}"), &xs),
-    ];
-    t.probe_grads(tgt, &bad_grads, &mut o, s, |(o, p), g| o.step(p, g));
-    let mut o_bad = (
-        AdamW::new(&DEV, n, AdamWConfig::default()).unwrap(),
-        xs.try_clone().unwrap(),
-    );
-    t.probe(
-        tgt,
-        &format!("params holds {xd}"),
-        Expect::Err(&["params"]),
-        &mut o_bad,
-        s,
-        |(o, p)| o.step(p, &x),
-    );
-    t.probe(
-        tgt,
-        "grad = 1e30 (g² overflows f32)",
-        Expect::ErrOrFinite,
-        &mut o,
-        s,
-        |(o, p)| o.step(p, &huge),
-    );
-    let cfg = AdamWConfig::default();
-    t.probe_configs(
-        ("AdamW::set_config", "AdamW::new"),
-        &[
-            (
-                &["lr"][..],
-                AdamWConfig {
-                    lr: f32::NAN,
-                    ..cfg
-                },
-            ),
-            (&["beta1"][..], AdamWConfig { beta1: 1.0, ..cfg }),
-            (&["beta2"][..], AdamWConfig { beta2: 2.0, ..cfg }),
-            (&["eps"][..], AdamWConfig { eps: 0.0, ..cfg }),
-            (
-                &["weight_decay"][..],
-                AdamWConfig {
-                    weight_decay: -1.0,
-                    ..cfg
-                },
-            ),
-            (
-                &["schedule.total_steps"][..],
-                AdamWConfig {
-                    schedule: grng::optim::adamw::LrSchedule::Cosine {
-                        total_steps: 10,
-                        min_lr: 0.0,
-                    },
-                    ..cfg
-                },
-            ),
-            (
-                &["schedule.min_lr"][..],
-                AdamWConfig {
-                    schedule: grng::optim::adamw::LrSchedule::Cosine {
-                        total_steps: 1000,
-                        min_lr: 1.0,
-                    },
-                    ..cfg
-                },
-            ),
-        ],
-        &mut o,
-        s,
-        |(o, _), c| o.set_config(c),
-        |c| AdamW::new(&DEV, n, c).map(|_| ()),
-    );
-    let good = o.0.state().unwrap();
-    let mut v = good.v.clone();
-    let k = rng.random_range(0..n);
-    v[k] = -1.0;
-    let mut m = good.m.clone();
-    let md = poison(rng, &mut m);
-    let short_v = vec![0.0; n.saturating_sub(1)];
-    let bad_states = [
-        (
-            format!("v[{k}] = -1"),
-            &["v"][..],
-            AdamWState { v, ..good.clone() },
-        ),
-        (
-            format!("m holds {md}"),
-            &["m"][..],
-            AdamWState { m, ..good.clone() },
-        ),
-        (
-            "v length n-1".into(),
-            &["v"][..],
-            AdamWState {
-                v: short_v,
-                ..good.clone()
-            },
-        ),
-    ];
-    t.probe_restores("AdamW::restore", &bad_states, &mut o, s, |(o, _), st| {
-        o.restore(st)
-    });
-
-    // Sophia.
-    let cfg = SophiaConfig::default();
-    let mut o = (Sophia::new(&DEV, n, cfg).unwrap(), mat(rng, n, 1));
-    let hs = mat(rng, n, 1);
-    o.0.step(
-        &mut o.1,
-        &x,
-        Some(SophiaHessian {
-            sampled_grad: &hs,
-            batch: 4,
-        }),
-    )
-    .unwrap();
-    let s = |o: &(Sophia, Matrix)| snap_ck(&o.0, &[&o.1]);
-    let tgt = "Sophia::step";
-    let hess = |g| {
-        Some(SophiaHessian {
-            sampled_grad: g,
-            batch: 4,
-        })
+    let g = Grads {
+        x,
+        xs,
+        xd,
+        wrong: mat(rng, n + 1, 1),
+        two_cols: mat(rng, n, 2),
+        huge: filled(n, 1, HUGE),
     };
-    // (input, the arguments its error names, grad, hess.sampled_grad).
-    type SophiaCase<'a> = (
-        String,
-        &'static [&'static str],
-        &'a Matrix,
-        Option<&'a Matrix>,
-    );
-    let bad_steps: [SophiaCase<'_>; 4] = [
-        ("grad one row longer".into(), &["grad"], &wrong, None),
-        (format!("grad holds {xd}"), &["grad"], &xs, Some(&hs)),
-        (
-            format!("hess.sampled_grad holds {xd}"),
-            &["sampled_grad"],
-            &x,
-            Some(&xs),
-        ),
-        (
-            "hess.sampled_grad one row longer".into(),
-            &["hess.sampled_grad"],
-            &x,
-            Some(&wrong),
-        ),
-    ];
-    for (input, args, g, h) in bad_steps {
-        t.probe(tgt, &input, Expect::Err(args), &mut o, s, |(o, p)| {
-            o.step(p, g, h.and_then(hess))
-        });
-    }
-    t.probe(
-        tgt,
-        "hess.batch = 0",
-        Expect::Err(&["batch"]),
-        &mut o,
-        s,
-        |(o, p)| {
-            o.step(
-                p,
-                &x,
-                Some(SophiaHessian {
-                    sampled_grad: &hs,
-                    batch: 0,
-                }),
-            )
-        },
-    );
-    let mut o_need = (Sophia::new(&DEV, n, cfg).unwrap(), mat(rng, n, 1));
-    t.probe(
-        tgt,
-        "no hess on a refresh step",
-        Expect::Err(&["hess"]),
-        &mut o_need,
-        s,
-        |(o, p)| o.step(p, &x, None),
-    );
-    t.probe(
-        tgt,
-        "hess.sampled_grad = 1e30 (B·g² overflows)",
-        Expect::ErrOrFinite,
-        &mut o,
-        s,
-        |(o, p)| o.step(p, &x, hess(&huge)),
-    );
-    t.probe_configs(
-        ("Sophia::set_config", "Sophia::new"),
-        &[
-            (&["lr"][..], SophiaConfig { lr: -1.0, ..cfg }),
-            (&["beta1"][..], SophiaConfig { beta1: 1.0, ..cfg }),
-            (
-                &["beta2"][..],
-                SophiaConfig {
-                    beta2: f32::NAN,
-                    ..cfg
-                },
-            ),
-            (&["gamma"][..], SophiaConfig { gamma: 0.0, ..cfg }),
-            (&["eps"][..], SophiaConfig { eps: -1.0, ..cfg }),
-            (
-                &["hessian_every"][..],
-                SophiaConfig {
-                    hessian_every: 0,
-                    ..cfg
-                },
-            ),
-        ],
-        &mut o,
-        s,
-        |(o, _), c| o.set_config(c),
-        |c| Sophia::new(&DEV, n, c).map(|_| ()),
-    );
-    let good = o.0.state().unwrap();
-    let mut h = good.h.clone();
-    let k = rng.random_range(0..n);
-    h[k] = -1.0;
-    let bad_states = [
-        (
-            format!("h[{k}] = -1"),
-            &["h"][..],
-            SophiaState { h, ..good.clone() },
-        ),
-        (
-            "m length n+2".into(),
-            &["m"][..],
-            SophiaState {
-                m: vec![0.0; n + 2],
-                ..good.clone()
-            },
-        ),
-    ];
-    t.probe_restores("Sophia::restore", &bad_states, &mut o, s, |(o, _), st| {
-        o.restore(st)
-    });
+    flat_optimizer::<Sgd>(t, rng, &g);
+    let new = || Sgd::new(&DEV, 0, SgdConfig::default()).map(drop);
+    t.pure("Sgd::new").err("n = 0", "n", new);
+    flat_optimizer::<AdamW>(t, rng, &g);
+    flat_optimizer::<Sophia>(t, rng, &g);
 }
 
 fn kalman_optimizer(t: &mut Tally, rng: &mut ChaCha8Rng, n: usize, d_o: usize) {
@@ -1980,138 +1219,47 @@ fn kalman_optimizer(t: &mut Tally, rng: &mut ChaCha8Rng, n: usize, d_o: usize) {
     let mut o = RKalman::new(&DEV, &mu0, d_o, cfg).unwrap();
     o.step(&h, &v).unwrap();
     let s = |o: &RKalman| snap_ck(o, &[]);
-    let tgt = "RKalman::step";
+
     let h_wide = mat(rng, d_o, n + 1);
-    t.probe(tgt, "h d_o x (n+1)", Expect::Err(&["h"]), &mut o, s, |o| {
-        o.step(&h_wide, &v)
-    });
     let v2 = mat(rng, d_o, 2);
-    t.probe(
-        tgt,
-        "innovation d_o x 2",
-        Expect::Err(&["innovation"]),
-        &mut o,
-        s,
-        |o| o.step(&h, &v2),
-    );
     let (hb, hd) = poisoned(rng, d_o, n);
-    t.probe(
-        tgt,
-        &format!("h holds {hd}"),
-        Expect::Err(&["h"]),
-        &mut o,
-        s,
-        |o| o.step(&hb, &v),
-    );
     let (vb, vd) = poisoned(rng, d_o, 1);
-    t.probe(
-        tgt,
-        &format!("innovation holds {vd}"),
-        Expect::Err(&["innovation"]),
-        &mut o,
-        s,
-        |o| o.step(&h, &vb),
-    );
     let h_huge = filled(d_o, n, HUGE);
-    t.probe(tgt, "h = 1e30", Expect::ErrOrFinite, &mut o, s, |o| {
-        o.step(&h_huge, &v)
-    });
+    // (h, innovation).
+    let rows = [
+        err("h d_o x (n+1)", "h", (&h_wide, &v)),
+        err("innovation d_o x 2", "innovation", (&h, &v2)),
+        err(format!("h holds {hd}"), "h", (&hb, &v)),
+        err(format!("innovation holds {vd}"), "innovation", (&h, &vb)),
+        huge("h = 1e30", (&h_huge, &v)),
+    ];
+    t.on("RKalman::step", s)
+        .rows(&mut o, rows, |o, (h, v)| o.step(h, v));
 
-    let mut none = ();
-    let s0 = |_: &()| snap_mats(&[]);
-    let k = cfg.kalman;
-    t.probe_configs(
-        ("RKalman::set_config", "RKalman::new"),
-        &[
-            (&["sigma0"][..], RKalmanConfig { sigma0: 0.0, ..cfg }),
-            (
-                &["beta"][..],
-                RKalmanConfig {
-                    kalman: KalmanOptions { beta: -0.1, ..k },
-                    ..cfg
-                },
-            ),
-            (
-                &["rho"][..],
-                RKalmanConfig {
-                    kalman: KalmanOptions { rho: f32::NAN, ..k },
-                    ..cfg
-                },
-            ),
-            (
-                &["jitter"][..],
-                RKalmanConfig {
-                    kalman: KalmanOptions { jitter: 0.0, ..k },
-                    ..cfg
-                },
-            ),
-        ],
-        &mut o,
-        s,
-        |o, c| o.set_config(c),
-        |c| RKalman::new(&DEV, &mu0, d_o, c).map(|_| ()),
-    );
-    t.probe(
-        "RKalman::new",
-        "d_o = 0",
-        Expect::Err(&["d_o"]),
-        &mut none,
-        s0,
-        |_| RKalman::new(&DEV, &mu0, 0, cfg).map(|_| ()),
-    );
+    let configs = [
+        bad("sigma0", cfg, |c| c.sigma0 = 0.0),
+        bad("beta", cfg, |c| c.kalman.beta = -0.1),
+        bad("rho", cfg, |c| c.kalman.rho = f32::NAN),
+        bad("jitter", cfg, |c| c.kalman.jitter = 0.0),
+    ];
+    let new = |d_o, c| RKalman::new(&DEV, &mu0, d_o, c).map(drop);
+    let set = |o: &mut RKalman, c| o.set_config(c);
+    t.configs("RKalman", configs, &mut o, s, set, |c| new(d_o, c));
+    t.pure("RKalman::new").err("d_o = 0", "d_o", || new(0, cfg));
 
-    let tgt = "RKalman::restore";
     let good = o.state().unwrap();
-    let mut sigma = good.sigma.clone();
     let i = rng.random_range(0..n);
-    sigma[i] = 0.0;
-    let st = RKalmanState {
-        sigma,
-        ..good.clone()
-    };
-    t.probe(
-        tgt,
-        &format!("sigma[{i}] = 0"),
-        Expect::Err(&["sigma"]),
-        &mut o,
-        s,
-        |o| o.restore(&st),
-    );
     let mut mu = good.mu.clone();
     let md = poison(rng, &mut mu);
-    let st = RKalmanState { mu, ..good.clone() };
-    t.probe(
-        tgt,
-        &format!("mu holds {md}"),
-        Expect::Err(&["mu"]),
-        &mut o,
-        s,
-        |o| o.restore(&st),
-    );
-    let st = RKalmanState {
-        r: vec![0.0; d_o * d_o + 1],
-        ..good.clone()
-    };
-    t.probe(
-        tgt,
-        "r length d_o²+1",
-        Expect::Err(&["r"]),
-        &mut o,
-        s,
-        |o| o.restore(&st),
-    );
-    let st = RKalmanState {
-        r: non_spd(rng, d_o),
-        ..good.clone()
-    };
-    t.probe(
-        tgt,
-        "r not positive semidefinite",
-        Expect::Err(&["r"]),
-        &mut o,
-        s,
-        |o| o.restore(&st),
-    );
+    #[rustfmt::skip]
+    let rows = [
+        err(format!("sigma[{i}] = 0"), "sigma", edited(good.clone(), |s| s.sigma[i] = 0.0)),
+        err(format!("mu holds {md}"), "mu", edited(good.clone(), |s| s.mu = mu)),
+        err("r length d_o²+1", "r", edited(good.clone(), |s| s.r = vec![0.0; d_o * d_o + 1])),
+        err("r not positive semidefinite", "r", edited(good.clone(), |s| s.r = non_spd(rng, d_o))),
+    ];
+    t.on("RKalman::restore", s)
+        .rows(&mut o, rows, |o, st| o.restore(&st));
 }
 
 /// Statistics for `shapes` with `m` rows, on the CPU.
@@ -2120,6 +1268,10 @@ fn stats(rng: &mut ChaCha8Rng, shapes: &[(usize, usize)], m: usize) -> Vec<(Matr
         .iter()
         .map(|&(o, i)| (mat(rng, m, i), mat(rng, m, o)))
         .collect()
+}
+
+fn kron_stats(st: &[(Matrix, Matrix)]) -> Vec<KronStats<'_>> {
+    st.iter().map(|(a, e)| KronStats { a, e }).collect()
 }
 
 fn kron_optimizer(t: &mut Tally, rng: &mut ChaCha8Rng, shapes: &[(usize, usize)], variant: usize) {
@@ -2132,8 +1284,7 @@ fn kron_optimizer(t: &mut Tally, rng: &mut ChaCha8Rng, shapes: &[(usize, usize)]
     // Two valid steps: factors and inverses exist, a prediction is pending.
     for _ in 0..2 {
         let st = stats(rng, shapes, m);
-        let ks: Vec<KronStats<'_>> = st.iter().map(|(a, e)| KronStats { a, e }).collect();
-        let ks = opt.needs_stats().then_some(ks);
+        let ks = opt.needs_stats().then(|| kron_stats(&st));
         opt.step(&mut params, &g, ks.as_deref()).unwrap();
     }
     let mut o = (opt, params);
@@ -2142,305 +1293,130 @@ fn kron_optimizer(t: &mut Tally, rng: &mut ChaCha8Rng, shapes: &[(usize, usize)]
         snap_ck(&o.0, &refs)
     };
     let st_ok = stats(rng, shapes, m);
-    let ks_ok: Vec<KronStats<'_>> = st_ok.iter().map(|(a, e)| KronStats { a, e }).collect();
+    let ks_ok = kron_stats(&st_ok);
     let l = rng.random_range(0..shapes.len());
     let (o_l, i_l) = shapes[l];
 
-    for tgt in ["KronOptimizer::step", "KronOptimizer::precondition"] {
-        let run = |o: &mut (KronOptimizer, Vec<Matrix>),
-                   g: &[&Matrix],
-                   ks: Option<&[KronStats<'_>]>|
-         -> Result<()> {
-            if tgt == "KronOptimizer::step" {
-                o.0.step(&mut o.1, g, ks).map(|_| ())
+    for target in ["KronOptimizer::step", "KronOptimizer::precondition"] {
+        type Inputs<'a> = (Vec<&'a Matrix>, Vec<KronStats<'a>>);
+        let run = |o: &mut (KronOptimizer, Vec<Matrix>), (g, ks): Inputs| {
+            if target == "KronOptimizer::step" {
+                o.0.step(&mut o.1, &g, Some(&ks)).map(drop)
             } else {
-                o.0.precondition(g, ks).map(|_| ())
+                o.0.precondition(&g, Some(&ks)).map(drop)
             }
         };
-        t.probe(
-            tgt,
-            "one gradient missing",
-            Expect::Err(&["grads"]),
-            &mut o,
-            s,
-            |o| run(o, &g[1..], Some(&ks_ok)),
-        );
         let wrong = mat(rng, o_l + 1, i_l);
-        let mut gw = g.clone();
-        gw[l] = &wrong;
-        t.probe(
-            tgt,
-            &format!("grads[{l}] one row longer"),
-            Expect::Err(&["grads"]),
-            &mut o,
-            s,
-            |o| run(o, &gw, Some(&ks_ok)),
-        );
         let (bad, bd) = poisoned(rng, o_l, i_l);
-        let mut gb = g.clone();
-        gb[l] = &bad;
-        t.probe(
-            tgt,
-            &format!("grads[{l}] holds {bd}"),
-            Expect::Err(&["grads", "g"]),
-            &mut o,
-            s,
-            |o| run(o, &gb, Some(&ks_ok)),
-        );
-        t.probe(
-            tgt,
-            "stats for one layer too few",
-            Expect::Err(&["stats"]),
-            &mut o,
-            s,
-            |o| run(o, &g, Some(&ks_ok[1..])),
-        );
         let a_wrong = mat(rng, m, i_l + 1);
-        let mut kw = ks_ok.clone();
-        kw[l].a = &a_wrong;
-        t.probe(
-            tgt,
-            &format!("stats[{l}].a has d_in+1 columns"),
-            Expect::Err(&["stats.a"]),
-            &mut o,
-            s,
-            |o| run(o, &g, Some(&kw)),
-        );
         let a_empty = DEV.zeros::<f32>(0, i_l).unwrap();
         let e_empty = DEV.zeros::<f32>(0, o_l).unwrap();
-        let mut ke = ks_ok.clone();
-        ke[l] = KronStats {
-            a: &a_empty,
-            e: &e_empty,
-        };
-        t.probe(
-            tgt,
-            &format!("stats[{l}] with 0 rows (empty batch)"),
-            Expect::Err(&["stats.a", "stats.e", "a"]),
-            &mut o,
-            s,
-            |o| run(o, &g, Some(&ke)),
-        );
         let (ab, ad) = poisoned(rng, m, i_l);
-        let mut kb = ks_ok.clone();
-        kb[l].a = &ab;
-        t.probe(
-            tgt,
-            &format!("stats[{l}].a holds {ad}"),
-            Expect::Err(&["a", "stats.a"]),
-            &mut o,
-            s,
-            |o| run(o, &g, Some(&kb)),
-        );
         let (eb, ed) = poisoned(rng, m, o_l);
-        let mut kb = ks_ok.clone();
-        kb[l].e = &eb;
-        t.probe(
-            tgt,
-            &format!("stats[{l}].e holds {ed}"),
-            Expect::Err(&["a", "e", "stats.e"]),
-            &mut o,
-            s,
-            |o| run(o, &g, Some(&kb)),
-        );
-        let huge: Vec<Matrix> = shapes.iter().map(|&(o, i)| filled(o, i, HUGE)).collect();
-        let gh: Vec<&Matrix> = huge.iter().collect();
-        t.probe(tgt, "grads = 1e30", Expect::ErrOrFinite, &mut o, s, |o| {
-            run(o, &gh, Some(&ks_ok))
-        });
+        let huge_g: Vec<Matrix> = shapes.iter().map(|&(o, i)| filled(o, i, HUGE)).collect();
         let st_h: Vec<(Matrix, Matrix)> = shapes
             .iter()
             .map(|&(o, i)| (filled(m, i, HUGE), filled(m, o, 1.0)))
             .collect();
-        let kh: Vec<KronStats<'_>> = st_h.iter().map(|(a, e)| KronStats { a, e }).collect();
-        t.probe(
-            tgt,
-            "stats.a = 1e30 (AᵀA overflows)",
-            Expect::ErrOrFinite,
-            &mut o,
-            s,
-            |o| run(o, &g, Some(&kh)),
-        );
+        // (grads, stats): layer `l`'s gradient or statistics replaced, or a layer short.
+        let g_l = |x| (replaced(&g, l, x), ks_ok.clone());
+        let ks_l = |x| (g.clone(), replaced(&ks_ok, l, x));
+        let k_l = ks_ok[l];
+        #[rustfmt::skip]
+        let rows = [
+            err("one gradient missing", "grads", (g[1..].to_vec(), ks_ok.clone())),
+            err(format!("grads[{l}] one row longer"), "grads", g_l(&wrong)),
+            err(format!("grads[{l}] holds {bd}"), "grads, g", g_l(&bad)),
+            err("stats for one layer too few", "stats", (g.clone(), ks_ok[1..].to_vec())),
+            err(format!("stats[{l}].a has d_in+1 columns"), "stats.a",
+                ks_l(KronStats { a: &a_wrong, ..k_l })),
+            err(format!("stats[{l}] with 0 rows (empty batch)"), "stats.a, stats.e, a",
+                ks_l(KronStats { a: &a_empty, e: &e_empty })),
+            err(format!("stats[{l}].a holds {ad}"), "a, stats.a",
+                ks_l(KronStats { a: &ab, ..k_l })),
+            err(format!("stats[{l}].e holds {ed}"), "a, e, stats.e",
+                ks_l(KronStats { e: &eb, ..k_l })),
+            huge("grads = 1e30", (huge_g.iter().collect(), ks_ok.clone())),
+            huge("stats.a = 1e30 (AᵀA overflows)", (g.clone(), kron_stats(&st_h))),
+        ];
+        t.on(target, s).rows(&mut o, rows, run);
     }
-    // Missing statistics on a refresh step (a fresh optimizer always needs them).
-    let mut fresh = (
-        KronOptimizer::new(&DEV, shapes, cfg).unwrap(),
-        o.1.iter()
-            .map(|p| p.try_clone().unwrap())
-            .collect::<Vec<_>>(),
-    );
-    t.probe(
-        "KronOptimizer::step",
-        "no stats on a refresh step",
-        Expect::Err(&["stats"]),
-        &mut fresh,
-        s,
-        |o| o.0.step(&mut o.1, &g, None).map(|_| ()),
-    );
-    let (pb, pd) = poisoned(rng, o_l, i_l);
-    let mut with_bad_param = (
-        KronOptimizer::new(&DEV, shapes, cfg).unwrap(),
-        o.1.iter()
-            .map(|p| p.try_clone().unwrap())
-            .collect::<Vec<_>>(),
-    );
-    with_bad_param.1[l] = pb;
-    t.probe(
-        "KronOptimizer::step",
-        &format!("params[{l}] holds {pd}"),
-        Expect::Err(&["x", "params"]),
-        &mut with_bad_param,
-        s,
-        |o| o.0.step(&mut o.1, &g, Some(&ks_ok)).map(|_| ()),
-    );
 
-    let tgt = "KronOptimizer::observe_loss";
+    // Fresh optimizers: a refresh step without statistics, a poisoned parameter.
+    let fresh = |params| (KronOptimizer::new(&DEV, shapes, cfg).unwrap(), params);
+    let params = || -> Vec<Matrix> { o.1.iter().map(|p| p.try_clone().unwrap()).collect() };
+    let mut p = t.on("KronOptimizer::step", s);
+    let mut no_stats = fresh(params());
+    p.err("no stats on a refresh step", "stats", &mut no_stats, |o| {
+        o.0.step(&mut o.1, &g, None).map(drop)
+    });
+    let (pb, pd) = poisoned(rng, o_l, i_l);
+    let mut bad_params = fresh(params());
+    bad_params.1[l] = pb;
+    let input = format!("params[{l}] holds {pd}");
+    p.err(input, "x, params", &mut bad_params, |o| {
+        o.0.step(&mut o.1, &g, Some(&ks_ok)).map(drop)
+    });
+
     // A valid step first, so a prediction is pending.
     let ks_now = o.0.needs_stats().then_some(&ks_ok[..]);
     o.0.step(&mut o.1, &g, ks_now).unwrap();
+    let mut p = t.on("KronOptimizer::observe_loss", s);
     let b = bad_scalar(rng);
-    t.probe(
-        tgt,
-        &format!("before = {b}"),
-        Expect::Err(&["before"]),
-        &mut o,
-        s,
-        |o| o.0.observe_loss(b, 0.5),
-    );
-    let mut no_pending = (KronOptimizer::new(&DEV, shapes, cfg).unwrap(), Vec::new());
-    t.probe(
-        tgt,
-        "no step to observe",
-        Expect::Err(&["predicted change"]),
-        &mut no_pending,
-        s,
-        |o| o.0.observe_loss(1.0, 0.5),
-    );
+    p.err(format!("before = {b}"), "before", &mut o, |o| {
+        o.0.observe_loss(b, 0.5)
+    });
+    let mut no_pending = fresh(Vec::new());
+    let input = "no step to observe";
+    p.err(input, "predicted change", &mut no_pending, |o| {
+        o.0.observe_loss(1.0, 0.5)
+    });
 
-    let tgt = "KronOptimizer::restore";
+    // The optimizer's own state (a fresh copy: `KronState` is not `Clone`), one thing changed.
     let base = || o.0.state().unwrap();
-    let mut cases: Vec<(
-        String,
-        &'static [&'static str],
-        grng::optim::kron::KronState,
-    )> = Vec::new();
-    let mut st = base();
-    st.rho = [-1.0, f32::NAN, 10.0][rng.random_range(0..3)];
-    cases.push((format!("rho = {}", st.rho), &["rho"], st));
-    let mut st = base();
-    st.layers[l].gamma.damping = 0.0;
-    cases.push((format!("layer {l} gamma damping 0"), &["damping"], st));
-    let mut st = base();
-    st.layers[l].lambda.factor = mat(rng, i_l + 1, i_l + 1);
-    cases.push((
-        format!("layer {l} lambda factor (d_in+1)²"),
-        &["factor"],
-        st,
-    ));
-    let mut st = base();
+    let rho = [-1.0, f32::NAN, 10.0][rng.random_range(0..3)];
+    let factor_wrong = mat(rng, i_l + 1, i_l + 1);
     let (fb, fd) = poisoned(rng, o_l, o_l);
-    st.layers[l].gamma.inverse = fb;
-    cases.push((
-        format!("layer {l} gamma inverse holds {fd}"),
-        &["x", "inverse"],
-        st,
-    ));
-    let mut st = base();
-    st.layers.pop();
-    if !st.layers.is_empty() {
-        cases.push(("one layer missing".into(), &["layers"], st));
-    }
-    let mut st = base();
-    st.layers[l].lambda.factor = DEV.upload(i_l, i_l, &non_spd(rng, i_l)).unwrap();
-    cases.push((
-        format!("layer {l} lambda factor not positive definite"),
-        &["factor"],
-        st,
-    ));
-    let mut st = base();
-    st.layers[l].lambda.inverse = DEV.upload(i_l, i_l, &non_spd(rng, i_l)).unwrap();
-    cases.push((
-        format!("layer {l} lambda inverse not positive definite"),
-        &["inverse"],
-        st,
-    ));
-    for (input, args, st) in cases {
-        t.probe(tgt, &input, Expect::Err(args), &mut o, s, move |o| {
-            o.0.restore(st)
-        });
-    }
-
-    let tgt = "KronOptimizer::new";
-    let mut none = ();
-    let s0 = |_: &()| snap_mats(&[]);
-    let bad_cfgs: [(&'static [&'static str], KronConfig); 10] = [
-        (&["lr"], KronConfig { lr: 0.0, ..cfg }),
-        (
-            &["lr"],
-            KronConfig {
-                lr: f32::NAN,
-                ..cfg
-            },
-        ),
-        (
-            &["rho_min"],
-            KronConfig {
-                rho_min: -1.0,
-                ..cfg
-            },
-        ),
-        (
-            &["rho_max"],
-            KronConfig {
-                rho_max: 1e-9,
-                ..cfg
-            },
-        ),
-        (&["rho"], KronConfig { rho: 1.0, ..cfg }),
-        (&["phi"], KronConfig { phi: 1.5, ..cfg }),
-        (&["skip"], KronConfig { skip: 0, ..cfg }),
-        (&["ema"], KronConfig { ema: 1.0, ..cfg }),
-        (
-            &["grad_reg"],
-            KronConfig {
-                grad_reg: -0.01,
-                ..cfg
-            },
-        ),
-        (
-            &["damping_floor"],
-            KronConfig {
-                damping_floor: f32::NEG_INFINITY,
-                ..cfg
-            },
-        ),
+    #[rustfmt::skip]
+    let mut rows = vec![
+        err(format!("rho = {rho}"), "rho", edited(base(), |s| s.rho = rho)),
+        err(format!("layer {l} gamma damping 0"), "damping",
+            edited(base(), |s| s.layers[l].gamma.damping = 0.0)),
+        err(format!("layer {l} lambda factor (d_in+1)²"), "factor",
+            edited(base(), |s| s.layers[l].lambda.factor = factor_wrong)),
+        err(format!("layer {l} gamma inverse holds {fd}"), "x, inverse",
+            edited(base(), |s| s.layers[l].gamma.inverse = fb)),
     ];
-    for (args, c) in bad_cfgs {
-        t.probe(
-            tgt,
-            &format!("{c:?}"),
-            Expect::Err(args),
-            &mut none,
-            s0,
-            |_| KronOptimizer::new(&DEV, shapes, c).map(|_| ()),
-        );
+    // With one layer, none left is a fresh optimizer's valid state: only probed with two.
+    let one_missing = edited(base(), |s| {
+        s.layers.pop();
+    });
+    if !one_missing.layers.is_empty() {
+        rows.push(err("one layer missing", "layers", one_missing));
     }
-    t.probe(
-        tgt,
-        "no layers",
-        Expect::Err(&["layers"]),
-        &mut none,
-        s0,
-        |_| KronOptimizer::new(&DEV, &[], cfg).map(|_| ()),
-    );
-    t.probe(
-        tgt,
-        "a layer with d_in = 0",
-        Expect::Err(&["layers"]),
-        &mut none,
-        s0,
-        |_| KronOptimizer::new(&DEV, &[(3, 0)], cfg).map(|_| ()),
-    );
+    let mut indef = || DEV.upload(i_l, i_l, &non_spd(rng, i_l)).unwrap();
+    #[rustfmt::skip]
+    rows.extend([
+        err(format!("layer {l} lambda factor not positive definite"), "factor",
+            edited(base(), |s| s.layers[l].lambda.factor = indef())),
+        err(format!("layer {l} lambda inverse not positive definite"), "inverse",
+            edited(base(), |s| s.layers[l].lambda.inverse = indef())),
+    ]);
+    t.on("KronOptimizer::restore", s)
+        .rows(&mut o, rows, |o, st| o.0.restore(st));
+
+    let mut q = t.pure("KronOptimizer::new");
+    let rows = bad_fields!(cfg; lr = 0.0, lr = f32::NAN, rho_min = -1.0, rho_max = 1e-9,
+        rho = 1.0, phi = 1.5, skip = 0, ema = 1.0, grad_reg = -0.01,
+        damping_floor = f32::NEG_INFINITY);
+    q.rows(rows, |c| KronOptimizer::new(&DEV, shapes, c).map(drop));
+    let rows = [
+        err("no layers", "layers", &[][..]),
+        err("a layer with d_in = 0", "layers", &[(3, 0)][..]),
+    ];
+    q.rows(rows, |shapes| {
+        KronOptimizer::new(&DEV, shapes, cfg).map(drop)
+    });
 }
 
 // ---------------------------------------------------------------------------------------------
