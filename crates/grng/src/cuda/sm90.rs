@@ -314,7 +314,8 @@ fn self_check(dev: &Device, mismatch: bool) -> Result<std::result::Result<(), St
     let split = |path| -> Result<Vec<f32>> {
         let mut c: Matrix = dev.zeros(m3, n3)?;
         forced(path, || {
-            super::gemm::gemm3(dev, Trans::Yes, Trans::No, 1.0, &a3m, &b3m, 0.0, &mut c)
+            let p = crate::MatMul::new(Trans::Yes, Trans::No, 1.0, &a3m, &b3m);
+            super::gemm::gemm3(dev, p, 0.0, &mut c)
         })?;
         c.to_vec()
     };
@@ -337,7 +338,8 @@ fn self_check(dev: &Device, mismatch: bool) -> Result<std::result::Result<(), St
     let plain = |path| -> Result<Vec<f32>> {
         let mut c: Matrix = dev.zeros(m3, n3)?;
         forced(path, || {
-            super::gemm::gemm_tc(dev, Trans::Yes, Trans::No, alpha5, &a5m, &b5m, 0.0, &mut c)
+            let p = crate::MatMul::new(Trans::Yes, Trans::No, alpha5, &a5m, &b5m);
+            super::gemm::gemm_tc(dev, p, 0.0, &mut c)
         })?;
         c.to_vec()
     };

@@ -7,7 +7,7 @@ use crate::cuda::gemm::Split3;
 use crate::device::{Device, Element, Matrix};
 use crate::error::Result;
 use crate::mat::Trans;
-use crate::shape::{check_batch_gradient_args, check_gemm, op_shape};
+use crate::shape::{check_batch_gradient_args, op_shape, MatMul};
 use half::bf16;
 
 /// The op every GEMM entry point reports in its errors.
@@ -41,17 +41,18 @@ impl Device {
         beta: f32,
         c: &mut Matrix,
     ) -> Result<()> {
+        let p = MatMul::new(ta, tb, alpha, a, b);
         self.check_on(OP, a)?;
         self.check_on(OP, b)?;
         self.check_on(OP, c)?;
-        check_gemm(OP, ta, a.shape(), tb, b.shape(), alpha, beta, c.shape())?;
+        p.check(OP, beta, c.shape())?;
         self.check_finite(OP, "a", a)?;
         self.check_finite(OP, "b", b)?;
         if beta != 0.0 {
             self.check_finite(OP, "c", c)?;
         }
         self.commit_finite(OP, [(OVERFLOW, c, beta != 0.0)], |[c]| {
-            self.gemm_kernel(ta, tb, alpha, a, b, beta, c)
+            self.gemm_kernel(p, beta, c)
         })
     }
 
@@ -110,10 +111,8 @@ impl Device {
                 self.product_unchecked(ta, tb, alpha, *a, *b)
             }
             (Device::Emulated | Device::Cuda(_), Operand::Split(a), Operand::Split(b)) => {
-                let rows = op_shape(ta, a.matrix().shape()).0;
-                let mut c = self.zeros(rows, op_shape(tb, b.matrix().shape()).1)?;
-                crate::cuda::gemm_plan::product3_checked(self, OP, ta, tb, alpha, a, b, &mut c)?;
-                Ok(c)
+                let p = MatMul::new(ta, tb, alpha, a, b);
+                crate::cuda::gemm_plan::product3_checked(self, OP, p)
             }
             _ => Err(crate::Error::DeviceMismatch {
                 op: OP,
@@ -200,7 +199,7 @@ impl Device {
             }
             _ => {
                 let mut c = self.zeros(m, n)?;
-                self.gemm_kernel(ta, tb, alpha, a, b, 0.0, &mut c)?;
+                self.gemm_kernel(MatMul::new(ta, tb, alpha, a, b), 0.0, &mut c)?;
                 c
             }
         };
@@ -279,20 +278,15 @@ impl Device {
         Ok(c)
     }
 
-    /// The product itself on this device's backend, writing `c` in place.
-    #[allow(clippy::too_many_arguments)]
+    /// `C ← p + β·C` itself on this device's backend, writing `c` in place.
     fn gemm_kernel<T: Element>(
         &self,
-        ta: Trans,
-        tb: Trans,
-        alpha: f32,
-        a: &Matrix<T>,
-        b: &Matrix<T>,
+        p: MatMul<&Matrix<T>>,
         beta: f32,
         c: &mut Matrix,
     ) -> Result<()> {
         // grng implements `Element` for f32 and bf16: pick the path of the concrete type.
-        let (a, b): (&dyn Any, &dyn Any) = (a, b);
+        let (a, b): (&dyn Any, &dyn Any) = (p.a, p.b);
         let f32s = a.downcast_ref::<Matrix>().zip(b.downcast_ref::<Matrix>());
         let bf16s = a
             .downcast_ref::<Matrix<bf16>>()
@@ -316,15 +310,11 @@ impl Device {
                     _ => return Err(unsupported()),
                 };
                 let (a, b) = (host_ref(a)?, host_ref(b)?);
-                crate::cpu::gemm(ta, tb, alpha, a, b, beta, host_mut(c)?)
+                crate::cpu::gemm(p.ta, p.tb, p.alpha, a, b, beta, host_mut(c)?)
             }
             Device::Emulated | Device::Cuda(_) => match (f32s, bf16s) {
-                (Some((a, b)), _) => {
-                    crate::cuda::gemm_plan::gemm(self, ta, tb, alpha, a, b, beta, c)
-                }
-                (_, Some((a, b))) => {
-                    crate::cuda::gemm_plan::gemm(self, ta, tb, alpha, a, b, beta, c)
-                }
+                (Some((a, b)), _) => crate::cuda::gemm_plan::gemm(self, p.with(a, b), beta, c),
+                (_, Some((a, b))) => crate::cuda::gemm_plan::gemm(self, p.with(a, b), beta, c),
                 _ => Err(unsupported()),
             },
         }
