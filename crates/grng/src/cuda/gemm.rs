@@ -10,7 +10,7 @@
 //! `int` ranges; device placement is checked by [`KernelArgs`]).
 
 use super::deferred::first_flagged;
-use super::engine::{split3, wg_variant, GEMM_SMEM};
+use super::engine::{split3, wg_variant, GemmInts, GEMM_SMEM};
 use super::launch::{kernel, launch, to_i32, Kernel, KernelArgs, LaunchConfig};
 use crate::device::{Device, Matrix};
 use crate::driver::kernel::Sm90Variant;
@@ -59,18 +59,10 @@ pub fn gemm(dev: &Device, p: MatMul<&Matrix>, beta: f32, c: &mut Matrix) -> Resu
     const OP: &str = "cuda::gemm::gemm";
     // Memory safety: the kernel indexes a, b, c by these dimensions.
     let (m, n, k) = p.dims(OP, c.shape())?;
-    let (mi, ni) = (to_i32(OP, "m", m)?, to_i32(OP, "n", n)?);
-    let ki = to_i32(OP, "k", k)?;
-    let (lda, ldb, ldc) = (
-        to_i32(OP, "a", p.a.cols())?,
-        to_i32(OP, "b", p.b.cols())?,
-        to_i32(OP, "c", c.cols())?,
-    );
+    let ints = GemmInts::new(OP, (m, n, k), [p.a.cols(), p.b.cols(), c.cols()])?;
     if m == 0 || n == 0 {
         return Ok(());
     }
-    // α = 0: run no k step at all, so A and B are never read (C ← β·C).
-    let k_eff = if p.alpha == 0.0 { 0 } else { ki };
     let kernel = match (p.ta, p.tb) {
         (Trans::No, Trans::No) => &GEMM_NN,
         (Trans::No, Trans::Yes) => &GEMM_NT,
@@ -90,12 +82,12 @@ pub fn gemm(dev: &Device, p: MatMul<&Matrix>, beta: f32, c: &mut Matrix) -> Resu
     args.input(OP, p.a)?
         .input(OP, p.b)?
         .output(OP, c)?
-        .scalar(mi)
-        .scalar(ni)
-        .scalar(k_eff)
-        .scalar(lda)
-        .scalar(ldb)
-        .scalar(ldc)
+        .scalar(ints.m)
+        .scalar(ints.n)
+        .scalar(ints.k_steps(p.alpha))
+        .scalar(ints.lda)
+        .scalar(ints.ldb)
+        .scalar(ints.ldc)
         .scalar(p.alpha)
         .scalar(beta);
     // SAFETY: gemm_{nn,nt,tn,tt}(const float* A, const float* B, float* C, int M,
@@ -313,20 +305,10 @@ fn launch_engine(
     } = p;
     let (m, n) = c.shape();
     let k = op_shape(ta, a_shape).1;
-    let (mi, ni, ki) = (
-        to_i32(op, "m", m)?,
-        to_i32(op, "n", n)?,
-        to_i32(op, "k", k)?,
-    );
-    let (lda, ldb, ldc) = (
-        to_i32(op, "a", a_shape.1)?,
-        to_i32(op, "b", b_shape.1)?,
-        to_i32(op, "c", n)?,
-    );
+    let ints = GemmInts::new(op, (m, n, k), [a_shape.1, b_shape.1, n])?;
     if m == 0 || n == 0 {
         return Ok(());
     }
-    let k_eff = if alpha == 0.0 { 0 } else { ki };
     let grid_y = u32::try_from(m.div_ceil(128))
         .ok()
         .filter(|&y| y <= 65_535)
@@ -349,16 +331,16 @@ fn launch_engine(
     let plane = |s: (usize, usize)| (s.0 * s.1) as i64;
     let mut args = KernelArgs::new(dev);
     args.input(op, ap)?
-        .scalar(lda)
+        .scalar(ints.lda)
         .scalar(plane(a_shape))
         .input(op, bp)?
-        .scalar(ldb)
+        .scalar(ints.ldb)
         .scalar(plane(b_shape))
         .output(op, c)?
-        .scalar(ldc)
-        .scalar(mi)
-        .scalar(ni)
-        .scalar(k_eff)
+        .scalar(ints.ldc)
+        .scalar(ints.m)
+        .scalar(ints.n)
+        .scalar(ints.k_steps(alpha))
         .scalar(alpha)
         .scalar(beta)
         .scalar(trans);

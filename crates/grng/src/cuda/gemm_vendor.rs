@@ -17,6 +17,7 @@ use cudarc::cublas::CudaBlas;
 use cudarc::driver::{CudaSlice, DevicePtr, DevicePtrMut};
 use half::bf16;
 
+use super::engine::GemmInts;
 use super::launch::to_i32;
 use super::CudaDevice;
 use crate::device::{Device, Element, Matrix, Storage};
@@ -117,12 +118,7 @@ pub fn gemm<T: VendorElement>(
     if m == 0 || n == 0 {
         return Ok(());
     }
-    let (mi, ni, ki) = (
-        to_i32(OP, "m", m)?,
-        to_i32(OP, "n", n)?,
-        to_i32(OP, "k", k)?,
-    );
-    let (lda, ldb) = (to_i32(OP, "a", p.a.cols())?, to_i32(OP, "b", p.b.cols())?);
+    let ints = GemmInts::new(OP, (m, n, k), [p.a.cols(), p.b.cols(), c.cols()])?;
     let (cuda, blas) = bound_handle(OP, dev)?;
     let stream = cuda.stream();
     let (ap, _a_guard) = slice(OP, p.a)?.device_ptr(stream);
@@ -141,20 +137,20 @@ pub fn gemm<T: VendorElement>(
             *blas.handle(),
             op(p.tb),
             op(p.ta),
-            ni,
-            mi,
-            ki,
+            ints.n,
+            ints.m,
+            ints.k,
             (&p.alpha as *const f32).cast(),
             bp as *const _,
             T::DATA_TYPE,
-            ldb,
+            ints.ldb,
             ap as *const _,
             T::DATA_TYPE,
-            lda,
+            ints.lda,
             (&beta as *const f32).cast(),
             cp as *mut _,
             cudaDataType_t::CUDA_R_32F,
-            ni,
+            ints.ldc,
             cublasComputeType_t::CUBLAS_COMPUTE_32F,
             cublasGemmAlgo_t::CUBLAS_GEMM_DEFAULT,
         )
