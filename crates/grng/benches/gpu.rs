@@ -31,7 +31,7 @@ use grng::ops::kalman::{JacobianElement, KalmanOptions, KalmanState};
 use grng::ops::newton::{NewtonOptions, Precision};
 use grng::optim::kron::{KronConfig, KronGrad, KronOptimizer};
 use grng::optim::KronStats;
-use grng::{Device, Trans};
+use grng::{Device, MatMul, Trans};
 use half::bf16;
 use std::time::Instant;
 
@@ -823,16 +823,8 @@ fn gemm_bf16_section(b: &Bench) -> Res<()> {
                 .gemm(Trans::Yes, Trans::No, 1.0, &a, &bm, 0.0, &mut c)?)
         });
         let bare = b.grng(|| {
-            Ok(gemm_tc(
-                &b.dev,
-                Trans::Yes,
-                Trans::No,
-                1.0,
-                &a,
-                &bm,
-                0.0,
-                &mut c,
-            )?)
+            let p = MatMul::new(Trans::Yes, Trans::No, 1.0, &a, &bm);
+            Ok(gemm_tc(&b.dev, p, 0.0, &mut c)?)
         });
         let s = b.cuda.stream();
         let da: CudaSlice<bf16> = s.clone_htod(&ha)?;

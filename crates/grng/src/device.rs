@@ -155,6 +155,12 @@ pub struct Matrix<T: Element = f32> {
     pub(crate) storage: Storage<T>,
 }
 
+impl<T: Element> crate::shape::Shaped for Matrix<T> {
+    fn stored_shape(&self) -> (usize, usize) {
+        self.shape()
+    }
+}
+
 impl<T: Element> Matrix<T> {
     crate::mat::shape_accessors!();
     /// Number of elements.

@@ -82,6 +82,7 @@ mod testing;
 pub use device::{Device, Element, Matrix};
 pub use error::{DivergenceReason, Error, Result};
 pub use mat::{Mat, MatMut, MatRef, Trans};
+pub use shape::MatMul;
 
 /// Compiles the README's code blocks as doctests so the example there cannot rot.
 #[doc = include_str!("../../../README.md")]

@@ -32,6 +32,100 @@ pub(crate) fn check_gemm(
     gemm_dims(op, trans_a, a, trans_b, b, c)
 }
 
+/// The product `α·op(A)·op(B)` of a GEMM `C ← α·op(A)·op(B) + β·C`: the operands with their
+/// transposes and `α`, written once and passed whole by the layers below
+/// [`crate::Device::gemm`] (the GEMM plan, the engine's and the vendor's launchers: `β` and
+/// `C` beside it) and by the optimizers' products (a new matrix: no `β`, no old `C`). `X` is
+/// the operands' form: `&Matrix<f32>` or `&Matrix<bf16>`, the split3 planes of
+/// `cuda::gemm::Split3`, the planes a launcher hands its kernel.
+///
+/// BLAS semantics wherever it runs: `α = 0` never reads `A` and `B`.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct MatMul<X> {
+    /// Whether `A` is transposed (`op(A) = Aᵀ`).
+    pub ta: Trans,
+    /// Whether `B` is transposed.
+    pub tb: Trans,
+    /// `α`.
+    pub alpha: f32,
+    /// `A`.
+    pub a: X,
+    /// `B`.
+    pub b: X,
+}
+
+impl<X> MatMul<X> {
+    /// `α·op(A)·op(B)`, its arguments in BLAS order.
+    pub fn new(ta: Trans, tb: Trans, alpha: f32, a: X, b: X) -> Self {
+        Self {
+            ta,
+            tb,
+            alpha,
+            a,
+            b,
+        }
+    }
+
+    /// The same product of other operands: `A` and `B` in another form (say their split
+    /// planes), the transposes and `α` kept.
+    pub fn with<Y>(&self, a: Y, b: Y) -> MatMul<Y> {
+        MatMul::new(self.ta, self.tb, self.alpha, a, b)
+    }
+
+    /// [`MatMul::with`] `f(A)` and `f(B)`.
+    pub fn map<Y>(self, mut f: impl FnMut(X) -> Y) -> MatMul<Y> {
+        MatMul::new(self.ta, self.tb, self.alpha, f(self.a), f(self.b))
+    }
+}
+
+/// An operand with a stored `rows x cols` shape ([`MatMul::dims`]).
+pub(crate) trait Shaped {
+    /// `(rows, cols)` as stored (before any transpose).
+    fn stored_shape(&self) -> (usize, usize);
+}
+
+impl<X: ?Sized> MatMul<&X> {
+    /// [`gemm_dims`] of this product into a `c`-shaped `C`: `(m, n, k)`.
+    ///
+    /// # Errors
+    /// [`Error::Shape`] naming `op`.
+    pub(crate) fn dims(&self, op: &'static str, c: (usize, usize)) -> Result<(usize, usize, usize)>
+    where
+        X: Shaped,
+    {
+        let (a, b) = (self.a.stored_shape(), self.b.stored_shape());
+        gemm_dims(op, self.ta, a, self.tb, b, c)
+    }
+
+    /// The shape of `op(A)·op(B)`: the rows of `op(A)`, the columns of `op(B)`.
+    pub(crate) fn shape(&self) -> (usize, usize)
+    where
+        X: Shaped,
+    {
+        let (m, _) = op_shape(self.ta, self.a.stored_shape());
+        let (_, n) = op_shape(self.tb, self.b.stored_shape());
+        (m, n)
+    }
+
+    /// [`check_gemm`] of `C ← this product + β·C` for a `c`-shaped `C`: finite `α`, `β`, then
+    /// [`MatMul::dims`].
+    ///
+    /// # Errors
+    /// [`Error::Value`], [`Error::Shape`] naming `op`.
+    pub(crate) fn check(
+        &self,
+        op: &'static str,
+        beta: f32,
+        c: (usize, usize),
+    ) -> Result<(usize, usize, usize)>
+    where
+        X: Shaped,
+    {
+        let (a, b) = (self.a.stored_shape(), self.b.stored_shape());
+        check_gemm(op, self.ta, a, self.tb, b, self.alpha, beta, c)
+    }
+}
+
 /// `(m, n, k)` for `op(A)` `m x k`, `op(B)` `k x n`, or [`Error::Shape`] unless the inner
 /// dimensions agree and `C` is `m x n`: the part of [`check_gemm`] a GEMM kernel's memory
 /// safety rests on (it indexes every operand by these dimensions).

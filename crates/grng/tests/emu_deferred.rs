@@ -15,7 +15,7 @@ use grng::hooks::{read_backs, record_launches, take_launches};
 use grng::mat::Trans;
 use grng::optim::kron::{KronConfig, KronGrad, KronOptimizer, KronVariant};
 use grng::optim::KronStats;
-use grng::{Device, Error, Matrix};
+use grng::{Device, Error, MatMul, Matrix};
 use rand::Rng;
 use rand_chacha::ChaCha8Rng;
 use std::sync::{Mutex, PoisonError};
@@ -323,7 +323,7 @@ fn product_epilogue_flags_the_first_overflow() {
                 Split3::new(&dev, &a).unwrap(),
                 Split3::new(&dev, &b).unwrap(),
             );
-            let r = product3_checked(&dev, "test", ta, tb, 1.0, &a, &b, &mut c);
+            let r = product3_checked(&dev, "test", MatMul::new(ta, tb, 1.0, &a, &b), &mut c);
             let what = format!("{} case {case}: {m}x{n}x{k} {ta:?}{tb:?}", dev.name());
             match (r, expected) {
                 (Ok(()), None) => {}

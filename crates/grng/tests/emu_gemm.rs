@@ -7,7 +7,7 @@
 //! NaN before each launch wherever the operation does not read them.
 
 use grng::cuda::gemm;
-use grng::{Device, Element, Error, Matrix, Trans};
+use grng::{Device, Element, Error, MatMul, Matrix, Trans};
 use half::bf16;
 use proptest::prelude::*;
 use rand::{Rng, SeedableRng};
@@ -79,8 +79,7 @@ fn widen(x: &[bf16]) -> Vec<f32> {
 }
 
 /// A GEMM launcher with `gemm::gemm`'s signature (`gemm::gemm_tc`'s for `T = bf16`).
-type GemmFn<T> =
-    fn(&Device, Trans, Trans, f32, &Matrix<T>, &Matrix<T>, f32, &mut Matrix) -> grng::Result<()>;
+type GemmFn<T> = fn(&Device, MatMul<&Matrix<T>>, f32, &mut Matrix) -> grng::Result<()>;
 
 /// α = 0 through `gemm`: C ← β·C exactly (β = 0 → zeros, C all NaN never read), NaN A and B
 /// never read.
@@ -112,7 +111,7 @@ fn check_alpha_zero<T: Element>(
         t.c0.clone()
     };
     let mut c = dev.upload(rows, cols, &c_in).unwrap();
-    gemm(dev, ta, tb, 0.0, &an, &bn, beta, &mut c).unwrap();
+    gemm(dev, MatMul::new(ta, tb, 0.0, &an, &bn), beta, &mut c).unwrap();
     for (x, c) in c.to_vec().unwrap().iter().zip(&t.c0) {
         let w = if beta == 0.0 { 0.0 } else { beta * c };
         // Exact, up to the sign of zero: a kernel forming `0 + β·c` turns β·0 = −0 into +0
@@ -214,7 +213,7 @@ proptest! {
             let bm = dev.upload(br, bc, &b).unwrap();
             let c_in = if beta == 0.0 { vec![f32::NAN; m * n] } else { c0.clone() };
             let mut c = dev.upload(m, n, &c_in).unwrap();
-            gemm::gemm3(&dev, ta, tb, alpha, &am, &bm, beta, &mut c).unwrap();
+            gemm::gemm3(&dev, MatMul::new(ta, tb, alpha, &am, &bm), beta, &mut c).unwrap();
             let got = c.to_vec().unwrap();
             for i in 0..m {
                 for j in 0..n {
@@ -429,7 +428,7 @@ fn cuda_large_products_match_cpu() {
         dev.gemm(ta, tb, alpha, &am, &bm, beta, &mut c).unwrap();
         check_close(&c.to_vec().unwrap(), &want, &scale, k).unwrap();
         let mut c = dev.upload(m, n, &c_in).unwrap();
-        gemm::gemm3(&dev, ta, tb, alpha, &am, &bm, beta, &mut c).unwrap();
+        gemm::gemm3(&dev, MatMul::new(ta, tb, alpha, &am, &bm), beta, &mut c).unwrap();
         check_close(&c.to_vec().unwrap(), &want, &scale, k + 1).unwrap();
         // The same values rounded to bf16: the tensor-core engine's plain product.
         let (a16, b16) = (to_bf16(&t.a), to_bf16(&t.b));
@@ -506,7 +505,12 @@ fn bad_inputs_are_errors() {
     let r = dev.gemm(Trans::No, Trans::Yes, 1.0, &a, &b, 0.0, &mut c);
     assert!(matches!(r, Err(Error::Shape { .. })), "{r:?}");
     let mut c_wrong = dev.upload(3, 2, &fill).unwrap();
-    let r = gemm::gemm(&dev, Trans::No, Trans::No, 1.0, &a, &b, 0.0, &mut c_wrong);
+    let r = gemm::gemm(
+        &dev,
+        MatMul::new(Trans::No, Trans::No, 1.0, &a, &b),
+        0.0,
+        &mut c_wrong,
+    );
     assert!(matches!(r, Err(Error::Shape { arg: "c", .. })), "{r:?}");
     for bad in [f32::NAN, f32::INFINITY] {
         let r = dev.gemm(Trans::No, Trans::No, bad, &a, &b, 0.0, &mut c);

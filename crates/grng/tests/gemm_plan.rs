@@ -6,7 +6,7 @@
 //! case and both operand types, and the trial's recorded choice within its bound.
 
 use grng::cuda::{gemm, gemm_plan, gemm_vendor};
-use grng::{Device, Error, Matrix, Trans};
+use grng::{Device, Error, MatMul, Matrix, Trans};
 use half::bf16;
 use rand::Rng;
 
@@ -73,13 +73,19 @@ fn emulated_products_run_the_engine_and_count_the_missing_vendor() {
         let before = gemm_plan::vendor_absent();
         let (mut planned, mut direct) = (c0.try_clone().unwrap(), c0.try_clone().unwrap());
         dev.gemm(ta, tb, alpha, &a, &b, beta, &mut planned).unwrap();
-        gemm::gemm(&dev, ta, tb, alpha, &a, &b, beta, &mut direct).unwrap();
+        gemm::gemm(&dev, MatMul::new(ta, tb, alpha, &a, &b), beta, &mut direct).unwrap();
         assert_eq!(bits(&planned), bits(&direct), "f32 {case:?} {dims:?}");
 
         let (mut planned, mut direct) = (c0.try_clone().unwrap(), c0.try_clone().unwrap());
         dev.gemm(ta, tb, alpha, &a16, &b16, beta, &mut planned)
             .unwrap();
-        gemm::gemm_tc(&dev, ta, tb, alpha, &a16, &b16, beta, &mut direct).unwrap();
+        gemm::gemm_tc(
+            &dev,
+            MatMul::new(ta, tb, alpha, &a16, &b16),
+            beta,
+            &mut direct,
+        )
+        .unwrap();
         assert_eq!(bits(&planned), bits(&direct), "bf16 {case:?} {dims:?}");
         // Other tests of this binary may count too: at least these two products.
         assert!(gemm_plan::vendor_absent() >= before + 2);
@@ -249,11 +255,11 @@ fn the_vendor_matches_f64_and_the_trial_agrees_on_a_gpu() {
                     .unwrap()
                 };
                 let (a, b) = (up(o.a_shape, &o.a), up(o.b_shape, &o.b));
-                gemm_vendor::gemm(&dev, ta, tb, alpha, &a, &b, beta, &mut c).unwrap();
+                gemm_vendor::gemm(&dev, MatMul::new(ta, tb, alpha, &a, &b), beta, &mut c).unwrap();
             } else {
                 let a = dev.upload(o.a_shape.0, o.a_shape.1, &o.a).unwrap();
                 let b = dev.upload(o.b_shape.0, o.b_shape.1, &o.b).unwrap();
-                gemm_vendor::gemm(&dev, ta, tb, alpha, &a, &b, beta, &mut c).unwrap();
+                gemm_vendor::gemm(&dev, MatMul::new(ta, tb, alpha, &a, &b), beta, &mut c).unwrap();
                 // The plan's dispatcher on the same product (a trial on its first use).
                 let mut planned = dev.upload(m, n, &o.c0).unwrap();
                 dev.gemm(ta, tb, alpha, &a, &b, beta, &mut planned).unwrap();

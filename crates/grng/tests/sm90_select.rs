@@ -152,7 +152,12 @@ fn split_product(
     let (am, bm) = (dev.upload(k, m, &a)?, dev.upload(k, n, &b)?);
     let mut c: Matrix = dev.zeros(m, n)?;
     take_launches();
-    gemm3(dev, Trans::Yes, Trans::No, 1.0, &am, &bm, 0.0, &mut c)?;
+    gemm3(
+        dev,
+        grng::MatMul::new(Trans::Yes, Trans::No, 1.0, &am, &bm),
+        0.0,
+        &mut c,
+    )?;
     let launched = take_launches();
     let x = |i: usize, p: usize| f64::from(a[p * m + i]);
     let y = |p: usize, j: usize| f64::from(b[p * n + j]);
@@ -173,7 +178,12 @@ fn bf16_product(
     let mut c: Matrix = dev.zeros(n, n)?;
     let alpha = 0.5f32;
     take_launches();
-    gemm_tc(dev, Trans::Yes, Trans::No, alpha, &am, &bm, 0.0, &mut c)?;
+    gemm_tc(
+        dev,
+        grng::MatMul::new(Trans::Yes, Trans::No, alpha, &am, &bm),
+        0.0,
+        &mut c,
+    )?;
     let launched = take_launches();
     let x = |i: usize, p: usize| aw[p * n + i];
     let y = |p: usize, j: usize| bw[p * n + j];

@@ -1,9 +1,11 @@
 //! The launch side of the tensor-core GEMM engine (`kernels/gemm/*.cuh`), shared by every
 //! launcher whose kernels are built on it (`gemm`, `newton`, `syrk`): the engine's shared
 //! memory, the sm_90a block shape, and the split of `f32` operands into the three bf16
-//! planes its f32-accurate products read (kernel `gemm_split3` of `kernels/gemm.cu`).
+//! planes its f32-accurate products read (kernel `gemm_split3` of `kernels/gemm.cu`); and
+//! the `int` sizes every GEMM launch passes (`GemmInts`: the engine's, the SIMT GEMM's,
+//! cuBLAS's).
 
-use super::launch::{kernel, launch, Kernel, KernelArgs, LaunchConfig};
+use super::launch::{kernel, launch, to_i32, Kernel, KernelArgs, LaunchConfig};
 use crate::device::{Device, Matrix};
 use crate::driver::kernel::{SelfCheck, Sm90Variant};
 use crate::error::{check_shape, Result};
@@ -66,4 +68,55 @@ pub(crate) fn split3_into(dev: &Device, x: &Matrix, planes: &mut Matrix<bf16>) -
     // i < count = x.len(), reading x[i] and writing planes[p·count + i] for p < 3; planes holds
     // 3·count bf16 (checked).
     unsafe { launch(&SPLIT3, cfg, args) }
+}
+
+/// A GEMM's sizes as its kernel's `int` arguments (and cuBLAS's): `m`, `n`, `k` and the
+/// leading dimensions (row lengths) of the stored `A`, `B`, `C`, each checked to fit an `int`
+/// ([`to_i32`]) in that order, so that an error names the first that does not.
+#[derive(Clone, Copy, Debug)]
+pub(crate) struct GemmInts {
+    /// Rows of `op(A)` and `C`.
+    pub m: i32,
+    /// Columns of `op(B)` and `C`.
+    pub n: i32,
+    /// Columns of `op(A)`, rows of `op(B)`.
+    pub k: i32,
+    /// Row length of the stored `A`.
+    pub lda: i32,
+    /// Row length of the stored `B`.
+    pub ldb: i32,
+    /// Row length of `C`.
+    pub ldc: i32,
+}
+
+impl GemmInts {
+    /// The sizes of an `(m, n, k)` product ([`crate::Gemm`]'s dimensions) whose stored `A`,
+    /// `B`, `C` have rows of `lda`, `ldb`, `ldc` elements.
+    ///
+    /// # Errors
+    /// [`crate::Error::Value`] naming `op` and the first size of 2^31 or more.
+    pub(crate) fn new(
+        op: &'static str,
+        (m, n, k): (usize, usize, usize),
+        [lda, ldb, ldc]: [usize; 3],
+    ) -> Result<Self> {
+        Ok(Self {
+            m: to_i32(op, "m", m)?,
+            n: to_i32(op, "n", n)?,
+            k: to_i32(op, "k", k)?,
+            lda: to_i32(op, "a", lda)?,
+            ldb: to_i32(op, "b", ldb)?,
+            ldc: to_i32(op, "c", ldc)?,
+        })
+    }
+
+    /// The `K` a GEMM kernel runs: `k`, or no k step at all for `α = 0`, so that `A` and `B`
+    /// are never read (`C ← β·C`).
+    pub(crate) fn k_steps(&self, alpha: f32) -> i32 {
+        if alpha == 0.0 {
+            0
+        } else {
+            self.k
+        }
+    }
 }

@@ -10,7 +10,7 @@
 //! `int` ranges; device placement is checked by [`KernelArgs`]).
 
 use super::deferred::first_flagged;
-use super::engine::{split3, wg_variant, GEMM_SMEM};
+use super::engine::{split3, wg_variant, GemmInts, GEMM_SMEM};
 use super::launch::{kernel, launch, to_i32, Kernel, KernelArgs, LaunchConfig};
 use super::sm90;
 use crate::device::{Device, Matrix};
@@ -18,7 +18,7 @@ use crate::driver::kernel::Sm90Variant;
 use crate::driver::CudaDevice;
 use crate::error::{check_shape, Error, Result, OVERFLOW};
 use crate::mat::Trans;
-use crate::shape::gemm_dims;
+use crate::shape::{op_shape, MatMul, Shaped};
 use half::bf16;
 
 kernel!(pub GEMM_NN = GEMM::gemm_nn;);
@@ -57,7 +57,7 @@ fn check_gemm3_wg(gpu: Option<&CudaDevice>) -> Result<std::result::Result<(), St
         WG_GEMM3.name,
         operands,
         sm90::split3_bound,
-        |dev, a, b, c| gemm3(dev, Trans::Yes, Trans::No, 1.0, a, b, 0.0, c),
+        |dev, a, b, c| gemm3(dev, MatMul::new(Trans::Yes, Trans::No, 1.0, a, b), 0.0, c),
     )
 }
 
@@ -71,7 +71,7 @@ fn check_gemm_bf16_wg(gpu: Option<&CudaDevice>) -> Result<std::result::Result<()
     let operands = ((k, m, &a[..]), Trans::Yes, (k, n, &b[..]));
     let per = |k, abs| sm90::bound(k, 0.75, abs);
     sm90::check_product(gpu, WG_GEMM_BF16.name, operands, per, |dev, a, b, c| {
-        gemm_tc(dev, Trans::Yes, Trans::No, 0.75, a, b, 0.0, c)
+        gemm_tc(dev, MatMul::new(Trans::Yes, Trans::No, 0.75, a, b), 0.0, c)
     })
 }
 
@@ -81,9 +81,9 @@ const GEMM_THREADS: u32 = 256;
 /// Threads of the single-block trace reduction.
 const TRACE_THREADS: u32 = 256;
 
-/// `C ← α·op(A)·op(B) + β·C` with `op(A)` `m x k`, `op(B)` `k x n` and `C` `m x n`, all
-/// row-major and contiguous. BLAS semantics: `β = 0` never reads `C` (it may hold NaN),
-/// `α = 0` (or `k = 0`) never reads `A` and `B`.
+/// `C ← α·op(A)·op(B) + β·C` (the product `p`, [`MatMul`]) with `op(A)` `m x k`, `op(B)`
+/// `k x n` and `C` `m x n`, all row-major and contiguous. BLAS semantics: `β = 0` never reads
+/// `C` (it may hold NaN), `α = 0` (or `k = 0`) never reads `A` and `B`.
 ///
 /// One launch of `gemm_{nn,nt,tn,tt}`: 64x64 output tiles, 256 threads.
 ///
@@ -91,33 +91,15 @@ const TRACE_THREADS: u32 = 256;
 /// [`Error::DeviceMismatch`], [`Error::Shape`] for disagreeing dimensions, [`Error::Value`]
 /// for a dimension ≥ 2^31, launch/driver errors. `c` is unchanged on error. `α`, `β` are
 /// not checked ([`crate::Device::gemm`] does).
-#[allow(clippy::too_many_arguments)]
-pub fn gemm(
-    dev: &Device,
-    ta: Trans,
-    tb: Trans,
-    alpha: f32,
-    a: &Matrix,
-    b: &Matrix,
-    beta: f32,
-    c: &mut Matrix,
-) -> Result<()> {
+pub fn gemm(dev: &Device, p: MatMul<&Matrix>, beta: f32, c: &mut Matrix) -> Result<()> {
     const OP: &str = "cuda::gemm::gemm";
     // Memory safety: the kernel indexes a, b, c by these dimensions.
-    let (m, n, k) = gemm_dims(OP, ta, a.shape(), tb, b.shape(), c.shape())?;
-    let (mi, ni) = (to_i32(OP, "m", m)?, to_i32(OP, "n", n)?);
-    let ki = to_i32(OP, "k", k)?;
-    let (lda, ldb, ldc) = (
-        to_i32(OP, "a", a.cols())?,
-        to_i32(OP, "b", b.cols())?,
-        to_i32(OP, "c", c.cols())?,
-    );
+    let (m, n, k) = p.dims(OP, c.shape())?;
+    let ints = GemmInts::new(OP, (m, n, k), [p.a.cols(), p.b.cols(), c.cols()])?;
     if m == 0 || n == 0 {
         return Ok(());
     }
-    // α = 0: run no k step at all, so A and B are never read (C ← β·C).
-    let k_eff = if alpha == 0.0 { 0 } else { ki };
-    let kernel = match (ta, tb) {
+    let kernel = match (p.ta, p.tb) {
         (Trans::No, Trans::No) => &GEMM_NN,
         (Trans::No, Trans::Yes) => &GEMM_NT,
         (Trans::Yes, Trans::No) => &GEMM_TN,
@@ -133,16 +115,16 @@ pub fn gemm(
         shared_mem: 0,
     };
     let mut args = KernelArgs::new(dev);
-    args.input(OP, a)?
-        .input(OP, b)?
+    args.input(OP, p.a)?
+        .input(OP, p.b)?
         .output(OP, c)?
-        .scalar(mi)
-        .scalar(ni)
-        .scalar(k_eff)
-        .scalar(lda)
-        .scalar(ldb)
-        .scalar(ldc)
-        .scalar(alpha)
+        .scalar(ints.m)
+        .scalar(ints.n)
+        .scalar(ints.k_steps(p.alpha))
+        .scalar(ints.lda)
+        .scalar(ints.ldb)
+        .scalar(ints.ldc)
+        .scalar(p.alpha)
         .scalar(beta);
     // SAFETY: gemm_{nn,nt,tn,tt}(const float* A, const float* B, float* C, int M,
     // int N, int K, int lda, int ldb, int ldc, float alpha, float beta). A is stored
@@ -226,35 +208,16 @@ pub fn trace(dev: &Device, a: &Matrix) -> Result<f32> {
 /// # Errors
 /// As [`gemm()`], plus allocation errors (the planes: 6 bytes per element of `A` and `B`). `c`
 /// is unchanged on error.
-#[allow(clippy::too_many_arguments)]
-pub fn gemm3(
-    dev: &Device,
-    ta: Trans,
-    tb: Trans,
-    alpha: f32,
-    a: &Matrix,
-    b: &Matrix,
-    beta: f32,
-    c: &mut Matrix,
-) -> Result<()> {
+pub fn gemm3(dev: &Device, p: MatMul<&Matrix>, beta: f32, c: &mut Matrix) -> Result<()> {
     const OP: &str = "cuda::gemm::gemm3";
     // Memory safety: the kernel indexes the planes and c by these dimensions.
-    gemm_dims(OP, ta, a.shape(), tb, b.shape(), c.shape())?;
+    p.dims(OP, c.shape())?;
     let (ap, bp) = (
-        operand_planes(dev, alpha, a)?,
-        operand_planes(dev, alpha, b)?,
+        operand_planes(dev, p.alpha, p.a)?,
+        operand_planes(dev, p.alpha, p.b)?,
     );
-    launch_engine(
-        dev,
-        OP,
-        &GEMM3_TC,
-        (ta, a.shape(), &ap),
-        (tb, b.shape(), &bp),
-        alpha,
-        beta,
-        c,
-        None,
-    )
+    let planes = p.with((p.a.shape(), &ap), (p.b.shape(), &bp));
+    launch_engine(dev, OP, &GEMM3_TC, planes, beta, c, None)
 }
 
 /// An `f32` matrix with its split3 planes (`gemm_split3`), made once so that several
@@ -280,6 +243,17 @@ impl<'a> Split3<'a> {
     pub fn matrix(&self) -> &'a Matrix {
         self.m
     }
+
+    /// The planes as [`launch_engine`] reads them.
+    fn planes(&self) -> Planes<'_> {
+        (self.m.shape(), &self.planes)
+    }
+}
+
+impl Shaped for Split3<'_> {
+    fn stored_shape(&self) -> (usize, usize) {
+        self.m.shape()
+    }
 }
 
 /// `α·op(A)·op(B)` into `c` (zeros of the product's shape; `β = 0`) like [`gemm3`], from
@@ -291,24 +265,19 @@ impl<'a> Split3<'a> {
 ///
 /// # Errors
 /// As [`gemm3`], plus that [`Error::NonFinite`]; `c` holds the (rejected) product then.
-#[allow(clippy::too_many_arguments)]
 pub fn product3_checked(
     dev: &Device,
     op: &'static str,
-    ta: Trans,
-    tb: Trans,
-    alpha: f32,
-    a: &Split3<'_>,
-    b: &Split3<'_>,
+    p: MatMul<&Split3<'_>>,
     c: &mut Matrix,
 ) -> Result<()> {
-    gemm_dims(op, ta, a.m.shape(), tb, b.m.shape(), c.shape())?;
+    p.dims(op, c.shape())?;
     if c.is_empty() {
         return Ok(());
     }
-    let (a, b) = ((ta, a.m.shape(), &a.planes), (tb, b.m.shape(), &b.planes));
+    let planes = p.with(p.a.planes(), p.b.planes());
     let flagged = first_flagged(dev, |status, at| {
-        launch_engine(dev, op, &GEMM3_TC, a, b, alpha, 0.0, c, Some((status, at)))
+        launch_engine(dev, op, &GEMM3_TC, planes, 0.0, c, Some((status, at)))
     })?;
     match flagged {
         None => Ok(()),
@@ -338,74 +307,44 @@ fn operand_planes(dev: &Device, alpha: f32, x: &Matrix) -> Result<Matrix<bf16>> 
 ///
 /// # Errors
 /// As [`gemm()`]. `c` is unchanged on error.
-#[allow(clippy::too_many_arguments)]
-pub fn gemm_tc(
-    dev: &Device,
-    ta: Trans,
-    tb: Trans,
-    alpha: f32,
-    a: &Matrix<bf16>,
-    b: &Matrix<bf16>,
-    beta: f32,
-    c: &mut Matrix,
-) -> Result<()> {
+pub fn gemm_tc(dev: &Device, p: MatMul<&Matrix<bf16>>, beta: f32, c: &mut Matrix) -> Result<()> {
     const OP: &str = "cuda::gemm::gemm_tc";
     // Memory safety: the kernel indexes a, b and c by these dimensions.
-    gemm_dims(OP, ta, a.shape(), tb, b.shape(), c.shape())?;
-    launch_engine(
-        dev,
-        OP,
-        &GEMM_TC,
-        (ta, a.shape(), a),
-        (tb, b.shape(), b),
-        alpha,
-        beta,
-        c,
-        None,
-    )
+    p.dims(OP, c.shape())?;
+    launch_engine(dev, OP, &GEMM_TC, p.map(|x| (x.shape(), x)), beta, c, None)
 }
 
-/// An operand of [`launch_engine`]: its transpose, the shape of the matrix it holds (for
-/// split3 planes: of the f32 matrix they were split from), and its bf16 data (the planes, or
-/// a placeholder when `α = 0`).
-type Planes<'a> = (Trans, (usize, usize), &'a Matrix<bf16>);
+/// An operand of [`launch_engine`]: the shape of the matrix it holds (for split3 planes: of
+/// the f32 matrix they were split from) and its bf16 data (the planes, or a placeholder when
+/// `α = 0`).
+type Planes<'a> = ((usize, usize), &'a Matrix<bf16>);
 
-/// Launches `gemm3_tc` (split operands) or `gemm_tc` (bf16 operands, which
-/// ignores the plane offsets) on operands whose shapes passed [`gemm_dims`]. With `status`
+/// Launches `gemm3_tc` (split operands) or `gemm_tc` (bf16 operands, which ignores the plane
+/// offsets) for `C ← p + β·C` on operands whose shapes passed [`MatMul::dims`]. With `status`
 /// (a buffer and the float offset of an int preset to `NONE`) the kernel flags the first
 /// flat index of a NaN/Inf it writes into C there.
-#[allow(clippy::too_many_arguments)]
 fn launch_engine(
     dev: &Device,
     op: &'static str,
     kernel: &Kernel,
-    (ta, a_shape, ap): Planes<'_>,
-    (tb, b_shape, bp): Planes<'_>,
-    alpha: f32,
+    p: MatMul<Planes<'_>>,
     beta: f32,
     c: &mut Matrix,
     status: Option<(&mut Matrix, usize)>,
 ) -> Result<()> {
+    let MatMul {
+        ta,
+        tb,
+        alpha,
+        a: (a_shape, ap),
+        b: (b_shape, bp),
+    } = p;
     let (m, n) = c.shape();
-    let k = if ta == Trans::Yes {
-        a_shape.0
-    } else {
-        a_shape.1
-    };
-    let (mi, ni, ki) = (
-        to_i32(op, "m", m)?,
-        to_i32(op, "n", n)?,
-        to_i32(op, "k", k)?,
-    );
-    let (lda, ldb, ldc) = (
-        to_i32(op, "a", a_shape.1)?,
-        to_i32(op, "b", b_shape.1)?,
-        to_i32(op, "c", n)?,
-    );
+    let k = op_shape(ta, a_shape).1;
+    let ints = GemmInts::new(op, (m, n, k), [a_shape.1, b_shape.1, n])?;
     if m == 0 || n == 0 {
         return Ok(());
     }
-    let k_eff = if alpha == 0.0 { 0 } else { ki };
     let grid_y = u32::try_from(m.div_ceil(128))
         .ok()
         .filter(|&y| y <= 65_535)
@@ -428,16 +367,16 @@ fn launch_engine(
     let plane = |s: (usize, usize)| (s.0 * s.1) as i64;
     let mut args = KernelArgs::new(dev);
     args.input(op, ap)?
-        .scalar(lda)
+        .scalar(ints.lda)
         .scalar(plane(a_shape))
         .input(op, bp)?
-        .scalar(ldb)
+        .scalar(ints.ldb)
         .scalar(plane(b_shape))
         .output(op, c)?
-        .scalar(ldc)
-        .scalar(mi)
-        .scalar(ni)
-        .scalar(k_eff)
+        .scalar(ints.ldc)
+        .scalar(ints.m)
+        .scalar(ints.n)
+        .scalar(ints.k_steps(alpha))
         .scalar(alpha)
         .scalar(beta)
         .scalar(trans);
@@ -481,10 +420,11 @@ pub(crate) fn precondition_checked(
     // Memory safety of the products rests on their own shape checks; `p` must match too.
     check_shape(op, "p", p.shape(), (d_out, d_in))?;
     let mut t = dev.zeros::<f32>(d_out, d_in)?;
-    gemm3(dev, Trans::No, Trans::No, 1.0, g, lambda_inv, 0.0, &mut t)?;
+    let g_lambda = MatMul::new(Trans::No, Trans::No, 1.0, g, lambda_inv);
+    gemm3(dev, g_lambda, 0.0, &mut t)?;
     let mut out = dev.zeros::<f32>(d_out, d_in)?;
     let (gi, t) = (Split3::new(dev, gamma_inv)?, Split3::new(dev, &t)?);
-    product3_checked(dev, op, Trans::No, Trans::No, 1.0, &gi, &t, &mut out)?;
+    product3_checked(dev, op, g_lambda.with(&gi, &t), &mut out)?;
     *p = out;
     Ok(())
 }
@@ -506,8 +446,9 @@ pub fn damped_inverse_update(dev: &Device, inv: &mut Matrix, dlambda: f32) -> Re
         return Ok(());
     }
     let planes = split3(dev, inv)?;
-    let x = (Trans::No, inv.shape(), &planes);
-    launch_engine(dev, OP, &GEMM3_TC, x, x, -dlambda, 1.0, inv, None)
+    let x = (inv.shape(), &planes);
+    let p = MatMul::new(Trans::No, Trans::No, -dlambda, x, x);
+    launch_engine(dev, OP, &GEMM3_TC, p, 1.0, inv, None)
 }
 
 /// Batch gradient `G = (1/m) Eᵀ A` for `E` `m x d_out` (`m ≥ 1`), `A` `m x d_in`, `G`
@@ -518,5 +459,6 @@ pub fn damped_inverse_update(dev: &Device, inv: &mut Matrix, dlambda: f32) -> Re
 /// is unchanged on error.
 pub fn batch_gradient(dev: &Device, e: &Matrix, a: &Matrix, g: &mut Matrix) -> Result<()> {
     let m = e.rows();
-    gemm(dev, Trans::Yes, Trans::No, 1.0 / m as f32, e, a, 0.0, g)
+    let p = MatMul::new(Trans::Yes, Trans::No, 1.0 / m as f32, e, a);
+    gemm(dev, p, 0.0, g)
 }

@@ -36,7 +36,7 @@ use super::syrk;
 use crate::device::{Device, Element, Matrix};
 use crate::error::{Error, Result, OVERFLOW};
 use crate::mat::Trans;
-use crate::shape::gemm_dims;
+use crate::shape::MatMul;
 
 /// Runs of each candidate a trial times (after one untimed run that also gives the outputs
 /// compared): the median of three is robust to one interrupted run at a small cost on the
@@ -254,18 +254,16 @@ fn note_absent(why: &str) {
 type Run<'a> = dyn FnMut(&mut Matrix) -> Result<()> + 'a;
 
 /// The dispatcher: picks the candidate for `plan` on `dev` (a trial on first use under
-/// [`Policy::Auto`]) and runs it into `c`. `dims` is `(m, n, k)`; `operand_norms` gives
-/// `[‖A‖_F, ‖B‖_F]` for a trial's bound: they and `‖C‖_F` are downloaded only when a trial
-/// runs, never on the products after it.
-#[allow(clippy::too_many_arguments)]
+/// [`Policy::Auto`]) and runs it into `c`: the engine's run or the vendor's. `dims` is
+/// `(m, n, k)`; `operand_norms` gives `[‖A‖_F, ‖B‖_F]` for a trial's bound: they and `‖C‖_F`
+/// are downloaded only when a trial runs, never on the products after it.
 fn dispatch(
     dev: &Device,
     plan: GemmPlan,
     (m, n, k): (usize, usize, usize),
     (alpha, beta): (f32, f32),
     operand_norms: &dyn Fn() -> Result<[f64; 2]>,
-    engine: &mut Run<'_>,
-    vendor: &mut Run<'_>,
+    (engine, vendor): (&mut Run<'_>, &mut Run<'_>),
     c: &mut Matrix,
 ) -> Result<()> {
     let policy = Policy::from_env()?;
@@ -403,8 +401,7 @@ fn frobenius<T: Element>(x: &Matrix<T>) -> Result<f64> {
 }
 
 /// The engine's launcher of a format's products.
-type EngineGemm<T> =
-    fn(&Device, Trans, Trans, f32, &Matrix<T>, &Matrix<T>, f32, &mut Matrix) -> Result<()>;
+type EngineGemm<T> = fn(&Device, MatMul<&Matrix<T>>, f32, &mut Matrix) -> Result<()>;
 
 /// The engine's SYRK-EMA launcher of an operand type.
 type EngineSyrk<T> = fn(&Device, &Matrix<T>, f32, &mut Matrix) -> Result<()>;
@@ -432,87 +429,69 @@ impl PlanElement for bf16 {
     const ENGINE_SYRK: EngineSyrk<Self> = syrk::syrk_ema_tc;
 }
 
-/// [`crate::Device::gemm`] on a kernel device: `C ← α·op(A)·op(B) + β·C` with `f32` or
-/// `bf16` operands (plan [`Format::F32`] or [`Format::Bf16`]), same BLAS semantics as
-/// [`engine::gemm`]. The op validated the arguments.
+/// [`crate::Device::gemm`] on a kernel device: `C ← α·op(A)·op(B) + β·C` (the product `p`)
+/// with `f32` or `bf16` operands (plan [`Format::F32`] or [`Format::Bf16`]), same BLAS
+/// semantics as [`engine::gemm`]. The op validated the arguments.
 ///
 /// # Errors
 /// As [`engine::gemm`] and [`vendor::gemm`]; [`Error::DeviceUnavailable`] for
 /// `GRNG_GEMM=vendor` where cuBLAS cannot run, a bad `GRNG_GEMM`. `c`
 /// is unchanged on error.
-#[allow(clippy::too_many_arguments)]
 pub fn gemm<T: PlanElement>(
     dev: &Device,
-    ta: Trans,
-    tb: Trans,
-    alpha: f32,
-    a: &Matrix<T>,
-    b: &Matrix<T>,
+    p: MatMul<&Matrix<T>>,
     beta: f32,
     c: &mut Matrix,
 ) -> Result<()> {
-    const OP: &str = "cuda::gemm_plan::gemm";
-    let dims = gemm_dims(OP, ta, a.shape(), tb, b.shape(), c.shape())?;
-    let plan = GemmPlan {
-        product: Product::Gemm,
-        format: T::FORMAT,
-        ta,
-        tb,
-        reads_c: beta != 0.0,
-    };
-    dispatch(
-        dev,
-        plan,
-        dims,
-        (alpha, beta),
-        &|| Ok([frobenius(a)?, frobenius(b)?]),
-        &mut |out| T::ENGINE(dev, ta, tb, alpha, a, b, beta, out),
-        &mut |out| vendor::gemm(dev, ta, tb, alpha, a, b, beta, out),
-        c,
-    )
+    let mut ours = |out: &mut Matrix| T::ENGINE(dev, p, beta, out);
+    let mut cublas = |out: &mut Matrix| vendor::gemm(dev, p, beta, out);
+    let plan = ("cuda::gemm_plan::gemm", T::FORMAT);
+    dispatch_gemm(dev, plan, p, beta, (&mut ours, &mut cublas), c)
 }
 
-/// `α·op(A)·op(B)` into `c` (zeros of the product's shape) at `f32` accuracy with the result
-/// checked (plan [`Format::F32Checked`]): the engine's [`engine::product3_checked`] (split3
-/// planes, flagging epilogue) or cuBLAS SGEMM followed by one finiteness check launch —
-/// into the ledger of an enclosing `Device::deferred` scope either way.
+/// `α·op(A)·op(B)` as a new matrix at `f32` accuracy with the result checked (plan
+/// [`Format::F32Checked`]): the engine's [`engine::product3_checked`] (split3 planes, flagging
+/// epilogue) or cuBLAS SGEMM followed by one finiteness check launch — into the ledger of an
+/// enclosing `Device::deferred` scope either way.
 ///
 /// # Errors
 /// As [`engine::product3_checked`]: [`Error::NonFinite`] (`op`, `"result (overflow)"`) for a
-/// non-finite product, `c` holding it; plus the plan's errors of [`gemm()`].
-#[allow(clippy::too_many_arguments)]
-pub fn product3_checked(
+/// non-finite product; plus allocation errors and the plan's errors of [`gemm()`].
+pub fn product3_checked(dev: &Device, op: &'static str, p: MatMul<&Split3<'_>>) -> Result<Matrix> {
+    let matrices = p.map(Split3::matrix);
+    let (m, n) = matrices.shape();
+    let mut c = dev.zeros(m, n)?;
+    let mut ours = |out: &mut Matrix| engine::product3_checked(dev, op, p, out);
+    let mut cublas = |out: &mut Matrix| {
+        vendor::gemm(dev, matrices, 0.0, out)?;
+        super::elementwise::check_finite(dev, op, &[(OVERFLOW, &*out)])
+    };
+    let plan = (op, Format::F32Checked);
+    dispatch_gemm(dev, plan, matrices, 0.0, (&mut ours, &mut cublas), &mut c)?;
+    Ok(c)
+}
+
+/// [`dispatch`] of `C ← p + β·C`, a [`Product::Gemm`] of `format` whose operands are `p`'s
+/// matrices, after their shapes' check ([`MatMul::dims`], naming `op`); `runs` are the
+/// engine's and the vendor's.
+fn dispatch_gemm<T: Element>(
     dev: &Device,
-    op: &'static str,
-    ta: Trans,
-    tb: Trans,
-    alpha: f32,
-    a: &Split3<'_>,
-    b: &Split3<'_>,
+    (op, format): (&'static str, Format),
+    p: MatMul<&Matrix<T>>,
+    beta: f32,
+    runs: (&mut Run<'_>, &mut Run<'_>),
     c: &mut Matrix,
 ) -> Result<()> {
-    let (am, bm) = (a.matrix(), b.matrix());
-    let dims = gemm_dims(op, ta, am.shape(), tb, bm.shape(), c.shape())?;
+    let dims = p.dims(op, c.shape())?;
     let plan = GemmPlan {
         product: Product::Gemm,
-        format: Format::F32Checked,
-        ta,
-        tb,
-        reads_c: false,
+        format,
+        ta: p.ta,
+        tb: p.tb,
+        reads_c: beta != 0.0,
     };
-    dispatch(
-        dev,
-        plan,
-        dims,
-        (alpha, 0.0),
-        &|| Ok([frobenius(am)?, frobenius(bm)?]),
-        &mut |out| engine::product3_checked(dev, op, ta, tb, alpha, a, b, out),
-        &mut |out| {
-            vendor::gemm(dev, ta, tb, alpha, am, bm, 0.0, out)?;
-            super::elementwise::check_finite(dev, op, &[(OVERFLOW, &*out)])
-        },
-        c,
-    )
+    let norms = || Ok([frobenius(p.a)?, frobenius(p.b)?]);
+    dispatch(dev, plan, dims, (p.alpha, beta), &norms, runs, c)
 }
 
 /// [`crate::Device::syrk_ema`] on a kernel device: `Λ ← ε·Λ + (1−ε)/m·AᵀA` (`A` `m x n`,
@@ -538,6 +517,11 @@ pub fn syrk_ema<T: PlanElement>(
         reads_c: eps != 0.0,
     };
     let alpha = (1.0 - eps) / m.max(1) as f32;
+    let mut ours = |out: &mut Matrix| T::ENGINE_SYRK(dev, a, eps, out);
+    let mut cublas = |out: &mut Matrix| {
+        vendor::syrk_ema(dev, a, eps, out)?;
+        super::cholesky::mirror_lower(dev, out)
+    };
     dispatch(
         dev,
         plan,
@@ -547,11 +531,7 @@ pub fn syrk_ema<T: PlanElement>(
             let na = frobenius(a)?;
             Ok([na, na])
         },
-        &mut |out| T::ENGINE_SYRK(dev, a, eps, out),
-        &mut |out| {
-            vendor::syrk_ema(dev, a, eps, out)?;
-            super::cholesky::mirror_lower(dev, out)
-        },
+        (&mut ours, &mut cublas),
         factor,
     )
 }

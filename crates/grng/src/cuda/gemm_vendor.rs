@@ -17,12 +17,13 @@ use cudarc::cublas::CudaBlas;
 use cudarc::driver::{CudaSlice, DevicePtr, DevicePtrMut};
 use half::bf16;
 
+use super::engine::GemmInts;
 use super::launch::to_i32;
 use super::CudaDevice;
 use crate::device::{Device, Element, Matrix, Storage};
 use crate::error::{check_shape, Error, Result};
 use crate::mat::Trans;
-use crate::shape::gemm_dims;
+use crate::shape::MatMul;
 
 /// Whether `libcublas` loads: cudarc's dynamically loaded bindings would panic on the first
 /// call otherwise. Probed once, by cudarc's own probe (the names its loader tries). Under
@@ -96,42 +97,32 @@ fn op(t: Trans) -> cublasOperation_t {
     }
 }
 
-/// `C ← α·op(A)·op(B) + β·C` (row-major, contiguous; `f32` or `bf16` operands, `f32` `C`)
-/// through `cublasGemmEx` on the device's stream, asynchronously, computing in f32
-/// (`CUBLAS_COMPUTE_32F`: SGEMM for `f32` operands, never TF32; each product of two bf16
-/// values is exact in f32). BLAS semantics: `β = 0` never reads `C`. The caller (the plan) routes `α = 0`
-/// and `k = 0` to the engine, which never reads `A` and `B` then.
+/// `C ← α·op(A)·op(B) + β·C` (the product `p`, [`MatMul`]; row-major, contiguous; `f32` or
+/// `bf16` operands, `f32` `C`) through `cublasGemmEx` on the device's stream, asynchronously,
+/// computing in f32 (`CUBLAS_COMPUTE_32F`: SGEMM for `f32` operands, never TF32; each product
+/// of two bf16 values is exact in f32). BLAS semantics: `β = 0` never reads `C`. The caller
+/// (the plan) routes `α = 0` and `k = 0` to the engine, which never reads `A` and `B` then.
 ///
 /// # Errors
 /// [`Error::DeviceUnavailable`] off a CUDA device, [`Error::Shape`] for disagreeing
 /// dimensions, [`Error::Value`] for a dimension ≥ 2^31, [`Error::Cuda`] for a cuBLAS status.
 /// `c` is unchanged on error.
-#[allow(clippy::too_many_arguments)]
 pub fn gemm<T: VendorElement>(
     dev: &Device,
-    ta: Trans,
-    tb: Trans,
-    alpha: f32,
-    a: &Matrix<T>,
-    b: &Matrix<T>,
+    p: MatMul<&Matrix<T>>,
     beta: f32,
     c: &mut Matrix,
 ) -> Result<()> {
     const OP: &str = "cuda::gemm_vendor::gemm";
-    let (m, n, k) = gemm_dims(OP, ta, a.shape(), tb, b.shape(), c.shape())?;
+    let (m, n, k) = p.dims(OP, c.shape())?;
     if m == 0 || n == 0 {
         return Ok(());
     }
-    let (mi, ni, ki) = (
-        to_i32(OP, "m", m)?,
-        to_i32(OP, "n", n)?,
-        to_i32(OP, "k", k)?,
-    );
-    let (lda, ldb) = (to_i32(OP, "a", a.cols())?, to_i32(OP, "b", b.cols())?);
+    let ints = GemmInts::new(OP, (m, n, k), [p.a.cols(), p.b.cols(), c.cols()])?;
     let (cuda, blas) = bound_handle(OP, dev)?;
     let stream = cuda.stream();
-    let (ap, _a_guard) = slice(OP, a)?.device_ptr(stream);
-    let (bp, _b_guard) = slice(OP, b)?.device_ptr(stream);
+    let (ap, _a_guard) = slice(OP, p.a)?.device_ptr(stream);
+    let (bp, _b_guard) = slice(OP, p.b)?.device_ptr(stream);
     let (cp, _c_guard) = slice_mut(OP, c)?.device_ptr_mut(stream);
     // SAFETY: `blas` is a live handle on `stream` (set at its creation), bound to this thread's
     // context above. In column-major terms (module doc) the call computes the n x m matrix
@@ -144,22 +135,22 @@ pub fn gemm<T: VendorElement>(
     let status = unsafe {
         cudarc::cublas::result::gemm_ex(
             *blas.handle(),
-            op(tb),
-            op(ta),
-            ni,
-            mi,
-            ki,
-            (&alpha as *const f32).cast(),
+            op(p.tb),
+            op(p.ta),
+            ints.n,
+            ints.m,
+            ints.k,
+            (&p.alpha as *const f32).cast(),
             bp as *const _,
             T::DATA_TYPE,
-            ldb,
+            ints.ldb,
             ap as *const _,
             T::DATA_TYPE,
-            lda,
+            ints.lda,
             (&beta as *const f32).cast(),
             cp as *mut _,
             cudaDataType_t::CUDA_R_32F,
-            ni,
+            ints.ldc,
             cublasComputeType_t::CUBLAS_COMPUTE_32F,
             cublasGemmAlgo_t::CUBLAS_GEMM_DEFAULT,
         )
@@ -188,7 +179,8 @@ pub fn syrk_ema<T: VendorElement>(
     check_shape(OP, "factor", factor.shape(), (n, n))?;
     let alpha = (1.0 - eps) / m as f32;
     if T::DATA_TYPE != cudaDataType_t::CUDA_R_32F {
-        return gemm(dev, Trans::Yes, Trans::No, alpha, a, a, eps, factor);
+        let p = MatMul::new(Trans::Yes, Trans::No, alpha, a, a);
+        return gemm(dev, p, eps, factor);
     }
     if n == 0 {
         return Ok(());

@@ -7,7 +7,7 @@ use crate::cuda::gemm::Split3;
 use crate::device::{Device, Element, Matrix};
 use crate::error::Result;
 use crate::mat::Trans;
-use crate::shape::{check_batch_gradient_args, check_gemm, op_shape};
+use crate::shape::{check_batch_gradient_args, MatMul, Shaped};
 use half::bf16;
 
 /// The op every GEMM entry point reports in its errors.
@@ -41,17 +41,18 @@ impl Device {
         beta: f32,
         c: &mut Matrix,
     ) -> Result<()> {
+        let p = MatMul::new(ta, tb, alpha, a, b);
         self.check_on(OP, a)?;
         self.check_on(OP, b)?;
         self.check_on(OP, c)?;
-        check_gemm(OP, ta, a.shape(), tb, b.shape(), alpha, beta, c.shape())?;
+        p.check(OP, beta, c.shape())?;
         self.check_finite(OP, "a", a)?;
         self.check_finite(OP, "b", b)?;
         if beta != 0.0 {
             self.check_finite(OP, "c", c)?;
         }
         self.commit_finite(OP, [(OVERFLOW, c, beta != 0.0)], |[c]| {
-            self.gemm_kernel(ta, tb, alpha, a, b, beta, c)
+            self.gemm_kernel(p, beta, c)
         })
     }
 
@@ -71,15 +72,8 @@ impl Device {
     /// # Errors
     /// [`crate::Error::NonFinite`] (`"result (overflow)"`) for a non-finite product, device
     /// and allocation errors.
-    pub(crate) fn product_valid_inputs<T: Element>(
-        &self,
-        ta: Trans,
-        tb: Trans,
-        alpha: f32,
-        a: &Matrix<T>,
-        b: &Matrix<T>,
-    ) -> Result<Matrix> {
-        let c = self.product_unchecked(ta, tb, alpha, a, b)?;
+    pub(crate) fn product_valid_inputs<T: Element>(&self, p: MatMul<&Matrix<T>>) -> Result<Matrix> {
+        let c = self.product_unchecked(p)?;
         // The kernel devices' `f32` products were checked by their epilogue.
         let epilogue_checked = !matches!(self, Device::Cpu)
             && std::any::TypeId::of::<T>() == std::any::TypeId::of::<f32>();
@@ -97,23 +91,13 @@ impl Device {
     ///
     /// # Errors
     /// As [`Device::product_of`], less the CPU's result check.
-    pub(crate) fn product_consumed(
-        &self,
-        ta: Trans,
-        tb: Trans,
-        alpha: f32,
-        a: &Operand<'_>,
-        b: &Operand<'_>,
-    ) -> Result<Matrix> {
-        match (self, a, b) {
+    pub(crate) fn product_consumed(&self, p: MatMul<&Operand<'_>>) -> Result<Matrix> {
+        match (self, p.a, p.b) {
             (Device::Cpu, Operand::Host(a), Operand::Host(b)) => {
-                self.product_unchecked(ta, tb, alpha, *a, *b)
+                self.product_unchecked(p.with(*a, *b))
             }
             (Device::Emulated | Device::Cuda(_), Operand::Split(a), Operand::Split(b)) => {
-                let rows = op_shape(ta, a.matrix().shape()).0;
-                let mut c = self.zeros(rows, op_shape(tb, b.matrix().shape()).1)?;
-                crate::cuda::gemm_plan::product3_checked(self, OP, ta, tb, alpha, a, b, &mut c)?;
-                Ok(c)
+                crate::cuda::gemm_plan::product3_checked(self, OP, p.with(a, b))
             }
             _ => Err(crate::Error::DeviceMismatch {
                 op: OP,
@@ -133,48 +117,37 @@ impl Device {
     /// As [`Device::product_consumed`].
     pub(crate) fn product_consumed_over(
         &self,
-        (ta, tb): (Trans, Trans),
-        alpha: f32,
-        (a, b): (&Operand<'_>, &Operand<'_>),
+        p: MatMul<&Operand<'_>>,
         spare: Option<Matrix>,
     ) -> Result<Matrix> {
-        let shape = (
-            op_shape(ta, a.matrix().shape()).0,
-            op_shape(tb, b.matrix().shape()).1,
-        );
-        match (self, a, b, spare.filter(|c| c.shape() == shape)) {
+        let shape = p.shape();
+        match (self, p.a, p.b, spare.filter(|c| c.shape() == shape)) {
             (Device::Cpu, Operand::Host(a), Operand::Host(b), Some(mut c)) => {
                 let (a, b) = (host_ref(*a)?, host_ref(*b)?);
-                crate::cpu::gemm(ta, tb, alpha, a, b, 0.0, host_mut(&mut c)?)?;
+                crate::cpu::gemm(p.ta, p.tb, p.alpha, a, b, 0.0, host_mut(&mut c)?)?;
                 Ok(c)
             }
             // The kernel devices' products allocate from the stream-ordered pool.
-            _ => self.product_consumed(ta, tb, alpha, a, b),
+            _ => self.product_consumed(p),
         }
     }
 
     /// The product of [`Device::product_valid_inputs`] before its result check; the kernel
     /// devices' `f32` products are [`Device::product_of`]'s, checked by their epilogue.
-    fn product_unchecked<T: Element>(
-        &self,
-        ta: Trans,
-        tb: Trans,
-        alpha: f32,
-        a: &Matrix<T>,
-        b: &Matrix<T>,
-    ) -> Result<Matrix> {
-        let (da, db): (&dyn Any, &dyn Any) = (a, b);
+    fn product_unchecked<T: Element>(&self, p: MatMul<&Matrix<T>>) -> Result<Matrix> {
+        let MatMul { ta, tb, alpha, .. } = p;
+        let (da, db): (&dyn Any, &dyn Any) = (p.a, p.b);
         let f32s = da.downcast_ref::<Matrix>().zip(db.downcast_ref::<Matrix>());
         if let (Device::Emulated | Device::Cuda(_), Some((a, b))) = (self, f32s) {
             // Split once even for a square (`a` is `b`); the epilogue checks the result.
             let ao = self.operand(a)?;
             return if std::ptr::eq(a, b) {
-                self.product_of(ta, tb, alpha, &ao, &ao)
+                self.product_of(p.with(&ao, &ao))
             } else {
-                self.product_of(ta, tb, alpha, &ao, &self.operand(b)?)
+                self.product_of(p.with(&ao, &self.operand(b)?))
             };
         }
-        let (m, n) = (op_shape(ta, a.shape()).0, op_shape(tb, b.shape()).1);
+        let (m, n) = p.shape();
         let c = match (self, f32s) {
             // `AᵀA` of one matrix is symmetric: the CPU's SYRK computes the lower triangle and
             // mirrors it, half the flops of the GEMM.
@@ -200,7 +173,7 @@ impl Device {
             }
             _ => {
                 let mut c = self.zeros(m, n)?;
-                self.gemm_kernel(ta, tb, alpha, a, b, 0.0, &mut c)?;
+                self.gemm_kernel(p, 0.0, &mut c)?;
                 c
             }
         };
@@ -228,15 +201,8 @@ impl Device {
     /// # Errors
     /// As [`Device::product_valid_inputs`]; [`crate::Error::DeviceMismatch`] for operands
     /// prepared on another kind of device.
-    pub(crate) fn product_of(
-        &self,
-        ta: Trans,
-        tb: Trans,
-        alpha: f32,
-        a: &Operand<'_>,
-        b: &Operand<'_>,
-    ) -> Result<Matrix> {
-        let c = self.product_consumed(ta, tb, alpha, a, b)?;
+    pub(crate) fn product_of(&self, p: MatMul<&Operand<'_>>) -> Result<Matrix> {
+        let c = self.product_consumed(p)?;
         // The kernel devices' epilogue checked it already.
         if matches!(self, Device::Cpu) {
             self.check_all_finite(OP, &[(OVERFLOW, &c)])?;
@@ -252,47 +218,32 @@ impl Device {
     ///
     /// # Errors
     /// As [`Device::product_of`]; [`crate::Error::Shape`] unless `op(A)·op(B)` is square.
-    pub(crate) fn symmetric_product_of(
-        &self,
-        ta: Trans,
-        tb: Trans,
-        alpha: f32,
-        a: &Operand<'_>,
-        b: &Operand<'_>,
-    ) -> Result<Matrix> {
-        let (n, cols) = (
-            op_shape(ta, a.matrix().shape()).0,
-            op_shape(tb, b.matrix().shape()).1,
-        );
+    pub(crate) fn symmetric_product_of(&self, p: MatMul<&Operand<'_>>) -> Result<Matrix> {
+        let (n, cols) = p.shape();
         crate::error::check_shape(OP, "op(a)·op(b)", (n, cols), (n, n))?;
-        let (Device::Cpu, Operand::Host(ah), Operand::Host(bh)) = (self, a, b) else {
-            return self.product_of(ta, tb, alpha, a, b);
+        let (Device::Cpu, Operand::Host(ah), Operand::Host(bh)) = (self, p.a, p.b) else {
+            return self.product_of(p);
         };
         let mut c = self.zeros(n, n)?;
         crate::cpu::syrk::symmetric_product(
-            (ta, host_ref(*ah)?),
-            (tb, host_ref(*bh)?),
-            alpha,
+            (p.ta, host_ref(*ah)?),
+            (p.tb, host_ref(*bh)?),
+            p.alpha,
             host_mut(&mut c)?,
         )?;
         self.check_all_finite(OP, &[(OVERFLOW, &c)])?;
         Ok(c)
     }
 
-    /// The product itself on this device's backend, writing `c` in place.
-    #[allow(clippy::too_many_arguments)]
+    /// `C ← p + β·C` itself on this device's backend, writing `c` in place.
     fn gemm_kernel<T: Element>(
         &self,
-        ta: Trans,
-        tb: Trans,
-        alpha: f32,
-        a: &Matrix<T>,
-        b: &Matrix<T>,
+        p: MatMul<&Matrix<T>>,
         beta: f32,
         c: &mut Matrix,
     ) -> Result<()> {
         // grng implements `Element` for f32 and bf16: pick the path of the concrete type.
-        let (a, b): (&dyn Any, &dyn Any) = (a, b);
+        let (a, b): (&dyn Any, &dyn Any) = (p.a, p.b);
         let f32s = a.downcast_ref::<Matrix>().zip(b.downcast_ref::<Matrix>());
         let bf16s = a
             .downcast_ref::<Matrix<bf16>>()
@@ -316,15 +267,11 @@ impl Device {
                     _ => return Err(unsupported()),
                 };
                 let (a, b) = (host_ref(a)?, host_ref(b)?);
-                crate::cpu::gemm(ta, tb, alpha, a, b, beta, host_mut(c)?)
+                crate::cpu::gemm(p.ta, p.tb, p.alpha, a, b, beta, host_mut(c)?)
             }
             Device::Emulated | Device::Cuda(_) => match (f32s, bf16s) {
-                (Some((a, b)), _) => {
-                    crate::cuda::gemm_plan::gemm(self, ta, tb, alpha, a, b, beta, c)
-                }
-                (_, Some((a, b))) => {
-                    crate::cuda::gemm_plan::gemm(self, ta, tb, alpha, a, b, beta, c)
-                }
+                (Some((a, b)), _) => crate::cuda::gemm_plan::gemm(self, p.with(a, b), beta, c),
+                (_, Some((a, b))) => crate::cuda::gemm_plan::gemm(self, p.with(a, b), beta, c),
                 _ => Err(unsupported()),
             },
         }
@@ -377,12 +324,11 @@ pub(crate) enum Operand<'a> {
     Split(Split3<'a>),
 }
 
-impl Operand<'_> {
-    /// The matrix itself.
-    fn matrix(&self) -> &Matrix {
+impl Shaped for Operand<'_> {
+    fn stored_shape(&self) -> (usize, usize) {
         match self {
-            Operand::Host(m) => m,
-            Operand::Split(s) => s.matrix(),
+            Operand::Host(m) => m.shape(),
+            Operand::Split(s) => s.matrix().shape(),
         }
     }
 }
@@ -390,7 +336,7 @@ impl Operand<'_> {
 #[cfg(test)]
 mod tests {
     use crate::mat::Trans;
-    use crate::Device;
+    use crate::{Device, MatMul};
     use rand::{Rng, SeedableRng};
 
     proptest::proptest! {
@@ -432,7 +378,7 @@ mod tests {
                 let (ed, ud) = (dev.upload(m, k, &e).unwrap(), dev.upload(k, m, &u).unwrap());
                 let (eo, uo) = (dev.operand(&ed).unwrap(), dev.operand(&ud).unwrap());
                 let c = dev
-                    .symmetric_product_of(Trans::No, Trans::No, 0.5, &eo, &uo)
+                    .symmetric_product_of(MatMul::new(Trans::No, Trans::No, 0.5, &eo, &uo))
                     .unwrap()
                     .to_vec()
                     .unwrap();
@@ -460,8 +406,8 @@ mod tests {
                     }
                 }
                 let wide = dev.zeros(k, m + 1).unwrap();
-                let not_square =
-                    dev.symmetric_product_of(Trans::No, Trans::No, 1.0, &eo, &dev.operand(&wide).unwrap());
+                let wo = dev.operand(&wide).unwrap();
+                let not_square = dev.symmetric_product_of(MatMul::new(Trans::No, Trans::No, 1.0, &eo, &wo));
                 proptest::prop_assert!(
                     matches!(not_square, Err(crate::Error::Shape { .. })),
                     "{}", dev.name()

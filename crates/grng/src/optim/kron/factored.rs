@@ -54,6 +54,7 @@ use crate::error::Result;
 use crate::mat::Trans;
 use crate::ops::elementwise::AxpyOver;
 use crate::ops::{Readout, Scalar};
+use crate::shape::MatMul;
 
 /// A factor's inverse as one step applies it: dense, or through the rows (`low_rank.rs`).
 #[derive(Clone, Copy)]
@@ -348,12 +349,12 @@ fn thin_factors(
 
 /// `α·KᵀK` (the CPU's SYRK).
 fn gram(d: &Device, k: &Matrix, alpha: f32) -> Result<Matrix> {
-    d.product_valid_inputs(Trans::Yes, Trans::No, alpha, k, k)
+    d.product_valid_inputs(MatMul::new(Trans::Yes, Trans::No, alpha, k, k))
 }
 
 /// `α·op(A)·op(B)` as a new matrix (operands already validated).
 fn gemm(d: &Device, ta: Trans, tb: Trans, alpha: f32, a: &Matrix, b: &Matrix) -> Result<Matrix> {
-    d.product_valid_inputs(ta, tb, alpha, a, b)
+    d.product_valid_inputs(MatMul::new(ta, tb, alpha, a, b))
 }
 
 /// The model's curvature on one side of a first-order inverse `X = X₀ − d·X₀²` applied by
@@ -369,7 +370,7 @@ fn by_first_order(
 ) -> Result<Matrix> {
     let z = d.axpy_over(dl / lambda0, AxpyOver::X { x: u0, y: u })?;
     // `Uᵀ(U + c·U₀) = E(X² + cXX₀)Eᵀ` is symmetric (`X` and `X₀` commute).
-    let uz = d.symmetric_product_of(ta, tb, alpha, &d.operand(u)?, &d.operand(&z)?)?;
+    let uz = d.symmetric_product_of(MatMul::new(ta, tb, alpha, &d.operand(u)?, &d.operand(&z)?))?;
     d.axpy_over(-lambda0, AxpyOver::X { x: uz, y: lin })
 }
 
@@ -447,7 +448,7 @@ fn factored(
         d,
         || match v.gamma_inv {
             InverseView::Dense { x, .. } => Ok((
-                d.product_of(no, yes, 1.0, &d.operand(x)?, &eo)?,
+                d.product_of(MatMul::new(no, yes, 1.0, &d.operand(x)?, &eo))?,
                 no,
                 None,
                 None,
@@ -455,8 +456,8 @@ fn factored(
             )),
             InverseView::FirstOrder { x0, d: dl, .. } => {
                 let x0 = d.operand(x0)?;
-                let u0 = d.product_of(no, yes, 1.0, &x0, &eo)?;
-                let u1 = d.product_of(no, no, 1.0, &x0, &d.operand(&u0)?)?;
+                let u0 = d.product_of(MatMul::new(no, yes, 1.0, &x0, &eo))?;
+                let u1 = d.product_of(MatMul::new(no, no, 1.0, &x0, &d.operand(&u0)?))?;
                 let u = d.axpy_over(-dl, AxpyOver::X { x: u1, y: &u0 })?;
                 Ok((u, no, None, Some(u0), None))
             }
@@ -467,15 +468,15 @@ fn factored(
         },
         || match v.lambda_inv {
             InverseView::Dense { x, .. } => Ok((
-                d.product_of(no, no, 1.0, &ao, &d.operand(x)?)?,
+                d.product_of(MatMul::new(no, no, 1.0, &ao, &d.operand(x)?))?,
                 None,
                 None,
                 None,
             )),
             InverseView::FirstOrder { x0, d: dl, .. } => {
                 let x0 = d.operand(x0)?;
-                let w0 = d.product_of(no, no, 1.0, &ao, &x0)?;
-                let w1 = d.product_of(no, no, 1.0, &d.operand(&w0)?, &x0)?;
+                let w0 = d.product_of(MatMul::new(no, no, 1.0, &ao, &x0))?;
+                let w1 = d.product_of(MatMul::new(no, no, 1.0, &d.operand(&w0)?, &x0))?;
                 let w = d.axpy_over(-dl, AxpyOver::X { x: w1, y: &w0 })?;
                 Ok((w, None, Some(w0), None))
             }
@@ -487,7 +488,7 @@ fn factored(
     )?;
     let (uo, wo) = (d.operand(&u)?, d.operand(&w)?);
     // Checked by the update it feeds (`Device::axpy_over`), and by the model's `‖P‖²`.
-    let p = d.product_consumed_over((t_u, no), inv_m, (&uo, &wo), spare)?;
+    let p = d.product_consumed_over(MatMul::new(t_u, no, inv_m, &uo, &wo), spare)?;
     let (terms, output_change) = if with_model {
         // Each m x m pair scaled by 1/m so the inner products need no further 1/m². The Γ
         // side's two products and the Λ side's are independent tasks.
@@ -498,7 +499,7 @@ fn factored(
                 // `EU = E·Γ̃⁻¹·Eᵀ` and every `UᵀΓU` below are symmetric (module docs).
                 let eu = match eu_rows {
                     Some(eu) => eu,
-                    None => d.symmetric_product_of(no, t_u, inv_m, &eo, &uo)?,
+                    None => d.symmetric_product_of(MatMul::new(no, t_u, inv_m, &eo, &uo))?,
                 };
                 // `UᵀΓU`: through the rows `KᵀK/m'` (`Γ = R_ΓᵀR_Γ/m'`), by `X₀`'s identity
                 // for a first-order inverse, by the identity `EU − λ·UᵀU` (`u` is `U` on the
@@ -514,8 +515,8 @@ fn factored(
                     }
                     (None, ..) => {
                         let gamma = d.operand(v.gamma.dense_factor()?)?;
-                        let gu = d.product_of(no, no, 1.0, &gamma, &uo)?;
-                        d.symmetric_product_of(yes, no, inv_m, &uo, &d.operand(&gu)?)?
+                        let gu = d.product_of(MatMul::new(no, no, 1.0, &gamma, &uo))?;
+                        d.symmetric_product_of(MatMul::new(yes, no, inv_m, &uo, &d.operand(&gu)?))?
                     }
                 };
                 Ok((eu, ugu))
@@ -523,7 +524,7 @@ fn factored(
             || {
                 let awt = match awt_rows {
                     Some(awt) => awt,
-                    None => d.symmetric_product_of(no, yes, inv_m, &ao, &wo)?,
+                    None => d.symmetric_product_of(MatMul::new(no, yes, inv_m, &ao, &wo))?,
                 };
                 let wlw = match (&k_lambda, w0, v.lambda_inv) {
                     (Some(k), ..) => gram(d, k, inv_m / k.rows() as f32)?,
@@ -532,13 +533,13 @@ fn factored(
                     }
                     // `VΛVᵀ = AVᵀ − λ·VVᵀ` (`AVᵀ = AΛ̃⁻¹Aᵀ` is symmetric).
                     (None, ..) if v.identity.0 => {
-                        let vvt = d.product_of(no, yes, inv_m, &wo, &wo)?;
+                        let vvt = d.product_of(MatMul::new(no, yes, inv_m, &wo, &wo))?;
                         d.axpy_over(-lambda_l, AxpyOver::X { x: vvt, y: &awt })?
                     }
                     (None, ..) => {
                         let lambda = d.operand(v.lambda.dense_factor()?)?;
-                        let wl = d.product_of(no, no, 1.0, &wo, &lambda)?;
-                        d.symmetric_product_of(no, yes, inv_m, &d.operand(&wl)?, &wo)?
+                        let wl = d.product_of(MatMul::new(no, no, 1.0, &wo, &lambda))?;
+                        d.symmetric_product_of(MatMul::new(no, yes, inv_m, &d.operand(&wl)?, &wo))?
                     }
                 };
                 Ok((awt, wlw))
@@ -550,7 +551,7 @@ fn factored(
         let output_change = match model.output_change {
             Some(alpha) => {
                 let tu = if t_u == yes { no } else { yes };
-                Some(d.product_consumed(no, tu, alpha, &d.operand(&awt)?, &uo)?)
+                Some(d.product_consumed(MatMul::new(no, tu, alpha, &d.operand(&awt)?, &uo))?)
             }
             None => None,
         };

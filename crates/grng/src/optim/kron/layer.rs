@@ -36,6 +36,7 @@ use crate::mat::Trans;
 use crate::ops::host_ref;
 use crate::ops::newton::{InitialGuess, Precision};
 use crate::optim::StatsView;
+use crate::shape::MatMul;
 
 /// Largest `|λ − λ₀|·‖X₀‖₂` for which a lazy step uses the first-order inverse
 /// `X₀ − (λ − λ₀)·X₀²` (docs/math.md §2), `λ₀` the damping `X₀` was formed at; its relative error is
@@ -189,8 +190,12 @@ impl Ctx<'_> {
         let alpha = 1.0 / m as f32;
         let (no, yes) = (Trans::No, Trans::Yes);
         let gram = match rows.view() {
-            StatsView::F32(x) => self.device.product_valid_inputs(no, yes, alpha, x, x)?,
-            StatsView::Bf16(x) => self.device.product_valid_inputs(no, yes, alpha, x, x)?,
+            StatsView::F32(x) => self
+                .device
+                .product_valid_inputs(MatMul::new(no, yes, alpha, x, x))?,
+            StatsView::Bf16(x) => self
+                .device
+                .product_valid_inputs(MatMul::new(no, yes, alpha, x, x))?,
         };
         self.spectral_norm(&gram, c)
     }
@@ -408,7 +413,7 @@ impl Ctx<'_> {
     /// formation; the same device product every time, so the same bits for the same `X₀`.
     pub fn square(&self, x: &Matrix) -> Result<Matrix> {
         self.device
-            .product_valid_inputs(Trans::Yes, Trans::No, 1.0, x, x)
+            .product_valid_inputs(MatMul::new(Trans::Yes, Trans::No, 1.0, x, x))
     }
 }
 

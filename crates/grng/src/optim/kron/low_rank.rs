@@ -32,6 +32,7 @@ use crate::mat::Trans;
 use crate::ops::elementwise::AxpyOver;
 use crate::ops::host_ref;
 use crate::optim::StatsView;
+use crate::shape::MatMul;
 
 /// A replaced factor's rows `R` (`m x n`, as the SYRK read them, widened to `f32`), the
 /// `m x m` kernel of its inverse at the formation damping, and that inverse's dense form
@@ -155,14 +156,14 @@ impl LowRank {
         gram: Option<&Matrix>,
     ) -> Result<Applied> {
         let (no, yes) = (Trans::No, Trans::Yes);
-        let c = d.product_valid_inputs(no, yes, 1.0, &self.rows, y)?;
-        let hc = d.product_valid_inputs(no, no, 1.0, &t.h, &c)?;
+        let c = d.product_valid_inputs(MatMul::new(no, yes, 1.0, &self.rows, y))?;
+        let hc = d.product_valid_inputs(MatMul::new(no, no, 1.0, &t.h, &c))?;
         let hco = d.operand(&hc)?;
         // The correction is checked by the axpy it feeds.
-        let corr = d.product_consumed(yes, no, 1.0, &hco, &d.operand(&self.rows)?)?;
+        let corr = d.product_consumed(MatMul::new(yes, no, 1.0, &hco, &d.operand(&self.rows)?))?;
         let yx = d.axpy_over(t.g0, AxpyOver::Y { x: y, y: corr })?;
         let k = if model {
-            Some(d.product_valid_inputs(no, no, 1.0, &t.t, &c)?)
+            Some(d.product_valid_inputs(MatMul::new(no, no, 1.0, &t.t, &c))?)
         } else {
             None
         };
@@ -170,7 +171,8 @@ impl LowRank {
             // `CᵀHC` is symmetric (`H` is).
             Some(g) => {
                 let inv_m = 1.0 / y.rows() as f32;
-                let chc = d.symmetric_product_of(yes, no, inv_m, &d.operand(&c)?, &hco)?;
+                let chc =
+                    d.symmetric_product_of(MatMul::new(yes, no, inv_m, &d.operand(&c)?, &hco))?;
                 Some(d.axpy_over(t.g0, AxpyOver::Y { x: g, y: chc })?)
             }
             None => None,
