@@ -311,15 +311,22 @@ fn dispatch(
             let nc = if beta != 0.0 { frobenius(c)? } else { 0.0 };
             let bound = Trial::bound(k, alpha, beta, [na, nb, nc]);
             match trial(dev, c, bound, engine, vendor) {
-                Ok(trial) => {
+                Ok(Ok(trial)) => {
                     warn_if_disagree(plan, (m, n, k), &trial);
                     let candidate = trial.decide();
                     record(candidate, Some(trial));
                     candidate
                 }
-                // A failed product (an overflow the check flags): the engine's own error,
-                // and its output in `c`, exactly as without a plan; the next product tries
-                // again.
+                // cuBLAS failed where the engine ran: the engine is kept for this key (no
+                // trial recorded), said once, so no later product pays a trial again.
+                Ok(Err(e)) => {
+                    warn_vendor_failed(plan, (m, n, k), &e);
+                    record(Candidate::Engine, None);
+                    Candidate::Engine
+                }
+                // The engine's product failed (an overflow its check flags: it depends on the
+                // operands): its own error, and its output in `c`, exactly as without a plan;
+                // nothing is decided and the next product tries again.
                 Err(_) => return engine(c),
             }
         }
@@ -345,16 +352,25 @@ fn warn_if_disagree(plan: GemmPlan, (m, n, k): (usize, usize, usize), trial: &Tr
     });
 }
 
+/// Says (once per process) that cuBLAS failed in a trial.
+fn warn_vendor_failed(plan: GemmPlan, (m, n, k): (usize, usize, usize), e: &Error) {
+    static SAID: Once = Once::new();
+    SAID.call_once(|| {
+        eprintln!("grng: cuBLAS failed on {plan:?} ({m}x{n}x{k}): {e}; the engine runs");
+    });
+}
+
 /// Runs both candidates into copies of `c` (one untimed run each, whose outputs are compared;
 /// then [`TRIAL_RUNS`] timed runs each), leaving `c` as it was; `bound` is what their
-/// difference may be ([`Trial::bound`]).
+/// difference may be ([`Trial::bound`]). `Err`: the engine's side failed; `Ok(Err)`: the
+/// vendor's.
 fn trial(
     dev: &Device,
     c: &Matrix,
     bound: f64,
     engine: &mut Run<'_>,
     vendor: &mut Run<'_>,
-) -> Result<Trial> {
+) -> Result<std::result::Result<Trial, Error>> {
     let Device::Cuda(d) = dev else {
         return Err(Error::DeviceUnavailable(
             "cuda::gemm_plan: a trial times CUDA events".into(),
@@ -374,21 +390,31 @@ fn trial(
         Ok(secs[TRIAL_RUNS / 2])
     };
     let (mut ce, mut cv) = (c.try_clone()?, c.try_clone()?);
+    // The outputs compared are the untimed runs' (with β ≠ 0 a timed run reads its own
+    // output back as `C`).
     engine(&mut ce)?;
-    vendor(&mut cv)?;
-    let (e, v) = (ce.to_vec()?, cv.to_vec()?);
+    let e = ce.to_vec()?;
+    let engine_secs = time(engine, &mut ce)?;
+    let v = match vendor(&mut cv).and_then(|()| cv.to_vec()) {
+        Ok(v) => v,
+        Err(e) => return Ok(Err(e)),
+    };
+    let vendor_secs = match time(vendor, &mut cv) {
+        Ok(secs) => secs,
+        Err(e) => return Ok(Err(e)),
+    };
     let difference = e
         .iter()
         .zip(&v)
         .map(|(&x, &y)| (f64::from(x) - f64::from(y)).powi(2))
         .sum::<f64>()
         .sqrt();
-    Ok(Trial {
-        engine_secs: time(engine, &mut ce)?,
-        vendor_secs: time(vendor, &mut cv)?,
+    Ok(Ok(Trial {
+        engine_secs,
+        vendor_secs,
         difference,
         bound,
-    })
+    }))
 }
 
 /// `‖x‖_F` in `f64` (one download: a trial's bound only).
