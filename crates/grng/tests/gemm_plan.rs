@@ -129,6 +129,47 @@ fn emulated_syrk_runs_the_engine() {
     }
 }
 
+/// The f32-accurate products through the plan (`gemm_plan::gemm3`, the damped-inverse update,
+/// the preconditioning): on the emulator the engine's launchers, bit for bit, each counted.
+#[test]
+fn emulated_accurate_products_run_the_engine() {
+    let dev = Device::Emulated;
+    let mut rng = common::seeded_rng();
+    for (case, dims) in CASES
+        .into_iter()
+        .zip([(33, 17, 70), (1, 40, 9), (66, 5, 131), (8, 8, 1)])
+    {
+        let (ta, tb) = case;
+        let o = common::gemm_case(rng.random(), dims, ta, tb);
+        let (a, b) = (
+            dev.upload(o.a_shape.0, o.a_shape.1, &o.a).unwrap(),
+            dev.upload(o.b_shape.0, o.b_shape.1, &o.b).unwrap(),
+        );
+        let c0 = dev.upload(dims.0, dims.1, &o.c0).unwrap();
+        let (alpha, beta) = (
+            rng.random_range(-2.0f32..2.0),
+            rng.random_range(-2.0f32..2.0),
+        );
+        let before = gemm_plan::vendor_absent();
+        let p = MatMul::new(ta, tb, alpha, &a, &b);
+        let (mut planned, mut direct) = (c0.try_clone().unwrap(), c0.try_clone().unwrap());
+        gemm_plan::gemm3(&dev, p, beta, &mut planned).unwrap();
+        gemm::gemm3(&dev, p, beta, &mut direct).unwrap();
+        assert_eq!(bits(&planned), bits(&direct), "gemm3 {case:?} {dims:?}");
+        assert!(gemm_plan::vendor_absent() > before);
+    }
+    for n in [1usize, 37, 130] {
+        let x0 = dev.upload(n, n, &common::vals(&mut rng, n * n)).unwrap();
+        // |dλ| ≥ 0.05: far from a no-op, so the update shows in every element's bits.
+        let dl = rng.random_range(0.05f32..0.5) * if rng.random() { 1.0 } else { -1.0 };
+        let (mut planned, mut direct) = (x0.try_clone().unwrap(), x0.try_clone().unwrap());
+        gemm_plan::damped_inverse_update(&dev, &mut planned, dl).unwrap();
+        gemm::damped_inverse_update(&dev, &mut direct, dl).unwrap();
+        assert_eq!(bits(&planned), bits(&direct), "damped update n = {n}");
+        assert_ne!(bits(&planned), bits(&x0), "n = {n}: the update ran");
+    }
+}
+
 /// On a GPU: cuBLAS's SYRK-EMA (`Ssyrk` for f32, `GemmEx` for bf16) and the mirror, as the
 /// plan runs them, against the f64 `ε·Λ + (1−ε)/m·AᵀA` read from `Λ`'s lower triangle (the
 /// upper one is poisoned with NaN, which must not be read), each element within
@@ -284,6 +325,30 @@ fn the_vendor_matches_f64_and_the_trial_agrees_on_a_gpu() {
                     );
                 }
             }
+        }
+    }
+    // The f32-accurate plan (SGEMM against the split3 engine) on the damped update: the
+    // chosen candidate's damped update equals `X − dλ·X·X` in f64 within
+    // (n + 8)·2⁻²⁴·(|dλ||X||X| + |X|) (SGEMM's γ_n; the split3 engine's bound, gemm::gemm3).
+    let n = rng.random_range(2..300usize);
+    let x: Vec<f32> = common::vals(&mut rng, n * n);
+    let dl = rng.random_range(-0.5f32..0.5);
+    let mut planned = dev.upload(n, n, &x).unwrap();
+    gemm_plan::damped_inverse_update(&dev, &mut planned, dl).unwrap();
+    let got = planned.to_vec().unwrap();
+    let scale = common::abs_gemm((Trans::No, Trans::No), (n, n, n), -dl, &x, &x, 1.0, &x);
+    for i in 0..n {
+        for j in 0..n {
+            let xx: f64 = (0..n)
+                .map(|l| f64::from(x[i * n + l]) * f64::from(x[l * n + j]))
+                .sum();
+            let want = f64::from(x[i * n + j]) - f64::from(dl) * xx;
+            let tol = (n as f64 + 8.0) * common::U32 * scale[i * n + j];
+            let err = (f64::from(got[i * n + j]) - want).abs();
+            assert!(
+                err <= tol,
+                "damped update n = {n} ({i},{j}): {err:e} > {tol:e}"
+            );
         }
     }
     let trials: Vec<_> = gemm_plan::choices()

@@ -398,37 +398,6 @@ fn launch_engine(
     unsafe { launch(kernel, cfg, args) }
 }
 
-/// `P = Γ̃⁻¹ (G Λ̃⁻¹)` with `Γ̃⁻¹` `d_out x d_out`, `G` `d_out x d_in`, `Λ̃⁻¹` `d_in x d_in`:
-/// two f32-accurate tensor-core products through a `d_out x d_in` scratch matrix ([`gemm3`],
-/// then [`product3_checked`], which checks `P`'s finiteness in its epilogue: into the ledger
-/// of an enclosing `Device::deferred` scope, or a status read here), computed into a new
-/// matrix that replaces `p` only when clean.
-///
-/// # Errors
-/// [`Error::DeviceMismatch`], [`Error::Shape`] (`p`, and the products' own checks),
-/// allocation/launch errors, [`Error::NonFinite`] naming `op` and `"result (overflow)"` for a
-/// non-finite `P`. `p` is unchanged on error.
-pub(crate) fn precondition_checked(
-    dev: &Device,
-    op: &'static str,
-    gamma_inv: &Matrix,
-    g: &Matrix,
-    lambda_inv: &Matrix,
-    p: &mut Matrix,
-) -> Result<()> {
-    let (d_out, d_in) = g.shape();
-    // Memory safety of the products rests on their own shape checks; `p` must match too.
-    check_shape(op, "p", p.shape(), (d_out, d_in))?;
-    let mut t = dev.zeros::<f32>(d_out, d_in)?;
-    let g_lambda = MatMul::new(Trans::No, Trans::No, 1.0, g, lambda_inv);
-    gemm3(dev, g_lambda, 0.0, &mut t)?;
-    let mut out = dev.zeros::<f32>(d_out, d_in)?;
-    let (gi, t) = (Split3::new(dev, gamma_inv)?, Split3::new(dev, &t)?);
-    product3_checked(dev, op, g_lambda.with(&gi, &t), &mut out)?;
-    *p = out;
-    Ok(())
-}
-
 /// Lazy-Fisher damped-inverse update `X ← X − dλ · X X` for a square `X`: one f32-accurate
 /// tensor-core product ([`gemm3`], `α = −dλ`, `β = 1`, the fused epilogue) reading the split
 /// planes of the old `X`, so it can update `X` in place.

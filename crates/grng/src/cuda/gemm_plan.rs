@@ -20,8 +20,11 @@
 //! differently where the candidates time alike: their results then differ by the rounding
 //! of [`Trial::bound`]; set `GRNG_GEMM` for results reproducible across processes.
 //!
-//! Not in the plan (their kernels fuse what a vendor call cannot): the SYRK with its EMA
-//! (`cuda::syrk`) and Newton's products with their epilogues (`cuda::newton`).
+//! The products in the plan: `Device::gemm` ([`gemm()`]), the Kronecker factors' SYRK with its
+//! EMA ([`syrk_ema`]), the optimizers' checked products ([`product3_checked`]), the
+//! preconditioning (`precondition_checked`: [`gemm3`] then a checked product) and the
+//! damped-inverse update ([`damped_inverse_update`]). Not in it yet: Newton's products with
+//! their fused epilogues (`cuda::newton`).
 
 use std::collections::HashMap;
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -34,7 +37,7 @@ use super::gemm::{self as engine, Split3};
 use super::gemm_vendor::{self as vendor, VendorElement};
 use super::syrk;
 use crate::device::{Device, Element, Matrix};
-use crate::error::{Error, Result, OVERFLOW};
+use crate::error::{check_shape, Error, Result, OVERFLOW};
 use crate::mat::Trans;
 use crate::shape::MatMul;
 
@@ -98,6 +101,9 @@ pub enum Format {
     /// optimizers' products): engine split3 `gemm3_tc` with its flagging epilogue, vendor
     /// SGEMM and a check launch.
     F32Checked,
+    /// `f32` operands at `f32` accuracy, unchecked (the preconditioning's first product, the
+    /// damped-inverse update): engine split3 `gemm3_tc`, vendor SGEMM.
+    F32Accurate,
 }
 
 /// What is computed.
@@ -262,7 +268,7 @@ fn dispatch(
     plan: GemmPlan,
     (m, n, k): (usize, usize, usize),
     (alpha, beta): (f32, f32),
-    operand_norms: &dyn Fn() -> Result<[f64; 2]>,
+    operand_norms: &dyn Fn(&Matrix) -> Result<[f64; 2]>,
     (engine, vendor): (&mut Run<'_>, &mut Run<'_>),
     c: &mut Matrix,
 ) -> Result<()> {
@@ -307,7 +313,7 @@ fn dispatch(
             Candidate::Vendor
         }
         _ => {
-            let [na, nb] = operand_norms()?;
+            let [na, nb] = operand_norms(c)?;
             let nc = if beta != 0.0 { frobenius(c)? } else { 0.0 };
             let bound = Trial::bound(k, alpha, beta, [na, nb, nc]);
             match trial(dev, c, bound, engine, vendor) {
@@ -497,6 +503,84 @@ pub fn product3_checked(dev: &Device, op: &'static str, p: MatMul<&Split3<'_>>) 
     Ok(c)
 }
 
+/// `C ← α·op(A)·op(B) + β·C` at `f32` accuracy for `f32` operands (plan
+/// [`Format::F32Accurate`]): the engine's split3 [`engine::gemm3`] or cuBLAS SGEMM.
+///
+/// # Errors
+/// As [`engine::gemm3`] and [`vendor::gemm`]; the plan's errors of [`gemm()`]. `c` is unchanged
+/// on error.
+pub fn gemm3(dev: &Device, p: MatMul<&Matrix>, beta: f32, c: &mut Matrix) -> Result<()> {
+    let mut ours = |out: &mut Matrix| engine::gemm3(dev, p, beta, out);
+    let mut cublas = |out: &mut Matrix| vendor::gemm(dev, p, beta, out);
+    let plan = ("cuda::gemm_plan::gemm3", Format::F32Accurate);
+    dispatch_gemm(dev, plan, p, beta, (&mut ours, &mut cublas), c)
+}
+
+/// `P = Γ̃⁻¹ (G Λ̃⁻¹)` with `Γ̃⁻¹` `d_out x d_out`, `G` `d_out x d_in`, `Λ̃⁻¹` `d_in x d_in`
+/// (`crate::Device::precondition` on a kernel device): [`gemm3`] into a `d_out x d_in`
+/// scratch matrix, then [`product3_checked`], which checks `P`'s finiteness as it stores it
+/// (into the ledger of an enclosing `Device::deferred` scope, or a status read here); the new
+/// matrix replaces `p` only when clean. Each product is the plan's.
+///
+/// # Errors
+/// [`Error::Shape`] (`p`, and the products' own checks), device, allocation and launch
+/// errors, [`Error::NonFinite`] naming `op` and `"result (overflow)"` for a non-finite `P`.
+/// `p` is unchanged on error.
+pub(crate) fn precondition_checked(
+    dev: &Device,
+    op: &'static str,
+    gamma_inv: &Matrix,
+    g: &Matrix,
+    lambda_inv: &Matrix,
+    p: &mut Matrix,
+) -> Result<()> {
+    let (d_out, d_in) = g.shape();
+    check_shape(op, "p", p.shape(), (d_out, d_in))?;
+    let mut t = dev.zeros::<f32>(d_out, d_in)?;
+    let g_lambda = MatMul::new(Trans::No, Trans::No, 1.0, g, lambda_inv);
+    gemm3(dev, g_lambda, 0.0, &mut t)?;
+    let (gi, t) = (Split3::new(dev, gamma_inv)?, Split3::new(dev, &t)?);
+    *p = product3_checked(dev, op, g_lambda.with(&gi, &t))?;
+    Ok(())
+}
+
+/// Lazy-Fisher damped-inverse update `X ← X − dλ·X·X` for a square `X` (plan
+/// [`Format::F32Accurate`], `β = 1`): the engine's [`engine::damped_inverse_update`] (split3
+/// planes of the old `X`, so in place), or cuBLAS SGEMM reading a copy of the old `X` (cuBLAS
+/// may not read what it writes). `dλ = 0` leaves `X` as it is.
+///
+/// # Errors
+/// As [`engine::damped_inverse_update`] and [`vendor::gemm`]; the plan's errors of [`gemm()`].
+/// `inv` is unchanged on error.
+pub fn damped_inverse_update(dev: &Device, inv: &mut Matrix, dlambda: f32) -> Result<()> {
+    const OP: &str = "cuda::gemm_plan::damped_inverse_update";
+    let n = inv.rows();
+    check_shape(OP, "inv", inv.shape(), (n, n))?;
+    let plan = GemmPlan {
+        product: Product::Gemm,
+        format: Format::F32Accurate,
+        ta: Trans::No,
+        tb: Trans::No,
+        reads_c: true,
+    };
+    let mut ours = |out: &mut Matrix| engine::damped_inverse_update(dev, out, dlambda);
+    let mut cublas = |out: &mut Matrix| {
+        let x = out.try_clone()?;
+        vendor::gemm(
+            dev,
+            MatMul::new(Trans::No, Trans::No, -dlambda, &x, &x),
+            1.0,
+            out,
+        )
+    };
+    let norms = |x: &Matrix| {
+        let nx = frobenius(x)?;
+        Ok([nx, nx])
+    };
+    let runs = (&mut ours as &mut Run<'_>, &mut cublas as &mut Run<'_>);
+    dispatch(dev, plan, (n, n, n), (-dlambda, 1.0), &norms, runs, inv)
+}
+
 /// [`dispatch`] of `C ← p + β·C`, a [`Product::Gemm`] of `format` whose operands are `p`'s
 /// matrices, after their shapes' check ([`MatMul::dims`], naming `op`); `runs` are the
 /// engine's and the vendor's.
@@ -516,7 +600,7 @@ fn dispatch_gemm<T: Element>(
         tb: p.tb,
         reads_c: beta != 0.0,
     };
-    let norms = || Ok([frobenius(p.a)?, frobenius(p.b)?]);
+    let norms = |_: &Matrix| Ok([frobenius(p.a)?, frobenius(p.b)?]);
     dispatch(dev, plan, dims, (p.alpha, beta), &norms, runs, c)
 }
 
@@ -553,7 +637,7 @@ pub fn syrk_ema<T: PlanElement>(
         plan,
         (n, n, m),
         (alpha, eps),
-        &|| {
+        &|_| {
             let na = frobenius(a)?;
             Ok([na, na])
         },

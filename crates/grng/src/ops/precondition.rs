@@ -61,7 +61,7 @@ impl Device {
             // The second product checks `P` in its epilogue as it stores it (no check pass),
             // into a new matrix installed only when clean.
             Device::Emulated | Device::Cuda(_) => {
-                crate::cuda::gemm::precondition_checked(self, OP, gamma_inv, g, lambda_inv, p)
+                crate::cuda::gemm_plan::precondition_checked(self, OP, gamma_inv, g, lambda_inv, p)
             }
         }
     }
@@ -77,15 +77,16 @@ impl Device {
     /// for a non-finite `dλ`, [`Error::NonFinite`](crate::Error::NonFinite) for NaN/Inf in `X`
     /// or an overflowing result (`"result (overflow)"`). `inv` is unchanged on error.
     ///
-    /// On the kernel devices: one GEMM launch (`α = −dλ`, `β = 1`, the update fused into its
-    /// epilogue) reading a device-side copy of the old `X`.
+    /// On the kernel devices, the GEMM plan's product (`cuda::gemm_plan`): one engine launch
+    /// (`α = −dλ`, `β = 1`, the update fused into its epilogue) reading the split planes of the
+    /// old `X`, or cuBLAS SGEMM reading a copy of it.
     pub fn damped_inverse_update(&self, inv: &mut Matrix, dlambda: f32) -> Result<()> {
         self.square_update(
             "Device::damped_inverse_update",
             ("inv", inv),
             ("dlambda", dlambda),
             crate::cpu::damped_inverse_update,
-            crate::cuda::gemm::damped_inverse_update,
+            crate::cuda::gemm_plan::damped_inverse_update,
         )
     }
 
