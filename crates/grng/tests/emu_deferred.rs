@@ -319,10 +319,7 @@ fn product_epilogue_flags_the_first_overflow() {
             let a = dev.upload(sha.0, sha.1, &sa).unwrap();
             let b = dev.upload(shb.0, shb.1, &sb).unwrap();
             let mut c = dev.zeros(m, n).unwrap();
-            let (a, b) = (
-                Split3::new(&dev, &a).unwrap(),
-                Split3::new(&dev, &b).unwrap(),
-            );
+            let (a, b) = (Split3::new(&a), Split3::new(&b));
             let r = product3_checked(&dev, "test", MatMul::new(ta, tb, 1.0, &a, &b), &mut c);
             let what = format!("{} case {case}: {m}x{n}x{k} {ta:?}{tb:?}", dev.name());
             match (r, expected) {

@@ -220,23 +220,22 @@ pub fn gemm3(dev: &Device, p: MatMul<&Matrix>, beta: f32, c: &mut Matrix) -> Res
     launch_engine(dev, OP, &GEMM3_TC, planes, beta, c, None)
 }
 
-/// An `f32` matrix with its split3 planes (`gemm_split3`), made once so that several
-/// products reading it ([`product3_checked`]) do not split it again.
+/// An `f32` matrix with its split3 planes (`gemm_split3`), made at the first product that
+/// reads them ([`product3_checked`]) and kept, so that several products reading it do not
+/// split it again, and a product the GEMM plan gives to cuBLAS (which reads the matrix)
+/// splits nothing.
 pub struct Split3<'a> {
     m: &'a Matrix,
-    planes: Matrix<bf16>,
+    planes: std::sync::OnceLock<Matrix<bf16>>,
 }
 
 impl<'a> Split3<'a> {
-    /// Splits `m` (one launch, 6 bytes written per element).
-    ///
-    /// # Errors
-    /// Allocation and launch errors.
-    pub fn new(dev: &Device, m: &'a Matrix) -> Result<Self> {
-        Ok(Self {
+    /// `m`, not split yet.
+    pub fn new(m: &'a Matrix) -> Self {
+        Self {
             m,
-            planes: split3(dev, m)?,
-        })
+            planes: std::sync::OnceLock::new(),
+        }
     }
 
     /// The matrix that was split.
@@ -244,9 +243,17 @@ impl<'a> Split3<'a> {
         self.m
     }
 
-    /// The planes as [`launch_engine`] reads them.
-    fn planes(&self) -> Planes<'_> {
-        (self.m.shape(), &self.planes)
+    /// The planes as [`launch_engine`] reads them, split on `dev` on first use (one launch,
+    /// 6 bytes written per element).
+    fn planes(&self, dev: &Device) -> Result<Planes<'_>> {
+        let planes = match self.planes.get() {
+            Some(p) => p,
+            None => {
+                let p = split3(dev, self.m)?;
+                self.planes.get_or_init(|| p)
+            }
+        };
+        Ok((self.m.shape(), planes))
     }
 }
 
@@ -275,7 +282,7 @@ pub fn product3_checked(
     if c.is_empty() {
         return Ok(());
     }
-    let planes = p.with(p.a.planes(), p.b.planes());
+    let planes = p.with(p.a.planes(dev)?, p.b.planes(dev)?);
     let flagged = first_flagged(dev, |status, at| {
         launch_engine(dev, op, &GEMM3_TC, planes, 0.0, c, Some((status, at)))
     })?;

@@ -539,7 +539,7 @@ pub(crate) fn precondition_checked(
     let mut t = dev.zeros::<f32>(d_out, d_in)?;
     let g_lambda = MatMul::new(Trans::No, Trans::No, 1.0, g, lambda_inv);
     gemm3(dev, g_lambda, 0.0, &mut t)?;
-    let (gi, t) = (Split3::new(dev, gamma_inv)?, Split3::new(dev, &t)?);
+    let (gi, t) = (Split3::new(gamma_inv), Split3::new(&t));
     *p = product3_checked(dev, op, g_lambda.with(&gi, &t))?;
     Ok(())
 }

@@ -181,9 +181,9 @@ impl Device {
     }
 
     /// An `f32` operand of several products on this device ([`Device::product_of`]): on the
-    /// kernel devices split into its bf16 planes once, so each product that reads it reuses
-    /// them instead of splitting it again (a launch and 10 bytes per element each); on the CPU
-    /// the matrix itself.
+    /// kernel devices split into its bf16 planes at the first engine product that reads it,
+    /// so each later one reuses them instead of splitting it again (a launch and 10 bytes per
+    /// element each), and cuBLAS products split nothing; on the CPU the matrix itself.
     ///
     /// # Errors
     /// [`crate::Error::DeviceMismatch`], allocation and launch errors.
@@ -191,7 +191,7 @@ impl Device {
         self.check_on(OP, m)?;
         Ok(match self {
             Device::Cpu => Operand::Host(m),
-            Device::Emulated | Device::Cuda(_) => Operand::Split(Split3::new(self, m)?),
+            Device::Emulated | Device::Cuda(_) => Operand::Split(Split3::new(m)),
         })
     }
 
