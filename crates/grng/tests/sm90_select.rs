@@ -216,19 +216,23 @@ fn newton_f32_product(
     Ok(launched)
 }
 
-/// A variant's self-check launches: its product on sm_80 then on sm_90a, each after `splits`
-/// split3 launches of its operands (2 for the split3 products, 0 for the bf16 ones).
-fn checked(sm80: &'static str, sm90: &'static str, splits: usize) -> Vec<&'static str> {
-    let mut v = vec!["gemm_split3"; splits];
-    v.push(sm80);
-    v.extend(vec!["gemm_split3"; splits]);
-    v.push(sm90);
-    v
-}
+/// A variant: its sm_80 kernel, its sm_90a kernel, and the split3 launches before each of its
+/// products (2 for the split3 products, 0 for the bf16 ones).
+type Variant = (&'static str, &'static str, usize);
+const NEWTON_BF16: Variant = ("newton_gemm_tc", "newton_gemm_wg_tc", 0);
+const SYRK: Variant = ("syrk_ema_tc", "syrk_ema_wg_tc", 0);
+const GEMM3: Variant = ("gemm3_tc", "gemm3_wg_tc", 2);
+const NEWTON3: Variant = ("newton_gemm3_tc", "newton_gemm3_wg_tc", 2);
+const GEMM_BF16: Variant = ("gemm_tc", "gemm_wg_tc", 0);
 
-/// `a`, then `b`, then `c`.
-fn then(a: &[&'static str], b: Vec<&'static str>, c: &[&'static str]) -> Vec<&'static str> {
-    [a, &b, c].concat()
+/// The launches of a variant's first product on the injected device: the caller's operand
+/// splits, the self-check (its product on sm_80, then on sm_90a, each after the splits of its
+/// own operands), then the caller's product on sm_90a when `kept`, else on sm_80.
+fn first(v: Variant, kept: bool) -> Vec<&'static str> {
+    let (sm80, sm90, splits) = v;
+    let s = vec!["gemm_split3"; splits];
+    let ran = if kept { sm90 } else { sm80 };
+    [&s[..], &s, &[sm80], &s, &[sm90], &[ran]].concat()
 }
 
 /// Set in the child process that runs the emulated scenarios.
@@ -282,35 +286,28 @@ fn selection_self_check_and_counted_fallback() {
     // then the sm_90a kernel, for good.
     inject_sm90(Some(Sm90Injection::Capable));
     let n = ragged(&mut rng);
-    let want = then(
-        &[],
-        checked("newton_gemm_tc", "newton_gemm_wg_tc", 0),
-        &["newton_gemm_wg_tc"],
+    assert_eq!(
+        product(&dev, &mut rng, n).unwrap(),
+        first(NEWTON_BF16, true)
     );
-    assert_eq!(product(&dev, &mut rng, n).unwrap(), want);
     let (m, n) = (ragged(&mut rng), ragged(&mut rng));
-    let want = then(
-        &[],
-        checked("syrk_ema_tc", "syrk_ema_wg_tc", 0),
-        &["syrk_ema_wg_tc"],
-    );
-    assert_eq!(syrk(&dev, &mut rng, m, n).unwrap(), want);
+    assert_eq!(syrk(&dev, &mut rng, m, n).unwrap(), first(SYRK, true));
     assert_eq!(product(&dev, &mut rng, n).unwrap(), ["newton_gemm_wg_tc"]);
     assert_eq!(syrk(&dev, &mut rng, m, n).unwrap(), ["syrk_ema_wg_tc"]);
     let k = rng.random_range(1..=70usize);
     // The caller's operands are split before its product's launch runs the self-check.
-    let split = ["gemm_split3", "gemm_split3"];
-    let want = then(
-        &split,
-        checked("gemm3_tc", "gemm3_wg_tc", 2),
-        &["gemm3_wg_tc"],
+    assert_eq!(
+        split_product(&dev, &mut rng, m, n, k).unwrap(),
+        first(GEMM3, true)
     );
-    assert_eq!(split_product(&dev, &mut rng, m, n, k).unwrap(), want);
-    let checks = checked("newton_gemm3_tc", "newton_gemm3_wg_tc", 2);
-    let want = then(&split, checks, &["newton_gemm3_wg_tc"]);
-    assert_eq!(newton_f32_product(&dev, &mut rng, n).unwrap(), want);
-    let want = then(&[], checked("gemm_tc", "gemm_wg_tc", 0), &["gemm_wg_tc"]);
-    assert_eq!(bf16_product(&dev, &mut rng, n, k).unwrap(), want);
+    assert_eq!(
+        newton_f32_product(&dev, &mut rng, n).unwrap(),
+        first(NEWTON3, true)
+    );
+    assert_eq!(
+        bf16_product(&dev, &mut rng, n, k).unwrap(),
+        first(GEMM_BF16, true)
+    );
     assert_eq!(bf16_product(&dev, &mut rng, n, k).unwrap(), ["gemm_wg_tc"]);
     assert!(check_sm90(&dev).unwrap());
     assert_eq!(fallbacks(), 0);
@@ -326,31 +323,22 @@ fn selection_self_check_and_counted_fallback() {
     }
     inject_ptx_reject(None);
     assert_eq!(fallbacks(), 0);
-    let want = then(
-        &[],
-        checked("newton_gemm_tc", "newton_gemm_wg_tc", 0),
-        &["newton_gemm_wg_tc"],
+    assert_eq!(
+        product(&dev, &mut rng, n).unwrap(),
+        first(NEWTON_BF16, true)
     );
-    assert_eq!(product(&dev, &mut rng, n).unwrap(), want);
 
     // Every self-check's sm_90a product is wrong: each variant falls back at its first launch,
     // counted, and stays on sm_80; the product the caller gets is right (checked in `product`).
     inject_sm90(Some(Sm90Injection::Mismatch));
     let n = ragged(&mut rng);
-    let want = then(
-        &[],
-        checked("newton_gemm_tc", "newton_gemm_wg_tc", 0),
-        &["newton_gemm_tc"],
+    assert_eq!(
+        product(&dev, &mut rng, n).unwrap(),
+        first(NEWTON_BF16, false)
     );
-    assert_eq!(product(&dev, &mut rng, n).unwrap(), want);
     assert_eq!(fallbacks(), 1);
     let (m, n) = (ragged(&mut rng), ragged(&mut rng));
-    let want = then(
-        &[],
-        checked("syrk_ema_tc", "syrk_ema_wg_tc", 0),
-        &["syrk_ema_tc"],
-    );
-    assert_eq!(syrk(&dev, &mut rng, m, n).unwrap(), want);
+    assert_eq!(syrk(&dev, &mut rng, m, n).unwrap(), first(SYRK, false));
     assert_eq!(fallbacks(), 2);
     assert_eq!(syrk(&dev, &mut rng, m, n).unwrap(), ["syrk_ema_tc"]);
     // The three variants not yet launched are decided (and fall back) here.
@@ -363,27 +351,22 @@ fn selection_self_check_and_counted_fallback() {
     inject_sm90(Some(Sm90Injection::Capable));
     inject_ptx_reject(Some("SYRK_SM90A"));
     let (m, n) = (ragged(&mut rng), ragged(&mut rng));
-    let want = then(
-        &[],
-        checked("syrk_ema_tc", "syrk_ema_wg_tc", 0),
-        &["syrk_ema_tc"],
-    );
-    assert_eq!(syrk(&dev, &mut rng, m, n).unwrap(), want);
+    assert_eq!(syrk(&dev, &mut rng, m, n).unwrap(), first(SYRK, false));
     inject_ptx_reject(None);
     assert_eq!(fallbacks(), 6);
-    let want = then(
-        &[],
-        checked("newton_gemm_tc", "newton_gemm_wg_tc", 0),
-        &["newton_gemm_wg_tc"],
+    assert_eq!(
+        product(&dev, &mut rng, n).unwrap(),
+        first(NEWTON_BF16, true)
     );
-    assert_eq!(product(&dev, &mut rng, n).unwrap(), want);
 
     // The driver rejects the sm_90a module of gemm.cu: fall back at the split3 check.
     inject_sm90(Some(Sm90Injection::Capable));
     inject_ptx_reject(Some("GEMM_SM90A"));
     let (m, n) = (ragged(&mut rng), ragged(&mut rng));
-    let want = then(&split, checked("gemm3_tc", "gemm3_wg_tc", 2), &["gemm3_tc"]);
-    assert_eq!(split_product(&dev, &mut rng, m, n, 33).unwrap(), want);
+    assert_eq!(
+        split_product(&dev, &mut rng, m, n, 33).unwrap(),
+        first(GEMM3, false)
+    );
     inject_ptx_reject(None);
     assert_eq!(fallbacks(), 7);
 
