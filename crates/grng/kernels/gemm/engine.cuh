@@ -73,37 +73,34 @@ GRNG_UNROLL
     }
 }
 
-// Element (o, k) of an operand at p[o·ld + k]: shared tile [128 o][32 k].
-struct GrngKInner {
-    static constexpr bool kRowsAreK = false;  // the tile's rows are o, its chunks k
-    static constexpr int kRows = GRNG_GEMM_BM, kChunks = GRNG_GEMM_BK / 8;
+// Element (o, k) of an operand at p[o·ld + k] (RowsAreK false, GrngKInner: shared tile
+// [128 o][32 k]) or at p[k·ld + o] (RowsAreK true, GrngKOuter: shared tile [32 k][128 o]): the
+// tile's rows are k when RowsAreK, else o, and its chunks the other index.
+template <bool RowsAreK>
+struct GrngKLayout {
+    static constexpr bool kRowsAreK = RowsAreK;
+    static constexpr int kRows = RowsAreK ? GRNG_GEMM_BK : GRNG_GEMM_BM;
+    static constexpr int kChunks = (RowsAreK ? GRNG_GEMM_BM : GRNG_GEMM_BK) / 8;
     // The gathered stage tile (grng_gemm_gather_tile).
     __device__ static void gather(__nv_bfloat16* st, const __nv_bfloat16* p, int ld, int o0,
                                   int k0, int no, int nk) {
-        grng_gemm_gather_tile<GRNG_GEMM_BM, GRNG_GEMM_BK>(st, p, ld, o0, k0, no, nk);
+        if constexpr (RowsAreK)
+            grng_gemm_gather_tile<kRows, 8 * kChunks>(st, p, ld, k0, o0, nk, no);
+        else
+            grng_gemm_gather_tile<kRows, 8 * kChunks>(st, p, ld, o0, k0, no, nk);
     }
     // Four 8x8 matrices; matrix j covers o0 + oo[j].., k0 + ko[j]..: lane l addresses row
-    // o0 + oo[l/8] + l%8 (k contiguous, so no .trans). Element offset in the stage tile.
+    // l%8 of matrix l/8, a tile row o (k-inner: k contiguous, so no .trans) or k (k-outer:
+    // .trans hands out the (o, k) fragment). Element offset in the stage tile.
     __device__ static int frag_off(int o0, int k0, int oo, int ko, int lane_row) {
-        return grng_swizzle<kChunks>(o0 + oo + lane_row, (k0 + ko) / 8);
+        if constexpr (RowsAreK)
+            return grng_swizzle<kChunks>(k0 + ko + lane_row, (o0 + oo) / 8);
+        else
+            return grng_swizzle<kChunks>(o0 + oo + lane_row, (k0 + ko) / 8);
     }
 };
-
-// Element (o, k) of an operand at p[k·ld + o]: shared tile [32 k][128 o].
-struct GrngKOuter {
-    static constexpr bool kRowsAreK = true;  // the tile's rows are k, its chunks o
-    static constexpr int kRows = GRNG_GEMM_BK, kChunks = GRNG_GEMM_BM / 8;
-    // The gathered stage tile (grng_gemm_gather_tile).
-    __device__ static void gather(__nv_bfloat16* st, const __nv_bfloat16* p, int ld, int o0,
-                                  int k0, int no, int nk) {
-        grng_gemm_gather_tile<GRNG_GEMM_BK, GRNG_GEMM_BM>(st, p, ld, k0, o0, nk, no);
-    }
-    // Rows are k here: lane l addresses row k0 + ko[l/8] + l%8, and .trans hands out the
-    // (o, k) fragment. Element offset in the stage tile.
-    __device__ static int frag_off(int o0, int k0, int oo, int ko, int lane_row) {
-        return grng_swizzle<kChunks>(k0 + ko + lane_row, (o0 + oo) / 8);
-    }
-};
+using GrngKInner = GrngKLayout<false>;
+using GrngKOuter = GrngKLayout<true>;
 
 // One thread's share of an operand's stage tiles (Rows x Chunks 16-byte chunks, the tile's
 // rows k when RowsAreK, else o), planned once per block tile so that a stage's copies cost an
