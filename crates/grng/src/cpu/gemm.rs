@@ -387,6 +387,39 @@ mod tests {
         }
     }
 
+    /// Shapes `(m, n, k)` from the ranges, or past them by `grow` where `big` (a size class
+    /// whose transposed `B` takes the column-block path), both transpositions, and the seed of
+    /// the values ([`uniform`]).
+    fn cases(
+        m: std::ops::Range<usize>,
+        n: std::ops::Range<usize>,
+        k: std::ops::Range<usize>,
+        grow: (usize, usize, usize),
+    ) -> impl proptest::strategy::Strategy<Value = ((usize, usize, usize), Trans, Trans, u64)> {
+        use proptest::prelude::{any, Strategy};
+        let t = |yes| if yes { Trans::Yes } else { Trans::No };
+        (m, n, k, any::<bool>(), any::<[bool; 2]>(), any::<u64>()).prop_map(
+            move |(m, n, k, big, [ta, tb], seed)| {
+                let dims = if big {
+                    (m + grow.0, n + grow.1, k + grow.2)
+                } else {
+                    (m, n, k)
+                };
+                (dims, t(ta), t(tb), seed)
+            },
+        )
+    }
+
+    /// `len` values drawn from `U(±1)`.
+    fn uniform(rng: &mut rand_chacha::ChaCha8Rng, len: usize) -> Vec<f32> {
+        use rand::Rng;
+        (0..len).map(|_| rng.random_range(-1.0f32..1.0)).collect()
+    }
+
+    fn bits(v: &[f32]) -> Vec<u32> {
+        v.iter().map(|x| x.to_bits()).collect()
+    }
+
     proptest::proptest! {
         #![proptest_config(crate::testing::proptest_config(64))]
 
@@ -395,23 +428,16 @@ mod tests {
         /// ragged shapes and one size class that takes the column-block path.
         #[test]
         fn aliased_transposed_b_gives_the_same_bits(
-            m in 16usize..80,
-            n in 1usize..40,
-            k in 1usize..300,
-            big in proptest::prelude::any::<bool>(),
-            ta in proptest::prelude::any::<bool>(),
-            seed in proptest::prelude::any::<u64>(),
+            ((m, n, k), ta, _, seed) in cases(16..80, 1..40, 1..300, (64, 256, 0)),
         ) {
-            use rand::{Rng, SeedableRng};
-            let (m, n) = if big { (m + 64, n + 256) } else { (m, n) };
-            let ta = if ta { Trans::Yes } else { Trans::No };
+            use rand::SeedableRng;
             let mut rng = rand_chacha::ChaCha8Rng::seed_from_u64(seed);
-            let av: Vec<f32> = (0..m * k).map(|_| rng.random_range(-1.0f32..1.0)).collect();
+            let av = uniform(&mut rng, m * k);
             let sa = op_shape(ta, (m, k));
             let a = MatRef::new(&av, sa.0, sa.1).unwrap();
             // `B` stored `n x k`: at an aliased leading dimension and 8 floats further apart.
             let ld = k.next_multiple_of(256);
-            let vals: Vec<f32> = (0..n * k).map(|_| rng.random_range(-1.0f32..1.0)).collect();
+            let vals = uniform(&mut rng, n * k);
             let stored = |ld: usize| {
                 let mut out = vec![f32::NAN; n * ld];
                 for (i, row) in vals.chunks(k).enumerate() {
@@ -424,7 +450,6 @@ mod tests {
             let b_far = MatRef::with_ld(&bw, n, k, ld + 8).unwrap();
             let got = gemm_new(ta, Trans::Yes, 0.75, a, b).unwrap();
             let want = gemm_new(ta, Trans::Yes, 0.75, a, b_far).unwrap();
-            let bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
             proptest::prop_assert_eq!(bits(got.as_slice()), bits(want.as_slice()));
         }
 
@@ -433,30 +458,17 @@ mod tests {
         /// size class whose transposed `B` takes the column-block path (`m·n·k ≥ 2²¹`).
         #[test]
         fn gemm_new_matches_gemm(
-            m in 1usize..40,
-            n in 1usize..40,
-            k in 0usize..40,
-            big in proptest::prelude::any::<bool>(),
-            ta in proptest::prelude::any::<bool>(),
-            tb in proptest::prelude::any::<bool>(),
-            seed in proptest::prelude::any::<u64>(),
+            ((m, n, k), ta, tb, seed) in cases(1..40, 1..40, 0..40, (64, 256, 128)),
         ) {
-            use rand::{Rng, SeedableRng};
-            let (m, n, k) = if big { (m + 64, n + 256, k + 128) } else { (m, n, k) };
-            let t = |yes| if yes { Trans::Yes } else { Trans::No };
-            let (ta, tb) = (t(ta), t(tb));
+            use rand::SeedableRng;
             let mut rng = rand_chacha::ChaCha8Rng::seed_from_u64(seed);
-            let mut vals = |len: usize| -> Vec<f32> {
-                (0..len).map(|_| rng.random_range(-1.0f32..1.0)).collect()
-            };
             let (sa, sb) = (op_shape(ta, (m, k)), op_shape(tb, (k, n)));
-            let (av, bv) = (vals(m * k), vals(k * n));
+            let (av, bv) = (uniform(&mut rng, m * k), uniform(&mut rng, k * n));
             let a = MatRef::new(&av, sa.0, sa.1).unwrap();
             let b = MatRef::new(&bv, sb.0, sb.1).unwrap();
             let got = gemm_new(ta, tb, 0.75, a, b).unwrap();
             let mut want = vec![f32::NAN; m * n];
             gemm(ta, tb, 0.75, a, b, 0.0, MatMut::new(&mut want, m, n).unwrap()).unwrap();
-            let bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
             proptest::prop_assert_eq!(got.shape(), (m, n));
             proptest::prop_assert_eq!(bits(got.as_slice()), bits(&want));
         }
