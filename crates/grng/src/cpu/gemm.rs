@@ -42,17 +42,8 @@ pub fn gemm(
     beta: f32,
     mut c: MatMut<'_, f32>,
 ) -> Result<()> {
-    const OP: &str = "cpu::gemm";
-    let (m, n, k) = check_gemm(
-        OP,
-        trans_a,
-        a.shape(),
-        trans_b,
-        b.shape(),
-        alpha,
-        beta,
-        c.shape(),
-    )?;
+    let ops = ((trans_a, a), (trans_b, b));
+    let (m, n, k) = check(ops, (alpha, beta), c.shape())?;
     if m == 0 || n == 0 {
         return Ok(());
     }
@@ -65,8 +56,7 @@ pub fn gemm(
     // borrow, so C aliases neither A nor B.
     unsafe {
         product(
-            (trans_a, a),
-            (trans_b, b),
+            ops,
             (m, n, k),
             (alpha, beta),
             (c.data_mut().as_mut_ptr(), c.ld()),
@@ -88,21 +78,12 @@ pub fn gemm_new(
     a: MatRef<'_, f32>,
     b: MatRef<'_, f32>,
 ) -> Result<Mat> {
-    const OP: &str = "cpu::gemm";
+    let ops = ((trans_a, a), (trans_b, b));
     let (m, n) = (
         op_shape(trans_a, a.shape()).0,
         op_shape(trans_b, b.shape()).1,
     );
-    let (m, n, k) = check_gemm(
-        OP,
-        trans_a,
-        a.shape(),
-        trans_b,
-        b.shape(),
-        alpha,
-        0.0,
-        (m, n),
-    )?;
+    let (m, n, k) = check(ops, (alpha, 0.0), (m, n))?;
     if m == 0 || n == 0 || k == 0 || alpha == 0.0 {
         return Mat::from_vec(try_vec(m, n, 0.0f32)?, m, n);
     }
@@ -111,16 +92,23 @@ pub fn gemm_new(
     // aliasing neither. With `β = 0` the product writes every element of C without reading
     // it, so all `m·n` are initialized when the length is set.
     unsafe {
-        product(
-            (trans_a, a),
-            (trans_b, b),
-            (m, n, k),
-            (alpha, 0.0),
-            (c.as_mut_ptr(), n),
-        );
+        product(ops, (m, n, k), (alpha, 0.0), (c.as_mut_ptr(), n));
         c.set_len(m * n);
     }
     Mat::from_vec(c, m, n)
+}
+
+/// The operands of a product: `(op, A)`, `(op, B)`.
+type Operands<'a> = ((Trans, MatRef<'a, f32>), (Trans, MatRef<'a, f32>));
+
+/// [`gemm`]'s checks of its operands, `α`, `β` and `C`'s shape ([`check_gemm`]): `(m, n, k)`.
+fn check(
+    ((trans_a, a), (trans_b, b)): Operands<'_>,
+    (alpha, beta): (f32, f32),
+    c: (usize, usize),
+) -> Result<(usize, usize, usize)> {
+    let (sa, sb) = (a.shape(), b.shape());
+    check_gemm("cpu::gemm", trans_a, sa, trans_b, sb, alpha, beta, c)
 }
 
 /// The product of [`gemm`] after its checks, `m, n, k ≥ 1`, `α ≠ 0`: one call of the crate, or
@@ -132,8 +120,7 @@ pub fn gemm_new(
 /// floats `c_ld` apart, valid for writes (and reads when `β ≠ 0`), aliasing neither operand,
 /// and no other thread accesses it during the call.
 unsafe fn product(
-    (trans_a, a): (Trans, MatRef<'_, f32>),
-    (trans_b, b): (Trans, MatRef<'_, f32>),
+    ((trans_a, a), (trans_b, b)): Operands<'_>,
     (m, n, k): (usize, usize, usize),
     (alpha, beta): (f32, f32),
     (c_ptr, c_ld): (*mut f32, usize),
