@@ -87,17 +87,21 @@ fn tokens(lens: &[usize], seq: usize, rng: &mut impl Rng) -> (Tensor, Tensor, Te
     (t(ids), t(types), t(mask))
 }
 
+/// A seeded generator, an [`adapted_model`] of `top` layers drawn from it, then a batch of
+/// [`tokens`] of lengths `lens` padded to `seq` (the generator returned for further draws).
+fn adapted_batch(
+    top: usize,
+    lens: &[usize],
+    seq: usize,
+) -> (ChaCha8Rng, BertModel, (Tensor, Tensor, Tensor)) {
+    let mut rng = common::seeded_rng();
+    let model = adapted_model(top, &mut rng);
+    let batch = tokens(lens, seq, &mut rng);
+    (rng, model, batch)
+}
+
 fn max_abs_diff(a: &Tensor, b: &Tensor) -> f32 {
-    (a - b)
-        .unwrap()
-        .abs()
-        .unwrap()
-        .flatten_all()
-        .unwrap()
-        .max(0)
-        .unwrap()
-        .to_scalar()
-        .unwrap()
+    max_abs(&(a - b).unwrap())
 }
 
 fn max_abs(a: &Tensor) -> f32 {
@@ -111,12 +115,19 @@ fn max_abs(a: &Tensor) -> f32 {
         .unwrap()
 }
 
+/// The argument an [`Error::Value`] names; any other outcome fails the test.
+fn value_arg<T>(r: Result<T, Error>) -> &'static str {
+    match r {
+        Err(Error::Value { arg, .. }) => arg,
+        Err(e) => panic!("expected Error::Value, got {e}"),
+        Ok(_) => panic!("expected Error::Value, got Ok"),
+    }
+}
+
 #[test]
 fn forward_shapes_and_padding_invariance() {
-    let mut rng = common::seeded_rng();
-    let model = adapted_model(2, &mut rng);
     let lens = [5, 1, 9, 3];
-    let (ids, types, mask) = tokens(&lens, 12, &mut rng);
+    let (_, model, (ids, types, mask)) = adapted_batch(2, &lens, 12);
     for pass in [Pass::Eval, Pass::Train] {
         let hidden = model.forward(&ids, &types, &mask, pass).unwrap();
         assert_eq!(hidden.dims(), [4, 12, 16]);
@@ -143,10 +154,8 @@ fn forward_shapes_and_padding_invariance() {
 
 #[test]
 fn cached_lower_layers_continue_exactly() {
-    let mut rng = common::seeded_rng();
     // Adapters in the top layer only: layer 0 is frozen whole and may be cached.
-    let model = adapted_model(1, &mut rng);
-    let (ids, types, mask) = tokens(&[7, 4, 10], 10, &mut rng);
+    let (_, model, (ids, types, mask)) = adapted_batch(1, &[7, 4, 10], 10);
     // A training pass may continue from a cache of the layers below the adapted one (0 or
     // 1 here); an evaluation pass from any layer.
     for (pass, splits) in [(Pass::Eval, 0..=2), (Pass::Train, 0..=1)] {
@@ -213,26 +222,13 @@ fn query_value_adapters_and_top_layers() {
             top_layers: Some(3),
         },
     ));
-    let err = BertModel::random(tiny(), &CPU, too_many, &mut rng)
-        .err()
-        .unwrap();
-    assert!(
-        matches!(
-            err,
-            Error::Value {
-                arg: "top_layers",
-                ..
-            }
-        ),
-        "{err}"
-    );
+    let err = BertModel::random(tiny(), &CPU, too_many, &mut rng);
+    assert_eq!(value_arg(err), "top_layers");
 }
 
 #[test]
 fn training_pass_differentiates_every_adapter() {
-    let mut rng = common::seeded_rng();
-    let model = adapted_model(2, &mut rng);
-    let (ids, types, mask) = tokens(&[8, 3, 5], 8, &mut rng);
+    let (mut rng, model, (ids, types, mask)) = adapted_batch(2, &[8, 3, 5], 8);
     // A loss that depends on every position and feature.
     let target = uniform(&[3, 16], &mut rng);
     let loss = |pass| -> Tensor {
@@ -276,9 +272,7 @@ fn training_pass_differentiates_every_adapter() {
 
 #[test]
 fn training_and_evaluation_passes_agree() {
-    let mut rng = common::seeded_rng();
-    let model = adapted_model(2, &mut rng);
-    let (ids, types, mask) = tokens(&[9, 4], 9, &mut rng);
+    let (_, model, (ids, types, mask)) = adapted_batch(2, &[9, 4], 9);
     let train = model.forward(&ids, &types, &mask, Pass::Train).unwrap();
     let eval = model.forward(&ids, &types, &mask, Pass::Eval).unwrap();
     // The fused and the composed softmax / LayerNorm round differently: a few ulps of the
@@ -314,20 +308,8 @@ fn bad_forward_inputs_are_errors() {
         .err()
         .unwrap();
     assert!(matches!(err, Error::Shape { arg: "hidden", .. }), "{err}");
-    let err = model
-        .embed_and_encode(&ids, &types, &mask, 3, Pass::Eval)
-        .err()
-        .unwrap();
-    assert!(
-        matches!(
-            err,
-            Error::Value {
-                arg: "until_layer",
-                ..
-            }
-        ),
-        "{err}"
-    );
+    let err = model.embed_and_encode(&ids, &types, &mask, 3, Pass::Eval);
+    assert_eq!(value_arg(err), "until_layer");
 }
 
 // ---- model folders ----
@@ -565,8 +547,8 @@ fn mismatched_tokenizers_are_refused() {
     let (_, reason) = pretrained_reason(BertTokenizer::from_file(&path, &tiny(), 8).err().unwrap());
     assert!(reason.contains("not a tokenizer.json"), "{reason}");
     std::fs::write(&path, tokenizer_json(&vocab(40))).unwrap();
-    let err = BertTokenizer::from_file(&path, &tiny(), 25).err().unwrap();
-    assert!(matches!(err, Error::Value { arg: "max_len", .. }), "{err}");
+    let err = BertTokenizer::from_file(&path, &tiny(), 25);
+    assert_eq!(value_arg(err), "max_len");
     let tok = BertTokenizer::from_file(&path, &tiny(), 8).unwrap();
     let err = tok.encode::<&str>(&[], &CPU).err().unwrap();
     assert!(matches!(err, Error::Value { .. }), "{err}");

@@ -102,6 +102,49 @@ struct EwHessianEma {
     }
 };
 
+// The per-element steps of the fused updates (single-tensor: ew_fused, multi-tensor:
+// ew_multi): `step(p, g, s0, s1, gh)` updates p and the state in registers; TWO_STATE says
+// whether s1 exists, sign1() whether s1 must be >= 0, writes1() whether s1 is written back,
+// reads_gh() whether the Hessian sample is read.
+struct EwStepSgd {
+    EwSgd op;
+    static constexpr bool TWO_STATE = false;
+    __device__ __forceinline__ bool sign1() const { return false; }
+    __device__ __forceinline__ bool writes1() const { return false; }
+    __device__ __forceinline__ bool reads_gh() const { return false; }
+    __device__ __forceinline__ void step(float& p, float g, float& s0, float&, float) const {
+        op(p, g, s0);
+    }
+};
+
+struct EwStepAdamW {
+    EwAdamW op;
+    static constexpr bool TWO_STATE = true;
+    __device__ __forceinline__ bool sign1() const { return true; }
+    __device__ __forceinline__ bool writes1() const { return true; }
+    __device__ __forceinline__ bool reads_gh() const { return false; }
+    __device__ __forceinline__ void step(float& p, float g, float& m, float& v, float) const {
+        op(p, g, m, v);
+    }
+};
+
+// Sophia with its Hessian EMA fused in: on a refresh step h' = EMA(h, gh) is written and the
+// update reads h' (what the separate EMA then update did, in one pass); without one (always
+// in the single-tensor elementwise_sophia) h is read only.
+struct EwStepSophia {
+    EwSophia op;
+    EwHessianEma ema;
+    int refresh;
+    static constexpr bool TWO_STATE = true;
+    __device__ __forceinline__ bool sign1() const { return true; }
+    __device__ __forceinline__ bool writes1() const { return refresh != 0; }
+    __device__ __forceinline__ bool reads_gh() const { return refresh != 0; }
+    __device__ __forceinline__ void step(float& p, float g, float& m, float& h, float gh) const {
+        if (refresh) ema(h, gh);
+        op(p, g, m, h);
+    }
+};
+
 // Grid-stride indices: float4 items k < n4, then the scalar elements from 4*n4 to n.
 #define EW_TID (blockIdx.x * blockDim.x + threadIdx.x)
 #define EW_STRIDE (blockDim.x * gridDim.x)
@@ -212,15 +255,6 @@ struct EwBad {
     __device__ __forceinline__ void note_negative(float v, int i) {
         if (v < 0.0f && sign == EW_NONE) sign = i;
     }
-    // The four inputs of AdamW / Sophia at index i (slots 0..3), the last one also >= 0.
-    __device__ __forceinline__ void note4_last_nonneg(float a0, float a1, float a2, float a3,
-                                                      int i) {
-        note(0, a0, i);
-        note(1, a1, i);
-        note(2, a2, i);
-        note(3, a3, i);
-        note_negative(a3, i);
-    }
     // Warp minimum, then one atomicMin per warp and slot that saw a bad value. Every lane of
     // the warp must call it.
     __device__ __forceinline__ void flush(int* status) const {
@@ -326,42 +360,69 @@ GRNG_UNROLL
 }
 GRNG_EMU_ENTRY(elementwise_axpy_new, (float*, const float*, const float*, float, int, int*))
 
+// The checks of one element at index i of the single-tensor fused updates' inputs: status
+// slots 0..3 = p, g, s0, s1; slot 4 = first s1 < 0 where f.sign1(). F is an EwStep* step.
+template <class F>
+__device__ __forceinline__ void ew_fused_check(const F& f, EwBad& bad, int i, float p, float g,
+                                               float s0, float s1) {
+    bad.note(0, p, i);
+    bad.note(1, g, i);
+    bad.note(2, s0, i);
+    if (F::TWO_STATE) {
+        bad.note(3, s1, i);
+        if (f.sign1()) bad.note_negative(s1, i);
+    }
+}
+
+// The grid-stride loop of the single-tensor fused updates over n elements: p, g and the state
+// s0 (and s1 with F::TWO_STATE) read, po, o0 (and o1 where f.writes1()) written. s1/o1 are
+// unused (may be null) without them.
+template <class F>
+__device__ __forceinline__ void ew_fused(const F& f, const float* __restrict__ p,
+                                         const float* __restrict__ g,
+                                         const float* __restrict__ s0,
+                                         const float* __restrict__ s1, float* __restrict__ po,
+                                         float* __restrict__ o0, float* __restrict__ o1, int n,
+                                         int* __restrict__ status) {
+    EwBad bad;
+    const bool two = F::TWO_STATE, w1 = f.writes1();
+    const int n4 = ew_aligned16(p, g, s0, s1) && ew_aligned16(po, o0, o1) ? n / 4 : 0;
+    for (int k = EW_TID; k < n4; k += EW_STRIDE) {
+        float4 P = reinterpret_cast<const float4*>(p)[k];
+        const float4 G = reinterpret_cast<const float4*>(g)[k];
+        float4 S0 = reinterpret_cast<const float4*>(s0)[k];
+        float4 S1 = two ? reinterpret_cast<const float4*>(s1)[k] : float4{};
+GRNG_UNROLL
+        for (int e = 0; e < 4; ++e) {
+            ew_fused_check(f, bad, 4 * k + e, ew_lane(P, e), ew_lane(G, e), ew_lane(S0, e),
+                           ew_lane(S1, e));
+        }
+        f.step(P.x, G.x, S0.x, S1.x, 0.0f);
+        f.step(P.y, G.y, S0.y, S1.y, 0.0f);
+        f.step(P.z, G.z, S0.z, S1.z, 0.0f);
+        f.step(P.w, G.w, S0.w, S1.w, 0.0f);
+        reinterpret_cast<float4*>(po)[k] = P;
+        reinterpret_cast<float4*>(o0)[k] = S0;
+        if (w1) reinterpret_cast<float4*>(o1)[k] = S1;
+    }
+    for (int i = 4 * n4 + EW_TID; i < n; i += EW_STRIDE) {
+        float P = p[i], S0 = s0[i], S1 = two ? s1[i] : 0.0f;
+        const float G = g[i];
+        ew_fused_check(f, bad, i, P, G, S0, S1);
+        f.step(P, G, S0, S1, 0.0f);
+        po[i] = P;
+        o0[i] = S0;
+        if (w1) o1[i] = S1;
+    }
+    bad.flush(status);
+}
+
 // θ', b' ← fused SGD step (EwSgd) of θ, g, b over n elements; status slots 0..2 = p, g, b.
 extern "C" __global__ void elementwise_sgd(const float* __restrict__ p, const float* __restrict__ g,
                                            const float* __restrict__ b, float* __restrict__ po,
                                            float* __restrict__ bo, float lr, float mu, float lrwd,
                                            int n, int* __restrict__ status) {
-    const EwSgd op{lr, mu, lrwd};
-    EwBad bad;
-    const int n4 = ew_aligned16(p, g, b) && ew_aligned16(po, bo) ? n / 4 : 0;
-    for (int k = EW_TID; k < n4; k += EW_STRIDE) {
-        float4 P = reinterpret_cast<const float4*>(p)[k];
-        const float4 G = reinterpret_cast<const float4*>(g)[k];
-        float4 B = reinterpret_cast<const float4*>(b)[k];
-GRNG_UNROLL
-        for (int e = 0; e < 4; ++e) {
-            bad.note(0, ew_lane(P, e), 4 * k + e);
-            bad.note(1, ew_lane(G, e), 4 * k + e);
-            bad.note(2, ew_lane(B, e), 4 * k + e);
-        }
-        op(P.x, G.x, B.x);
-        op(P.y, G.y, B.y);
-        op(P.z, G.z, B.z);
-        op(P.w, G.w, B.w);
-        reinterpret_cast<float4*>(po)[k] = P;
-        reinterpret_cast<float4*>(bo)[k] = B;
-    }
-    for (int i = 4 * n4 + EW_TID; i < n; i += EW_STRIDE) {
-        float P = p[i], B = b[i];
-        const float G = g[i];
-        bad.note(0, P, i);
-        bad.note(1, G, i);
-        bad.note(2, B, i);
-        op(P, G, B);
-        po[i] = P;
-        bo[i] = B;
-    }
-    bad.flush(status);
+    ew_fused(EwStepSgd{EwSgd{lr, mu, lrwd}}, p, g, b, nullptr, po, bo, nullptr, n, status);
 }
 GRNG_EMU_ENTRY(elementwise_sgd, (const float*, const float*, const float*, float*, float*, float,
                                  float, float, int, int*))
@@ -376,37 +437,8 @@ extern "C" __global__ void elementwise_adamw(const float* __restrict__ p,
                                              float lr, float b1, float omb1, float b2, float omb2,
                                              float eps, float lrwd, float bc1, float bc2, int n,
                                              int* __restrict__ status) {
-    const EwAdamW op{lr, b1, omb1, b2, omb2, eps, lrwd, bc1, bc2};
-    EwBad bad;
-    const int n4 = ew_aligned16(p, g, m, v) && ew_aligned16(po, mo, vo) ? n / 4 : 0;
-    for (int k = EW_TID; k < n4; k += EW_STRIDE) {
-        float4 P = reinterpret_cast<const float4*>(p)[k];
-        const float4 G = reinterpret_cast<const float4*>(g)[k];
-        float4 M = reinterpret_cast<const float4*>(m)[k];
-        float4 V = reinterpret_cast<const float4*>(v)[k];
-GRNG_UNROLL
-        for (int e = 0; e < 4; ++e) {
-            bad.note4_last_nonneg(ew_lane(P, e), ew_lane(G, e), ew_lane(M, e), ew_lane(V, e),
-                                  4 * k + e);
-        }
-        op(P.x, G.x, M.x, V.x);
-        op(P.y, G.y, M.y, V.y);
-        op(P.z, G.z, M.z, V.z);
-        op(P.w, G.w, M.w, V.w);
-        reinterpret_cast<float4*>(po)[k] = P;
-        reinterpret_cast<float4*>(mo)[k] = M;
-        reinterpret_cast<float4*>(vo)[k] = V;
-    }
-    for (int i = 4 * n4 + EW_TID; i < n; i += EW_STRIDE) {
-        float P = p[i], M = m[i], V = v[i];
-        const float G = g[i];
-        bad.note4_last_nonneg(P, G, M, V, i);
-        op(P, G, M, V);
-        po[i] = P;
-        mo[i] = M;
-        vo[i] = V;
-    }
-    bad.flush(status);
+    const EwStepAdamW f{EwAdamW{lr, b1, omb1, b2, omb2, eps, lrwd, bc1, bc2}};
+    ew_fused(f, p, g, m, v, po, mo, vo, n, status);
 }
 GRNG_EMU_ENTRY(elementwise_adamw, (const float*, const float*, const float*, const float*, float*,
                                    float*, float*, float, float, float, float, float, float, float,
@@ -421,35 +453,9 @@ extern "C" __global__ void elementwise_sophia(const float* __restrict__ p,
                                               float* __restrict__ mo, float lr, float b1,
                                               float omb1, float gamma, float eps, float lrwd, int n,
                                               int* __restrict__ status) {
-    const EwSophia op{lr, b1, omb1, gamma, eps, lrwd};
-    EwBad bad;
-    const int n4 = ew_aligned16(p, g, m, h) && ew_aligned16(po, mo) ? n / 4 : 0;
-    for (int k = EW_TID; k < n4; k += EW_STRIDE) {
-        float4 P = reinterpret_cast<const float4*>(p)[k];
-        const float4 G = reinterpret_cast<const float4*>(g)[k];
-        float4 M = reinterpret_cast<const float4*>(m)[k];
-        const float4 H = reinterpret_cast<const float4*>(h)[k];
-GRNG_UNROLL
-        for (int e = 0; e < 4; ++e) {
-            bad.note4_last_nonneg(ew_lane(P, e), ew_lane(G, e), ew_lane(M, e), ew_lane(H, e),
-                                  4 * k + e);
-        }
-        op(P.x, G.x, M.x, H.x);
-        op(P.y, G.y, M.y, H.y);
-        op(P.z, G.z, M.z, H.z);
-        op(P.w, G.w, M.w, H.w);
-        reinterpret_cast<float4*>(po)[k] = P;
-        reinterpret_cast<float4*>(mo)[k] = M;
-    }
-    for (int i = 4 * n4 + EW_TID; i < n; i += EW_STRIDE) {
-        float P = p[i], M = m[i];
-        const float G = g[i], H = h[i];
-        bad.note4_last_nonneg(P, G, M, H, i);
-        op(P, G, M, H);
-        po[i] = P;
-        mo[i] = M;
-    }
-    bad.flush(status);
+    // No refresh: the update alone, h read only (the EMA's parameters unused).
+    const EwStepSophia f{EwSophia{lr, b1, omb1, gamma, eps, lrwd}, EwHessianEma{}, 0};
+    ew_fused(f, p, g, m, h, po, mo, nullptr, n, status);
 }
 GRNG_EMU_ENTRY(elementwise_sophia, (const float*, const float*, const float*, const float*, float*,
                                     float*, float, float, float, float, float, float, int, int*))
@@ -563,47 +569,6 @@ GRNG_UNROLL
     }
 };
 
-// The per-element steps of the multi-tensor kernels: `step(p, g, s0, s1, gh)` updates p and
-// the state in registers; TWO_STATE says whether s1 exists, sign1() whether s1 must be >= 0,
-// writes1() whether s1 is written back, reads_gh() whether the Hessian sample is read.
-struct EwMultiSgd {
-    EwSgd op;
-    static constexpr bool TWO_STATE = false;
-    __device__ __forceinline__ bool sign1() const { return false; }
-    __device__ __forceinline__ bool writes1() const { return false; }
-    __device__ __forceinline__ bool reads_gh() const { return false; }
-    __device__ __forceinline__ void step(float& p, float g, float& s0, float&, float) const {
-        op(p, g, s0);
-    }
-};
-
-struct EwMultiAdamW {
-    EwAdamW op;
-    static constexpr bool TWO_STATE = true;
-    __device__ __forceinline__ bool sign1() const { return true; }
-    __device__ __forceinline__ bool writes1() const { return true; }
-    __device__ __forceinline__ bool reads_gh() const { return false; }
-    __device__ __forceinline__ void step(float& p, float g, float& m, float& v, float) const {
-        op(p, g, m, v);
-    }
-};
-
-// Sophia with its Hessian EMA fused in: on a refresh step h' = EMA(h, gh) is written and the
-// update reads h' (what the separate EMA then update did, in one pass).
-struct EwMultiSophia {
-    EwSophia op;
-    EwHessianEma ema;
-    int refresh;
-    static constexpr bool TWO_STATE = true;
-    __device__ __forceinline__ bool sign1() const { return true; }
-    __device__ __forceinline__ bool writes1() const { return refresh != 0; }
-    __device__ __forceinline__ bool reads_gh() const { return refresh != 0; }
-    __device__ __forceinline__ void step(float& p, float g, float& m, float& h, float gh) const {
-        if (refresh) ema(h, gh);
-        op(p, g, m, h);
-    }
-};
-
 // One element at flat position pos: checks of the inputs, the step, checks of the outputs.
 template <class F>
 __device__ __forceinline__ void ew_multi_elem(const F& f, EwFirst& bad, int pos, float& p,
@@ -676,7 +641,7 @@ extern "C" __global__ void elementwise_multi_sgd(const unsigned* __restrict__ ta
                                                  int nitems, const float* __restrict__ b,
                                                  float* __restrict__ bo, float lr, float mu,
                                                  float lrwd, int* __restrict__ status) {
-    const EwMultiSgd f{EwSgd{lr, mu, lrwd}};
+    const EwStepSgd f{EwSgd{lr, mu, lrwd}};
     ew_multi(f, table, ntensors, nitems, b, nullptr, bo, nullptr, status);
 }
 GRNG_EMU_ENTRY(elementwise_multi_sgd, (const unsigned*, int, int, const float*, float*, float,
@@ -688,7 +653,7 @@ extern "C" __global__ void elementwise_multi_adamw(
     const float* __restrict__ v, float* __restrict__ mo, float* __restrict__ vo, float lr,
     float b1, float omb1, float b2, float omb2, float eps, float lrwd, float bc1, float bc2,
     int* __restrict__ status) {
-    const EwMultiAdamW f{EwAdamW{lr, b1, omb1, b2, omb2, eps, lrwd, bc1, bc2}};
+    const EwStepAdamW f{EwAdamW{lr, b1, omb1, b2, omb2, eps, lrwd, bc1, bc2}};
     ew_multi(f, table, ntensors, nitems, m, v, mo, vo, status);
 }
 GRNG_EMU_ENTRY(elementwise_multi_adamw, (const unsigned*, int, int, const float*, const float*,
@@ -702,7 +667,7 @@ extern "C" __global__ void elementwise_multi_sophia(
     const float* __restrict__ h, float* __restrict__ mo, float* __restrict__ ho, float lr,
     float b1, float omb1, float gamma, float eps, float lrwd, int refresh, float b2, float omb2,
     float bs, int* __restrict__ status) {
-    const EwMultiSophia f{EwSophia{lr, b1, omb1, gamma, eps, lrwd}, EwHessianEma{b2, omb2, bs},
+    const EwStepSophia f{EwSophia{lr, b1, omb1, gamma, eps, lrwd}, EwHessianEma{b2, omb2, bs},
                           refresh};
     ew_multi(f, table, ntensors, nitems, m, h, mo, ho, status);
 }

@@ -181,11 +181,11 @@ struct PrecondAxpby {
 };
 
 // The entry points of the bf16 products: one signature and epilogue (PrecondAxpby), the
-// mainloop TILE_ANY over TERMS plane products, __launch_bounds__(__VA_ARGS__). Each sm_80
-// kernel has an sm_90a instance (kernels/gemm/wgmma_sm90.cuh) that only the compute_90a
-// build compiles: same parameters, grid and epilogue; block 384, GRNG_WG_SMEM bytes of
-// dynamic shared memory.
-#define GEMM_TC(name, TILE_ANY, TERMS, ...)                                                   \
+// block tile TILE (GrngTileSm80 or GrngTileSm90a, grng_gemm_tile_layouts) over TERMS plane
+// products, __launch_bounds__(__VA_ARGS__). Each sm_80 kernel has an sm_90a instance
+// (kernels/gemm/wgmma_sm90.cuh) that only the compute_90a build compiles: same parameters,
+// grid and epilogue; block 384, GRNG_WG_SMEM bytes of dynamic shared memory.
+#define GEMM_TC(name, TILE, TERMS, ...)                                                       \
     extern "C" __global__ void __launch_bounds__(__VA_ARGS__)                                 \
         name(const __nv_bfloat16* __restrict__ a, int lda, long long a_plane,                 \
              const __nv_bfloat16* __restrict__ b, int ldb, long long b_plane,                 \
@@ -193,7 +193,8 @@ struct PrecondAxpby {
              int trans, int* __restrict__ status) {                                           \
         GRNG_DYN_SHARED(__nv_bfloat16, smem);                                                 \
         PrecondAxpby epi{c, ldc, alpha, beta, status};                                        \
-        TILE_ANY<TERMS>(a, lda, a_plane, b, ldb, b_plane, M, N, K, trans, smem, epi);          \
+        grng_gemm_tile_layouts<TILE, TERMS>(a, lda, a_plane, b, ldb, b_plane, M, N, K, trans,  \
+                                            smem, epi);                                       \
     }
 #define GEMM_TC_TYPES                                                                          \
     (const __nv_bfloat16*, int, long long, const __nv_bfloat16*, int, long long, float*, int, \
@@ -204,17 +205,17 @@ struct PrecondAxpby {
 // status: null, or an int preset to GRNG_NONE that gets the first flat index of a NaN/Inf
 // in C (PrecondAxpby; M·N must fit an int then). Grid
 // (ceil(N/128), ceil(M/128)), block 256, GRNG_GEMM_SMEM bytes of dynamic shared memory.
-GEMM_TC(gemm3_tc, grng_gemm_tile_any, GRNG_SPLIT3_TERMS, GRNG_GEMM_THREADS)
+GEMM_TC(gemm3_tc, GrngTileSm80, GRNG_SPLIT3_TERMS, GRNG_GEMM_THREADS)
 GRNG_EMU_ENTRY(gemm3_tc, GEMM_TC_TYPES)
 
 // The plain bf16 product (Device::gemm on bf16 operands): gemm3_tc's parameters,
 // layouts, grid, block and shared memory with one term, so a_plane and b_plane are unused.
-GEMM_TC(gemm_tc, grng_gemm_tile_any, 1, GRNG_GEMM_THREADS)
+GEMM_TC(gemm_tc, GrngTileSm80, 1, GRNG_GEMM_THREADS)
 GRNG_EMU_ENTRY(gemm_tc, GEMM_TC_TYPES)
 
 #ifdef GRNG_SM90A
-GEMM_TC(gemm3_wg_tc, grng_wg_gemm_tile_any, GRNG_SPLIT3_TERMS, GRNG_WG_THREADS, 1)
-GEMM_TC(gemm_wg_tc, grng_wg_gemm_tile_any, 1, GRNG_WG_THREADS, 1)
+GEMM_TC(gemm3_wg_tc, GrngTileSm90a, GRNG_SPLIT3_TERMS, GRNG_WG_THREADS, 1)
+GEMM_TC(gemm_wg_tc, GrngTileSm90a, 1, GRNG_WG_THREADS, 1)
 #endif
 
 // ---------------------------------------------------------------------------------------

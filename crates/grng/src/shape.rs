@@ -213,9 +213,26 @@ pub(crate) fn check_h_shape(op: &'static str, (d_o, n): (usize, usize)) -> Resul
     Ok((d_o, n))
 }
 
+/// The lengths [`check_kalman_lens`] checks, in its order, of a step's `io` and `innovation`:
+/// either backend's buffers (`cpu::kalman::KalmanIo`'s slices, `cuda::kalman::KalmanBuffers`'
+/// matrices), whose fields share their names.
+macro_rules! kalman_lens {
+    ($io:ident, $innovation:expr) => {
+        [
+            $io.mu.len(),
+            $io.sigma.len(),
+            $io.r.len(),
+            $innovation.len(),
+            $io.mu_out.len(),
+            $io.sigma_out.len(),
+        ]
+    };
+}
+pub(crate) use kalman_lens;
+
 /// The buffer lengths of a Kalman step both backends check against `h`'s `(d_o, n)`, in this
 /// order: `mu`, `sigma` of `n`, `r` of `d_o²`, `innovation` of `d_o`, `mu_out`, `sigma_out` of
-/// `n` ([`Error::Shape`] naming the first that differs).
+/// `n` ([`Error::Shape`] naming the first that differs); [`kalman_lens`] lists them.
 pub(crate) fn check_kalman_lens(
     op: &'static str,
     (d_o, n): (usize, usize),

@@ -72,12 +72,9 @@ const PROJECTIONS: [&str; 6] = [
     "intermediate.dense",
     "output.dense",
 ];
-const QUERY: usize = 0;
-const KEY: usize = 1;
-const VALUE: usize = 2;
-const ATTN_OUT: usize = 3;
-const INTERMEDIATE: usize = 4;
-const OUTPUT: usize = 5;
+/// The indices in [`PROJECTIONS`] of the query and value projections (LoRA's default
+/// placement, [`Adapt::QueryValue`]).
+const QUERY_VALUE: [usize; 2] = [0, 2];
 
 /// A dense projection `y = x Wᵀ + b`.
 enum Projection {
@@ -139,12 +136,12 @@ impl Layer {
         // `batch x seq x hidden` → `batch x heads x seq x head_dim`, contiguous for the
         // batched matmul.
         let split = |t: Tensor| t.reshape((b, s, heads, hd))?.transpose(1, 2)?.contiguous();
-        let p = &self.proj;
+        let [query, key, value, attn_out, intermediate, output] = &self.proj;
         // 1/√head_dim folded into Q: b·s·h multiplies instead of b·heads·s².
-        let q = p[QUERY].forward(h, ops)?;
+        let q = query.forward(h, ops)?;
         let q = split(q.affine(1.0 / (hd as f64).sqrt(), 0.0).grng()?).grng()?;
-        let k = split(p[KEY].forward(h, ops)?).grng()?;
-        let v = split(p[VALUE].forward(h, ops)?).grng()?;
+        let k = split(key.forward(h, ops)?).grng()?;
+        let v = split(value.forward(h, ops)?).grng()?;
         let ctx = (|| {
             let scores = q.matmul(&k.t()?)?.broadcast_add(bias)?;
             let probs = if ops.grad {
@@ -155,10 +152,10 @@ impl Layer {
             probs.matmul(&v)?.transpose(1, 2)?.reshape((b, s, hidden))
         })()
         .grng()?;
-        let attn = p[ATTN_OUT].forward(&ctx, ops)?;
+        let attn = attn_out.forward(&ctx, ops)?;
         let h = self.attn_norm.forward(&(attn + h).grng()?, ops)?;
-        let inner = p[INTERMEDIATE].forward(&h, ops)?.gelu_erf().grng()?;
-        let out = p[OUTPUT].forward(&inner, ops)?;
+        let inner = intermediate.forward(&h, ops)?.gelu_erf().grng()?;
+        let out = output.forward(&inner, ops)?;
         self.out_norm.forward(&(out + h).grng()?, ops)
     }
 }
@@ -289,12 +286,12 @@ impl BertModel {
             });
         };
         let first_adapted = place.first_layer(layers)?;
-        let chosen: &[usize] = match place.adapt {
-            Adapt::QueryValue => &[QUERY, VALUE],
-            Adapt::All => &[QUERY, KEY, VALUE, ATTN_OUT, INTERMEDIATE, OUTPUT],
+        let chosen = |k: &usize| match place.adapt {
+            Adapt::QueryValue => QUERY_VALUE.contains(k),
+            Adapt::All => true,
         };
         for layer in &mut frozen.layers[first_adapted..] {
-            for &k in chosen {
+            for k in (0..PROJECTIONS.len()).filter(chosen) {
                 if let Projection::Frozen { wt, b } = &layer.proj[k] {
                     let w0 = wt.t().grng()?;
                     layer.proj[k] = Projection::Lora(LoraLinear::new(&w0, Some(b), lora, rng)?);

@@ -1145,13 +1145,16 @@ impl Checkpoint for Trainer {
             )));
         }
         let steps = r.u64("steps")?;
-        let c = r.scope("counters");
+        // The names `save` wrote (`TrainerCounters::owned`).
+        let names = TrainerCounters::default().owned().map(|(name, _)| name);
+        let [skipped_nonfinite, rejected_updates, jitter_escalations, jittered_steps, sigma_floored] =
+            r.u64_scope("counters", names, &[])?;
         let counters = TrainerCounters {
-            skipped_nonfinite: c.u64("skipped_nonfinite")?,
-            rejected_updates: c.u64("rejected_updates")?,
-            jitter_escalations: c.u64("jitter_escalations")?,
-            jittered_steps: c.u64("jittered_steps")?,
-            sigma_floored: c.u64("sigma_floored")?,
+            skipped_nonfinite,
+            rejected_updates,
+            jitter_escalations,
+            jittered_steps,
+            sigma_floored,
             ..TrainerCounters::default()
         };
         let n = self.mlp.num_params();

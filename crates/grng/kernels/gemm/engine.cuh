@@ -36,6 +36,15 @@
 #define GRNG_GEMM_STAGE_ELEMS (2 * GRNG_GEMM_BM * GRNG_GEMM_BK)
 #define GRNG_GEMM_SMEM (GRNG_GEMM_STAGES * GRNG_GEMM_STAGE_ELEMS * 2)
 
+// The parameters of a block tile's product, in a template over the epilogue type Epi:
+// grng_gemm_mainloop's, grng_gemm_tile's and the sm_90a mainloop's (grng_wg_gemm_tile,
+// gemm/wgmma_sm90.cuh); GRNG_GEMM_TILE_ARGS passes them on.
+#define GRNG_GEMM_TILE_PARAMS                                                                    \
+    const __nv_bfloat16 *__restrict__ A, int lda, long long a_plane,                             \
+        const __nv_bfloat16 *__restrict__ B, int ldb, long long b_plane, int M, int N, int K,    \
+        int i0, int j0, __nv_bfloat16 *smem, Epi &epi
+#define GRNG_GEMM_TILE_ARGS A, lda, a_plane, B, ldb, b_plane, M, N, K, i0, j0, smem, epi
+
 // One 16-byte chunk (8 bf16) of a tile gathered element by element: elements
 // (row, col..col+8) of p into the shared dst, zero past nrows x ncols — the loader for rows
 // that 16-byte copies would straddle (ld % 8 ≠ 0 or a base not 16-byte aligned), shared by
@@ -73,37 +82,34 @@ GRNG_UNROLL
     }
 }
 
-// Element (o, k) of an operand at p[o·ld + k]: shared tile [128 o][32 k].
-struct GrngKInner {
-    static constexpr bool kRowsAreK = false;  // the tile's rows are o, its chunks k
-    static constexpr int kRows = GRNG_GEMM_BM, kChunks = GRNG_GEMM_BK / 8;
+// Element (o, k) of an operand at p[o·ld + k] (RowsAreK false, GrngKInner: shared tile
+// [128 o][32 k]) or at p[k·ld + o] (RowsAreK true, GrngKOuter: shared tile [32 k][128 o]): the
+// tile's rows are k when RowsAreK, else o, and its chunks the other index.
+template <bool RowsAreK>
+struct GrngKLayout {
+    static constexpr bool kRowsAreK = RowsAreK;
+    static constexpr int kRows = RowsAreK ? GRNG_GEMM_BK : GRNG_GEMM_BM;
+    static constexpr int kChunks = (RowsAreK ? GRNG_GEMM_BM : GRNG_GEMM_BK) / 8;
     // The gathered stage tile (grng_gemm_gather_tile).
     __device__ static void gather(__nv_bfloat16* st, const __nv_bfloat16* p, int ld, int o0,
                                   int k0, int no, int nk) {
-        grng_gemm_gather_tile<GRNG_GEMM_BM, GRNG_GEMM_BK>(st, p, ld, o0, k0, no, nk);
+        if constexpr (RowsAreK)
+            grng_gemm_gather_tile<kRows, 8 * kChunks>(st, p, ld, k0, o0, nk, no);
+        else
+            grng_gemm_gather_tile<kRows, 8 * kChunks>(st, p, ld, o0, k0, no, nk);
     }
     // Four 8x8 matrices; matrix j covers o0 + oo[j].., k0 + ko[j]..: lane l addresses row
-    // o0 + oo[l/8] + l%8 (k contiguous, so no .trans). Element offset in the stage tile.
+    // l%8 of matrix l/8, a tile row o (k-inner: k contiguous, so no .trans) or k (k-outer:
+    // .trans hands out the (o, k) fragment). Element offset in the stage tile.
     __device__ static int frag_off(int o0, int k0, int oo, int ko, int lane_row) {
-        return grng_swizzle<kChunks>(o0 + oo + lane_row, (k0 + ko) / 8);
+        if constexpr (RowsAreK)
+            return grng_swizzle<kChunks>(k0 + ko + lane_row, (o0 + oo) / 8);
+        else
+            return grng_swizzle<kChunks>(o0 + oo + lane_row, (k0 + ko) / 8);
     }
 };
-
-// Element (o, k) of an operand at p[k·ld + o]: shared tile [32 k][128 o].
-struct GrngKOuter {
-    static constexpr bool kRowsAreK = true;  // the tile's rows are k, its chunks o
-    static constexpr int kRows = GRNG_GEMM_BK, kChunks = GRNG_GEMM_BM / 8;
-    // The gathered stage tile (grng_gemm_gather_tile).
-    __device__ static void gather(__nv_bfloat16* st, const __nv_bfloat16* p, int ld, int o0,
-                                  int k0, int no, int nk) {
-        grng_gemm_gather_tile<GRNG_GEMM_BK, GRNG_GEMM_BM>(st, p, ld, k0, o0, nk, no);
-    }
-    // Rows are k here: lane l addresses row k0 + ko[l/8] + l%8, and .trans hands out the
-    // (o, k) fragment. Element offset in the stage tile.
-    __device__ static int frag_off(int o0, int k0, int oo, int ko, int lane_row) {
-        return grng_swizzle<kChunks>(k0 + ko + lane_row, (o0 + oo) / 8);
-    }
-};
+using GrngKInner = GrngKLayout<false>;
+using GrngKOuter = GrngKLayout<true>;
 
 // One thread's share of an operand's stage tiles (Rows x Chunks 16-byte chunks, the tile's
 // rows k when RowsAreK, else o), planned once per block tile so that a stage's copies cost an
@@ -204,12 +210,7 @@ __device__ __forceinline__ void grng_split3(float x, __nv_bfloat16& hi, __nv_bfl
 // nothing. The emulator, which runs each mma in software, skips that all-zero work
 // (warp-uniform tests, the same results) to keep the tests fast.
 template <class AL, class BL, int Terms, bool Vec, class Epi>
-__device__ __forceinline__ void grng_gemm_mainloop(const __nv_bfloat16* __restrict__ A, int lda,
-                                                   long long a_plane,
-                                                   const __nv_bfloat16* __restrict__ B, int ldb,
-                                                   long long b_plane, int M, int N, int K,
-                                                   int i0, int j0, __nv_bfloat16* smem,
-                                                   Epi& epi) {
+__device__ __forceinline__ void grng_gemm_mainloop(GRNG_GEMM_TILE_PARAMS) {
     constexpr int kStageBytes = 2 * GRNG_GEMM_STAGE_ELEMS;
     constexpr int kBTile = 2 * GRNG_GEMM_BM * GRNG_GEMM_BK;  // B's byte offset in a stage
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
@@ -372,46 +373,47 @@ GRNG_UNROLL
 // GRNG_GEMM_SMEM bytes of dynamic shared memory. Every thread of the 256-thread block must
 // call it.
 template <class AL, class BL, int Terms, class Epi>
-__device__ __forceinline__ void grng_gemm_tile(const __nv_bfloat16* __restrict__ A, int lda,
-                                               long long a_plane,
-                                               const __nv_bfloat16* __restrict__ B, int ldb,
-                                               long long b_plane, int M, int N, int K, int i0,
-                                               int j0, __nv_bfloat16* smem, Epi& epi) {
+__device__ __forceinline__ void grng_gemm_tile(GRNG_GEMM_TILE_PARAMS) {
     static_assert(Terms == 1 || Terms == GRNG_SPLIT3_TERMS, "plain or split3 products");
     if (grng_gemm_operands_vec<Terms>(A, lda, a_plane, B, ldb, b_plane))
-        grng_gemm_mainloop<AL, BL, Terms, true>(A, lda, a_plane, B, ldb, b_plane, M, N, K, i0,
-                                                j0, smem, epi);
+        grng_gemm_mainloop<AL, BL, Terms, true>(GRNG_GEMM_TILE_ARGS);
     else
-        grng_gemm_mainloop<AL, BL, Terms, false>(A, lda, a_plane, B, ldb, b_plane, M, N, K, i0,
-                                                 j0, smem, epi);
+        grng_gemm_mainloop<AL, BL, Terms, false>(GRNG_GEMM_TILE_ARGS);
 }
 
-// grng_gemm_tile with the operand layouts chosen at run time: layouts bit 0 → A k-outer
-// (op(A) = Aᵀ of a K x M row-major A), else k-inner; bit 1 → B k-inner (op(B) = Bᵀ of an
-// N x K row-major B), else k-outer. Block (x, y) computes tile (y, x).
-template <int Terms, class Epi>
-__device__ __forceinline__ void grng_gemm_tile_any(const __nv_bfloat16* __restrict__ A, int lda,
-                                                   long long a_plane,
-                                                   const __nv_bfloat16* __restrict__ B, int ldb,
-                                                   long long b_plane, int M, int N, int K,
-                                                   int layouts, __nv_bfloat16* smem, Epi& epi) {
+// grng_gemm_tile as a type (Tile::run<AL, BL, Terms>), for grng_gemm_tile_layouts; the sm_90a
+// mainloop's is GrngTileSm90a (gemm/wgmma_sm90.cuh).
+struct GrngTileSm80 {
+    template <class AL, class BL, int Terms, class Epi>
+    __device__ static __forceinline__ void run(GRNG_GEMM_TILE_PARAMS) {
+        grng_gemm_tile<AL, BL, Terms>(GRNG_GEMM_TILE_ARGS);
+    }
+};
+
+// Tile's block tile (Tile::run<AL, BL, Terms>, grng_gemm_tile's contract) with the operand
+// layouts chosen at run time: layouts bit 0 → A k-outer (op(A) = Aᵀ of a K x M row-major A),
+// else k-inner; bit 1 → B k-inner (op(B) = Bᵀ of an N x K row-major B), else k-outer. Block
+// (x, y) computes tile (y, x).
+template <class Tile, int Terms, class Epi>
+__device__ __forceinline__ void grng_gemm_tile_layouts(const __nv_bfloat16* __restrict__ A,
+                                                       int lda, long long a_plane,
+                                                       const __nv_bfloat16* __restrict__ B,
+                                                       int ldb, long long b_plane, int M, int N,
+                                                       int K, int layouts, __nv_bfloat16* smem,
+                                                       Epi& epi) {
     const int i0 = blockIdx.y * GRNG_GEMM_BM, j0 = blockIdx.x * GRNG_GEMM_BM;
     switch (layouts & 3) {
         case 0:
-            grng_gemm_tile<GrngKInner, GrngKOuter, Terms>(A, lda, a_plane, B, ldb, b_plane, M, N,
-                                                          K, i0, j0, smem, epi);
+            Tile::template run<GrngKInner, GrngKOuter, Terms>(GRNG_GEMM_TILE_ARGS);
             break;
         case 1:
-            grng_gemm_tile<GrngKOuter, GrngKOuter, Terms>(A, lda, a_plane, B, ldb, b_plane, M, N,
-                                                          K, i0, j0, smem, epi);
+            Tile::template run<GrngKOuter, GrngKOuter, Terms>(GRNG_GEMM_TILE_ARGS);
             break;
         case 2:
-            grng_gemm_tile<GrngKInner, GrngKInner, Terms>(A, lda, a_plane, B, ldb, b_plane, M, N,
-                                                          K, i0, j0, smem, epi);
+            Tile::template run<GrngKInner, GrngKInner, Terms>(GRNG_GEMM_TILE_ARGS);
             break;
         default:
-            grng_gemm_tile<GrngKOuter, GrngKInner, Terms>(A, lda, a_plane, B, ldb, b_plane, M, N,
-                                                          K, i0, j0, smem, epi);
+            Tile::template run<GrngKOuter, GrngKInner, Terms>(GRNG_GEMM_TILE_ARGS);
             break;
     }
 }

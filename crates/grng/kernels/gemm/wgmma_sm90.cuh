@@ -299,11 +299,7 @@ __device__ __forceinline__ void grng_wg_produce(const __nv_bfloat16* __restrict_
 // them as the sm_80 engine does. smem: GRNG_WG_SMEM bytes of dynamic shared memory; every
 // thread of the 384-thread block must call it.
 template <class AL, class BL, int Terms, class Epi>
-__device__ __forceinline__ void grng_wg_gemm_tile(const __nv_bfloat16* __restrict__ A, int lda,
-                                                  long long a_plane,
-                                                  const __nv_bfloat16* __restrict__ B, int ldb,
-                                                  long long b_plane, int M, int N, int K, int i0,
-                                                  int j0, __nv_bfloat16* smem, Epi& epi) {
+__device__ __forceinline__ void grng_wg_gemm_tile(GRNG_GEMM_TILE_PARAMS) {
     static_assert(Terms == 1 || Terms == GRNG_SPLIT3_TERMS, "plain or split3 products");
     __shared__ __align__(8) unsigned long long full[GRNG_WG_STAGES], empty[GRNG_WG_STAGES];
     // Stage s: A tile at base + 2s·TILE, B tile right after it; base 1024-byte aligned.
@@ -377,34 +373,13 @@ GRNG_UNROLL
     epi.finish();
 }
 
-// grng_gemm_tile_any's layout dispatch (trans bit 0: op(A) = Aᵀ, bit 1: op(B) = Bᵀ) on the
-// sm_90a mainloop, for the block's tile at (blockIdx.y, blockIdx.x).
-template <int Terms, class Epi>
-__device__ __forceinline__ void grng_wg_gemm_tile_any(const __nv_bfloat16* __restrict__ A,
-                                                      int lda, long long a_plane,
-                                                      const __nv_bfloat16* __restrict__ B,
-                                                      int ldb, long long b_plane, int M, int N,
-                                                      int K, int layouts, __nv_bfloat16* smem,
-                                                      Epi& epi) {
-    const int i0 = blockIdx.y * GRNG_GEMM_BM, j0 = blockIdx.x * GRNG_GEMM_BM;
-    switch (layouts & 3) {
-        case 0:
-            grng_wg_gemm_tile<GrngKInner, GrngKOuter, Terms>(A, lda, a_plane, B, ldb, b_plane,
-                                                             M, N, K, i0, j0, smem, epi);
-            break;
-        case 1:
-            grng_wg_gemm_tile<GrngKOuter, GrngKOuter, Terms>(A, lda, a_plane, B, ldb, b_plane,
-                                                             M, N, K, i0, j0, smem, epi);
-            break;
-        case 2:
-            grng_wg_gemm_tile<GrngKInner, GrngKInner, Terms>(A, lda, a_plane, B, ldb, b_plane,
-                                                             M, N, K, i0, j0, smem, epi);
-            break;
-        default:
-            grng_wg_gemm_tile<GrngKOuter, GrngKInner, Terms>(A, lda, a_plane, B, ldb, b_plane,
-                                                             M, N, K, i0, j0, smem, epi);
-            break;
+// grng_wg_gemm_tile as a type, for grng_gemm_tile_layouts (engine.cuh's GrngTileSm80 on the
+// sm_90a mainloop).
+struct GrngTileSm90a {
+    template <class AL, class BL, int Terms, class Epi>
+    __device__ static __forceinline__ void run(GRNG_GEMM_TILE_PARAMS) {
+        grng_wg_gemm_tile<AL, BL, Terms>(GRNG_GEMM_TILE_ARGS);
     }
-}
+};
 
 #endif  // compute_90a

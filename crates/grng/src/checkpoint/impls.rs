@@ -198,28 +198,11 @@ impl Checkpoint for KronOptimizer {
                 "`layer_shapes`: the checkpoint has (d_out, d_in) pairs {stored:?}, this optimizer {flat:?}"
             )));
         }
-        let c = r.scope("counters");
-        let counters = KronCounters {
-            refreshes: c.u64("refreshes")?,
-            first_order_updates: c.u64("first_order_updates")?,
-            lazy_recomputes: c.u64("lazy_recomputes")?,
-            newton_inversions: c.u64("newton_inversions")?,
-            newton_iterations: c.u64("newton_iterations")?,
-            newton_divergences: c.u64("newton_divergences")?,
-            newton_retries: c.u64("newton_retries")?,
-            cholesky_fallbacks: c.u64("cholesky_fallbacks")?,
-            cholesky_inversions: c.u64("cholesky_inversions")?,
-            // Absent from checkpoints written before the counter existed: those loaded as 0.
-            low_rank_inversions: if c.contains("low_rank_inversions") {
-                c.u64("low_rank_inversions")?
-            } else {
-                0
-            },
-            power_unconverged: c.u64("power_unconverged")?,
-            lm_updates: c.u64("lm_updates")?,
-            lm_skipped: c.u64("lm_skipped")?,
-            nonfinite_losses: c.u64("nonfinite_losses")?,
-        };
+        // The names `save` wrote (`KronCounters::named`). Absent from checkpoints written
+        // before the counter existed: `low_rank_inversions`, loaded as 0.
+        let names = KronCounters::default().named().map(|(name, _)| name);
+        let counters =
+            KronCounters::from_values(r.u64_scope("counters", names, &["low_rank_inversions"])?);
         let factored = r.usize("factored_layers")?;
         if factored != 0 && factored != shapes.len() {
             return Err(Error::Checkpoint(format!(

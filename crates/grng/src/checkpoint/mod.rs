@@ -633,6 +633,28 @@ impl Reader {
         }
     }
 
+    /// The `u64` records `names` of scope `name`, in that order: a set of counters as
+    /// [`Writer::u64_scope`] writes it. A name in `absent_as_zero` that the scope lacks reads
+    /// as 0 (a counter added after older checkpoints were written).
+    ///
+    /// # Errors
+    /// As [`Reader::u64`], for each record read.
+    pub fn u64_scope<const N: usize>(
+        &self,
+        name: &str,
+        names: [&str; N],
+        absent_as_zero: &[&str],
+    ) -> Result<[u64; N]> {
+        let scope = self.scope(name);
+        let mut values = [0; N];
+        for (v, name) in values.iter_mut().zip(names) {
+            if !absent_as_zero.contains(&name) || scope.contains(name) {
+                *v = scope.u64(name)?;
+            }
+        }
+        Ok(values)
+    }
+
     /// The `u64` scalar `name` as a `usize`.
     ///
     /// # Errors

@@ -5,7 +5,7 @@
 //! The `f32` input is widened to `f64`, factored and solved there, and rounded to `f32` once at
 //! the end, so results carry no `f32` accumulation error. The factor and the inverse pass
 //! between the row-major `f32` matrices and faer's column-major `f64` ones by cache-sized tiles
-//! of their lower triangles (`widen_lower`, `symmetric_from_lower`), checking what they read
+//! of their lower triangles (`factor_view`, `symmetric_from_lower`), checking what they read
 //! or write as they go: no separate pass for the checks, none strided.
 
 use faer::linalg::solvers::Solve;
@@ -84,16 +84,23 @@ pub(super) fn factor(op: &'static str, w: &[f64], n: usize) -> Result<faer::Mat<
     }
 }
 
-/// [`factor`] of a square `f32` view, widened as [`widen_lower`] does (the same `f64` lower
-/// triangle, so the same factor bit for bit, without the row-major `f64` copy and faer's
-/// strided transposing copy of it: ~1.2 ms of a 1024-wide inverse's ~15 ms).
+/// [`factor`] of a square `f32` view, `shift` (`λ`) added to the diagonal in `f32` as it is
+/// widened ([`shifted`]): the factor of `A + λI` as [`crate::cpu::add_diagonal`] would form
+/// it, without forming it.
+///
+/// The lower triangle of `a` is widened to `f64` (exact) straight into a column-major faer
+/// matrix whose strict upper triangle is zero — what faer's factorization reads: the same
+/// `f64` lower triangle, so the same factor bit for bit, without the row-major `f64` copy and
+/// faer's strided transposing copy of it (~1.2 ms of a 1024-wide inverse's ~15 ms). By blocks
+/// of [`TILE`] rows: each block's rows are checked whole (contiguous), then written
+/// transposed tile by tile while they are in cache, so each column of the result is written
+/// in runs of `TILE` values.
 ///
 /// # Errors
-/// [`Error::Shape`] unless `a` is square, [`Error::NonFinite`] for NaN/Inf anywhere in `a`,
-/// [`Error::NotSpd`] with the first pivot that is not positive.
-///
-/// `shift`: `λ` added to the diagonal in `f32` as it is widened ([`shifted`]), the factor of
-/// `A + λI` as [`crate::cpu::add_diagonal`] would form it, without forming it.
+/// [`Error::Shape`] unless `a` is square, [`Error::NonFinite`] for NaN/Inf anywhere in `a`
+/// (the first in row order, flat index `i * n + j`, as [`widen_finite`] reports it) or naming
+/// [`OVERFLOW`] for a shifted diagonal entry that overflows, [`Error::NotSpd`] with the first
+/// pivot that is not positive.
 fn factor_view(
     op: &'static str,
     arg: &'static str,
@@ -102,7 +109,39 @@ fn factor_view(
 ) -> Result<faer::Mat<f64>> {
     let n = a.rows();
     check_shape(op, arg, a.shape(), (n, n))?;
-    let mut l = widen_lower(op, arg, a, shift)?;
+    let mut l = faer::Mat::<f64>::zeros(n, n);
+    for i0 in (0..n).step_by(TILE) {
+        let i1 = (i0 + TILE).min(n);
+        for i in i0..i1 {
+            let row = a.row(i);
+            if let Some(j) = first_non_finite(row) {
+                return Err(Error::NonFinite {
+                    op,
+                    arg,
+                    index: i * n + j,
+                    value: row[j],
+                });
+            }
+        }
+        for j in 0..i1 {
+            let r0 = i0.max(j);
+            for (i, v) in (r0..i1).zip(&mut l.col_as_slice_mut(j)[r0..i1]) {
+                *v = a.row(i)[j] as f64;
+            }
+        }
+        for i in i0..i1 {
+            let d = shifted(a.row(i)[i], shift);
+            if !d.is_finite() {
+                return Err(Error::NonFinite {
+                    op,
+                    arg: OVERFLOW,
+                    index: i * n + i,
+                    value: d,
+                });
+            }
+            l[(i, i)] = d as f64;
+        }
+    }
     match super::on_pool(inverse_work(n) / 3, || llt_in_place(&mut l))? {
         // Error path only: the pivot's value from the row-major widening.
         Some(index) => Err(Error::NotSpd {
@@ -150,60 +189,9 @@ fn llt_in_place(l: &mut faer::Mat<f64>) -> Result<Option<usize>> {
     }))
 }
 
-/// Rows and columns of the tiles of [`widen_lower`] and [`symmetric_from_lower`]: a tile of
+/// Rows and columns of the tiles of [`factor_view`] and [`symmetric_from_lower`]: a tile of
 /// `f64` is 32 KiB, so a tile's strided side stays in L1/L2 while the other is streamed.
 const TILE: usize = 64;
-
-/// The lower triangle of the square row-major `a`, widened to `f64` (exact), as a
-/// column-major faer matrix whose strict upper triangle is zero — what faer's factorization
-/// reads — rejecting NaN/Inf anywhere in `a` as [`widen_finite`] does (the first in row
-/// order, flat index `i * n + j`). By blocks of [`TILE`] rows: each block's rows are checked
-/// whole (contiguous), then written transposed tile by tile while they are in cache, so each
-/// column of the result is written in runs of `TILE` values. The diagonal is
-/// [`shifted`] by `shift`, and an overflowing one is an [`Error::NonFinite`] naming
-/// [`OVERFLOW`].
-fn widen_lower(
-    op: &'static str,
-    arg: &'static str,
-    a: MatRef<'_, f32>,
-    shift: f32,
-) -> Result<faer::Mat<f64>> {
-    let n = a.rows();
-    let mut l = faer::Mat::<f64>::zeros(n, n);
-    for i0 in (0..n).step_by(TILE) {
-        let i1 = (i0 + TILE).min(n);
-        for i in i0..i1 {
-            let row = a.row(i);
-            if let Some(j) = first_non_finite(row) {
-                return Err(Error::NonFinite {
-                    op,
-                    arg,
-                    index: i * n + j,
-                    value: row[j],
-                });
-            }
-        }
-        for j in 0..i1 {
-            let r0 = i0.max(j);
-            for (i, v) in (r0..i1).zip(&mut l.col_as_slice_mut(j)[r0..i1]) {
-                *v = a.row(i)[j] as f64;
-            }
-        }
-        for i in i0..i1 {
-            let d = shifted(a.row(i)[i], shift);
-            if !d.is_finite() {
-                return Err(Error::NonFinite {
-                    op,
-                    arg: OVERFLOW,
-                    index: i * n + i,
-                    value: d,
-                });
-            }
-            l[(i, i)] = d as f64;
-        }
-    }
-    Ok(l)
-}
 
 /// The row-major `n x n` symmetric matrix whose lower triangle is `x`'s (column-major; its
 /// strict upper triangle is not read), each value mapped by `f`, by [`TILE`] x [`TILE`] tiles

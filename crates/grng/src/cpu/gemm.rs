@@ -42,17 +42,8 @@ pub fn gemm(
     beta: f32,
     mut c: MatMut<'_, f32>,
 ) -> Result<()> {
-    const OP: &str = "cpu::gemm";
-    let (m, n, k) = check_gemm(
-        OP,
-        trans_a,
-        a.shape(),
-        trans_b,
-        b.shape(),
-        alpha,
-        beta,
-        c.shape(),
-    )?;
+    let ops = ((trans_a, a), (trans_b, b));
+    let (m, n, k) = check(ops, (alpha, beta), c.shape())?;
     if m == 0 || n == 0 {
         return Ok(());
     }
@@ -65,8 +56,7 @@ pub fn gemm(
     // borrow, so C aliases neither A nor B.
     unsafe {
         product(
-            (trans_a, a),
-            (trans_b, b),
+            ops,
             (m, n, k),
             (alpha, beta),
             (c.data_mut().as_mut_ptr(), c.ld()),
@@ -88,21 +78,12 @@ pub fn gemm_new(
     a: MatRef<'_, f32>,
     b: MatRef<'_, f32>,
 ) -> Result<Mat> {
-    const OP: &str = "cpu::gemm";
+    let ops = ((trans_a, a), (trans_b, b));
     let (m, n) = (
         op_shape(trans_a, a.shape()).0,
         op_shape(trans_b, b.shape()).1,
     );
-    let (m, n, k) = check_gemm(
-        OP,
-        trans_a,
-        a.shape(),
-        trans_b,
-        b.shape(),
-        alpha,
-        0.0,
-        (m, n),
-    )?;
+    let (m, n, k) = check(ops, (alpha, 0.0), (m, n))?;
     if m == 0 || n == 0 || k == 0 || alpha == 0.0 {
         return Mat::from_vec(try_vec(m, n, 0.0f32)?, m, n);
     }
@@ -111,16 +92,23 @@ pub fn gemm_new(
     // aliasing neither. With `β = 0` the product writes every element of C without reading
     // it, so all `m·n` are initialized when the length is set.
     unsafe {
-        product(
-            (trans_a, a),
-            (trans_b, b),
-            (m, n, k),
-            (alpha, 0.0),
-            (c.as_mut_ptr(), n),
-        );
+        product(ops, (m, n, k), (alpha, 0.0), (c.as_mut_ptr(), n));
         c.set_len(m * n);
     }
     Mat::from_vec(c, m, n)
+}
+
+/// The operands of a product: `(op, A)`, `(op, B)`.
+type Operands<'a> = ((Trans, MatRef<'a, f32>), (Trans, MatRef<'a, f32>));
+
+/// [`gemm`]'s checks of its operands, `α`, `β` and `C`'s shape ([`check_gemm`]): `(m, n, k)`.
+fn check(
+    ((trans_a, a), (trans_b, b)): Operands<'_>,
+    (alpha, beta): (f32, f32),
+    c: (usize, usize),
+) -> Result<(usize, usize, usize)> {
+    let (sa, sb) = (a.shape(), b.shape());
+    check_gemm("cpu::gemm", trans_a, sa, trans_b, sb, alpha, beta, c)
 }
 
 /// The product of [`gemm`] after its checks, `m, n, k ≥ 1`, `α ≠ 0`: one call of the crate, or
@@ -132,8 +120,7 @@ pub fn gemm_new(
 /// floats `c_ld` apart, valid for writes (and reads when `β ≠ 0`), aliasing neither operand,
 /// and no other thread accesses it during the call.
 unsafe fn product(
-    (trans_a, a): (Trans, MatRef<'_, f32>),
-    (trans_b, b): (Trans, MatRef<'_, f32>),
+    ((trans_a, a), (trans_b, b)): Operands<'_>,
     (m, n, k): (usize, usize, usize),
     (alpha, beta): (f32, f32),
     (c_ptr, c_ld): (*mut f32, usize),
@@ -387,6 +374,39 @@ mod tests {
         }
     }
 
+    /// Shapes `(m, n, k)` from the ranges, or past them by `grow` where `big` (a size class
+    /// whose transposed `B` takes the column-block path), both transpositions, and the seed of
+    /// the values ([`uniform`]).
+    fn cases(
+        m: std::ops::Range<usize>,
+        n: std::ops::Range<usize>,
+        k: std::ops::Range<usize>,
+        grow: (usize, usize, usize),
+    ) -> impl proptest::strategy::Strategy<Value = ((usize, usize, usize), Trans, Trans, u64)> {
+        use proptest::prelude::{any, Strategy};
+        let t = |yes| if yes { Trans::Yes } else { Trans::No };
+        (m, n, k, any::<bool>(), any::<[bool; 2]>(), any::<u64>()).prop_map(
+            move |(m, n, k, big, [ta, tb], seed)| {
+                let dims = if big {
+                    (m + grow.0, n + grow.1, k + grow.2)
+                } else {
+                    (m, n, k)
+                };
+                (dims, t(ta), t(tb), seed)
+            },
+        )
+    }
+
+    /// `len` values drawn from `U(±1)`.
+    fn uniform(rng: &mut rand_chacha::ChaCha8Rng, len: usize) -> Vec<f32> {
+        use rand::Rng;
+        (0..len).map(|_| rng.random_range(-1.0f32..1.0)).collect()
+    }
+
+    fn bits(v: &[f32]) -> Vec<u32> {
+        v.iter().map(|x| x.to_bits()).collect()
+    }
+
     proptest::proptest! {
         #![proptest_config(crate::testing::proptest_config(64))]
 
@@ -395,23 +415,16 @@ mod tests {
         /// ragged shapes and one size class that takes the column-block path.
         #[test]
         fn aliased_transposed_b_gives_the_same_bits(
-            m in 16usize..80,
-            n in 1usize..40,
-            k in 1usize..300,
-            big in proptest::prelude::any::<bool>(),
-            ta in proptest::prelude::any::<bool>(),
-            seed in proptest::prelude::any::<u64>(),
+            ((m, n, k), ta, _, seed) in cases(16..80, 1..40, 1..300, (64, 256, 0)),
         ) {
-            use rand::{Rng, SeedableRng};
-            let (m, n) = if big { (m + 64, n + 256) } else { (m, n) };
-            let ta = if ta { Trans::Yes } else { Trans::No };
+            use rand::SeedableRng;
             let mut rng = rand_chacha::ChaCha8Rng::seed_from_u64(seed);
-            let av: Vec<f32> = (0..m * k).map(|_| rng.random_range(-1.0f32..1.0)).collect();
+            let av = uniform(&mut rng, m * k);
             let sa = op_shape(ta, (m, k));
             let a = MatRef::new(&av, sa.0, sa.1).unwrap();
             // `B` stored `n x k`: at an aliased leading dimension and 8 floats further apart.
             let ld = k.next_multiple_of(256);
-            let vals: Vec<f32> = (0..n * k).map(|_| rng.random_range(-1.0f32..1.0)).collect();
+            let vals = uniform(&mut rng, n * k);
             let stored = |ld: usize| {
                 let mut out = vec![f32::NAN; n * ld];
                 for (i, row) in vals.chunks(k).enumerate() {
@@ -424,7 +437,6 @@ mod tests {
             let b_far = MatRef::with_ld(&bw, n, k, ld + 8).unwrap();
             let got = gemm_new(ta, Trans::Yes, 0.75, a, b).unwrap();
             let want = gemm_new(ta, Trans::Yes, 0.75, a, b_far).unwrap();
-            let bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
             proptest::prop_assert_eq!(bits(got.as_slice()), bits(want.as_slice()));
         }
 
@@ -433,30 +445,17 @@ mod tests {
         /// size class whose transposed `B` takes the column-block path (`m·n·k ≥ 2²¹`).
         #[test]
         fn gemm_new_matches_gemm(
-            m in 1usize..40,
-            n in 1usize..40,
-            k in 0usize..40,
-            big in proptest::prelude::any::<bool>(),
-            ta in proptest::prelude::any::<bool>(),
-            tb in proptest::prelude::any::<bool>(),
-            seed in proptest::prelude::any::<u64>(),
+            ((m, n, k), ta, tb, seed) in cases(1..40, 1..40, 0..40, (64, 256, 128)),
         ) {
-            use rand::{Rng, SeedableRng};
-            let (m, n, k) = if big { (m + 64, n + 256, k + 128) } else { (m, n, k) };
-            let t = |yes| if yes { Trans::Yes } else { Trans::No };
-            let (ta, tb) = (t(ta), t(tb));
+            use rand::SeedableRng;
             let mut rng = rand_chacha::ChaCha8Rng::seed_from_u64(seed);
-            let mut vals = |len: usize| -> Vec<f32> {
-                (0..len).map(|_| rng.random_range(-1.0f32..1.0)).collect()
-            };
             let (sa, sb) = (op_shape(ta, (m, k)), op_shape(tb, (k, n)));
-            let (av, bv) = (vals(m * k), vals(k * n));
+            let (av, bv) = (uniform(&mut rng, m * k), uniform(&mut rng, k * n));
             let a = MatRef::new(&av, sa.0, sa.1).unwrap();
             let b = MatRef::new(&bv, sb.0, sb.1).unwrap();
             let got = gemm_new(ta, tb, 0.75, a, b).unwrap();
             let mut want = vec![f32::NAN; m * n];
             gemm(ta, tb, 0.75, a, b, 0.0, MatMut::new(&mut want, m, n).unwrap()).unwrap();
-            let bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
             proptest::prop_assert_eq!(got.shape(), (m, n));
             proptest::prop_assert_eq!(bits(got.as_slice()), bits(&want));
         }

@@ -23,7 +23,7 @@ use crate::element::Element;
 use crate::error::{check_len, Error, Result};
 use crate::mat::MatRef;
 use crate::params::kalman::{KalmanInfo, KalmanOptions, RForm};
-use crate::shape::{check_h_shape, check_kalman_lens};
+use crate::shape::{check_h_shape, check_kalman_lens, kalman_lens};
 
 /// Columns of `H` per work item (a row segment of 1 KiB).
 const CHUNK: usize = 256;
@@ -79,15 +79,7 @@ pub fn kalman_step<T: Element>(
     const OP: &str = "cpu::kalman_step";
     opts.validate(OP)?;
     let (d_o, n) = check_h_shape(OP, h.shape())?;
-    let bufs = [
-        io.mu,
-        io.sigma,
-        io.r,
-        innovation,
-        &*io.mu_out,
-        &*io.sigma_out,
-    ];
-    check_kalman_lens(OP, (d_o, n), bufs.map(<[f32]>::len))?;
+    check_kalman_lens(OP, (d_o, n), kalman_lens!(io, innovation))?;
     check_len(OP, "r_out", io.r_out.len(), d_o * d_o)?;
     crate::error::check_finite(OP, "mu", io.mu)?;
     crate::error::check_finite(OP, "sigma", io.sigma)?;

@@ -23,7 +23,7 @@ use super::launch::{kernel, launch, to_i32, KernelArgs, LaunchConfig};
 use crate::device::{Device, Element, Matrix};
 use crate::error::{check_shape, Error, Result};
 use crate::params::kalman::{KalmanInfo, KalmanOptions, RForm};
-use crate::shape::check_kalman_lens;
+use crate::shape::{check_kalman_lens, kalman_lens};
 
 kernel!(pub(crate) GRAM_PARTIAL_F32 = KALMAN::kalman_gram_partial_f32;);
 kernel!(pub(crate) GRAM_PARTIAL_BF16 = KALMAN::kalman_gram_partial_bf16;);
@@ -253,15 +253,7 @@ pub fn kalman_step<T: JacobianElement>(
     // the kernels' limits, d_o·n within their ints, the scratch sized for (d_o, n).
     let (d_o, n) = h.shape();
     check_dims(OP, d_o, n)?;
-    let bufs = [
-        io.mu,
-        io.sigma,
-        io.r,
-        innovation,
-        &*io.mu_out,
-        &*io.sigma_out,
-    ];
-    check_kalman_lens(OP, (d_o, n), bufs.map(Matrix::len))?;
+    check_kalman_lens(OP, (d_o, n), kalman_lens!(io, innovation))?;
     check_shape(OP, "r_out", io.r_out.shape(), (d_o, d_o))?;
     check_shape(OP, "scratch", io.scratch.dims(), (d_o, n))?;
     to_i32(OP, "h", d_o * n)?; // every index of h fits the kernels' int

@@ -363,7 +363,9 @@ unsafe fn mirror_avx(p: SharedPtr, ldc: usize, t: Tile) {
     mirror_scalar(p, ldc, t, (t.r0, t.r1), (w16, t.w));
 }
 
-/// `dst ← srcᵀ` for `src` `rows x cols` (`lds` apart), `dst` `cols x rows` (`ldd` apart).
+/// `dst ← srcᵀ` for `src` `rows x cols` (`lds` apart), `dst` `cols x rows` (`ldd` apart): its
+/// whole 16 x 16 blocks by [`transpose_blocks_avx`] on a CPU with AVX, the rest (all of it
+/// elsewhere) element by element.
 ///
 /// # Safety
 /// Both ranges must be in bounds and disjoint.
@@ -376,12 +378,17 @@ unsafe fn transpose(
     cols: usize,
 ) {
     #[cfg(target_arch = "x86_64")]
-    {
-        if std::arch::is_x86_feature_detected!("avx") {
-            return transpose_avx(src, lds, dst, ldd, rows, cols);
-        }
-    }
-    transpose_scalar(src, lds, dst, ldd, (0, rows), (0, cols));
+    let (r16, c16) = if std::arch::is_x86_feature_detected!("avx") {
+        let blocks = (rows / 16 * 16, cols / 16 * 16);
+        transpose_blocks_avx(src, lds, dst, ldd, blocks);
+        blocks
+    } else {
+        (0, 0)
+    };
+    #[cfg(not(target_arch = "x86_64"))]
+    let (r16, c16) = (0, 0);
+    transpose_scalar(src, lds, dst, ldd, (0, r16), (c16, cols));
+    transpose_scalar(src, lds, dst, ldd, (r16, rows), (0, cols));
 }
 
 unsafe fn transpose_scalar(
@@ -399,25 +406,22 @@ unsafe fn transpose_scalar(
     }
 }
 
-/// [`transpose`] by 16 x 16 blocks, 16-row bands of the source at a time.
+/// [`transpose`] of the source's first `r16` rows and `c16` columns (multiples of 16) by
+/// 16 x 16 blocks, 16-row bands of the source at a time.
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx")]
-unsafe fn transpose_avx(
+unsafe fn transpose_blocks_avx(
     src: *const f32,
     lds: usize,
     dst: *mut f32,
     ldd: usize,
-    rows: usize,
-    cols: usize,
+    (r16, c16): (usize, usize),
 ) {
-    let (r16, c16) = (rows / 16 * 16, cols / 16 * 16);
     for rb in (0..r16).step_by(16) {
         for cb in (0..c16).step_by(16) {
             tr16x16(src.add(rb * lds + cb), lds, dst.add(cb * ldd + rb), ldd);
         }
     }
-    transpose_scalar(src, lds, dst, ldd, (0, r16), (c16, cols));
-    transpose_scalar(src, lds, dst, ldd, (r16, rows), (0, cols));
 }
 
 /// The 8 x 8 block at `src` (`lds` apart) transposed, row `k` of the result in register `k`.
@@ -503,8 +507,9 @@ mod tests {
         }
     }
 
-    /// The AVX transposes and mirrors match the element-by-element fallbacks (which are what
-    /// a CPU without AVX runs) on ragged shapes and strides.
+    /// The AVX transposes (16 x 16 blocks, the rest element by element) and mirrors match
+    /// the element-by-element fallbacks (which are what a CPU without AVX runs) on ragged
+    /// shapes and strides.
     #[cfg(target_arch = "x86_64")]
     #[test]
     fn avx_paths_match_scalar_fallbacks() {
@@ -526,7 +531,7 @@ mod tests {
                     (0, rows),
                     (0, cols),
                 );
-                transpose_avx(src.as_ptr(), lds, got.as_mut_ptr(), ldd, rows, cols);
+                transpose(src.as_ptr(), lds, got.as_mut_ptr(), ldd, rows, cols);
             }
             assert_eq!(got, want, "transpose {rows}x{cols} pad {pad}");
         }
