@@ -9,6 +9,7 @@ use criterion::{
 };
 use faer::linalg::matmul::matmul;
 use faer::{Accum, Par};
+use grng::MatMul;
 use grng::{Mat, Trans};
 use rand::{Rng, SeedableRng};
 use rand_chacha::ChaCha8Rng;
@@ -37,11 +38,7 @@ fn bench_pair(
     group.bench_with_input(BenchmarkId::new("grng", id), &m, |bch, _| {
         bch.iter(|| {
             grng::cpu::gemm(
-                Trans::No,
-                tb,
-                1.0,
-                am.as_ref(),
-                bm.as_ref(),
+                MatMul::new(Trans::No, tb, 1.0, am.as_ref(), bm.as_ref()),
                 0.0,
                 cm.as_mut(),
             )

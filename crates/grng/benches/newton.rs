@@ -8,6 +8,7 @@
 use criterion::{criterion_group, criterion_main, BenchmarkId, Criterion, Throughput};
 use faer::linalg::solvers::DenseSolveCore;
 use grng::ops::newton::NewtonOptions;
+use grng::MatMul;
 use grng::{Mat, Trans};
 use rand::{Rng, SeedableRng};
 use rand_chacha::ChaCha8Rng;
@@ -22,11 +23,13 @@ fn damped_gram(rng: &mut ChaCha8Rng, m: usize, n: usize, lambda: f32) -> (Mat, M
     let g = Mat::from_vec((0..m * n).map(|_| rng.random_range(-s..s)).collect(), m, n).unwrap();
     let mut a = Mat::identity(n);
     grng::cpu::gemm(
-        Trans::Yes,
-        Trans::No,
-        1.0 / m as f32,
-        g.as_ref(),
-        g.as_ref(),
+        MatMul::new(
+            Trans::Yes,
+            Trans::No,
+            1.0 / m as f32,
+            g.as_ref(),
+            g.as_ref(),
+        ),
         lambda,
         a.as_mut(),
     )

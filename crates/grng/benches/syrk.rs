@@ -10,6 +10,7 @@
 use criterion::{criterion_group, criterion_main, BenchmarkId, Criterion, Throughput};
 use faer::linalg::matmul::matmul;
 use faer::{Accum, Par};
+use grng::MatMul;
 use grng::{Mat, MatRef, Trans};
 use half::bf16;
 use rand::{Rng, SeedableRng};
@@ -43,11 +44,7 @@ fn bench_kron(c: &mut Criterion) {
             let av = MatRef::new(&a, m, n).unwrap();
             bch.iter(|| {
                 grng::cpu::gemm(
-                    Trans::Yes,
-                    Trans::No,
-                    1.0 / m as f32,
-                    av,
-                    av,
+                    MatMul::new(Trans::Yes, Trans::No, 1.0 / m as f32, av, av),
                     0.0,
                     factor.as_mut(),
                 )

@@ -10,6 +10,7 @@ use grng_testkit as common;
 
 use grng::cpu;
 use grng::ops::norm::{PowerInfo, PowerOptions};
+use grng::MatMul;
 use grng::{Device, Error, Mat, MatMut, MatRef, Matrix, Trans};
 use half::bf16;
 use proptest::prelude::*;
@@ -351,7 +352,12 @@ fn gemm_case(
         .collect();
 
     let mut c1 = c.clone();
-    cpu::gemm(ta, tb, alpha, a.view(), b.view(), beta, c1.view_mut()).unwrap();
+    cpu::gemm(
+        MatMul::new(ta, tb, alpha, a.view(), b.view()),
+        beta,
+        c1.view_mut(),
+    )
+    .unwrap();
     assert_close(&c1.contiguous(), &want, &bound, "cpu::gemm");
     // The padding between rows is never written.
     for i in 0..m.saturating_sub(1) {
@@ -565,18 +571,25 @@ fn empty_shapes() {
     for (c0, beta, want) in [(2.0f32, 0.5, 1.0), (f32::NAN, 0.0, 0.0)] {
         let mut c = vec![c0; 6];
         let cm = MatMut::new(&mut c, 2, 3).unwrap();
-        cpu::gemm(Trans::No, Trans::No, 1.0, z(2, 0), z(0, 3), beta, cm).unwrap();
+        cpu::gemm(
+            MatMul::new(Trans::No, Trans::No, 1.0, z(2, 0), z(0, 3)),
+            beta,
+            cm,
+        )
+        .unwrap();
         assert_eq!(c, vec![want; 6]);
     }
     // m = 0 or n = 0: nothing to do.
     let mut none: [f32; 0] = [];
     let b = vec![1.0f32; 12];
     cpu::gemm(
-        Trans::Yes,
-        Trans::No,
-        1.0,
-        z(4, 0),
-        MatRef::new(&b, 4, 3).unwrap(),
+        MatMul::new(
+            Trans::Yes,
+            Trans::No,
+            1.0,
+            z(4, 0),
+            MatRef::new(&b, 4, 3).unwrap(),
+        ),
         0.0,
         MatMut::new(&mut none, 0, 3).unwrap(),
     )
@@ -597,11 +610,13 @@ fn alpha_zero_does_not_read_operands() {
     let a = vec![f32::NAN; 6];
     let mut c = vec![1.0f32, 2.0, 3.0, 4.0];
     cpu::gemm(
-        Trans::No,
-        Trans::No,
-        0.0,
-        MatRef::new(&a, 2, 3).unwrap(),
-        MatRef::new(&a, 3, 2).unwrap(),
+        MatMul::new(
+            Trans::No,
+            Trans::No,
+            0.0,
+            MatRef::new(&a, 2, 3).unwrap(),
+            MatRef::new(&a, 3, 2).unwrap(),
+        ),
         2.0,
         MatMut::new(&mut c, 2, 2).unwrap(),
     )
@@ -633,7 +648,11 @@ fn bad_inputs_give_typed_errors_and_leave_outputs_unchanged() {
 
     // gemm: inner dimension, output shape, non-finite scalars.
     let gemm = |(ta, tb): (Trans, Trans), alpha: f32, beta: f32, c: &mut T32| {
-        cpu::gemm(ta, tb, alpha, a.view(), b.view(), beta, c.view_mut())
+        cpu::gemm(
+            MatMul::new(ta, tb, alpha, a.view(), b.view()),
+            beta,
+            c.view_mut(),
+        )
     };
     for ts in [(Trans::Yes, Trans::No), (Trans::No, Trans::Yes)] {
         let r = gemm(ts, 1.0, 0.0, &mut c);

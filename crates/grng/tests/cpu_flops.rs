@@ -10,6 +10,7 @@
 use grng_testkit as common;
 
 use grng::cpu::gemm::gemm_flops;
+use grng::MatMul;
 use grng::{cpu, Mat, MatRef, Trans};
 use rand::Rng;
 use rand_chacha::ChaCha8Rng;
@@ -40,7 +41,7 @@ fn counted_product(
     let b = MatRef::with_ld(stored.as_slice(), br, bc, ld).expect("strided view");
     let mut c = Mat::zeros(m, n);
     let before = gemm_flops();
-    cpu::gemm(ta, tb, 1.0, a.as_ref(), b, 0.0, c.as_mut()).expect("valid product");
+    cpu::gemm(MatMul::new(ta, tb, 1.0, a.as_ref(), b), 0.0, c.as_mut()).expect("valid product");
     gemm_flops() - before
 }
 
@@ -79,11 +80,7 @@ fn counts_the_work_of_every_product_and_syrk() {
         (Trans::Yes, 1.0, (&a, &b), false),
     ] {
         let r = cpu::gemm(
-            ta,
-            Trans::No,
-            alpha,
-            a.as_ref(),
-            b.as_ref(),
+            MatMul::new(ta, Trans::No, alpha, a.as_ref(), b.as_ref()),
             0.0,
             c.as_mut(),
         );

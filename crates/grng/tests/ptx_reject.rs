@@ -22,13 +22,24 @@ use rand_chacha::ChaCha8Rng;
 /// The kernel files the ops use (PTX constant names).
 const FILES: [&str; 5] = ["ELEMENTWISE", "KALMAN", "SYRK", "NEWTON", "GEMM"];
 
-// One layer of RING (batch, inputs with the bias column, outputs), and the flat optimizers'
-// parameter count and Kalman batch (ragged on purpose).
-const M: usize = 9;
-const D_IN: usize = 5;
-const D_OUT: usize = 3;
-const N: usize = 45;
-const D_O: usize = 2;
+/// The probes' sizes, ragged on purpose.
+struct Sizes {
+    /// One layer of RING: its batch, its inputs (with the bias column), its outputs.
+    m: usize,
+    d_in: usize,
+    d_out: usize,
+    /// The flat optimizers' parameter count.
+    n: usize,
+    /// The Kalman batch.
+    d_o: usize,
+}
+const S: Sizes = Sizes {
+    m: 9,
+    d_in: 5,
+    d_out: 3,
+    n: 45,
+    d_o: 2,
+};
 
 struct Inputs {
     a: Vec<f32>,
@@ -41,12 +52,12 @@ struct Inputs {
 
 fn inputs(rng: &mut ChaCha8Rng) -> Inputs {
     Inputs {
-        a: common::vals(rng, M * D_IN),
-        e: common::vals(rng, M * D_OUT),
-        g: common::vals(rng, D_OUT * D_IN),
-        flat: common::vals(rng, N),
-        h: common::vals(rng, D_O * N),
-        v: common::vals(rng, D_O),
+        a: common::vals(rng, S.m * S.d_in),
+        e: common::vals(rng, S.m * S.d_out),
+        g: common::vals(rng, S.d_out * S.d_in),
+        flat: common::vals(rng, S.n),
+        h: common::vals(rng, S.d_o * S.n),
+        v: common::vals(rng, S.d_o),
     }
 }
 
@@ -65,13 +76,13 @@ impl Opt {
         };
         [
             Opt::Ring(
-                KronOptimizer::new(dev, &[(D_OUT, D_IN)], ring).unwrap(),
-                dev.zeros(D_OUT, D_IN).unwrap(),
+                KronOptimizer::new(dev, &[(S.d_out, S.d_in)], ring).unwrap(),
+                dev.zeros(S.d_out, S.d_in).unwrap(),
             ),
-            Opt::Kalman(RKalman::new(dev, &[0.1; N], D_O, RKalmanConfig::default()).unwrap()),
+            Opt::Kalman(RKalman::new(dev, &[0.1; S.n], S.d_o, RKalmanConfig::default()).unwrap()),
             Opt::AdamW(
-                AdamW::new(dev, N, AdamWConfig::default()).unwrap(),
-                dev.zeros(N, 1).unwrap(),
+                AdamW::new(dev, S.n, AdamWConfig::default()).unwrap(),
+                dev.zeros(S.n, 1).unwrap(),
             ),
         ]
     }
@@ -79,16 +90,16 @@ impl Opt {
     fn step(&mut self, dev: &Device, x: &Inputs) -> grng::Result<()> {
         match self {
             Opt::Ring(opt, w) => {
-                let a = dev.upload(M, D_IN, &x.a)?;
-                let e = dev.upload(M, D_OUT, &x.e)?;
-                let g = dev.upload(D_OUT, D_IN, &x.g)?;
+                let a = dev.upload(S.m, S.d_in, &x.a)?;
+                let e = dev.upload(S.m, S.d_out, &x.e)?;
+                let g = dev.upload(S.d_out, S.d_in, &x.g)?;
                 let stats = opt.needs_stats().then(|| vec![KronStats { a: &a, e: &e }]);
                 opt.step(std::slice::from_mut(w), &[&g], stats.as_deref())?;
             }
             Opt::Kalman(opt) => {
-                opt.step(&dev.upload(D_O, N, &x.h)?, &dev.upload(D_O, 1, &x.v)?)?;
+                opt.step(&dev.upload(S.d_o, S.n, &x.h)?, &dev.upload(S.d_o, 1, &x.v)?)?;
             }
-            Opt::AdamW(opt, w) => opt.step(w, &dev.upload(N, 1, &x.flat)?)?,
+            Opt::AdamW(opt, w) => opt.step(w, &dev.upload(S.n, 1, &x.flat)?)?,
         }
         Ok(())
     }

@@ -14,6 +14,7 @@ use grng::cpu::syrk::gram_rows;
 use grng::error::{try_vec, Result};
 use grng::mat::{Mat, MatMut, Trans};
 use grng::optim::fisher::sample_class;
+use grng::MatMul;
 
 impl Mlp {
     /// Backpropagates output gradients `e_out` (`M x d_L`, `M = m·r`, row `i` belonging to
@@ -51,9 +52,13 @@ impl Mlp {
                 // (not zero-filled first), then ⊙ φ'(z_{l−1}) read off x_l = φ(z_{l−1}).
                 let (no, w) = (Trans::No, self.weights(l)?);
                 if next.shape() == (cur.rows(), d_in) {
-                    gemm(no, no, 1.0, cur.as_ref(), w, 0.0, next.as_mut())?;
+                    gemm(
+                        MatMul::new(no, no, 1.0, cur.as_ref(), w),
+                        0.0,
+                        next.as_mut(),
+                    )?;
                 } else {
-                    *next = gemm_new(no, no, 1.0, cur.as_ref(), w)?;
+                    *next = gemm_new(MatMul::new(no, no, 1.0, cur.as_ref(), w))?;
                 }
                 let h = fwd.a[l].as_ref();
                 next.as_mut_slice()
@@ -109,11 +114,13 @@ impl Mlp {
             let g = std::mem::take(&mut ranges[l]);
             // G_l = (1/m) E_lᵀ A_l.
             gemm(
-                Trans::Yes,
-                Trans::No,
-                1.0 / m as f32,
-                e_l.as_ref(),
-                fwd.a[l].as_ref(),
+                MatMul::new(
+                    Trans::Yes,
+                    Trans::No,
+                    1.0 / m as f32,
+                    e_l.as_ref(),
+                    fwd.a[l].as_ref(),
+                ),
                 0.0,
                 MatMut::new(g, rows, cols)?,
             )
@@ -408,7 +415,7 @@ impl LayerStats {
         } else {
             let (e, a) = (self.e.as_ref(), self.a.as_ref());
             let g = product(d_out, d_in, &|c| {
-                gemm(Trans::Yes, Trans::No, inv_m, e, a, 0.0, c)
+                gemm(MatMul::new(Trans::Yes, Trans::No, inv_m, e, a), 0.0, c)
             })?;
             Ok(GradientNorm {
                 norm_sq: dot_f64(g.as_slice(), g.as_slice()),

@@ -17,6 +17,7 @@ use super::{Loss, Mlp, Targets};
 use grng::cpu::gemm;
 use grng::error::{check_finite, check_len, Result};
 use grng::mat::{Mat, MatMut, MatRef, Trans};
+use grng::MatMul;
 
 impl Mlp {
     /// `H_L v`: the exact Hessian of the mean loss over the batch `(x, targets)` times `v`
@@ -140,21 +141,13 @@ impl Mlp {
         for l in 0..nl {
             let mut z = Mat::zeros(m, sizes[l + 1]);
             gemm(
-                Trans::No,
-                Trans::Yes,
-                1.0,
-                fwd.a[l].as_ref(),
-                v_layer(l)?,
+                MatMul::new(Trans::No, Trans::Yes, 1.0, fwd.a[l].as_ref(), v_layer(l)?),
                 0.0,
                 z.as_mut(),
             )?;
             if l > 0 {
                 gemm(
-                    Trans::No,
-                    Trans::Yes,
-                    1.0,
-                    rx[l].as_ref(),
-                    self.weights(l)?,
+                    MatMul::new(Trans::No, Trans::Yes, 1.0, rx[l].as_ref(), self.weights(l)?),
                     1.0,
                     z.as_mut(),
                 )?;
@@ -190,11 +183,13 @@ impl Mlp {
             let (rows, cols) = self.layer_shape(l)?;
             let range = self.layer_range(l)?;
             gemm(
-                Trans::Yes,
-                Trans::No,
-                inv_m,
-                rdelta.as_ref(),
-                fwd.a[l].as_ref(),
+                MatMul::new(
+                    Trans::Yes,
+                    Trans::No,
+                    inv_m,
+                    rdelta.as_ref(),
+                    fwd.a[l].as_ref(),
+                ),
                 0.0,
                 MatMut::new(&mut hv[range.clone()], rows, cols)?,
             )?;
@@ -204,40 +199,36 @@ impl Mlp {
             let d_in = sizes[l];
             // The bias column of [R{X_l} 0] is zero: only the first d_in columns get Δ_lᵀ R{X_l}.
             gemm(
-                Trans::Yes,
-                Trans::No,
-                inv_m,
-                deltas[l].as_ref(),
-                rx[l].as_ref(),
+                MatMul::new(
+                    Trans::Yes,
+                    Trans::No,
+                    inv_m,
+                    deltas[l].as_ref(),
+                    rx[l].as_ref(),
+                ),
                 1.0,
                 MatMut::with_ld(&mut hv[range], rows, d_in, cols)?,
             )?;
             let mut dx = Mat::zeros(m, d_in);
             gemm(
-                Trans::No,
-                Trans::No,
-                1.0,
-                deltas[l].as_ref(),
-                self.weights(l)?,
+                MatMul::new(
+                    Trans::No,
+                    Trans::No,
+                    1.0,
+                    deltas[l].as_ref(),
+                    self.weights(l)?,
+                ),
                 0.0,
                 dx.as_mut(),
             )?;
             let mut rdx = Mat::zeros(m, d_in);
             gemm(
-                Trans::No,
-                Trans::No,
-                1.0,
-                rdelta.as_ref(),
-                self.weights(l)?,
+                MatMul::new(Trans::No, Trans::No, 1.0, rdelta.as_ref(), self.weights(l)?),
                 0.0,
                 rdx.as_mut(),
             )?;
             gemm(
-                Trans::No,
-                Trans::No,
-                1.0,
-                deltas[l].as_ref(),
-                v_weights(l)?,
+                MatMul::new(Trans::No, Trans::No, 1.0, deltas[l].as_ref(), v_weights(l)?),
                 1.0,
                 rdx.as_mut(),
             )?;

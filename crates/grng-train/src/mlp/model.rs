@@ -11,6 +11,7 @@ use super::{Activation, Loss, MlpConfig, Targets};
 use grng::cpu::{gemm, math};
 use grng::error::{check_finite, check_len, check_shape, check_value, Error, Result};
 use grng::mat::{Mat, MatMut, MatRef, Trans};
+use grng::MatMul;
 
 /// Source of parameter-state stamps: every new, cloned or mutated parameter vector gets a fresh
 /// one, so a [`Forward`] computed with other parameters is caught instead of silently mixed.
@@ -443,11 +444,13 @@ impl Mlp {
             let out = if hidden { &mut rest[0] } else { &mut *logits };
             fit(out, m, width);
             gemm(
-                Trans::No,
-                Trans::Yes,
-                1.0,
-                inputs[l].as_ref(),
-                self.layer(l)?,
+                MatMul::new(
+                    Trans::No,
+                    Trans::Yes,
+                    1.0,
+                    inputs[l].as_ref(),
+                    self.layer(l)?,
+                ),
                 0.0,
                 MatMut::with_ld(out.as_mut_slice(), m, d_out, width)?,
             )?;

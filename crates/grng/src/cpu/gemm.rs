@@ -13,7 +13,7 @@ use super::check_finite_view;
 use crate::error::Error;
 use crate::error::{try_vec, try_with_capacity, Result};
 use crate::mat::{Mat, MatMut, MatRef, Trans};
-use crate::shape::{check_batch_gradient_args, check_gemm, op_shape};
+use crate::shape::{check_batch_gradient_args, check_gemm, op_shape, MatMul};
 
 /// `(row stride, column stride)` of `op(X)` for a row-major view with leading dimension `ld`.
 pub(crate) fn op_strides(t: Trans, ld: usize) -> (isize, isize) {
@@ -33,16 +33,8 @@ pub(crate) fn op_strides(t: Trans, ld: usize) -> (isize, isize) {
 /// # Errors
 /// [`Error::Shape`] when the inner or outer dimensions disagree, [`Error::Value`] for a
 /// non-finite `α` or `β`. Nothing is written on error.
-pub fn gemm(
-    trans_a: Trans,
-    trans_b: Trans,
-    alpha: f32,
-    a: MatRef<'_, f32>,
-    b: MatRef<'_, f32>,
-    beta: f32,
-    mut c: MatMut<'_, f32>,
-) -> Result<()> {
-    let ops = ((trans_a, a), (trans_b, b));
+pub fn gemm(p: MatMul<MatRef<'_, f32>>, beta: f32, mut c: MatMut<'_, f32>) -> Result<()> {
+    let (alpha, ops) = (p.alpha, ((p.ta, p.a), (p.tb, p.b)));
     let (m, n, k) = check(ops, (alpha, beta), c.shape())?;
     if m == 0 || n == 0 {
         return Ok(());
@@ -71,14 +63,9 @@ pub fn gemm(
 ///
 /// # Errors
 /// As [`gemm()`]; [`Error::OutOfMemory`] when the result cannot be allocated.
-pub fn gemm_new(
-    trans_a: Trans,
-    trans_b: Trans,
-    alpha: f32,
-    a: MatRef<'_, f32>,
-    b: MatRef<'_, f32>,
-) -> Result<Mat> {
-    let ops = ((trans_a, a), (trans_b, b));
+pub fn gemm_new(p: MatMul<MatRef<'_, f32>>) -> Result<Mat> {
+    let (alpha, ops) = (p.alpha, ((p.ta, p.a), (p.tb, p.b)));
+    let ((trans_a, a), (trans_b, b)) = ops;
     let (m, n) = (
         op_shape(trans_a, a.shape()).0,
         op_shape(trans_b, b.shape()).1,
@@ -345,7 +332,11 @@ pub fn batch_gradient(e: MatRef<'_, f32>, a: MatRef<'_, f32>, g: MatMut<'_, f32>
     check_batch_gradient_args(OP, e.shape(), a.shape(), g.shape())?;
     check_finite_view(OP, "e", e)?;
     check_finite_view(OP, "a", a)?;
-    gemm(Trans::Yes, Trans::No, 1.0 / m as f32, e, a, 0.0, g)
+    gemm(
+        MatMul::new(Trans::Yes, Trans::No, 1.0 / m as f32, e, a),
+        0.0,
+        g,
+    )
 }
 
 #[cfg(test)]
@@ -435,8 +426,8 @@ mod tests {
             let (bv, bw) = (stored(ld), stored(ld + 8));
             let b = MatRef::with_ld(&bv, n, k, ld).unwrap();
             let b_far = MatRef::with_ld(&bw, n, k, ld + 8).unwrap();
-            let got = gemm_new(ta, Trans::Yes, 0.75, a, b).unwrap();
-            let want = gemm_new(ta, Trans::Yes, 0.75, a, b_far).unwrap();
+            let got = gemm_new(MatMul::new(ta, Trans::Yes, 0.75, a, b)).unwrap();
+            let want = gemm_new(MatMul::new(ta, Trans::Yes, 0.75, a, b_far)).unwrap();
             proptest::prop_assert_eq!(bits(got.as_slice()), bits(want.as_slice()));
         }
 
@@ -453,9 +444,9 @@ mod tests {
             let (av, bv) = (uniform(&mut rng, m * k), uniform(&mut rng, k * n));
             let a = MatRef::new(&av, sa.0, sa.1).unwrap();
             let b = MatRef::new(&bv, sb.0, sb.1).unwrap();
-            let got = gemm_new(ta, tb, 0.75, a, b).unwrap();
+            let got = gemm_new(MatMul::new(ta, tb, 0.75, a, b)).unwrap();
             let mut want = vec![f32::NAN; m * n];
-            gemm(ta, tb, 0.75, a, b, 0.0, MatMut::new(&mut want, m, n).unwrap()).unwrap();
+            gemm(MatMul::new(ta, tb, 0.75, a, b), 0.0, MatMut::new(&mut want, m, n).unwrap()).unwrap();
             proptest::prop_assert_eq!(got.shape(), (m, n));
             proptest::prop_assert_eq!(bits(got.as_slice()), bits(&want));
         }

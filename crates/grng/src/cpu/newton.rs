@@ -81,6 +81,7 @@ use crate::params::newton::{
     InitialGuess, NewtonInfo, NewtonOptions, NewtonOrder, NewtonStop, Precision,
 };
 use crate::shape::check_square;
+use crate::shape::MatMul;
 
 /// Inverse of the symmetric positive definite `n x n` matrix `a` by Newton iteration; see the
 /// module docs for the arithmetic and the stopping rules, and
@@ -351,11 +352,13 @@ fn product(a: &[f32], b: &[f32], c: &mut [f32], n: usize, sym: bool) -> Result<(
         // Column offset: the upper part only when the result is symmetric.
         let c0 = if sym { r0 } else { 0 };
         gemm(
-            Trans::No,
-            Trans::No,
-            1.0,
-            MatRef::with_ld(&a[r0 * n..], rows, n, n)?,
-            MatRef::with_ld(&b[c0..], n, n - c0, n)?,
+            MatMul::new(
+                Trans::No,
+                Trans::No,
+                1.0,
+                MatRef::with_ld(&a[r0 * n..], rows, n, n)?,
+                MatRef::with_ld(&b[c0..], n, n - c0, n)?,
+            ),
             0.0,
             MatMut::with_ld(&mut c[r0 * n + c0..], rows, n - c0, n)?,
         )?;

@@ -4,6 +4,7 @@ use super::check_finite_view;
 use super::gemm::gemm;
 use crate::error::{check_shape, check_value, Result};
 use crate::mat::{Mat, MatMut, MatRef, Trans};
+use crate::shape::MatMul;
 
 /// Square-shape check: `Err(Error::Shape)` unless `shape` is `n x n` for `n = shape.0`.
 fn check_square(op: &'static str, arg: &'static str, shape: (usize, usize)) -> Result<()> {
@@ -34,8 +35,16 @@ pub fn precondition(
     check_finite_view(OP, "g", g)?;
     check_finite_view(OP, "lambda_inv", lambda_inv)?;
     let mut t = Mat::zeros(d_out, d_in);
-    gemm(Trans::No, Trans::No, 1.0, g, lambda_inv, 0.0, t.as_mut())?;
-    gemm(Trans::No, Trans::No, 1.0, gamma_inv, t.as_ref(), 0.0, p)
+    gemm(
+        MatMul::new(Trans::No, Trans::No, 1.0, g, lambda_inv),
+        0.0,
+        t.as_mut(),
+    )?;
+    gemm(
+        MatMul::new(Trans::No, Trans::No, 1.0, gamma_inv, t.as_ref()),
+        0.0,
+        p,
+    )
 }
 
 /// First-order damped-inverse update `X ← X − dλ · X X` (docs/math.md §2, lazy Fisher) for a square
@@ -64,11 +73,7 @@ pub fn damped_inverse_update(mut inv: MatMut<'_, f32>, dlambda: f32) -> Result<(
         x.as_mut().row_mut(i).copy_from_slice(inv.as_ref().row(i));
     }
     gemm(
-        Trans::No,
-        Trans::No,
-        -dlambda,
-        x.as_ref(),
-        x.as_ref(),
+        MatMul::new(Trans::No, Trans::No, -dlambda, x.as_ref(), x.as_ref()),
         1.0,
         inv.rb(),
     )

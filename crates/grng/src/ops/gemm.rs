@@ -124,7 +124,11 @@ impl Device {
         match (self, p.a, p.b, spare.filter(|c| c.shape() == shape)) {
             (Device::Cpu, Operand::Host(a), Operand::Host(b), Some(mut c)) => {
                 let (a, b) = (host_ref(*a)?, host_ref(*b)?);
-                crate::cpu::gemm(p.ta, p.tb, p.alpha, a, b, 0.0, host_mut(&mut c)?)?;
+                crate::cpu::gemm(
+                    MatMul::new(p.ta, p.tb, p.alpha, a, b),
+                    0.0,
+                    host_mut(&mut c)?,
+                )?;
                 Ok(c)
             }
             // The kernel devices' products allocate from the stream-ordered pool.
@@ -168,7 +172,13 @@ impl Device {
             }
             // Any other `f32` product into a result it allocates without zero-filling.
             (Device::Cpu, Some((a, b))) => {
-                let c = crate::cpu::gemm::gemm_new(ta, tb, alpha, host_ref(a)?, host_ref(b)?)?;
+                let c = crate::cpu::gemm::gemm_new(MatMul::new(
+                    ta,
+                    tb,
+                    alpha,
+                    host_ref(a)?,
+                    host_ref(b)?,
+                ))?;
                 Matrix::from_host_vec(m, n, c.into_vec())?
             }
             _ => {
@@ -267,7 +277,7 @@ impl Device {
                     _ => return Err(unsupported()),
                 };
                 let (a, b) = (host_ref(a)?, host_ref(b)?);
-                crate::cpu::gemm(p.ta, p.tb, p.alpha, a, b, beta, host_mut(c)?)
+                crate::cpu::gemm(MatMul::new(p.ta, p.tb, p.alpha, a, b), beta, host_mut(c)?)
             }
             Device::Emulated | Device::Cuda(_) => match (f32s, bf16s) {
                 (Some((a, b)), _) => crate::cuda::gemm_plan::gemm(self, p.with(a, b), beta, c),

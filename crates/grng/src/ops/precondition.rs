@@ -35,17 +35,15 @@ impl Device {
         self.check_finite(OP, "gamma_inv", gamma_inv)?;
         self.check_finite(OP, "g", g)?;
         self.check_finite(OP, "lambda_inv", lambda_inv)?;
-        self.precondition_valid_inputs(gamma_inv, g, lambda_inv, p)
+        self.precondition_valid_inputs([gamma_inv, g, lambda_inv], p)
     }
 
     /// [`Device::precondition`] for operands the caller has already validated (on this
-    /// device, shapes agreeing, finite): the products and the result check only, without the
-    /// input read-backs.
+    /// device, shapes agreeing, finite), given in product order `[Γ̃⁻¹, G, Λ̃⁻¹]`: the products
+    /// and the result check only, without the input read-backs.
     pub(crate) fn precondition_valid_inputs(
         &self,
-        gamma_inv: &Matrix,
-        g: &Matrix,
-        lambda_inv: &Matrix,
+        [gamma_inv, g, lambda_inv]: [&Matrix; 3],
         p: &mut Matrix,
     ) -> Result<()> {
         const OP: &str = "Device::precondition";

@@ -401,7 +401,7 @@ fn dense(d: &Device, v: &LayerView<'_>, g: &Matrix, with_model: bool) -> Result<
         (with_model, _) => {
             let (o, i) = g.shape();
             let mut p = d.zeros(o, i)?;
-            d.precondition_valid_inputs(gamma_inv, g, lambda_inv, &mut p)?;
+            d.precondition_valid_inputs([gamma_inv, g, lambda_inv], &mut p)?;
             let gpl = if with_model {
                 let gp = gemm(d, no, no, 1.0, v.gamma.dense_factor()?, &p)?;
                 Some(gemm(d, no, no, 1.0, &gp, v.lambda.dense_factor()?)?)
