@@ -60,7 +60,7 @@ impl Device {
                 Ok((self.upload(n, n, x.as_slice())?, info))
             }
             Device::Emulated | Device::Cuda(_) => {
-                let run = crate::cuda::newton::engine_product;
+                let run = crate::cuda::gemm_plan::newton_product;
                 crate::cuda::newton::newton_inverse(self, a, warm, opts, run)
             }
         }
