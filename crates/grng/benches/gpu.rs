@@ -1395,6 +1395,7 @@ fn print_plan_choices() {
                     ms(Candidate::Bf16x3)
                 )
             }
+            None if c.cached => "from GRNG_GEMM_CACHE | - | - | -".into(),
             None => "forced (GRNG_GEMM) | - | - | -".into(),
         };
         println!("| {:?} | {class} | {:?} | {times} |", c.plan, c.candidate);

@@ -486,3 +486,55 @@ fn bf16x3_matches_f64_on_a_gpu() {
         );
     }
 }
+
+/// On a GPU: `GRNG_GEMM_CACHE` carries a trial's decision to the next process (read once per
+/// process, so each round is a child): round 1 on an empty file runs a trial and appends its
+/// decision; round 2 on the same file takes it from there — the same candidate, no trial.
+#[test]
+fn the_disk_cache_carries_a_decision_to_the_next_process_on_a_gpu() {
+    const NAME: &str = "the_disk_cache_carries_a_decision_to_the_next_process_on_a_gpu";
+    let Some(dev) = gpu_with_cublas() else { return };
+    let round = std::env::var("GRNG_TEST_CACHE_ROUND").ok();
+    let Some(round) = round else {
+        let path = std::env::temp_dir().join(format!("grng-plan-{}.tsv", std::process::id()));
+        let _ = std::fs::remove_file(&path);
+        let file = path.to_str().unwrap();
+        for r in ["1", "2"] {
+            let env = [
+                ("GRNG_GEMM_CACHE", Some(file)),
+                ("GRNG_TEST_CACHE_ROUND", Some(r)),
+                ("GRNG_GEMM", None),
+            ];
+            common::run_child(NAME, &env);
+        }
+        let text = std::fs::read_to_string(&path).unwrap();
+        let mine = text.lines().filter(|l| l.contains("format: F32,")).count();
+        assert_eq!(mine, 1, "the decision written once:\n{text}");
+        let _ = std::fs::remove_file(&path);
+        return;
+    };
+    let n = 300;
+    let mut rng = common::seeded_rng();
+    let a = dev.upload(n, n, &common::vals(&mut rng, n * n)).unwrap();
+    let mut c = dev.zeros(n, n).unwrap();
+    dev.gemm(Trans::No, Trans::No, 1.0, &a, &a, 0.0, &mut c)
+        .unwrap();
+    let class = gemm_plan::ShapeClass::of(n, n, n);
+    let choice = gemm_plan::choices()
+        .into_iter()
+        .find(|c| c.class == class && c.plan.format == gemm_plan::Format::F32)
+        .expect("the product's decision");
+    let path = std::env::var("GRNG_GEMM_CACHE").unwrap();
+    let text = std::fs::read_to_string(path).unwrap();
+    let kept = format!("\t{:?}", choice.candidate);
+    let line = text
+        .lines()
+        .find(|l| l.contains("format: F32,"))
+        .unwrap_or("");
+    assert!(line.ends_with(&kept), "{text} vs {choice:?}");
+    if round == "1" {
+        assert!(choice.trial.is_some() && !choice.cached, "{choice:?}");
+    } else {
+        assert!(choice.trial.is_none() && choice.cached, "{choice:?}");
+    }
+}

@@ -18,15 +18,20 @@
 //!
 //! `GRNG_GEMM=vendor|engine|auto` ([`Policy`]) forces a side (`auto`, the default, chooses
 //! by measurement); `vendor` where the vendor cannot run is a typed error, not a fallback.
-//! A choice is kept in the process only (no on-disk cache yet), so two processes may pick
-//! differently where the candidates time alike: their results then differ by the rounding
-//! of [`Trial::bound`]; set `GRNG_GEMM` for results reproducible across processes.
+//! A choice is kept in the process, and with `GRNG_GEMM_CACHE=FILE` also on disk: a trial's
+//! decision is appended to `FILE`, and a later process on the same device, driver and build
+//! takes it from there without a trial (so processes sharing the file choose alike).
+//! Without the file two processes may pick differently where candidates time alike: their
+//! results then differ by the rounding of [`Trial::bound`]; set `GRNG_GEMM` or
+//! `GRNG_GEMM_CACHE` for results reproducible across processes.
 //!
 //! The products in the plan: `Device::gemm` ([`gemm()`]), the Kronecker factors' SYRK with its
 //! EMA ([`syrk_ema`]), the optimizers' checked products ([`product3_checked`]), the
 //! preconditioning (`precondition_checked`: [`gemm3`] then a checked product) and the
 //! damped-inverse update ([`damped_inverse_update`]). Not in it yet: Newton's products with
 //! their fused epilogues (`cuda::newton`).
+
+mod cache;
 
 use std::collections::HashMap;
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -257,8 +262,12 @@ pub struct Choice {
     pub ordinal: usize,
     /// What runs.
     pub candidate: Candidate,
-    /// The measurement behind it (`None` when a policy forced the side).
+    /// The measurement behind it (`None` when a policy forced the side or the on-disk cache
+    /// gave it).
     pub trial: Option<Trial>,
+    /// Whether the decision came from the on-disk cache (`GRNG_GEMM_CACHE`, a trial of an
+    /// earlier process).
+    pub cached: bool,
 }
 
 type Key = (GemmPlan, ShapeClass, usize);
@@ -338,22 +347,34 @@ fn dispatch(
     };
     let class = ShapeClass::of(m, n, k);
     let key = (plan, class, cuda.ordinal());
-    let record = |candidate, trial| {
+    let record = |candidate, trial, cached| {
         let choice = Choice {
             plan,
             class,
             ordinal: key.2,
             candidate,
             trial,
+            cached,
         };
         decisions().insert(key, choice);
     };
+    // The on-disk cache, where GRNG_GEMM_CACHE names one and the driver says who it is.
+    let disk = cache::path().and_then(|p| Some((p, cache::identity(cuda).ok()?)));
+
     let known = decisions().get(&key).map(|choice| choice.candidate);
-    let candidate = match (policy, known) {
-        (_, Some(candidate)) => candidate,
-        (Policy::Vendor, None) => {
-            record(Candidate::Vendor, None);
+    let from_disk = match (policy, known, &disk) {
+        (Policy::Auto, None, Some((path, id))) => cache::lookup(path, id, plan, class),
+        _ => None,
+    };
+    let candidate = match (policy, known, from_disk) {
+        (_, Some(candidate), _) => candidate,
+        (Policy::Vendor, None, _) => {
+            record(Candidate::Vendor, None, false);
             Candidate::Vendor
+        }
+        (_, None, Some(candidate)) => {
+            record(candidate, None, true);
+            candidate
         }
         _ => {
             let [na, nb] = operand_norms(c)?;
@@ -364,7 +385,10 @@ fn dispatch(
                 Ok(trial) => {
                     warn_if_disagree(plan, (m, n, k), &trial);
                     let candidate = trial.decide();
-                    record(candidate, Some(trial));
+                    record(candidate, Some(trial), false);
+                    if let Some((path, id)) = &disk {
+                        cache::store(path, id, plan, class, candidate);
+                    }
                     candidate
                 }
                 // The engine's product failed (an overflow its check flags: it depends on the
