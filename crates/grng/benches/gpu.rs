@@ -2,7 +2,8 @@
 //! the bandwidth ceiling (a device-to-device copy), on the same GPU, sizes and run.
 //!
 //! `cargo bench --bench gpu -- [SECTION] [--quick]`; sections: `launch`, `copy`, `adamw`,
-//! `gemm-f32`, `gemm-bf16`, `precond`, `syrk`, `newton`, `kalman`, `step`. Every timing is the median of
+//! `gemm-f32`, `gemm-bf16`, `precond` (with its `precond-accuracy` rows), `syrk`, `newton`, `kalman`,
+//! `step`. Every timing is the median of
 //! samples taken after warm-up, each sample a batch of calls closed by a device
 //! synchronization ([`median_secs`]). A grng row names the kernels the op launched
 //! (`grng::hooks::take_launches`) and prints no number when it launched none (a host
@@ -470,7 +471,81 @@ fn precond_section(b: &Bench) -> Res<()> {
             row("precond", &case, &ours, &[peer], work);
         }
     }
+    precond_accuracy(b)
+}
+
+/// Issue 36 item 3's accuracy row: the relative Frobenius error against f64 of one
+/// f32-accurate product `G·Λ̃⁻¹` (n = 1024, values in [-1, 1)) by each candidate of the plan —
+/// the split3 engine, cuBLAS SGEMM, bf16x3 — and by TF32 for contrast (the issue asks
+/// ≤ 1e-6).
+fn precond_accuracy(b: &Bench) -> Res<()> {
+    use grng::cuda::{gemm::Split3, gemm_plan, gemm_vendor};
+    let n = 1024;
+    let (hx, hl) = (values(n * n, 14), values(n * n, 13));
+    let want = host_gemm64(n, &hx, &hl);
+    let norm = want.iter().map(|v| v * v).sum::<f64>().sqrt();
+    let (x, l) = (b.dev.upload(n, n, &hx)?, b.dev.upload(n, n, &hl)?);
+    let p = MatMul::new(Trans::No, Trans::No, 1.0, &x, &l);
+    let (sx, sl) = (Split3::new(&x), Split3::new(&l));
+    let mut c = b.dev.zeros(n, n)?;
+    let rel = |name: &str, c: &grng::Matrix| -> Res<()> {
+        let got = c.to_vec()?;
+        let err = got
+            .iter()
+            .zip(&want)
+            .map(|(&g, &w)| (f64::from(g) - w).powi(2))
+            .sum::<f64>()
+            .sqrt();
+        println!(
+            "| precond-accuracy | G·Λ̃⁻¹, n = {n}, vs f64 | {name} | {:.2e} relative | - | - | - |",
+            err / norm
+        );
+        Ok(())
+    };
+    grng::cuda::gemm::gemm3(&b.dev, p, 0.0, &mut c)?;
+    rel("engine gemm3_tc (split3)", &c)?;
+    gemm_plan::gemm3_bf16x3(&b.dev, p.with(&sx, &sl), 0.0, &mut c)?;
+    rel("bf16x3 (plan's bf16 GEMM)", &c)?;
+    if !gemm_vendor::available() {
+        return Ok(());
+    }
+    gemm_vendor::gemm(&b.dev, p, 0.0, &mut c)?;
+    rel("cublas SGEMM", &c)?;
+    if let Some(blas) = cublas(b, "precond-accuracy")? {
+        set_math_mode(&blas, cublasMath_t::CUBLAS_TF32_TENSOR_OP_MATH)?;
+        let s = b.cuda.stream();
+        let (dx, dl) = (s.clone_htod(&hx)?, s.clone_htod(&hl)?);
+        let mut dc: CudaSlice<f32> = s.alloc_zeros(n * n)?;
+        // SAFETY: the three buffers hold n² f32 each, the leading dimensions are n; column-major
+        // Cᵀ = Λ̃⁻ᵀ Gᵀ is the row-major C = G Λ̃⁻¹.
+        unsafe { blas.gemm(square_sgemm(n)?, &dl, &dx, &mut dc) }?;
+        let tf32 = b.dev.upload(n, n, &s.clone_dtoh(&dc)?)?;
+        rel("cublas TF32 (not f32-accurate)", &tf32)?;
+    }
     Ok(())
+}
+
+/// Row-major `n x n` `A·B` in f64 on the host, rows spread over threads.
+fn host_gemm64(n: usize, a: &[f32], b: &[f32]) -> Vec<f64> {
+    let mut c = vec![0f64; n * n];
+    let threads = std::thread::available_parallelism().map_or(1, |t| t.get());
+    let rows = n.div_ceil(threads);
+    std::thread::scope(|scope| {
+        for (t, chunk) in c.chunks_mut(rows * n).enumerate() {
+            scope.spawn(move || {
+                for (r, out) in chunk.chunks_mut(n).enumerate() {
+                    let i = t * rows + r;
+                    for l in 0..n {
+                        let x = f64::from(a[i * n + l]);
+                        for (o, &y) in out.iter_mut().zip(&b[l * n..(l + 1) * n]) {
+                            *o += x * f64::from(y);
+                        }
+                    }
+                }
+            });
+        }
+    });
+    c
 }
 
 /// Column-major `n x n` SGEMM `C = A B`, α = 1, β = 0.
@@ -1292,22 +1367,36 @@ fn main() -> Res<()> {
 }
 
 /// The GEMM plan's decisions of this run (`grng::cuda::gemm_plan`): per product and shape
-/// class, the candidate kept and the trial's median times.
+/// class, the candidate kept and the trial's median times (`-`: not a candidate of that plan,
+/// or it failed) with the largest difference from the engine over its bound.
 fn print_plan_choices() {
+    use grng::cuda::gemm_plan::Candidate;
     println!(
-        "\n| GEMM plan | shape class (log2 m, n, k) | kept | engine | cuBLAS | ‖ΔC‖ / bound |"
+        "\n| GEMM plan | shape class (log2 m, n, k) | kept | engine | cuBLAS | bf16x3 | max ‖ΔC‖ / bound |"
     );
-    println!("|---|---|---|---|---|---|");
+    println!("|---|---|---|---|---|---|---|");
     for c in grng::cuda::gemm_plan::choices() {
         let class = format!("{}, {}, {}", c.class.m, c.class.n, c.class.k);
         let times = match c.trial {
-            Some(t) => format!(
-                "{:.3} ms | {:.3} ms | {:.2e}",
-                t.engine_secs * 1e3,
-                t.vendor_secs * 1e3,
-                t.difference / t.bound
-            ),
-            None => "forced (GRNG_GEMM) | - | -".into(),
+            Some(t) => {
+                let ms = |x: Candidate| {
+                    t.secs(x)
+                        .map_or("-".into(), |s| format!("{:.3} ms", s * 1e3))
+                };
+                let worst = Candidate::ALL
+                    .into_iter()
+                    .filter(|&x| t.secs(x).is_some())
+                    .map(|x| t.difference[x as usize] / t.bound[x as usize])
+                    .fold(0.0, f64::max);
+                format!(
+                    "{} | {} | {} | {worst:.2e}",
+                    ms(Candidate::Engine),
+                    ms(Candidate::Vendor),
+                    ms(Candidate::Bf16x3)
+                )
+            }
+            None if c.cached => "from GRNG_GEMM_CACHE | - | - | -".into(),
+            None => "forced (GRNG_GEMM) | - | - | -".into(),
         };
         println!("| {:?} | {class} | {:?} | {times} |", c.plan, c.candidate);
     }

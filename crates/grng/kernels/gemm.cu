@@ -159,6 +159,33 @@ extern "C" __global__ void __launch_bounds__(256)
 }
 GRNG_EMU_ENTRY(gemm_split3, (const float*, __nv_bfloat16*, long long))
 
+// The six plane products of a split3 product as ONE bf16 operand with K concatenated (K' = 6K),
+// for a plain bf16 GEMM (cuBLAS's, or gemm_tc) to sum them in one accumulator: term t of
+// the order above is K block t, holding plane (role_b ? GRNG_SPLIT3_B_PLANES :
+// GRNG_SPLIT3_A_PLANES) of term t. x is rows x cols, row-major; with k_rows K runs along
+// the rows (op(A) = Aᵀ, op(B) = B): out is 6·rows x cols, block t rows t·rows..; else along
+// the columns (op(A) = A, op(B) = Bᵀ): out is rows x 6·cols, block t columns t·cols... Both
+// operands of a product built so are aligned term by term, and a K loop in order sums the
+// small products first, as gemm3_tc does. Grid-stride over rows·cols, block 256.
+extern "C" __global__ void __launch_bounds__(256)
+    gemm_split3_cat(const float* __restrict__ x, __nv_bfloat16* __restrict__ out,
+                    long long rows, long long cols, int role_b, int k_rows) {
+    const int order = role_b ? GRNG_SPLIT3_B_PLANES : GRNG_SPLIT3_A_PLANES;
+    const long long count = rows * cols;
+    for (long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x; i < count;
+         i += (long long)gridDim.x * blockDim.x) {
+        __nv_bfloat16 p[3];
+        grng_split3(x[i], p[0], p[1], p[2]);
+        // Term t's element: at t·count + i (K along rows), or at row·6·cols + t·cols + col.
+        const long long base = k_rows ? i : i + 5 * cols * (i / cols);
+        const long long step = k_rows ? count : cols;
+        GRNG_UNROLL
+        for (int t = 0; t < GRNG_SPLIT3_TERMS; ++t) out[base + t * step] = p[(order >> (2 * t)) & 3];
+    }
+}
+GRNG_EMU_ENTRY(gemm_split3_cat,
+               (const float*, __nv_bfloat16*, long long, long long, int, int))
+
 // C (M x N, ld ldc) ← α·acc + β·C. With a status (not null), the first flat index
 // i·ldc + j of a NaN/Inf written is flagged while the tile is stored (the result check in
 // the same pass: a per-thread minimum, then a warp minimum and one atomicMin per warp that

@@ -338,10 +338,15 @@ fn newton_through_the_plan_on_a_gpu() {
         !newton.is_empty(),
         "no Newton product went through the plan"
     );
-    for c in newton {
-        if let Some(t) = c.trial {
-            assert!(t.difference <= t.bound, "{c:?}");
+    for choice in newton {
+        let Some(t) = choice.trial else { continue };
+        for c in gemm_plan::Candidate::ALL {
+            if t.secs(c).is_some() {
+                assert!(t.agrees(c), "{c:?}: {choice:?}");
+            }
         }
+        let vendor = t.secs(gemm_plan::Candidate::Vendor);
+        assert!(vendor.is_some(), "cuBLAS failed: {choice:?}");
     }
 }
 
@@ -349,6 +354,35 @@ fn newton_through_the_plan_on_a_gpu() {
 /// product, each element within `(k + 2)·2⁻²⁴·(|α||op(A)||op(B)| + |β||C|)` (f32 sums of
 /// exact products, γ_k with margin; bf16 operands are exact in f32); then `Device::gemm`
 /// through the plan, whose recorded trial must have found the candidates within its bound.
+/// Asserts that `got` is `α·op(A)·op(B) + β·C₀` of the case in f64 within
+/// `depth·2⁻²⁴·(|α||op(A)||op(B)| + |β||C₀|)` per element.
+fn assert_near_f64(
+    o: &common::GemmCase,
+    (ta, tb): (Trans, Trans),
+    (m, n, k): (usize, usize, usize),
+    (alpha, beta): (f32, f32),
+    got: &[f32],
+    depth: f64,
+    what: &str,
+) {
+    let scale = common::abs_gemm((ta, tb), (m, n, k), alpha, &o.a, &o.b, beta, &o.c0);
+    let op = |x: &[f32], cols: usize, t: Trans, i: usize, j: usize| match t {
+        Trans::No => f64::from(x[i * cols + j]),
+        Trans::Yes => f64::from(x[j * cols + i]),
+    };
+    for i in 0..m {
+        for j in 0..n {
+            let dot: f64 = (0..k)
+                .map(|l| op(&o.a, o.a_shape.1, ta, i, l) * op(&o.b, o.b_shape.1, tb, l, j))
+                .sum();
+            let want = f64::from(alpha) * dot + f64::from(beta) * f64::from(o.c0[i * n + j]);
+            let tol = depth * common::U32 * scale[i * n + j];
+            let err = (f64::from(got[i * n + j]) - want).abs();
+            assert!(err <= tol, "{what} ({i},{j}): {err:e} > {tol:e}");
+        }
+    }
+}
+
 #[test]
 fn the_vendor_matches_f64_and_the_trial_agrees_on_a_gpu() {
     let Some(dev) = gpu_with_cublas() else { return };
@@ -371,7 +405,6 @@ fn the_vendor_matches_f64_and_the_trial_agrees_on_a_gpu() {
                 rng.random_range(-2.0f32..2.0),
                 rng.random_range(-2.0f32..2.0),
             );
-            let scale = common::abs_gemm(case, dims, alpha, &o.a, &o.b, beta, &o.c0);
             let mut c = dev.upload(m, n, &o.c0).unwrap();
             if bf {
                 let up = |(r, cl): (usize, usize), x: &[f32]| {
@@ -392,26 +425,9 @@ fn the_vendor_matches_f64_and_the_trial_agrees_on_a_gpu() {
                 let mut planned = dev.upload(m, n, &o.c0).unwrap();
                 dev.gemm(ta, tb, alpha, &a, &b, beta, &mut planned).unwrap();
             }
+            let what = format!("{case:?} bf16={bf} {dims:?}");
             let got = c.to_vec().unwrap();
-            let op = |x: &[f32], cols: usize, t: Trans, i: usize, j: usize| match t {
-                Trans::No => f64::from(x[i * cols + j]),
-                Trans::Yes => f64::from(x[j * cols + i]),
-            };
-            for i in 0..m {
-                for j in 0..n {
-                    let dot: f64 = (0..k)
-                        .map(|l| op(&o.a, o.a_shape.1, ta, i, l) * op(&o.b, o.b_shape.1, tb, l, j))
-                        .sum();
-                    let want =
-                        f64::from(alpha) * dot + f64::from(beta) * f64::from(o.c0[i * n + j]);
-                    let tol = (k as f64 + 2.0) * common::U32 * scale[i * n + j];
-                    let err = (f64::from(got[i * n + j]) - want).abs();
-                    assert!(
-                        err <= tol,
-                        "{case:?} bf16={bf} {dims:?} ({i},{j}): {err:e} > {tol:e}"
-                    );
-                }
-            }
+            assert_near_f64(&o, case, dims, (alpha, beta), &got, k as f64 + 2.0, &what);
         }
     }
     // The f32-accurate plan (SGEMM against the split3 engine) on the damped update: the
@@ -446,7 +462,171 @@ fn the_vendor_matches_f64_and_the_trial_agrees_on_a_gpu() {
         assert!(!trials.is_empty(), "auto ran no trial");
     }
     for t in trials {
-        assert!(t.difference <= t.bound, "{t:?}");
-        assert!(t.engine_secs > 0.0 && t.vendor_secs > 0.0, "{t:?}");
+        for c in gemm_plan::Candidate::ALL {
+            if let Some(secs) = t.secs(c) {
+                assert!(t.agrees(c) && secs > 0.0, "{c:?}: {t:?}");
+            }
+        }
+        assert!(t.secs(gemm_plan::Candidate::Engine).is_some(), "{t:?}");
+    }
+}
+
+/// Candidate bf16x3 (`gemm_plan::gemm3_bf16x3`: split3 planes concatenated along K, one bf16
+/// product) on the emulator, where its bf16 product is the engine's `gemm_tc`: with K a
+/// multiple of the engine's 32-deep K slice it runs the split3 engine's slices in its order,
+/// so it equals `gemm::gemm3` bit for bit (any misplaced plane or block changes the bits);
+/// with a ragged K the slices straddle the blocks, and it is within its bound of f64,
+/// `2·(6k + 8)·2⁻²⁴·(|α||op(A)||op(B)| + |β||C|)` (6k products in one f32 sum, in any order,
+/// the 2 for round-toward-zero accumulators). Every transpose case; m, n not multiples of 8.
+#[test]
+fn emulated_bf16x3_is_the_split3_engine() {
+    let dev = Device::Emulated;
+    let mut rng = common::seeded_rng();
+    for (case, dims) in CASES
+        .into_iter()
+        .zip([(33, 17, 64), (5, 40, 96), (66, 9, 32), (7, 70, 64)])
+    {
+        let (ta, tb) = case;
+        let o = common::gemm_case(rng.random(), dims, ta, tb);
+        let (a, b) = (
+            dev.upload(o.a_shape.0, o.a_shape.1, &o.a).unwrap(),
+            dev.upload(o.b_shape.0, o.b_shape.1, &o.b).unwrap(),
+        );
+        let c0 = dev.upload(dims.0, dims.1, &o.c0).unwrap();
+        let (alpha, beta) = (
+            rng.random_range(-2.0f32..2.0),
+            rng.random_range(-2.0f32..2.0),
+        );
+        let p = MatMul::new(ta, tb, alpha, &a, &b);
+        let (sa, sb) = (gemm::Split3::new(&a), gemm::Split3::new(&b));
+        let (mut cat, mut direct) = (c0.try_clone().unwrap(), c0.try_clone().unwrap());
+        gemm_plan::gemm3_bf16x3(&dev, p.with(&sa, &sb), beta, &mut cat).unwrap();
+        gemm::gemm3(&dev, p, beta, &mut direct).unwrap();
+        assert_eq!(bits(&cat), bits(&direct), "bf16x3 {case:?} {dims:?}");
+    }
+    for case in CASES {
+        let (ta, tb) = case;
+        let dims @ (m, n, k) = (
+            rng.random_range(1..80),
+            rng.random_range(1..80),
+            rng.random_range(1..100),
+        );
+        let o = common::gemm_case(rng.random(), dims, ta, tb);
+        let (a, b) = (
+            dev.upload(o.a_shape.0, o.a_shape.1, &o.a).unwrap(),
+            dev.upload(o.b_shape.0, o.b_shape.1, &o.b).unwrap(),
+        );
+        let (alpha, beta) = (
+            rng.random_range(-2.0f32..2.0),
+            rng.random_range(-2.0f32..2.0),
+        );
+        let (sa, sb) = (gemm::Split3::new(&a), gemm::Split3::new(&b));
+        let mut c = dev.upload(m, n, &o.c0).unwrap();
+        let p = MatMul::new(ta, tb, alpha, &sa, &sb);
+        gemm_plan::gemm3_bf16x3(&dev, p, beta, &mut c).unwrap();
+        let what = format!("bf16x3 {case:?} {dims:?}");
+        let depth = 2.0 * (6.0 * k as f64 + 8.0);
+        assert_near_f64(
+            &o,
+            case,
+            dims,
+            (alpha, beta),
+            &c.to_vec().unwrap(),
+            depth,
+            &what,
+        );
+    }
+}
+
+/// On a GPU: candidate bf16x3 with the plan's bf16 product (cuBLAS `GemmEx` or `gemm_tc`,
+/// whichever its trial keeps), every transpose case, ragged sizes, against f64 within its
+/// bound (`emulated_bf16x3_is_the_split3_engine`).
+#[test]
+fn bf16x3_matches_f64_on_a_gpu() {
+    let Some(dev) = gpu_with_cublas() else { return };
+    let mut rng = common::seeded_rng();
+    for case in CASES {
+        let (ta, tb) = case;
+        let dims @ (m, n, k) = (
+            rng.random_range(1..300),
+            rng.random_range(1..300),
+            rng.random_range(1..600),
+        );
+        let o = common::gemm_case(rng.random(), dims, ta, tb);
+        let (a, b) = (
+            dev.upload(o.a_shape.0, o.a_shape.1, &o.a).unwrap(),
+            dev.upload(o.b_shape.0, o.b_shape.1, &o.b).unwrap(),
+        );
+        let (alpha, beta) = (
+            rng.random_range(-2.0f32..2.0),
+            rng.random_range(-2.0f32..2.0),
+        );
+        let (sa, sb) = (gemm::Split3::new(&a), gemm::Split3::new(&b));
+        let mut c = dev.upload(m, n, &o.c0).unwrap();
+        let p = MatMul::new(ta, tb, alpha, &sa, &sb);
+        gemm_plan::gemm3_bf16x3(&dev, p, beta, &mut c).unwrap();
+        let what = format!("bf16x3 {case:?} {dims:?}");
+        let depth = 2.0 * (6.0 * k as f64 + 8.0);
+        assert_near_f64(
+            &o,
+            case,
+            dims,
+            (alpha, beta),
+            &c.to_vec().unwrap(),
+            depth,
+            &what,
+        );
+    }
+}
+
+/// On a GPU: `GRNG_GEMM_CACHE` carries a trial's decision to the next process (read once per
+/// process, so each round is a child): round 1 on an empty file runs a trial and appends its
+/// decision; round 2 on the same file takes it from there — the same candidate, no trial.
+#[test]
+fn the_disk_cache_carries_a_decision_to_the_next_process_on_a_gpu() {
+    const NAME: &str = "the_disk_cache_carries_a_decision_to_the_next_process_on_a_gpu";
+    let Some(dev) = gpu_with_cublas() else { return };
+    let round = std::env::var("GRNG_TEST_CACHE_ROUND").ok();
+    let Some(round) = round else {
+        let path = std::env::temp_dir().join(format!("grng-plan-{}.tsv", std::process::id()));
+        let _ = std::fs::remove_file(&path);
+        let file = path.to_str().unwrap();
+        for r in ["1", "2"] {
+            let env = [
+                ("GRNG_GEMM_CACHE", Some(file)),
+                ("GRNG_TEST_CACHE_ROUND", Some(r)),
+                ("GRNG_GEMM", None),
+            ];
+            common::run_child(NAME, &env);
+        }
+        let text = std::fs::read_to_string(&path).unwrap();
+        let mine = text.lines().filter(|l| l.contains("format: F32,")).count();
+        assert_eq!(mine, 1, "the decision written once:\n{text}");
+        let _ = std::fs::remove_file(&path);
+        return;
+    };
+    let n = 300;
+    let mut rng = common::seeded_rng();
+    let a = dev.upload(n, n, &common::vals(&mut rng, n * n)).unwrap();
+    let mut c = dev.zeros(n, n).unwrap();
+    dev.gemm(Trans::No, Trans::No, 1.0, &a, &a, 0.0, &mut c)
+        .unwrap();
+    let class = gemm_plan::ShapeClass::of(n, n, n);
+    let choice = gemm_plan::choices()
+        .into_iter()
+        .find(|c| c.class == class && c.plan.format == gemm_plan::Format::F32)
+        .expect("the product's decision");
+    let path = std::env::var("GRNG_GEMM_CACHE").unwrap();
+    let text = std::fs::read_to_string(path).unwrap();
+    let kept = format!("\t{:?}", choice.candidate);
+    let line = text
+        .lines()
+        .find(|l| l.contains("format: F32,"))
+        .unwrap_or("");
+    assert!(line.ends_with(&kept), "{text} vs {choice:?}");
+    if round == "1" {
+        assert!(choice.trial.is_some() && !choice.cached, "{choice:?}");
+    } else {
+        assert!(choice.trial.is_none() && choice.cached, "{choice:?}");
     }
 }

@@ -9,6 +9,7 @@ use super::launch::{kernel, launch, to_i32, Kernel, KernelArgs, LaunchConfig};
 use crate::device::{Device, Matrix};
 use crate::driver::kernel::{SelfCheck, Sm90Variant};
 use crate::error::{check_shape, Result};
+use crate::mat::Trans;
 use half::bf16;
 
 /// Dynamic shared memory of every GEMM-engine kernel (`syrk_ema_tc`, `newton_gemm_tc`):
@@ -68,6 +69,55 @@ pub(crate) fn split3_into(dev: &Device, x: &Matrix, planes: &mut Matrix<bf16>) -
     // i < count = x.len(), reading x[i] and writing planes[p·count + i] for p < 3; planes holds
     // 3·count bf16 (checked).
     unsafe { launch(&SPLIT3, cfg, args) }
+}
+
+kernel!(pub SPLIT3_CAT = GEMM::gemm_split3_cat;);
+
+/// Which operand of a product a concatenated split3 operand ([`split3_cat`]) is: the two
+/// take their planes in the orders that pair them term by term.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) enum Role {
+    /// `A`: planes hi, mid, lo in the order `GRNG_SPLIT3_A_PLANES`.
+    A,
+    /// `B`: `GRNG_SPLIT3_B_PLANES`.
+    B,
+}
+
+/// The six plane products of a split3 product of `x` (`r x c`, the stored operand `role` of a
+/// product with transpose flag `t`) as one bf16 operand with `K` concatenated six times, in
+/// the term order of `gemm3_tc` (small products first): the stored operand of a plain bf16
+/// product whose `K` is `6K` (kernel `gemm_split3_cat`). `K` runs along the stored rows for
+/// `Aᵀ` and `B` (then `6r x c`), along the columns for `A` and `Bᵀ` (`r x 6c`). A 1x1
+/// placeholder for an empty `x`. One launch, 12 bytes written per element.
+///
+/// # Errors
+/// Device mismatch, allocation and launch errors.
+pub(crate) fn split3_cat(dev: &Device, x: &Matrix, role: Role, t: Trans) -> Result<Matrix<bf16>> {
+    const OP: &str = "cuda::engine::split3_cat";
+    if x.is_empty() {
+        return dev.zeros::<bf16>(1, 1);
+    }
+    let (r, c) = x.shape();
+    let k_rows = (role == Role::A) == (t == Trans::Yes);
+    let mut out = if k_rows {
+        dev.zeros::<bf16>(6 * r, c)?
+    } else {
+        dev.zeros::<bf16>(r, 6 * c)?
+    };
+    let cfg = LaunchConfig::for_elements(x.len().min(1 << 20), 256)?;
+    let mut args = KernelArgs::new(dev);
+    args.input(OP, x)?
+        .output(OP, &mut out)?
+        .scalar(r as i64)
+        .scalar(c as i64)
+        .scalar(i32::from(role == Role::B))
+        .scalar(i32::from(k_rows));
+    // SAFETY: gemm_split3_cat(const float* x, bf16* out, long long rows, long long cols,
+    // int role_b, int k_rows): grid-stride over i < rows·cols = x.len(), reading x[i] and
+    // writing 6 elements of out inside 6·rows·cols, which out holds (allocated above in the
+    // shape k_rows selects).
+    unsafe { launch(&SPLIT3_CAT, cfg, args) }?;
+    Ok(out)
 }
 
 /// A GEMM's sizes as its kernel's `int` arguments (and cuBLAS's): `m`, `n`, `k` and the

@@ -10,7 +10,7 @@
 //! `int` ranges; device placement is checked by [`KernelArgs`]).
 
 use super::deferred::first_flagged;
-use super::engine::{split3, wg_variant, GemmInts, GEMM_SMEM};
+use super::engine::{split3, split3_cat, wg_variant, GemmInts, Role, GEMM_SMEM};
 use super::launch::{kernel, launch, to_i32, Kernel, KernelArgs, LaunchConfig};
 use super::sm90;
 use crate::device::{Device, Matrix};
@@ -20,6 +20,7 @@ use crate::error::{check_shape, Error, Result, OVERFLOW};
 use crate::mat::Trans;
 use crate::shape::{op_shape, MatMul, Shaped};
 use half::bf16;
+use std::sync::OnceLock;
 
 kernel!(pub GEMM_NN = GEMM::gemm_nn;);
 kernel!(pub GEMM_NT = GEMM::gemm_nt;);
@@ -226,7 +227,10 @@ pub fn gemm3(dev: &Device, p: MatMul<&Matrix>, beta: f32, c: &mut Matrix) -> Res
 /// splits nothing.
 pub struct Split3<'a> {
     m: &'a Matrix,
-    planes: std::sync::OnceLock<Matrix<bf16>>,
+    planes: OnceLock<Matrix<bf16>>,
+    /// The concatenated operands ([`split3_cat`]) by role and transpose, made on first use;
+    /// boxed so that a `Split3` stays small where it is passed by value.
+    cat: Box<[OnceLock<Matrix<bf16>>; 4]>,
 }
 
 impl<'a> Split3<'a> {
@@ -234,8 +238,23 @@ impl<'a> Split3<'a> {
     pub fn new(m: &'a Matrix) -> Self {
         Self {
             m,
-            planes: std::sync::OnceLock::new(),
+            planes: OnceLock::new(),
+            cat: Default::default(),
         }
+    }
+
+    /// `m` as the stored operand `role` (transpose flag `t`) of a bf16 product with `K`
+    /// concatenated over the six plane products ([`split3_cat`]), made on `dev` on first use
+    /// and kept.
+    pub(crate) fn concatenated(&self, dev: &Device, role: Role, t: Trans) -> Result<&Matrix<bf16>> {
+        let slot = &self.cat[2 * usize::from(role == Role::B) + usize::from(t == Trans::Yes)];
+        Ok(match slot.get() {
+            Some(x) => x,
+            None => {
+                let x = split3_cat(dev, self.m, role, t)?;
+                slot.get_or_init(|| x)
+            }
+        })
     }
 
     /// The matrix that was split.

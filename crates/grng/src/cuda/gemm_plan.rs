@@ -1,30 +1,37 @@
 //! The GEMM plan: the dense products of [`crate::Device::gemm`] and of the optimizers
 //! (`Device::product_consumed`: the Kronecker step's products, the cached squares) described
-//! once — operand format, transposes, whether `C` is read — and run by one dispatcher over two
-//! candidates: grng's own kernels (the **engine**: `cuda::gemm`'s SIMT GEMM for `f32`, the
-//! tensor-core engine for `bf16` and the f32-accurate split3 products) and the **vendor**
-//! (cuBLAS `cublasGemmEx`, [`super::gemm_vendor`]).
+//! once — operand format, transposes, whether `C` is read — and run by one dispatcher over its
+//! candidates ([`Candidate`]): grng's own kernels (the **engine**: `cuda::gemm`'s SIMT GEMM for
+//! `f32`, the tensor-core engine for `bf16` and the f32-accurate split3 products), the
+//! **vendor** (cuBLAS `cublasGemmEx`, [`super::gemm_vendor`]) and, for the f32-accurate
+//! products, **bf16x3** (split3 planes concatenated along `K`, one bf16 product:
+//! [`gemm3_bf16x3`]).
 //!
 //! The vendor library is the floor: on a CUDA device where it loads, the first product of a
-//! (plan, shape class, device) runs both candidates, checks them against each other within
+//! (plan, shape class, device) runs every candidate, checks each against the engine within
 //! the bound of [`Trial::bound`], times them ([`TRIAL_RUNS`] runs each, CUDA events, the
-//! median) and keeps the faster one for every later product of that key ([`choices`] lists
-//! the decisions with their times, for the bench's kernel column). A pair that disagrees keeps
-//! the engine (the kernels the emulator tests) and says so once on stderr. Where the vendor
+//! median) and keeps the fastest that agrees for every later product of that key ([`choices`]
+//! lists the decisions with their times, for the bench's kernel column). A candidate that
+//! disagrees is not chosen, and that is said once on stderr. Where the vendor
 //! is absent — always on [`Device::Emulated`] — the engine runs, each such product is counted
 //! ([`vendor_absent`]) and the first is said on stderr: never a silent slow path.
 //!
 //! `GRNG_GEMM=vendor|engine|auto` ([`Policy`]) forces a side (`auto`, the default, chooses
 //! by measurement); `vendor` where the vendor cannot run is a typed error, not a fallback.
-//! A choice is kept in the process only (no on-disk cache yet), so two processes may pick
-//! differently where the candidates time alike: their results then differ by the rounding
-//! of [`Trial::bound`]; set `GRNG_GEMM` for results reproducible across processes.
+//! A choice is kept in the process, and with `GRNG_GEMM_CACHE=FILE` also on disk: a trial's
+//! decision is appended to `FILE`, and a later process on the same device, driver and build
+//! takes it from there without a trial (so processes sharing the file choose alike).
+//! Without the file two processes may pick differently where candidates time alike: their
+//! results then differ by the rounding of [`Trial::bound`]; set `GRNG_GEMM` or
+//! `GRNG_GEMM_CACHE` for results reproducible across processes.
 //!
 //! The products in the plan: `Device::gemm` ([`gemm()`]), the Kronecker factors' SYRK with its
 //! EMA ([`syrk_ema`]), the optimizers' checked products ([`product3_checked`]), the
-//! preconditioning (`precondition_checked`: [`gemm3`] then a checked product) and the
+//! preconditioning (`precondition_checked`: [`gemm3`] then a checked product), the
 //! damped-inverse update ([`damped_inverse_update`]) and Newton's products with their fused
 //! epilogues (`newton_product`, [`Product::Newton`]).
+
+mod cache;
 
 use std::cell::RefCell;
 use std::collections::HashMap;
@@ -34,6 +41,7 @@ use std::sync::{Mutex, Once, OnceLock, PoisonError};
 use cudarc::driver::sys::CUevent_flags;
 use half::bf16;
 
+use super::engine::Role;
 use super::gemm::{self as engine, Split3};
 use super::gemm_vendor::{self as vendor, VendorElement};
 use super::newton;
@@ -165,53 +173,90 @@ impl ShapeClass {
     }
 }
 
-/// The two candidates.
+/// The candidates. Every plan has the first two; the f32-accurate formats
+/// ([`Format::F32Accurate`], [`Format::F32Checked`]) also [`Candidate::Bf16x3`].
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum Candidate {
     /// grng's kernels.
     Engine,
-    /// cuBLAS.
+    /// cuBLAS at the plan's precision (SGEMM, never TF32, for `f32` operands).
     Vendor,
+    /// f32 accuracy at the bf16 tensor cores' rate (issue 36 item 3): both operands' split3
+    /// planes concatenated along `K`, six plane products small first, and ONE bf16 product of
+    /// the plan over them (`K' = 6K`): [`gemm3_bf16x3`].
+    Bf16x3,
 }
 
-/// What a trial measured: each candidate's median time over [`TRIAL_RUNS`] runs and the
-/// Frobenius norm of their outputs' difference, against its bound.
+impl Candidate {
+    /// Every candidate, in the order a tie prefers (the engine first); [`Trial`]'s arrays
+    /// are indexed so.
+    pub const ALL: [Self; 3] = [Self::Engine, Self::Vendor, Self::Bf16x3];
+
+    /// How many products an output element's `f32` sum adds for inner dimension `k`
+    /// ([`Trial::bound`]): the split3 engine sums its six plane products in one accumulator
+    /// too, but its bound is `k`'s (`cuda::gemm::gemm3`: the small products' roundings stay
+    /// ~2⁻⁸ below the result's); `Bf16x3`'s vendor may split its `6k`-deep sum in any order.
+    pub fn sum_depth(self, k: usize) -> usize {
+        match self {
+            Self::Engine | Self::Vendor => k,
+            Self::Bf16x3 => 6 * k,
+        }
+    }
+}
+
+/// What a trial measured, each array indexed as [`Candidate::ALL`]: each candidate's median
+/// time over [`TRIAL_RUNS`] runs and the Frobenius norm of its output's difference from the
+/// engine's, against its bound.
 #[derive(Clone, Copy, Debug, PartialEq)]
 pub struct Trial {
-    /// The engine's median seconds.
-    pub engine_secs: f64,
-    /// The vendor's median seconds.
-    pub vendor_secs: f64,
-    /// `‖C_engine − C_vendor‖_F`.
-    pub difference: f64,
-    /// The most [`Trial::difference`] may be ([`Trial::bound`]).
-    pub bound: f64,
+    /// Median seconds; `None` for a candidate the plan does not have, or that failed.
+    pub secs: [Option<f64>; 3],
+    /// `‖C_candidate − C_engine‖_F` (0 for the engine; NaN where it did not run).
+    pub difference: [f64; 3],
+    /// The most each difference may be ([`Trial::bound`]).
+    pub bound: [f64; 3],
 }
 
 impl Trial {
-    /// How far two `f32`-accumulated products of the same operands may differ:
-    /// `2·(k + 8)·2⁻²⁴·(|α|·‖A‖_F·‖B‖_F + |β|·‖C‖_F)`. Each candidate is within
-    /// `(k + 8)·2⁻²⁴·|α|·‖|op(A)||op(B)|‖_F` of the exact product plus a rounding of `β·C`
-    /// (SGEMM's `γ_k`; the split3 engine's bound, `cuda::gemm::gemm3`; bf16 operands multiply
-    /// exactly), and `‖|A||B|‖_F ≤ ‖A‖_F·‖B‖_F`. Loose, but a product with a wrong layout or
-    /// transpose misses it by orders of magnitude.
-    pub fn bound(k: usize, alpha: f32, beta: f32, norms: [f64; 3]) -> f64 {
+    /// How far two `f32`-accumulated products of the same operands, whose sums are `depth`
+    /// products deep together ([`Candidate::sum_depth`] of both), may differ:
+    /// `(depth + 16)·2⁻²⁴·(|α|·‖A‖_F·‖B‖_F + |β|·‖C‖_F)`. Each candidate is within
+    /// `(d + 8)·2⁻²⁴·|α|·‖|op(A)||op(B)|‖_F` of the exact product for its depth `d`, plus a
+    /// rounding of `β·C` (SGEMM's `γ_k`; the split3 engine's bound, `cuda::gemm::gemm3`; bf16
+    /// operands multiply exactly), and `‖|A||B|‖_F ≤ ‖A‖_F·‖B‖_F`. Loose, but a product with
+    /// a wrong layout or transpose misses it by orders of magnitude.
+    pub fn bound(depth: usize, alpha: f32, beta: f32, norms: [f64; 3]) -> f64 {
         let [a, b, c] = norms;
-        2.0 * (k as f64 + 8.0)
+        (depth as f64 + 16.0)
             * 2f64.powi(-24)
             * (f64::from(alpha).abs() * a * b + f64::from(beta).abs() * c)
     }
 
-    /// The decision: the faster candidate, the engine on a tie; the engine whenever the two
-    /// disagree beyond [`Trial::bound`] (a NaN difference included).
+    /// The candidate's median seconds, `None` where it did not run or failed.
+    pub fn secs(&self, c: Candidate) -> Option<f64> {
+        self.secs[c as usize]
+    }
+
+    /// Whether the candidate's output agreed with the engine's within its bound (never for a
+    /// NaN difference).
+    pub fn agrees(&self, c: Candidate) -> bool {
+        self.difference[c as usize] <= self.bound[c as usize]
+    }
+
+    /// The decision: the fastest candidate that ran and agrees with the engine, the earlier
+    /// of [`Candidate::ALL`] on a tie (the engine first).
     pub fn decide(&self) -> Candidate {
-        // Written so that a NaN difference fails the agreement test.
-        let agree = self.difference <= self.bound;
-        if !agree || self.vendor_secs >= self.engine_secs {
-            Candidate::Engine
-        } else {
-            Candidate::Vendor
+        let timed = Candidate::ALL
+            .into_iter()
+            .filter(|&c| self.agrees(c))
+            .filter_map(|c| Some((c, self.secs(c)?)));
+        let mut best = (Candidate::Engine, f64::INFINITY);
+        for (c, secs) in timed {
+            if secs < best.1 {
+                best = (c, secs);
+            }
         }
+        best.0
     }
 }
 
@@ -226,8 +271,12 @@ pub struct Choice {
     pub ordinal: usize,
     /// What runs.
     pub candidate: Candidate,
-    /// The measurement behind it (`None` when a policy forced the side).
+    /// The measurement behind it (`None` when a policy forced the side or the on-disk cache
+    /// gave it).
     pub trial: Option<Trial>,
+    /// Whether the decision came from the on-disk cache (`GRNG_GEMM_CACHE`, a trial of an
+    /// earlier process).
+    pub cached: bool,
 }
 
 type Key = (GemmPlan, ShapeClass, usize);
@@ -268,23 +317,26 @@ fn note_absent(why: &str) {
 /// One candidate writing the product into the output it is given.
 type Run<'a> = dyn FnMut(&mut Matrix) -> Result<()> + 'a;
 
+/// A plan's candidates with their runs, the engine first.
+type Runs<'r, 'a> = [(Candidate, &'r mut Run<'a>)];
+
 /// The dispatcher: picks the candidate for `plan` on `dev` (a trial on first use under
-/// [`Policy::Auto`]) and runs it into `c`: the engine's run or the vendor's. `dims` is
-/// `(m, n, k)`; `operand_norms` gives `[‖A‖_F, ‖B‖_F]` for a trial's bound: they and `‖C‖_F`
-/// are downloaded only when a trial runs, never on the products after it.
+/// [`Policy::Auto`]) and runs it into `c`. `runs` are the plan's candidates, the engine
+/// first. `dims` is `(m, n, k)`; `operand_norms` gives `[‖A‖_F, ‖B‖_F]` for a trial's bound:
+/// they and `‖C‖_F` are downloaded only when a trial runs, never on the products after it.
 fn dispatch(
     dev: &Device,
     plan: GemmPlan,
     (m, n, k): (usize, usize, usize),
     (alpha, beta): (f32, f32),
     operand_norms: &dyn Fn(&Matrix) -> Result<[f64; 2]>,
-    (engine, vendor): (&mut Run<'_>, &mut Run<'_>),
+    runs: &mut Runs<'_, '_>,
     c: &mut Matrix,
 ) -> Result<()> {
     let policy = Policy::from_env()?;
     // α = 0 or an empty product is C ← β·C, which the engine does without reading A and B.
     if policy == Policy::Engine || alpha == 0.0 || m == 0 || n == 0 || k == 0 {
-        return engine(c);
+        return run_engine(runs, c);
     }
     let cuda = match dev {
         Device::Cuda(d) if vendor::available() => d,
@@ -299,93 +351,117 @@ fn dispatch(
                 )));
             }
             note_absent(why);
-            return engine(c);
+            return run_engine(runs, c);
         }
     };
     let class = ShapeClass::of(m, n, k);
     let key = (plan, class, cuda.ordinal());
-    let record = |candidate, trial| {
+    let record = |candidate, trial, cached| {
         let choice = Choice {
             plan,
             class,
             ordinal: key.2,
             candidate,
             trial,
+            cached,
         };
         decisions().insert(key, choice);
     };
+    // The on-disk cache, where GRNG_GEMM_CACHE names one and the driver says who it is.
+    let disk = cache::path().and_then(|p| Some((p, cache::identity(cuda).ok()?)));
+
     let known = decisions().get(&key).map(|choice| choice.candidate);
-    let candidate = match (policy, known) {
-        (_, Some(candidate)) => candidate,
-        (Policy::Vendor, None) => {
-            record(Candidate::Vendor, None);
+    let from_disk = match (policy, known, &disk) {
+        (Policy::Auto, None, Some((path, id))) => cache::lookup(path, id, plan, class),
+        _ => None,
+    };
+    let candidate = match (policy, known, from_disk) {
+        (_, Some(candidate), _) => candidate,
+        (Policy::Vendor, None, _) => {
+            record(Candidate::Vendor, None, false);
             Candidate::Vendor
+        }
+        (_, None, Some(candidate)) => {
+            record(candidate, None, true);
+            candidate
         }
         _ => {
             let [na, nb] = operand_norms(c)?;
             let nc = if beta != 0.0 { frobenius(c)? } else { 0.0 };
-            let bound = Trial::bound(k, alpha, beta, [na, nb, nc]);
-            match trial(dev, c, bound, engine, vendor) {
-                Ok(Ok(trial)) => {
+            let norms = [na, nb, nc];
+            let bound = |c: Candidate| Trial::bound(k + c.sum_depth(k), alpha, beta, norms);
+            match trial(dev, c, &bound, runs) {
+                Ok(trial) => {
                     warn_if_disagree(plan, (m, n, k), &trial);
                     let candidate = trial.decide();
-                    record(candidate, Some(trial));
+                    record(candidate, Some(trial), false);
+                    if let Some((path, id)) = &disk {
+                        cache::store(path, id, plan, class, candidate);
+                    }
                     candidate
-                }
-                // cuBLAS failed where the engine ran: the engine is kept for this key (no
-                // trial recorded), said once, so no later product pays a trial again.
-                Ok(Err(e)) => {
-                    warn_vendor_failed(plan, (m, n, k), &e);
-                    record(Candidate::Engine, None);
-                    Candidate::Engine
                 }
                 // The engine's product failed (an overflow its check flags: it depends on the
                 // operands): its own error, and its output in `c`, exactly as without a plan;
                 // nothing is decided and the next product tries again.
-                Err(_) => return engine(c),
+                Err(_) => return run_engine(runs, c),
             }
         }
     };
-    match candidate {
-        Candidate::Engine => engine(c),
-        Candidate::Vendor => vendor(c),
+    match runs.iter_mut().find(|(c, _)| *c == candidate) {
+        Some((_, run)) => run(c),
+        None => run_engine(runs, c),
     }
 }
 
-/// Says (once per process) that a trial's candidates disagreed beyond its bound.
-fn warn_if_disagree(plan: GemmPlan, (m, n, k): (usize, usize, usize), trial: &Trial) {
-    if trial.difference <= trial.bound {
-        return;
+/// Runs the engine: `runs`' first candidate in every plan of this file.
+fn run_engine(runs: &mut Runs<'_, '_>, c: &mut Matrix) -> Result<()> {
+    match runs.first_mut() {
+        Some((Candidate::Engine, run)) => run(c),
+        _ => Err(Error::DeviceUnavailable(
+            "cuda::gemm_plan: a plan's first candidate is the engine".into(),
+        )),
     }
+}
+
+/// Says (once per process) that a trial's candidate disagreed with the engine beyond its
+/// bound.
+fn warn_if_disagree(plan: GemmPlan, (m, n, k): (usize, usize, usize), trial: &Trial) {
+    let Some(c) = Candidate::ALL
+        .into_iter()
+        .find(|&c| trial.secs(c).is_some() && !trial.agrees(c))
+    else {
+        return;
+    };
     static SAID: Once = Once::new();
     SAID.call_once(|| {
+        let i = c as usize;
         eprintln!(
-            "grng: cuBLAS and grng's kernels disagree on {plan:?} ({m}x{n}x{k}): \
-             ‖ΔC‖_F = {:e} > {:e}; the engine runs",
-            trial.difference, trial.bound
+            "grng: {c:?} and grng's kernels disagree on {plan:?} ({m}x{n}x{k}): \
+             ‖ΔC‖_F = {:e} > {:e}; it is not chosen",
+            trial.difference[i], trial.bound[i]
         );
     });
 }
 
-/// Says (once per process) that cuBLAS failed in a trial.
-fn warn_vendor_failed(plan: GemmPlan, (m, n, k): (usize, usize, usize), e: &Error) {
+/// Says (once per process) that a candidate failed in a trial.
+fn warn_failed(c: Candidate, e: &Error) {
     static SAID: Once = Once::new();
     SAID.call_once(|| {
-        eprintln!("grng: cuBLAS failed on {plan:?} ({m}x{n}x{k}): {e}; the engine runs");
+        eprintln!("grng: the GEMM plan's {c:?} candidate failed in a trial: {e}; not chosen");
     });
 }
 
-/// Runs both candidates into copies of `c` (one untimed run each, whose outputs are compared;
-/// then [`TRIAL_RUNS`] timed runs each), leaving `c` as it was; `bound` is what their
-/// difference may be ([`Trial::bound`]). `Err`: the engine's side failed; `Ok(Err)`: the
-/// vendor's.
+/// Runs every candidate of `runs` into copies of `c` (one untimed run each, whose outputs
+/// are compared with the engine's; then [`TRIAL_RUNS`] timed runs each), leaving `c` as it
+/// was; `bound` gives what a candidate's difference may be ([`Trial::bound`]). `Err`: the
+/// engine failed; a later candidate that fails is said once and not timed (`secs` `None`),
+/// so the trial still decides and no later product of its key pays a trial again.
 fn trial(
     dev: &Device,
     c: &Matrix,
-    bound: f64,
-    engine: &mut Run<'_>,
-    vendor: &mut Run<'_>,
-) -> Result<std::result::Result<Trial, Error>> {
+    bound: &dyn Fn(Candidate) -> f64,
+    runs: &mut Runs<'_, '_>,
+) -> Result<Trial> {
     let Device::Cuda(d) = dev else {
         return Err(Error::DeviceUnavailable(
             "cuda::gemm_plan: a trial times CUDA events".into(),
@@ -404,32 +480,41 @@ fn trial(
         secs.sort_by(f64::total_cmp);
         Ok(secs[TRIAL_RUNS / 2])
     };
-    let (mut ce, mut cv) = (c.try_clone()?, c.try_clone()?);
-    // The outputs compared are the untimed runs' (with β ≠ 0 a timed run reads its own
-    // output back as `C`).
-    engine(&mut ce)?;
-    let e = ce.to_vec()?;
-    let engine_secs = time(engine, &mut ce)?;
-    let v = match vendor(&mut cv).and_then(|()| cv.to_vec()) {
-        Ok(v) => v,
-        Err(e) => return Ok(Err(e)),
+    let mut out = Trial {
+        secs: [None; 3],
+        difference: [f64::NAN; 3],
+        bound: Candidate::ALL.map(bound),
     };
-    let vendor_secs = match time(vendor, &mut cv) {
-        Ok(secs) => secs,
-        Err(e) => return Ok(Err(e)),
-    };
-    let difference = e
-        .iter()
-        .zip(&v)
-        .map(|(&x, &y)| (f64::from(x) - f64::from(y)).powi(2))
-        .sum::<f64>()
-        .sqrt();
-    Ok(Ok(Trial {
-        engine_secs,
-        vendor_secs,
-        difference,
-        bound,
-    }))
+    let mut engine_out: Option<Vec<f32>> = None;
+    for (candidate, run) in runs.iter_mut() {
+        // The outputs compared are the untimed runs' (with β ≠ 0 a timed run reads its own
+        // output back as `C`).
+        let mut mine = c.try_clone()?;
+        let measured = run(&mut mine)
+            .and_then(|()| mine.to_vec())
+            .and_then(|v| Ok((v, time(run, &mut mine)?)));
+        let (v, secs) = match (measured, &engine_out) {
+            (Ok(m), _) => m,
+            (Err(e), None) => return Err(e),
+            (Err(e), Some(_)) => {
+                warn_failed(*candidate, &e);
+                continue;
+            }
+        };
+        let i = *candidate as usize;
+        out.secs[i] = Some(secs);
+        out.difference[i] = match &engine_out {
+            None => 0.0,
+            Some(e) => e
+                .iter()
+                .zip(&v)
+                .map(|(&x, &y)| (f64::from(x) - f64::from(y)).powi(2))
+                .sum::<f64>()
+                .sqrt(),
+        };
+        engine_out.get_or_insert(v);
+    }
+    Ok(out)
 }
 
 /// `‖x‖_F` in `f64` (one download: a trial's bound only).
@@ -487,13 +572,17 @@ pub fn gemm<T: PlanElement>(
     let mut ours = |out: &mut Matrix| T::ENGINE(dev, p, beta, out);
     let mut cublas = |out: &mut Matrix| vendor::gemm(dev, p, beta, out);
     let plan = ("cuda::gemm_plan::gemm", T::FORMAT);
-    dispatch_gemm(dev, plan, p, beta, (&mut ours, &mut cublas), c)
+    let runs: &mut Runs<'_, '_> = &mut [
+        (Candidate::Engine, &mut ours),
+        (Candidate::Vendor, &mut cublas),
+    ];
+    dispatch_gemm(dev, plan, p, beta, runs, c)
 }
 
 /// `α·op(A)·op(B)` as a new matrix at `f32` accuracy with the result checked (plan
 /// [`Format::F32Checked`]): the engine's [`engine::product3_checked`] (split3 planes, flagging
-/// epilogue) or cuBLAS SGEMM followed by one finiteness check launch — into the ledger of an
-/// enclosing `Device::deferred` scope either way.
+/// epilogue), or cuBLAS SGEMM or [`gemm3_bf16x3`] followed by one finiteness check launch —
+/// into the ledger of an enclosing `Device::deferred` scope either way.
 ///
 /// # Errors
 /// As [`engine::product3_checked`]: [`Error::NonFinite`] (`op`, `"result (overflow)"`) for a
@@ -503,26 +592,70 @@ pub fn product3_checked(dev: &Device, op: &'static str, p: MatMul<&Split3<'_>>) 
     let (m, n) = matrices.shape();
     let mut c = dev.zeros(m, n)?;
     let mut ours = |out: &mut Matrix| engine::product3_checked(dev, op, p, out);
+    let check = |out: &Matrix| super::elementwise::check_finite(dev, op, &[(OVERFLOW, out)]);
     let mut cublas = |out: &mut Matrix| {
         vendor::gemm(dev, matrices, 0.0, out)?;
-        super::elementwise::check_finite(dev, op, &[(OVERFLOW, &*out)])
+        check(out)
+    };
+    let mut bf16x3 = |out: &mut Matrix| {
+        gemm3_bf16x3(dev, p, 0.0, out)?;
+        check(out)
     };
     let plan = (op, Format::F32Checked);
-    dispatch_gemm(dev, plan, matrices, 0.0, (&mut ours, &mut cublas), &mut c)?;
+    let runs: &mut Runs<'_, '_> = &mut [
+        (Candidate::Engine, &mut ours),
+        (Candidate::Vendor, &mut cublas),
+        (Candidate::Bf16x3, &mut bf16x3),
+    ];
+    dispatch_gemm(dev, plan, matrices, 0.0, runs, &mut c)?;
     Ok(c)
 }
 
 /// `C ← α·op(A)·op(B) + β·C` at `f32` accuracy for `f32` operands (plan
-/// [`Format::F32Accurate`]): the engine's split3 [`engine::gemm3`] or cuBLAS SGEMM.
+/// [`Format::F32Accurate`]): the engine's split3 [`engine::gemm3`], cuBLAS SGEMM or
+/// [`gemm3_bf16x3`].
 ///
 /// # Errors
 /// As [`engine::gemm3`] and [`vendor::gemm`]; the plan's errors of [`gemm()`]. `c` is unchanged
 /// on error.
 pub fn gemm3(dev: &Device, p: MatMul<&Matrix>, beta: f32, c: &mut Matrix) -> Result<()> {
+    let (sa, sb) = (Split3::new(p.a), Split3::new(p.b));
+    let split = p.with(&sa, &sb);
     let mut ours = |out: &mut Matrix| engine::gemm3(dev, p, beta, out);
     let mut cublas = |out: &mut Matrix| vendor::gemm(dev, p, beta, out);
+    let mut bf16x3 = |out: &mut Matrix| gemm3_bf16x3(dev, split, beta, out);
     let plan = ("cuda::gemm_plan::gemm3", Format::F32Accurate);
-    dispatch_gemm(dev, plan, p, beta, (&mut ours, &mut cublas), c)
+    let runs: &mut Runs<'_, '_> = &mut [
+        (Candidate::Engine, &mut ours),
+        (Candidate::Vendor, &mut cublas),
+        (Candidate::Bf16x3, &mut bf16x3),
+    ];
+    dispatch_gemm(dev, plan, p, beta, runs, c)
+}
+
+/// `C ← α·op(A)·op(B) + β·C` at `f32` accuracy as ONE bf16 product (candidate
+/// [`Candidate::Bf16x3`], issue 36 item 3): `A` and `B` as split3 planes concatenated along `K`
+/// (`gemm_split3_cat`, 12 bytes per element, kept in the [`Split3`]), whose six blocks pair
+/// the plane products of the split3 engine in its order (mid·mid, hi·lo, lo·hi, hi·mid,
+/// mid·hi, hi·hi: small first), summed by the plan's bf16 product ([`gemm()`] on bf16
+/// operands: cuBLAS `GemmEx` or `gemm_tc`, whichever its own trial keeps) with `K' = 6K`.
+/// Where that product runs `gemm_tc` and `K` is a multiple of its 32-deep K slice, the result
+/// is the split3 engine's ([`engine::gemm3`]) bit for bit: the same slices in the same order.
+/// Error: within `(6K + 8)·2⁻²⁴·|α|·|op(A)||op(B)|` of the exact product plus a rounding of
+/// `β·C` in any summation order; `≈ (K + 8)·2⁻²⁴` in order, as the engine's. `α = 0` and empty
+/// products run the engine's [`engine::gemm3`] (which reads neither operand then).
+///
+/// # Errors
+/// As [`gemm()`], plus allocation errors. `c` is unchanged on error.
+pub fn gemm3_bf16x3(dev: &Device, p: MatMul<&Split3<'_>>, beta: f32, c: &mut Matrix) -> Result<()> {
+    const OP: &str = "cuda::gemm_plan::gemm3_bf16x3";
+    let (m, n, k) = p.dims(OP, c.shape())?;
+    if p.alpha == 0.0 || m == 0 || n == 0 || k == 0 {
+        return engine::gemm3(dev, p.map(Split3::matrix), beta, c);
+    }
+    let a = p.a.concatenated(dev, Role::A, p.ta)?;
+    let b = p.b.concatenated(dev, Role::B, p.tb)?;
+    gemm::<bf16>(dev, p.with(a, b), beta, c)
 }
 
 /// `P = Γ̃⁻¹ (G Λ̃⁻¹)` with `Γ̃⁻¹` `d_out x d_out`, `G` `d_out x d_in`, `Λ̃⁻¹` `d_in x d_in`
@@ -573,32 +706,40 @@ pub fn damped_inverse_update(dev: &Device, inv: &mut Matrix, dlambda: f32) -> Re
         reads_c: true,
     };
     let mut ours = |out: &mut Matrix| engine::damped_inverse_update(dev, out, dlambda);
+    // cuBLAS may not read what it writes: both vendor-side candidates read a copy of the old
+    // X (n² floats: a fraction of a product's time; bf16x3 reads only its concatenated
+    // operands, but building them from `out` while writing it is the same aliasing).
+    let xx = MatMul::new(Trans::No, Trans::No, -dlambda, (), ());
     let mut cublas = |out: &mut Matrix| {
         let x = out.try_clone()?;
-        vendor::gemm(
-            dev,
-            MatMul::new(Trans::No, Trans::No, -dlambda, &x, &x),
-            1.0,
-            out,
-        )
+        vendor::gemm(dev, xx.with(&x, &x), 1.0, out)
+    };
+    let mut bf16x3 = |out: &mut Matrix| {
+        let x = out.try_clone()?;
+        let x = Split3::new(&x);
+        gemm3_bf16x3(dev, xx.with(&x, &x), 1.0, out)
     };
     let norms = |x: &Matrix| {
         let nx = frobenius(x)?;
         Ok([nx, nx])
     };
-    let runs = (&mut ours as &mut Run<'_>, &mut cublas as &mut Run<'_>);
+    let runs: &mut Runs<'_, '_> = &mut [
+        (Candidate::Engine, &mut ours),
+        (Candidate::Vendor, &mut cublas),
+        (Candidate::Bf16x3, &mut bf16x3),
+    ];
     dispatch(dev, plan, (n, n, n), (-dlambda, 1.0), &norms, runs, inv)
 }
 
 /// [`dispatch`] of `C ← p + β·C`, a [`Product::Gemm`] of `format` whose operands are `p`'s
 /// matrices, after their shapes' check ([`MatMul::dims`], naming `op`); `runs` are the
-/// engine's and the vendor's.
+/// plan's candidates, the engine first.
 fn dispatch_gemm<T: Element>(
     dev: &Device,
     (op, format): (&'static str, Format),
     p: MatMul<&Matrix<T>>,
     beta: f32,
-    runs: (&mut Run<'_>, &mut Run<'_>),
+    runs: &mut Runs<'_, '_>,
     c: &mut Matrix,
 ) -> Result<()> {
     let dims = p.dims(op, c.shape())?;
@@ -650,7 +791,10 @@ pub fn syrk_ema<T: PlanElement>(
             let na = frobenius(a)?;
             Ok([na, na])
         },
-        (&mut ours, &mut cublas),
+        &mut [
+            (Candidate::Engine, &mut ours),
+            (Candidate::Vendor, &mut cublas),
+        ],
         factor,
     )
 }
@@ -720,7 +864,7 @@ pub(crate) fn newton_product(
     };
     // The additions enter the bound as part of the product (‖A‖_F·‖B‖_F + ‖d·I + add1 +
     // add2‖_F/|α|): each candidate rounds α·C + d·I + add1 + add2 at most three times, within
-    // 3·2⁻²⁴ of the terms' magnitudes, well inside Trial::bound's 2·(k + 8)·2⁻²⁴ per unit.
+    // 3·2⁻²⁴ of the terms' magnitudes, well inside Trial::bound's (2k + 16)·2⁻²⁴ per unit.
     let norms = |_: &Matrix| {
         let (na, nb) = match ops {
             Operands::Bf16(a, b) => (frobenius(a)?, frobenius(b)?),
@@ -732,7 +876,10 @@ pub(crate) fn newton_product(
         }
         Ok([1.0, na * nb + added / f64::from(alpha).abs()])
     };
-    let runs = (&mut ours as &mut Run<'_>, &mut cublas as &mut Run<'_>);
+    let runs: &mut Runs<'_, '_> = &mut [
+        (Candidate::Engine, &mut ours),
+        (Candidate::Vendor, &mut cublas),
+    ];
     dispatch(dev, plan, (n, n, n), (alpha, 0.0), &norms, runs, out)
 }
 
@@ -756,16 +903,38 @@ mod tests {
     #[test]
     fn the_faster_agreeing_candidate_wins_and_disagreement_keeps_the_engine() {
         let t = |e, v, d| Trial {
-            engine_secs: e,
-            vendor_secs: v,
-            difference: d,
-            bound: 1e-3,
+            secs: [Some(e), Some(v), None],
+            difference: [0.0, d, f64::NAN],
+            bound: [1e-3; 3],
         };
         assert_eq!(t(2.0, 1.0, 1e-4).decide(), Candidate::Vendor);
         assert_eq!(t(1.0, 2.0, 1e-4).decide(), Candidate::Engine);
         assert_eq!(t(1.0, 1.0, 0.0).decide(), Candidate::Engine, "a tie");
         assert_eq!(t(2.0, 1.0, 1e-2).decide(), Candidate::Engine, "disagree");
         assert_eq!(t(2.0, 1.0, f64::NAN).decide(), Candidate::Engine, "NaN");
+        // Three candidates: the fastest that agrees; a failed one (no time) never wins.
+        let three = |secs: [Option<f64>; 3], d: [f64; 3]| Trial {
+            secs,
+            difference: d,
+            bound: [1e-3; 3],
+        };
+        let all = [Some(3.0), Some(2.0), Some(1.0)];
+        assert_eq!(three(all, [0.0; 3]).decide(), Candidate::Bf16x3);
+        assert_eq!(
+            three(all, [0.0, 0.0, 1.0]).decide(),
+            Candidate::Vendor,
+            "bf16x3 disagrees"
+        );
+        assert_eq!(
+            three([Some(3.0), None, Some(2.0)], [0.0, f64::NAN, 0.0]).decide(),
+            Candidate::Bf16x3,
+            "the vendor failed"
+        );
+        assert_eq!(
+            three([Some(1.0), Some(1.0), Some(1.0)], [0.0; 3]).decide(),
+            Candidate::Engine,
+            "a three-way tie"
+        );
     }
 
     #[test]
@@ -777,7 +946,7 @@ mod tests {
 
     #[test]
     fn the_bound_scales_with_k_and_the_operands() {
-        let b = Trial::bound(1000, 2.0, 0.5, [3.0, 4.0, 10.0]);
+        let b = Trial::bound(2000, 2.0, 0.5, [3.0, 4.0, 10.0]);
         let want = 2.0 * 1008.0 * 2f64.powi(-24) * (2.0 * 12.0 + 0.5 * 10.0);
         assert!((b - want).abs() <= 1e-12 * want, "{b} vs {want}");
     }
