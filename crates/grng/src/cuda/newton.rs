@@ -24,7 +24,7 @@
 //! (and the `Bf16` run's final `f32` residual and polish) runs `newton_gemm3_tc`
 //! ([`product_f32`]) on split3 planes of the f32 operands, f32-accurate. The iteration runs
 //! each through the GEMM plan (`cuda::gemm_plan::newton_product`, passed in as a
-//! [`RunProduct`]), which may run cuBLAS instead, followed by the same epilogue as a kernel of
+//! `RunProduct`), which may run cuBLAS instead, followed by the same epilogue as a kernel of
 //! its own ([`epilogue`]).
 
 use super::engine::{split3_into, wg_variant, GEMM_SMEM};
