@@ -174,13 +174,17 @@ extern "C" __global__ void __launch_bounds__(256)
     const long long count = rows * cols;
     for (long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x; i < count;
          i += (long long)gridDim.x * blockDim.x) {
-        __nv_bfloat16 p[3];
-        grng_split3(x[i], p[0], p[1], p[2]);
+        __nv_bfloat16 hi, mid, lo;
+        grng_split3(x[i], hi, mid, lo);
         // Term t's element: at t·count + i (K along rows), or at row·6·cols + t·cols + col.
         const long long base = k_rows ? i : i + 5 * cols * (i / cols);
         const long long step = k_rows ? count : cols;
         GRNG_UNROLL
-        for (int t = 0; t < GRNG_SPLIT3_TERMS; ++t) out[base + t * step] = p[(order >> (2 * t)) & 3];
+        for (int t = 0; t < GRNG_SPLIT3_TERMS; ++t) {
+            // Selects, not an array indexed at run time (which would live in local memory).
+            const int q = (order >> (2 * t)) & 3;
+            out[base + t * step] = q == 0 ? hi : (q == 1 ? mid : lo);
+        }
     }
 }
 GRNG_EMU_ENTRY(gemm_split3_cat,
