@@ -14,7 +14,8 @@
 // newton_gemm3_tc on split3 planes of f32 operands, f32-accurate (f32 mode, and the bf16
 // run's f32 residual and polish) — no SIMT GEMM and no extra pass over the product. The
 // residual partials are reduced in a fixed order by newton_residual, whose single float is
-// the only per-iteration transfer to the host.
+// the only per-iteration transfer to the host. Where the GEMM plan (src/cuda/gemm_plan.rs)
+// runs a product on cuBLAS instead, newton_epilogue applies the same epilogue to it.
 //
 // Setup kernels: newton_sym_stats (symmetric part, bf16 copy, max|a|, asymmetry, first
 // non-finite), newton_abs_norms (‖·‖∞, ‖·‖₁, ‖·‖_F partials), newton_init_x (X₀ = αA or cI);
@@ -186,6 +187,52 @@ extern "C" __global__ void __launch_bounds__(GRNG_GEMM_THREADS)
     newton_gemm_body<GRNG_SPLIT3_TERMS>(a, b, (long long)n * n, epi);
 }
 GRNG_EMU_ENTRY(newton_gemm3_tc, NEWTON_GEMM_TYPES)
+
+// The epilogue alone, over a product computed elsewhere: the GEMM plan's vendor candidate
+// (src/cuda/gemm_plan.rs) has cuBLAS write C = A·B into the f32 matrix c, then this applies
+// NewtonEpi's algebra (its put and finish: one definition) with the same flags, outputs and
+// residual partials: one per 128x128 tile, at the index the fused kernels' grid gives it, so
+// newton_residual reduces either. Grid (ceil(n/128), ceil(n/128)), block 256; each block
+// walks its tile in 32x32 sub-tiles staged in shared memory (coalesced loads).
+// NEWTON_MIRROR: c is a full product, but the engine's mirrored one is built from its lower
+// triangle only, so this reads the lower triangle only too: (r, col) above the diagonal takes
+// c[col, r] (the partner sub-tile, loaded coalesced, read transposed). Both candidates then
+// agree within their products' rounding even where the operands are not exactly symmetric.
+extern "C" __global__ void __launch_bounds__(256)
+    newton_epilogue(const float* __restrict__ c, const float* __restrict__ add1,
+                    const float* __restrict__ add2, float* __restrict__ out,
+                    __nv_bfloat16* __restrict__ out_bf, float* __restrict__ partial, int n,
+                    float alpha, float diag, int flags) {
+    constexpr int S = 32, PER = NEWTON_TILE / S;
+    __shared__ float t[S][S + 1];
+    NEWTON_EPI(false);
+    const int tx = threadIdx.x % S, ty = threadIdx.x / S, rows = blockDim.x / S;
+    const bool mirror = flags & NEWTON_MIRROR;
+    for (int s = 0; s < PER * PER; ++s) {
+        const int si = blockIdx.y * PER + s / PER, sj = blockIdx.x * PER + s % PER;
+        // Block-uniform: every thread takes the same branch, so the barriers below match.
+        if (si * S >= n || sj * S >= n) continue;
+        // A sub-tile wholly above the diagonal (mirror): its values come from the partner.
+        const bool flip = mirror && sj > si;
+        const int r0 = S * (flip ? sj : si), c0 = S * (flip ? si : sj);
+        for (int dy = ty; dy < S; dy += rows) {
+            const int r = r0 + dy, col = c0 + tx;
+            t[dy][tx] = (r < n && col < n) ? c[(size_t)r * n + col] : 0.0f;
+        }
+        __syncthreads();
+        for (int dy = ty; dy < S; dy += rows) {
+            const int r = si * S + dy, col = sj * S + tx;
+            if (r < n && col < n) {
+                const bool upper = flip || (mirror && si == sj && tx > dy);
+                epi.put(r, col, upper ? t[tx][dy] : t[dy][tx]);
+            }
+        }
+        __syncthreads();
+    }
+    epi.finish();
+}
+GRNG_EMU_ENTRY(newton_epilogue, (const float*, const float*, const float*, float*,
+                                 __nv_bfloat16*, float*, int, float, float, int))
 
 // ---------------------------------------------------------------------------------------
 // Reductions in double with a fixed tree (deterministic for a given launch shape).

@@ -9,12 +9,13 @@ use common::{devices, spd, with_spectrum};
 use grng_testkit as common;
 
 use grng::cpu::newton::newton_inverse as cpu_newton;
+use grng::cuda::gemm_vendor;
 use grng::cuda::newton::{self as kn, Epilogue, Unused};
 use grng::ops::newton::{
     InitialGuess, NewtonInfo, NewtonOptions, NewtonOrder, NewtonStop, Precision,
 };
 use grng::ops::norm::PowerOptions;
-use grng::{Device, Error, Mat, MatRef, Matrix};
+use grng::{Device, Error, Mat, MatMul, MatRef, Matrix, Trans};
 use half::bf16;
 use proptest::prelude::*;
 use rand::{Rng, SeedableRng};
@@ -126,7 +127,10 @@ fn flags() -> impl Strategy<Value = Flags> {
 /// order as `v[i,j]`), so the same bounds apply; its lower triangle must also equal the full
 /// product's bit for bit (the same tile computations), and a residual with it is refused.
 /// The bf16 kernel has no mirror: asked for one, it refuses, and the full product is checked.
-fn check_product(dev: &Device, n: usize, f: &Flags, tc: bool, seed: u64) {
+/// `vendor` (a GPU with cuBLAS): the GEMM plan's vendor candidate instead of the fused kernel,
+/// cuBLAS into an f32 scratch then `kn::epilogue`, under the same bounds (cuBLAS sums f32
+/// as the engine does, SGEMM with γ_n for f32 operands); it accepts a mirror on bf16 too.
+fn check_product(dev: &Device, n: usize, f: &Flags, (tc, vendor): (bool, bool), seed: u64) {
     let mut rng = ChaCha8Rng::seed_from_u64(seed);
     let mut a = random(&mut rng, n * n);
     let mut b = random(&mut rng, n * n);
@@ -168,14 +172,23 @@ fn check_product(dev: &Device, n: usize, f: &Flags, tc: bool, seed: u64) {
     let (a_bf, b_bf) = (to_bf(&a), to_bf(&b));
     let (a_f, b_f) = (up(&a), up(&b));
     let mut planes = kn::Planes::new(dev, n).unwrap();
+    let no = Trans::No;
     let mut run = |epi: Epilogue<'_>, unused: &mut Unused| {
-        if tc {
+        if vendor {
+            let mut raw = dev.zeros(n, n)?;
+            if tc {
+                gemm_vendor::gemm(dev, MatMul::new(no, no, 1.0, &a_bf, &b_bf), 0.0, &mut raw)?;
+            } else {
+                gemm_vendor::gemm(dev, MatMul::new(no, no, 1.0, &a_f, &b_f), 0.0, &mut raw)?;
+            }
+            kn::epilogue(dev, &raw, epi, unused)
+        } else if tc {
             kn::product_tc(dev, &a_bf, &b_bf, epi, unused)
         } else {
             kn::product_f32(dev, &a_f, &b_f, &mut planes, epi, unused)
         }
     };
-    if f.mirror && tc {
+    if f.mirror && tc && !vendor {
         let refused = run(
             Epilogue {
                 mirror: true,
@@ -185,7 +198,7 @@ fn check_product(dev: &Device, n: usize, f: &Flags, tc: bool, seed: u64) {
         );
         assert!(matches!(refused, Err(Error::Value { .. })), "{refused:?}");
     }
-    let mirror = f.mirror && !tc;
+    let mirror = f.mirror && (vendor || !tc);
     if mirror {
         let refused = run(
             Epilogue {
@@ -284,10 +297,139 @@ fn check_product(dev: &Device, n: usize, f: &Flags, tc: bool, seed: u64) {
     }
 }
 
+/// `newton_epilogue` (`kn::epilogue`, the GEMM plan's vendor side after cuBLAS) against the
+/// fused epilogue it stands in for: the engine's bare product `C` (`α = 1`, nothing added) goes
+/// through the kernel with `f`'s epilogue, and must give the fused product's outputs with that
+/// epilogue. Both read the same accumulators and apply the same `NewtonEpi` code, so on the
+/// emulator (no FMA contraction) `out` and `out_bf` are equal bit for bit; on a GPU the
+/// compiler may contract `α·C + add` in one kernel and not the other: one rounding, within
+/// `2·2⁻²⁴·(|α·C| + |d| + |add1| + |add2|)` (and half a bf16 ulp more for `out_bf`). The
+/// residual partials sum the same squares in another order: each side is a recursive f32 sum
+/// of ≤ 64 terms per thread and an 8-level tree, so they differ by at most 2·72·2⁻²⁴ of the
+/// sum (150 used). With `f.mirror` (f32 operands: the bf16 kernel has none) the operands are
+/// not symmetric, so the lower-triangle-only reading is what the comparison checks.
+fn check_epilogue_kernel(dev: &Device, n: usize, f: &Flags, tc: bool, seed: u64) {
+    let mut rng = ChaCha8Rng::seed_from_u64(seed);
+    let (a, b) = (random(&mut rng, n * n), random(&mut rng, n * n));
+    let (add1, add2) = (random(&mut rng, n * n), random(&mut rng, n * n));
+    let up = |x: &[f32]| dev.upload(n, n, x).unwrap();
+    let to_bf = |x: &[f32]| -> Matrix<bf16> {
+        let h: Vec<bf16> = x.iter().map(|&v| bf16::from_f32(v)).collect();
+        dev.upload(n, n, &h).unwrap()
+    };
+    let (a_bf, b_bf, a_f, b_f) = (to_bf(&a), to_bf(&b), up(&a), up(&b));
+    let (d_add1, d_add2) = (up(&add1), up(&add2));
+    let mut scratch = kn::Scratch::new(dev, n).unwrap();
+    let mut unused = Unused::new(dev).unwrap();
+    let ops = if tc {
+        kn::Operands::Bf16(&a_bf, &b_bf)
+    } else {
+        kn::Operands::F32(&a_f, &b_f)
+    };
+    let mut raw = up(&vec![f32::NAN; n * n]);
+    let bare = Epilogue {
+        out: Some(&mut raw),
+        ..Epilogue::new()
+    };
+    kn::engine_product(dev, ops, bare, &mut scratch).unwrap();
+    let mirror = f.mirror && !tc;
+    let np = kn::partials(n);
+    // [fused, kernel] outputs, NaN-poisoned.
+    let mut outs: Vec<(Matrix, Matrix<bf16>, Matrix)> = (0..2)
+        .map(|_| {
+            (
+                up(&vec![f32::NAN; n * n]),
+                to_bf(&vec![f32::NAN; n * n]),
+                dev.upload(np, 1, &vec![f32::NAN; np]).unwrap(),
+            )
+        })
+        .collect();
+    for (side, (out, out_bf, partial)) in outs.iter_mut().enumerate() {
+        let epi = Epilogue {
+            alpha: f.alpha,
+            diag: f.diag,
+            add1: f.add1.then_some(&d_add1),
+            add2: f.add2.then_some(&d_add2),
+            out: f.out.then_some(out),
+            out_bf: f.out_bf.then_some(out_bf),
+            partial: f.partial.then_some(partial),
+            mirror,
+        };
+        if side == 0 {
+            kn::engine_product(dev, ops, epi, &mut scratch).unwrap();
+        } else {
+            kn::epilogue(dev, &raw, epi, &mut unused).unwrap();
+        }
+    }
+    let exact = matches!(dev, Device::Emulated);
+    let c = raw.to_vec().unwrap();
+    let at = |r: usize, col: usize| {
+        if mirror && col > r {
+            c[col * n + r]
+        } else {
+            c[r * n + col]
+        }
+    };
+    let scale = |o: usize| {
+        let (r, col) = (o / n, o % n);
+        let mut s = (f.alpha * at(r, col)).abs() + if r == col { f.diag.abs() } else { 0.0 };
+        for (on, add) in [(f.add1, &add1), (f.add2, &add2)] {
+            if on {
+                s += add[o].abs();
+            }
+        }
+        f64::from(s)
+    };
+    let eps = common::U32;
+    let (fused, kernel) = (&outs[0], &outs[1]);
+    if f.out {
+        let (x, y) = (fused.0.to_vec().unwrap(), kernel.0.to_vec().unwrap());
+        for o in 0..n * n {
+            let d = (f64::from(x[o]) - f64::from(y[o])).abs();
+            let ok = if exact {
+                x[o].to_bits() == y[o].to_bits()
+            } else {
+                d <= 2.0 * eps * scale(o)
+            };
+            assert!(
+                ok,
+                "out[{o}]: fused {} vs kernel {} (n = {n}, {f:?}, tc {tc})",
+                x[o], y[o]
+            );
+        }
+    }
+    if f.out_bf {
+        let (x, y) = (fused.1.to_vec().unwrap(), kernel.1.to_vec().unwrap());
+        for o in 0..n * n {
+            let (p, q) = (f64::from(x[o].to_f32()), f64::from(y[o].to_f32()));
+            let ok = if exact {
+                x[o].to_bits() == y[o].to_bits()
+            } else {
+                (p - q).abs() <= 2.0 * eps * scale(o) + p.abs().max(q.abs()) / 256.0
+            };
+            assert!(
+                ok,
+                "out_bf[{o}]: fused {p} vs kernel {q} (n = {n}, {f:?}, tc {tc})"
+            );
+        }
+    }
+    if f.partial {
+        let (x, y) = (fused.2.to_vec().unwrap(), kernel.2.to_vec().unwrap());
+        for (t, (&p, &q)) in x.iter().zip(&y).enumerate() {
+            let (p, q) = (f64::from(p), f64::from(q));
+            assert!(
+                (p - q).abs() <= 150.0 * eps * p.abs().max(q.abs()),
+                "partial[{t}]: fused {p} vs kernel {q} (n = {n}, tc {tc})"
+            );
+        }
+    }
+}
+
 /// The CUDA arm at the GPU's sizes: both fused products (bf16 `newton_gemm_tc`, f32
-/// `newton_gemm3_tc`, mirrored and full) at n up to 4096, ragged, every output on and
-/// NaN-poisoned, against the f64 reference with [`check_product`]'s bounds (which grow with n
-/// as the f32 sums do).
+/// `newton_gemm3_tc`, mirrored and full) and, where cuBLAS loads, the GEMM plan's vendor
+/// candidate of each (cuBLAS, then `newton_epilogue`) at n up to 4096, ragged, every output on
+/// and NaN-poisoned, against the f64 reference with [`check_product`]'s bounds (which grow
+/// with n as the f32 sums do).
 #[test]
 fn cuda_large_products() {
     let Some(dev) = common::cuda() else {
@@ -305,13 +447,23 @@ fn cuda_large_products() {
             partial: false,
             mirror: true,
         };
-        check_product(&dev, common::large_dim(&mut rng), &f, tc, rng.random());
-        let f = Flags {
-            partial: true,
-            mirror: false,
-            ..f
+        // And the GEMM plan's vendor candidate where cuBLAS loads.
+        let sides: &[bool] = if gemm_vendor::available() {
+            &[false, true]
+        } else {
+            &[false]
         };
-        check_product(&dev, common::large_dim(&mut rng), &f, tc, rng.random());
+        for &vendor in sides {
+            let full = Flags {
+                partial: true,
+                mirror: false,
+                ..f
+            };
+            for f in [&f, &full] {
+                let n = common::large_dim(&mut rng);
+                check_product(&dev, n, f, (tc, vendor), rng.random());
+            }
+        }
     }
 }
 
@@ -322,7 +474,7 @@ proptest! {
     #[test]
     fn tensor_core_product_and_epilogue(n in size(), f in flags(), seed: u64) {
         for dev in devices() {
-            check_product(&dev, n, &f, true, seed);
+            check_product(&dev, n, &f, (true, false), seed);
         }
     }
 
@@ -330,7 +482,16 @@ proptest! {
     #[test]
     fn f32_product_and_epilogue(n in size(), f in flags(), seed: u64) {
         for dev in devices() {
-            check_product(&dev, n, &f, false, seed);
+            check_product(&dev, n, &f, (false, false), seed);
+        }
+    }
+
+    /// `newton_epilogue` over the engine's bare product equals the fused epilogue, for both
+    /// operand kinds ([`check_epilogue_kernel`]).
+    #[test]
+    fn epilogue_kernel_equals_the_fused_epilogue(n in size(), f in flags(), tc: bool, seed: u64) {
+        for dev in devices() {
+            check_epilogue_kernel(&dev, n, &f, tc, seed);
         }
     }
 }

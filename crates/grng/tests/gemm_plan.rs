@@ -5,7 +5,9 @@
 //! cuBLAS through the plan's row-major mapping against an f64 reference, every transpose
 //! case and both operand types, and the trial's recorded choice within its bound.
 
+use grng::cuda::gemm_plan::Product;
 use grng::cuda::{gemm, gemm_plan, gemm_vendor};
+use grng::ops::newton::{NewtonOptions, NewtonOrder, Precision};
 use grng::{Device, Error, MatMul, Matrix, Trans};
 use half::bf16;
 use rand::Rng;
@@ -256,6 +258,96 @@ fn forced_vendor_without_a_vendor_is_a_typed_error() {
     dev.gemm(Trans::No, Trans::No, 0.0, &a, &b, 0.5, &mut c)
         .unwrap();
     assert_eq!(c.to_vec().unwrap(), vec![3.5; 6]);
+    // Newton's products are the plan's too.
+    let spd = dev.upload(2, 2, &[2.0, 0.5, 0.5, 1.0]).unwrap();
+    let e = dev
+        .newton_inverse(&spd, None, &NewtonOptions::default())
+        .unwrap_err();
+    assert!(
+        matches!(e, Error::DeviceUnavailable(ref s) if s.contains("GRNG_GEMM=vendor")),
+        "{e}"
+    );
+}
+
+/// The options of the Newton runs below: `order`, `precision`, the rest default.
+fn newton_options(order: NewtonOrder, precision: Precision) -> NewtonOptions {
+    NewtonOptions {
+        order,
+        precision,
+        ..NewtonOptions::default()
+    }
+}
+
+/// Newton's products through the plan on the emulator: the engine runs each (the inversion's
+/// results against the CPU are `tests/emu_newton.rs`'), each counted as run without a vendor.
+#[test]
+fn emulated_newton_products_run_the_engine() {
+    let dev = Device::Emulated;
+    let mut rng = common::seeded_rng();
+    let n = 37;
+    let (a, _) = common::spd(&mut rng, n, 50.0);
+    let da = dev.upload(n, n, &a).unwrap();
+    for precision in [Precision::F32, Precision::Bf16] {
+        let before = gemm_plan::vendor_absent();
+        let opts = newton_options(NewtonOrder::Cubic, precision);
+        let (x, info) = dev.newton_inverse(&da, None, &opts).unwrap();
+        assert!(info.iterations >= 1, "{info:?}");
+        // Per iteration the T-product, F and the update; other tests may count too.
+        let products = 3 * info.iterations as u64;
+        assert!(
+            gemm_plan::vendor_absent() >= before + products,
+            "{precision:?}"
+        );
+        let res = common::residual64(&a, &x.to_vec().unwrap(), n);
+        assert!(res <= 1e-2, "{precision:?}: residual {res:e}");
+    }
+}
+
+/// On a GPU: Newton's inversion through the plan (a trial on the first product of each
+/// Newton key, `GRNG_GEMM=auto`) in every order and both precisions converges as without it,
+/// and each Newton trial found the engine's fused product and cuBLAS + `newton_epilogue`
+/// within the trial's bound. The vendor candidate alone against f64 is
+/// `tests/emu_newton.rs`' `cuda_large_products`.
+#[test]
+fn newton_through_the_plan_on_a_gpu() {
+    let Some(dev) = gpu_with_cublas() else { return };
+    let mut rng = common::seeded_rng();
+    let n = 300;
+    let (a, _) = common::spd(&mut rng, n, 100.0);
+    let da = dev.upload(n, n, &a).unwrap();
+    for order in [
+        NewtonOrder::Quadratic,
+        NewtonOrder::Cubic,
+        NewtonOrder::Quartic,
+    ] {
+        for precision in [Precision::F32, Precision::Bf16] {
+            let opts = newton_options(order, precision);
+            let (x, info) = dev.newton_inverse(&da, None, &opts).unwrap();
+            let res = common::residual64(&a, &x.to_vec().unwrap(), n);
+            assert!(
+                res <= 1e-3,
+                "{order:?} {precision:?}: residual {res:e} ({info:?})"
+            );
+        }
+    }
+    let newton: Vec<_> = gemm_plan::choices()
+        .into_iter()
+        .filter(|c| matches!(c.plan.product, Product::Newton { .. }))
+        .collect();
+    assert!(
+        !newton.is_empty(),
+        "no Newton product went through the plan"
+    );
+    for choice in newton {
+        let Some(t) = choice.trial else { continue };
+        for c in gemm_plan::Candidate::ALL {
+            if t.secs(c).is_some() {
+                assert!(t.agrees(c), "{c:?}: {choice:?}");
+            }
+        }
+        let vendor = t.secs(gemm_plan::Candidate::Vendor);
+        assert!(vendor.is_some(), "cuBLAS failed: {choice:?}");
+    }
 }
 
 /// On a GPU: cuBLAS through `gemm_vendor::gemm` (f32 SGEMM, bf16 → f32) against the f64

@@ -27,12 +27,13 @@
 //!
 //! The products in the plan: `Device::gemm` ([`gemm()`]), the Kronecker factors' SYRK with its
 //! EMA ([`syrk_ema`]), the optimizers' checked products ([`product3_checked`]), the
-//! preconditioning (`precondition_checked`: [`gemm3`] then a checked product) and the
-//! damped-inverse update ([`damped_inverse_update`]). Not in it yet: Newton's products with
-//! their fused epilogues (`cuda::newton`).
+//! preconditioning (`precondition_checked`: [`gemm3`] then a checked product), the
+//! damped-inverse update ([`damped_inverse_update`]) and Newton's products with their fused
+//! epilogues (`newton_product`, [`Product::Newton`]).
 
 mod cache;
 
+use std::cell::RefCell;
 use std::collections::HashMap;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Mutex, Once, OnceLock, PoisonError};
@@ -43,6 +44,7 @@ use half::bf16;
 use super::engine::Role;
 use super::gemm::{self as engine, Split3};
 use super::gemm_vendor::{self as vendor, VendorElement};
+use super::newton;
 use super::syrk;
 use crate::device::{Device, Element, Matrix};
 use crate::error::{check_shape, Error, Result, OVERFLOW};
@@ -123,6 +125,13 @@ pub enum Product {
     /// lower-triangle SYRK with its mirror, or cuBLAS (`Ssyrk` for `f32`, `GemmEx` for `bf16`)
     /// and `newton_mirror_lower`.
     SyrkEma,
+    /// A Newton product `A·B` (`cuda::newton`) with its fused epilogue, or cuBLAS and the
+    /// same epilogue as a kernel (`newton_epilogue`); `mirror`: a symmetric product, of
+    /// which the engine computes the lower-triangle tiles only.
+    Newton {
+        /// [`super::newton::Epilogue::mirror`].
+        mirror: bool,
+    },
 }
 
 /// One product's description: the key of a choice with its [`ShapeClass`] and device.
@@ -788,6 +797,90 @@ pub fn syrk_ema<T: PlanElement>(
         ],
         factor,
     )
+}
+
+/// A Newton product `A·B` with its fused epilogue (plan [`Product::Newton`], [`Format::Bf16`]
+/// on bf16 copies, [`Format::F32Accurate`] on f32 operands): the engine's
+/// [`newton::engine_product`] (`newton_gemm_tc`, split3 `newton_gemm3_tc`), or cuBLAS (bf16 →
+/// f32, or SGEMM: never TF32) into the scratch's f32 product, then [`newton::epilogue`] over
+/// it — the same outputs and residual partials. The trial compares the f32 output `epi.out`,
+/// which the epilogue must have.
+///
+/// # Errors
+/// [`Error::Value`] without `epi.out`; as the launchers and [`vendor::gemm`]; the plan's
+/// errors of [`gemm()`].
+pub(crate) fn newton_product(
+    dev: &Device,
+    ops: newton::Operands<'_>,
+    mut epi: newton::Epilogue<'_>,
+    scratch: &mut newton::Scratch,
+) -> Result<()> {
+    use newton::{Epilogue, Operands};
+    const OP: &str = "cuda::gemm_plan::newton_product";
+    let Some(out) = epi.out.take() else {
+        return Err(Error::Value {
+            op: OP,
+            arg: "out",
+            value: 0.0,
+            expected: "an f32 output (the plan compares candidates on it)",
+        });
+    };
+    let n = ops.n();
+    let format = match ops {
+        Operands::Bf16(..) => Format::Bf16,
+        Operands::F32(..) => Format::F32Accurate,
+    };
+    let plan = GemmPlan {
+        product: Product::Newton { mirror: epi.mirror },
+        format,
+        ta: Trans::No,
+        tb: Trans::No,
+        reads_c: false,
+    };
+    let (alpha, diag, adds) = (epi.alpha, epi.diag, [epi.add1, epi.add2]);
+    // Both candidates write the epilogue's other outputs (bf16 copy, partials), one at a time.
+    let state = RefCell::new((epi, scratch));
+    let mut ours = |c: &mut Matrix| {
+        let (epi, scratch) = &mut *state.borrow_mut();
+        let epi = Epilogue {
+            out: Some(c),
+            ..epi.reborrow()
+        };
+        newton::engine_product(dev, ops, epi, scratch)
+    };
+    let mut cublas = |c: &mut Matrix| {
+        let (epi, scratch) = &mut *state.borrow_mut();
+        let (product, unused) = scratch.for_epilogue(dev, n)?;
+        let no = Trans::No;
+        match ops {
+            Operands::Bf16(a, b) => vendor::gemm(dev, MatMul::new(no, no, 1.0, a, b), 0.0, product),
+            Operands::F32(a, b) => vendor::gemm(dev, MatMul::new(no, no, 1.0, a, b), 0.0, product),
+        }?;
+        let epi = Epilogue {
+            out: Some(c),
+            ..epi.reborrow()
+        };
+        newton::epilogue(dev, product, epi, unused)
+    };
+    // The additions enter the bound as part of the product (‖A‖_F·‖B‖_F + ‖d·I + add1 +
+    // add2‖_F/|α|): each candidate rounds α·C + d·I + add1 + add2 at most three times, within
+    // 3·2⁻²⁴ of the terms' magnitudes, well inside Trial::bound's (2k + 16)·2⁻²⁴ per unit.
+    let norms = |_: &Matrix| {
+        let (na, nb) = match ops {
+            Operands::Bf16(a, b) => (frobenius(a)?, frobenius(b)?),
+            Operands::F32(a, b) => (frobenius(a)?, frobenius(b)?),
+        };
+        let mut added = f64::from(diag).abs() * (n as f64).sqrt();
+        for add in adds.into_iter().flatten() {
+            added += frobenius(add)?;
+        }
+        Ok([1.0, na * nb + added / f64::from(alpha).abs()])
+    };
+    let runs: &mut Runs<'_, '_> = &mut [
+        (Candidate::Engine, &mut ours),
+        (Candidate::Vendor, &mut cublas),
+    ];
+    dispatch(dev, plan, (n, n, n), (alpha, 0.0), &norms, runs, out)
 }
 
 #[cfg(test)]

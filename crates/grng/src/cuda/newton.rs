@@ -19,10 +19,13 @@
 //! they pass to a kernel and `n ≤ 46340` (the kernels index `n²` elements with `int`): memory
 //! safety.
 //!
-//! Products, all on the tensor-core GEMM engine with the epilogue fused: `Bf16` mode runs
+//! Products, on the tensor-core GEMM engine with the epilogue fused: `Bf16` mode runs
 //! [`newton_gemm_tc`](product_tc) on the bf16 copies the previous epilogues wrote; `F32` mode
 //! (and the `Bf16` run's final `f32` residual and polish) runs `newton_gemm3_tc`
-//! ([`product_f32`]) on split3 planes of the f32 operands, f32-accurate.
+//! ([`product_f32`]) on split3 planes of the f32 operands, f32-accurate. The iteration runs
+//! each through the GEMM plan (`cuda::gemm_plan::newton_product`, passed in as a
+//! `RunProduct`), which may run cuBLAS instead, followed by the same epilogue as a kernel of
+//! its own ([`epilogue`]).
 
 use super::engine::{split3_into, wg_variant, GEMM_SMEM};
 use super::launch::{kernel, launch, to_i32, KernelArgs, LaunchConfig};
@@ -103,6 +106,7 @@ fn check_newton_gemm3_wg(gpu: Option<&CudaDevice>) -> Result<std::result::Result
     )
 }
 
+kernel!(pub EPILOGUE = NEWTON::newton_epilogue;);
 kernel!(pub INIT_X = NEWTON::newton_init_x;);
 kernel!(pub POWER_MATVEC = NEWTON::newton_power_matvec;);
 kernel!(pub POWER_NORMALIZE = NEWTON::newton_power_normalize;);
@@ -163,6 +167,23 @@ impl<'a> Epilogue<'a> {
             out_bf: None,
             partial: None,
             mirror: false,
+        }
+    }
+}
+
+impl Epilogue<'_> {
+    /// The same epilogue, its outputs borrowed again: for a product run more than once (the
+    /// GEMM plan's trial runs each candidate several times).
+    pub fn reborrow(&mut self) -> Epilogue<'_> {
+        Epilogue {
+            alpha: self.alpha,
+            diag: self.diag,
+            add1: self.add1,
+            add2: self.add2,
+            out: self.out.as_deref_mut(),
+            out_bf: self.out_bf.as_deref_mut(),
+            partial: self.partial.as_deref_mut(),
+            mirror: self.mirror,
         }
     }
 }
@@ -425,6 +446,115 @@ pub fn product_f32(
     // shared memory.
     unsafe { launch(&GEMM3_TC, cfg, args) }
 }
+
+/// `epi` applied to `c = A·B` (`n x n`, f32) computed elsewhere — the GEMM plan's vendor
+/// candidate, cuBLAS — by `newton_epilogue`: `NewtonEpi`'s algebra, outputs and [`partials`],
+/// so the result is [`product_tc`]'s / [`product_f32`]'s with `epi` on the same product. With
+/// [`Epilogue::mirror`] only `c`'s lower triangle is read (the upper half takes its mirror
+/// image), as the mirrored products compute only that triangle; `c` itself is full.
+///
+/// # Errors
+/// [`Error::Shape`] (`c` not square, an epilogue buffer not `n x n`, a short `partial`),
+/// [`Error::Value`] (`n` outside `1..=46340`, a mirror with `partial`), device mismatch,
+/// launch errors.
+pub fn epilogue(dev: &Device, c: &Matrix, epi: Epilogue<'_>, unused: &mut Unused) -> Result<()> {
+    const OP: &str = "cuda::newton::epilogue";
+    let n = c.rows();
+    check_shape(OP, "c", c.shape(), (n, n))?;
+    dim(OP, n)?;
+    let cfg = LaunchConfig {
+        grid: tile_grid(n, false),
+        block: (256, 1, 1),
+        shared_mem: 0,
+    };
+    let mut args = KernelArgs::new(dev);
+    args.input(OP, c)?;
+    push_epilogue(OP, &mut args, epi, unused, n)?;
+    // SAFETY: newton_epilogue(const float* c, const float* add1, const float* add2, float*
+    // out, bf16* out_bf, float* partial, int n, float alpha, float diag, int flags): c and
+    // every buffer selected by `flags` are n x n (checked), read and written only at rows and
+    // columns < n; partial holds one float per block of the ceil(n/128)² grid (checked; never
+    // with MIRROR: refused); unselected pointers are never touched; static shared memory.
+    unsafe { launch(&EPILOGUE, cfg, args) }
+}
+
+/// The operands of one product of the iteration, `A·B` (both `n x n`).
+#[derive(Clone, Copy)]
+pub enum Operands<'a> {
+    /// bf16 copies (`Bf16` mode): [`product_tc`]'s.
+    Bf16(&'a Matrix<bf16>, &'a Matrix<bf16>),
+    /// f32 operands, the product f32-accurate: [`product_f32`]'s.
+    F32(&'a Matrix, &'a Matrix),
+}
+
+impl Operands<'_> {
+    /// `n`.
+    pub fn n(&self) -> usize {
+        match self {
+            Self::Bf16(a, _) => a.rows(),
+            Self::F32(a, _) => a.rows(),
+        }
+    }
+}
+
+/// The scratch of an inversion's products: the engine's split3 planes, the `f32` product a
+/// vendor writes before [`epilogue`] (allocated at its first use), the placeholders.
+pub struct Scratch {
+    planes: Planes,
+    product: Option<Matrix>,
+    unused: Unused,
+}
+
+impl Scratch {
+    /// Scratch for `n x n` products on `dev` (the planes' `12 n²` bytes; the vendor's product
+    /// comes later, if ever).
+    ///
+    /// # Errors
+    /// Allocation errors.
+    pub fn new(dev: &Device, n: usize) -> Result<Self> {
+        Ok(Self {
+            planes: Planes::new(dev, n)?,
+            product: None,
+            unused: Unused::new(dev)?,
+        })
+    }
+
+    /// An `n x n` f32 matrix for a product computed outside the engine (made on first use,
+    /// then kept) and the placeholders of its [`epilogue`].
+    ///
+    /// # Errors
+    /// Allocation errors.
+    pub fn for_epilogue(&mut self, dev: &Device, n: usize) -> Result<(&mut Matrix, &mut Unused)> {
+        let product = match self.product.take() {
+            Some(p) if p.shape() == (n, n) => p,
+            _ => dev.zeros(n, n)?,
+        };
+        Ok((self.product.insert(product), &mut self.unused))
+    }
+}
+
+/// One product of the iteration on grng's kernels: [`product_tc`] or [`product_f32`].
+///
+/// # Errors
+/// As those.
+pub fn engine_product(
+    dev: &Device,
+    ops: Operands<'_>,
+    epi: Epilogue<'_>,
+    scratch: &mut Scratch,
+) -> Result<()> {
+    match ops {
+        Operands::Bf16(a, b) => product_tc(dev, a, b, epi, &mut scratch.unused),
+        Operands::F32(a, b) => {
+            product_f32(dev, a, b, &mut scratch.planes, epi, &mut scratch.unused)
+        }
+    }
+}
+
+/// How the iteration runs its products: the GEMM plan's choice between [`engine_product`]
+/// and cuBLAS (`cuda::gemm_plan::newton_product`), which `Device::newton_inverse` passes in:
+/// a launcher names no dispatcher (tests/layering.rs).
+pub(crate) type RunProduct = fn(&Device, Operands<'_>, Epilogue<'_>, &mut Scratch) -> Result<()>;
 
 /// `res[0] = sqrt(Σ partial[..count] / n)` (one block, fixed-order double sum).
 ///
@@ -821,11 +951,12 @@ struct Work<'d> {
     /// The correction `F` (f32 mode: `f`, bf16 mode: `f_bf`).
     f: Matrix,
     f_bf: Matrix<bf16>,
-    /// Split planes of the f32 products.
-    planes: Planes,
+    /// The products' scratch (split planes, the vendor's product, placeholders).
+    scratch: Scratch,
+    /// Runs each product (the GEMM plan's dispatcher).
+    run: RunProduct,
     partial: Matrix,
     res: Matrix,
-    unused: Unused,
 }
 
 /// `(&v[i], &mut v[j])` for `i ≠ j`.
@@ -840,7 +971,12 @@ fn two<T>(v: &mut [T], i: usize, j: usize) -> (&T, &mut T) {
 }
 
 impl<'d> Work<'d> {
-    fn new(dev: &'d Device, n: usize, bf16: bool, quartic: bool) -> Result<Self> {
+    fn new(
+        dev: &'d Device,
+        n: usize,
+        (bf16, quartic): (bool, bool),
+        run: RunProduct,
+    ) -> Result<Self> {
         let sq = |on: bool| if on { n } else { 1 };
         let f = |on: bool| dev.zeros::<f32>(sq(on), sq(on));
         let b = |on: bool| dev.zeros::<bf16>(sq(on), sq(on));
@@ -860,10 +996,10 @@ impl<'d> Work<'d> {
             g_bf: b(quartic && bf16)?,
             f: f(true)?,
             f_bf: b(bf16)?,
-            planes: Planes::new(dev, n)?,
+            scratch: Scratch::new(dev, n)?,
+            run,
             partial: dev.zeros(partials(n), 1)?,
             res: dev.zeros(1, 1)?,
-            unused: Unused::new(dev)?,
         })
     }
 }
@@ -892,7 +1028,7 @@ impl NewtonBackend for Work<'_> {
             c,
             &mut self.x[self.cur],
             xb,
-            &mut self.unused,
+            &mut self.scratch.unused,
         )
     }
 
@@ -944,22 +1080,11 @@ impl NewtonBackend for Work<'_> {
                 out_bf: Some(&mut self.e_bf),
                 ..epi
             };
-            product_tc(
-                self.dev,
-                &self.a_bf,
-                &self.x_bf[self.cur],
-                epi,
-                &mut self.unused,
-            )?;
+            let ops = Operands::Bf16(&self.a_bf, &self.x_bf[self.cur]);
+            (self.run)(self.dev, ops, epi, &mut self.scratch)?;
         } else {
-            product_f32(
-                self.dev,
-                &self.a,
-                &self.x[self.cur],
-                &mut self.planes,
-                epi,
-                &mut self.unused,
-            )?;
+            let ops = Operands::F32(&self.a, &self.x[self.cur]);
+            (self.run)(self.dev, ops, epi, &mut self.scratch)?;
         }
         residual(
             self.dev,
@@ -977,57 +1102,55 @@ impl NewtonBackend for Work<'_> {
     /// start, no warm start — so the powers of `E` are symmetric) `E²` and `E³` run as
     /// mirrored products: lower-triangle tiles only ([`Epilogue::mirror`]).
     fn step(&mut self, order: NewtonOrder, sym: bool) -> Result<()> {
-        let (dev, bf) = (self.dev, self.bf16);
-        let u = &mut self.unused;
+        let (dev, bf, run) = (self.dev, self.bf16, self.run);
+        let sc = &mut self.scratch;
+        // In bf16 mode F is read as its bf16 copy only; its f32 copy is written all the same,
+        // because the plan compares candidates on a product's f32 output (one store per
+        // element more than the bf16 copy's, in the F products only).
         match (order, bf) {
             (NewtonOrder::Quadratic, _) => {}
-            (NewtonOrder::Cubic, true) => {
-                let epi = Epilogue {
-                    add1: Some(&self.e),
-                    out_bf: Some(&mut self.f_bf),
-                    ..Epilogue::new()
-                };
-                product_tc(dev, &self.e_bf, &self.e_bf, epi, u)?;
-            }
-            (NewtonOrder::Cubic, false) => {
+            (NewtonOrder::Cubic, _) => {
                 let epi = Epilogue {
                     add1: Some(&self.e),
                     out: Some(&mut self.f),
-                    mirror: sym,
+                    out_bf: bf.then_some(&mut self.f_bf),
+                    mirror: sym && !bf,
                     ..Epilogue::new()
                 };
-                product_f32(dev, &self.e, &self.e, &mut self.planes, epi, u)?;
+                let ops = if bf {
+                    Operands::Bf16(&self.e_bf, &self.e_bf)
+                } else {
+                    Operands::F32(&self.e, &self.e)
+                };
+                run(dev, ops, epi, sc)?;
             }
-            (NewtonOrder::Quartic, true) => {
+            (NewtonOrder::Quartic, _) => {
                 let epi = Epilogue {
                     out: Some(&mut self.g),
-                    out_bf: Some(&mut self.g_bf),
+                    out_bf: bf.then_some(&mut self.g_bf),
+                    mirror: sym && !bf,
                     ..Epilogue::new()
                 };
-                product_tc(dev, &self.e_bf, &self.e_bf, epi, u)?;
-                let epi = Epilogue {
-                    add1: Some(&self.g),
-                    add2: Some(&self.e),
-                    out_bf: Some(&mut self.f_bf),
-                    ..Epilogue::new()
+                let ops = if bf {
+                    Operands::Bf16(&self.e_bf, &self.e_bf)
+                } else {
+                    Operands::F32(&self.e, &self.e)
                 };
-                product_tc(dev, &self.g_bf, &self.e_bf, epi, u)?;
-            }
-            (NewtonOrder::Quartic, false) => {
-                let epi = Epilogue {
-                    out: Some(&mut self.g),
-                    mirror: sym,
-                    ..Epilogue::new()
-                };
-                product_f32(dev, &self.e, &self.e, &mut self.planes, epi, u)?;
+                run(dev, ops, epi, sc)?;
                 let epi = Epilogue {
                     add1: Some(&self.g),
                     add2: Some(&self.e),
                     out: Some(&mut self.f),
-                    mirror: sym,
+                    out_bf: bf.then_some(&mut self.f_bf),
+                    mirror: sym && !bf,
                     ..Epilogue::new()
                 };
-                product_f32(dev, &self.g, &self.e, &mut self.planes, epi, u)?;
+                let ops = if bf {
+                    Operands::Bf16(&self.g_bf, &self.e_bf)
+                } else {
+                    Operands::F32(&self.g, &self.e)
+                };
+                run(dev, ops, epi, sc)?;
             }
         }
         let quad = order == NewtonOrder::Quadratic;
@@ -1044,7 +1167,7 @@ impl NewtonBackend for Work<'_> {
                 ..Epilogue::new()
             };
             let f = if quad { &self.e_bf } else { &self.f_bf };
-            product_tc(dev, xb, f, epi, u)?;
+            run(dev, Operands::Bf16(xb, f), epi, sc)?;
         } else {
             let epi = Epilogue {
                 add1: Some(x),
@@ -1052,7 +1175,7 @@ impl NewtonBackend for Work<'_> {
                 ..Epilogue::new()
             };
             let f = if quad { &self.e } else { &self.f };
-            product_f32(dev, x, f, &mut self.planes, epi, u)?;
+            run(dev, Operands::F32(x, f), epi, sc)?;
         }
         self.cur = next;
         Ok(())
@@ -1060,7 +1183,8 @@ impl NewtonBackend for Work<'_> {
 }
 
 /// [`Device::newton_inverse`] on [`Device::Emulated`] / [`Device::Cuda`]; see the module
-/// docs. `a` (and `warm`) are on `dev` with shapes and options already validated.
+/// docs. `a` (and `warm`) are on `dev` with shapes and options already validated; `run` runs
+/// each product (the GEMM plan's `newton_product`).
 ///
 /// # Errors
 /// As [`crate::cpu::newton::newton_inverse`], plus [`Error::Value`] for `n > 46340` and
@@ -1070,20 +1194,23 @@ pub(crate) fn newton_inverse(
     a: &Matrix,
     warm: Option<&Matrix>,
     opts: &NewtonOptions,
+    run: RunProduct,
 ) -> Result<(Matrix, NewtonInfo)> {
     const OP: &str = Work::OP;
     let n = a.rows();
     dim(OP, n)?;
     let bf16 = opts.precision == Precision::Bf16;
-    let mut it = Work::new(dev, n, bf16, opts.order == NewtonOrder::Quartic)?;
+    let quartic = opts.order == NewtonOrder::Quartic;
+    let mut it = Work::new(dev, n, (bf16, quartic), run)?;
     let a_bf = bf16.then_some(&mut it.a_bf);
-    let (max_asym, max_abs) = symmetric_part(dev, "a", a, &mut it.a, a_bf, &mut it.unused)?;
+    let unused = &mut it.scratch.unused;
+    let (max_asym, max_abs) = symmetric_part(dev, "a", a, &mut it.a, a_bf, unused)?;
     check_symmetric(OP, "a", max_asym, max_abs)?;
     // The warm start (a hint: its symmetric part, unchecked) goes to buffer 0, the current.
     let warm = match (opts.init, warm) {
         (InitialGuess::Warm, Some(w)) => {
             let xb = bf16.then_some(&mut it.x_bf[0]);
-            symmetric_part(dev, "warm", w, &mut it.x[0], xb, &mut it.unused)?;
+            symmetric_part(dev, "warm", w, &mut it.x[0], xb, &mut it.scratch.unused)?;
             true
         }
         _ => false,

@@ -60,7 +60,8 @@ impl Device {
                 Ok((self.upload(n, n, x.as_slice())?, info))
             }
             Device::Emulated | Device::Cuda(_) => {
-                crate::cuda::newton::newton_inverse(self, a, warm, opts)
+                let run = crate::cuda::gemm_plan::newton_product;
+                crate::cuda::newton::newton_inverse(self, a, warm, opts, run)
             }
         }
     }
