@@ -33,6 +33,27 @@ fn gpu_with_cublas() -> Option<Device> {
     gemm_vendor::available().then_some(dev)
 }
 
+/// A random product of `dims` in transpose case `case` with its operands and `C` on `dev`,
+/// and random `α`, `β` in [-2, 2).
+fn uploaded(
+    dev: &Device,
+    rng: &mut impl Rng,
+    (ta, tb): (Trans, Trans),
+    dims: (usize, usize, usize),
+) -> (common::GemmCase, [Matrix; 3], (f32, f32)) {
+    let o = common::gemm_case(rng.random(), dims, ta, tb);
+    let m = [
+        dev.upload(o.a_shape.0, o.a_shape.1, &o.a).unwrap(),
+        dev.upload(o.b_shape.0, o.b_shape.1, &o.b).unwrap(),
+        dev.upload(dims.0, dims.1, &o.c0).unwrap(),
+    ];
+    let ab = (
+        rng.random_range(-2.0f32..2.0),
+        rng.random_range(-2.0f32..2.0),
+    );
+    (o, m, ab)
+}
+
 fn bits(x: &Matrix) -> Vec<u32> {
     x.to_vec().unwrap().iter().map(|v| v.to_bits()).collect()
 }
@@ -142,16 +163,7 @@ fn emulated_accurate_products_run_the_engine() {
         .zip([(33, 17, 70), (1, 40, 9), (66, 5, 131), (8, 8, 1)])
     {
         let (ta, tb) = case;
-        let o = common::gemm_case(rng.random(), dims, ta, tb);
-        let (a, b) = (
-            dev.upload(o.a_shape.0, o.a_shape.1, &o.a).unwrap(),
-            dev.upload(o.b_shape.0, o.b_shape.1, &o.b).unwrap(),
-        );
-        let c0 = dev.upload(dims.0, dims.1, &o.c0).unwrap();
-        let (alpha, beta) = (
-            rng.random_range(-2.0f32..2.0),
-            rng.random_range(-2.0f32..2.0),
-        );
+        let (_, [a, b, c0], (alpha, beta)) = uploaded(&dev, &mut rng, case, dims);
         let before = gemm_plan::vendor_absent();
         let p = MatMul::new(ta, tb, alpha, &a, &b);
         let (mut planned, mut direct) = (c0.try_clone().unwrap(), c0.try_clone().unwrap());
@@ -487,16 +499,7 @@ fn emulated_bf16x3_is_the_split3_engine() {
         .zip([(33, 17, 64), (5, 40, 96), (66, 9, 32), (7, 70, 64)])
     {
         let (ta, tb) = case;
-        let o = common::gemm_case(rng.random(), dims, ta, tb);
-        let (a, b) = (
-            dev.upload(o.a_shape.0, o.a_shape.1, &o.a).unwrap(),
-            dev.upload(o.b_shape.0, o.b_shape.1, &o.b).unwrap(),
-        );
-        let c0 = dev.upload(dims.0, dims.1, &o.c0).unwrap();
-        let (alpha, beta) = (
-            rng.random_range(-2.0f32..2.0),
-            rng.random_range(-2.0f32..2.0),
-        );
+        let (_, [a, b, c0], (alpha, beta)) = uploaded(&dev, &mut rng, case, dims);
         let p = MatMul::new(ta, tb, alpha, &a, &b);
         let (sa, sb) = (gemm::Split3::new(&a), gemm::Split3::new(&b));
         let (mut cat, mut direct) = (c0.try_clone().unwrap(), c0.try_clone().unwrap());
@@ -504,37 +507,27 @@ fn emulated_bf16x3_is_the_split3_engine() {
         gemm::gemm3(&dev, p, beta, &mut direct).unwrap();
         assert_eq!(bits(&cat), bits(&direct), "bf16x3 {case:?} {dims:?}");
     }
+    bf16x3_against_f64(&dev, &mut rng, (80, 80, 100));
+}
+
+/// Candidate bf16x3 in every transpose case at random sizes below `limits` (m, n, k) against
+/// f64, within `2·(6k + 8)·2⁻²⁴·(|α||op(A)||op(B)| + |β||C|)` per element.
+fn bf16x3_against_f64(dev: &Device, rng: &mut impl Rng, (mm, nm, km): (usize, usize, usize)) {
     for case in CASES {
         let (ta, tb) = case;
-        let dims @ (m, n, k) = (
-            rng.random_range(1..80),
-            rng.random_range(1..80),
-            rng.random_range(1..100),
+        let dims @ (_, _, k) = (
+            rng.random_range(1..mm),
+            rng.random_range(1..nm),
+            rng.random_range(1..km),
         );
-        let o = common::gemm_case(rng.random(), dims, ta, tb);
-        let (a, b) = (
-            dev.upload(o.a_shape.0, o.a_shape.1, &o.a).unwrap(),
-            dev.upload(o.b_shape.0, o.b_shape.1, &o.b).unwrap(),
-        );
-        let (alpha, beta) = (
-            rng.random_range(-2.0f32..2.0),
-            rng.random_range(-2.0f32..2.0),
-        );
+        let (o, [a, b, mut c], (alpha, beta)) = uploaded(dev, rng, case, dims);
         let (sa, sb) = (gemm::Split3::new(&a), gemm::Split3::new(&b));
-        let mut c = dev.upload(m, n, &o.c0).unwrap();
         let p = MatMul::new(ta, tb, alpha, &sa, &sb);
-        gemm_plan::gemm3_bf16x3(&dev, p, beta, &mut c).unwrap();
+        gemm_plan::gemm3_bf16x3(dev, p, beta, &mut c).unwrap();
         let what = format!("bf16x3 {case:?} {dims:?}");
         let depth = 2.0 * (6.0 * k as f64 + 8.0);
-        assert_near_f64(
-            &o,
-            case,
-            dims,
-            (alpha, beta),
-            &c.to_vec().unwrap(),
-            depth,
-            &what,
-        );
+        let got = c.to_vec().unwrap();
+        assert_near_f64(&o, case, dims, (alpha, beta), &got, depth, &what);
     }
 }
 
@@ -544,39 +537,7 @@ fn emulated_bf16x3_is_the_split3_engine() {
 #[test]
 fn bf16x3_matches_f64_on_a_gpu() {
     let Some(dev) = gpu_with_cublas() else { return };
-    let mut rng = common::seeded_rng();
-    for case in CASES {
-        let (ta, tb) = case;
-        let dims @ (m, n, k) = (
-            rng.random_range(1..300),
-            rng.random_range(1..300),
-            rng.random_range(1..600),
-        );
-        let o = common::gemm_case(rng.random(), dims, ta, tb);
-        let (a, b) = (
-            dev.upload(o.a_shape.0, o.a_shape.1, &o.a).unwrap(),
-            dev.upload(o.b_shape.0, o.b_shape.1, &o.b).unwrap(),
-        );
-        let (alpha, beta) = (
-            rng.random_range(-2.0f32..2.0),
-            rng.random_range(-2.0f32..2.0),
-        );
-        let (sa, sb) = (gemm::Split3::new(&a), gemm::Split3::new(&b));
-        let mut c = dev.upload(m, n, &o.c0).unwrap();
-        let p = MatMul::new(ta, tb, alpha, &sa, &sb);
-        gemm_plan::gemm3_bf16x3(&dev, p, beta, &mut c).unwrap();
-        let what = format!("bf16x3 {case:?} {dims:?}");
-        let depth = 2.0 * (6.0 * k as f64 + 8.0);
-        assert_near_f64(
-            &o,
-            case,
-            dims,
-            (alpha, beta),
-            &c.to_vec().unwrap(),
-            depth,
-            &what,
-        );
-    }
+    bf16x3_against_f64(&dev, &mut common::seeded_rng(), (300, 300, 600));
 }
 
 /// On a GPU: `GRNG_GEMM_CACHE` carries a trial's decision to the next process (read once per
