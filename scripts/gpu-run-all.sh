@@ -109,6 +109,18 @@ fi
 for d in "${libdirs[@]}"; do
     LD_LIBRARY_PATH="$d${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
 done
+# cudarc opens NCCL as libnccl.so (or .so.12 and older names), never libnccl.so.2, the only name
+# PyTorch's nvidia-nccl wheel holds: an unversioned link to it in a folder of our own, last on
+# the path (tests/dist_nccl, the world of one).
+shim="$(mktemp -d "${TMPDIR:-/tmp}/grng-libs.XXXXXX")"
+for d in "${libdirs[@]}"; do
+    f="$(compgen -G "$d/libnccl.so.2*" | head -n1)"
+    if [[ -n "$f" && ! -e "$d/libnccl.so" ]]; then
+        ln -s "$f" "$shim/libnccl.so"
+        LD_LIBRARY_PATH="${LD_LIBRARY_PATH:+$LD_LIBRARY_PATH:}$shim"
+        break
+    fi
+done
 export LD_LIBRARY_PATH="${LD_LIBRARY_PATH:-}"
 # ncu and compute-sanitizer where PATH lacks them: the CUDA toolkit's bin, Nsight Compute's
 # folder (after PATH: the tools PATH finds first stay first).
@@ -120,7 +132,7 @@ export PATH
 # links: libcudart, libcurand and the .so.13/.so.12 names of CUDA 13 too) (first LD_LIBRARY_PATH hit,
 # else ldconfig), with its real file and the version in that file's name. The bench prints
 # the ones it actually mapped ("loaded:" lines, copied into the summary below).
-for lib in libcuda.so.1 libnvrtc.so libcublas.so libcublasLt.so libcusolver.so \
+for lib in libcuda.so.1 libnvrtc.so libcublas.so libcublasLt.so libcusolver.so libnccl.so \
     libcudart.so.13 libcurand.so.10 libcublas.so.13 libcublasLt.so.13 libcusolver.so.12; do
     found=""
     IFS=: read -ra dirs <<<"$LD_LIBRARY_PATH"
@@ -192,7 +204,7 @@ mkdir -p "$out/tests"
 # (so they do not travel back with the logs), with Python's tarfile where the xz tool is
 # missing.
 pkg="$(mktemp -d "${TMPDIR:-/tmp}/grng-bundle.XXXXXX")"
-trap 'rm -rf "$pkg"; pack_logs' EXIT
+trap 'rm -rf "$pkg" "$shim"; pack_logs' EXIT
 if command -v xz >/dev/null 2>&1; then
     tar -C "$pkg" -xJf "$here/bundle.tar.xz"
 else
@@ -262,7 +274,8 @@ if [[ -f "$pkg/bench/candle_step" ]]; then
     CRITERION_HOME="$out/criterion" run "bench candle_step cuda" "$out/bench-candle-step.log" \
         "$pkg/bench/candle_step" --bench cuda \
         --warm-up-time 1 --measurement-time 3
-    grep -A2 '^candle-step-cuda' "$out/bench-candle-step.log" | tee -a "$summary"
+    [[ -f "$out/bench-candle-step.log" ]] &&
+        grep -A2 '^candle-step-cuda' "$out/bench-candle-step.log" | tee -a "$summary"
     rm -rf "$out/criterion"
 else
     say "SKIP bench candle_step (not in this bundle)"
@@ -280,7 +293,7 @@ if [[ -f "$pkg/bin/candle_mlp" ]]; then
     # shellcheck disable=SC2086 # GRNG_CANDLE_MLP_ARGS is a word list by design
     run "candle_mlp --device cuda" "$out/candle-mlp.log" \
         "$pkg/bin/candle_mlp" --device cuda ${GRNG_CANDLE_MLP_ARGS:-}
-    tail -n 12 "$out/candle-mlp.log" | tee -a "$summary"
+    [[ -f "$out/candle-mlp.log" ]] && tail -n 12 "$out/candle-mlp.log" | tee -a "$summary"
 else
     say "SKIP candle_mlp (not in this bundle)"
 fi
