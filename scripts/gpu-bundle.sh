@@ -6,7 +6,8 @@
 #                  arms) but two that cannot run from a bundle, CPU-only both: `layering` reads
 #                  the source tree at its build path, `examples` starts the example binaries
 #                  from target/release/examples; candle_grng built with
-#                  `-p grng-candle --features cuda` (its CUDA arms)
+#                  `-p grng-candle --features cuda` (its CUDA arms), dist_nccl with
+#                  `-p grng --features nccl` (without it the binary holds no test)
 #     bench/gpu    the GPU benchmark (benches/gpu.rs), when the project has one
 #     bench/candle_step  the candle training-step bench, `-p grng-candle --features cuda` (CUDA rows)
 #     bin/grng     the main job
@@ -64,7 +65,12 @@ cargo build --release --bin grng
 # candle_grng comes from the grng-candle `cuda` build below (without the feature it holds no test);
 # layering and examples cannot run from the bundle (above).
 tests="$(cargo test --release --no-run --tests --message-format=json-render-diagnostics |
-    executables test | grep -Ev '^(candle_grng|layering|examples) ')"
+    executables test | grep -Ev '^(candle_grng|layering|examples|dist_nccl) ')"
+# NCCL with a world of one (issue 38): grng's `nccl` feature (cudarc's NCCL, loaded at run time
+# like cuBLAS: nothing to link here; PyTorch's nvidia-nccl wheel there). A build of its own, so
+# no other binary gets the feature.
+tests+=$'\n'"$(cargo test --release --no-run -p grng --features nccl --test dist_nccl \
+    --message-format=json-render-diagnostics | executables test)"
 bench=""
 if [[ -f crates/grng/benches/gpu.rs ]]; then
     bench="$(cargo bench --no-run --bench gpu --message-format=json-render-diagnostics |
