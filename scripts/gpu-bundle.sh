@@ -3,7 +3,11 @@
 # driver, the CUDA toolkit and PyTorch but no Rust toolchain and no network — into DIR:
 #   bundle.tar.xz  one archive of
 #     tests/NAME   every integration-test binary (the emu_* ones also run their Device::Cuda
-#                  arms); candle_grng built with `-p grng-candle --features cuda` (its CUDA arms)
+#                  arms) but two that cannot run from a bundle, CPU-only both: `layering` reads
+#                  the source tree at its build path, `examples` starts the example binaries
+#                  from target/release/examples; candle_grng built with
+#                  `-p grng-candle --features cuda` (its CUDA arms), dist_nccl with
+#                  `-p grng --features nccl` (without it the binary holds no test)
 #     bench/gpu    the GPU benchmark (benches/gpu.rs), when the project has one
 #     bench/candle_step  the candle training-step bench, `-p grng-candle --features cuda` (CUDA rows)
 #     bin/grng     the main job
@@ -27,7 +31,8 @@ dest="$1"
 cd "$(dirname "$0")/.."
 eval "$(scripts/install-cuda-tools.sh --quiet)"
 
-# "NAME PATH" of each executable of target kind $1 in a cargo build's JSON messages.
+# "NAME PATH" of each executable of target kind $1 in a cargo build's JSON messages (the builds
+# use json-render-diagnostics: their errors still reach stderr as text).
 executables() {
     python3 -c '
 import json, sys
@@ -57,12 +62,19 @@ mkdir -p "$stage/tests" "$stage/bench" "$stage/bin"
 
 echo "gpu-bundle: building (release, kernels embedded)" >&2
 cargo build --release --bin grng
-# candle_grng comes from the grng-candle `cuda` build below (without the feature it holds no test).
-tests="$(cargo test --release --no-run --tests --message-format=json | executables test |
-    grep -v '^candle_grng ')"
+# candle_grng comes from the grng-candle `cuda` build below (without the feature it holds no test);
+# layering and examples cannot run from the bundle (above).
+tests="$(cargo test --release --no-run --tests --message-format=json-render-diagnostics |
+    executables test | grep -Ev '^(candle_grng|layering|examples|dist_nccl) ')"
+# NCCL with a world of one (issue 38): grng's `nccl` feature (cudarc's NCCL, loaded at run time
+# like cuBLAS: nothing to link here; PyTorch's nvidia-nccl wheel there). A build of its own, so
+# no other binary gets the feature.
+tests+=$'\n'"$(cargo test --release --no-run -p grng --features nccl --test dist_nccl \
+    --message-format=json-render-diagnostics | executables test)"
 bench=""
 if [[ -f crates/grng/benches/gpu.rs ]]; then
-    bench="$(cargo bench --no-run --bench gpu --message-format=json | executables bench)"
+    bench="$(cargo bench --no-run --bench gpu --message-format=json-render-diagnostics |
+        executables bench)"
 fi
 main="${CARGO_TARGET_DIR:-target}/release/grng"
 # A build without the compiler silently runs CPU-only: refuse to ship that.
@@ -80,10 +92,10 @@ pack_all "$stage/bench" <<<"$bench"
 candle_cuda() {
     (
         eval "$(scripts/install-cuda-tools.sh --quiet --candle)"
-        cargo "$@" -p grng-candle --features cuda --message-format=json
+        cargo "$@" -p grng-candle --features cuda --message-format=json-render-diagnostics
     )
 }
-echo "gpu-bundle: building the grng-candle `cuda` binaries (candle's kernels: nvcc, minutes the first time)" >&2
+echo "gpu-bundle: building the grng-candle 'cuda' binaries (candle's kernels: nvcc, minutes the first time)" >&2
 # Assigned first: a failed build then stops the script (set -e), not a silently missing binary.
 candle_test="$(candle_cuda test --release --no-run --test candle_grng | executables test)"
 candle_bench="$(candle_cuda bench --no-run --bench candle_step | executables bench)"

@@ -13,13 +13,16 @@
 #   --ncu               also profile the GEMM engine's kernels with Nsight Compute (`--set full`,
 #                       two launches of each `_tc` kernel in the bench's gemm-bf16, syrk and
 #                       newton sections at --quick sizes: where the mainloop stalls), one
-#                       log per section
+#                       log per section; a section passes when ncu profiled a kernel, and the
+#                       rest are skipped when one profiled none (no counters: gVisor)
 #   --bench-args ARGS   arguments of the bench (a section filter, --quick), e.g. "gemm --quick"
 #   --jobs N            test binaries run at once (default 4; each runs its tests in threads)
 #   --budget SECS       wall-clock budget: what has not started when it is spent is not run and
 #                       says SKIP (time) in the summary; every step is also stopped at what is
 #                       left of it (default: no budget)
-#   --step-limit SECS   no one step (a bench, a test binary, ...) runs longer (default: none)
+#   --step-limit SECS   no one step (a bench, a test binary, ...) runs longer (default: none);
+#                       the GPU bench gets --deadline= 10 s before its limit, so a bench cut
+#                       short still prints the GEMM plan's choices and the `loaded:` lines
 #   --no-sanitizer      leave out compute-sanitizer (racecheck alone takes minutes)
 #   GRNG_MAIN_ARGS      arguments of the main job (default: --epochs 2)
 #   GRNG_CANDLE_MLP_ARGS  arguments of the candle digits MLP besides --device cuda (default: none,
@@ -106,12 +109,30 @@ fi
 for d in "${libdirs[@]}"; do
     LD_LIBRARY_PATH="$d${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
 done
+# cudarc opens NCCL as libnccl.so (or .so.12 and older names), never libnccl.so.2, the only name
+# PyTorch's nvidia-nccl wheel holds: an unversioned link to it in a folder of our own, last on
+# the path (tests/dist_nccl, the world of one).
+shim="$(mktemp -d "${TMPDIR:-/tmp}/grng-libs.XXXXXX")"
+for d in "${libdirs[@]}"; do
+    f="$(compgen -G "$d/libnccl.so.2*" | head -n1)"
+    if [[ -n "$f" && ! -e "$d/libnccl.so" ]]; then
+        ln -s "$f" "$shim/libnccl.so"
+        LD_LIBRARY_PATH="${LD_LIBRARY_PATH:+$LD_LIBRARY_PATH:}$shim"
+        break
+    fi
+done
 export LD_LIBRARY_PATH="${LD_LIBRARY_PATH:-}"
+# ncu and compute-sanitizer where PATH lacks them: the CUDA toolkit's bin, Nsight Compute's
+# folder (after PATH: the tools PATH finds first stay first).
+for d in "${CUDA_HOME:-}/bin" /usr/local/cuda/bin /opt/nvidia/nsight-compute/*; do
+    [[ -x "$d/ncu" || -x "$d/compute-sanitizer" ]] && PATH="$PATH:$d"
+done
+export PATH
 # What the dynamic loader will pick for each name cudarc opens (or, in the grng-candle `cuda` binaries,
 # links: libcudart, libcurand and the .so.13/.so.12 names of CUDA 13 too) (first LD_LIBRARY_PATH hit,
 # else ldconfig), with its real file and the version in that file's name. The bench prints
 # the ones it actually mapped ("loaded:" lines, copied into the summary below).
-for lib in libcuda.so.1 libnvrtc.so libcublas.so libcublasLt.so libcusolver.so \
+for lib in libcuda.so.1 libnvrtc.so libcublas.so libcublasLt.so libcusolver.so libnccl.so \
     libcudart.so.13 libcurand.so.10 libcublas.so.13 libcublasLt.so.13 libcusolver.so.12; do
     found=""
     IFS=: read -ra dirs <<<"$LD_LIBRARY_PATH"
@@ -137,21 +158,32 @@ t_start=$(date +%s)
 left() {
     if ((budget > 0)); then echo $((budget - $(date +%s) + t_start)); else echo 1000000; fi
 }
+# Seconds the next step may run: what is left of the budget, at most --step-limit.
+cap() {
+    local rest
+    rest="$(left)"
+    ((step_limit > 0 && step_limit < rest)) && rest=$step_limit
+    echo "$rest"
+}
 # run NAME LOG CMD...: runs CMD with its output in LOG, one PASS/FAIL line in the summary; not
 # started (SKIP) when under 10 s of the budget is left, stopped (timeout) at what is left.
+# With pass_if set (a grep -E pattern; `pass_if=... run ...`), PASS is: not stopped, and the
+# log matches it, whatever CMD's exit status.
 run() {
     local name="$1" log="$2"
     shift 2
     local t0=$SECONDS rest
-    rest="$(left)"
-    if ((rest < 10)); then
+    if (($(left) < 10)); then
         say "SKIP $name (time: the --budget is spent)"
         failed=1
         return
     fi
-    ((step_limit > 0 && step_limit < rest)) && rest=$step_limit
+    rest="$(cap)"
     timeout --kill-after=5 "$rest" "$@" >"$log" 2>&1
     local rc=$?
+    if [[ -n "${pass_if:-}" && $rc -ne 124 && $rc -ne 137 ]]; then
+        if grep -qE "$pass_if" "$log"; then rc=0; elif [[ $rc -eq 0 ]]; then rc=1; fi
+    fi
     if [[ $rc -eq 0 ]]; then
         say "PASS $name ($((SECONDS - t0)) s)"
     elif [[ $rc -eq 124 || $rc -eq 137 ]]; then
@@ -172,7 +204,7 @@ mkdir -p "$out/tests"
 # (so they do not travel back with the logs), with Python's tarfile where the xz tool is
 # missing.
 pkg="$(mktemp -d "${TMPDIR:-/tmp}/grng-bundle.XXXXXX")"
-trap 'rm -rf "$pkg"; pack_logs' EXIT
+trap 'rm -rf "$pkg" "$shim"; pack_logs' EXIT
 if command -v xz >/dev/null 2>&1; then
     tar -C "$pkg" -xJf "$here/bundle.tar.xz"
 else
@@ -201,18 +233,35 @@ fi
 bench_bin=""
 [[ -f "$pkg/bench/gpu" ]] && bench_bin="$pkg/bench/gpu"
 if [[ -n "$bench_bin" ]]; then
+    # Cut short (a --budget or --step-limit), the bench still prints its closing tables: its
+    # own --deadline, 10 s before run's timeout.
+    deadline=()
+    c="$(cap)"
+    ((c < 1000000 && c > 20)) && deadline=("--deadline=$((c - 10))")
     # shellcheck disable=SC2086 # bench_args is a word list by design
-    run "bench gpu $bench_args" "$out/bench-gpu.log" "$bench_bin" $bench_args
+    run "bench gpu $bench_args" "$out/bench-gpu.log" "$bench_bin" $bench_args \
+        ${deadline[@]+"${deadline[@]}"}
     grep '^GEMM mainloop' "$out/bench-gpu.log" | sed 's/^/bench /' | tee -a "$summary"
     grep '^loaded: ' "$out/bench-gpu.log" | sed 's/^/bench /' | tee -a "$summary"
     if [[ $ncu_on == 1 ]]; then
         # --launch-skip passes the sm_90a self-checks' 10 `_tc` launches (check_sm90, before
         # any section; 2 per variant) on a CC 9.0 device, the first warm-up calls elsewhere. Clocks left alone
-        # (--clock-control none): the timings beside them ran at the same clocks.
+        # (--clock-control none): the timings beside them ran at the same clocks. --kill 1 (where
+        # this ncu's help lists `--kill arg`) ends the bench once the 2 launches are profiled:
+        # the rest of the section, run under the profiler, would be lease time spent on nothing.
+        ncu_kill=()
+        ncu --help 2>/dev/null | grep -qE -- '--kill +arg' && ncu_kill=(--kill 1)
         for section in gemm-bf16 syrk newton; do
-            run "ncu bench gpu $section" "$out/ncu-$section.log" \
-                ncu --clock-control none --set full --kernel-name 'regex:_tc$' \
-                --launch-skip 10 --launch-count 2 "$bench_bin" "$section" --quick
+            log="$out/ncu-$section.log"
+            pass_if='^==PROF== Profiling' run "ncu bench gpu $section" "$log" \
+                ncu --clock-control none --set full ${ncu_kill[@]+"${ncu_kill[@]}"} \
+                --kernel-name 'regex:_tc$' --launch-skip 10 --launch-count 2 \
+                "$bench_bin" "$section" --quick
+            if [[ -f "$log" ]] && ! grep -q '^==PROF== Profiling' "$log"; then
+                say "SKIP ncu after $section: it profiled no kernel (no counters here? $(grep -m1 '==ERROR==' "$log"))"
+                failed=1
+                break
+            fi
         done
     fi
 else
@@ -225,13 +274,14 @@ if [[ -f "$pkg/bench/candle_step" ]]; then
     CRITERION_HOME="$out/criterion" run "bench candle_step cuda" "$out/bench-candle-step.log" \
         "$pkg/bench/candle_step" --bench cuda \
         --warm-up-time 1 --measurement-time 3
-    grep -A2 '^candle-step-cuda' "$out/bench-candle-step.log" | tee -a "$summary"
+    [[ -f "$out/bench-candle-step.log" ]] &&
+        grep -A2 '^candle-step-cuda' "$out/bench-candle-step.log" | tee -a "$summary"
     rm -rf "$out/criterion"
 else
     say "SKIP bench candle_step (not in this bundle)"
 fi
 # The test binaries, JOBS at a time (the summary lists them in the bundle's order).
-export -f run say left
+export -f run say left cap
 export out summary budget step_limit t_start
 ls "$pkg"/tests/* | xargs -P "$jobs" -I{} bash -c \
     'n="$(basename "$1")"; failed=0; run "test $n" "$out/tests/$n.log" "$1"; exit $failed' _ {} ||
@@ -243,7 +293,7 @@ if [[ -f "$pkg/bin/candle_mlp" ]]; then
     # shellcheck disable=SC2086 # GRNG_CANDLE_MLP_ARGS is a word list by design
     run "candle_mlp --device cuda" "$out/candle-mlp.log" \
         "$pkg/bin/candle_mlp" --device cuda ${GRNG_CANDLE_MLP_ARGS:-}
-    tail -n 12 "$out/candle-mlp.log" | tee -a "$summary"
+    [[ -f "$out/candle-mlp.log" ]] && tail -n 12 "$out/candle-mlp.log" | tee -a "$summary"
 else
     say "SKIP candle_mlp (not in this bundle)"
 fi

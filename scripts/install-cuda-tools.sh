@@ -116,7 +116,7 @@ print(next(os.path.dirname(p["manifest_path"]) for p in json.load(sys.stdin)["pa
     # The wheel's nvcc does not search the CCCL wheel's headers (nv/target, cuda/std).
     cccl="-I$cuda/include/cccl"
 fi
-[[ $quiet == 1 ]] || echo "# grng-candle `cuda` toolchain ready in $cuda; export for the grng-candle `cuda` builds:" >&2
+[[ $quiet == 1 ]] || echo "# grng-candle 'cuda' toolchain ready in $cuda; export for the grng-candle 'cuda' builds:" >&2
 # NVCC: candle-kernels' build (cudaforge) takes it before PATH. NVCC_APPEND_FLAGS: read by nvcc
 # itself. CUDA_COMPUTE_CAP=90: no GPU to ask here; the kernels are built for sm_90a, what both
 # lent GPUs (H100, H200) are. CUDA_HOME: where cudarc's build script looks for the libraries

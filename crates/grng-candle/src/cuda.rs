@@ -3,8 +3,8 @@
 
 use super::buffer::{to_candle, Buffer};
 use candle_core::cuda::DeviceId;
+use candle_core::cuda_backend::cudarc::driver::{CudaSlice, DevicePtr};
 use candle_core::CudaStorage;
-use cudarc::driver::{CudaSlice, DevicePtr};
 use grng::cuda::CudaDevice;
 use grng::error::{Error, Result};
 use grng::Matrix;

@@ -798,7 +798,7 @@ proptest! {
 #[cfg(feature = "cuda")]
 mod cuda {
     use super::*;
-    use cudarc::driver::{CudaSlice, DevicePtr};
+    use candle_core::cuda_backend::cudarc::driver::{CudaSlice, DevicePtr};
     use std::sync::OnceLock;
 
     /// candle's GPU 0, one for the whole binary (grng's kernels are loaded once for it), or

@@ -1,9 +1,14 @@
 //! GPU benchmark: grng's device ops beside the vendor library (cuBLAS, cublasLt, cuSOLVER) or
 //! the bandwidth ceiling (a device-to-device copy), on the same GPU, sizes and run.
 //!
-//! `cargo bench --bench gpu -- [SECTION] [--quick]`; sections: `launch`, `copy`, `adamw`,
-//! `gemm-f32`, `gemm-bf16`, `precond` (with its `precond-accuracy` rows), `syrk`, `newton`, `kalman`,
-//! `step`. Every timing is the median of
+//! `cargo bench --bench gpu -- [SECTION] [--quick] [--deadline=SECS]`; sections: `launch`, `copy`,
+//! `adamw`, `gemm-f32`, `gemm-bf16`, `precond` (with its `precond-accuracy` rows), `syrk`,
+//! `newton`, `kalman`, `step` (SECTION runs every section whose name contains it; one that
+//! matches none is an error, exit 2).
+//! `--deadline=SECS`: at SECS seconds after the start the bench stops wherever it is, prints
+//! what it prints at its end (the GEMM plan's choices so far, the `loaded:` lines) and exits
+//! 124, so a run cut short by a time limit (`run-all.sh --step-limit`) still says which side
+//! the plan kept; the rows printed before it are complete. Every timing is the median of
 //! samples taken after warm-up, each sample a batch of calls closed by a device
 //! synchronization ([`median_secs`]). A grng row names the kernels the op launched
 //! (`grng::hooks::take_launches`) and prints no number when it launched none (a host
@@ -41,6 +46,8 @@ type Res<T> = Result<T, Box<dyn std::error::Error>>;
 struct Opts {
     filter: Option<String>,
     quick: bool,
+    /// `--deadline=SECS`: seconds after the start at which the bench stops ([`watchdog`]).
+    deadline: Option<f64>,
 }
 
 impl Opts {
@@ -48,11 +55,24 @@ impl Opts {
         let mut o = Self {
             filter: None,
             quick: false,
+            deadline: None,
         };
         // `cargo bench` appends `--bench`; other flags are ignored for the same reason.
         for a in std::env::args().skip(1) {
             match a.as_str() {
                 "--quick" => o.quick = true,
+                s if s.starts_with("--deadline=") => {
+                    let v = &s["--deadline=".len()..];
+                    match v.parse::<f64>() {
+                        Ok(secs) if secs > 0.0 => o.deadline = Some(secs),
+                        _ => {
+                            eprintln!(
+                                "gpu bench: --deadline={v}: not a positive number of seconds"
+                            );
+                            std::process::exit(2);
+                        }
+                    }
+                }
                 s if s.starts_with('-') => {}
                 s => o.filter = Some(s.to_owned()),
             }
@@ -1317,8 +1337,53 @@ fn step_section(b: &Bench) -> Res<()> {
     Ok(())
 }
 
+/// The sections in the order they run.
+const SECTIONS: [(&str, Section); 10] = [
+    ("launch", launch_section),
+    ("copy", copy_section),
+    ("adamw", adamw_section),
+    ("gemm-f32", gemm_f32_section),
+    ("gemm-bf16", gemm_bf16_section),
+    ("precond", precond_section),
+    ("syrk", syrk_section),
+    ("newton", newton_section),
+    ("kalman", kalman_section),
+    ("step", step_section),
+];
+
+/// `--deadline=SECS`: a thread that, `secs` after the start, prints the bench's closing tables
+/// (what the plan decided so far, the libraries mapped) and ends the process with status 124
+/// (a timeout's), wherever the sections are. Rows are printed whole (`println!` holds stdout
+/// for the line), so every row above the note is complete.
+fn watchdog(secs: f64) {
+    std::thread::spawn(move || {
+        std::thread::sleep(std::time::Duration::from_secs_f64(secs));
+        println!(
+            "\ngpu bench: stopped at --deadline={secs} s: the rest of the section of the last row above, \
+             and every section after it, did not run"
+        );
+        print_plan_choices();
+        print_loaded_libraries();
+        std::process::exit(124);
+    });
+}
+
 fn main() -> Res<()> {
     let o = Opts::parse();
+    // A filter that selects nothing would spend a GPU lease on the self-checks alone.
+    if let Some(f) = &o.filter {
+        if !SECTIONS.iter().any(|(name, _)| name.contains(f.as_str())) {
+            let names: Vec<&str> = SECTIONS.iter().map(|(n, _)| *n).collect();
+            eprintln!(
+                "gpu bench: no section matches {f:?}; sections: {}",
+                names.join(", ")
+            );
+            std::process::exit(2);
+        }
+    }
+    if let Some(secs) = o.deadline {
+        watchdog(secs);
+    }
     let cuda = match CudaDevice::new(0) {
         Ok(c) => c,
         Err(e) => {
@@ -1344,19 +1409,7 @@ fn main() -> Res<()> {
     );
     println!("| section | case | grng kernel | grng | peer | peer | ratio (time, grng / peer) |");
     println!("|---|---|---|---|---|---|---|");
-    let sections: [(&str, Section); 10] = [
-        ("launch", launch_section),
-        ("copy", copy_section),
-        ("adamw", adamw_section),
-        ("gemm-f32", gemm_f32_section),
-        ("gemm-bf16", gemm_bf16_section),
-        ("precond", precond_section),
-        ("syrk", syrk_section),
-        ("newton", newton_section),
-        ("kalman", kalman_section),
-        ("step", step_section),
-    ];
-    for (name, section) in sections {
+    for (name, section) in SECTIONS {
         if b.o.runs(name) {
             section(&b)?;
         }
