@@ -367,10 +367,13 @@ fn dispatch(
         };
         decisions().insert(key, choice);
     };
-    // The on-disk cache, where GRNG_GEMM_CACHE names one and the driver says who it is.
-    let disk = cache::path().and_then(|p| Some((p, cache::identity(cuda).ok()?)));
-
     let known = decisions().get(&key).map(|choice| choice.candidate);
+    // The on-disk cache (GRNG_GEMM_CACHE), asked only while a key is undecided: its identity
+    // queries the driver and hashes the PTX, which no later product should pay.
+    let disk = match (policy, known) {
+        (Policy::Auto, None) => cache::path().and_then(|p| Some((p, cache::identity(cuda).ok()?))),
+        _ => None,
+    };
     let from_disk = match (policy, known, &disk) {
         (Policy::Auto, None, Some((path, id))) => cache::lookup(path, id, plan, class),
         _ => None,
