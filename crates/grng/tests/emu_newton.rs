@@ -9,8 +9,8 @@ use common::{devices, spd, with_spectrum};
 use grng_testkit as common;
 
 use grng::cpu::newton::newton_inverse as cpu_newton;
-use grng::cuda::gemm_vendor;
 use grng::cuda::newton::{self as kn, Epilogue, Unused};
+use grng::cuda::{gemm_plan, gemm_vendor};
 use grng::ops::newton::{
     InitialGuess, NewtonInfo, NewtonOptions, NewtonOrder, NewtonStop, Precision,
 };
@@ -120,6 +120,17 @@ fn flags() -> impl Strategy<Value = Flags> {
         })
 }
 
+/// Which candidate of the GEMM plan computes a Newton product in [`check_product`].
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Side {
+    /// The fused kernel (`kn::product_tc` / `kn::product_f32`).
+    Engine,
+    /// cuBLAS, then `kn::epilogue`.
+    Vendor,
+    /// `gemm_plan::newton_bf16x3`.
+    Bf16x3,
+}
+
 /// Runs one fused product (`tc`: bf16 operands on tensor cores, else f32) with NaN-poisoned
 /// outputs and checks every output against [`reference`]. `tol_unit` is the relative error
 /// of one accumulated product term. A mirrored product (`f.mirror`) is `A·A` for a symmetric
@@ -127,10 +138,13 @@ fn flags() -> impl Strategy<Value = Flags> {
 /// order as `v[i,j]`), so the same bounds apply; its lower triangle must also equal the full
 /// product's bit for bit (the same tile computations), and a residual with it is refused.
 /// The bf16 kernel has no mirror: asked for one, it refuses, and the full product is checked.
-/// `vendor` (a GPU with cuBLAS): the GEMM plan's vendor candidate instead of the fused kernel,
-/// cuBLAS into an f32 scratch then `kn::epilogue`, under the same bounds (cuBLAS sums f32
-/// as the engine does, SGEMM with γ_n for f32 operands); it accepts a mirror on bf16 too.
-fn check_product(dev: &Device, n: usize, f: &Flags, (tc, vendor): (bool, bool), seed: u64) {
+/// `Side::Vendor` (a GPU with cuBLAS): the GEMM plan's vendor candidate instead of the fused
+/// kernel, cuBLAS into an f32 scratch then `kn::epilogue`, under the same bounds (cuBLAS sums
+/// f32 as the engine does, SGEMM with γ_n for f32 operands); it accepts a mirror on bf16 too.
+/// `Side::Bf16x3` (f32 operands): the plan's bf16x3 candidate, `gemm_plan::newton_bf16x3`
+/// (6n bf16 plane products in one f32 sum: `(6n + 8)·2⁻²⁴` of the scale).
+fn check_product(dev: &Device, n: usize, f: &Flags, (tc, side): (bool, Side), seed: u64) {
+    let vendor = side != Side::Engine;
     let mut rng = ChaCha8Rng::seed_from_u64(seed);
     let mut a = random(&mut rng, n * n);
     let mut b = random(&mut rng, n * n);
@@ -172,9 +186,12 @@ fn check_product(dev: &Device, n: usize, f: &Flags, (tc, vendor): (bool, bool), 
     let (a_bf, b_bf) = (to_bf(&a), to_bf(&b));
     let (a_f, b_f) = (up(&a), up(&b));
     let mut planes = kn::Planes::new(dev, n).unwrap();
+    let mut scratch = kn::Scratch::new(dev, n).unwrap();
     let no = Trans::No;
     let mut run = |epi: Epilogue<'_>, unused: &mut Unused| {
-        if vendor {
+        if side == Side::Bf16x3 {
+            gemm_plan::newton_bf16x3(dev, (&a_f, &b_f), epi, &mut scratch)
+        } else if vendor {
             let mut raw = dev.zeros(n, n)?;
             if tc {
                 gemm_vendor::gemm(dev, MatMul::new(no, no, 1.0, &a_bf, &b_bf), 0.0, &mut raw)?;
@@ -250,7 +267,8 @@ fn check_product(dev: &Device, n: usize, f: &Flags, (tc, vendor): (bool, bool), 
     // products' sums a few more 2⁻²⁴ of the scale (see precond's gemm3 test): (n + 8)·2⁻²⁴.
     let eps = f32::EPSILON as f64 / 2.0;
     let slack = if tc { 4.0 } else { 8.0 };
-    let tol = |o: usize| (n as f64 + slack) * eps * sc[o] + 1e-30;
+    let depth = if side == Side::Bf16x3 { 6 * n } else { n };
+    let tol = |o: usize| (depth as f64 + slack) * eps * sc[o] + 1e-30;
     if f.out {
         let got = out.to_vec().unwrap();
         for o in 0..n * n {
@@ -294,6 +312,60 @@ fn check_product(dev: &Device, n: usize, f: &Flags, (tc, vendor): (bool, bool), 
                 );
             }
         }
+    }
+}
+
+/// `bf16x3_product_is_the_engine_at_whole_slices`: the fused f32 product and
+/// `gemm_plan::newton_bf16x3` with `f`'s epilogue on the emulator, every output bit for bit.
+fn check_bf16x3_is_the_engine(n: usize, f: &Flags, seed: u64) {
+    let dev = Device::Emulated;
+    let mut rng = ChaCha8Rng::seed_from_u64(seed);
+    let up = |x: &[f32]| dev.upload(n, n, x).unwrap();
+    let (a, b) = (up(&random(&mut rng, n * n)), up(&random(&mut rng, n * n)));
+    let (add1, add2) = (up(&random(&mut rng, n * n)), up(&random(&mut rng, n * n)));
+    let np = kn::partials(n);
+    let mut scratch = kn::Scratch::new(&dev, n).unwrap();
+    let mut outs = Vec::new();
+    for side in [Side::Engine, Side::Bf16x3] {
+        let mut out = up(&vec![f32::NAN; n * n]);
+        let mut out_bf: Matrix<bf16> = dev.upload(n, n, &vec![bf16::NAN; n * n]).unwrap();
+        let mut partial = dev.upload(np, 1, &vec![f32::NAN; np]).unwrap();
+        let epi = Epilogue {
+            alpha: f.alpha,
+            diag: f.diag,
+            add1: f.add1.then_some(&add1),
+            add2: f.add2.then_some(&add2),
+            out: f.out.then_some(&mut out),
+            out_bf: f.out_bf.then_some(&mut out_bf),
+            partial: f.partial.then_some(&mut partial),
+            mirror: f.mirror,
+        };
+        let ops = kn::Operands::F32(&a, &b);
+        match side {
+            Side::Bf16x3 => gemm_plan::newton_bf16x3(&dev, (&a, &b), epi, &mut scratch),
+            _ => kn::engine_product(&dev, ops, epi, &mut scratch),
+        }
+        .unwrap();
+        let bits = out.to_vec().unwrap().into_iter().map(f32::to_bits);
+        let bf_bits = out_bf.to_vec().unwrap().into_iter().map(bf16::to_bits);
+        outs.push((
+            (bits.collect::<Vec<_>>(), bf_bits.collect::<Vec<_>>()),
+            partial.to_vec().unwrap(),
+        ));
+    }
+    assert!(
+        outs[0].0 == outs[1].0,
+        "bf16x3 differs from the engine: n = {n}, {f:?}"
+    );
+    // The residual partials sum the same squares in another order (as in
+    // `check_epilogue_kernel`): within 150·2⁻²⁴ of the sum.
+    for (t, (&p, &q)) in outs[0].1.iter().zip(&outs[1].1).enumerate() {
+        let (p, q) = (f64::from(p), f64::from(q));
+        let ok = (p - q).abs() <= 150.0 * common::U32 * p.abs().max(q.abs());
+        assert!(
+            ok || !f.partial,
+            "partial[{t}]: engine {p} vs bf16x3 {q} (n = {n})"
+        );
     }
 }
 
@@ -448,10 +520,10 @@ fn cuda_large_products() {
             mirror: true,
         };
         // And the GEMM plan's vendor candidate where cuBLAS loads.
-        let sides: &[bool] = if gemm_vendor::available() {
-            &[false, true]
+        let sides: &[Side] = if gemm_vendor::available() {
+            &[Side::Engine, Side::Vendor]
         } else {
-            &[false]
+            &[Side::Engine]
         };
         for &vendor in sides {
             let full = Flags {
@@ -474,7 +546,7 @@ proptest! {
     #[test]
     fn tensor_core_product_and_epilogue(n in size(), f in flags(), seed: u64) {
         for dev in devices() {
-            check_product(&dev, n, &f, (true, false), seed);
+            check_product(&dev, n, &f, (true, Side::Engine), seed);
         }
     }
 
@@ -482,8 +554,25 @@ proptest! {
     #[test]
     fn f32_product_and_epilogue(n in size(), f in flags(), seed: u64) {
         for dev in devices() {
-            check_product(&dev, n, &f, (false, false), seed);
+            check_product(&dev, n, &f, (false, Side::Engine), seed);
         }
+    }
+
+    /// The GEMM plan's bf16x3 candidate for f32 Newton products (`gemm_plan::newton_bf16x3`:
+    /// the concatenated product, then `newton_epilogue`) against f64, every epilogue.
+    #[test]
+    fn bf16x3_product_and_epilogue(n in size(), f in flags(), seed: u64) {
+        for dev in devices() {
+            check_product(&dev, n, &f, (false, Side::Bf16x3), seed);
+        }
+    }
+
+    /// On the emulator, at `n` a multiple of `gemm_tc`'s 32-deep K slice, the bf16x3 Newton
+    /// product runs the split3 engine's slices in its order and `newton_epilogue` is the fused
+    /// epilogue's algebra: every output equals `product_f32`'s bit for bit.
+    #[test]
+    fn bf16x3_product_is_the_engine_at_whole_slices(k in 1usize..=4, f in flags(), seed: u64) {
+        check_bf16x3_is_the_engine(32 * k, &f, seed);
     }
 
     /// `newton_epilogue` over the engine's bare product equals the fused epilogue, for both

@@ -317,8 +317,8 @@ fn emulated_newton_products_run_the_engine() {
 
 /// On a GPU: Newton's inversion through the plan (a trial on the first product of each
 /// Newton key, `GRNG_GEMM=auto`) in every order and both precisions converges as without it,
-/// and each Newton trial found the engine's fused product and cuBLAS + `newton_epilogue`
-/// within the trial's bound. The vendor candidate alone against f64 is
+/// and each Newton trial found the engine's fused product, cuBLAS + `newton_epilogue` and, for
+/// f32 operands, bf16x3 + `newton_epilogue` within the trial's bound. The vendor candidate alone against f64 is
 /// `tests/emu_newton.rs`' `cuda_large_products`.
 #[test]
 fn newton_through_the_plan_on_a_gpu() {
@@ -359,6 +359,10 @@ fn newton_through_the_plan_on_a_gpu() {
         }
         let vendor = t.secs(gemm_plan::Candidate::Vendor);
         assert!(vendor.is_some(), "cuBLAS failed: {choice:?}");
+        // The f32 products also try bf16x3 (the concatenated product, then the epilogue).
+        let bf16x3 = t.secs(gemm_plan::Candidate::Bf16x3);
+        let f32_accurate = choice.plan.format == gemm_plan::Format::F32Accurate;
+        assert_eq!(bf16x3.is_some(), f32_accurate, "bf16x3: {choice:?}");
     }
 }
 

@@ -806,8 +806,8 @@ pub fn syrk_ema<T: PlanElement>(
 /// on bf16 copies, [`Format::F32Accurate`] on f32 operands): the engine's
 /// [`newton::engine_product`] (`newton_gemm_tc`, split3 `newton_gemm3_tc`), or cuBLAS (bf16 →
 /// f32, or SGEMM: never TF32) into the scratch's f32 product, then [`newton::epilogue`] over
-/// it — the same outputs and residual partials. The trial compares the f32 output `epi.out`,
-/// which the epilogue must have.
+/// it — the same outputs and residual partials; on f32 operands also [`newton_bf16x3`]. The
+/// trial compares the f32 output `epi.out`, which the epilogue must have.
 ///
 /// # Errors
 /// [`Error::Value`] without `epi.out`; as the launchers and [`vendor::gemm`]; the plan's
@@ -879,11 +879,66 @@ pub(crate) fn newton_product(
         }
         Ok([1.0, na * nb + added / f64::from(alpha).abs()])
     };
-    let runs: &mut Runs<'_, '_> = &mut [
+    let mut bf16x3 = |c: &mut Matrix| {
+        let (epi, scratch) = &mut *state.borrow_mut();
+        let Operands::F32(a, b) = ops else {
+            return Err(Error::Value {
+                op: OP,
+                arg: "operands",
+                value: 0.0,
+                expected: "f32 operands (bf16x3 is an f32-accurate candidate)",
+            });
+        };
+        let epi = Epilogue {
+            out: Some(c),
+            ..epi.reborrow()
+        };
+        newton_bf16x3(dev, (a, b), epi, scratch)
+    };
+    // bf16x3 is an f32-accurate candidate: the bf16 products have none.
+    let f32_runs = matches!(ops, Operands::F32(..)) as usize;
+    let all: &mut [(Candidate, &mut Run<'_>); 3] = &mut [
         (Candidate::Engine, &mut ours),
         (Candidate::Vendor, &mut cublas),
+        (Candidate::Bf16x3, &mut bf16x3),
     ];
-    dispatch(dev, plan, (n, n, n), (alpha, 0.0), &norms, runs, out)
+    dispatch(
+        dev,
+        plan,
+        (n, n, n),
+        (alpha, 0.0),
+        &norms,
+        &mut all[..2 + f32_runs],
+        out,
+    )
+}
+
+/// Candidate bf16x3 of an f32 Newton product: `A·B` by [`gemm3_bf16x3`] (the split3 planes
+/// concatenated along `K`, one bf16 product of the plan) into the scratch's f32 product, then
+/// [`newton::epilogue`] over it — [`newton_product`]'s outputs and residual partials. A square
+/// (`a` and `b` the same matrix) is split once. Where the bf16 product runs `gemm_tc` and `n`
+/// is a multiple of its 32-deep K slice, the product is the split3 engine's bit for bit, and
+/// so are the outputs (`newton_epilogue` is the fused epilogue's algebra).
+///
+/// # Errors
+/// As [`gemm3_bf16x3`] and [`newton::epilogue`]; [`Error::Shape`] for operands that are not
+/// square and of one size.
+pub fn newton_bf16x3(
+    dev: &Device,
+    (a, b): (&Matrix, &Matrix),
+    epi: newton::Epilogue<'_>,
+    scratch: &mut newton::Scratch,
+) -> Result<()> {
+    const OP: &str = "cuda::gemm_plan::newton_bf16x3";
+    let n = a.rows();
+    check_shape(OP, "a", a.shape(), (n, n))?;
+    check_shape(OP, "b", b.shape(), (n, n))?;
+    let (product, unused) = scratch.for_epilogue(dev, n)?;
+    let sa = Split3::new(a);
+    let sb = (!std::ptr::eq(a, b)).then(|| Split3::new(b));
+    let p = MatMul::new(Trans::No, Trans::No, 1.0, &sa, sb.as_ref().unwrap_or(&sa));
+    gemm3_bf16x3(dev, p, 0.0, product)?;
+    newton::epilogue(dev, product, epi, unused)
 }
 
 #[cfg(test)]
