@@ -993,9 +993,11 @@ trait Flat: Checkpoint + Sized {
     fn state(&self) -> Self::State;
     fn restore(&mut self, state: &Self::State) -> Result<()>;
 
-    /// Bad steps on the warmed-up optimizer (`hs`: the warm-up's Hessian sample).
+    /// Bad steps on the warmed-up optimizer (`hs`: the warm-up's Hessian sample) beyond
+    /// those every flat optimizer gets ([`flat_optimizer`]).
     fn bad_steps<'a>(g: &'a Grads, hs: Option<&'a Matrix>) -> Vec<Row<Step<'a>>>;
-    /// Bad first steps, each with `g.x` on a fresh optimizer with these parameters.
+    /// Bad first steps beyond the shared ones, each with `g.x` and no Hessian sample on a
+    /// fresh optimizer with these parameters.
     fn bad_first_steps(g: &Grads, rng: &mut ChaCha8Rng) -> Vec<Row<Matrix>>;
     /// Configs that `new` and `set_config` must reject.
     fn bad_configs() -> Vec<Row<Self::Config>>;
@@ -1035,21 +1037,11 @@ impl Flat for Sgd {
     flat_forwarding!(Sgd, SgdConfig, SgdState, plain step);
 
     fn bad_steps<'a>(g: &'a Grads, _: Option<&'a Matrix>) -> Vec<Row<Step<'a>>> {
-        vec![
-            err("grad one row longer", "grad", (&g.wrong, None)),
-            err("grad n x 2", "grad", (&g.two_cols, None)),
-            err(format!("grad holds {}", g.xd), "grad", (&g.xs, None)),
-            huge("grad = 1e30", (&g.huge, None)),
-        ]
+        vec![huge("grad = 1e30", (&g.huge, None))]
     }
 
-    fn bad_first_steps(g: &Grads, rng: &mut ChaCha8Rng) -> Vec<Row<Matrix>> {
-        #[rustfmt::skip]
-        let rows = vec![
-            err(format!("params holds {}", g.xd), "params", g.xs.try_clone().unwrap()),
-            err("params one row longer", "params", mat(rng, g.x.rows() + 1, 1)),
-        ];
-        rows
+    fn bad_first_steps(_: &Grads, _: &mut ChaCha8Rng) -> Vec<Row<Matrix>> {
+        Vec::new()
     }
 
     fn bad_configs() -> Vec<Row<SgdConfig>> {
@@ -1076,16 +1068,11 @@ impl Flat for AdamW {
     flat_forwarding!(AdamW, AdamWConfig, AdamWState, plain step);
 
     fn bad_steps<'a>(g: &'a Grads, _: Option<&'a Matrix>) -> Vec<Row<Step<'a>>> {
-        vec![
-            err("grad one row longer", "grad", (&g.wrong, None)),
-            err(format!("grad holds {}", g.xd), "grad", (&g.xs, None)),
-            huge("grad = 1e30 (g² overflows f32)", (&g.huge, None)),
-        ]
+        vec![huge("grad = 1e30 (g² overflows f32)", (&g.huge, None))]
     }
 
-    fn bad_first_steps(g: &Grads, _: &mut ChaCha8Rng) -> Vec<Row<Matrix>> {
-        let params = g.xs.try_clone().unwrap();
-        vec![err(format!("params holds {}", g.xd), "params", params)]
+    fn bad_first_steps(_: &Grads, _: &mut ChaCha8Rng) -> Vec<Row<Matrix>> {
+        Vec::new()
     }
 
     fn bad_configs() -> Vec<Row<AdamWConfig>> {
@@ -1131,8 +1118,6 @@ impl Flat for Sophia {
         let hs = hs.unwrap();
         #[rustfmt::skip]
         let rows = vec![
-            err("grad one row longer", "grad", (&g.wrong, None)),
-            err(format!("grad holds {}", g.xd), "grad", (&g.xs, hess(hs, 4))),
             err(format!("hess.sampled_grad holds {}", g.xd), "sampled_grad",
                 (&g.x, hess(&g.xs, 4))),
             err("hess.sampled_grad one row longer", "hess.sampled_grad", (&g.x, hess(&g.wrong, 4))),
@@ -1177,13 +1162,33 @@ fn flat_optimizer<O: Flat>(t: &mut Tally, rng: &mut ChaCha8Rng, g: &Grads) {
     o.0.step(&mut o.1, &g.x, warm_up).unwrap();
 
     let mut p = t.on(format!("{}::step", O::NAME), snap);
-    p.rows(&mut o, O::bad_steps(g, hs.as_ref()), |(o, p), (g, h)| {
+    // Every flat optimizer gets these; a Hessian sample goes with each where the optimizer
+    // samples one, so that the probe reaches the argument it names.
+    let sample = || hs.as_ref().and_then(|h| hess(h, 4));
+    #[rustfmt::skip]
+    let shared = vec![
+        err("grad one row longer", "grad", (&g.wrong, sample())),
+        err("grad n x 2", "grad", (&g.two_cols, sample())),
+        err(format!("grad holds {}", g.xd), "grad", (&g.xs, sample())),
+    ];
+    let steps = shared.into_iter().chain(O::bad_steps(g, hs.as_ref()));
+    p.rows(&mut o, steps.collect::<Vec<_>>(), |(o, p), (g, h)| {
         o.step(p, g, h)
     });
-    for (input, expect, params) in O::bad_first_steps(g, rng) {
+    #[rustfmt::skip]
+    let shared = vec![
+        err(format!("params holds {}", g.xd), "params", g.xs.try_clone().unwrap()),
+        err("params one row longer", "params", mat(rng, n + 1, 1)),
+        err("params n x 2", "params", mat(rng, n, 2)),
+    ];
+    let first = shared.into_iter().map(|r| (r, sample()));
+    let own = O::bad_first_steps(g, rng).into_iter().map(|r| (r, None));
+    for ((input, expect, params), h) in first.chain(own) {
         let mut fresh = (O::new(n, O::Config::default()).unwrap(), params);
-        p.probe(&input, expect, &mut fresh, |(o, p)| o.step(p, &g.x, None));
+        p.probe(&input, expect, &mut fresh, |(o, p)| o.step(p, &g.x, h));
     }
+    let empty = || O::new(0, O::Config::default()).map(drop);
+    t.pure(format!("{}::new", O::NAME)).err("n = 0", "n", empty);
     let set = |(o, _): &mut (O, Matrix), c| o.set_config(c);
     t.configs(O::NAME, O::bad_configs(), &mut o, snap, set, |c| {
         O::new(n, c).map(drop)
@@ -1205,8 +1210,6 @@ fn flat_optimizers(t: &mut Tally, rng: &mut ChaCha8Rng, n: usize) {
         huge: filled(n, 1, HUGE),
     };
     flat_optimizer::<Sgd>(t, rng, &g);
-    let new = || Sgd::new(&DEV, 0, SgdConfig::default()).map(drop);
-    t.pure("Sgd::new").err("n = 0", "n", new);
     flat_optimizer::<AdamW>(t, rng, &g);
     flat_optimizer::<Sophia>(t, rng, &g);
 }
