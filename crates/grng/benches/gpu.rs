@@ -29,7 +29,7 @@ use cudarc::cublaslt::{result as lt, sys as lts};
 use cudarc::driver::{CudaSlice, DevicePtr, DevicePtrMut};
 use grng::cuda::gemm::gemm_tc;
 use grng::cuda::syrk::syrk_ema_tc;
-use grng::cuda::timing::{take_kernel_times, time_kernels};
+use grng::cuda::timing::{launch_anatomy, take_kernel_times, time_kernels};
 use grng::cuda::CudaDevice;
 use grng::hooks::{read_backs, record_launches, take_launches};
 use grng::ops::elementwise::{AdamWCoeffs, MultiState};
@@ -336,6 +336,23 @@ fn launch_section(b: &Bench) -> Res<()> {
     let ours = b.grng(|| Ok(b.dev.scale(1.0, &mut x)?));
     let peer = b.copy(1)?;
     row("launch", "scale of 1 element", &ours, &[peer], Work::Micros);
+    // The same cost taken apart (issue 36 item 4): a bare launch queued, waited for, read
+    // back, and as a node of a CUDA graph — what a step replayed as a graph would pay per
+    // kernel instead of the eager launch-and-check.
+    let a = launch_anatomy(&b.dev, 1000)?;
+    let us = |s: f64| format!("{:.2} µs", s * 1e6);
+    let graph = a.graph.map_or_else(|| "-".to_owned(), us);
+    for (case, secs) in [
+        ("fill of 1 float, 1000 queued, one sync", us(a.queued)),
+        ("fill of 1 float, sync after each", us(a.waited)),
+        (
+            "fill of 1 float, 4-byte read-back after each",
+            us(a.read_back),
+        ),
+        ("fill of 1 float, 1000 as one CUDA graph, per node", graph),
+    ] {
+        println!("| launch-anatomy | {case} | elementwise_fill | {secs} | - | - | - |");
+    }
     Ok(())
 }
 

@@ -7,9 +7,9 @@ use grng_testkit as common;
 
 use std::sync::{Mutex, PoisonError};
 
-use grng::cuda::timing::{take_kernel_times, time_kernels};
+use grng::cuda::timing::{launch_anatomy, take_kernel_times, time_kernels};
 use grng::hooks::{record_launches, take_launches};
-use grng::Device;
+use grng::{Device, Error};
 
 /// Held by each test: the record and the timing see every thread's launches.
 static SERIAL: Mutex<()> = Mutex::new(());
@@ -67,4 +67,36 @@ fn kernel_times_sum_the_launches_by_kernel() {
         let off = take_kernel_times().unwrap();
         assert!(off.is_empty(), "{}: {off:?}", dev.name());
     }
+}
+
+/// The launch taken apart (`launch_anatomy`, the bench's `launch-anatomy` rows): every part
+/// timed and positive, a graph's per-node time only where graphs exist (a GPU), and the CPU
+/// backend and `n = 0` refused.
+#[test]
+fn launch_anatomy_times_each_part() {
+    let _serial = SERIAL.lock().unwrap_or_else(PoisonError::into_inner);
+    for dev in common::devices() {
+        let a = launch_anatomy(&dev, 20).unwrap();
+        for (part, secs) in [
+            ("queued", a.queued),
+            ("waited", a.waited),
+            ("read_back", a.read_back),
+        ] {
+            assert!(
+                secs > 0.0 && secs.is_finite(),
+                "{}: {part} {a:?}",
+                dev.name()
+            );
+        }
+        let on_gpu = matches!(dev, Device::Cuda(_));
+        assert_eq!(a.graph.is_some(), on_gpu, "{}: {a:?}", dev.name());
+        assert!(a.graph.is_none_or(|s| s > 0.0 && s.is_finite()), "{a:?}");
+        let zero = launch_anatomy(&dev, 0);
+        assert!(
+            matches!(zero, Err(Error::Value { arg: "n", .. })),
+            "{zero:?}"
+        );
+    }
+    let cpu = launch_anatomy(&Device::Cpu, 1);
+    assert!(matches!(cpu, Err(Error::DeviceUnavailable(_))), "{cpu:?}");
 }
