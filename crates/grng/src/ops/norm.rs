@@ -86,9 +86,11 @@ mod tests {
             let opts = PowerOptions {
                 tol: 1e-6,
                 max_iter: 400,
+                ..PowerOptions::default()
             };
             let view = MatRef::new(&a, n, n).unwrap();
-            let (stall, _, _) = power_run(&mut HostPower::new(view), &v0, opts.tol, 400).unwrap();
+            let (stall, _, _) =
+                power_run(&mut HostPower::new(view), &v0, opts.tol, 400, 1).unwrap();
             assert!(
                 (stall - l2).abs() <= 1e-5 * l1,
                 "n {n}: no stall ({stall} vs λ₂ {l2})"
