@@ -9,10 +9,13 @@
 //! for the power iteration). Differences from the CPU are rounding-level only: the products
 //! accumulate in a different order. The early `F32` steps compute the powers of `E` as
 //! mirrored products (lower-triangle tiles only) exactly where the CPU mirrors them. Per
-//! iteration one `f32` (the residual) goes to the host for the stop test; per power-iteration step four (the Rayleigh
-//! quotient and `‖Av‖` as double-float pairs). Setup reads back a few per-block partials
-//! (input checks, norms) once. Buffer rotation over three iterates keeps the best one
-//! without copies.
+//! iteration one `f32` (the residual) goes to the host for the stop test. The power
+//! iteration queues its steps in batches of up to [`PowerOptions::max_batch`] (2, 4, 8, …),
+//! each step writing four floats (the Rayleigh quotient and `‖Av‖` as double-float pairs)
+//! into its slot of one buffer, and reads each batch back once; the shared loop applies its
+//! stop test to the steps in order, so the result does not depend on the batch size. Setup
+//! reads back a few per-block partials (input checks, norms) once. Buffer rotation over three
+//! iterates keeps the best one without copies.
 //!
 //! Shapes and options are validated by [`Device::newton_inverse`] and
 //! [`Device::spectral_norm`]; the primitives below check only their buffers against the `n`

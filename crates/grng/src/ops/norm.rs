@@ -12,9 +12,11 @@ impl Device {
     /// estimate is returned with `converged = false`.
     ///
     /// On [`Device::Emulated`] / [`Device::Cuda`] the matrix-vector products and the
-    /// normalization run on the device (`kernels/newton.cu`) and the Rayleigh quotient is read
-    /// back each iteration for the stop test; the iterate is kept in `f32` there (`f64` on the
-    /// CPU), which moves the estimate by about `1e-7` relative.
+    /// normalization run on the device (`kernels/newton.cu`), queued in batches of up to
+    /// [`PowerOptions::max_batch`] steps whose Rayleigh quotients are read back once per batch
+    /// for the stop test (the same result as one read per step, a few steps run past the
+    /// stop); the iterate is kept in `f32` there (`f64` on the CPU), which moves the estimate
+    /// by about `1e-7` relative.
     ///
     /// # Errors
     /// [`Error::Shape`](crate::Error::Shape) unless `a` is square,
