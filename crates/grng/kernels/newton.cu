@@ -20,7 +20,7 @@
 // Setup kernels: newton_sym_stats (symmetric part, bf16 copy, max|a|, asymmetry, first
 // non-finite), newton_abs_norms (‖·‖∞, ‖·‖₁, ‖·‖_F partials), newton_init_x (X₀ = αA or cI);
 // power iteration: newton_power_matvec + newton_power_normalize (Rayleigh quotient and ‖Av‖ as
-// double-float pairs for the host's stop test).
+// double-float pairs for the host's stop test, one slot per step of a batch read back at once).
 #include "common.cuh"
 #include "gemm/engine.cuh"
 #include "gemm/wgmma_sm90.cuh"
@@ -479,7 +479,8 @@ extern "C" __global__ void __launch_bounds__(256)
 }
 GRNG_EMU_ENTRY(newton_power_matvec, (const float*, const float*, float*, float*, int))
 
-// Sums the matvec partials (fixed order) into scal = (vᵀw hi, lo, ‖w‖ hi, lo) and, when
+// Sums the matvec partials (fixed order) into scal = (vᵀw hi, lo, ‖w‖ hi, lo) (the step's slot
+// of the batch's buffer: the launcher passes its address) and, when
 // ‖w‖ > 0, normalizes v = w / ‖w‖. One block of 256 threads.
 extern "C" __global__ void __launch_bounds__(256)
     newton_power_normalize(const float* __restrict__ partial, int count,

@@ -71,12 +71,14 @@ pub(crate) fn lambda_max_bound(n: usize, a: &ANorms) -> f64 {
     a.inf.min(m + spread * (nf - 1.0).sqrt())
 }
 
-/// One power-iteration step on a backend's matrix `A` (`n x n`).
+/// Power-iteration steps on a backend's matrix `A` (`n x n`).
 pub(crate) trait PowerStep {
     /// `v ← v0` (`n` values of unit norm).
     fn start(&mut self, v0: &[f64]) -> Result<()>;
-    /// `w = A v`; returns `(vᵀw, ‖w‖)` (summed in `f64`) and sets `v ← w/‖w‖` when `‖w‖ > 0`.
-    fn step(&mut self) -> Result<(f64, f64)>;
+    /// `k ≥ 1` steps, each `w = A v`, then `v ← w/‖w‖` when `‖w‖ > 0`; returns each step's
+    /// `(vᵀw, ‖w‖)` (summed in `f64`) in order. A backend that reads results back from a
+    /// device reads the `k` pairs at once.
+    fn steps(&mut self, k: usize) -> Result<Vec<(f64, f64)>>;
     /// The largest finite diagonal element `(k, A_kk)`, the first `k` on ties; `None` when
     /// there is none.
     fn top_diagonal(&mut self) -> Result<Option<(usize, f64)>>;
@@ -94,12 +96,17 @@ pub(crate) trait PowerStep {
 /// the quotient only grows) with the steps left of `opts.max_iter`. The value returned is
 /// thus never below the largest diagonal element when steps remain, and a 2 x 2 stall at
 /// `λ₂ < (λ₁ + λ₂)/2 ≤ max_k A_kk` is always caught.
+///
+/// Steps run in batches of up to `opts.max_batch` ([`power_run`]); the result does not depend
+/// on it.
 pub(crate) fn power_iteration(
     p: &mut impl PowerStep,
     n: usize,
     opts: &PowerOptions,
 ) -> Result<PowerInfo> {
-    let (value, iterations, converged) = power_run(p, &start_vector(n), opts.tol, opts.max_iter)?;
+    let run =
+        |p: &mut _, v0: &[f64], max_iter| power_run(p, v0, opts.tol, max_iter, opts.max_batch);
+    let (value, iterations, converged) = run(p, &start_vector(n), opts.max_iter)?;
     let info = |value: f64, iterations, converged| PowerInfo {
         value: value as f32,
         iterations,
@@ -109,7 +116,7 @@ pub(crate) fn power_iteration(
         Some((k, d)) if value < d && iterations < opts.max_iter => {
             let mut e = vec![0.0; n];
             e[k] = 1.0;
-            let (v2, it2, conv2) = power_run(p, &e, opts.tol, opts.max_iter - iterations)?;
+            let (v2, it2, conv2) = run(p, &e, opts.max_iter - iterations)?;
             Ok(info(v2.max(value), iterations + it2, conv2))
         }
         _ => Ok(info(value, iterations, converged)),
@@ -128,26 +135,44 @@ pub(crate) fn start_vector(n: usize) -> Vec<f64> {
 
 /// Power steps from the unit `v0` until the Rayleigh quotient changes by at most `tol`
 /// relative to its value, at most `max_iter` steps: `(quotient, steps, converged)`.
+///
+/// The steps run in batches of 2, 4, 8, … up to `max_batch` (`1`: one at a time), and the
+/// stop test goes over each batch's results in order: the first step that passes it decides,
+/// exactly as if every step had been tested before the next ran, and the batch's later steps
+/// are discarded (nothing reads the iterate after a stop but a restart, which starts anew).
+/// A backend that reads each batch back once thus needs `⌈log₂(t/2 + 1)⌉` reads for a stop
+/// at step `t ≤ 2·max_batch − 2` (`max_batch` a power of two), one per `max_batch` steps
+/// beyond.
 pub(crate) fn power_run(
     p: &mut impl PowerStep,
     v0: &[f64],
     tol: f32,
     max_iter: usize,
+    max_batch: usize,
 ) -> Result<(f64, usize, bool)> {
     p.start(v0)?;
     let mut prev: Option<f64> = None;
-    for it in 1..=max_iter {
-        let (rq, wn) = p.step()?;
-        if wn == 0.0 {
-            // A v = 0: v lies in the null space (a nonzero diagonal restarts the caller).
-            return Ok((0.0, it, true));
-        }
-        if let Some(p) = prev {
-            if (rq - p).abs() <= tol as f64 * rq.abs() {
-                return Ok((rq, it, true));
+    let mut done = 0;
+    let cap = max_batch.max(1);
+    // The stop test needs two quotients: the first batch holds two steps when it may.
+    let mut batch = cap.min(2);
+    while done < max_iter {
+        let k = batch.min(max_iter - done);
+        for (i, (rq, wn)) in p.steps(k)?.into_iter().enumerate() {
+            let it = done + i + 1;
+            if wn == 0.0 {
+                // A v = 0: v lies in the null space (a nonzero diagonal restarts the caller).
+                return Ok((0.0, it, true));
             }
+            if let Some(p) = prev {
+                if (rq - p).abs() <= tol as f64 * rq.abs() {
+                    return Ok((rq, it, true));
+                }
+            }
+            prev = Some(rq);
         }
-        prev = Some(rq);
+        done += k;
+        batch = (2 * batch).min(cap);
     }
     Ok((prev.unwrap_or(0.0), max_iter, false))
 }

@@ -856,6 +856,7 @@ fn inverse_ops(t: &mut Tally, rng: &mut ChaCha8Rng, n: usize) {
     let rows = [
         err("tol = -1", "tol", PowerOptions { tol: -1.0, ..popts }),
         err("max_iter = 0", "max_iter", PowerOptions { max_iter: 0, ..popts }),
+        err("max_batch = 0", "max_batch", PowerOptions { max_batch: 0, ..popts }),
     ];
     q.rows(rows, |o| DEV.spectral_norm(&a, &o));
     let full_huge = filled(n, n, HUGE);

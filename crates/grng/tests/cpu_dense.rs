@@ -459,7 +459,7 @@ proptest! {
             .map(|i| if i == n / 2 { top } else { top * rng.random_range(0.0..0.6) })
             .collect();
         let a = T32::from_f64(&psd_with_spectrum(&mut rng, &d), n, n);
-        let opts = PowerOptions { tol: 1e-6, max_iter: 500 };
+        let opts = PowerOptions { tol: 1e-6, max_iter: 500, ..PowerOptions::default() };
         let info: PowerInfo = cpu::spectral_norm(a.view(), &opts).unwrap();
         prop_assert!(info.converged && info.iterations <= 500);
         // Rounding A to f32 moves eigenvalues by ≤ ‖ΔA‖₂ ≤ ‖ΔA‖_F ≤ u·√n·λ₁; the stopping rule
@@ -785,14 +785,25 @@ fn bad_inputs_give_typed_errors_and_leave_outputs_unchanged() {
         PowerOptions {
             tol: 0.0,
             max_iter: 10,
+            ..opts
         },
         PowerOptions {
             tol: f32::NAN,
             max_iter: 10,
+            ..opts
         },
         PowerOptions {
             tol: 1e-3,
             max_iter: 0,
+            ..opts
+        },
+        PowerOptions {
+            max_batch: 0,
+            ..opts
+        },
+        PowerOptions {
+            max_batch: PowerOptions::MAX_BATCH + 1,
+            ..opts
         },
     ] {
         assert!(matches!(

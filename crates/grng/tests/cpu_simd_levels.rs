@@ -178,6 +178,7 @@ fn digests() -> Vec<(String, u64)> {
     let opts = grng::ops::norm::PowerOptions {
         tol: 1e-7,
         max_iter: 9,
+        ..Default::default()
     };
     let info = grng::cpu::spectral_norm(grng::MatRef::new(&sym, n, n).unwrap(), &opts).unwrap();
     out.push((

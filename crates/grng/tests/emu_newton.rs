@@ -839,7 +839,7 @@ proptest! {
             .map(|i| if i == 0 { 1.0 } else { 0.6 * kappa.powf(-((i - 1) as f64) / n.saturating_sub(2).max(1) as f64) })
             .collect();
         let a: Vec<f32> = with_spectrum(&mut rng, &d).iter().map(|v| v * scale).collect();
-        let opts = PowerOptions { tol: 10f32.powi(-tol_exp), max_iter: 200 };
+        let opts = PowerOptions { tol: 10f32.powi(-tol_exp), max_iter: 200, ..PowerOptions::default() };
         let cpu = grng::cpu::spectral_norm(MatRef::new(&a, n, n).unwrap(), &opts).unwrap();
         for dev in devices() {
             let got = dev.spectral_norm(&dev.upload(n, n, &a).unwrap(), &opts).unwrap();

@@ -19,7 +19,7 @@ use crate::simd::multiversion;
 /// the relative change is an estimate of the error, not a bound. A value below the largest
 /// diagonal element `A_kk` (a lower bound of `λ_max`) means the stop fired near a smaller
 /// eigenvalue; the iteration then restarts from `e_k` within `opts.max_iter` steps in all.
-/// `n = 0` gives `0`.
+/// `n = 0` gives `0`. `opts.max_batch` is ignored: steps run one at a time.
 ///
 /// # Errors
 /// [`Error::Shape`] unless `a` is square, [`Error::Value`] for bad options,
@@ -37,7 +37,12 @@ pub fn spectral_norm(a: MatRef<'_, f32>, opts: &PowerOptions) -> Result<PowerInf
             converged: true,
         });
     }
-    crate::iteration::power_iteration(&mut HostPower::new(a), n, opts)
+    // Nothing is read back here, so a batch would only add steps past the stop.
+    let opts = PowerOptions {
+        max_batch: 1,
+        ..*opts
+    };
+    crate::iteration::power_iteration(&mut HostPower::new(a), n, &opts)
 }
 
 /// Power steps on a host matrix (`f64` iterate, products accumulated in `f64`).
@@ -56,16 +61,9 @@ impl<'a> HostPower<'a> {
             w: vec![0.0; a.rows()],
         }
     }
-}
 
-impl PowerStep for HostPower<'_> {
-    fn start(&mut self, v0: &[f64]) -> Result<()> {
-        check_len("cpu::power_step", "v0", v0.len(), self.a.rows())?;
-        self.v = v0.to_vec();
-        Ok(())
-    }
-
-    fn step(&mut self) -> Result<(f64, f64)> {
+    /// One step: `w = A v`, `v ← w/‖w‖` when `‖w‖ > 0`; returns `(vᵀw, ‖w‖)`.
+    fn step(&mut self) -> (f64, f64) {
         let (a, v) = (self.a, &self.v);
         self.w
             .par_iter_mut()
@@ -79,7 +77,19 @@ impl PowerStep for HostPower<'_> {
                 .zip(&self.w)
                 .for_each(|(x, y)| *x = y / wn);
         }
-        Ok((rq, wn))
+        (rq, wn)
+    }
+}
+
+impl PowerStep for HostPower<'_> {
+    fn start(&mut self, v0: &[f64]) -> Result<()> {
+        check_len("cpu::power_step", "v0", v0.len(), self.a.rows())?;
+        self.v = v0.to_vec();
+        Ok(())
+    }
+
+    fn steps(&mut self, k: usize) -> Result<Vec<(f64, f64)>> {
+        Ok((0..k).map(|_| self.step()).collect())
     }
 
     fn top_diagonal(&mut self) -> Result<Option<(usize, f64)>> {

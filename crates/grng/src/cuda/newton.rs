@@ -9,10 +9,13 @@
 //! for the power iteration). Differences from the CPU are rounding-level only: the products
 //! accumulate in a different order. The early `F32` steps compute the powers of `E` as
 //! mirrored products (lower-triangle tiles only) exactly where the CPU mirrors them. Per
-//! iteration one `f32` (the residual) goes to the host for the stop test; per power-iteration step four (the Rayleigh
-//! quotient and `‖Av‖` as double-float pairs). Setup reads back a few per-block partials
-//! (input checks, norms) once. Buffer rotation over three iterates keeps the best one
-//! without copies.
+//! iteration one `f32` (the residual) goes to the host for the stop test. The power
+//! iteration queues its steps in batches of up to [`PowerOptions::max_batch`] (2, 4, 8, …),
+//! each step writing four floats (the Rayleigh quotient and `‖Av‖` as double-float pairs)
+//! into its slot of one buffer, and reads each batch back once; the shared loop applies its
+//! stop test to the steps in order, so the result does not depend on the batch size. Setup
+//! reads back a few per-block partials (input checks, norms) once. Buffer rotation over three
+//! iterates keeps the best one without copies.
 //!
 //! Shapes and options are validated by [`Device::newton_inverse`] and
 //! [`Device::spectral_norm`]; the primitives below check only their buffers against the `n`
@@ -783,11 +786,18 @@ pub(crate) struct DevicePower<'a> {
     v: Matrix,
     w: Matrix,
     part: Matrix,
+    /// One slot of four floats per step of a batch: `(vᵀw, ‖w‖)` as double-float pairs.
     scal: Matrix,
 }
 
 impl<'a> DevicePower<'a> {
-    fn new(dev: &'a Device, a: &'a Matrix, top_diagonal: Option<(usize, f32)>) -> Result<Self> {
+    /// Steps on `a`, in batches of at most `max_batch` (each read back once).
+    fn new(
+        dev: &'a Device,
+        a: &'a Matrix,
+        top_diagonal: Option<(usize, f32)>,
+        max_batch: usize,
+    ) -> Result<Self> {
         let n = a.rows();
         Ok(Self {
             dev,
@@ -796,7 +806,7 @@ impl<'a> DevicePower<'a> {
             v: dev.zeros(n, 1)?,
             w: dev.zeros(n, 1)?,
             part: dev.zeros(4 * n.div_ceil(8).min(MATVEC_MAX_BLOCKS), 1)?,
-            scal: dev.zeros(4, 1)?,
+            scal: dev.zeros(4 * max_batch.max(1), 1)?,
         })
     }
 }
@@ -808,15 +818,24 @@ impl PowerStep for DevicePower<'_> {
         Ok(())
     }
 
-    fn step(&mut self) -> Result<(f64, f64)> {
-        power_step(
-            self.dev,
-            self.a,
-            &mut self.v,
-            &mut self.w,
-            &mut self.part,
-            &mut self.scal,
-        )
+    /// The `k` steps queued back to back, step `j`'s results into slot `j` of `scal`, then
+    /// one read of the batch (a slot past `scal` is a typed error, not a launch).
+    fn steps(&mut self, k: usize) -> Result<Vec<(f64, f64)>> {
+        for slot in 0..k {
+            power_step(
+                self.dev,
+                self.a,
+                &mut self.v,
+                &mut self.w,
+                &mut self.part,
+                (&mut self.scal, slot),
+            )?;
+        }
+        let s = self.scal.to_vec()?;
+        Ok(s.chunks_exact(4)
+            .take(k)
+            .map(|p| (p[0] as f64 + p[1] as f64, p[2] as f64 + p[3] as f64))
+            .collect())
     }
 
     fn top_diagonal(&mut self) -> Result<Option<(usize, f64)>> {
@@ -825,21 +844,21 @@ impl PowerStep for DevicePower<'_> {
 }
 
 /// One power-iteration step on the device: `w = A v`, then `v ← w/‖w‖` (when `‖w‖ > 0`);
-/// returns `(vᵀAv, ‖Av‖)` (the `v` before the step), summed in double.
+/// writes `(vᵀAv, ‖Av‖)` (the `v` before the step, summed in double) as double-float pairs to
+/// `scal[4·slot..4·slot + 4)`.
 fn power_step(
     dev: &Device,
     a: &Matrix,
     v: &mut Matrix,
     w: &mut Matrix,
     part: &mut Matrix,
-    scal: &mut Matrix,
-) -> Result<(f64, f64)> {
+    (scal, slot): (&mut Matrix, usize),
+) -> Result<()> {
     const OP: &str = "cuda::newton::power_step";
     let n = a.rows();
     let ni = dim(OP, n)?;
     check_len(OP, "v", v.len(), n)?;
     check_len(OP, "w", w.len(), n)?;
-    check_len(OP, "scal", scal.len(), 4)?;
     let blocks = n.div_ceil(8).min(MATVEC_MAX_BLOCKS);
     check_len(OP, "partial", part.len(), 4 * blocks)?;
     let cfg = LaunchConfig {
@@ -867,18 +886,18 @@ fn power_step(
         .scalar(blocks as i32)
         .input(OP, w)?
         .output(OP, v)?
-        .output(OP, scal)?
+        .output_at(OP, scal, 4 * slot, 4)?
         .scalar(ni);
     // SAFETY: newton_power_normalize(const float* partial, int count, const float* w, float*
-    // v, float* scal, int n): partial holds 4·count floats, w and v n, scal 4 (checked).
-    unsafe { launch(&POWER_NORMALIZE, cfg, args) }?;
-    let s = scal.to_vec()?;
-    Ok((s[0] as f64 + s[1] as f64, s[2] as f64 + s[3] as f64))
+    // v, float* scal, int n): partial holds 4·count floats, w and v n (checked); scal points
+    // at slot `slot`, with its 4 floats inside the buffer (`output_at` checks).
+    unsafe { launch(&POWER_NORMALIZE, cfg, args) }
 }
 
 /// [`Device::spectral_norm`] on [`Device::Emulated`] / [`Device::Cuda`]: the CPU backend's
-/// power iteration with the matrix-vector products and normalization on the device and the
-/// Rayleigh quotient read back each step. Shapes and options are validated by the caller.
+/// power iteration with the matrix-vector products and normalization on the device, queued
+/// in batches of up to `opts.max_batch` steps whose Rayleigh quotients are read back once per
+/// batch for the stop test. Shapes and options are validated by the caller.
 ///
 /// # Errors
 /// [`Error::NonFinite`] for NaN/Inf in `a`, [`Error::Value`] for `n > 46340`, device errors.
@@ -902,7 +921,10 @@ pub(crate) fn spectral_norm(dev: &Device, a: &Matrix, opts: &PowerOptions) -> Re
             value,
         });
     }
-    driver::power_iteration(&mut DevicePower::new(dev, a, st.top_diagonal)?, n, opts)
+    // No batch is longer than the whole run.
+    let max_batch = opts.max_batch.min(opts.max_iter);
+    let mut steps = DevicePower::new(dev, a, st.top_diagonal, max_batch)?;
+    driver::power_iteration(&mut steps, n, opts)
 }
 
 /// Checks `m` finite and writes its symmetric part (and bf16 copy) — the CPU's

@@ -11,6 +11,15 @@ pub struct PowerOptions {
     pub tol: f32,
     /// Iteration budget. Default `100`.
     pub max_iter: usize,
+    /// Most steps the kernel devices queue between two reads of their Rayleigh quotients
+    /// (each read waits for the device): batches of 2, 4, 8, … up to `max_batch`, the stop
+    /// test applied to each step in order, so the result is the same for every `max_batch`
+    /// and a stop inside a batch discards that batch's later steps (at most `max_batch − 1`
+    /// matrix-vector products). `1` reads each step before queuing the next: the least work,
+    /// for matrices so large that a product costs more than a read. At most
+    /// [`PowerOptions::MAX_BATCH`]; the CPU, which reads nothing back, steps one at a time
+    /// whatever it is. Default `16`.
+    pub max_batch: usize,
 }
 
 impl Default for PowerOptions {
@@ -18,12 +27,17 @@ impl Default for PowerOptions {
         Self {
             tol: 1e-4,
             max_iter: 100,
+            max_batch: 16,
         }
     }
 }
 
 impl PowerOptions {
-    /// `Err(Error::Value)` unless `tol` is finite and positive and `max_iter ≥ 1`.
+    /// Largest [`PowerOptions::max_batch`] (a batch's results share one small device buffer).
+    pub const MAX_BATCH: usize = 1024;
+
+    /// `Err(Error::Value)` unless `tol` is finite and positive, `max_iter ≥ 1` and
+    /// `1 ≤ max_batch ≤ MAX_BATCH`.
     pub fn validate(&self, op: &'static str) -> Result<()> {
         check_value(
             op,
@@ -38,6 +52,13 @@ impl PowerOptions {
             self.max_iter as f64,
             self.max_iter >= 1,
             "at least 1",
+        )?;
+        check_value(
+            op,
+            "max_batch",
+            self.max_batch as f64,
+            (1..=Self::MAX_BATCH).contains(&self.max_batch),
+            "1 to 1024",
         )
     }
 }
@@ -48,7 +69,8 @@ pub struct PowerInfo {
     /// The last Rayleigh quotient `vᵀAv` (`‖v‖ = 1`): the largest-eigenvalue estimate, a lower
     /// bound on it for a symmetric `A`.
     pub value: f32,
-    /// Matrix-vector products performed.
+    /// Steps up to the one that stopped (matrix-vector products, not counting those a kernel
+    /// device ran past the stop in the same batch, [`PowerOptions::max_batch`]).
     pub iterations: usize,
     /// Whether the relative tolerance was met within `max_iter`.
     pub converged: bool,
