@@ -100,7 +100,7 @@ fn axpy_scale_copy(devs: &[Device], n: usize, seed: u64, alpha: f32) -> Result<(
     Ok(())
 }
 
-/// dot and norm2: deterministic two-pass f64 reductions within the bound of the header.
+/// dot and norm2: deterministic f64 reductions within the bound of the header.
 fn dot_norm2(devs: &[Device], n: usize, seed: u64, scale: f32) -> Result<(), TestCaseError> {
     let mut rng = ChaCha8Rng::seed_from_u64(seed);
     let x: Vec<f32> = vals(&mut rng, n, -1.0, 1.0)
@@ -129,7 +129,7 @@ fn dot_norm2(devs: &[Device], n: usize, seed: u64, scale: f32) -> Result<(), Tes
             d,
             d_cpu
         );
-        // Repeated calls give the same bits (no atomics in the sum).
+        // Repeated calls give the same bits (the atomic counts blocks; the sum is in block order).
         prop_assert_eq!(dev.dot(&xd, &yd).unwrap().to_bits(), d.to_bits());
         let nm = dev.norm2(&xd).unwrap();
         let tol = 2f64.powi(-23) * n_cpu as f64
