@@ -482,8 +482,10 @@ fn kernel_sum(x: &[f32], y: &[f32], aligned: bool) -> f64 {
 /// Whether every matrix's storage is 16-byte aligned (the kernels' float4 path): always on
 /// CUDA, wherever the host allocator put it on the emulator.
 fn aligned16(ms: &[&Matrix]) -> bool {
-    ms.iter()
-        .all(|m| m.host().is_none_or(|h| h.as_ptr() as usize % 16 == 0))
+    ms.iter().all(|m| {
+        m.host()
+            .is_none_or(|h| (h.as_ptr() as usize).is_multiple_of(16))
+    })
 }
 
 /// dot, norm2 and the deferred dot (`hooks::deferred_dots`: `Device::dot_deferred` in a

@@ -123,8 +123,8 @@ impl Ledger {
     }
 
     /// Reads every chunk back (the scope's synchronization) and says whether every check
-    /// stayed clean and every reduction was finite: `elementwise_dot`'s flag (1.0, a finite
-    /// f64 sum; still the preset's NaN had no block finished it) and its f32 value (the eager
+    /// stayed clean and every reduction was finite: `elementwise_dot`'s flag (1.0 for a finite
+    /// f64 sum; a slot no block finished keeps the preset's NaN) and its f32 value (the eager
     /// `Device::dot` rejects an overflow).
     fn read(&self) -> Result<(Readout, bool)> {
         let mut chunks = Vec::with_capacity(self.chunks.len());
