@@ -16,11 +16,11 @@
 // and swaps the new buffers in only when it is clean. axpy and scale instead run the
 // read-only `elementwise_check` pass first and write nothing unless its status is clean.
 //
-// Reductions (dot, norm2) are deterministic two-pass reductions: pass 1 gives one f64 partial
-// per block (products of f32 inputs are exact in f64; grid-stride sums in f64, warp-shuffle
-// and shared-memory tree per block), pass 2 reduces the partials in one block in a fixed
-// order. The grid depends on n only, so the result does not depend on the device or on
-// scheduling.
+// Reductions (dot, norm2) are deterministic and take one launch: each block gives one f64
+// partial (products of f32 inputs are exact in f64; grid-stride sums in f64, warp-shuffle
+// and shared-memory tree per block), and the last block to finish (an atomic count after a
+// __threadfence) reduces the partials in a fixed order. The grid depends on n only, so the
+// result does not depend on the device or on the order blocks finish in.
 #include "common.cuh"
 
 // "No bad index" in a status slot (INT_MAX; NVRTC has no <climits>).
@@ -185,8 +185,8 @@ extern "C" __global__ void elementwise_scale(float* __restrict__ x, float alpha,
 }
 GRNG_EMU_ENTRY(elementwise_scale, (float*, float, int, const int*))
 
-// x[i] ← the float with bit pattern `bits` (n elements): presets of status slots (EW_NONE)
-// and of reduction scratch (NaN) queued on the stream, where a host upload would stage the
+// x[i] ← the float with bit pattern `bits` (n elements): presets of status slots and of the
+// deferred ledger (EW_NONE) queued on the stream, where a host upload would stage the
 // bytes through pageable memory on every call (and could not be captured in a CUDA graph).
 extern "C" __global__ void elementwise_fill(float* __restrict__ x, unsigned int bits, int n) {
     for (int i = EW_TID; i < n; i += EW_STRIDE) reinterpret_cast<unsigned int*>(x)[i] = bits;
@@ -203,11 +203,16 @@ extern "C" __global__ void elementwise_copy(float* __restrict__ dst, const float
 }
 GRNG_EMU_ENTRY(elementwise_copy, (float*, const float*, int))
 
-// Pass 1 of Σ x_i y_i: block b writes its f64 partial to grng_as_f64(partial)[b]. For norm2
-// the launcher passes x twice. blockDim.x a multiple of 32.
-extern "C" __global__ void elementwise_dot_partial(const float* __restrict__ x,
-                                                   const float* __restrict__ y, int n,
-                                                   float* __restrict__ partial) {
+// Σ x_i y_i in one launch. Block b writes its f64 partial to grng_as_f64(partial)[b]; the
+// last block to finish (counted in out[2], whose bits start at `counted_from`) sums the
+// gridDim.x partials in block order, strided over its threads, and writes out[0] = the f32
+// rounding of the sum (of its square root when `take_sqrt`), out[1] = 1 when the f64 sum is
+// finite, else 0 (a NaN/Inf input; finite f32 products cannot overflow f64). Whichever block
+// is last, the same partials are summed in the same order. For norm2 the launcher passes x
+// twice. blockDim.x a multiple of 32.
+extern "C" __global__ void elementwise_dot(const float* __restrict__ x, const float* __restrict__ y,
+                                           int n, float* __restrict__ partial, int take_sqrt,
+                                           unsigned int counted_from, float* __restrict__ out) {
     double acc = 0.0;
     const int n4 = ew_aligned16(x, y) ? n / 4 : 0;
     for (int k = EW_TID; k < n4; k += EW_STRIDE) {
@@ -222,26 +227,32 @@ extern "C" __global__ void elementwise_dot_partial(const float* __restrict__ x,
     for (int i = 4 * n4 + EW_TID; i < n; i += EW_STRIDE)
         acc += static_cast<double>(x[i]) * static_cast<double>(y[i]);
     const double total = ew_block_sum_f64(acc);
-    if (threadIdx.x == 0) grng_as_f64(partial)[blockIdx.x] = total;
-}
-GRNG_EMU_ENTRY(elementwise_dot_partial, (const float*, const float*, int, float*))
-
-// Pass 2: one block sums the `nblocks` f64 partials in a fixed order; out[0] = the f32
-// rounding of the sum (of its square root when `take_sqrt`), out[1] = 1 when the f64 sum is
-// finite, else 0 (a NaN/Inf input; finite f32 products cannot overflow f64).
-extern "C" __global__ void elementwise_dot_final(const float* __restrict__ partial, int nblocks,
-                                                 int take_sqrt, float* __restrict__ out) {
-    const double* p = grng_as_f64(partial);
-    double acc = 0.0;
-    for (int b = threadIdx.x; b < nblocks; b += blockDim.x) acc += p[b];
-    const double total = ew_block_sum_f64(acc);
+    __shared__ int last;
     if (threadIdx.x == 0) {
-        const bool finite = isfinite(total);
-        out[0] = static_cast<float>(take_sqrt ? sqrt(total) : total);
-        out[1] = finite ? 1.0f : 0.0f;
+        grng_as_f64(partial)[blockIdx.x] = total;
+        // Release: the partial is visible device-wide before the count says it is there.
+        __threadfence();
+        unsigned int* count = reinterpret_cast<unsigned int*>(out) + 2;
+        last = atomicAdd(count, 1u) - counted_from == gridDim.x - 1;
+        // Acquire: the partials the count has seen are visible to this block from here.
+        if (last) __threadfence();
+    }
+    __syncthreads();
+    if (last) {
+        // volatile: read from memory, not from a cache line this SM may hold.
+        const volatile double* p = grng_as_f64(partial);
+        double sum = 0.0;
+        for (int b = threadIdx.x; b < static_cast<int>(gridDim.x); b += blockDim.x) sum += p[b];
+        sum = ew_block_sum_f64(sum);
+        if (threadIdx.x == 0) {
+            const bool finite = isfinite(sum);
+            out[0] = static_cast<float>(take_sqrt ? sqrt(sum) : sum);
+            out[1] = finite ? 1.0f : 0.0f;
+        }
     }
 }
-GRNG_EMU_ENTRY(elementwise_dot_final, (const float*, int, int, float*))
+GRNG_EMU_ENTRY(elementwise_dot,
+               (const float*, const float*, int, float*, int, unsigned int, float*))
 
 // Per-thread first bad indices (elementwise_check and the fused updates). A thread's indices
 // grow along its float4 loop and then its scalar tail (every tail index exceeds every float4

@@ -80,6 +80,30 @@ impl Device {
         })
     }
 
+    /// A `len x 1` matrix for a kernel that writes each element before reading it (a
+    /// reduction's per-block partials): on CUDA the memory as allocated, without the memset
+    /// [`Device::zeros`] queues; on the host NaN, so that an element read before it was written
+    /// poisons what it fed (as the emulator poisons dynamic shared memory).
+    pub(crate) fn scratch(&self, len: usize) -> Result<Matrix> {
+        self.alloc_len::<f32>(len, 1)?;
+        let storage = match self {
+            Device::Cpu | Device::Emulated => {
+                let mut v = crate::error::try_with_capacity(self.name(), len, 1)?;
+                v.resize(len, f32::NAN);
+                Storage::Host(v)
+            }
+            Device::Cuda(d) => Storage::Cuda(
+                d.scratch(len)
+                    .map_err(|e| self.driver_alloc_error::<f32>(len, 1, e))?,
+            ),
+        };
+        Ok(Matrix {
+            rows: len,
+            cols: 1,
+            storage,
+        })
+    }
+
     /// `rows * cols`, or [`Error::OutOfMemory`] when it (or its size in bytes) overflows.
     fn alloc_len<T: Element>(&self, rows: usize, cols: usize) -> Result<usize> {
         rows.checked_mul(cols)

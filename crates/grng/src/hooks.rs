@@ -112,3 +112,28 @@ pub(crate) fn rejection_injected(file: &str) -> bool {
     let _ = file;
     false
 }
+
+/// `Device::dot_deferred` of each `(x, y)` pair inside one `Device::deferred` scope, resolved by the scope's readout: the deferred reductions
+/// of a Kronecker step's model (`optim::kron::factored`), reachable from the tests of their
+/// launches, values and failed-check re-run, which the crate-private API hides.
+///
+/// # Errors
+/// As [`crate::Device::dot`]: a non-finite pair fails the scope's check, and the body's eager
+/// re-run reports it.
+#[cfg(feature = "test-hooks")]
+pub fn deferred_dots(
+    dev: &crate::Device,
+    pairs: &[(&crate::Matrix, &crate::Matrix)],
+) -> crate::Result<Vec<f32>> {
+    let (scalars, readout) = dev.deferred(|| {
+        pairs
+            .iter()
+            .map(|&(x, y)| dev.dot_deferred(x, y))
+            .collect::<crate::Result<Vec<_>>>()
+    })?;
+    // Every scalar is this scope's own, so it resolves; NaN only if that ever broke.
+    Ok(scalars
+        .into_iter()
+        .map(|s| readout.get(s).unwrap_or(f32::NAN))
+        .collect())
+}

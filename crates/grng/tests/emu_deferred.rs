@@ -394,3 +394,37 @@ fn factored_lazy_step_splits_each_operand_once() {
         );
     }
 }
+
+/// A reduction is ONE kernel launch, eager or deferred (`elementwise_dot`: the last block to
+/// finish sums the per-block partials): `Device::dot` and `Device::norm2` launch nothing else,
+/// and in a deferred scope the only other launch is the ledger chunk's preset
+/// (`elementwise_fill`, once per scope), so three deferred dots are four launches. At one
+/// block (`n` = 3) and at several.
+#[test]
+fn a_dot_is_one_launch() {
+    fn launched<R>(f: impl FnOnce() -> R) -> Vec<&'static str> {
+        record_launches(true);
+        f();
+        let launched = take_launches();
+        record_launches(false);
+        launched
+    }
+    let _serial = SERIAL.lock().unwrap_or_else(PoisonError::into_inner);
+    let mut rng = common::seeded_rng();
+    for dev in devices() {
+        for n in [3, 5000] {
+            let [x, y] = [0, 1].map(|_| dev.upload(n, 1, &vals(&mut rng, n)).unwrap());
+            let dot = "elementwise_dot";
+            let name = dev.name();
+            assert_eq!(launched(|| dev.dot(&x, &y).unwrap()), [dot], "{name}");
+            assert_eq!(launched(|| dev.norm2(&x).unwrap()), [dot], "{name}");
+            let deferred = |pairs: &[(&Matrix, &Matrix)]| {
+                launched(|| grng::hooks::deferred_dots(&dev, pairs).unwrap())
+            };
+            let fill = "elementwise_fill";
+            assert_eq!(deferred(&[(&x, &y)]), [fill, dot], "{name}");
+            let three = deferred(&[(&x, &y), (&y, &y), (&x, &x)]);
+            assert_eq!(three, [fill, dot, dot, dot], "{name}");
+        }
+    }
+}

@@ -100,7 +100,7 @@ fn axpy_scale_copy(devs: &[Device], n: usize, seed: u64, alpha: f32) -> Result<(
     Ok(())
 }
 
-/// dot and norm2: deterministic two-pass f64 reductions within the bound of the header.
+/// dot and norm2: deterministic f64 reductions within the bound of the header.
 fn dot_norm2(devs: &[Device], n: usize, seed: u64, scale: f32) -> Result<(), TestCaseError> {
     let mut rng = ChaCha8Rng::seed_from_u64(seed);
     let x: Vec<f32> = vals(&mut rng, n, -1.0, 1.0)
@@ -129,7 +129,7 @@ fn dot_norm2(devs: &[Device], n: usize, seed: u64, scale: f32) -> Result<(), Tes
             d,
             d_cpu
         );
-        // Repeated calls give the same bits (no atomics in the sum).
+        // Repeated calls give the same bits (the atomic counts blocks; the sum is in block order).
         prop_assert_eq!(dev.dot(&xd, &yd).unwrap().to_bits(), d.to_bits());
         let nm = dev.norm2(&xd).unwrap();
         let tol = 2f64.powi(-23) * n_cpu as f64
@@ -399,6 +399,235 @@ fn bad_arguments_are_errors() {
         dev.axpy(1.0, &e, &mut f).unwrap();
         assert_eq!(dev.dot(&e, &f).unwrap(), 0.0);
         assert_eq!(dev.norm2(&e).unwrap(), 0.0);
+    }
+}
+
+// ---- The f64 reductions in the kernels' summation order (dot, norm2, deferred dot) ----
+
+/// Threads per block and grid cap of the reduction kernel (`cuda::elementwise`'s
+/// `STREAM_BLOCK`, `REDUCE_BLOCKS`): the grid depends on `n` only.
+const RED_BLOCK: usize = 256;
+const RED_CAP: usize = 1024;
+/// Elements of one block's first sweep (a float4 per thread), and of the capped grid's.
+const RED_ONE: usize = 4 * RED_BLOCK;
+const RED_FULL: usize = RED_ONE * RED_CAP;
+
+/// Reduction lengths: empty, tiny, a float4 tail, exactly one block (1024), one past it,
+/// exactly the block cap (1024 blocks), past the cap (the grid-stride loop wraps), random ones
+/// below and around the cap.
+fn reduce_len() -> impl Strategy<Value = usize> {
+    prop_oneof![
+        Just(0usize),
+        Just(1),
+        Just(3),
+        Just(RED_ONE - 1),
+        Just(RED_ONE),
+        Just(RED_ONE + 1),
+        Just(RED_FULL),
+        Just(RED_FULL + 5),
+        2usize..5000,
+        RED_FULL - 3000..RED_FULL + 3000,
+    ]
+}
+
+/// Sum over a full warp by the kernels' xor butterfly (`v += __shfl_xor_sync(v, o)` for
+/// o = 16..1): every lane ends with the same value.
+fn butterfly(mut v: [f64; 32]) -> f64 {
+    for o in [16, 8, 4, 2, 1] {
+        let p = v;
+        for (l, x) in v.iter_mut().enumerate() {
+            *x = p[l] + p[l ^ o];
+        }
+    }
+    v[0]
+}
+
+/// `ew_block_sum_f64` over one block's per-thread values: a butterfly per warp, then one over
+/// the warp sums padded with zeros.
+fn block_sum(t: &[f64]) -> f64 {
+    let mut red = [0.0; 32];
+    for (w, lanes) in t.chunks_exact(32).enumerate() {
+        red[w] = butterfly(lanes.try_into().unwrap());
+    }
+    butterfly(red)
+}
+
+/// The reduction kernel's f64 `Σ xᵢ yᵢ` in its exact order: per thread a grid-stride sum
+/// over float4 items (when both buffers are 16-byte aligned) then over the scalar tail,
+/// per block a partial ([`block_sum`]), then the partials strided over one block's threads
+/// in block order and [`block_sum`] again. Products of f32 are exact in f64, so a fused
+/// multiply-add gives the same bits, and so does any device.
+fn kernel_sum(x: &[f32], y: &[f32], aligned: bool) -> f64 {
+    let n = x.len();
+    let blocks = n.div_ceil(RED_ONE).clamp(1, RED_CAP);
+    let threads = blocks * RED_BLOCK;
+    let p = |i: usize| x[i] as f64 * y[i] as f64;
+    let mut acc = vec![0f64; threads];
+    let n4 = if aligned { n / 4 } else { 0 };
+    for k in 0..n4 {
+        for i in 4 * k..4 * k + 4 {
+            acc[k % threads] += p(i);
+        }
+    }
+    for i in 4 * n4..n {
+        acc[(i - 4 * n4) % threads] += p(i);
+    }
+    let mut last = vec![0f64; RED_BLOCK];
+    for (b, part) in acc.chunks_exact(RED_BLOCK).map(block_sum).enumerate() {
+        last[b % RED_BLOCK] += part;
+    }
+    block_sum(&last)
+}
+
+/// Whether every matrix's storage is 16-byte aligned (the kernels' float4 path): always on
+/// CUDA, wherever the host allocator put it on the emulator.
+fn aligned16(ms: &[&Matrix]) -> bool {
+    ms.iter().all(|m| {
+        m.host()
+            .is_none_or(|h| (h.as_ptr() as usize).is_multiple_of(16))
+    })
+}
+
+/// dot, norm2 and the deferred dot (`hooks::deferred_dots`: `Device::dot_deferred` in a
+/// `Device::deferred` scope, read from its ledger) give exactly the bits of the kernel's
+/// summation order ([`kernel_sum`]; so a partial skipped, summed twice or out of order, or a
+/// finalize before the last block, fails), the same on every call, within the header's
+/// bound of an f64 reference; a clean scope reads back once.
+fn reductions_in_kernel_order(devs: &[Device], n: usize, seed: u64) -> Result<(), TestCaseError> {
+    let mut rng = ChaCha8Rng::seed_from_u64(seed);
+    let (x, y) = (vals(&mut rng, n, -1.0, 1.0), vals(&mut rng, n, -1.0, 1.0));
+    let xy: f64 = x.iter().zip(&y).map(|(a, b)| *a as f64 * *b as f64).sum();
+    let abs_xy: f64 = x
+        .iter()
+        .zip(&y)
+        .map(|(a, b)| (*a as f64 * *b as f64).abs())
+        .sum();
+    let nrm = x.iter().map(|a| *a as f64 * *a as f64).sum::<f64>().sqrt();
+    let slack = n as f64 * 2f64.powi(-52);
+    for dev in devs {
+        let (xd, yd) = (up(dev, &x), up(dev, &y));
+        let sum_xy = kernel_sum(&x, &y, aligned16(&[&xd, &yd]));
+        let sum_xx = kernel_sum(&x, &x, aligned16(&[&xd]));
+        let (dot, norm) = (sum_xy as f32, sum_xx.sqrt() as f32);
+        let name = dev.name();
+        let got = dev.dot(&xd, &yd).unwrap();
+        prop_assert_eq!(
+            got.to_bits(),
+            dot.to_bits(),
+            "{}: dot {} vs {}",
+            name,
+            got,
+            dot
+        );
+        prop_assert_eq!(dev.dot(&xd, &yd).unwrap().to_bits(), dot.to_bits());
+        let got = dev.norm2(&xd).unwrap();
+        prop_assert_eq!(
+            got.to_bits(),
+            norm.to_bits(),
+            "{}: norm2 {} vs {}",
+            name,
+            got,
+            norm
+        );
+        let reads = grng::hooks::read_backs();
+        let got = grng::hooks::deferred_dots(dev, &[(&xd, &yd), (&xd, &xd)]).unwrap();
+        prop_assert_eq!(grng::hooks::read_backs() - reads, u64::from(n > 0));
+        prop_assert_eq!(
+            bits(&got),
+            bits(&[dot, sum_xx as f32]),
+            "{}: deferred",
+            name
+        );
+        // The bound of the header against the f64 reference (itself within n·2⁻⁵³Σ|xᵢyᵢ|).
+        let tol = 2f64.powi(-23) * xy.abs() + slack * abs_xy + f32::MIN_POSITIVE as f64;
+        prop_assert!((dot as f64 - xy).abs() <= tol, "dot {} vs {}", dot, xy);
+        let tol = (2f64.powi(-23) + slack) * nrm + f32::MIN_POSITIVE as f64;
+        prop_assert!(
+            (norm as f64 - nrm).abs() <= tol,
+            "norm2 {} vs {}",
+            norm,
+            nrm
+        );
+    }
+    Ok(())
+}
+
+/// A NaN or ±Inf planted at one index of `x` or `y`: dot, norm2 and the deferred dot fail with
+/// the CPU's error (variant, argument, index); the deferred one after its scope's failed
+/// check ran the body again eagerly (read-backs beyond the scope's one).
+fn reduction_errors(
+    devs: &[Device],
+    n: usize,
+    seed: u64,
+    (which, at, kind): (usize, usize, u8),
+) -> Result<(), TestCaseError> {
+    let mut rng = ChaCha8Rng::seed_from_u64(seed);
+    let mut arrays = [vals(&mut rng, n, -1.0, 1.0), vals(&mut rng, n, -1.0, 1.0)];
+    plant(&mut arrays, which, at, kind % 2);
+    let [x, y] = &arrays;
+    // The three keys, and the read-backs of the deferred call.
+    let errs = |dev: &Device| {
+        let (xd, yd) = (up(dev, x), up(dev, y));
+        let reads = grng::hooks::read_backs();
+        let deferred = grng::hooks::deferred_dots(dev, &[(&xd, &yd)]).map(|_| ());
+        let reads = grng::hooks::read_backs() - reads;
+        let keys = [
+            dev.dot(&xd, &yd).map(|_| ()),
+            dev.norm2(&xd).map(|_| ()),
+            deferred,
+        ]
+        .map(|r| r.map_or_else(|e| key(&e), |()| "ok".into()));
+        (keys, reads)
+    };
+    let (want, _) = errs(&Device::Cpu);
+    prop_assert_eq!(&want[0], &want[2]);
+    for dev in devs {
+        let (keys, reads) = errs(dev);
+        prop_assert_eq!(&keys, &want, "{}", dev.name());
+        prop_assert!(
+            reads > 1,
+            "{}: the scope's read only ({})",
+            dev.name(),
+            reads
+        );
+    }
+    Ok(())
+}
+
+proptest! {
+    #![proptest_config(common::proptest_config(24))]
+
+    /// [`reductions_in_kernel_order`] on the emulator (and CUDA).
+    #[test]
+    fn reductions_follow_the_kernel_order(n in reduce_len(), seed in any::<u64>()) {
+        reductions_in_kernel_order(&devices(), n, seed)?;
+    }
+
+    /// [`reduction_errors`] on the emulator (and CUDA).
+    #[test]
+    fn reduction_errors_match_cpu(n in reduce_len().prop_map(|n| n.max(1)), seed in any::<u64>(), plant in (0usize..2, any::<usize>(), any::<u8>())) {
+        reduction_errors(&devices(), n, seed, plant)?;
+    }
+}
+
+/// A finite f64 sum beyond `f32::MAX` (`Σ (1e19)² = 8·10³⁸`, `√(4·(3·10³⁸)²)`): the CPU's
+/// overflow error from dot, norm2 and the deferred dot (after the scope's failed check).
+#[test]
+fn reduction_overflow_is_the_cpu_error() {
+    let (x, y) = (vec![1e19f32; 8], vec![3e38f32; 4]);
+    let run = |dev: &Device| {
+        let (xd, yd) = (up(dev, &x), up(dev, &y));
+        [
+            dev.dot(&xd, &xd).map(|_| ()),
+            dev.norm2(&yd).map(|_| ()),
+            grng::hooks::deferred_dots(dev, &[(&xd, &xd)]).map(|_| ()),
+        ]
+        .map(|r| r.map_or_else(|e| key(&e), |()| "ok".into()))
+    };
+    let want = run(&Device::Cpu);
+    assert!(want.iter().all(|k| k.contains("overflow")), "{want:?}");
+    for dev in devices() {
+        assert_eq!(run(&dev), want, "{}", dev.name());
     }
 }
 

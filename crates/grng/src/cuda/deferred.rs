@@ -26,9 +26,14 @@ use super::launch::{kernel, launch, stream_config, to_i32, KernelArgs};
 use crate::device::{Device, Matrix};
 use crate::error::Result;
 
-/// Floats per ledger buffer: 5 per check launch, 2 per reduction. A lazy Kronecker step
-/// queues about 15 checks and 3 reductions per layer (~80 floats).
+/// Floats per ledger buffer: 5 per check launch, [`SCALAR_SLOT`] per reduction. A lazy
+/// Kronecker step queues about 15 checks and 3 reductions per layer (~85 floats).
 pub(crate) const CHUNK: usize = 2048;
+
+/// Floats of a reduction's slot: `(value, finite flag, block count)`. `elementwise_dot`'s
+/// blocks count themselves in the third (up from its preset bits) and the last one to finish
+/// writes the first two, so the reduction needs no preset launch of its own.
+pub(crate) const SCALAR_SLOT: usize = 3;
 
 /// "No bad index" in a check slot, as the kernels write it (`EW_NONE`), as `f32` bits.
 const NONE_BITS: u32 = NONE as u32;
@@ -118,8 +123,9 @@ impl Ledger {
     }
 
     /// Reads every chunk back (the scope's synchronization) and says whether every check
-    /// stayed clean and every reduction was finite: `elementwise_dot_final`'s flag (1.0, a
-    /// finite f64 sum) and its f32 value (the eager `Device::dot` rejects an overflow).
+    /// stayed clean and every reduction was finite: `elementwise_dot`'s flag (1.0 for a finite
+    /// f64 sum; a slot no block finished keeps the preset's NaN) and its f32 value (the eager
+    /// `Device::dot` rejects an overflow).
     fn read(&self) -> Result<(Readout, bool)> {
         let mut chunks = Vec::with_capacity(self.chunks.len());
         for c in &self.chunks {
@@ -171,12 +177,13 @@ pub(crate) fn queue_check(
     queue_into(device, len, false, queue).map(|r| r.map(|_| ()))
 }
 
-/// A reduction writing `(value, finite flag)` into the ledger, or `None` without one.
+/// A reduction writing `(value, finite flag)` into a [`SCALAR_SLOT`] of the ledger (the
+/// buffer, the slot's offset and its floats' preset bits), or `None` without one.
 pub(crate) fn queue_scalar(
     device: &Device,
-    queue: impl FnOnce(&mut Matrix, usize) -> Result<()>,
+    queue: impl FnOnce(&mut Matrix, usize, u32) -> Result<()>,
 ) -> Option<Result<Scalar>> {
-    queue_into(device, 2, true, queue).map(|r| {
+    queue_into(device, SCALAR_SLOT, true, |m, at| queue(m, at, NONE_BITS)).map(|r| {
         r.map(|s| Scalar::Deferred {
             chunk: s.chunk,
             offset: s.offset,

@@ -1,5 +1,5 @@
 //! Launchers of `kernels/elementwise.cu`: element-wise vector operations, the fused optimizer
-//! updates and the deterministic two-pass reductions, for [`Device::Emulated`] and
+//! updates and the deterministic one-launch reductions, for [`Device::Emulated`] and
 //! [`Device::Cuda`] (called by the GPU arms of [`crate::ops::elementwise`]).
 //!
 //! Semantics are those of [`crate::cpu::elementwise`], errors included: a failed call
@@ -15,7 +15,7 @@
 //!
 //! Matrices hold `f32`; integer slots of the status live in an `f32` matrix as bit patterns.
 
-use super::deferred::{self, filled, first_flagged, queued_status, Scalar, NONE};
+use super::deferred::{self, filled, first_flagged, queued_status, Scalar, NONE, SCALAR_SLOT};
 use super::launch::{
     kernel, launch, stream_config, to_i32, KernelArgs, LaunchConfig, STREAM_BLOCK,
 };
@@ -32,8 +32,7 @@ kernel!(pub(crate) AXPY = ELEMENTWISE::elementwise_axpy;);
 kernel!(pub(crate) AXPY_NEW = ELEMENTWISE::elementwise_axpy_new;);
 kernel!(pub(crate) SCALE = ELEMENTWISE::elementwise_scale;);
 kernel!(pub(crate) COPY = ELEMENTWISE::elementwise_copy;);
-kernel!(pub(crate) DOT_PARTIAL = ELEMENTWISE::elementwise_dot_partial;);
-kernel!(pub(crate) DOT_FINAL = ELEMENTWISE::elementwise_dot_final;);
+kernel!(pub(crate) DOT = ELEMENTWISE::elementwise_dot;);
 kernel!(pub(crate) CHECK = ELEMENTWISE::elementwise_check;);
 kernel!(pub(crate) CHECK_BF16 = ELEMENTWISE::elementwise_check_bf16;);
 kernel!(pub(crate) SGD = ELEMENTWISE::elementwise_sgd;);
@@ -44,8 +43,9 @@ kernel!(pub(crate) MULTI_SGD = ELEMENTWISE::elementwise_multi_sgd;);
 kernel!(pub(crate) MULTI_ADAMW = ELEMENTWISE::elementwise_multi_adamw;);
 kernel!(pub(crate) MULTI_SOPHIA = ELEMENTWISE::elementwise_multi_sophia;);
 
-/// Grid cap of pass 1 of the reductions: at most this many f64 partials for pass 2. The grid
-/// is a function of `n` only, so the summation order (and the result) is device-independent.
+/// Grid cap of the reductions: at most this many f64 partials for the last block to sum. The
+/// grid is a function of `n` only, so the summation order (and the result) is
+/// device-independent.
 const REDUCE_BLOCKS: usize = 1024;
 
 /// A fresh 5-slot status (every slot [`NONE`]).
@@ -309,8 +309,9 @@ pub(crate) fn copy(dev: &Device, src: &Matrix, dst: &mut Matrix) -> Result<()> {
     unsafe { launch(&COPY, cfg, args) }
 }
 
-/// `Σ xᵢ yᵢ` in f64 (two-pass, deterministic), rounded to f32 — see [`crate::cpu::elementwise::dot`]
-/// for the error bound, which holds here too (only the f64 summation order differs).
+/// `Σ xᵢ yᵢ` in f64 (deterministic, one launch), rounded to f32 — see
+/// [`crate::cpu::elementwise::dot`] for the error bound, which holds here too (only the f64
+/// summation order differs).
 pub(crate) fn dot(dev: &Device, x: &Matrix, y: &Matrix) -> Result<f32> {
     const OP: &str = "cuda::dot";
     // Memory safety: the kernel reads n = len(x) elements of both.
@@ -324,7 +325,7 @@ pub(crate) fn norm2(dev: &Device, x: &Matrix) -> Result<f32> {
 }
 
 /// [`dot`] queued into the ledger of an enclosing [`crate::Device::deferred`] (no read-back
-/// here), or computed now when there is none.
+/// here), or computed now when there is none. Either way one launch.
 pub(crate) fn dot_deferred(dev: &Device, x: &Matrix, y: &Matrix) -> Result<Scalar> {
     const OP: &str = "cuda::dot";
     check_len(OP, "y", y.len(), x.len())?;
@@ -333,15 +334,15 @@ pub(crate) fn dot_deferred(dev: &Device, x: &Matrix, y: &Matrix) -> Result<Scala
     if n == 0 {
         return Ok(Scalar::Value(0.0));
     }
-    match deferred::queue_scalar(dev, |out, at| {
-        queue_reduce(dev, OP, &arrays, false, (out, at))
+    match deferred::queue_scalar(dev, |out, at, preset| {
+        queue_reduce(dev, OP, &arrays, false, (out, at, preset))
     }) {
         Some(r) => r,
         None => reduce(dev, OP, &arrays, false).map(Scalar::Value),
     }
 }
 
-/// The two-pass f64 reduction of `Σ a[0]ᵢ a[last]ᵢ` (`a` holds one or two arrays).
+/// The f64 reduction of `Σ a[0]ᵢ a[last]ᵢ` (`a` holds one or two arrays) and its read-back.
 fn reduce(
     dev: &Device,
     op: &'static str,
@@ -352,25 +353,30 @@ fn reduce(
     if n == 0 {
         return Ok(0.0);
     }
-    let mut out = filled(dev, 2, f32::NAN.to_bits())?;
-    queue_reduce(dev, op, arrays, take_sqrt, (&mut out, 0))?;
+    // Zeros: the block count starts at 0 (a memset on CUDA, not a launch).
+    let mut out = dev.zeros(SCALAR_SLOT, 1)?;
+    queue_reduce(dev, op, arrays, take_sqrt, (&mut out, 0, 0))?;
     let o = out.to_vec()?;
     if o[1] != 1.0 {
         // A non-finite f64 sum needs a NaN/Inf input (finite f32 products cannot overflow
         // f64): report it as the CPU does, first array first.
         validate(dev, op, arrays, None)?;
+        // Finite inputs and no flag: no block finished the sum. NaN, which the op reports,
+        // rather than the zeros' silent 0.
+        return Ok(f32::NAN);
     }
     Ok(o[0])
 }
 
-/// Queues [`reduce`]'s two passes over `n ≥ 1` elements; pass 2 writes `(sum, finite flag)`
-/// into `out` from float `at` on.
+/// Queues [`reduce`]'s launch over `n ≥ 1` elements: `elementwise_dot` writes `(sum, finite
+/// flag)` into the [`SCALAR_SLOT`] floats of `out` from float `at` on, whose third counts the
+/// finished blocks up from the bits `preset` (the slot's preset).
 fn queue_reduce(
     dev: &Device,
     op: &'static str,
     arrays: &[(&'static str, &Matrix)],
     take_sqrt: bool,
-    (out, at): (&mut Matrix, usize),
+    (out, at, preset): (&mut Matrix, usize, u32),
 ) -> Result<()> {
     let (x, y) = (arrays[0].1, arrays[arrays.len() - 1].1);
     let n = to_i32(op, arrays[0].0, x.len())?;
@@ -378,29 +384,25 @@ fn queue_reduce(
         .len()
         .div_ceil(4 * STREAM_BLOCK as usize)
         .clamp(1, REDUCE_BLOCKS);
-    // f64 partials in an f32 buffer, one spare float for the kernel's 8-byte alignment; NaN
-    // so that a partial the kernel failed to write poisons the result.
-    let mut partial = filled(dev, 2 * blocks + 1, f32::NAN.to_bits())?;
+    // f64 partials in an f32 buffer, one spare float for the kernel's 8-byte alignment; every
+    // block writes its own before it counts itself, so no preset.
+    let mut partial = dev.scratch(2 * blocks + 1)?;
     let mut args = KernelArgs::new(dev);
     args.input(op, x)?
         .input(op, y)?
         .scalar(n)
-        .output(op, &mut partial)?;
-    let cfg = LaunchConfig::linear(blocks as u32, STREAM_BLOCK);
-    // SAFETY: elementwise_dot_partial(const float* x, const float* y, int n, float* partial):
-    // x and y hold n floats (checked by the callers); block b < blocks writes the f64 at the
-    // 8-byte aligned start of partial + b, inside its 2*blocks+1 floats.
-    unsafe { launch(&DOT_PARTIAL, cfg, args)? };
-    let mut args = KernelArgs::new(dev);
-    args.input(op, &partial)?
-        .scalar(blocks as i32)
+        .output(op, &mut partial)?
         .scalar(i32::from(take_sqrt))
-        .output_at(op, out, at, 2)?;
-    let cfg = LaunchConfig::linear(1, STREAM_BLOCK);
-    // SAFETY: elementwise_dot_final(const float* partial, int nblocks, int take_sqrt, float*
-    // out): reads the `blocks` f64 partials written above (inside 2*blocks+1 floats), thread 0
-    // writes out[0..2], two floats inside `out`'s buffer (`output_at`).
-    unsafe { launch(&DOT_FINAL, cfg, args) }
+        .scalar(preset)
+        .output_at(op, out, at, SCALAR_SLOT)?;
+    let cfg = LaunchConfig::linear(blocks as u32, STREAM_BLOCK);
+    // SAFETY: elementwise_dot(const float* x, const float* y, int n, float* partial, int
+    // take_sqrt, unsigned int counted_from, float* out): x and y hold n floats (checked by
+    // the callers), read below n only; block b < blocks writes the f64 at the 8-byte aligned
+    // start of partial + b, inside its 2*blocks+1 floats, and the last block reads those
+    // `blocks` f64; out points at SCALAR_SLOT = 3 floats inside its buffer (`output_at`):
+    // every block adds to out[2], the last writes out[0..2].
+    unsafe { launch(&DOT, cfg, args) }
 }
 
 /// The prologue and epilogue the four fused optimizer updates share: in order, the length

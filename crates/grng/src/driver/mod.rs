@@ -219,6 +219,14 @@ impl CudaDevice {
         self.stream.alloc_zeros(len)
     }
 
+    /// `len` floats of device memory as allocated, no memset queued (`Device::scratch`).
+    pub(crate) fn scratch(&self, len: usize) -> std::result::Result<CudaSlice<f32>, DriverError> {
+        // SAFETY: cudarc leaves the memory unset; every bit pattern is a valid f32, and the
+        // one caller's kernel writes each element before it reads it. Stream-ordered like
+        // `alloc_zeros`'s allocation.
+        unsafe { self.stream.alloc(len) }
+    }
+
     /// Loads `kernel`'s module and function now (cached), so that a driver rejecting its PTX
     /// is found when a device is picked, not at the first step.
     pub(crate) fn preload(&self, kernel: &Kernel) -> Result<()> {
