@@ -27,9 +27,10 @@ use cudarc::cublas::sys::{
 use cudarc::cublas::{CudaBlas, Gemm, GemmConfig};
 use cudarc::cublaslt::{result as lt, sys as lts};
 use cudarc::driver::{CudaSlice, DevicePtr, DevicePtrMut};
+use grng::cuda::anatomy::launch_anatomy;
 use grng::cuda::gemm::gemm_tc;
 use grng::cuda::syrk::syrk_ema_tc;
-use grng::cuda::timing::{launch_anatomy, take_kernel_times, time_kernels};
+use grng::cuda::timing::{take_kernel_times, time_kernels};
 use grng::cuda::CudaDevice;
 use grng::hooks::{read_backs, record_launches, take_launches};
 use grng::ops::elementwise::{AdamWCoeffs, MultiState};

@@ -209,8 +209,9 @@ pub(crate) trait NewtonBackend {
     /// `T = A X` (with `E = I − T` where the backend keeps it) and its residual
     /// `‖I − T‖_F/√n`.
     fn product_t(&mut self) -> Result<f32>;
-    /// `(‖E‖∞, ‖E‖₁)` of the last [`NewtonBackend::product_t`]'s `E = I − AX`, in `f64`.
-    fn e_norms(&mut self) -> Result<(f64, f64)>;
+    /// [`NewtonBackend::product_t`], with `(‖E‖∞, ‖E‖₁)` of its `E = I − AX` in `f64` (a
+    /// device backend reads them back with the residual, at once).
+    fn product_t_and_e_norms(&mut self) -> Result<(f32, (f64, f64))>;
     /// `X ← X + X·F` for `order` from the last `T`; `sym`: the powers of `E` may be computed
     /// as symmetric-result products. Must not overwrite the kept best iterate.
     fn step(&mut self, order: NewtonOrder, sym: bool) -> Result<()>;
@@ -270,9 +271,8 @@ pub(crate) fn newton_inverse<B: NewtonBackend>(
             (InitialGuess::Paper, true)
         }
         (InitialGuess::Warm, true) => {
-            let r = b.product_t()?;
             // ‖I − AX‖₂ < 1 through the upper bounds ‖·‖_F and √(‖·‖₁‖·‖∞).
-            let (inf, one) = b.e_norms()?;
+            let (r, (inf, one)) = b.product_t_and_e_norms()?;
             let fro = r as f64 * (n as f64).sqrt();
             if fro.min((inf * one).sqrt()) < 1.0 {
                 r0 = Some(r);

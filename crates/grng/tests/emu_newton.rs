@@ -1027,3 +1027,36 @@ fn bad_inputs_are_typed_errors() {
         assert_eq!(zero.value, 0.0);
     }
 }
+
+/// The inversion's synchronizations on the emulator (`grng::hooks::read_backs`, this
+/// thread's): the setup reads `A`'s stats together with the warm start's, or without one with
+/// `A`'s norms (one read), the warm start's first residual comes back with `E`'s norms (one
+/// read), and each later residual is one read: `1 + residual_history.len()` in all, with or
+/// without a warm start (f32, the optimizers' default). Before, `A`'s norms (a cold start),
+/// the warm start's stats and `E`'s norms were reads of their own.
+#[test]
+fn inversion_reads_back_once_per_residual() {
+    let dev = Device::Emulated;
+    let mut rng = common::seeded_rng();
+    let n = 40;
+    let (a, _) = spd(&mut rng, n, 50.0);
+    let da = dev.upload(n, n, &a).unwrap();
+    let opts = NewtonOptions {
+        init: InitialGuess::Warm,
+        ..NewtonOptions::default()
+    };
+    let (x, _) = dev.newton_inverse(&da, None, &opts).unwrap();
+    for warm in [None, Some(&x)] {
+        let before = grng::hooks::read_backs();
+        let (_, info) = dev.newton_inverse(&da, warm, &opts).unwrap();
+        let reads = grng::hooks::read_backs() - before;
+        let expected = warm.map_or(InitialGuess::ScaledIdentity, |_| InitialGuess::Warm);
+        assert_eq!(info.init_used, expected, "{info:?}");
+        assert_eq!(
+            reads,
+            1 + info.residual_history.len() as u64,
+            "warm {}: {info:?}",
+            warm.is_some()
+        );
+    }
+}

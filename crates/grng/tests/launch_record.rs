@@ -7,7 +7,8 @@ use grng_testkit as common;
 
 use std::sync::{Mutex, PoisonError};
 
-use grng::cuda::timing::{launch_anatomy, take_kernel_times, time_kernels};
+use grng::cuda::anatomy::launch_anatomy;
+use grng::cuda::timing::{take_kernel_times, time_kernels};
 use grng::hooks::{record_launches, take_launches};
 use grng::{Device, Error};
 

@@ -228,7 +228,8 @@ impl NewtonBackend for Iteration {
         Ok(residual(&self.t, self.n))
     }
 
-    fn e_norms(&mut self) -> Result<(f64, f64)> {
+    fn product_t_and_e_norms(&mut self) -> Result<(f32, (f64, f64))> {
+        let r = self.product_t()?;
         let (t, n) = (&self.t, self.n);
         let e = |i: usize, j: usize| {
             let v = t[i * n + j] as f64;
@@ -244,7 +245,7 @@ impl NewtonBackend for Iteration {
         let one = (0..n)
             .map(|j| (0..n).map(|i| e(i, j).abs()).sum::<f64>())
             .fold(0.0, f64::max);
-        Ok((inf, one))
+        Ok((r, (inf, one)))
     }
 
     /// `X ← X p(T)` for the given order. `sym_e`: compute the powers of `E` as

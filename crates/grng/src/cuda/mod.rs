@@ -10,6 +10,8 @@
 //! file above them, [`gemm_vendor`] (cuBLAS) beside them, and [`gemm_plan`] (which of
 //! `gemm` and `gemm_vendor` runs a product) above both (see `kernels/README.md` and docs/architecture.md).
 
+#[cfg(feature = "test-hooks")]
+pub mod anatomy;
 pub mod cholesky;
 pub(crate) mod deferred;
 pub mod elementwise;

@@ -14,7 +14,8 @@
 //! each step writing four floats (the Rayleigh quotient and `‖Av‖` as double-float pairs)
 //! into its slot of one buffer, and reads each batch back once; the shared loop applies its
 //! stop test to the steps in order, so the result does not depend on the batch size. Setup
-//! reads back a few per-block partials (input checks, norms) once. Buffer rotation over three
+//! reads back a few per-block partials (input checks, norms) in one read, and the warm start's
+//! test its residual and `E`'s norms in one. Buffer rotation over three
 //! iterates keeps the best one without copies.
 //!
 //! Shapes and options are validated by [`Device::newton_inverse`] and
@@ -621,12 +622,25 @@ pub fn sym_stats(
     sym_bf: Option<&mut Matrix<bf16>>,
     unused: &mut Unused,
 ) -> Result<SymStats> {
+    let mut stats: Matrix = dev.zeros(SymStats::len(a.rows()), 1)?;
+    queue_sym_stats(dev, a, (sym, sym_bf), unused, (&mut stats, 0))?;
+    Ok(SymStats::of(&stats.to_vec()?))
+}
+
+/// [`sym_stats`]' launch, its [`SymStats::len`] floats written to `stats` from float `at`
+/// on, for the caller to read with others ([`SymStats::of`]).
+fn queue_sym_stats(
+    dev: &Device,
+    a: &Matrix,
+    (sym, sym_bf): (Option<&mut Matrix>, Option<&mut Matrix<bf16>>),
+    unused: &mut Unused,
+    (stats, at): (&mut Matrix, usize),
+) -> Result<()> {
     const OP: &str = "cuda::newton::sym_stats";
     let n = a.rows();
     check_shape(OP, "a", a.shape(), (n, n))?;
     let ni = dim(OP, n)?;
     let bands = n.div_ceil(32);
-    let mut stats: Matrix = dev.zeros(6 * bands, 1)?;
     let mut flags = 0i32;
     let sym = match sym {
         Some(m) => {
@@ -654,37 +668,48 @@ pub fn sym_stats(
         .scalar(ni)
         .output(OP, sym)?
         .output(OP, sym_bf)?
-        .output(OP, &mut stats)?
+        .output_at(OP, stats, at, 6 * bands)?
         .scalar(flags);
     // SAFETY: newton_sym_stats(const float* a, int n, float* sym, bf16* sym_bf, float* stats,
     // int flags): a (and sym, sym_bf when flagged) are n x n, touched only at indices < n²;
-    // block b of the ceil(n/32) grid writes stats[6b..6b+6), inside 6·bands floats.
-    unsafe { launch(&SYM_STATS, cfg, args) }?;
-    let v = stats.to_vec()?;
-    let mut out = SymStats {
-        max_abs: 0.0,
-        max_asym: 0.0,
-        non_finite: None,
-        top_diagonal: None,
-    };
-    for s in v.chunks_exact(6) {
-        let row = s[5].to_bits() as i32;
-        // Bands come in row order, so `>` keeps the first row on ties.
-        if row != i32::MAX && out.top_diagonal.is_none_or(|(_, d)| s[4] > d) {
-            out.top_diagonal = Some((row as usize, s[4]));
-        }
-        out.max_abs = out.max_abs.max(s[0]);
-        out.max_asym = out.max_asym.max(s[1]);
-        let idx = s[2].to_bits() as i32;
-        let first = match out.non_finite {
-            Some((i, _)) => (idx as usize) < i,
-            None => true,
-        };
-        if idx != i32::MAX && first {
-            out.non_finite = Some((idx as usize, s[3]));
-        }
+    // block b of the ceil(n/32) grid writes stats[6b..6b+6) from float `at` of the buffer,
+    // inside its 6·bands floats there (`output_at` checks).
+    unsafe { launch(&SYM_STATS, cfg, args) }
+}
+
+impl SymStats {
+    /// Floats of [`sym_stats`]' per-band output for an `n x n` matrix.
+    fn len(n: usize) -> usize {
+        6 * n.div_ceil(32)
     }
-    Ok(out)
+
+    /// The stats from [`queue_sym_stats`]' per-band output, read back.
+    fn of(v: &[f32]) -> Self {
+        let mut out = SymStats {
+            max_abs: 0.0,
+            max_asym: 0.0,
+            non_finite: None,
+            top_diagonal: None,
+        };
+        for s in v.chunks_exact(6) {
+            let row = s[5].to_bits() as i32;
+            // Bands come in row order, so `>` keeps the first row on ties.
+            if row != i32::MAX && out.top_diagonal.is_none_or(|(_, d)| s[4] > d) {
+                out.top_diagonal = Some((row as usize, s[4]));
+            }
+            out.max_abs = out.max_abs.max(s[0]);
+            out.max_asym = out.max_asym.max(s[1]);
+            let idx = s[2].to_bits() as i32;
+            let first = match out.non_finite {
+                Some((i, _)) => (idx as usize) < i,
+                None => true,
+            };
+            if idx != i32::MAX && first {
+                out.non_finite = Some((idx as usize, s[3]));
+            }
+        }
+        out
+    }
 }
 
 /// `‖m‖∞, ‖m‖₁, ‖m‖_F, tr m` of an `n x n` matrix: `newton_abs_norms` (per-band maxima of
@@ -694,23 +719,36 @@ pub fn sym_stats(
 /// # Errors
 /// [`Error::Shape`] unless square, [`Error::Value`] for `n` out of range, launch errors.
 pub(crate) fn abs_norms(dev: &Device, m: &Matrix) -> Result<ANorms> {
+    let mut part: Matrix = dev.zeros(4 * m.rows().div_ceil(32), 1)?;
+    queue_abs_norms(dev, m, (&mut part, 0))?;
+    Ok(norms_of(&part.to_vec()?))
+}
+
+/// [`abs_norms`]' launch, its `4·ceil(n/32)` per-band floats written to `part` from float
+/// `at` on, for the caller to read with others ([`norms_of`]).
+fn queue_abs_norms(dev: &Device, m: &Matrix, (part, at): (&mut Matrix, usize)) -> Result<()> {
     const OP: &str = "cuda::newton::abs_norms";
     let n = m.rows();
     check_shape(OP, "m", m.shape(), (n, n))?;
     let ni = dim(OP, n)?;
     let bands = n.div_ceil(32);
-    let mut part: Matrix = dev.zeros(4 * bands, 1)?;
     let cfg = LaunchConfig {
         grid: (bands as u32, 1, 1),
         block: (32, 8, 1),
         shared_mem: 0,
     };
     let mut args = KernelArgs::new(dev);
-    args.input(OP, m)?.scalar(ni).output(OP, &mut part)?;
+    args.input(OP, m)?
+        .scalar(ni)
+        .output_at(OP, part, at, 4 * bands)?;
     // SAFETY: newton_abs_norms(const float* m, int n, float* partial): m is n x n, read at
-    // indices < n²; block b of the ceil(n/32) grid writes partial[4b..4b+4).
-    unsafe { launch(&ABS_NORMS, cfg, args) }?;
-    let v = part.to_vec()?;
+    // indices < n²; block b of the ceil(n/32) grid writes partial[4b..4b+4) from float `at`
+    // of the buffer, inside its 4·bands floats there (`output_at` checks).
+    unsafe { launch(&ABS_NORMS, cfg, args) }
+}
+
+/// The norms from [`queue_abs_norms`]' per-band output, read back.
+fn norms_of(v: &[f32]) -> ANorms {
     let mut norms = ANorms {
         inf: 0.0,
         one: 0.0,
@@ -724,7 +762,7 @@ pub(crate) fn abs_norms(dev: &Device, m: &Matrix) -> Result<ANorms> {
         norms.trace += p[3] as f64;
     }
     norms.fro = norms.fro.sqrt();
-    Ok(norms)
+    norms
 }
 
 /// `x ← f32(alpha·a)` (with `a = Some`) or `x ← c·I`, plus the bf16 copy when `x_bf` is given.
@@ -927,26 +965,17 @@ pub(crate) fn spectral_norm(dev: &Device, a: &Matrix, opts: &PowerOptions) -> Re
     driver::power_iteration(&mut steps, n, opts)
 }
 
-/// Checks `m` finite and writes its symmetric part (and bf16 copy) — the CPU's
-/// `check_finite_view` + `symmetric_part`; returns `(max |m_ij − m_ji|, max |m_ij|)`.
-fn symmetric_part(
-    dev: &Device,
-    arg: &'static str,
-    m: &Matrix,
-    sym: &mut Matrix,
-    sym_bf: Option<&mut Matrix<bf16>>,
-    unused: &mut Unused,
-) -> Result<(f32, f32)> {
-    let st = sym_stats(dev, m, Some(sym), sym_bf, unused)?;
-    if let Some((index, value)) = st.non_finite {
-        return Err(Error::NonFinite {
+/// The CPU's `check_finite_view` on stats of `arg`: its first non-finite element, if any.
+fn check_finite_stats(arg: &'static str, st: &SymStats) -> Result<()> {
+    match st.non_finite {
+        Some((index, value)) => Err(Error::NonFinite {
             op: Work::OP,
             arg,
             index,
             value,
-        });
+        }),
+        None => Ok(()),
     }
-    Ok((st.max_asym, st.max_abs))
 }
 
 /// The iteration's device buffers (`n x n` unless noted; bf16 copies are 1x1 placeholders in
@@ -979,6 +1008,8 @@ struct Work<'d> {
     run: RunProduct,
     partial: Matrix,
     res: Matrix,
+    /// `A`'s norms, read back with the setup's stats where no warm start was given.
+    a_norms: Option<ANorms>,
 }
 
 /// `(&v[i], &mut v[j])` for `i ≠ j`.
@@ -1021,8 +1052,41 @@ impl<'d> Work<'d> {
             scratch: Scratch::new(dev, n)?,
             run,
             partial: dev.zeros(partials(n), 1)?,
-            res: dev.zeros(1, 1)?,
+            // The residual, then room for `E`'s norms read with it
+            // ([`NewtonBackend::product_t_and_e_norms`]).
+            res: dev.zeros(1 + 4 * n.div_ceil(32), 1)?,
+            a_norms: None,
         })
+    }
+    /// [`NewtonBackend::product_t`]'s launches: the product into `E` (and its residual
+    /// partials), then the residual into `res[0]`.
+    fn queue_t(&mut self) -> Result<()> {
+        let epi = Epilogue {
+            alpha: -1.0,
+            diag: 1.0,
+            out: Some(&mut self.e),
+            partial: Some(&mut self.partial),
+            ..Epilogue::new()
+        };
+        if self.bf16 {
+            let epi = Epilogue {
+                out_bf: Some(&mut self.e_bf),
+                ..epi
+            };
+            let ops = Operands::Bf16(&self.a_bf, &self.x_bf[self.cur]);
+            (self.run)(self.dev, ops, epi, &mut self.scratch)?;
+        } else {
+            let ops = Operands::F32(&self.a, &self.x[self.cur]);
+            (self.run)(self.dev, ops, epi, &mut self.scratch)?;
+        }
+        residual(
+            self.dev,
+            &self.partial,
+            partials(self.n),
+            self.n,
+            &mut self.res,
+        )?;
+        Ok(())
     }
 }
 
@@ -1034,7 +1098,10 @@ impl NewtonBackend for Work<'_> {
     }
 
     fn a_norms(&mut self) -> Result<ANorms> {
-        abs_norms(self.dev, &self.a)
+        match self.a_norms {
+            Some(norms) => Ok(norms),
+            None => abs_norms(self.dev, &self.a),
+        }
     }
 
     /// Into the current buffer (and its bf16 copy).
@@ -1054,9 +1121,14 @@ impl NewtonBackend for Work<'_> {
         )
     }
 
-    fn e_norms(&mut self) -> Result<(f64, f64)> {
-        let e = abs_norms(self.dev, &self.e)?;
-        Ok((e.inf, e.one))
+    /// [`Work::product_t`]'s launches, then `E`'s norms into the residual's buffer after it:
+    /// one read-back for both.
+    fn product_t_and_e_norms(&mut self) -> Result<(f32, (f64, f64))> {
+        self.queue_t()?;
+        queue_abs_norms(self.dev, &self.e, (&mut self.res, 1))?;
+        let v = self.res.to_vec()?;
+        let e = norms_of(&v[1..]);
+        Ok((v[0], (e.inf, e.one)))
     }
 
     fn mark_best(&mut self) {
@@ -1090,31 +1162,7 @@ impl NewtonBackend for Work<'_> {
     /// `E ← I − A X` (bf16 operands in bf16 mode, with E's bf16 copy) and its residual
     /// `‖E‖_F/√n`, the one value read back.
     fn product_t(&mut self) -> Result<f32> {
-        let epi = Epilogue {
-            alpha: -1.0,
-            diag: 1.0,
-            out: Some(&mut self.e),
-            partial: Some(&mut self.partial),
-            ..Epilogue::new()
-        };
-        if self.bf16 {
-            let epi = Epilogue {
-                out_bf: Some(&mut self.e_bf),
-                ..epi
-            };
-            let ops = Operands::Bf16(&self.a_bf, &self.x_bf[self.cur]);
-            (self.run)(self.dev, ops, epi, &mut self.scratch)?;
-        } else {
-            let ops = Operands::F32(&self.a, &self.x[self.cur]);
-            (self.run)(self.dev, ops, epi, &mut self.scratch)?;
-        }
-        residual(
-            self.dev,
-            &self.partial,
-            partials(self.n),
-            self.n,
-            &mut self.res,
-        )?;
+        self.queue_t()?;
         Ok(self.res.to_vec()?[0])
     }
 
@@ -1224,18 +1272,31 @@ pub(crate) fn newton_inverse(
     let bf16 = opts.precision == Precision::Bf16;
     let quartic = opts.order == NewtonOrder::Quartic;
     let mut it = Work::new(dev, n, (bf16, quartic), run)?;
+    // The symmetric part of `a` with its stats, and either the warm start's (a hint: checked
+    // finite, its symmetry not) or, without one, `a`'s norms (the cold starts scale by them),
+    // read back together: one synchronization for the setup, the CPU's checks in its order.
+    let len = SymStats::len(n);
+    let warm = warm.filter(|_| opts.init == InitialGuess::Warm);
+    let mut stats: Matrix = dev.zeros(2 * len, 1)?;
     let a_bf = bf16.then_some(&mut it.a_bf);
     let unused = &mut it.scratch.unused;
-    let (max_asym, max_abs) = symmetric_part(dev, "a", a, &mut it.a, a_bf, unused)?;
-    check_symmetric(OP, "a", max_asym, max_abs)?;
-    // The warm start (a hint: its symmetric part, unchecked) goes to buffer 0, the current.
-    let warm = match (opts.init, warm) {
-        (InitialGuess::Warm, Some(w)) => {
+    queue_sym_stats(dev, a, (Some(&mut it.a), a_bf), unused, (&mut stats, 0))?;
+    match warm {
+        // The warm start goes to buffer 0, the current.
+        Some(w) => {
             let xb = bf16.then_some(&mut it.x_bf[0]);
-            symmetric_part(dev, "warm", w, &mut it.x[0], xb, &mut it.scratch.unused)?;
-            true
+            queue_sym_stats(dev, w, (Some(&mut it.x[0]), xb), unused, (&mut stats, len))?;
         }
-        _ => false,
-    };
-    driver::newton_inverse(it, warm, opts)
+        // `4·ceil(n/32)` floats, inside the second `len = 6·ceil(n/32)`.
+        None => queue_abs_norms(dev, &it.a, (&mut stats, len))?,
+    }
+    let v = stats.to_vec()?;
+    let st = SymStats::of(&v[..len]);
+    check_finite_stats("a", &st)?;
+    check_symmetric(OP, "a", st.max_asym, st.max_abs)?;
+    match warm {
+        Some(_) => check_finite_stats("warm", &SymStats::of(&v[len..]))?,
+        None => it.a_norms = Some(norms_of(&v[len..len + 4 * n.div_ceil(32)])),
+    }
+    driver::newton_inverse(it, warm.is_some(), opts)
 }
