@@ -131,6 +131,28 @@ enum Side {
     Bf16x3,
 }
 
+impl Flags {
+    /// `f`'s epilogue over the additions `adds` into the outputs it selects of `outs`
+    /// (`out`, `out_bf`, `partial`), mirrored when `mirror`.
+    fn epilogue<'a>(
+        &self,
+        (add1, add2): (&'a Matrix, &'a Matrix),
+        (out, out_bf, partial): (&'a mut Matrix, &'a mut Matrix<bf16>, &'a mut Matrix),
+        mirror: bool,
+    ) -> Epilogue<'a> {
+        Epilogue {
+            alpha: self.alpha,
+            diag: self.diag,
+            add1: self.add1.then_some(add1),
+            add2: self.add2.then_some(add2),
+            out: self.out.then_some(out),
+            out_bf: self.out_bf.then_some(out_bf),
+            partial: self.partial.then_some(partial),
+            mirror,
+        }
+    }
+}
+
 /// Runs one fused product (`tc`: bf16 operands on tensor cores, else f32) with NaN-poisoned
 /// outputs and checks every output against [`reference`]. `tol_unit` is the relative error
 /// of one accumulated product term. A mirrored product (`f.mirror`) is `A·A` for a symmetric
@@ -227,16 +249,11 @@ fn check_product(dev: &Device, n: usize, f: &Flags, (tc, side): (bool, Side), se
         );
         assert!(matches!(refused, Err(Error::Value { .. })), "{refused:?}");
     }
-    let epi = Epilogue {
-        alpha: f.alpha,
-        diag: f.diag,
-        add1: f.add1.then_some(&d_add1),
-        add2: f.add2.then_some(&d_add2),
-        out: f.out.then_some(&mut out),
-        out_bf: f.out_bf.then_some(&mut out_bf),
-        partial: f.partial.then_some(&mut partial),
+    let epi = f.epilogue(
+        (&d_add1, &d_add2),
+        (&mut out, &mut out_bf, &mut partial),
         mirror,
-    };
+    );
     run(epi, &mut unused).unwrap();
     if mirror && f.out {
         let mut full = up(&vec![f32::NAN; n * n]);
@@ -330,16 +347,11 @@ fn check_bf16x3_is_the_engine(n: usize, f: &Flags, seed: u64) {
         let mut out = up(&vec![f32::NAN; n * n]);
         let mut out_bf: Matrix<bf16> = dev.upload(n, n, &vec![bf16::NAN; n * n]).unwrap();
         let mut partial = dev.upload(np, 1, &vec![f32::NAN; np]).unwrap();
-        let epi = Epilogue {
-            alpha: f.alpha,
-            diag: f.diag,
-            add1: f.add1.then_some(&add1),
-            add2: f.add2.then_some(&add2),
-            out: f.out.then_some(&mut out),
-            out_bf: f.out_bf.then_some(&mut out_bf),
-            partial: f.partial.then_some(&mut partial),
-            mirror: f.mirror,
-        };
+        let epi = f.epilogue(
+            (&add1, &add2),
+            (&mut out, &mut out_bf, &mut partial),
+            f.mirror,
+        );
         let ops = kn::Operands::F32(&a, &b);
         match side {
             Side::Bf16x3 => gemm_plan::newton_bf16x3(&dev, (&a, &b), epi, &mut scratch),
@@ -417,16 +429,7 @@ fn check_epilogue_kernel(dev: &Device, n: usize, f: &Flags, tc: bool, seed: u64)
         })
         .collect();
     for (side, (out, out_bf, partial)) in outs.iter_mut().enumerate() {
-        let epi = Epilogue {
-            alpha: f.alpha,
-            diag: f.diag,
-            add1: f.add1.then_some(&d_add1),
-            add2: f.add2.then_some(&d_add2),
-            out: f.out.then_some(out),
-            out_bf: f.out_bf.then_some(out_bf),
-            partial: f.partial.then_some(partial),
-            mirror,
-        };
+        let epi = f.epilogue((&d_add1, &d_add2), (out, out_bf, partial), mirror);
         if side == 0 {
             kn::engine_product(dev, ops, epi, &mut scratch).unwrap();
         } else {
