@@ -257,7 +257,7 @@ fn batch_reads_counts_the_schedule() {
 /// diagonal (cheap to build at n = 2065, where the matvec runs 259 blocks: more partials than
 /// the 256 threads that sum them).
 fn pinned_matrix(n: usize) -> Vec<f32> {
-    let mut rng = ChaCha8Rng::seed_from_u64(0x5eed_0f_9e7);
+    let mut rng = ChaCha8Rng::seed_from_u64(0x0005_eed0_f9e7);
     let mut a = vec![0f32; n * n];
     for i in 0..n {
         for j in 0..=i {
