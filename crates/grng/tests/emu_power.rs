@@ -270,7 +270,7 @@ fn pinned_matrix(n: usize) -> Vec<f32> {
 }
 
 /// `spectral_norm` on the emulator pinned bit for bit to the values of the two-kernel step
-/// (`newton_power_matvec` + `newton_power_normalize`, before the step became one launch):
+/// (a matvec launch and a one-block normalize launch, before the step became one launch):
 /// the fused step keeps the partials, their summation order and the normalization. Twelve
 /// steps under an unreachable tolerance (n = 1 is exact after
 /// two), in batches of 8, so every step's `v` feeds the
