@@ -19,8 +19,9 @@
 //
 // Setup kernels: newton_sym_stats (symmetric part, bf16 copy, max|a|, asymmetry, first
 // non-finite), newton_abs_norms (‖·‖∞, ‖·‖₁, ‖·‖_F partials), newton_init_x (X₀ = αA or cI);
-// power iteration: newton_power_matvec + newton_power_normalize (Rayleigh quotient and ‖Av‖ as
-// double-float pairs for the host's stop test, one slot per step of a batch read back at once).
+// power iteration: newton_power_step, one launch per step (w = Av, whose last block to finish
+// sums the partials and normalizes v; the Rayleigh quotient and ‖Av‖ as double-float pairs for
+// the host's stop test, one slot per step of a batch read back at once).
 #include "common.cuh"
 #include "gemm/engine.cuh"
 #include "gemm/wgmma_sm90.cuh"
@@ -435,9 +436,15 @@ extern "C" __global__ void __launch_bounds__(256)
 GRNG_EMU_ENTRY(newton_init_x, (const float*, float*, __nv_bfloat16*, int, double, float, int))
 
 // ---------------------------------------------------------------------------------------
-// Power iteration. w = A v (a warp per row, grid-stride, double accumulation; w stored f32)
-// with per-block partials of vᵀw and wᵀw as double-float pairs (hi, lo):
-// partial[4b..4b+4] = (vᵀw hi, lo, wᵀw hi, lo). Block 256.
+// Power iteration: one launch per step. w = A v (a warp per row, grid-stride, double
+// accumulation; w stored f32) with per-block partials of vᵀw and wᵀw as double-float pairs
+// (hi, lo): partial[4b..4b+4] = (vᵀw hi, lo, wᵀw hi, lo). partial[4·gridDim.x] is a counter
+// (unsigned int bits, 0 at the launch): the block whose count is the last one sums the
+// partials in a fixed order (thread t over b = t, t + 256, …, then newton_block_sum_d) into
+// scal = (vᵀw hi, lo, ‖w‖ hi, lo) (the step's slot of the batch's buffer: the launcher passes
+// its address), resets the counter to 0 for the next step and, when ‖w‖ > 0, normalizes
+// v = w / ‖w‖. Every block's reads of v and writes of w precede its count (__syncthreads), so
+// the last block writes v only after all reads of it. Block 256.
 __device__ __forceinline__ void newton_store_df(float* p, double v) {
     const float hi = (float)v;
     p[0] = hi;
@@ -445,9 +452,10 @@ __device__ __forceinline__ void newton_store_df(float* p, double v) {
 }
 
 extern "C" __global__ void __launch_bounds__(256)
-    newton_power_matvec(const float* __restrict__ a, const float* __restrict__ v,
-                        float* __restrict__ w, float* __restrict__ partial, int n) {
+    newton_power_step(const float* __restrict__ a, float* v, float* w, float* partial,
+                      float* __restrict__ scal, int n) {
     __shared__ double red[2][8];
+    __shared__ int last;
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
     const int nwarps = blockDim.x >> 5;
     double vw = 0.0, ww = 0.0;
@@ -466,6 +474,7 @@ extern "C" __global__ void __launch_bounds__(256)
         red[0][warp] = vw;
         red[1][warp] = ww;
     }
+    // Every read of v and write of w of this block is done before thread 0 counts.
     __syncthreads();
     if (threadIdx.x == 0) {
         double s0 = 0.0, s1 = 0.0;
@@ -475,33 +484,40 @@ extern "C" __global__ void __launch_bounds__(256)
         }
         newton_store_df(partial + 4 * blockIdx.x, s0);
         newton_store_df(partial + 4 * blockIdx.x + 2, s1);
+        // Release: this block's partial and rows of w are visible device-wide before the
+        // count says they are there.
+        __threadfence();
+        unsigned int* count = reinterpret_cast<unsigned int*>(partial + 4 * gridDim.x);
+        last = atomicAdd(count, 1u) == gridDim.x - 1;
+        if (last) {
+            // Every block has counted: reset for the next step (stream order publishes it).
+            *count = 0u;
+            // Acquire: the partials and w the count has seen are visible from here.
+            __threadfence();
+        }
     }
-}
-GRNG_EMU_ENTRY(newton_power_matvec, (const float*, const float*, float*, float*, int))
-
-// Sums the matvec partials (fixed order) into scal = (vᵀw hi, lo, ‖w‖ hi, lo) (the step's slot
-// of the batch's buffer: the launcher passes its address) and, when
-// ‖w‖ > 0, normalizes v = w / ‖w‖. One block of 256 threads.
-extern "C" __global__ void __launch_bounds__(256)
-    newton_power_normalize(const float* __restrict__ partial, int count,
-                           const float* __restrict__ w, float* __restrict__ v,
-                           float* __restrict__ scal, int n) {
-    double vw = 0.0, ww = 0.0;
+    __syncthreads();
+    if (!last) return;
+    // volatile: read from memory, not from a cache line this SM may hold.
+    const volatile float* p = partial;
+    const volatile float* wv = w;
+    const int count = (int)gridDim.x;
+    double svw = 0.0, sww = 0.0;
     for (int i = threadIdx.x; i < count; i += blockDim.x) {
-        vw += (double)partial[4 * i] + (double)partial[4 * i + 1];
-        ww += (double)partial[4 * i + 2] + (double)partial[4 * i + 3];
+        svw += (double)p[4 * i] + (double)p[4 * i + 1];
+        sww += (double)p[4 * i + 2] + (double)p[4 * i + 3];
     }
-    vw = newton_block_sum_d(vw);
-    ww = newton_block_sum_d(ww);
-    const double wn = sqrt(ww);
+    svw = newton_block_sum_d(svw);
+    sww = newton_block_sum_d(sww);
+    const double wn = sqrt(sww);
     if (threadIdx.x == 0) {
-        newton_store_df(scal, vw);
+        newton_store_df(scal, svw);
         newton_store_df(scal + 2, wn);
     }
     if (wn > 0.0)
-        for (int i = threadIdx.x; i < n; i += blockDim.x) v[i] = (float)((double)w[i] / wn);
+        for (int i = threadIdx.x; i < n; i += blockDim.x) v[i] = (float)((double)wv[i] / wn);
 }
-GRNG_EMU_ENTRY(newton_power_normalize, (const float*, int, const float*, float*, float*, int))
+GRNG_EMU_ENTRY(newton_power_step, (const float*, float*, float*, float*, float*, int))
 
 // ---------------------------------------------------------------------------------------
 // a[j, i] = a[i, j] for i > j: the lower triangle (row-major) copied onto the upper one, for

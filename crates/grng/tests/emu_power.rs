@@ -252,3 +252,47 @@ fn batch_reads_counts_the_schedule() {
         }
     }
 }
+
+/// A symmetric `n x n` matrix from a fixed seed: uniform entries in `[-1, 1)` plus `2` on the
+/// diagonal (cheap to build at n = 2065, where the matvec runs 259 blocks: more partials than
+/// the 256 threads that sum them).
+fn pinned_matrix(n: usize) -> Vec<f32> {
+    let mut rng = ChaCha8Rng::seed_from_u64(0x0005_eed0_f9e7);
+    let mut a = vec![0f32; n * n];
+    for i in 0..n {
+        for j in 0..=i {
+            let x = rng.random_range(-1.0f32..1.0) + if i == j { 2.0 } else { 0.0 };
+            a[i * n + j] = x;
+            a[j * n + i] = x;
+        }
+    }
+    a
+}
+
+/// `spectral_norm` on the emulator pinned bit for bit to the values of the two-kernel step
+/// (a matvec launch and a one-block normalize launch, before the step became one launch):
+/// the fused step keeps the partials, their summation order and the normalization. Twelve
+/// steps under an unreachable tolerance (n = 1 is exact after
+/// two), in batches of 8, so every step's `v` feeds the
+/// next.
+#[test]
+fn spectral_norm_is_pinned() {
+    // (n, steps, bits of the value)
+    let pinned: [(usize, usize, u32); 5] = [
+        (1, 2, 0x4029_2351),
+        (9, 12, 0x409d_8995),
+        (100, 12, 0x413f_b3ec),
+        (300, 12, 0x419d_fcf0),
+        (2065, 12, 0x4226_ecbe),
+    ];
+    let opts = PowerOptions {
+        tol: 1e-30,
+        max_iter: 12,
+        max_batch: 8,
+    };
+    for (n, steps, bits) in pinned {
+        let info = norm_on(&Device::Emulated, &pinned_matrix(n), n, &opts);
+        assert_eq!(info.iterations, steps, "n = {n}: {info:?}");
+        assert_eq!(info.value.to_bits(), bits, "n = {n}: {info:?}");
+    }
+}

@@ -11,8 +11,9 @@
 //! mirrored products (lower-triangle tiles only) exactly where the CPU mirrors them. Per
 //! iteration one `f32` (the residual) goes to the host for the stop test. The power
 //! iteration queues its steps in batches of up to [`PowerOptions::max_batch`] (2, 4, 8, …),
-//! each step writing four floats (the Rayleigh quotient and `‖Av‖` as double-float pairs)
-//! into its slot of one buffer, and reads each batch back once; the shared loop applies its
+//! each step one launch (the matrix-vector product, whose last block to finish normalizes)
+//! writing four floats (the Rayleigh quotient and `‖Av‖` as double-float pairs) into its slot
+//! of one buffer, and reads each batch back once; the shared loop applies its
 //! stop test to the steps in order, so the result does not depend on the batch size. Setup
 //! reads back a few per-block partials (input checks, norms) in one read, and the warm start's
 //! test its residual and `E`'s norms in one. Buffer rotation over three
@@ -112,15 +113,14 @@ fn check_newton_gemm3_wg(gpu: Option<&CudaDevice>) -> Result<std::result::Result
 
 kernel!(pub EPILOGUE = NEWTON::newton_epilogue;);
 kernel!(pub INIT_X = NEWTON::newton_init_x;);
-kernel!(pub POWER_MATVEC = NEWTON::newton_power_matvec;);
-kernel!(pub POWER_NORMALIZE = NEWTON::newton_power_normalize;);
+kernel!(pub POWER_STEP = NEWTON::newton_power_step;);
 
 /// Output tile of `newton_gemm_tc` and `newton_gemm3_tc` (rows and columns).
 /// The GEMM engine's block tile (kernels/gemm/engine.cuh).
 pub const TILE: usize = 128;
 /// Largest `n`: the kernels index `n²` elements with `int`.
 const MAX_N: usize = 46_340;
-/// Blocks of `newton_power_matvec` (8 rows each, grid-stride beyond).
+/// Blocks of `newton_power_step` (8 rows each, grid-stride beyond).
 const MATVEC_MAX_BLOCKS: usize = 2048;
 
 // Epilogue flags of kernels/newton.cu.
@@ -823,6 +823,8 @@ pub(crate) struct DevicePower<'a> {
     top_diagonal: Option<(usize, f32)>,
     v: Matrix,
     w: Matrix,
+    /// The step's per-block partials and, after them, its last-block counter (zeroed here,
+    /// reset to 0 by each step's last block).
     part: Matrix,
     /// One slot of four floats per step of a batch: `(vᵀw, ‖w‖)` as double-float pairs.
     scal: Matrix,
@@ -843,7 +845,7 @@ impl<'a> DevicePower<'a> {
             top_diagonal,
             v: dev.zeros(n, 1)?,
             w: dev.zeros(n, 1)?,
-            part: dev.zeros(4 * n.div_ceil(8).min(MATVEC_MAX_BLOCKS), 1)?,
+            part: dev.zeros(4 * n.div_ceil(8).min(MATVEC_MAX_BLOCKS) + 1, 1)?,
             scal: dev.zeros(4 * max_batch.max(1), 1)?,
         })
     }
@@ -881,9 +883,11 @@ impl PowerStep for DevicePower<'_> {
     }
 }
 
-/// One power-iteration step on the device: `w = A v`, then `v ← w/‖w‖` (when `‖w‖ > 0`);
-/// writes `(vᵀAv, ‖Av‖)` (the `v` before the step, summed in double) as double-float pairs to
-/// `scal[4·slot..4·slot + 4)`.
+/// One power-iteration step on the device, one launch: `w = A v`, then `v ← w/‖w‖` (when
+/// `‖w‖ > 0`) by the launch's last block to finish; writes `(vᵀAv, ‖Av‖)` (the `v` before the
+/// step, summed in double) as double-float pairs to `scal[4·slot..4·slot + 4)`. `part` holds
+/// the per-block partials and, after them, the counter of finished blocks: `0` at the launch
+/// (a zeroed buffer, and every step's last block resets it).
 fn power_step(
     dev: &Device,
     a: &Matrix,
@@ -898,7 +902,7 @@ fn power_step(
     check_len(OP, "v", v.len(), n)?;
     check_len(OP, "w", w.len(), n)?;
     let blocks = n.div_ceil(8).min(MATVEC_MAX_BLOCKS);
-    check_len(OP, "partial", part.len(), 4 * blocks)?;
+    check_len(OP, "partial", part.len(), 4 * blocks + 1)?;
     let cfg = LaunchConfig {
         grid: (blocks as u32, 1, 1),
         block: (256, 1, 1),
@@ -906,30 +910,19 @@ fn power_step(
     };
     let mut args = KernelArgs::new(dev);
     args.input(OP, a)?
-        .input(OP, v)?
+        .output(OP, v)?
         .output(OP, w)?
         .output(OP, part)?
-        .scalar(ni);
-    // SAFETY: newton_power_matvec(const float* a, const float* v, float* w, float* partial,
-    // int n): a is n x n, v and w hold n floats (checked); rows r < n only; block b writes
-    // partial[4b..4b+4), inside 4·blocks floats; block 256 = the kernel's 8 warps.
-    unsafe { launch(&POWER_MATVEC, cfg, args) }?;
-    let cfg = LaunchConfig {
-        grid: (1, 1, 1),
-        block: (256, 1, 1),
-        shared_mem: 0,
-    };
-    let mut args = KernelArgs::new(dev);
-    args.input(OP, part)?
-        .scalar(blocks as i32)
-        .input(OP, w)?
-        .output(OP, v)?
         .output_at(OP, scal, 4 * slot, 4)?
         .scalar(ni);
-    // SAFETY: newton_power_normalize(const float* partial, int count, const float* w, float*
-    // v, float* scal, int n): partial holds 4·count floats, w and v n (checked); scal points
-    // at slot `slot`, with its 4 floats inside the buffer (`output_at` checks).
-    unsafe { launch(&POWER_NORMALIZE, cfg, args) }
+    // SAFETY: newton_power_step(const float* a, float* v, float* w, float* partial, float*
+    // scal, int n): a is n x n, v and w hold n floats (checked); rows r < n only; block b
+    // writes partial[4b..4b+4) and counts in partial[4·blocks] (4·blocks + 1 floats,
+    // checked; 0 at the launch: zeroed at allocation, reset by every step's last block); the
+    // last block reads partial[..4·blocks) and w, writes v and scal's 4 floats (slot `slot`,
+    // inside the buffer: `output_at` checks), after every block's reads of v; block 256 = the
+    // kernel's 8 warps.
+    unsafe { launch(&POWER_STEP, cfg, args) }
 }
 
 /// [`Device::spectral_norm`] on [`Device::Emulated`] / [`Device::Cuda`]: the CPU backend's
