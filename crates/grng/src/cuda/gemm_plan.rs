@@ -915,7 +915,7 @@ pub(crate) fn newton_product(
 
 /// Candidate bf16x3 of an f32 Newton product: `A·B` by [`gemm3_bf16x3`] (the split3 planes
 /// concatenated along `K`, one bf16 product of the plan) into the scratch's f32 product, then
-/// [`newton::epilogue`] over it — [`newton_product`]'s outputs and residual partials. A square
+/// [`newton::epilogue`] over it — `newton_product`'s outputs and residual partials. A square
 /// (`a` and `b` the same matrix) is split once. Where the bf16 product runs `gemm_tc` and `n`
 /// is a multiple of its 32-deep K slice, the product is the split3 engine's bit for bit, and
 /// so are the outputs (`newton_epilogue` is the fused epilogue's algebra).
