@@ -474,7 +474,10 @@ extern "C" __global__ void __launch_bounds__(256)
         red[0][warp] = vw;
         red[1][warp] = ww;
     }
-    // Every read of v and write of w of this block is done before thread 0 counts.
+    // Every read of v and write of w of this block is done before thread 0 counts. Each
+    // thread fences its own rows of w first: __threadfence orders the calling thread's
+    // writes, and the last block reads every block's w.
+    __threadfence();
     __syncthreads();
     if (threadIdx.x == 0) {
         double s0 = 0.0, s1 = 0.0;
