@@ -113,9 +113,10 @@ pub(crate) fn rejection_injected(file: &str) -> bool {
     false
 }
 
-/// `Device::dot_deferred` of each `(x, y)` pair inside one `Device::deferred` scope, resolved by the scope's readout: the deferred reductions
-/// of a Kronecker step's model (`optim::kron::factored`), reachable from the tests of their
-/// launches, values and failed-check re-run, which the crate-private API hides.
+/// `Device::dot_deferred` of each `(x, y)` pair inside one `Device::deferred` scope, resolved
+/// by the scope's readout: the deferred reductions of a Kronecker step's model
+/// (`optim::kron::factored`), reachable from the tests of their launches, values and
+/// failed-check re-run, which the crate-private API hides.
 ///
 /// # Errors
 /// As [`crate::Device::dot`]: a non-finite pair fails the scope's check, and the body's eager

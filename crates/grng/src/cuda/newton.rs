@@ -944,25 +944,19 @@ pub(crate) fn spectral_norm(dev: &Device, a: &Matrix, opts: &PowerOptions) -> Re
     }
     let mut unused = Unused::new(dev)?;
     let st = sym_stats(dev, a, None, None, &mut unused)?;
-    if let Some((index, value)) = st.non_finite {
-        return Err(Error::NonFinite {
-            op: OP,
-            arg: "a",
-            index,
-            value,
-        });
-    }
+    check_finite_stats((OP, "a"), &st)?;
     // No batch is longer than the whole run.
     let max_batch = opts.max_batch.min(opts.max_iter);
     let mut steps = DevicePower::new(dev, a, st.top_diagonal, max_batch)?;
     driver::power_iteration(&mut steps, n, opts)
 }
 
-/// The CPU's `check_finite_view` on stats of `arg`: its first non-finite element, if any.
-fn check_finite_stats(arg: &'static str, st: &SymStats) -> Result<()> {
+/// The CPU's `check_finite_view` on stats of `op`'s argument `arg`: its first non-finite
+/// element, if any.
+fn check_finite_stats((op, arg): (&'static str, &'static str), st: &SymStats) -> Result<()> {
     match st.non_finite {
         Some((index, value)) => Err(Error::NonFinite {
-            op: Work::OP,
+            op,
             arg,
             index,
             value,
@@ -1285,10 +1279,10 @@ pub(crate) fn newton_inverse(
     }
     let v = stats.to_vec()?;
     let st = SymStats::of(&v[..len]);
-    check_finite_stats("a", &st)?;
+    check_finite_stats((OP, "a"), &st)?;
     check_symmetric(OP, "a", st.max_asym, st.max_abs)?;
     match warm {
-        Some(_) => check_finite_stats("warm", &SymStats::of(&v[len..]))?,
+        Some(_) => check_finite_stats((OP, "warm"), &SymStats::of(&v[len..]))?,
         None => it.a_norms = Some(norms_of(&v[len..len + 4 * n.div_ceil(32)])),
     }
     driver::newton_inverse(it, warm.is_some(), opts)
