@@ -16,8 +16,8 @@
 // and swaps the new buffers in only when it is clean. axpy and scale instead run the
 // read-only `elementwise_check` pass first and write nothing unless its status is clean.
 //
-// Reductions (dot, norm2) are deterministic and take one launch: each block gives one f64
-// partial (products of f32 inputs are exact in f64; grid-stride sums in f64, warp-shuffle
+// Reductions (dot, norm2, up to three dots at once) are deterministic and take one launch: each
+// block gives one f64 partial per sum (products of f32 inputs are exact in f64; grid-stride sums in f64, warp-shuffle
 // and shared-memory tree per block), and the last block to finish (an atomic count after a
 // __threadfence) reduces the partials in a fixed order. The grid depends on n only, so the
 // result does not depend on the device or on the order blocks finish in.
@@ -203,16 +203,10 @@ extern "C" __global__ void elementwise_copy(float* __restrict__ dst, const float
 }
 GRNG_EMU_ENTRY(elementwise_copy, (float*, const float*, int))
 
-// Σ x_i y_i in one launch. Block b writes its f64 partial to grng_as_f64(partial)[b]; the
-// last block to finish (counted in out[2], whose bits start at `counted_from`) sums the
-// gridDim.x partials in block order, strided over its threads, and writes out[0] = the f32
-// rounding of the sum (of its square root when `take_sqrt`), out[1] = 1 when the f64 sum is
-// finite, else 0 (a NaN/Inf input; finite f32 products cannot overflow f64). Whichever block
-// is last, the same partials are summed in the same order. For norm2 the launcher passes x
-// twice. blockDim.x a multiple of 32.
-extern "C" __global__ void elementwise_dot(const float* __restrict__ x, const float* __restrict__ y,
-                                           int n, float* __restrict__ partial, int take_sqrt,
-                                           unsigned int counted_from, float* __restrict__ out) {
+// This thread's share of Σ x_i y_i: float4 items while both pointers are 16-byte aligned, then
+// the scalar tail (every element of the pair exactly once over the grid).
+__device__ __forceinline__ double ew_dot_part(const float* __restrict__ x,
+                                              const float* __restrict__ y, int n) {
     double acc = 0.0;
     const int n4 = ew_aligned16(x, y) ? n / 4 : 0;
     for (int k = EW_TID; k < n4; k += EW_STRIDE) {
@@ -226,11 +220,40 @@ extern "C" __global__ void elementwise_dot(const float* __restrict__ x, const fl
     }
     for (int i = 4 * n4 + EW_TID; i < n; i += EW_STRIDE)
         acc += static_cast<double>(x[i]) * static_cast<double>(y[i]);
-    const double total = ew_block_sum_f64(acc);
+    return acc;
+}
+
+// The k = 1..3 sums Σ x_j,i y_j,i of pairs of one length n in one launch (a Kronecker step's
+// three model terms of a layer: one launch, not three). Block b writes pair j's f64 partial to
+// grng_as_f64(partial)[j * gridDim.x + b]; the last block to finish (counted in out[2], whose
+// bits start at `counted_from`) sums each pair's gridDim.x partials in block order, strided
+// over its threads, and writes out[3j] = the f32 rounding of the sum (of its square root when
+// `take_sqrt`), out[3j + 1] = 1 when the f64 sum is finite, else 0 (a NaN/Inf input; finite f32
+// products cannot overflow f64). Whichever block is last, the same partials are summed in the
+// same order, and each pair's sum is the one a launch of that pair alone gives, bit for bit:
+// its own alignment test, grid and order. (A pair re-reads its x from cache when it shares it
+// with another: the pairs stay independent so that the bits cannot depend on the company.)
+// For norm2 the launcher passes x twice. blockDim.x a multiple of 32.
+extern "C" __global__ void elementwise_dot(const float* __restrict__ x0, const float* __restrict__ y0,
+                                           const float* __restrict__ x1, const float* __restrict__ y1,
+                                           const float* __restrict__ x2, const float* __restrict__ y2,
+                                           int k, int n, float* __restrict__ partial, int take_sqrt,
+                                           unsigned int counted_from, float* __restrict__ out) {
+    double* part = grng_as_f64(partial);
+GRNG_UNROLL
+    for (int j = 0; j < 3; ++j) {
+        if (j >= k) break;  // k is uniform: every thread leaves together
+        const float* x = j == 0 ? x0 : j == 1 ? x1 : x2;
+        const float* y = j == 0 ? y0 : j == 1 ? y1 : y2;
+        // The block sum's shared buffer is reused: the last one's readers are done first.
+        if (j > 0) __syncthreads();
+        const double total = ew_block_sum_f64(ew_dot_part(x, y, n));
+        if (threadIdx.x == 0) part[j * gridDim.x + blockIdx.x] = total;
+    }
     __shared__ int last;
     if (threadIdx.x == 0) {
-        grng_as_f64(partial)[blockIdx.x] = total;
-        // Release: the partial is visible device-wide before the count says it is there.
+        // Release: the partials are visible device-wide before the count says they are there
+        // (thread 0 wrote them all).
         __threadfence();
         unsigned int* count = reinterpret_cast<unsigned int*>(out) + 2;
         last = atomicAdd(count, 1u) - counted_from == gridDim.x - 1;
@@ -240,19 +263,26 @@ extern "C" __global__ void elementwise_dot(const float* __restrict__ x, const fl
     __syncthreads();
     if (last) {
         // volatile: read from memory, not from a cache line this SM may hold.
-        const volatile double* p = grng_as_f64(partial);
-        double sum = 0.0;
-        for (int b = threadIdx.x; b < static_cast<int>(gridDim.x); b += blockDim.x) sum += p[b];
-        sum = ew_block_sum_f64(sum);
-        if (threadIdx.x == 0) {
-            const bool finite = isfinite(sum);
-            out[0] = static_cast<float>(take_sqrt ? sqrt(sum) : sum);
-            out[1] = finite ? 1.0f : 0.0f;
+        const volatile double* p = part;
+GRNG_UNROLL
+        for (int j = 0; j < 3; ++j) {
+            if (j >= k) break;
+            double sum = 0.0;
+            for (int b = threadIdx.x; b < static_cast<int>(gridDim.x); b += blockDim.x)
+                sum += p[j * gridDim.x + b];
+            if (j > 0) __syncthreads();
+            sum = ew_block_sum_f64(sum);
+            if (threadIdx.x == 0) {
+                const bool finite = isfinite(sum);
+                out[3 * j] = static_cast<float>(take_sqrt ? sqrt(sum) : sum);
+                out[3 * j + 1] = finite ? 1.0f : 0.0f;
+            }
         }
     }
 }
 GRNG_EMU_ENTRY(elementwise_dot,
-               (const float*, const float*, int, float*, int, unsigned int, float*))
+               (const float*, const float*, const float*, const float*, const float*, const float*,
+                int, int, float*, int, unsigned int, float*))
 
 // Per-thread first bad indices (elementwise_check and the fused updates). A thread's indices
 // grow along its float4 loop and then its scalar tail (every tail index exceeds every float4

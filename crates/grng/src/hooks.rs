@@ -113,10 +113,11 @@ pub(crate) fn rejection_injected(file: &str) -> bool {
     false
 }
 
-/// `Device::dot_deferred` of each `(x, y)` pair inside one `Device::deferred` scope, resolved
-/// by the scope's readout: the deferred reductions of a Kronecker step's model
-/// (`optim::kron::factored`), reachable from the tests of their launches, values and
-/// failed-check re-run, which the crate-private API hides.
+/// `Device::dots_deferred` of the `(x, y)` pairs (every matrix of one shape; one launch per
+/// three pairs) inside one `Device::deferred` scope, resolved by the scope's readout: the
+/// deferred reductions of a Kronecker step's model (`optim::kron::factored`), reachable from
+/// the tests of their launches, values and failed-check re-run, which the crate-private API
+/// hides.
 ///
 /// # Errors
 /// As [`crate::Device::dot`]: a non-finite pair fails the scope's check, and the body's eager
@@ -127,10 +128,9 @@ pub fn deferred_dots(
     pairs: &[(&crate::Matrix, &crate::Matrix)],
 ) -> crate::Result<Vec<f32>> {
     let (scalars, readout) = dev.deferred(|| {
-        pairs
-            .iter()
-            .map(|&(x, y)| dev.dot_deferred(x, y))
-            .collect::<crate::Result<Vec<_>>>()
+        let mut out = vec![Default::default(); pairs.len()];
+        dev.dots_deferred(pairs, &mut out)?;
+        Ok(out)
     })?;
     // Every scalar is this scope's own, so it resolves; NaN only if that ever broke.
     Ok(scalars

@@ -488,7 +488,7 @@ fn aligned16(ms: &[&Matrix]) -> bool {
     })
 }
 
-/// dot, norm2 and the deferred dot (`hooks::deferred_dots`: `Device::dot_deferred` in a
+/// dot, norm2 and the deferred dot (`hooks::deferred_dots`: `Device::dots_deferred` in a
 /// `Device::deferred` scope, read from its ledger) give exactly the bits of the kernel's
 /// summation order ([`kernel_sum`]; so a partial skipped, summed twice or out of order, or a
 /// finalize before the last block, fails), the same on every call, within the header's
@@ -496,6 +496,7 @@ fn aligned16(ms: &[&Matrix]) -> bool {
 fn reductions_in_kernel_order(devs: &[Device], n: usize, seed: u64) -> Result<(), TestCaseError> {
     let mut rng = ChaCha8Rng::seed_from_u64(seed);
     let (x, y) = (vals(&mut rng, n, -1.0, 1.0), vals(&mut rng, n, -1.0, 1.0));
+    let z = vals(&mut rng, n, -1.0, 1.0);
     let xy: f64 = x.iter().zip(&y).map(|(a, b)| *a as f64 * *b as f64).sum();
     let abs_xy: f64 = x
         .iter()
@@ -529,12 +530,16 @@ fn reductions_in_kernel_order(devs: &[Device], n: usize, seed: u64) -> Result<()
             got,
             norm
         );
+        // Four pairs: three in one launch (with their own x each), the fourth in another.
+        let zd = up(dev, &z);
         let reads = grng::hooks::read_backs();
-        let got = grng::hooks::deferred_dots(dev, &[(&xd, &yd), (&xd, &xd)]).unwrap();
+        let pairs = [(&xd, &yd), (&xd, &xd), (&zd, &yd), (&yd, &zd)];
+        let got = grng::hooks::deferred_dots(dev, &pairs).unwrap();
         prop_assert_eq!(grng::hooks::read_backs() - reads, u64::from(n > 0));
+        let sum_zy = kernel_sum(&z, &y, aligned16(&[&zd, &yd])) as f32;
         prop_assert_eq!(
             bits(&got),
-            bits(&[dot, sum_xx as f32]),
+            bits(&[dot, sum_xx as f32, sum_zy, sum_zy]),
             "{}: deferred",
             name
         );
@@ -565,22 +570,29 @@ fn reduction_errors(
     let mut arrays = [vals(&mut rng, n, -1.0, 1.0), vals(&mut rng, n, -1.0, 1.0)];
     plant(&mut arrays, which, at, kind % 2);
     let [x, y] = &arrays;
+    let clean = &vals(&mut rng, n, -1.0, 1.0);
     // The three keys, and the read-backs of the deferred call.
     let errs = |dev: &Device| {
         let (xd, yd) = (up(dev, x), up(dev, y));
         let reads = grng::hooks::read_backs();
         let deferred = grng::hooks::deferred_dots(dev, &[(&xd, &yd)]).map(|_| ());
         let reads = grng::hooks::read_backs() - reads;
+        // The bad pair between clean ones in one launch: its error, as one dot after the
+        // other would meet it.
+        let cd = up(dev, clean);
+        let middle = grng::hooks::deferred_dots(dev, &[(&cd, &cd), (&xd, &yd), (&cd, &xd)]);
         let keys = [
             dev.dot(&xd, &yd).map(|_| ()),
             dev.norm2(&xd).map(|_| ()),
             deferred,
+            middle.map(|_| ()),
         ]
         .map(|r| r.map_or_else(|e| key(&e), |()| "ok".into()));
         (keys, reads)
     };
     let (want, _) = errs(&Device::Cpu);
     prop_assert_eq!(&want[0], &want[2]);
+    prop_assert_eq!(&want[0], &want[3]);
     for dev in devs {
         let (keys, reads) = errs(dev);
         prop_assert_eq!(&keys, &want, "{}", dev.name());
@@ -611,16 +623,20 @@ proptest! {
 }
 
 /// A finite f64 sum beyond `f32::MAX` (`Σ (1e19)² = 8·10³⁸`, `√(4·(3·10³⁸)²)`): the CPU's
-/// overflow error from dot, norm2 and the deferred dot (after the scope's failed check).
+/// overflow error from dot, norm2 and the deferred dots (after the scope's failed check),
+/// also where a later pair of the same launch has a NaN input.
 #[test]
 fn reduction_overflow_is_the_cpu_error() {
     let (x, y) = (vec![1e19f32; 8], vec![3e38f32; 4]);
+    let nan = vec![f32::NAN; 8];
     let run = |dev: &Device| {
-        let (xd, yd) = (up(dev, &x), up(dev, &y));
+        let (xd, yd, nd) = (up(dev, &x), up(dev, &y), up(dev, &nan));
         [
             dev.dot(&xd, &xd).map(|_| ()),
             dev.norm2(&yd).map(|_| ()),
             grng::hooks::deferred_dots(dev, &[(&xd, &xd)]).map(|_| ()),
+            // The overflow comes first, a NaN input after it: the overflow's error.
+            grng::hooks::deferred_dots(dev, &[(&xd, &xd), (&nd, &xd)]).map(|_| ()),
         ]
         .map(|r| r.map_or_else(|e| key(&e), |()| "ok".into()))
     };

@@ -5,7 +5,7 @@
 //! [`crate::Device::deferred`] installs a [`Ledger`] for the calling thread and runs a body.
 //! While it is installed, [`crate::Device::check_finite`] (and so every op's input and result
 //! check, `Device::commit_finite` included) queues its check kernel into slots of the ledger
-//! and returns `Ok` without reading anything back, and [`crate::Device::dot_deferred`] queues
+//! and returns `Ok` without reading anything back, and [`crate::Device::dots_deferred`] queues
 //! its reduction there and returns a [`Scalar`] slot. An op inside the body can therefore
 //! return `Ok` for inputs or results that are not finite: the body must commit nothing (the
 //! one caller, `KronOptimizer`, builds new buffers from state it only borrows, and installs
@@ -52,6 +52,13 @@ struct Slot {
 pub(crate) enum Scalar {
     Value(f32),
     Deferred { chunk: usize, offset: usize },
+}
+
+/// `0`, known: what an output slot holds before a reduction sets it.
+impl Default for Scalar {
+    fn default() -> Self {
+        Scalar::Value(0.0)
+    }
 }
 
 /// The ledger's buffers as read back, to resolve [`Scalar`]s.
@@ -145,11 +152,12 @@ impl Ledger {
 }
 
 /// Runs `queue` on a fresh `len`-float slot of this thread's ledger (the buffer and the
-/// slot's offset) when one is installed for `device`; `None` when not (run eagerly).
+/// slot's offset) when one is installed for `device`; `None` when not (run eagerly). The
+/// slot is a check's status (`scalars = 0`), or `scalars` consecutive [`SCALAR_SLOT`]s.
 fn queue_into(
     device: &Device,
     len: usize,
-    scalar: bool,
+    scalars: usize,
     queue: impl FnOnce(&mut Matrix, usize) -> Result<()>,
 ) -> Option<Result<Slot>> {
     LEDGER.with(|l| {
@@ -158,11 +166,14 @@ fn queue_into(
         Some((|| {
             let slot = ledger.reserve(len)?;
             queue(&mut ledger.chunks[slot.chunk], slot.offset)?;
-            if scalar {
-                ledger.scalars.push(slot);
-            } else {
+            if scalars == 0 {
                 ledger.checks.push(slot);
             }
+            ledger.scalars.extend((0..scalars).map(|j| Slot {
+                offset: slot.offset + j * SCALAR_SLOT,
+                len: SCALAR_SLOT,
+                ..slot
+            }));
             Ok(slot)
         })())
     })
@@ -174,19 +185,26 @@ pub(crate) fn queue_check(
     len: usize,
     queue: impl FnOnce(&mut Matrix, usize) -> Result<()>,
 ) -> Option<Result<()>> {
-    queue_into(device, len, false, queue).map(|r| r.map(|_| ()))
+    queue_into(device, len, 0, queue).map(|r| r.map(|_| ()))
 }
 
-/// A reduction writing `(value, finite flag)` into a [`SCALAR_SLOT`] of the ledger (the
-/// buffer, the slot's offset and its floats' preset bits), or `None` without one.
-pub(crate) fn queue_scalar(
+/// A reduction of `out.len() ≥ 1` sums writing `(value, finite flag)` into as many
+/// consecutive [`SCALAR_SLOT`]s of the ledger (the buffer, the first slot's offset and the
+/// floats' preset bits), `out` set to them; `None` without a ledger (`out` untouched).
+pub(crate) fn queue_scalars(
     device: &Device,
+    out: &mut [Scalar],
     queue: impl FnOnce(&mut Matrix, usize, u32) -> Result<()>,
-) -> Option<Result<Scalar>> {
-    queue_into(device, SCALAR_SLOT, true, |m, at| queue(m, at, NONE_BITS)).map(|r| {
-        r.map(|s| Scalar::Deferred {
-            chunk: s.chunk,
-            offset: s.offset,
+) -> Option<Result<()>> {
+    let k = out.len();
+    queue_into(device, k * SCALAR_SLOT, k, |m, at| queue(m, at, NONE_BITS)).map(|r| {
+        r.map(|s| {
+            for (j, o) in out.iter_mut().enumerate() {
+                *o = Scalar::Deferred {
+                    chunk: s.chunk,
+                    offset: s.offset + j * SCALAR_SLOT,
+                };
+            }
         })
     })
 }

@@ -309,6 +309,12 @@ pub(crate) fn copy(dev: &Device, src: &Matrix, dst: &mut Matrix) -> Result<()> {
     unsafe { launch(&COPY, cfg, args) }
 }
 
+/// One pair of a reduction, `Σ xᵢ yᵢ`, with its arguments' names (for errors).
+type Pair<'a> = [(&'static str, &'a Matrix); 2];
+
+/// Most pairs one `elementwise_dot` launch sums (a Kronecker layer's three model terms).
+pub(crate) const MAX_PAIRS: usize = 3;
+
 /// `Σ xᵢ yᵢ` in f64 (deterministic, one launch), rounded to f32 — see
 /// [`crate::cpu::elementwise::dot`] for the error bound, which holds here too (only the f64
 /// summation order differs).
@@ -316,92 +322,158 @@ pub(crate) fn dot(dev: &Device, x: &Matrix, y: &Matrix) -> Result<f32> {
     const OP: &str = "cuda::dot";
     // Memory safety: the kernel reads n = len(x) elements of both.
     check_len(OP, "y", y.len(), x.len())?;
-    reduce(dev, OP, &[("x", x), ("y", y)], false)
+    one(reduce(dev, OP, &[[("x", x), ("y", y)]], false, &Ok)?)
 }
 
 /// `√(Σ xᵢ²)` accumulated in f64 like [`dot`], the square root taken in f64.
 pub(crate) fn norm2(dev: &Device, x: &Matrix) -> Result<f32> {
-    reduce(dev, "cuda::norm2", &[("x", x)], true)
+    one(reduce(
+        dev,
+        "cuda::norm2",
+        &[[("x", x), ("x", x)]],
+        true,
+        &Ok,
+    )?)
 }
 
-/// [`dot`] queued into the ledger of an enclosing [`crate::Device::deferred`] (no read-back
-/// here), or computed now when there is none. Either way one launch.
-pub(crate) fn dot_deferred(dev: &Device, x: &Matrix, y: &Matrix) -> Result<Scalar> {
+/// The one value of a one-pair [`reduce`].
+fn one(v: Vec<f32>) -> Result<f32> {
+    v.first()
+        .copied()
+        .ok_or_else(|| crate::Error::Cuda("a reduction without its value".into()))
+}
+
+/// [`dot`] of each `(x, y)` pair (all of one length, checked) into `out` (one slot per pair,
+/// checked), queued into the ledger of an enclosing [`crate::Device::deferred`] (no
+/// read-back here), or computed now when there is none — then each value, in order, through
+/// `finish` (the op's overflow check), as one dot after the other would. Either way one
+/// launch per [`MAX_PAIRS`] pairs, each pair's value the bits of [`dot`]'s.
+pub(crate) fn dots_deferred(
+    dev: &Device,
+    pairs: &[(&Matrix, &Matrix)],
+    out: &mut [Scalar],
+    finish: &dyn Fn(f32) -> Result<f32>,
+) -> Result<()> {
     const OP: &str = "cuda::dot";
-    check_len(OP, "y", y.len(), x.len())?;
-    let arrays = [("x", x), ("y", y)];
-    let n = to_i32(OP, "x", x.len())?;
-    if n == 0 {
-        return Ok(Scalar::Value(0.0));
+    check_len(OP, "out", out.len(), pairs.len())?;
+    let Some(&(first, _)) = pairs.first() else {
+        return Ok(());
+    };
+    // Memory safety: the kernel reads n = len(first) elements of every array.
+    for &(x, y) in pairs {
+        check_len(OP, "x", x.len(), first.len())?;
+        check_len(OP, "y", y.len(), first.len())?;
     }
-    match deferred::queue_scalar(dev, |out, at, preset| {
-        queue_reduce(dev, OP, &arrays, false, (out, at, preset))
-    }) {
-        Some(r) => r,
-        None => reduce(dev, OP, &arrays, false).map(Scalar::Value),
+    if to_i32(OP, "x", first.len())? == 0 {
+        out.fill(Scalar::Value(0.0));
+        return Ok(());
     }
+    for (chunk, out) in pairs.chunks(MAX_PAIRS).zip(out.chunks_mut(MAX_PAIRS)) {
+        let named: Vec<Pair<'_>> = chunk.iter().map(|&(x, y)| [("x", x), ("y", y)]).collect();
+        let queued = deferred::queue_scalars(dev, out, |buf, at, preset| {
+            queue_reduce(dev, OP, &named, false, (buf, at, preset))
+        });
+        match queued {
+            Some(r) => r?,
+            None => {
+                let values = reduce(dev, OP, &named, false, finish)?;
+                for (o, v) in out.iter_mut().zip(values) {
+                    *o = Scalar::Value(v);
+                }
+            }
+        }
+    }
+    Ok(())
 }
 
-/// The f64 reduction of `Σ a[0]ᵢ a[last]ᵢ` (`a` holds one or two arrays) and its read-back.
+/// The f64 reductions of `pairs` (at most [`MAX_PAIRS`], of one length, checked by the
+/// caller) in one launch and one read-back; each value, in pair order, checked (a non-finite
+/// sum names its pair's first NaN/Inf as the CPU does) and passed through `finish`, so the
+/// first failure is the one a reduction per pair would have met.
 fn reduce(
     dev: &Device,
     op: &'static str,
-    arrays: &[(&'static str, &Matrix)],
+    pairs: &[Pair<'_>],
     take_sqrt: bool,
-) -> Result<f32> {
-    let n = to_i32(op, arrays[0].0, arrays[0].1.len())?;
+    finish: &dyn Fn(f32) -> Result<f32>,
+) -> Result<Vec<f32>> {
+    let n = to_i32(op, pairs[0][0].0, pairs[0][0].1.len())?;
     if n == 0 {
-        return Ok(0.0);
+        return Ok(vec![0.0; pairs.len()]);
     }
     // Zeros: the block count starts at 0 (a memset on CUDA, not a launch).
-    let mut out = dev.zeros(SCALAR_SLOT, 1)?;
-    queue_reduce(dev, op, arrays, take_sqrt, (&mut out, 0, 0))?;
+    let mut out = dev.zeros(SCALAR_SLOT * pairs.len(), 1)?;
+    queue_reduce(dev, op, pairs, take_sqrt, (&mut out, 0, 0))?;
     let o = out.to_vec()?;
-    if o[1] != 1.0 {
-        // A non-finite f64 sum needs a NaN/Inf input (finite f32 products cannot overflow
-        // f64): report it as the CPU does, first array first.
-        validate(dev, op, arrays, None)?;
-        // Finite inputs and no flag: no block finished the sum. NaN, which the op reports,
-        // rather than the zeros' silent 0.
-        return Ok(f32::NAN);
+    let mut values = Vec::with_capacity(pairs.len());
+    for (pair, slot) in pairs.iter().zip(o.chunks_exact(SCALAR_SLOT)) {
+        let v = if slot[1] == 1.0 {
+            slot[0]
+        } else {
+            // A non-finite f64 sum needs a NaN/Inf input (finite f32 products cannot
+            // overflow f64): report it as the CPU does, first array first (once for norm2).
+            let arrays: &[(&str, &Matrix)] = if std::ptr::eq(pair[0].1, pair[1].1) {
+                &pair[..1]
+            } else {
+                pair
+            };
+            validate(dev, op, arrays, None)?;
+            // Finite inputs and no flag: no block finished the sum. NaN, which the op
+            // reports, rather than the zeros' silent 0.
+            f32::NAN
+        };
+        values.push(finish(v)?);
     }
-    Ok(o[0])
+    Ok(values)
 }
 
-/// Queues [`reduce`]'s launch over `n ≥ 1` elements: `elementwise_dot` writes `(sum, finite
-/// flag)` into the [`SCALAR_SLOT`] floats of `out` from float `at` on, whose third counts the
-/// finished blocks up from the bits `preset` (the slot's preset).
+/// Queues [`reduce`]'s launch over `n ≥ 1` elements of each of the 1..=[`MAX_PAIRS`]
+/// `pairs`: `elementwise_dot` writes pair `j`'s `(sum, finite flag)` into the
+/// [`SCALAR_SLOT`] floats of `out` from float `at + j·SCALAR_SLOT` on; the first slot's third
+/// float counts the finished blocks up from the bits `preset` (the slots' preset).
 fn queue_reduce(
     dev: &Device,
     op: &'static str,
-    arrays: &[(&'static str, &Matrix)],
+    pairs: &[Pair<'_>],
     take_sqrt: bool,
     (out, at, preset): (&mut Matrix, usize, u32),
 ) -> Result<()> {
-    let (x, y) = (arrays[0].1, arrays[arrays.len() - 1].1);
-    let n = to_i32(op, arrays[0].0, x.len())?;
+    let k = pairs.len();
+    if !(1..=MAX_PAIRS).contains(&k) {
+        return Err(crate::Error::Cuda(format!(
+            "{op}: {k} pairs in one reduction (1 to {MAX_PAIRS})"
+        )));
+    }
+    let x = pairs[0][0].1;
+    let n = to_i32(op, pairs[0][0].0, x.len())?;
     let blocks = x
         .len()
         .div_ceil(4 * STREAM_BLOCK as usize)
         .clamp(1, REDUCE_BLOCKS);
     // f64 partials in an f32 buffer, one spare float for the kernel's 8-byte alignment; every
     // block writes its own before it counts itself, so no preset.
-    let mut partial = dev.scratch(2 * blocks + 1)?;
+    let mut partial = dev.scratch(2 * k * blocks + 1)?;
     let mut args = KernelArgs::new(dev);
-    args.input(op, x)?
-        .input(op, y)?
+    // Unused pairs repeat the last one (never read: the kernel stops at k).
+    for j in 0..MAX_PAIRS {
+        let [(_, x), (_, y)] = pairs[j.min(k - 1)];
+        args.input(op, x)?.input(op, y)?;
+    }
+    args.scalar(k as i32)
         .scalar(n)
         .output(op, &mut partial)?
         .scalar(i32::from(take_sqrt))
         .scalar(preset)
-        .output_at(op, out, at, SCALAR_SLOT)?;
+        .output_at(op, out, at, SCALAR_SLOT * k)?;
     let cfg = LaunchConfig::linear(blocks as u32, STREAM_BLOCK);
-    // SAFETY: elementwise_dot(const float* x, const float* y, int n, float* partial, int
-    // take_sqrt, unsigned int counted_from, float* out): x and y hold n floats (checked by
-    // the callers), read below n only; block b < blocks writes the f64 at the 8-byte aligned
-    // start of partial + b, inside its 2*blocks+1 floats, and the last block reads those
-    // `blocks` f64; out points at SCALAR_SLOT = 3 floats inside its buffer (`output_at`):
-    // every block adds to out[2], the last writes out[0..2].
+    // SAFETY: elementwise_dot(const float* x0, const float* y0, const float* x1, const
+    // float* y1, const float* x2, const float* y2, int k, int n, float* partial, int
+    // take_sqrt, unsigned int counted_from, float* out): the k <= 3 pairs' arrays hold n
+    // floats each (checked by the callers; the unused pointers repeat a used pair and are not
+    // read), read below n only; block b < blocks writes the f64 at the 8-byte aligned start
+    // of partial + j*blocks + b, j < k, inside its 2*k*blocks+1 floats, and the last block
+    // reads those k*blocks f64; out points at SCALAR_SLOT*k floats inside its buffer
+    // (`output_at`): every block adds to out[2], the last writes out[3j..3j+2], j < k.
     unsafe { launch(&DOT, cfg, args) }
 }
 

@@ -19,7 +19,7 @@
 use crate::cpu::elementwise::Over;
 use crate::cuda::elementwise as ew;
 use crate::device::{Device, Matrix};
-use crate::error::{check_shape, check_value, Error, Result};
+use crate::error::{check_len, check_shape, check_value, Error, Result};
 use crate::ops::{check_finite_scalar, finite_result, Scalar, OVERFLOW};
 use crate::params::elementwise::{check_beta, InputBounds, MultiUpdate};
 pub use crate::params::elementwise::{AdamWCoeffs, MultiLayout, SgdCoeffs, SophiaCoeffs};
@@ -166,23 +166,32 @@ impl Device {
         finite_result(OP, r)
     }
 
-    /// [`Device::dot`], deferred inside [`Device::deferred`] on a kernel device (resolve it
-    /// with the scope's [`Readout`]), computed now otherwise.
+    /// [`Device::dot`] of each `(x, y)` pair (every matrix of one shape) into `out` (one value
+    /// per pair), deferred inside [`Device::deferred`] on a kernel device (resolve them with
+    /// the scope's [`Readout`]), computed now otherwise; on a kernel device one launch per
+    /// three pairs, each value the bits [`Device::dot`] gives its pair.
     ///
     /// # Errors
-    /// As [`Device::dot`]; inside a scope a non-finite value surfaces as the scope's error.
-    pub(crate) fn dot_deferred(&self, x: &Matrix, y: &Matrix) -> Result<Scalar> {
+    /// As [`Device::dot`] (the shapes are checked before any product is summed), and
+    /// [`Error::Shape`] unless `out` has one slot per pair; inside a scope a non-finite value
+    /// surfaces as the scope's error. `out` is partly written on error.
+    pub(crate) fn dots_deferred(
+        &self,
+        pairs: &[(&Matrix, &Matrix)],
+        out: &mut [Scalar],
+    ) -> Result<()> {
         const OP: &str = "Device::dot";
-        match self {
-            Device::Cpu => self.dot(x, y).map(Scalar::Value),
-            Device::Emulated | Device::Cuda(_) => {
-                self.check_same(OP, &[("x", x), ("y", y)])?;
-                match crate::cuda::elementwise::dot_deferred(self, x, y)? {
-                    Scalar::Value(v) => finite_result(OP, v).map(Scalar::Value),
-                    deferred => Ok(deferred),
-                }
+        check_len(OP, "out", out.len(), pairs.len())?;
+        if let Device::Cpu = self {
+            for (&(x, y), o) in pairs.iter().zip(out) {
+                *o = Scalar::Value(self.dot(x, y)?);
             }
+            return Ok(());
         }
+        for &(x, y) in pairs {
+            self.check_same(OP, &[("x", pairs[0].0), ("x", x), ("y", y)])?;
+        }
+        crate::cuda::elementwise::dots_deferred(self, pairs, out, &|v| finite_result(OP, v))
     }
 
     /// Euclidean (Frobenius) norm `√(Σ xᵢ²)`, accumulated in `f64`.
@@ -474,7 +483,7 @@ impl MultiState {
     /// [`Error::Shape`] unless `host` has `layout().total()` entries; device errors. Unchanged
     /// on error.
     pub fn load(&mut self, device: &Device, a: usize, host: &[f32]) -> Result<()> {
-        crate::error::check_len("MultiState::load", "state", host.len(), self.layout.total())?;
+        check_len("MultiState::load", "state", host.len(), self.layout.total())?;
         let mut flat = vec![0.0f32; self.layout.state_len()];
         for t in 0..self.shapes.len() {
             let seg = self.layout.segment(t);

@@ -162,7 +162,7 @@ impl Device {
 }
 
 impl Device {
-    /// Runs `body` with the finiteness checks and the [`Device::dot_deferred`] reductions of
+    /// Runs `body` with the finiteness checks and the [`Device::dots_deferred`] reductions of
     /// the ops it calls on this device deferred. On the kernel devices they write into one
     /// device buffer that is read back once at the end instead of once per op (a stream
     /// synchronization each on a GPU; `cuda::deferred`); on the CPU a check is a host scan

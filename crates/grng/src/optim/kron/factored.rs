@@ -210,11 +210,11 @@ pub(super) fn by_identity(
         && bound + damping <= IDENTITY_MAX_COND * damping
 }
 
-/// `P` of one layer and, when asked for, the model terms `(⟨G, P⟩, ⟨P, ΓPΛ⟩)` (deferred
-/// inside [`Device::deferred`]).
+/// `P` of one layer and, when asked for, the model terms `⟨G, P⟩`, `⟨P, ΓPΛ⟩`, `‖P‖²`
+/// (deferred inside [`Device::deferred`]).
 pub(super) struct Preconditioned {
     pub p: Matrix,
-    pub terms: Option<(Scalar, Scalar)>,
+    pub terms: Option<[Scalar; 3]>,
     /// `α·A·Pᵀ` (`m x d_out`) when [`precondition`] was asked for it and could give it.
     pub output_change: Option<Matrix>,
     /// `(λ_Λ, λ_Γ)` of the inverses applied.
@@ -226,15 +226,9 @@ pub(super) struct Preconditioned {
 pub(super) struct ModelTerms([Scalar; 3], (f32, f32));
 
 impl Preconditioned {
-    /// The terms with `‖P‖²` added (one more reduction); `None` when they were not computed.
-    pub fn model_terms(&self, d: &Device) -> Result<Option<ModelTerms>> {
-        let Some((lin, curv)) = self.terms else {
-            return Ok(None);
-        };
-        Ok(Some(ModelTerms(
-            [lin, curv, d.dot_deferred(&self.p, &self.p)?],
-            self.damping,
-        )))
+    /// The terms with the dampings; `None` when they were not computed.
+    pub fn model_terms(&self) -> Option<ModelTerms> {
+        self.terms.map(|t| ModelTerms(t, self.damping))
     }
 }
 
@@ -411,8 +405,13 @@ fn dense(d: &Device, v: &LayerView<'_>, g: &Matrix, with_model: bool) -> Result<
             (p, gpl)
         }
     };
+    // The three terms are of one shape: one launch on the kernel devices.
     let terms = match gpl {
-        Some(gpl) => Some((d.dot_deferred(g, &p)?, d.dot_deferred(&p, &gpl)?)),
+        Some(gpl) => {
+            let mut t = [Scalar::default(); 3];
+            d.dots_deferred(&[(g, &p), (&p, &gpl), (&p, &p)], &mut t)?;
+            Some(t)
+        }
         None => None,
     };
     Ok(Preconditioned {
@@ -555,10 +554,11 @@ fn factored(
             }
             None => None,
         };
-        (
-            Some((d.dot_deferred(&eu, &awt)?, d.dot_deferred(&ugu, &wlw)?)),
-            output_change,
-        )
+        // The two `m x m` terms in one launch on the kernel devices, `‖P‖²` in another.
+        let mut t = [Scalar::default(); 3];
+        d.dots_deferred(&[(&eu, &awt), (&ugu, &wlw)], &mut t[..2])?;
+        d.dots_deferred(&[(&p, &p)], &mut t[2..])?;
+        (Some(t), output_change)
     } else {
         (None, None)
     };

@@ -670,10 +670,7 @@ impl KronOptimizer {
                 let change = output_change.map(|l| (l, -eta));
                 let mut ps = self.preconditioned(&plan, grads, with_model, change, spare)?;
                 let change = change.and_then(|(l, _)| ps[l].output_change.take());
-                let mut terms = Vec::with_capacity(ps.len());
-                for p in &ps {
-                    terms.push(p.model_terms(&self.device)?);
-                }
+                let terms: Vec<_> = ps.iter().map(Preconditioned::model_terms).collect();
                 // Where the values are known now (not deferred), an overflowing step is
                 // reported before any update runs.
                 if let Some(q) = self.predicted(&terms, &Readout::default()) {
