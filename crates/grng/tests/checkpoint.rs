@@ -696,6 +696,19 @@ fn well_formed_files_with_wrong_content_are_rejected_and_change_nothing() {
             },
         ),
     ));
+    // RING's warm start of a power iteration, twice a unit vector: only restore can tell.
+    let r = Reader::from_bytes(&bytes).unwrap();
+    let top = r
+        .names()
+        .find(|name| name.ends_with(".top"))
+        .expect("a RING factor of the run keeps its power iteration's warm start")
+        .to_string();
+    let (shape, data) = r.tensor_any(&top).unwrap();
+    let doubled = Value::F32 {
+        shape: shape.to_vec(),
+        data: data.iter().map(|x| 2.0 * x).collect(),
+    };
+    cases.push(("top", with_record(&bytes, &top, doubled)));
     for (what, bad) in &cases {
         // The rng part comes last: a failure there must roll the network and optimizer back.
         assert_eq!(rejected(bad), Ok(true), "{what}");

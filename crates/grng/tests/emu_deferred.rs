@@ -46,7 +46,8 @@ fn config(variant: KronVariant) -> KronConfig {
 }
 
 /// Everything a failed step must leave as it was: ρ, the step count, the counters, every
-/// factor, inverse and cached square (bits), and the parameters (bits).
+/// factor, inverse, cached square and power-iteration warm start (bits), and the parameters
+/// (bits).
 fn snapshot(opt: &KronOptimizer, params: &[Matrix]) -> String {
     let st = opt.state().unwrap();
     let bits =
@@ -60,12 +61,13 @@ fn snapshot(opt: &KronOptimizer, params: &[Matrix]) -> String {
     );
     for l in &st.layers {
         for f in [&l.lambda, &l.gamma] {
-            let sq = f.square().map(bits);
+            let (sq, top) = (f.square().map(bits), f.top().map(bits));
             s += &format!(
-                "{:?}{:?}{:?}{}",
+                "{:?}{:?}{:?}{:?}{}",
                 bits(&f.factor),
                 bits(&f.inverse),
                 sq,
+                top,
                 f.damping.to_bits()
             );
         }

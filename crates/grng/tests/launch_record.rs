@@ -5,12 +5,15 @@
 
 use grng_testkit as common;
 
+use rand::Rng;
 use std::sync::{Mutex, PoisonError};
 
 use grng::cuda::anatomy::launch_anatomy;
 use grng::cuda::timing::{take_kernel_times, time_kernels};
 use grng::hooks::{record_launches, take_launches};
-use grng::{Device, Error};
+use grng::optim::kron::{KronConfig, KronOptimizer, KronVariant};
+use grng::optim::KronStats;
+use grng::{Device, Error, Matrix};
 
 /// Held by each test: the record and the timing see every thread's launches.
 static SERIAL: Mutex<()> = Mutex::new(());
@@ -100,4 +103,99 @@ fn launch_anatomy_times_each_part() {
     }
     let cpu = launch_anatomy(&Device::Cpu, 1);
     assert!(matches!(cpu, Err(Error::DeviceUnavailable(_))), "{cpu:?}");
+}
+
+/// RING keeps each formed factor's last power iterate (`KronFactorState::top`, `n x 1`,
+/// unit) and starts the next refresh's iteration there: on statistics moved by 1e-3 the
+/// second refresh launches fewer power steps (`newton_power_step`) than the first, which
+/// started from the fixed vector. RENG and NGD keep none. Layers whose factors are all formed
+/// (`m` ≥ every side, ε = 0), ragged sizes.
+#[test]
+fn ring_refreshes_warm_start_their_power_iterations() {
+    let _serial = SERIAL.lock().unwrap_or_else(PoisonError::into_inner);
+    let mut rng = common::seeded_rng();
+    let shapes = [(6usize, 9usize), (4, 13), (11, 5)];
+    let m = 16;
+    let dev = Device::Emulated;
+    let up = |rows: usize, cols: usize, v: &[f32]| dev.upload(rows, cols, v).unwrap();
+    let draw = |rng: &mut rand_chacha::ChaCha8Rng, len: usize| common::vals(rng, len);
+    let a0: Vec<Vec<f32>> = shapes.iter().map(|&(_, i)| draw(&mut rng, m * i)).collect();
+    let e0: Vec<Vec<f32>> = shapes.iter().map(|&(o, _)| draw(&mut rng, m * o)).collect();
+    let nudge = |v: &[f32], rng: &mut rand_chacha::ChaCha8Rng| -> Vec<f32> {
+        v.iter()
+            .map(|x| x + 1e-3 * rng.random_range(-1.0..1.0f32))
+            .collect()
+    };
+    let a1: Vec<Vec<f32>> = a0.iter().map(|v| nudge(v, &mut rng)).collect();
+    let e1: Vec<Vec<f32>> = e0.iter().map(|v| nudge(v, &mut rng)).collect();
+    let grads: Vec<Matrix> = shapes
+        .iter()
+        .map(|&(o, i)| up(o, i, &draw(&mut rng, o * i)))
+        .collect();
+    let g: Vec<&Matrix> = grads.iter().collect();
+    for variant in [KronVariant::Ring, KronVariant::Reng, KronVariant::Ngd] {
+        let base = match variant {
+            KronVariant::Ring => KronConfig::ring(),
+            KronVariant::Reng => KronConfig::reng(),
+            KronVariant::Ngd => KronConfig::ngd(),
+        };
+        let cfg = KronConfig { skip: 1, ..base };
+        let mut opt = KronOptimizer::new(&dev, &shapes, cfg).unwrap();
+        let mut params: Vec<Matrix> = shapes
+            .iter()
+            .map(|&(o, i)| dev.zeros(o, i).unwrap())
+            .collect();
+        let mut power_steps = vec![];
+        for (a, e) in [(&a0, &e0), (&a1, &e1)] {
+            let am: Vec<Matrix> = a
+                .iter()
+                .zip(&shapes)
+                .map(|(v, &(_, i))| up(m, i, v))
+                .collect();
+            let em: Vec<Matrix> = e
+                .iter()
+                .zip(&shapes)
+                .map(|(v, &(o, _))| up(m, o, v))
+                .collect();
+            let stats: Vec<KronStats> = am
+                .iter()
+                .zip(&em)
+                .map(|(a, e)| KronStats { a, e })
+                .collect();
+            record_launches(true);
+            let info = opt.step(&mut params, &g, Some(&stats)).unwrap();
+            let launched = take_launches();
+            record_launches(false);
+            assert!(info.refreshed);
+            opt.observe_loss(1.0, 0.5).unwrap();
+            let steps = launched
+                .iter()
+                .filter(|k| **k == "newton_power_step")
+                .count();
+            power_steps.push(steps);
+        }
+        let st = opt.state().unwrap();
+        for (l, layer) in st.layers.iter().enumerate() {
+            for (f, n) in [(&layer.lambda, shapes[l].1), (&layer.gamma, shapes[l].0)] {
+                match (variant, f.top()) {
+                    (KronVariant::Ring, Some(top)) => {
+                        assert_eq!(top.shape(), (n, 1));
+                        let v = top.to_vec().unwrap();
+                        let norm = v.iter().map(|&x| x as f64 * x as f64).sum::<f64>().sqrt();
+                        assert!((norm - 1.0).abs() <= 1e-5, "layer {l}: |top| = {norm}");
+                    }
+                    (KronVariant::Ring, None) => panic!("layer {l}: RING kept no warm start"),
+                    (_, top) => assert!(top.is_none(), "{variant:?} layer {l} kept one"),
+                }
+            }
+        }
+        if variant == KronVariant::Ring {
+            assert!(
+                power_steps[1] < power_steps[0],
+                "power steps of the two refreshes: {power_steps:?}"
+            );
+        } else {
+            assert_eq!(power_steps, [0, 0], "{variant:?}");
+        }
+    }
 }

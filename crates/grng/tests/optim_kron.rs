@@ -1012,8 +1012,10 @@ fn run(p: &Problem, cfg: KronConfig, fresh_each_step: bool) -> Vec<Vec<Vec<f32>>
 
 /// With S = 1 every step refreshes, so the lazy optimizer performs exactly the operations
 /// of a non-lazy one built afresh each step with the current ρ: bitwise equal with Cholesky
-/// (no state enters the inversion), and equal to the Newton tolerance when Newton
-/// warm-starts from the previous inverse while the fresh one starts from the scaled identity.
+/// (no state enters the inversion) for RENG and NGD, and for RING to its power iteration's
+/// tolerance (which warm-starts from the previous refresh's iterate); equal to the Newton
+/// tolerance when Newton warm-starts from the previous inverse while the fresh one starts
+/// from the scaled identity.
 #[test]
 fn lazy_with_skip_one_equals_non_lazy() {
     let p = problem(11, 8);
@@ -1025,22 +1027,24 @@ fn lazy_with_skip_one_equals_non_lazy() {
         cfg.inverse = InverseMethod::Cholesky;
         let lazy = run(&p, cfg, false);
         let fresh = run(&p, cfg, true);
-        assert_eq!(lazy, fresh, "{variant:?}: Cholesky, S = 1");
+        if variant == KronVariant::Ring {
+            // RING's power iteration starts from the last refresh's iterate, the fresh one
+            // from the fixed start: each stops once a step moves the estimate by at most
+            // `tol`, so the two norms (and dampings) differ by a couple of such moves, `4·tol`
+            // relative; each step's `P` by twice that (two factors), and the weights, sums
+            // of the steps' `ηP` from zero, by about as much where the steps do not cancel
+            // (2e-5 measured here on 2026-11-28, 40x inside the bound).
+            let gap = rel_gap(&lazy, &fresh);
+            let bound = 8.0 * cfg.power.tol as f64;
+            assert!(gap <= bound, "Ring: Cholesky, S = 1: {gap:e} > {bound:e}");
+        } else {
+            assert_eq!(lazy, fresh, "{variant:?}: Cholesky, S = 1");
+        }
 
         cfg.inverse = KronConfig::ring().inverse;
         let lazy = run(&p, cfg, false);
         let fresh = run(&p, cfg, true);
-        let mut worst = 0.0f64;
-        for (a, b) in lazy.iter().flatten().zip(fresh.iter().flatten()) {
-            let num = frob(
-                &a.iter()
-                    .zip(b)
-                    .map(|(x, y)| (x - y) as f64)
-                    .collect::<Vec<_>>(),
-            );
-            let den = frob(&b.iter().map(|&v| v as f64).collect::<Vec<_>>());
-            worst = worst.max(num / den);
-        }
+        let worst = rel_gap(&lazy, &fresh);
         // Both inverses meet ‖I − AX‖_F/√n ≤ 1e-4, so each differs from the exact one by
         // ≲ 1e-4·√n relative; two factors, ≤ 7 accumulated steps.
         assert!(
@@ -2631,4 +2635,20 @@ proptest! {
             .unwrap();
         prop_assert!(dz.is_none());
     }
+}
+
+/// The largest relative Frobenius gap between two runs' weights, matrix by matrix.
+fn rel_gap(lazy: &[Vec<Vec<f32>>], fresh: &[Vec<Vec<f32>>]) -> f64 {
+    let mut worst = 0.0f64;
+    for (a, b) in lazy.iter().flatten().zip(fresh.iter().flatten()) {
+        let num = frob(
+            &a.iter()
+                .zip(b)
+                .map(|(x, y)| (x - y) as f64)
+                .collect::<Vec<_>>(),
+        );
+        let den = frob(&b.iter().map(|&v| v as f64).collect::<Vec<_>>());
+        worst = worst.max(num / den);
+    }
+    worst
 }

@@ -12,11 +12,12 @@
 //! | [`AdamW`]       | `adamw`    | `steps` u64, `m` `[n]`, `v` `[n]`                              |
 //! | [`Sophia`]      | `sophia`   | `steps` u64, `m` `[n]`, `h` `[n]`                              |
 //! | [`RKalman`]     | `rkalman`  | `steps` u64, `mu` `[n]`, `sigma` `[n]`, `r` `[d_o, d_o]`      |
-//! | [`KronOptimizer`] | `kron`   | `variant`, `layer_shapes` u64s, `rho`, `steps`, `predicted`, `last_ratio`, `counters.*`, `factored_layers`, `layer{l}.{lambda,gamma}.{factor,inverse}` `[n, n]` and `.{damping,inverse_norm,norm,trace}` |
+//! | [`KronOptimizer`] | `kron`   | `variant`, `layer_shapes` u64s, `rho`, `steps`, `predicted`, `last_ratio`, `counters.*`, `factored_layers`, `layer{l}.{lambda,gamma}.{factor,inverse}` `[n, n]`, `.{damping,inverse_norm,norm,trace}`, RING's `.top` `[n]` |
 //! | [`ChaCha8Rng`]  | `chacha8`  | `seed` 32 bytes, `stream` u64, `word_pos` u64s `[lo, hi]`      |
 //!
 //! `kron`'s `counters.low_rank_inversions` may be absent (checkpoints written before that
-//! counter existed): it then loads as 0.
+//! counter existed): it then loads as 0. A RING factor's `top` `[n]` (its power iteration's
+//! warm start) is written when the factor keeps one, and may be absent.
 //!
 //! A Kronecker factor's `inverse` and `damping` are the inverse `X₀` as formed and its damping
 //! `λ₀` (lazy steps derive theirs from them); its cached square `X₀·X₀` is not stored: the
@@ -169,6 +170,9 @@ impl Checkpoint for KronOptimizer {
                         for (name, v) in FACTOR_SCALARS.iter().zip(vals) {
                             w.f32(name, v)?;
                         }
+                        if let Some(top) = f.top() {
+                            w.tensor("top", &[n], &top.to_vec()?)?;
+                        }
                         Ok(())
                     })?;
                 }
@@ -218,6 +222,12 @@ impl Checkpoint for KronOptimizer {
                 let fr = lr.scope(side);
                 let f = fr.tensor("factor", &[n, n])?;
                 let x = fr.tensor("inverse", &[n, n])?;
+                // Absent for a factor without one (and in checkpoints written before RING
+                // kept it: the next refresh then starts its power iteration cold).
+                let top = match fr.contains("top") {
+                    true => Some(device.upload(n, 1, fr.tensor("top", &[n])?)?),
+                    false => None,
+                };
                 Ok(KronFactorState {
                     factor: device.upload(n, n, f)?,
                     inverse: device.upload(n, n, x)?,
@@ -225,6 +235,7 @@ impl Checkpoint for KronOptimizer {
                     inverse_norm: fr.f32("inverse_norm")?,
                     norm: fr.f32("norm")?,
                     trace: fr.f32("trace")?,
+                    top,
                     // Not stored: the loaded optimizer forms X₀·X₀ again at its first lazy
                     // step that needs it (the same product of the same X₀: the same bits).
                     square: None,

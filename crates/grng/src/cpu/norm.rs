@@ -25,24 +25,45 @@ use crate::simd::multiversion;
 /// [`Error::Shape`] unless `a` is square, [`Error::Value`] for bad options,
 /// [`Error::NonFinite`] for NaN/Inf in `a`.
 pub fn spectral_norm(a: MatRef<'_, f32>, opts: &PowerOptions) -> Result<PowerInfo> {
+    spectral_norm_warm(a, opts, None).map(|(info, _)| info)
+}
+
+/// [`spectral_norm`] from the warm start `warm` (`n` values, normalized here; the fixed start
+/// when absent, of another length, zero or not finite), and the last iterate (a unit vector
+/// in `f32`, empty for `n = 0`): the next call's warm start on a nearby matrix.
+///
+/// # Errors
+/// As [`spectral_norm`].
+pub(crate) fn spectral_norm_warm(
+    a: MatRef<'_, f32>,
+    opts: &PowerOptions,
+    warm: Option<&[f32]>,
+) -> Result<(PowerInfo, Vec<f32>)> {
     const OP: &str = "cpu::spectral_norm";
     let n = a.rows();
     check_shape(OP, "a", a.shape(), (n, n))?;
     opts.validate(OP)?;
     check_finite_view(OP, "a", a)?;
     if n == 0 {
-        return Ok(PowerInfo {
+        let info = PowerInfo {
             value: 0.0,
             iterations: 0,
             converged: true,
-        });
+        };
+        return Ok((info, Vec::new()));
     }
     // Nothing is read back here, so a batch would only add steps past the stop.
     let opts = PowerOptions {
         max_batch: 1,
         ..*opts
     };
-    crate::iteration::power_iteration(&mut HostPower::new(a), n, &opts)
+    let warm = warm.filter(|w| w.len() == n).and_then(|w| {
+        let norm = w.iter().map(|&x| x as f64 * x as f64).sum::<f64>().sqrt();
+        (norm.is_finite() && norm > 0.0).then(|| w.iter().map(|&x| x as f64 / norm).collect())
+    });
+    let mut steps = HostPower::new(a, warm);
+    let info = crate::iteration::power_iteration(&mut steps, n, &opts)?;
+    Ok((info, steps.v.iter().map(|&x| x as f32).collect()))
 }
 
 /// Power steps on a host matrix (`f64` iterate, products accumulated in `f64`).
@@ -50,15 +71,18 @@ pub(crate) struct HostPower<'a> {
     a: MatRef<'a, f32>,
     v: Vec<f64>,
     w: Vec<f64>,
+    /// The unit warm start ([`PowerStep::start_warm`]).
+    warm: Option<Vec<f64>>,
 }
 
 impl<'a> HostPower<'a> {
-    /// Steps on the square `a`.
-    pub(crate) fn new(a: MatRef<'a, f32>) -> Self {
+    /// Steps on the square `a`, with the unit warm start `warm` when given.
+    pub(crate) fn new(a: MatRef<'a, f32>, warm: Option<Vec<f64>>) -> Self {
         Self {
             a,
             v: Vec::new(),
             w: vec![0.0; a.rows()],
+            warm,
         }
     }
 
@@ -86,6 +110,16 @@ impl PowerStep for HostPower<'_> {
         check_len("cpu::power_step", "v0", v0.len(), self.a.rows())?;
         self.v = v0.to_vec();
         Ok(())
+    }
+
+    fn start_warm(&mut self) -> Result<bool> {
+        match &self.warm {
+            Some(w) => {
+                self.v.clone_from(w);
+                Ok(true)
+            }
+            None => Ok(false),
+        }
     }
 
     fn steps(&mut self, k: usize) -> Result<Vec<(f64, f64)>> {

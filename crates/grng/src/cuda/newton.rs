@@ -819,6 +819,8 @@ pub fn init_x(
 pub(crate) struct DevicePower<'a> {
     dev: &'a Device,
     a: &'a Matrix,
+    /// The unit warm start ([`PowerStep::start_warm`]), `n x 1`.
+    warm: Option<&'a Matrix>,
     /// From [`sym_stats`]' pass over `a`.
     top_diagonal: Option<(usize, f32)>,
     v: Matrix,
@@ -831,10 +833,11 @@ pub(crate) struct DevicePower<'a> {
 }
 
 impl<'a> DevicePower<'a> {
-    /// Steps on `a`, in batches of at most `max_batch` (each read back once).
+    /// Steps on `a`, in batches of at most `max_batch` (each read back once), from the unit
+    /// warm start `warm` when given.
     fn new(
         dev: &'a Device,
-        a: &'a Matrix,
+        (a, warm): (&'a Matrix, Option<&'a Matrix>),
         top_diagonal: Option<(usize, f32)>,
         max_batch: usize,
     ) -> Result<Self> {
@@ -842,6 +845,7 @@ impl<'a> DevicePower<'a> {
         Ok(Self {
             dev,
             a,
+            warm,
             top_diagonal,
             v: dev.zeros(n, 1)?,
             w: dev.zeros(n, 1)?,
@@ -856,6 +860,18 @@ impl PowerStep for DevicePower<'_> {
         let v0: Vec<f32> = v0.iter().map(|&x| x as f32).collect();
         self.v = self.dev.upload(self.a.rows(), 1, &v0)?;
         Ok(())
+    }
+
+    fn start_warm(&mut self) -> Result<bool> {
+        match self.warm {
+            Some(w) => {
+                check_len("cuda::newton::power_step", "warm", w.len(), self.a.rows())?;
+                // A device-to-device copy: no read-back, no launch.
+                self.v = w.try_clone()?;
+                Ok(true)
+            }
+            None => Ok(false),
+        }
     }
 
     /// The `k` steps queued back to back, step `j`'s results into slot `j` of `scal`, then
@@ -928,27 +944,38 @@ fn power_step(
 /// [`Device::spectral_norm`] on [`Device::Emulated`] / [`Device::Cuda`]: the CPU backend's
 /// power iteration with the matrix-vector products and normalization on the device, queued
 /// in batches of up to `opts.max_batch` steps whose Rayleigh quotients are read back once per
-/// batch for the stop test. Shapes and options are validated by the caller.
+/// batch for the stop test, from the unit warm start `warm` (`n x 1`, the last iterate of an
+/// earlier call; the fixed start without one). Returns the last iterate too (`n x 1`, unit to
+/// `f32` rounding: the next call's warm start; it ran to the end of the stop's batch).
+/// Shapes and options are validated by the caller.
 ///
 /// # Errors
-/// [`Error::NonFinite`] for NaN/Inf in `a`, [`Error::Value`] for `n > 46340`, device errors.
-pub(crate) fn spectral_norm(dev: &Device, a: &Matrix, opts: &PowerOptions) -> Result<PowerInfo> {
+/// [`Error::NonFinite`] for NaN/Inf in `a`, [`Error::Value`] for `n > 46340`,
+/// [`Error::Shape`] for a warm start of another length, device errors.
+pub(crate) fn spectral_norm(
+    dev: &Device,
+    a: &Matrix,
+    opts: &PowerOptions,
+    warm: Option<&Matrix>,
+) -> Result<(PowerInfo, Matrix)> {
     const OP: &str = "Device::spectral_norm";
     let n = a.rows();
     if n == 0 {
-        return Ok(PowerInfo {
+        let info = PowerInfo {
             value: 0.0,
             iterations: 0,
             converged: true,
-        });
+        };
+        return Ok((info, dev.zeros(0, 1)?));
     }
     let mut unused = Unused::new(dev)?;
     let st = sym_stats(dev, a, None, None, &mut unused)?;
     check_finite_stats((OP, "a"), &st)?;
     // No batch is longer than the whole run.
     let max_batch = opts.max_batch.min(opts.max_iter);
-    let mut steps = DevicePower::new(dev, a, st.top_diagonal, max_batch)?;
-    driver::power_iteration(&mut steps, n, opts)
+    let mut steps = DevicePower::new(dev, (a, warm), st.top_diagonal, max_batch)?;
+    let info = driver::power_iteration(&mut steps, n, opts)?;
+    Ok((info, steps.v))
 }
 
 /// The CPU's `check_finite_view` on stats of `op`'s argument `arg`: its first non-finite

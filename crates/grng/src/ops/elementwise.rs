@@ -20,15 +20,9 @@ use crate::cpu::elementwise::Over;
 use crate::cuda::elementwise as ew;
 use crate::device::{Device, Matrix};
 use crate::error::{check_len, check_shape, check_value, Error, Result};
-use crate::ops::{check_finite_scalar, finite_result, Scalar, OVERFLOW};
+use crate::ops::{check_finite_scalar, finite_result, host, Scalar, OVERFLOW};
 use crate::params::elementwise::{check_beta, InputBounds, MultiUpdate};
 pub use crate::params::elementwise::{AdamWCoeffs, MultiLayout, SgdCoeffs, SophiaCoeffs};
-
-/// Host elements of a matrix already checked to live on a host device.
-fn host(m: &Matrix) -> Result<&[f32]> {
-    m.host()
-        .ok_or_else(|| Error::DeviceUnavailable("matrix is not in host memory".into()))
-}
 
 /// Mutable host elements of a matrix already checked to live on a host device.
 fn host_mut(m: &mut Matrix) -> Result<&mut [f32]> {

@@ -4,6 +4,7 @@
 pub use crate::cuda::kalman::JacobianElement;
 use crate::device::{Device, Matrix};
 use crate::error::{check_shape, check_value, Error, Result};
+use crate::ops::host;
 pub use crate::params::kalman::{KalmanInfo, KalmanOptions, RForm};
 
 /// The R-Kalman state of `n` parameters observed through `d_o` outputs, resident on one
@@ -157,11 +158,6 @@ impl Device {
         state.spare = Some(spare);
         result
     }
-}
-
-/// The host elements of a matrix already checked to live on a host device.
-fn host(m: &Matrix) -> Result<&[f32]> {
-    Ok(super::host_ref(m)?.data())
 }
 
 /// The host elements of an output buffer allocated on a host device.

@@ -39,6 +39,11 @@ pub(crate) fn host_ref<T: Element>(m: &Matrix<T>) -> Result<MatRef<'_, T>> {
     MatRef::new(data, m.rows(), m.cols())
 }
 
+/// The host elements of a matrix already checked to live on a host device.
+pub(crate) fn host<T: Element>(m: &Matrix<T>) -> Result<&[T]> {
+    Ok(host_ref(m)?.data())
+}
+
 /// Mutable host view of a matrix already checked to live on a host device.
 pub(crate) fn host_mut<T: Element>(m: &mut Matrix<T>) -> Result<MatMut<'_, T>> {
     let (rows, cols) = m.shape();

@@ -66,7 +66,7 @@ impl Ctx<'_> {
         x: StatsView<'x>,
         old: Option<&KronFactorState>,
         c: &mut KronCounters,
-    ) -> Result<(Refreshed<'x>, FactorScalars)> {
+    ) -> Result<Fresh<'x>> {
         let (m, n) = x.shape();
         let eps = match old {
             Some(_) if self.cfg.ema > 0.0 => self.cfg.ema,
@@ -86,7 +86,7 @@ impl Ctx<'_> {
         };
         if gram_norm && self.defers_factor(&rows)? {
             let norm = self.rows_norm(&rows, c)?;
-            return Ok((Refreshed::Rows(rows), scalars(norm, 0.0)));
+            return Ok((Refreshed::Rows(rows), scalars(norm, 0.0), None));
         }
         // The factor update checks the rows, so `rows_norm`'s Gram product reads checked rows.
         let f = match old {
@@ -97,12 +97,12 @@ impl Ctx<'_> {
             }
             _ => replaced_factor(self.device, &rows)?,
         };
-        let (norm, trace) = match self.cfg.variant {
-            KronVariant::Ring if gram_norm => (self.rows_norm(&rows, c)?, 0.0),
-            _ => self.formed_scalars(&f, c)?,
+        let (norm, trace, top) = match self.cfg.variant {
+            KronVariant::Ring if gram_norm => (self.rows_norm(&rows, c)?, 0.0, None),
+            _ => self.formed_scalars(&f, old, c)?,
         };
         let rows = (eps == 0.0).then_some(rows);
-        Ok((Refreshed::Formed(f, rows), scalars(norm, trace)))
+        Ok((Refreshed::Formed(f, rows), scalars(norm, trace), top))
     }
 
     /// The statistics rows `x` as the factor's SYRK reads them: `f32` rows rounded to `bf16`
@@ -124,15 +124,15 @@ impl Ctx<'_> {
         gram: &Matrix,
         old: Option<&KronFactorState>,
         c: &mut KronCounters,
-    ) -> Result<(Refreshed<'x>, FactorScalars)> {
+    ) -> Result<Fresh<'x>> {
         let f = self.blended_gram(gram, old)?;
-        let (norm, trace) = self.formed_scalars(&f, c)?;
+        let (norm, trace, top) = self.formed_scalars(&f, old, c)?;
         let scalars = FactorScalars {
             dim: f.rows(),
             norm,
             trace,
         };
-        Ok((Refreshed::Formed(f, None), scalars))
+        Ok((Refreshed::Formed(f, None), scalars, top))
     }
 
     /// The factor of [`Ctx::factor_from_gram`] without its scalars: `gram` blended into
@@ -152,12 +152,22 @@ impl Ctx<'_> {
 
     /// The damping rules' scalars of a formed factor `f`: `(‖f‖₂, 0)` for RING, `(0, tr f)`
     /// for NGD, zeros for RENG — each only for the variant that reads it: both are host round
-    /// trips.
-    fn formed_scalars(&self, f: &Matrix, c: &mut KronCounters) -> Result<(f32, f32)> {
+    /// trips. RING's power iteration starts from `old`'s last iterate when it kept one
+    /// ([`KronFactorState::top`]) and returns its own, the next refresh's.
+    fn formed_scalars(
+        &self,
+        f: &Matrix,
+        old: Option<&KronFactorState>,
+        c: &mut KronCounters,
+    ) -> Result<(f32, f32, Option<Matrix>)> {
         Ok(match self.cfg.variant {
-            KronVariant::Ring => (self.spectral_norm(f, c)?, 0.0),
-            KronVariant::Reng => (0.0, 0.0),
-            KronVariant::Ngd => (0.0, self.device.trace(f)?),
+            KronVariant::Ring => {
+                let warm = old.and_then(|o| o.top.as_ref());
+                let (norm, top) = self.spectral_norm(f, warm, c)?;
+                (norm, 0.0, Some(top))
+            }
+            KronVariant::Reng => (0.0, 0.0, None),
+            KronVariant::Ngd => (0.0, self.device.trace(f)?, None),
         })
     }
 
@@ -197,16 +207,24 @@ impl Ctx<'_> {
                 .device
                 .product_valid_inputs(MatMul::new(no, yes, alpha, x, x))?,
         };
-        self.spectral_norm(&gram, c)
+        // Cold: the batch's rows, and so this Gram's dimension, change at every refresh.
+        self.spectral_norm(&gram, None, c).map(|(norm, _)| norm)
     }
 
-    /// `‖M‖₂` of a symmetric PSD matrix, counting a power iteration that hit its budget.
-    pub fn spectral_norm(&self, m: &Matrix, c: &mut KronCounters) -> Result<f32> {
-        let info = self.device.spectral_norm(m, &self.cfg.power)?;
+    /// `‖M‖₂` of a symmetric PSD matrix from the warm start `warm` (a unit `n x 1` iterate
+    /// of an earlier call), counting a power iteration that hit its budget; with the last
+    /// iterate.
+    pub fn spectral_norm(
+        &self,
+        m: &Matrix,
+        warm: Option<&Matrix>,
+        c: &mut KronCounters,
+    ) -> Result<(f32, Matrix)> {
+        let (info, top) = self.device.spectral_norm_warm(m, &self.cfg.power, warm)?;
         if !info.converged {
             c.power_unconverged += 1;
         }
-        Ok(info.value)
+        Ok((info.value, top))
     }
 
     /// A fresh inverse of `factor + damping·I` and its norm bound. `norm`: `‖factor‖₂` when
@@ -421,6 +439,10 @@ impl Ctx<'_> {
 pub(super) fn known_norm(norm: f32) -> Option<f32> {
     (norm > 0.0).then_some(norm)
 }
+
+/// A refreshed factor ([`Ctx::factor`]): the factor, its damping rules' scalars, and RING's
+/// power-iteration iterate ([`KronFactorState::top`]).
+pub(super) type Fresh<'x> = (Refreshed<'x>, FactorScalars, Option<Matrix>);
 
 /// A factor refreshed by [`Ctx::factor`].
 pub(super) enum Refreshed<'x> {
@@ -639,11 +661,7 @@ impl InverseUpdate {
     /// The full factor state for a freshly refreshed factor: formed, or left to its rows
     /// (formed by the inversion, or else kept by the low-rank kernel, the state holding the
     /// placeholder [`deferred`]).
-    pub fn with_factor(
-        self,
-        factor: Refreshed<'_>,
-        scalars: FactorScalars,
-    ) -> Result<KronFactorState> {
+    pub fn with_factor(self, (factor, scalars, top): Fresh<'_>) -> Result<KronFactorState> {
         let factor = match (factor, self.formed) {
             (Refreshed::Formed(f, _), _) | (Refreshed::Rows(_), Some(f)) => f,
             (Refreshed::Rows(_), None) => deferred()?,
@@ -655,6 +673,7 @@ impl InverseUpdate {
             inverse_norm: self.inverse_norm,
             norm: scalars.norm,
             trace: scalars.trace,
+            top,
             square: None,
             retargeted: None,
             low_rank: self.low_rank,

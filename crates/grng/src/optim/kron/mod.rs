@@ -111,7 +111,7 @@ impl<'a> StatsIn<'_, 'a> {
         (l, side): (usize, usize),
         old: Option<&KronFactorState>,
         c: &mut KronCounters,
-    ) -> Result<(layer::Refreshed<'a>, damping::FactorScalars)> {
+    ) -> Result<layer::Fresh<'a>> {
         match *self {
             StatsIn::Rows(s) => ctx.factor([s[l].a, s[l].e][side].view(), old, c),
             StatsIn::Grams(g) | StatsIn::Spread(g, _) => ctx.factor_from_gram(&g[l][side], old, c),
@@ -881,6 +881,9 @@ impl KronOptimizer {
                 }
                 self.device.check_finite(OP, "factor", &s.factor)?;
                 self.device.check_finite(OP, "inverse", &s.inverse)?;
+                if let Some(top) = &s.top {
+                    check_top(top, n)?;
+                }
                 // F is an EMA of Gram matrices (PSD), so F + damping·I and X ≈ (F + damping·I)⁻¹
                 // are SPD; a state that is not (corrupted, or from another run) would make the
                 // next steps' Newton inversions diverge or precondition along negative
@@ -1063,7 +1066,7 @@ impl KronOptimizer {
         let rho = self.st.rho;
         let old = self.st.layers.get(l);
         let (mut cl, mut cg) = (KronCounters::default(), KronCounters::default());
-        let ((fl, sl), (fg, sg)) = tasks::join(
+        let ((fl, sl, tl), (fg, sg, tg)) = tasks::join(
             ctx.device,
             || stats.factor(&ctx, (l, 0), old.map(|o| &o.lambda), &mut cl),
             || stats.factor(&ctx, (l, 1), old.map(|o| &o.gamma), &mut cg),
@@ -1091,8 +1094,8 @@ impl KronOptimizer {
             },
         )?;
         let layer = KronLayerState {
-            lambda: il.with_factor(fl, sl)?,
-            gamma: ig.with_factor(fg, sg)?,
+            lambda: il.with_factor((fl, sl, tl))?,
+            gamma: ig.with_factor((fg, sg, tg))?,
         };
         Ok((layer, [cl, cg]))
     }
@@ -1126,8 +1129,16 @@ impl KronOptimizer {
                 norm,
                 trace,
             };
-            let state = InverseUpdate::new(inverse, damping, None, None)
-                .with_factor(Refreshed::Formed(f, None), scalars)?;
+            let at = t + 3 + counts.len();
+            let top = match packed[at] {
+                0.0 => None,
+                _ => Some(self.device.upload(n, 1, &packed[at + 1..at + 1 + n])?),
+            };
+            let state = InverseUpdate::new(inverse, damping, None, None).with_factor((
+                Refreshed::Formed(f, None),
+                scalars,
+                top,
+            ))?;
             Ok((state, KronCounters::from_values(counts)))
         };
         let (lambda, cl) = factor(&grams[0], old.map(|o| &o.lambda), pl, i)?;
@@ -1251,6 +1262,23 @@ impl KronOptimizer {
     }
 }
 
+/// A restored warm start of RING's power iteration ([`KronFactorState::top`]) is what the
+/// kernel devices take as it is: `n x 1`, finite, of unit norm (to `1e-3`; the iterations
+/// leave it so to `f32` rounding).
+fn check_top(top: &Matrix, n: usize) -> Result<()> {
+    const OP: &str = "KronOptimizer::restore";
+    check_shape(OP, "top", top.shape(), (n, 1))?;
+    let v = top.to_vec()?;
+    let norm = v.iter().map(|&x| x as f64 * x as f64).sum::<f64>().sqrt();
+    check_value(
+        OP,
+        "top",
+        norm,
+        (norm - 1.0).abs() <= 1e-3,
+        "a unit vector (its norm within 1e-3 of 1)",
+    )
+}
+
 /// The layers' results of [`KronOptimizer::plan`]'s tasks, their two factors' counters added
 /// to `c` in layer order.
 fn tally<T>(done: Vec<(T, [KronCounters; 2])>, c: &mut KronCounters) -> Vec<T> {
@@ -1335,7 +1363,8 @@ fn with_received<'s, 'a>(
 
 /// What a spread refresh sends of one refreshed factor `s` (`n x n`) with its counters `c`:
 /// the inverse's lower triangle (`n(n+1)/2` values; exactly symmetric from the CPU's
-/// Cholesky), then the damping, norm and trace, then the counts ([`packed_len`] in all).
+/// Cholesky), then the damping, norm and trace, then the counts, then RING's warm start
+/// ([`KronFactorState::top`]: a flag and `n` values; [`packed_len`] in all).
 /// One refresh's counts of one factor are at most Newton's iteration budget, far below
 /// `2²⁴`: exact in `f32`.
 fn packed(s: &KronFactorState, c: &KronCounters) -> Result<Vec<f32>> {
@@ -1343,10 +1372,19 @@ fn packed(s: &KronFactorState, c: &KronCounters) -> Result<Vec<f32>> {
     let mut v = dist::lower_triangle(&s.dense_inverse()?.to_vec()?, n);
     v.extend([s.damping, s.norm, s.trace]);
     v.extend(c.values().map(|x| x as f32));
+    // RING's warm start, so that the owner's next refresh of the layer starts where a
+    // process refreshing every layer would: a flag, then `n` values (zeros without one).
+    match &s.top {
+        Some(top) => {
+            v.push(1.0);
+            v.extend(top.to_vec()?);
+        }
+        None => v.extend(std::iter::repeat_n(0.0, n + 1)),
+    }
     Ok(v)
 }
 
 /// [`packed`]'s length for an `n x n` factor.
 fn packed_len(n: usize) -> usize {
-    n * (n + 1) / 2 + 3 + KronCounters::default().values().len()
+    n * (n + 1) / 2 + 3 + KronCounters::default().values().len() + 1 + n
 }

@@ -37,6 +37,13 @@ pub struct KronFactorState {
     pub norm: f32,
     /// `tr F` at the last refresh (NGD's π; `0` for RING and RENG, which never read it).
     pub trace: f32,
+    /// RING: the power iteration's last iterate for `‖F‖₂` (`n x 1`, a unit vector), the
+    /// next refresh's warm start (its factor, blended by the EMA, has nearly the same top
+    /// eigenvector, so the iteration stops in a few steps instead of tens). `None` for the
+    /// other variants, before a refresh of a formed factor, and where the norm came from the
+    /// rows' `m x m` Gram matrix. Copied by [`super::KronOptimizer::state`], stored by the
+    /// checkpoint (`top`), checked unit by [`super::KronOptimizer::restore`].
+    pub(crate) top: Option<Matrix>,
     /// `S₀ = X₀·X₀`, formed at the first lazy step whose target differs from `λ₀`; dropped
     /// with `X₀`. A cache: a pure function of `inverse` (see [`KronFactorState::square`]).
     pub(crate) square: Option<Matrix>,
@@ -99,6 +106,12 @@ impl KronFactorState {
         self.square.as_ref()
     }
 
+    /// RING's warm start for the next refresh's power iteration (`n x 1`, unit; see the
+    /// field's docs), `None` where none is kept.
+    pub fn top(&self) -> Option<&Matrix> {
+        self.top.as_ref()
+    }
+
     fn try_clone(&self) -> Result<Self> {
         Ok(Self {
             factor: self.dense_factor()?.try_clone()?,
@@ -107,6 +120,7 @@ impl KronFactorState {
             inverse_norm: self.inverse_norm,
             norm: self.norm,
             trace: self.trace,
+            top: self.top.as_ref().map(Matrix::try_clone).transpose()?,
             square: self.square.as_ref().map(Matrix::try_clone).transpose()?,
             retargeted: None,
             low_rank: None,
@@ -292,7 +306,8 @@ impl KronState {
     }
 
     /// Every device matrix with a stable name: `layer{l}.{lambda|gamma}.{factor|inverse}`,
-    /// and `layer{l}.{lambda|gamma}.square` for each cached [`KronFactorState::square`].
+    /// `layer{l}.{lambda|gamma}.square` for each cached [`KronFactorState::square`], and
+    /// `layer{l}.{lambda|gamma}.top` for each kept warm start of RING's power iteration.
     pub fn matrices(&self) -> Vec<(String, &Matrix)> {
         let mut out = Vec::with_capacity(6 * self.layers.len());
         for (l, layer) in self.layers.iter().enumerate() {
@@ -301,6 +316,9 @@ impl KronState {
                 out.push((format!("layer{l}.{side}.inverse"), &f.inverse));
                 if let Some(sq) = &f.square {
                     out.push((format!("layer{l}.{side}.square"), sq));
+                }
+                if let Some(top) = &f.top {
+                    out.push((format!("layer{l}.{side}.top"), top));
                 }
             }
         }
