@@ -108,8 +108,8 @@ fn launch_anatomy_times_each_part() {
 /// RING keeps each formed factor's last power iterate (`KronFactorState::top`, `n x 1`,
 /// unit) and starts the next refresh's iteration there: on statistics moved by 1e-3 the
 /// second refresh launches fewer power steps (`newton_power_step`) than the first, which
-/// started from the fixed vector. RENG and NGD keep none. Layers whose factors are all formed
-/// (`m` ≥ every side, ε = 0), ragged sizes.
+/// started from the fixed vector. RENG and NGD keep none. Ragged layers, every side at most
+/// `m` (the CPU would form them all too).
 #[test]
 fn ring_refreshes_warm_start_their_power_iterations() {
     let _serial = SERIAL.lock().unwrap_or_else(PoisonError::into_inner);

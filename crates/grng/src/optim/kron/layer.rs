@@ -74,11 +74,18 @@ impl Ctx<'_> {
             _ => 0.0,
         };
         let rows = self.rows(x)?;
-        // RING's `‖F‖₂` from the rows when `F = (1/m) xᵀx` exactly (replaced, not blended) and
-        // `m < n`: the `m x m` Gram `(1/m) x xᵀ` has the same nonzero eigenvalues, and each
-        // power-iteration step then reads `m²` values instead of `n²` (16x fewer at m = 256,
-        // n = 1024, where RING's refresh spent most of its time in these matrix-vector passes).
-        let gram_norm = self.cfg.variant == KronVariant::Ring && eps == 0.0 && m < n;
+        // RING's `‖F‖₂` from the rows on the CPU when `F = (1/m) xᵀx` exactly (replaced, not
+        // blended) and `m < n`: the `m x m` Gram `(1/m) x xᵀ` has the same nonzero eigenvalues,
+        // and each power-iteration step then reads `m²` values instead of `n²` (16x fewer at
+        // m = 256, n = 1024, where RING's refresh spent most of its time in these
+        // matrix-vector passes). Not on the kernel devices, whose steps cost a launch each
+        // at these sizes, not their bytes: the `n x n` factor they form anyway, with the last
+        // refresh's iterate as the warm start (the rows, a new batch, give the Gram's
+        // iteration none), takes a few launches where the Gram takes its product and tens.
+        let gram_norm = self.cfg.variant == KronVariant::Ring
+            && eps == 0.0
+            && m < n
+            && matches!(self.device, Device::Cpu);
         let scalars = |norm, trace| FactorScalars {
             dim: n,
             norm,
