@@ -173,9 +173,9 @@ fn run_reads(t: usize, cap: usize) -> u64 {
         .unwrap_or(0)
 }
 
-/// Reads of `Device::spectral_norm` before its steps: `newton_sym_stats`' partials (finite
-/// check, top diagonal).
-const SETUP_READS: u64 = 1;
+/// Reads of `Device::spectral_norm` besides its batches': none, `newton_sym_stats`' partials
+/// (finite check, top diagonal) come back with the first batch.
+const SETUP_READS: u64 = 0;
 
 /// One read per step with `max_batch = 1`; with batches of up to 16 at most
 /// [`run_reads`]`(t, 16)` for `t` steps (n = 1 and 2 included), and for n = 33

@@ -815,43 +815,75 @@ pub fn init_x(
     unsafe { launch(&INIT_X, cfg, args) }
 }
 
+/// The op [`spectral_norm`]'s errors name.
+const SPECTRAL_NORM: &str = "Device::spectral_norm";
+
 /// Power steps on an `n x n` device matrix (`f32` iterate).
 pub(crate) struct DevicePower<'a> {
     dev: &'a Device,
     a: &'a Matrix,
     /// The unit warm start ([`PowerStep::start_warm`]), `n x 1`.
     warm: Option<&'a Matrix>,
-    /// From [`sym_stats`]' pass over `a`.
-    top_diagonal: Option<(usize, f32)>,
+    /// Most steps of one batch (slots of `scal`).
+    batch: usize,
+    /// [`sym_stats`]' pass over `a`, once the first batch's read brought it back.
+    stats: Option<SymStats>,
     v: Matrix,
     w: Matrix,
     /// The step's per-block partials and, after them, its last-block counter (zeroed here,
     /// reset to 0 by each step's last block).
     part: Matrix,
-    /// One slot of four floats per step of a batch: `(vᵀw, ‖w‖)` as double-float pairs.
+    /// One slot of four floats per step of a batch: `(vᵀw, ‖w‖)` as double-float pairs; then
+    /// `a`'s [`SymStats`], read with the first batch.
     scal: Matrix,
 }
 
 impl<'a> DevicePower<'a> {
     /// Steps on `a`, in batches of at most `max_batch` (each read back once), from the unit
-    /// warm start `warm` when given.
+    /// warm start `warm` when given; `a`'s stats (its finiteness, its top diagonal element)
+    /// are queued here and come back with the first batch — one read fewer than their own.
     fn new(
         dev: &'a Device,
         (a, warm): (&'a Matrix, Option<&'a Matrix>),
-        top_diagonal: Option<(usize, f32)>,
         max_batch: usize,
+        unused: &mut Unused,
     ) -> Result<Self> {
         let n = a.rows();
+        let batch = max_batch.max(1);
+        let mut scal = dev.zeros(4 * batch + SymStats::len(n), 1)?;
+        queue_sym_stats(dev, a, (None, None), unused, (&mut scal, 4 * batch))?;
         Ok(Self {
             dev,
             a,
             warm,
-            top_diagonal,
+            batch,
+            stats: None,
             v: dev.zeros(n, 1)?,
             w: dev.zeros(n, 1)?,
             part: dev.zeros(4 * n.div_ceil(8).min(MATVEC_MAX_BLOCKS) + 1, 1)?,
-            scal: dev.zeros(4 * max_batch.max(1), 1)?,
+            scal,
         })
+    }
+
+    /// `a`'s stats from a read of `scal` (`read`, or a read now), checked finite: the CPU's
+    /// error for NaN/Inf in `a`, whatever the steps queued before it made of them.
+    fn checked_stats(&mut self, read: Option<&[f32]>) -> Result<&SymStats> {
+        if self.stats.is_none() {
+            let owned;
+            let s = match read {
+                Some(s) => s,
+                None => {
+                    owned = self.scal.to_vec()?;
+                    &owned
+                }
+            };
+            let st = SymStats::of(&s[4 * self.batch..]);
+            check_finite_stats((SPECTRAL_NORM, "a"), &st)?;
+            self.stats = Some(st);
+        }
+        self.stats
+            .as_ref()
+            .ok_or_else(|| Error::Cuda("cuda::newton::power_step: stats not read".into()))
     }
 }
 
@@ -874,9 +906,17 @@ impl PowerStep for DevicePower<'_> {
         }
     }
 
-    /// The `k` steps queued back to back, step `j`'s results into slot `j` of `scal`, then
-    /// one read of the batch (a slot past `scal` is a typed error, not a launch).
+    /// The `k ≤ batch` steps queued back to back, step `j`'s results into slot `j` of
+    /// `scal`, then one read of the batch (and, the first time, of `a`'s stats).
     fn steps(&mut self, k: usize) -> Result<Vec<(f64, f64)>> {
+        if k > self.batch {
+            return Err(value_err(
+                "cuda::newton::power_step",
+                "k",
+                k as f64,
+                "at most the batch the buffers were made for",
+            ));
+        }
         for slot in 0..k {
             power_step(
                 self.dev,
@@ -888,6 +928,7 @@ impl PowerStep for DevicePower<'_> {
             )?;
         }
         let s = self.scal.to_vec()?;
+        self.checked_stats(Some(&s))?;
         Ok(s.chunks_exact(4)
             .take(k)
             .map(|p| (p[0] as f64 + p[1] as f64, p[2] as f64 + p[3] as f64))
@@ -895,7 +936,8 @@ impl PowerStep for DevicePower<'_> {
     }
 
     fn top_diagonal(&mut self) -> Result<Option<(usize, f64)>> {
-        Ok(self.top_diagonal.map(|(k, d)| (k, d as f64)))
+        let st = self.checked_stats(None)?;
+        Ok(st.top_diagonal.map(|(k, d)| (k, d as f64)))
     }
 }
 
@@ -958,7 +1000,6 @@ pub(crate) fn spectral_norm(
     opts: &PowerOptions,
     warm: Option<&Matrix>,
 ) -> Result<(PowerInfo, Matrix)> {
-    const OP: &str = "Device::spectral_norm";
     let n = a.rows();
     if n == 0 {
         let info = PowerInfo {
@@ -968,12 +1009,9 @@ pub(crate) fn spectral_norm(
         };
         return Ok((info, dev.zeros(0, 1)?));
     }
-    let mut unused = Unused::new(dev)?;
-    let st = sym_stats(dev, a, None, None, &mut unused)?;
-    check_finite_stats((OP, "a"), &st)?;
     // No batch is longer than the whole run.
     let max_batch = opts.max_batch.min(opts.max_iter);
-    let mut steps = DevicePower::new(dev, (a, warm), st.top_diagonal, max_batch)?;
+    let mut steps = DevicePower::new(dev, (a, warm), max_batch, &mut Unused::new(dev)?)?;
     let info = driver::power_iteration(&mut steps, n, opts)?;
     Ok((info, steps.v))
 }
