@@ -80,7 +80,7 @@ impl Device {
     /// old `X`, or cuBLAS SGEMM reading a copy of it.
     pub fn damped_inverse_update(&self, inv: &mut Matrix, dlambda: f32) -> Result<()> {
         self.square_update(
-            "Device::damped_inverse_update",
+            ("Device::damped_inverse_update", true),
             ("inv", inv),
             ("dlambda", dlambda),
             crate::cpu::damped_inverse_update,
@@ -96,8 +96,23 @@ impl Device {
     /// for a non-finite `λ`, [`Error::NonFinite`](crate::Error::NonFinite) for NaN/Inf in `A`
     /// or an overflowing diagonal (`"result (overflow)"`). `a` is unchanged on error.
     pub fn add_diagonal(&self, a: &mut Matrix, lambda: f32) -> Result<()> {
+        self.add_diagonal_checked(a, lambda, true)
+    }
+
+    /// [`Device::add_diagonal`] of an `a` the caller knows to be finite (a result an op has
+    /// checked: a Kronecker factor to be damped), without the pass that checks it again —
+    /// on the kernel devices one launch less. The result is still checked.
+    ///
+    /// # Errors
+    /// As [`Device::add_diagonal`], but for NaN/Inf in `a`, which is not looked for.
+    pub(crate) fn add_diagonal_to_finite(&self, a: &mut Matrix, lambda: f32) -> Result<()> {
+        self.add_diagonal_checked(a, lambda, false)
+    }
+
+    /// [`Device::add_diagonal`], checking `a` when `check_input`.
+    fn add_diagonal_checked(&self, a: &mut Matrix, lambda: f32, check_input: bool) -> Result<()> {
         self.square_update(
-            "Device::add_diagonal",
+            ("Device::add_diagonal", check_input),
             ("a", a),
             ("lambda", lambda),
             crate::cpu::add_diagonal,
@@ -107,11 +122,12 @@ impl Device {
 
     /// The checks and commit of an in-place update of the square matrix `a` by the scalar
     /// `s` ([`Device::damped_inverse_update`], [`Device::add_diagonal`]), in this order: `a`
-    /// on this device, square, `s` finite, `a` finite; then the backend's update (`cpu` or
-    /// `kernel`) into scratch, committed only when every result is finite.
+    /// on this device, square, `s` finite, `a` finite (when `check_input`); then the
+    /// backend's update (`cpu` or `kernel`) into scratch, committed only when every result is
+    /// finite.
     fn square_update(
         &self,
-        op: &'static str,
+        (op, check_input): (&'static str, bool),
         (arg, a): (&'static str, &mut Matrix),
         (s_arg, s): (&'static str, f32),
         cpu: fn(crate::mat::MatMut<'_, f32>, f32) -> Result<()>,
@@ -120,7 +136,9 @@ impl Device {
         self.check_on(op, a)?;
         check_shape(op, arg, a.shape(), (a.rows(), a.rows()))?;
         super::check_finite_scalar(op, s_arg, s)?;
-        self.check_finite(op, arg, a)?;
+        if check_input {
+            self.check_finite(op, arg, a)?;
+        }
         self.commit_finite(op, [(OVERFLOW, a, true)], |[a]| match self {
             Device::Cpu => cpu(host_mut(a)?, s),
             Device::Emulated | Device::Cuda(_) => kernel(self, a, s),

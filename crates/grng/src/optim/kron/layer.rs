@@ -279,9 +279,10 @@ impl Ctx<'_> {
             FactorArg::Formed(f, _) => f,
             FactorArg::Rows(rows) => formed.insert(replaced_factor(self.device, rows)?),
         };
+        // `factor` is a checked result (formed and checked, or restored and checked).
         let damped = |lambda: f32| -> Result<Matrix> {
             let mut d = factor.try_clone()?;
-            self.device.add_diagonal(&mut d, lambda)?;
+            self.device.add_diagonal_to_finite(&mut d, lambda)?;
             Ok(d)
         };
         let opts = match method {
