@@ -95,8 +95,8 @@ pub(crate) trait PowerStep {
 ///
 /// A warm start changes how soon that stop comes, not what it means: the quotient's error at
 /// the stop is about `tol/(1 − (λ₂/λ₁)²)` relative from any start, and a start near the top
-/// eigenvector (the previous refresh's, the factor moved by its EMA) reaches it in a few steps
-/// instead of tens.
+/// eigenvector (the previous refresh's: consecutive refreshes' factors are close) reaches it
+/// in a few steps instead of tens.
 ///
 /// That stop can fire near a smaller eigenvalue when the start is nearly orthogonal to the
 /// top eigenvector (the quotient is stationary there). Every diagonal element is a Rayleigh
