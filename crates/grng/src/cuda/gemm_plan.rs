@@ -879,38 +879,26 @@ pub(crate) fn newton_product(
         }
         Ok([1.0, na * nb + added / f64::from(alpha).abs()])
     };
-    let mut bf16x3 = |c: &mut Matrix| {
-        let (epi, scratch) = &mut *state.borrow_mut();
-        let Operands::F32(a, b) = ops else {
-            return Err(Error::Value {
-                op: OP,
-                arg: "operands",
-                value: 0.0,
-                expected: "f32 operands (bf16x3 is an f32-accurate candidate)",
-            });
-        };
-        let epi = Epilogue {
-            out: Some(c),
-            ..epi.reborrow()
-        };
-        newton_bf16x3(dev, (a, b), epi, scratch)
-    };
     // bf16x3 is an f32-accurate candidate: the bf16 products have none.
-    let f32_runs = matches!(ops, Operands::F32(..)) as usize;
-    let all: &mut [(Candidate, &mut Run<'_>); 3] = &mut [
+    let mut bf16x3 = match ops {
+        Operands::F32(a, b) => Some(|c: &mut Matrix| {
+            let (epi, scratch) = &mut *state.borrow_mut();
+            let epi = Epilogue {
+                out: Some(c),
+                ..epi.reborrow()
+            };
+            newton_bf16x3(dev, (a, b), epi, scratch)
+        }),
+        Operands::Bf16(..) => None,
+    };
+    let mut runs: Vec<(Candidate, &mut Run<'_>)> = vec![
         (Candidate::Engine, &mut ours),
         (Candidate::Vendor, &mut cublas),
-        (Candidate::Bf16x3, &mut bf16x3),
     ];
-    dispatch(
-        dev,
-        plan,
-        (n, n, n),
-        (alpha, 0.0),
-        &norms,
-        &mut all[..2 + f32_runs],
-        out,
-    )
+    if let Some(run) = bf16x3.as_mut() {
+        runs.push((Candidate::Bf16x3, run));
+    }
+    dispatch(dev, plan, (n, n, n), (alpha, 0.0), &norms, &mut runs, out)
 }
 
 /// Candidate bf16x3 of an f32 Newton product: `A·B` by [`gemm3_bf16x3`] (the split3 planes

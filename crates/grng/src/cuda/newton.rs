@@ -817,6 +817,8 @@ pub fn init_x(
 
 /// The op [`spectral_norm`]'s errors name.
 const SPECTRAL_NORM: &str = "Device::spectral_norm";
+/// The op [`power_step`] and [`DevicePower`]'s own checks name.
+const POWER_STEP_OP: &str = "cuda::newton::power_step";
 
 /// Power steps on an `n x n` device matrix (`f32` iterate).
 pub(crate) struct DevicePower<'a> {
@@ -867,23 +869,22 @@ impl<'a> DevicePower<'a> {
 
     /// `a`'s stats from a read of `scal` (`read`, or a read now), checked finite: the CPU's
     /// error for NaN/Inf in `a`, whatever the steps queued before it made of them.
-    fn checked_stats(&mut self, read: Option<&[f32]>) -> Result<&SymStats> {
-        if self.stats.is_none() {
-            let owned;
-            let s = match read {
-                Some(s) => s,
-                None => {
-                    owned = self.scal.to_vec()?;
-                    &owned
-                }
-            };
-            let st = SymStats::of(&s[4 * self.batch..]);
-            check_finite_stats((SPECTRAL_NORM, "a"), &st)?;
-            self.stats = Some(st);
+    fn checked_stats(&mut self, read: Option<&[f32]>) -> Result<SymStats> {
+        if let Some(st) = self.stats {
+            return Ok(st);
         }
-        self.stats
-            .as_ref()
-            .ok_or_else(|| Error::Cuda("cuda::newton::power_step: stats not read".into()))
+        let owned;
+        let s = match read {
+            Some(s) => s,
+            None => {
+                owned = self.scal.to_vec()?;
+                &owned
+            }
+        };
+        let st = SymStats::of(&s[4 * self.batch..]);
+        check_finite_stats((SPECTRAL_NORM, "a"), &st)?;
+        self.stats = Some(st);
+        Ok(st)
     }
 }
 
@@ -897,7 +898,7 @@ impl PowerStep for DevicePower<'_> {
     fn start_warm(&mut self) -> Result<bool> {
         match self.warm {
             Some(w) => {
-                check_len("cuda::newton::power_step", "warm", w.len(), self.a.rows())?;
+                check_len(POWER_STEP_OP, "warm", w.len(), self.a.rows())?;
                 // A device-to-device copy: no read-back, no launch.
                 self.v = w.try_clone()?;
                 Ok(true)
@@ -911,7 +912,7 @@ impl PowerStep for DevicePower<'_> {
     fn steps(&mut self, k: usize) -> Result<Vec<(f64, f64)>> {
         if k > self.batch {
             return Err(value_err(
-                "cuda::newton::power_step",
+                POWER_STEP_OP,
                 "k",
                 k as f64,
                 "at most the batch the buffers were made for",
@@ -954,7 +955,7 @@ fn power_step(
     part: &mut Matrix,
     (scal, slot): (&mut Matrix, usize),
 ) -> Result<()> {
-    const OP: &str = "cuda::newton::power_step";
+    const OP: &str = POWER_STEP_OP;
     let n = a.rows();
     let ni = dim(OP, n)?;
     check_len(OP, "v", v.len(), n)?;
