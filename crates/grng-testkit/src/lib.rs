@@ -11,7 +11,7 @@ pub mod dist;
 
 use grng::cuda::CudaDevice;
 use grng::ops::elementwise::AdamWCoeffs;
-use grng::optim::kron::{InverseMethod, KronConfig, KronFactorState};
+use grng::optim::kron::{InverseMethod, KronConfig, KronFactorState, KronVariant};
 use grng::{Device, Trans};
 use proptest::test_runner::{Config, RngSeed};
 use rand::{Rng, SeedableRng};
@@ -363,6 +363,15 @@ pub fn run_child(name: &str, env: &[(&str, Option<&str>)]) -> String {
         "child failed:\n{stdout}\n{stderr}"
     );
     stderr
+}
+
+/// The default configuration of `variant` (`KronConfig::ring()`, `reng()` or `ngd()`).
+pub fn variant_config(variant: KronVariant) -> KronConfig {
+    match variant {
+        KronVariant::Ring => KronConfig::ring(),
+        KronVariant::Reng => KronConfig::reng(),
+        KronVariant::Ngd => KronConfig::ngd(),
+    }
 }
 
 /// `base` set up for lazy-step tests whose ρ drifts: ρ = 1e-2 free in [1e-8, 1], φ = 0.8 (each

@@ -37,12 +37,7 @@ fn upload_all(dev: &Device, rng: &mut ChaCha8Rng, dims: &[(usize, usize)]) -> Ve
 }
 
 fn config(variant: KronVariant) -> KronConfig {
-    let base = match variant {
-        KronVariant::Ring => KronConfig::ring(),
-        KronVariant::Reng => KronConfig::reng(),
-        KronVariant::Ngd => KronConfig::ngd(),
-    };
-    common::drifting_config(base)
+    common::drifting_config(common::variant_config(variant))
 }
 
 /// Everything a failed step must leave as it was: ρ, the step count, the counters, every

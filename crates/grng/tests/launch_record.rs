@@ -134,12 +134,10 @@ fn ring_refreshes_warm_start_their_power_iterations() {
         .collect();
     let g: Vec<&Matrix> = grads.iter().collect();
     for variant in [KronVariant::Ring, KronVariant::Reng, KronVariant::Ngd] {
-        let base = match variant {
-            KronVariant::Ring => KronConfig::ring(),
-            KronVariant::Reng => KronConfig::reng(),
-            KronVariant::Ngd => KronConfig::ngd(),
+        let cfg = KronConfig {
+            skip: 1,
+            ..common::variant_config(variant)
         };
-        let cfg = KronConfig { skip: 1, ..base };
         let mut opt = KronOptimizer::new(&dev, &shapes, cfg).unwrap();
         let mut params: Vec<Matrix> = shapes
             .iter()

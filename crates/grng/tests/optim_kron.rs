@@ -162,14 +162,6 @@ fn frob(x: &[f64]) -> f64 {
     x.iter().map(|v| v * v).sum::<f64>().sqrt()
 }
 
-fn variant_config(v: KronVariant) -> KronConfig {
-    match v {
-        KronVariant::Ring => KronConfig::ring(),
-        KronVariant::Reng => KronConfig::reng(),
-        KronVariant::Ngd => KronConfig::ngd(),
-    }
-}
-
 // ---------- preconditioning and the quadratic model vs dense f64 ----------
 
 proptest! {
@@ -196,7 +188,7 @@ proptest! {
     ) {
         let mut rng = ChaCha8Rng::seed_from_u64(seed);
         let rho = 10f64.powf(log_rho) as f32;
-        let mut cfg = variant_config(variant);
+        let mut cfg = common::variant_config(variant);
         cfg.rho = rho;
         cfg.lr = 0.7;
         cfg.power.tol = 1e-7;
@@ -457,7 +449,7 @@ fn factored_matches_dense_on(
     variant: KronVariant,
 ) -> Result<(), TestCaseError> {
     let mut rng = ChaCha8Rng::seed_from_u64(seed);
-    let mut cfg = variant_config(variant);
+    let mut cfg = common::variant_config(variant);
     cfg.inverse = InverseMethod::Cholesky;
     cfg.lr = 0.7;
     // One lazy step after the refresh, at a damping moved by the model (below).
@@ -1020,7 +1012,7 @@ fn run(p: &Problem, cfg: KronConfig, fresh_each_step: bool) -> Vec<Vec<Vec<f32>>
 fn lazy_with_skip_one_equals_non_lazy() {
     let p = problem(11, 8);
     for variant in [KronVariant::Ring, KronVariant::Reng, KronVariant::Ngd] {
-        let mut cfg = variant_config(variant);
+        let mut cfg = common::variant_config(variant);
         cfg.skip = 1;
         cfg.phi = 0.8;
         cfg.rho = 4e-3;
@@ -1857,7 +1849,7 @@ fn damping_interval_forms_the_model_every_t_steps() {
                 rho_min: 1e-9,
                 skip,
                 inverse: InverseMethod::Cholesky,
-                ..variant_config(variant)
+                ..common::variant_config(variant)
             };
             let cfg = KronConfig {
                 damping_interval: t,
@@ -2567,7 +2559,7 @@ proptest! {
     ) {
         let mut rng = ChaCha8Rng::seed_from_u64(seed);
         let (o, i) = if wide { (d_out + 76, d_in + 76) } else { (d_out, d_in) };
-        let mut cfg = variant_config(variant);
+        let mut cfg = common::variant_config(variant);
         (cfg.ema, cfg.skip, cfg.phi, cfg.inverse) = (ema, 3, 0.8, InverseMethod::Cholesky);
         let shapes = [(o, i), (3, o)];
         let mut plain = KronOptimizer::new(&DEV, &shapes, cfg).unwrap();
