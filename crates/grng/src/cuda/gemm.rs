@@ -247,7 +247,7 @@ impl<'a> Split3<'a> {
     /// concatenated over the six plane products ([`split3_cat`]), made on `dev` on first use
     /// and kept.
     pub(crate) fn concatenated(&self, dev: &Device, role: Role, t: Trans) -> Result<&Matrix<bf16>> {
-        let slot = &self.cat[2 * usize::from(role == Role::B) + usize::from(t == Trans::Yes)];
+        let slot = &self.cat[Self::cat_slot(role, t)];
         Ok(match slot.get() {
             Some(x) => x,
             None => {
@@ -260,6 +260,21 @@ impl<'a> Split3<'a> {
     /// The matrix that was split.
     pub fn matrix(&self) -> &'a Matrix {
         self.m
+    }
+
+    /// Whether the engine's planes are made: a product reading them now splits nothing.
+    pub(crate) fn has_planes(&self) -> bool {
+        self.planes.get().is_some()
+    }
+
+    /// Whether the concatenated operand `role` (transpose `t`) is made
+    /// ([`Split3::concatenated`]).
+    pub(crate) fn has_concatenated(&self, role: Role, t: Trans) -> bool {
+        self.cat[Self::cat_slot(role, t)].get().is_some()
+    }
+
+    fn cat_slot(role: Role, t: Trans) -> usize {
+        2 * usize::from(role == Role::B) + usize::from(t == Trans::Yes)
     }
 
     /// The planes as [`launch_engine`] reads them, split on `dev` on first use (one launch,

@@ -10,7 +10,7 @@
 //! The vendor library is the floor: on a CUDA device where it loads, the first product of a
 //! (plan, shape class, device) runs every candidate, checks each against the engine within
 //! the bound of [`Trial::bound`], times them ([`TRIAL_RUNS`] runs each, CUDA events, the
-//! median) and keeps the fastest that agrees for every later product of that key ([`choices`]
+//! median; each run pays the operand splits the candidate pays outside a trial) and keeps the fastest that agrees for every later product of that key ([`choices`]
 //! lists the decisions with their times, for the bench's kernel column). A candidate that
 //! disagrees is not chosen, and that is said once on stderr. Where the vendor
 //! is absent — always on [`Device::Emulated`] — the engine runs, each such product is counted
@@ -33,10 +33,11 @@
 
 mod cache;
 
-use std::cell::RefCell;
+use std::cell::{Cell, RefCell};
 use std::collections::HashMap;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Mutex, Once, OnceLock, PoisonError};
+use std::time::Instant;
 
 use cudarc::driver::sys::CUevent_flags;
 use half::bf16;
@@ -458,27 +459,39 @@ fn warn_failed(c: Candidate, e: &Error) {
 /// are compared with the engine's; then [`TRIAL_RUNS`] timed runs each), leaving `c` as it
 /// was; `bound` gives what a candidate's difference may be ([`Trial::bound`]). `Err`: the
 /// engine failed; a later candidate that fails is said once and not timed (`secs` `None`),
-/// so the trial still decides and no later product of its key pays a trial again.
+/// so the trial still decides and no later product of its key pays a trial again. Each run
+/// pays what the candidate pays outside a trial, the split of its operands included
+/// ([`split_for_run`]).
 fn trial(
     dev: &Device,
     c: &Matrix,
     bound: &dyn Fn(Candidate) -> f64,
     runs: &mut Runs<'_, '_>,
 ) -> Result<Trial> {
-    let Device::Cuda(d) = dev else {
-        return Err(Error::DeviceUnavailable(
-            "cuda::gemm_plan: a trial times CUDA events".into(),
-        ));
+    let _mark = TrialMark::set();
+    // CUDA events on a GPU; the host's clock on the emulator, whose launches are synchronous
+    // (no product trials there, but the plan's unit tests run one).
+    let once = |run: &mut Run<'_>, out: &mut Matrix| -> Result<f64> {
+        match dev {
+            Device::Cuda(d) => {
+                let stream = d.stream();
+                let start = stream.record_event(Some(CUevent_flags::CU_EVENT_DEFAULT))?;
+                run(out)?;
+                let end = stream.record_event(Some(CUevent_flags::CU_EVENT_DEFAULT))?;
+                end.synchronize()?;
+                Ok(f64::from(start.elapsed_ms(&end)?) / 1e3)
+            }
+            _ => {
+                let t = Instant::now();
+                run(out)?;
+                Ok(t.elapsed().as_secs_f64())
+            }
+        }
     };
-    let stream = d.stream();
     let time = |run: &mut Run<'_>, out: &mut Matrix| -> Result<f64> {
         let mut secs = Vec::with_capacity(TRIAL_RUNS);
         for _ in 0..TRIAL_RUNS {
-            let start = stream.record_event(Some(CUevent_flags::CU_EVENT_DEFAULT))?;
-            run(out)?;
-            let end = stream.record_event(Some(CUevent_flags::CU_EVENT_DEFAULT))?;
-            end.synchronize()?;
-            secs.push(f64::from(start.elapsed_ms(&end)?) / 1e3);
+            secs.push(once(run, out)?);
         }
         secs.sort_by(f64::total_cmp);
         Ok(secs[TRIAL_RUNS / 2])
@@ -594,24 +607,89 @@ pub fn product3_checked(dev: &Device, op: &'static str, p: MatMul<&Split3<'_>>) 
     let matrices = p.map(Split3::matrix);
     let (m, n) = matrices.shape();
     let mut c = dev.zeros(m, n)?;
-    let mut ours = |out: &mut Matrix| engine::product3_checked(dev, op, p, out);
-    let check = |out: &Matrix| super::elementwise::check_finite(dev, op, &[(OVERFLOW, out)]);
-    let mut cublas = |out: &mut Matrix| {
-        vendor::gemm(dev, matrices, 0.0, out)?;
-        check(out)
-    };
-    let mut bf16x3 = |out: &mut Matrix| {
-        gemm3_bf16x3(dev, p, 0.0, out)?;
-        check(out)
-    };
+    let [mut ours, mut cublas, mut bf16x3] = checked_runs(dev, op, p);
     let plan = (op, Format::F32Checked);
     let runs: &mut Runs<'_, '_> = &mut [
-        (Candidate::Engine, &mut ours),
-        (Candidate::Vendor, &mut cublas),
-        (Candidate::Bf16x3, &mut bf16x3),
+        (Candidate::Engine, &mut *ours),
+        (Candidate::Vendor, &mut *cublas),
+        (Candidate::Bf16x3, &mut *bf16x3),
     ];
     dispatch_gemm(dev, plan, matrices, 0.0, runs, &mut c)?;
     Ok(c)
+}
+
+/// [`product3_checked`]'s candidates, in [`Candidate::ALL`]'s order. The split ones read
+/// `p`'s operands through [`split_for_run`], so a trial times the splits each pays.
+fn checked_runs<'r>(
+    dev: &'r Device,
+    op: &'static str,
+    p: MatMul<&'r Split3<'r>>,
+) -> [Box<Run<'r>>; 3] {
+    let planes = [p.a.has_planes(), p.b.has_planes()];
+    let cat = [
+        p.a.has_concatenated(Role::A, p.ta),
+        p.b.has_concatenated(Role::B, p.tb),
+    ];
+    let check = move |out: &Matrix| super::elementwise::check_finite(dev, op, &[(OVERFLOW, out)]);
+    [
+        Box::new(move |out: &mut Matrix| {
+            split_for_run(p, planes, |p| engine::product3_checked(dev, op, p, out))
+        }),
+        Box::new(move |out: &mut Matrix| {
+            vendor::gemm(dev, p.map(Split3::matrix), 0.0, out)?;
+            check(out)
+        }),
+        Box::new(move |out: &mut Matrix| {
+            split_for_run(p, cat, |p| gemm3_bf16x3(dev, p, 0.0, &mut *out))?;
+            check(out)
+        }),
+    ]
+}
+
+thread_local! {
+    /// Whether this thread runs a [`trial`]'s candidates ([`split_for_run`]).
+    static IN_TRIAL: Cell<bool> = const { Cell::new(false) };
+}
+
+/// Marks this thread as in a [`trial`] until dropped (and back to what it was: a candidate's
+/// bf16 product may hold a trial of its own).
+struct TrialMark(bool);
+
+impl TrialMark {
+    fn set() -> Self {
+        Self(IN_TRIAL.replace(true))
+    }
+}
+
+impl Drop for TrialMark {
+    fn drop(&mut self) {
+        IN_TRIAL.set(self.0);
+    }
+}
+
+/// Runs `run` on a product's split operands as a candidate reads them: `p`'s own, or, in a
+/// [`trial`], fresh ones for those whose split `made` says did not exist when the product was
+/// called. So each of a trial's runs pays the splits the candidate pays outside it (a
+/// `Split3` keeps what its first product made, and the untimed run would otherwise leave the
+/// timed ones nothing to split), while an operand split before the call (read by several
+/// products, split by the first) costs no run anything.
+fn split_for_run<'a, R>(
+    p: MatMul<&Split3<'a>>,
+    made: [bool; 2],
+    run: impl FnOnce(MatMul<&Split3<'a>>) -> R,
+) -> R {
+    if !IN_TRIAL.get() {
+        return run(p);
+    }
+    let fresh = |s: &Split3<'a>, made: bool| (!made).then(|| Split3::new(s.matrix()));
+    let a = fresh(p.a, made[0]);
+    let a = a.as_ref().unwrap_or(p.a);
+    // One matrix for both operands (a square) is split once outside a trial too.
+    if std::ptr::eq(p.a, p.b) {
+        return run(p.with(a, a));
+    }
+    let b = fresh(p.b, made[1]);
+    run(p.with(a, b.as_ref().unwrap_or(p.b)))
 }
 
 /// `C ← α·op(A)·op(B) + β·C` at `f32` accuracy for `f32` operands (plan
@@ -622,11 +700,13 @@ pub fn product3_checked(dev: &Device, op: &'static str, p: MatMul<&Split3<'_>>) 
 /// As [`engine::gemm3`] and [`vendor::gemm`]; the plan's errors of [`gemm()`]. `c` is unchanged
 /// on error.
 pub fn gemm3(dev: &Device, p: MatMul<&Matrix>, beta: f32, c: &mut Matrix) -> Result<()> {
-    let (sa, sb) = (Split3::new(p.a), Split3::new(p.b));
-    let split = p.with(&sa, &sb);
     let mut ours = |out: &mut Matrix| engine::gemm3(dev, p, beta, out);
     let mut cublas = |out: &mut Matrix| vendor::gemm(dev, p, beta, out);
-    let mut bf16x3 = |out: &mut Matrix| gemm3_bf16x3(dev, split, beta, out);
+    // Split in each run, as the engine's: a trial's timed runs pay the splits too.
+    let mut bf16x3 = |out: &mut Matrix| {
+        let (sa, sb) = (Split3::new(p.a), Split3::new(p.b));
+        gemm3_bf16x3(dev, p.with(&sa, &sb), beta, out)
+    };
     let plan = ("cuda::gemm_plan::gemm3", Format::F32Accurate);
     let runs: &mut Runs<'_, '_> = &mut [
         (Candidate::Engine, &mut ours),
@@ -981,6 +1061,66 @@ mod tests {
             Candidate::Engine,
             "a three-way tie"
         );
+    }
+
+    /// A trial's runs each pay the operand splits their candidate pays outside a trial. On
+    /// the emulator (the host's clock; cuBLAS fails there and is not timed), the engine's
+    /// 1 + [`TRIAL_RUNS`] runs of [`product3_checked`] split both operands each
+    /// (`gemm_split3`) and bf16x3's concatenate both each (`gemm_split3_cat`); an operand
+    /// split before the product (read by an earlier one) costs no run its split; and the
+    /// caller's operands are left as they were, for the chosen run to split once. Mutation
+    /// check: with `split_for_run` passing `p` through, the untimed run's planes serve the
+    /// timed ones (2 splits counted where 8 are expected).
+    #[cfg(feature = "test-hooks")]
+    #[test]
+    fn a_trial_times_the_splits_each_run_pays() {
+        use crate::hooks::{record_launches, take_launches};
+        let dev = Device::Emulated;
+        let upload = |r: usize, c: usize| {
+            let v: Vec<f32> = (0..r * c)
+                .map(|i| ((i * 7 % 13) as f32 - 6.0) / 7.0)
+                .collect();
+            dev.upload(r, c, &v).unwrap()
+        };
+        let (a, b, b0) = (upload(33, 40), upload(40, 20), upload(40, 20));
+        let no = Trans::No;
+        let runs = 1 + TRIAL_RUNS;
+        for split_before in [false, true] {
+            let (sa, sb) = (Split3::new(&a), Split3::new(&b));
+            if split_before {
+                // An earlier product that read `a` (its planes), and its concatenation.
+                let sb0 = Split3::new(&b0);
+                product3_checked(&dev, "test", MatMul::new(no, no, 1.0, &sa, &sb0)).unwrap();
+                sa.concatenated(&dev, Role::A, no).unwrap();
+            }
+            let c = dev.zeros(33, 20).unwrap();
+            let [mut e, mut v, mut x] =
+                checked_runs(&dev, "test", MatMul::new(no, no, 1.0, &sa, &sb));
+            record_launches(true);
+            let t = trial(
+                &dev,
+                &c,
+                &|_| 1.0,
+                &mut [
+                    (Candidate::Engine, &mut *e),
+                    (Candidate::Vendor, &mut *v),
+                    (Candidate::Bf16x3, &mut *x),
+                ],
+            );
+            let launches = take_launches();
+            record_launches(false);
+            let t = t.unwrap();
+            let count = |k: &str| launches.iter().filter(|&&l| l == k).count();
+            let per_run = if split_before { 1 } else { 2 };
+            assert_eq!(count("gemm3_tc"), runs, "{launches:?}");
+            assert_eq!(count("gemm_split3"), per_run * runs, "{launches:?}");
+            assert_eq!(count("gemm_tc"), runs, "{launches:?}");
+            assert_eq!(count("gemm_split3_cat"), per_run * runs, "{launches:?}");
+            assert!(t.secs(Candidate::Engine).is_some() && t.secs(Candidate::Bf16x3).is_some());
+            assert_eq!(t.secs(Candidate::Vendor), None);
+            assert!(!sb.has_planes() && !sb.has_concatenated(Role::B, no));
+            assert_eq!(sa.has_planes(), split_before);
+        }
     }
 
     #[test]
