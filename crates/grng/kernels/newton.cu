@@ -8,7 +8,10 @@
 //   cubic       F  = E·E + E        → F (bf16, or f32 in f32 mode)
 //   quartic     G  = E·E; F = G·E + G + E   (two nested fused epilogues)
 //   update      X' = X·F + X        → X' (f32 + bf16 copy) into another buffer
-// so no pass over n² elements runs outside the GEMMs. All products run on the tensor-core
+// so no pass over n² elements runs outside the GEMMs. In f32 mode an epilogue also writes its
+// output's split3 planes (NEWTON_OUT_SPLIT3) while the engine runs the products, and the next
+// product reads them: only A and a start are split (gemm_split3), once per inversion.
+// All products run on the tensor-core
 // GEMM engine (kernels/gemm/engine.cuh: mma.sync m16n8k16 on 128x128 tiles, f32
 // accumulation): newton_gemm_tc on the bf16 copies the epilogues wrote (bf16 mode);
 // newton_gemm3_tc on split3 planes of f32 operands, f32-accurate (f32 mode, and the bf16
@@ -36,6 +39,7 @@
 #define NEWTON_OUT_BF16 8   // out_bf[r, c] = bf16(v)
 #define NEWTON_RESID 16     // partial[block] = Σ v² over the block's tile
 #define NEWTON_MIRROR 32    // symmetric product: lower-triangle tiles only, C[c, r] = C[r, c]
+#define NEWTON_OUT_SPLIT3 64  // out_bf holds 3 planes n² apart: grng_split3(v), gemm_split3's
 
 // v = alpha·c + diag·[r = col] + add1 + add2 at (r, col), the additions in the CPU's order.
 __device__ __forceinline__ float newton_epi_value(float c, int r, int col, int n, float alpha,
@@ -49,11 +53,22 @@ __device__ __forceinline__ float newton_epi_value(float c, int r, int col, int n
     return v;
 }
 
+// NEWTON_OUT_SPLIT3 (AllowSplit kernels only: the f32 products and the vendor's epilogue) writes
+// the planes a later f32 product reads, so it does not split this output again (a launch and
+// 10 bytes per element). The flag replaces NEWTON_OUT_BF16 (bf16 mode), whose pointer it takes.
+template <bool AllowSplit>
 __device__ __forceinline__ void newton_epi_store(float* __restrict__ out,
                                                  __nv_bfloat16* __restrict__ out_bf, size_t o,
-                                                 float v, int flags) {
+                                                 size_t plane, float v, int flags) {
     if (flags & NEWTON_OUT_F32) out[o] = v;
     if (flags & NEWTON_OUT_BF16) grng_st_bf16(&out_bf[o], v);
+    if (AllowSplit && (flags & NEWTON_OUT_SPLIT3)) {
+        __nv_bfloat16 hi, mid, lo;
+        grng_split3(v, hi, mid, lo);
+        out_bf[o] = hi;
+        out_bf[plane + o] = mid;
+        out_bf[2 * plane + o] = lo;
+    }
 }
 
 // partial[block] = Σ over the block's threads of sq, when flags ask for the residual. Every
@@ -85,7 +100,9 @@ __device__ __forceinline__ void newton_store_partial(float sq, float* __restrict
 // early f32 phase (T = AX and X·F stay full: see src/cpu/newton.rs for why). The diagonal
 // tiles' upper halves are skipped (the mirror writes them). No residual with the mirror
 // (the launcher refuses the combination). Saves (nt − 1)/(2nt) of the tiles.
-template <bool AllowMirror>
+// AllowSplit: NEWTON_OUT_SPLIT3 is honoured (not in the bf16 products, which keep their
+// register budget as for the mirror).
+template <bool AllowMirror, bool AllowSplit>
 struct NewtonEpi {
     const float* __restrict__ add1;
     const float* __restrict__ add2;
@@ -98,7 +115,7 @@ struct NewtonEpi {
     float sq;  // this thread's Σ v²
     __device__ __forceinline__ void put(int r, int c, float acc) {
         const float v = newton_epi_value(acc, r, c, n, alpha, diag, add1, add2, flags);
-        newton_epi_store(out, out_bf, (size_t)r * n + c, v, flags);
+        newton_epi_store<AllowSplit>(out, out_bf, (size_t)r * n + c, (size_t)n * n, v, flags);
         sq = fmaf(v, v, sq);
     }
     __device__ __forceinline__ void operator()(int r, int c, float acc) {
@@ -122,15 +139,17 @@ struct NewtonEpi {
 #define NEWTON_GEMM_TYPES                                                                        \
     (const __nv_bfloat16*, const __nv_bfloat16*, const float*, const float*, float*,             \
      __nv_bfloat16*, float*, int, float, float, int)
-#define NEWTON_EPI(AllowMirror)                                                                  \
-    NewtonEpi<AllowMirror> epi { add1, add2, out, out_bf, partial, n, alpha, diag, flags, 0.0f }
+#define NEWTON_EPI(AllowMirror, AllowSplit)                                                      \
+    NewtonEpi<AllowMirror, AllowSplit> epi { add1, add2, out, out_bf, partial, n, alpha, diag,   \
+                                             flags, 0.0f }
 
 // Both entries share this body: Terms = 1 for bf16 operands, GRNG_SPLIT3_TERMS for f32
 // operands given as split3 planes n² elements apart (f32-accurate, engine.cuh).
-template <int Terms, bool AllowMirror>
+template <int Terms, bool AllowMirror, bool AllowSplit>
 __device__ __forceinline__ void newton_gemm_body(const __nv_bfloat16* __restrict__ a,
                                                  const __nv_bfloat16* __restrict__ b,
-                                                 long long plane, NewtonEpi<AllowMirror>& epi) {
+                                                 long long plane,
+                                                 NewtonEpi<AllowMirror, AllowSplit>& epi) {
     GRNG_DYN_SHARED(__nv_bfloat16, smem);
     const int n = epi.n;
     int bi = blockIdx.y, bj = blockIdx.x;
@@ -142,7 +161,7 @@ __device__ __forceinline__ void newton_gemm_body(const __nv_bfloat16* __restrict
 
 extern "C" __global__ void __launch_bounds__(GRNG_GEMM_THREADS, 2)
     newton_gemm_tc(NEWTON_GEMM_PARAMS) {
-    NEWTON_EPI(false);
+    NEWTON_EPI(false, false);
     newton_gemm_body<1>(a, b, 0, epi);
 }
 GRNG_EMU_ENTRY(newton_gemm_tc, NEWTON_GEMM_TYPES)
@@ -150,11 +169,11 @@ GRNG_EMU_ENTRY(newton_gemm_tc, NEWTON_GEMM_TYPES)
 #ifdef GRNG_SM90A
 // A template like newton_gemm_body: the dynamic shared memory must be declared with the
 // same linkage in both. Terms and AllowMirror as there.
-template <int Terms, bool AllowMirror>
+template <int Terms, bool AllowMirror, bool AllowSplit>
 __device__ __forceinline__ void newton_gemm_wg_body(const __nv_bfloat16* __restrict__ a,
                                                     const __nv_bfloat16* __restrict__ b,
                                                     long long plane,
-                                                    NewtonEpi<AllowMirror>& epi) {
+                                                    NewtonEpi<AllowMirror, AllowSplit>& epi) {
     GRNG_DYN_SHARED(__nv_bfloat16, smem);
     int bi = blockIdx.y, bj = blockIdx.x;
     if (AllowMirror && (epi.flags & NEWTON_MIRROR)) grng_tri_tile(blockIdx.x, bi, bj);
@@ -168,14 +187,14 @@ __device__ __forceinline__ void newton_gemm_wg_body(const __nv_bfloat16* __restr
 // memory. Only in the compute_90a build.
 extern "C" __global__ void __launch_bounds__(GRNG_WG_THREADS, 1)
     newton_gemm_wg_tc(NEWTON_GEMM_PARAMS) {
-    // Full products only, as newton_gemm_tc (NewtonEpi<false>: the mirror is split3-only).
-    NEWTON_EPI(false);
+    // Full products only, as newton_gemm_tc (the mirror and the planes are split3-only).
+    NEWTON_EPI(false, false);
     newton_gemm_wg_body<1, false>(a, b, 0, epi);
 }
 
 extern "C" __global__ void __launch_bounds__(GRNG_WG_THREADS, 1)
     newton_gemm3_wg_tc(NEWTON_GEMM_PARAMS) {
-    NEWTON_EPI(true);
+    NEWTON_EPI(true, true);
     newton_gemm_wg_body<GRNG_SPLIT3_TERMS, true>(a, b, (long long)n * n, epi);
 }
 #endif
@@ -184,7 +203,7 @@ extern "C" __global__ void __launch_bounds__(GRNG_WG_THREADS, 1)
 // split3 planes of the f32 A and B (plane p at p·n²). Same grid, block and shared memory.
 extern "C" __global__ void __launch_bounds__(GRNG_GEMM_THREADS)
     newton_gemm3_tc(NEWTON_GEMM_PARAMS) {
-    NEWTON_EPI(true);
+    NEWTON_EPI(true, true);
     newton_gemm_body<GRNG_SPLIT3_TERMS>(a, b, (long long)n * n, epi);
 }
 GRNG_EMU_ENTRY(newton_gemm3_tc, NEWTON_GEMM_TYPES)
@@ -206,7 +225,7 @@ extern "C" __global__ void __launch_bounds__(256)
                     float alpha, float diag, int flags) {
     constexpr int S = 32, PER = NEWTON_TILE / S;
     __shared__ float t[S][S + 1];
-    NEWTON_EPI(false);
+    NEWTON_EPI(false, true);
     const int tx = threadIdx.x % S, ty = threadIdx.x / S, rows = blockDim.x / S;
     const bool mirror = flags & NEWTON_MIRROR;
     for (int s = 0; s < PER * PER; ++s) {

@@ -27,14 +27,48 @@ static LAUNCHED: Mutex<Vec<&'static str>> = Mutex::new(Vec::new());
 #[inline(always)]
 pub(crate) fn record(name: &'static str) {
     #[cfg(feature = "test-hooks")]
-    if RECORDING.load(Ordering::Relaxed) {
-        LAUNCHED
-            .lock()
-            .unwrap_or_else(PoisonError::into_inner)
-            .push(name);
+    {
+        if RECORDING.load(Ordering::Relaxed) {
+            LAUNCHED
+                .lock()
+                .unwrap_or_else(PoisonError::into_inner)
+                .push(name);
+        }
+        HERE.with(|h| {
+            if let Some(v) = h.borrow_mut().as_mut() {
+                v.push(name);
+            }
+        });
     }
     #[cfg(not(feature = "test-hooks"))]
     let _ = name;
+}
+
+#[cfg(feature = "test-hooks")]
+thread_local! {
+    /// This thread's launches while [`record_launches_here`] is on.
+    static HERE: std::cell::RefCell<Option<Vec<&'static str>>> =
+        const { std::cell::RefCell::new(None) };
+}
+
+/// Switches this thread's own launch record on (cleared) or off: what a test that runs beside
+/// others in one process (grng's unit tests) counts, where [`record_launches`] would see every
+/// thread's launches. Launches queued from other threads (a pool's tasks) are not in it.
+#[cfg(feature = "test-hooks")]
+pub fn record_launches_here(on: bool) {
+    HERE.with(|h| *h.borrow_mut() = on.then(Vec::new));
+}
+
+/// This thread's launches since [`record_launches_here`]`(true)` or the last call, in order,
+/// and clears them (empty while it is off).
+#[cfg(feature = "test-hooks")]
+pub fn take_launches_here() -> Vec<&'static str> {
+    HERE.with(|h| {
+        h.borrow_mut()
+            .as_mut()
+            .map(std::mem::take)
+            .unwrap_or_default()
+    })
 }
 
 /// Switches the launch record on (clearing it) or off. For benchmarks, which must name the

@@ -147,6 +147,7 @@ impl Flags {
             add2: self.add2.then_some(add2),
             out: self.out.then_some(out),
             out_bf: self.out_bf.then_some(out_bf),
+            out_planes: None,
             partial: self.partial.then_some(partial),
             mirror,
         }
@@ -224,7 +225,7 @@ fn check_product(dev: &Device, n: usize, f: &Flags, (tc, side): (bool, Side), se
         } else if tc {
             kn::product_tc(dev, &a_bf, &b_bf, epi, unused)
         } else {
-            kn::product_f32(dev, &a_f, &b_f, &mut planes, epi, unused)
+            kn::product_f32(dev, (&a_f).into(), (&b_f).into(), &mut planes, epi, unused)
         }
     };
     if f.mirror && tc && !vendor {
@@ -352,7 +353,7 @@ fn check_bf16x3_is_the_engine(n: usize, f: &Flags, seed: u64) {
             (&mut out, &mut out_bf, &mut partial),
             f.mirror,
         );
-        let ops = kn::Operands::F32(&a, &b);
+        let ops = kn::Operands::F32((&a).into(), (&b).into());
         match side {
             Side::Bf16x3 => gemm_plan::newton_bf16x3(&dev, (&a, &b), epi, &mut scratch),
             _ => kn::engine_product(&dev, ops, epi, &mut scratch),
@@ -408,7 +409,7 @@ fn check_epilogue_kernel(dev: &Device, n: usize, f: &Flags, tc: bool, seed: u64)
     let ops = if tc {
         kn::Operands::Bf16(&a_bf, &b_bf)
     } else {
-        kn::Operands::F32(&a_f, &b_f)
+        kn::Operands::F32((&a_f).into(), (&b_f).into())
     };
     let mut raw = up(&vec![f32::NAN; n * n]);
     let bare = Epilogue {
@@ -1060,6 +1061,200 @@ fn inversion_reads_back_once_per_residual() {
             1 + info.residual_history.len() as u64,
             "warm {}: {info:?}",
             warm.is_some()
+        );
+    }
+}
+
+/// The split3 planes of `v` as `grng_split3` makes them (round to nearest even each):
+/// `hi = bf16(v)`, `mid = bf16(v − hi)`, `lo = bf16(v − hi − mid)`.
+fn host_split3(v: f32) -> [u16; 3] {
+    let hi = bf16::from_f32(v);
+    let r = v - hi.to_f32();
+    let mid = bf16::from_f32(r);
+    [hi, mid, bf16::from_f32(r - mid.to_f32())].map(bf16::to_bits)
+}
+
+/// [`Epilogue::out_planes`] of an f32 product (`kn::product_f32`) and of the vendor side's
+/// epilogue kernel (`kn::epilogue`) over the same random operands, additions, `α`, diagonal
+/// and mirror: the planes are those of the stored `out`, bit for bit (hi, mid, lo `n²`
+/// apart, modelled on the host); and a product reading them (`F32Operand::planes`) is the
+/// product that splits that operand itself, bit for bit (on a GPU too: the same planes, the
+/// same kernel).
+fn check_out_planes(dev: &Device, n: usize, (alpha, diag, mirror): (f32, f32, bool), seed: u64) {
+    let mut rng = ChaCha8Rng::seed_from_u64(seed);
+    let up = |x: &[f32]| dev.upload(n, n, x).unwrap();
+    let (a, b, add) = (
+        up(&random(&mut rng, n * n)),
+        up(&random(&mut rng, n * n)),
+        up(&random(&mut rng, n * n)),
+    );
+    let mut scratch = kn::Scratch::new(dev, n).unwrap();
+    let mut unused = Unused::new(dev).unwrap();
+    let mut raw = up(&vec![f32::NAN; n * n]);
+    let bare = Epilogue {
+        out: Some(&mut raw),
+        ..Epilogue::new()
+    };
+    kn::engine_product(
+        dev,
+        kn::Operands::F32((&a).into(), (&b).into()),
+        bare,
+        &mut scratch,
+    )
+    .unwrap();
+    let mut kept = None;
+    for fused in [true, false] {
+        let mut out = up(&vec![f32::NAN; n * n]);
+        let mut planes: Matrix<bf16> = dev.upload(3 * n, n, &vec![bf16::NAN; 3 * n * n]).unwrap();
+        let epi = Epilogue {
+            alpha,
+            diag,
+            add1: Some(&add),
+            out: Some(&mut out),
+            out_planes: Some(&mut planes),
+            mirror,
+            ..Epilogue::new()
+        };
+        if fused {
+            let mut p = kn::Planes::new(dev, n).unwrap();
+            kn::product_f32(dev, (&a).into(), (&b).into(), &mut p, epi, &mut unused).unwrap();
+        } else {
+            kn::epilogue(dev, &raw, epi, &mut unused).unwrap();
+        }
+        let (o, p) = (out.to_vec().unwrap(), planes.to_vec().unwrap());
+        for (i, &v) in o.iter().enumerate() {
+            let got = [p[i], p[n * n + i], p[2 * n * n + i]].map(bf16::to_bits);
+            assert_eq!(
+                got,
+                host_split3(v),
+                "n = {n}, fused {fused}, element {i} = {v}"
+            );
+        }
+        kept.get_or_insert((out, planes));
+    }
+    let (out, planes) = kept.unwrap();
+    let products: Vec<Vec<u32>> = [Some(&planes), None]
+        .into_iter()
+        .map(|given| {
+            let mut c = up(&vec![f32::NAN; n * n]);
+            let epi = Epilogue {
+                out: Some(&mut c),
+                ..Epilogue::new()
+            };
+            let read = kn::F32Operand {
+                m: &out,
+                planes: given,
+            };
+            let mut p = kn::Planes::new(dev, n).unwrap();
+            kn::product_f32(dev, read, (&b).into(), &mut p, epi, &mut unused).unwrap();
+            c.to_vec().unwrap().into_iter().map(f32::to_bits).collect()
+        })
+        .collect();
+    assert!(
+        products[0] == products[1],
+        "n = {n}: the given planes differ"
+    );
+}
+
+proptest! {
+    #![proptest_config(common::proptest_config(12))]
+
+    /// [`check_out_planes`] at ragged `n` (partial tiles, odd sizes), on every device.
+    #[test]
+    fn epilogue_planes_are_the_split_of_the_output(
+        n in 1usize..=140,
+        neg in any::<bool>(),
+        diag in -2.0f32..2.0,
+        mirror in any::<bool>(),
+        seed in any::<u64>(),
+    ) {
+        for dev in devices() {
+            check_out_planes(&dev, n, (if neg { -1.0 } else { 1.0 }, diag, mirror), seed);
+        }
+    }
+}
+
+/// Planes are refused where they cannot be written or read: from the bf16 kernel (its
+/// operands are bf16 copies), beside a bf16 copy (one pointer carries either), of the wrong
+/// shape as an output or as an operand; each a typed error before any launch.
+#[test]
+fn planes_out_of_place_are_typed_errors() {
+    for dev in devices() {
+        let n = 9;
+        let f = dev.zeros::<f32>(n, n).unwrap();
+        let h = dev.zeros::<bf16>(n, n).unwrap();
+        let mut unused = Unused::new(&dev).unwrap();
+        let mut planes = dev.zeros::<bf16>(3 * n, n).unwrap();
+        let mut copy = dev.zeros::<bf16>(n, n).unwrap();
+        let mut short = dev.zeros::<bf16>(n, n).unwrap();
+        fn with(p: &mut Matrix<bf16>) -> Epilogue<'_> {
+            Epilogue {
+                out_planes: Some(p),
+                ..Epilogue::new()
+            }
+        }
+        let e = kn::product_tc(&dev, &h, &h, with(&mut planes), &mut unused).unwrap_err();
+        assert!(
+            matches!(
+                e,
+                Error::Value {
+                    arg: "out_planes",
+                    ..
+                }
+            ),
+            "{e}"
+        );
+        let mut p = kn::Planes::new(&dev, n).unwrap();
+        let both = Epilogue {
+            out_bf: Some(&mut copy),
+            ..with(&mut planes)
+        };
+        let e =
+            kn::product_f32(&dev, (&f).into(), (&f).into(), &mut p, both, &mut unused).unwrap_err();
+        assert!(
+            matches!(
+                e,
+                Error::Value {
+                    arg: "out_planes",
+                    ..
+                }
+            ),
+            "{e}"
+        );
+        let e = kn::product_f32(
+            &dev,
+            (&f).into(),
+            (&f).into(),
+            &mut p,
+            with(&mut short),
+            &mut unused,
+        )
+        .unwrap_err();
+        assert!(
+            matches!(
+                e,
+                Error::Shape {
+                    arg: "out_planes",
+                    ..
+                }
+            ),
+            "{e}"
+        );
+        let bad = kn::F32Operand {
+            m: &f,
+            planes: Some(&short),
+        };
+        let e = kn::product_f32(&dev, bad, (&f).into(), &mut p, Epilogue::new(), &mut unused)
+            .unwrap_err();
+        assert!(
+            matches!(
+                e,
+                Error::Shape {
+                    arg: "a planes",
+                    ..
+                }
+            ),
+            "{e}"
         );
     }
 }

@@ -208,7 +208,14 @@ fn newton_f32_product(
         out: Some(&mut out),
         ..Epilogue::new()
     };
-    product_f32(dev, &am, &bm, &mut planes, epi, &mut unused)?;
+    product_f32(
+        dev,
+        (&am).into(),
+        (&bm).into(),
+        &mut planes,
+        epi,
+        &mut unused,
+    )?;
     let launched = take_launches();
     let x = |i: usize, p: usize| f64::from(a[i * n + p]);
     let y = |p: usize, j: usize| f64::from(b[p * n + j]);

@@ -897,8 +897,8 @@ pub(crate) fn newton_product(
     ops: newton::Operands<'_>,
     mut epi: newton::Epilogue<'_>,
     scratch: &mut newton::Scratch,
-) -> Result<()> {
-    use newton::{Epilogue, Operands};
+) -> Result<newton::Ran> {
+    use newton::{Epilogue, Operands, Ran};
     const OP: &str = "cuda::gemm_plan::newton_product";
     let Some(out) = epi.out.take() else {
         return Err(Error::Value {
@@ -921,23 +921,29 @@ pub(crate) fn newton_product(
         reads_c: false,
     };
     let (alpha, diag, adds) = (epi.alpha, epi.diag, [epi.add1, epi.add2]);
-    // Both candidates write the epilogue's other outputs (bf16 copy, partials), one at a time.
+    // Both candidates write the epilogue's other outputs (bf16 copy, planes, partials), one at
+    // a time. `ran` ends as the last run's candidate: the chosen one's, trial or not.
     let state = RefCell::new((epi, scratch));
+    let ran = Cell::new(Ran::Other);
     let mut ours = |c: &mut Matrix| {
         let (epi, scratch) = &mut *state.borrow_mut();
         let epi = Epilogue {
             out: Some(c),
             ..epi.reborrow()
         };
+        ran.set(Ran::Engine);
         newton::engine_product(dev, ops, epi, scratch)
     };
     let mut cublas = |c: &mut Matrix| {
+        ran.set(Ran::Other);
         let (epi, scratch) = &mut *state.borrow_mut();
         let (product, unused) = scratch.for_epilogue(dev, n)?;
         let no = Trans::No;
         match ops {
             Operands::Bf16(a, b) => vendor::gemm(dev, MatMul::new(no, no, 1.0, a, b), 0.0, product),
-            Operands::F32(a, b) => vendor::gemm(dev, MatMul::new(no, no, 1.0, a, b), 0.0, product),
+            Operands::F32(a, b) => {
+                vendor::gemm(dev, MatMul::new(no, no, 1.0, a.m, b.m), 0.0, product)
+            }
         }?;
         let epi = Epilogue {
             out: Some(c),
@@ -951,7 +957,7 @@ pub(crate) fn newton_product(
     let norms = |_: &Matrix| {
         let (na, nb) = match ops {
             Operands::Bf16(a, b) => (frobenius(a)?, frobenius(b)?),
-            Operands::F32(a, b) => (frobenius(a)?, frobenius(b)?),
+            Operands::F32(a, b) => (frobenius(a.m)?, frobenius(b.m)?),
         };
         let mut added = f64::from(diag).abs() * (n as f64).sqrt();
         for add in adds.into_iter().flatten() {
@@ -962,12 +968,13 @@ pub(crate) fn newton_product(
     // bf16x3 is an f32-accurate candidate: the bf16 products have none.
     let mut bf16x3 = match ops {
         Operands::F32(a, b) => Some(|c: &mut Matrix| {
+            ran.set(Ran::Other);
             let (epi, scratch) = &mut *state.borrow_mut();
             let epi = Epilogue {
                 out: Some(c),
                 ..epi.reborrow()
             };
-            newton_bf16x3(dev, (a, b), epi, scratch)
+            newton_bf16x3(dev, (a.m, b.m), epi, scratch)
         }),
         Operands::Bf16(..) => None,
     };
@@ -978,7 +985,8 @@ pub(crate) fn newton_product(
     if let Some(run) = bf16x3.as_mut() {
         runs.push((Candidate::Bf16x3, run));
     }
-    dispatch(dev, plan, (n, n, n), (alpha, 0.0), &norms, &mut runs, out)
+    dispatch(dev, plan, (n, n, n), (alpha, 0.0), &norms, &mut runs, out)?;
+    Ok(ran.get())
 }
 
 /// Candidate bf16x3 of an f32 Newton product: `A·B` by [`gemm3_bf16x3`] (the split3 planes
@@ -1074,7 +1082,7 @@ mod tests {
     #[cfg(feature = "test-hooks")]
     #[test]
     fn a_trial_times_the_splits_each_run_pays() {
-        use crate::hooks::{record_launches, take_launches};
+        use crate::hooks::{record_launches_here, take_launches_here};
         let dev = Device::Emulated;
         let upload = |r: usize, c: usize| {
             let v: Vec<f32> = (0..r * c)
@@ -1096,7 +1104,7 @@ mod tests {
             let c = dev.zeros(33, 20).unwrap();
             let [mut e, mut v, mut x] =
                 checked_runs(&dev, "test", MatMul::new(no, no, 1.0, &sa, &sb));
-            record_launches(true);
+            record_launches_here(true);
             let t = trial(
                 &dev,
                 &c,
@@ -1107,8 +1115,8 @@ mod tests {
                     (Candidate::Bf16x3, &mut *x),
                 ],
             );
-            let launches = take_launches();
-            record_launches(false);
+            let launches = take_launches_here();
+            record_launches_here(false);
             let t = t.unwrap();
             let count = |k: &str| launches.iter().filter(|&&l| l == k).count();
             let per_run = if split_before { 1 } else { 2 };

@@ -101,8 +101,8 @@ fn check_newton_gemm3_wg(gpu: Option<&CudaDevice>) -> Result<std::result::Result
             };
             product_f32(
                 dev,
-                a,
-                b,
+                a.into(),
+                b.into(),
                 &mut Planes::new(dev, n)?,
                 epi,
                 &mut Unused::new(dev)?,
@@ -130,6 +130,7 @@ const OUT_F32: i32 = 4;
 const OUT_BF16: i32 = 8;
 const RESID: i32 = 16;
 const MIRROR: i32 = 32;
+const OUT_SPLIT3: i32 = 64;
 
 /// Number of residual partials a product of `n x n` matrices writes (one per 128x128 tile).
 pub fn partials(n: usize) -> usize {
@@ -153,6 +154,12 @@ pub struct Epilogue<'a> {
     pub add2: Option<&'a Matrix>,
     pub out: Option<&'a mut Matrix>,
     pub out_bf: Option<&'a mut Matrix<bf16>>,
+    /// `3n x n`: the split3 planes of `v` (hi, mid, lo, `n²` apart), as `gemm_split3` writes
+    /// them from the stored `f32` value, which a later f32 product reads
+    /// ([`F32Operand::planes`]) instead of splitting the output again. Products of f32
+    /// operands ([`product_f32`]) and [`epilogue`] only; not with `out_bf` (the kernels take
+    /// either through one pointer).
+    pub out_planes: Option<&'a mut Matrix<bf16>>,
     /// At least [`partials`]`(n)` elements.
     pub partial: Option<&'a mut Matrix>,
     /// Lower-triangle tiles only, the product mirrored (see above).
@@ -169,6 +176,7 @@ impl<'a> Epilogue<'a> {
             add2: None,
             out: None,
             out_bf: None,
+            out_planes: None,
             partial: None,
             mirror: false,
         }
@@ -186,6 +194,7 @@ impl Epilogue<'_> {
             add2: self.add2,
             out: self.out.as_deref_mut(),
             out_bf: self.out_bf.as_deref_mut(),
+            out_planes: self.out_planes.as_deref_mut(),
             partial: self.partial.as_deref_mut(),
             mirror: self.mirror,
         }
@@ -282,13 +291,26 @@ fn push_epilogue<'a>(
         }
         None => out,
     };
-    let out_bf = match epi.out_bf {
-        Some(m) => {
+    let out_bf = match (epi.out_bf, epi.out_planes) {
+        (Some(_), Some(_)) => {
+            return Err(value_err(
+                op,
+                "out_planes",
+                1.0,
+                "a bf16 copy or split3 planes, not both",
+            ))
+        }
+        (Some(m), None) => {
             check_shape(op, "out_bf", m.shape(), (n, n))?;
             flags |= OUT_BF16;
             m
         }
-        None => out_bf,
+        (None, Some(m)) => {
+            check_shape(op, "out_planes", m.shape(), (3 * n, n))?;
+            flags |= OUT_SPLIT3;
+            m
+        }
+        (None, None) => out_bf,
     };
     let partial = match epi.partial {
         Some(m) => {
@@ -386,6 +408,15 @@ pub fn product_tc(
             "full products on bf16 operands (mirrored products: product_f32)",
         ));
     }
+    if epi.out_planes.is_some() {
+        // Nor split3 planes: bf16 mode's operands are bf16 copies.
+        return Err(value_err(
+            OP,
+            "out_planes",
+            1.0,
+            "a bf16 copy from bf16 operands (split3 planes: product_f32)",
+        ));
+    }
     let (cfg, args) = product_launch(OP, dev, a, b, epi, unused, n)?;
     // SAFETY: newton_gemm_tc(const bf16* a, const bf16* b, const float* add1, const float*
     // add2, float* out, bf16* out_bf, float* partial, int n, float alpha, float diag, int
@@ -414,40 +445,77 @@ impl Planes {
     }
 }
 
-/// `C = A·B` for `n x n` f32 `a`, `b` with f32 accuracy on the tensor cores: both are split
-/// into three bf16 planes (`gemm_split3`) in `planes`, then `newton_gemm3_tc` (the GEMM
-/// engine over the 6 significant plane products, see `precond::gemm3`) applies `epi`.
+/// An f32 operand of a Newton product: the matrix, and its split3 planes (`3n x n` bf16) where
+/// an earlier epilogue wrote them ([`Epilogue::out_planes`]). The engine ([`product_f32`])
+/// reads the planes instead of splitting `m`; cuBLAS and bf16x3 read `m`. The planes must be
+/// `m`'s as it is now (the caller's invariant: the kernel checks only their shape), or the
+/// engine's product is of other values.
+#[derive(Clone, Copy)]
+pub struct F32Operand<'a> {
+    /// The operand.
+    pub m: &'a Matrix,
+    /// Its split3 planes, if made.
+    pub planes: Option<&'a Matrix<bf16>>,
+}
+
+impl<'a> From<&'a Matrix> for F32Operand<'a> {
+    /// `m` without planes (split by the product that reads it).
+    fn from(m: &'a Matrix) -> Self {
+        Self { m, planes: None }
+    }
+}
+
+/// `C = A·B` for `n x n` f32 `a`, `b` with f32 accuracy on the tensor cores: each operand
+/// without planes ([`F32Operand`]) is split into three bf16 planes (`gemm_split3`) in
+/// `planes`, then `newton_gemm3_tc` (the GEMM engine over the 6 significant plane products,
+/// see `precond::gemm3`) applies `epi`.
 ///
 /// [`Epilogue::mirror`] is honoured here (lower-triangle tiles only).
 ///
 /// # Errors
-/// As [`product_tc`] (but a mirror is accepted, without `partial`); `planes` must be for `n`.
+/// As [`product_tc`] (but a mirror is accepted, without `partial`); [`Error::Shape`] for
+/// given planes that are not `3n x n`; `planes` must be for `n`.
 pub fn product_f32(
     dev: &Device,
-    a: &Matrix,
-    b: &Matrix,
+    a: F32Operand<'_>,
+    b: F32Operand<'_>,
     planes: &mut Planes,
     epi: Epilogue<'_>,
     unused: &mut Unused,
 ) -> Result<()> {
     const OP: &str = "cuda::newton::product_f32";
-    let n = square_pair(OP, a, b)?;
-    // A square (E·E) is split once.
-    let same = std::ptr::eq(a, b);
-    split3_into(dev, a, &mut planes.a)?;
-    if !same {
-        split3_into(dev, b, &mut planes.b)?;
+    let n = square_pair(OP, a.m, b.m)?;
+    for (arg, given) in [("a planes", a.planes), ("b planes", b.planes)] {
+        if let Some(p) = given {
+            check_shape(OP, arg, p.shape(), (3 * n, n))?;
+        }
     }
-    let b3 = if same { &planes.a } else { &planes.b };
-    let (cfg, args) = product_launch(OP, dev, &planes.a, b3, epi, unused, n)?;
+    let Planes { a: pa, b: pb } = planes;
+    let a3: &Matrix<bf16> = match a.planes {
+        Some(p) => p,
+        None => {
+            split3_into(dev, a.m, pa)?;
+            pa
+        }
+    };
+    let b3: &Matrix<bf16> = match b.planes {
+        Some(p) => p,
+        // A square (E·E) is split once.
+        None if std::ptr::eq(a.m, b.m) => a3,
+        None => {
+            split3_into(dev, b.m, pb)?;
+            pb
+        }
+    };
+    let (cfg, args) = product_launch(OP, dev, a3, b3, epi, unused, n)?;
     // SAFETY: newton_gemm3_tc(const bf16* a, const bf16* b, const float* add1, const float*
     // add2, float* out, bf16* out_bf, float* partial, int n, float alpha, float diag, int
-    // flags). a, b hold 3 planes of n² bf16 each (split3_into checked their 3n x n shape),
+    // flags). a, b hold 3 planes of n² bf16 each (split3_into or the check above: 3n x n),
     // read only at rows/columns < n of each plane; every buffer selected by `flags` is n x n
-    // (checked), partial holds one float per block of the ceil(n/128)² grid; unselected
-    // pointers are never touched; with MIRROR (no partial) the 1-D grid holds the lower tile
-    // pairs, each block writing (r, c) and (c, r) with r, c < n. GEMM_SMEM bytes of dynamic
-    // shared memory.
+    // (checked), out_bf 3n x n with OUT_SPLIT3 (checked), partial holds one float per block of
+    // the ceil(n/128)² grid; unselected pointers are never touched; with MIRROR (no partial)
+    // the 1-D grid holds the lower tile pairs, each block writing (r, c) and (c, r) with
+    // r, c < n. GEMM_SMEM bytes of dynamic shared memory.
     unsafe { launch(&GEMM3_TC, cfg, args) }
 }
 
@@ -476,7 +544,8 @@ pub fn epilogue(dev: &Device, c: &Matrix, epi: Epilogue<'_>, unused: &mut Unused
     push_epilogue(OP, &mut args, epi, unused, n)?;
     // SAFETY: newton_epilogue(const float* c, const float* add1, const float* add2, float*
     // out, bf16* out_bf, float* partial, int n, float alpha, float diag, int flags): c and
-    // every buffer selected by `flags` are n x n (checked), read and written only at rows and
+    // every buffer selected by `flags` are n x n (checked; out_bf 3n x n with OUT_SPLIT3, its
+    // planes n² apart), read and written only at rows and
     // columns < n; partial holds one float per block of the ceil(n/128)² grid (checked; never
     // with MIRROR: refused); unselected pointers are never touched; static shared memory.
     unsafe { launch(&EPILOGUE, cfg, args) }
@@ -488,7 +557,7 @@ pub enum Operands<'a> {
     /// bf16 copies (`Bf16` mode): [`product_tc`]'s.
     Bf16(&'a Matrix<bf16>, &'a Matrix<bf16>),
     /// f32 operands, the product f32-accurate: [`product_f32`]'s.
-    F32(&'a Matrix, &'a Matrix),
+    F32(F32Operand<'a>, F32Operand<'a>),
 }
 
 impl Operands<'_> {
@@ -496,7 +565,7 @@ impl Operands<'_> {
     pub fn n(&self) -> usize {
         match self {
             Self::Bf16(a, _) => a.rows(),
-            Self::F32(a, _) => a.rows(),
+            Self::F32(a, _) => a.m.rows(),
         }
     }
 }
@@ -555,10 +624,21 @@ pub fn engine_product(
     }
 }
 
+/// Which candidate ran a product ([`RunProduct`]): grng's engine reads the operands' split3
+/// planes ([`F32Operand::planes`]), the others (cuBLAS, bf16x3) the f32 matrices.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Ran {
+    /// [`engine_product`].
+    Engine,
+    /// cuBLAS or bf16x3, then [`epilogue`].
+    Other,
+}
+
 /// How the iteration runs its products: the GEMM plan's choice between [`engine_product`]
 /// and cuBLAS (`cuda::gemm_plan::newton_product`), which `Device::newton_inverse` passes in:
-/// a launcher names no dispatcher (tests/layering.rs).
-pub(crate) type RunProduct = fn(&Device, Operands<'_>, Epilogue<'_>, &mut Scratch) -> Result<()>;
+/// a launcher names no dispatcher (tests/layering.rs). Says which ran, so the iteration has
+/// its epilogues write split planes only while the engine reads them.
+pub(crate) type RunProduct = fn(&Device, Operands<'_>, Epilogue<'_>, &mut Scratch) -> Result<Ran>;
 
 /// `res[0] = sqrt(Σ partial[..count] / n)` (one block, fixed-order double sum).
 ///
@@ -1031,6 +1111,95 @@ fn check_finite_stats((op, arg): (&'static str, &'static str), st: &SymStats) ->
     }
 }
 
+/// The f32 products' operands' split3 planes (`3n x n` bf16 each, allocated at first use): of
+/// `a` (split once per inversion: it does not change) and of the outputs `x[i]`, `e`, `f`,
+/// `g`, which the epilogues write ([`Epilogue::out_planes`]) while the products run on the
+/// engine, which reads them instead of splitting its operands (per cubic step, five split
+/// launches and `50 n²` bytes of traffic less). A slot is valid while it holds its matrix's
+/// planes as the matrix is now. While the plan runs the products elsewhere ([`Ran::Other`],
+/// which reads the f32 matrices) no planes are written, so none are allocated after the first
+/// product: memory is spent only where the engine uses it (up to `42 n²` bytes).
+struct PlaneSet {
+    n: usize,
+    slots: [Option<Matrix<bf16>>; PLANE_SLOTS],
+    valid: [bool; PLANE_SLOTS],
+    /// Whether the last product ran the engine (at the start: planes are tried).
+    wanted: bool,
+}
+
+/// A product's planes ([`PlaneSet::io`]): its operands' (where valid), its output's (where
+/// wanted).
+type PlanesIo<'p> = ([Option<&'p Matrix<bf16>>; 2], Option<&'p mut Matrix<bf16>>);
+
+/// [`PlaneSet`]'s slots: `a`, `x[0..3]`, `e`, `f`, `g`.
+const PLANE_SLOTS: usize = 7;
+const PL_A: usize = 0;
+const PL_X: usize = 1;
+const PL_E: usize = 4;
+const PL_F: usize = 5;
+const PL_G: usize = 6;
+
+impl PlaneSet {
+    fn new(n: usize) -> Self {
+        Self {
+            n,
+            slots: Default::default(),
+            valid: [false; PLANE_SLOTS],
+            wanted: true,
+        }
+    }
+
+    /// Slot `i` on `dev`, allocated at first use.
+    fn slot(&mut self, dev: &Device, i: usize) -> Result<&mut Matrix<bf16>> {
+        let n = self.n;
+        Ok(match &mut self.slots[i] {
+            Some(m) => m,
+            empty => empty.insert(dev.zeros(3 * n, n)?),
+        })
+    }
+
+    /// Slot `i`'s planes made from its matrix `m`, if planes are wanted and not valid: for
+    /// `a` (set before the first product, never written after) and a start `x` (`init_x` or
+    /// a warm start, which no epilogue wrote), each read by several products.
+    fn split(&mut self, dev: &Device, i: usize, m: &Matrix) -> Result<()> {
+        if self.wanted && !self.valid[i] {
+            split3_into(dev, m, self.slot(dev, i)?)?;
+            self.valid[i] = true;
+        }
+        Ok(())
+    }
+
+    /// Slot `i`'s matrix written without its planes.
+    fn invalidate(&mut self, i: usize) {
+        self.valid[i] = false;
+    }
+
+    /// For a product reading slots `reads` (`None`: not valid) and writing slot `write`
+    /// (`write` not in `reads`): their planes, and the planes to write (`None` where none are
+    /// wanted; `write` is valid after the product exactly when they are given).
+    fn io(&mut self, dev: &Device, reads: [usize; 2], write: usize) -> Result<PlanesIo<'_>> {
+        if self.wanted {
+            self.slot(dev, write)?;
+        }
+        self.valid[write] = self.wanted;
+        let valid = self.valid;
+        let (mut read, mut out) = ([None, None], None);
+        for (i, slot) in self.slots.iter_mut().enumerate() {
+            if i == write {
+                out = slot.as_mut().filter(|_| valid[i]);
+                continue;
+            }
+            let slot: &Option<Matrix<bf16>> = slot;
+            for (r, &j) in read.iter_mut().zip(&reads) {
+                if j == i && valid[i] {
+                    *r = slot.as_ref();
+                }
+            }
+        }
+        Ok((read, out))
+    }
+}
+
 /// The iteration's device buffers (`n x n` unless noted; bf16 copies are 1x1 placeholders in
 /// `F32` mode, `g` in non-quartic runs).
 struct Work<'d> {
@@ -1057,6 +1226,8 @@ struct Work<'d> {
     f_bf: Matrix<bf16>,
     /// The products' scratch (split planes, the vendor's product, placeholders).
     scratch: Scratch,
+    /// The f32 products' operands' planes.
+    planes: PlaneSet,
     /// Runs each product (the GEMM plan's dispatcher).
     run: RunProduct,
     partial: Matrix,
@@ -1103,6 +1274,7 @@ impl<'d> Work<'d> {
             f: f(true)?,
             f_bf: b(bf16)?,
             scratch: Scratch::new(dev, n)?,
+            planes: PlaneSet::new(n),
             run,
             partial: dev.zeros(partials(n), 1)?,
             // The residual, then room for `E`'s norms read with it
@@ -1128,9 +1300,30 @@ impl<'d> Work<'d> {
             };
             let ops = Operands::Bf16(&self.a_bf, &self.x_bf[self.cur]);
             (self.run)(self.dev, ops, epi, &mut self.scratch)?;
+            // bf16 mode writes no planes of `E`.
+            self.planes.invalidate(PL_E);
         } else {
-            let ops = Operands::F32(&self.a, &self.x[self.cur]);
-            (self.run)(self.dev, ops, epi, &mut self.scratch)?;
+            let pl = &mut self.planes;
+            pl.split(self.dev, PL_A, &self.a)?;
+            pl.split(self.dev, PL_X + self.cur, &self.x[self.cur])?;
+            let ([pa, px], out_planes) = pl.io(self.dev, [PL_A, PL_X + self.cur], PL_E)?;
+            let ops = Operands::F32(
+                F32Operand {
+                    m: &self.a,
+                    planes: pa,
+                },
+                F32Operand {
+                    m: &self.x[self.cur],
+                    planes: px,
+                },
+            );
+            let ran = (self.run)(
+                self.dev,
+                ops,
+                Epilogue { out_planes, ..epi },
+                &mut self.scratch,
+            )?;
+            self.planes.wanted = ran == Ran::Engine;
         }
         residual(
             self.dev,
@@ -1164,6 +1357,7 @@ impl NewtonBackend for Work<'_> {
             Start::Identity(c) => (None, c),
         };
         let xb = self.bf16.then_some(&mut self.x_bf[self.cur]);
+        self.planes.invalidate(PL_X + self.cur);
         init_x(
             self.dev,
             src,
@@ -1227,12 +1421,16 @@ impl NewtonBackend for Work<'_> {
     fn step(&mut self, order: NewtonOrder, sym: bool) -> Result<()> {
         let (dev, bf, run) = (self.dev, self.bf16, self.run);
         let sc = &mut self.scratch;
+        let pl = &mut self.planes;
+        let engine = |ran: Ran| ran == Ran::Engine;
         // In bf16 mode F is read as its bf16 copy only; its f32 copy is written all the same,
         // because the plan compares candidates on a product's f32 output (one store per
-        // element more than the bf16 copy's, in the F products only).
-        match (order, bf) {
-            (NewtonOrder::Quadratic, _) => {}
-            (NewtonOrder::Cubic, _) => {
+        // element more than the bf16 copy's, in the F products only). In f32 mode each
+        // product reads its operands' planes where valid and writes its output's where wanted
+        // ([`PlaneSet`]); bf16 mode writes none.
+        match order {
+            NewtonOrder::Quadratic => {}
+            NewtonOrder::Cubic => {
                 let epi = Epilogue {
                     add1: Some(&self.e),
                     out: Some(&mut self.f),
@@ -1240,26 +1438,38 @@ impl NewtonBackend for Work<'_> {
                     mirror: sym && !bf,
                     ..Epilogue::new()
                 };
-                let ops = if bf {
-                    Operands::Bf16(&self.e_bf, &self.e_bf)
+                if bf {
+                    run(dev, Operands::Bf16(&self.e_bf, &self.e_bf), epi, sc)?;
+                    pl.invalidate(PL_F);
                 } else {
-                    Operands::F32(&self.e, &self.e)
-                };
-                run(dev, ops, epi, sc)?;
+                    let ([pe, _], out_planes) = pl.io(dev, [PL_E, PL_E], PL_F)?;
+                    let e = F32Operand {
+                        m: &self.e,
+                        planes: pe,
+                    };
+                    let ran = run(dev, Operands::F32(e, e), Epilogue { out_planes, ..epi }, sc)?;
+                    pl.wanted = engine(ran);
+                }
             }
-            (NewtonOrder::Quartic, _) => {
+            NewtonOrder::Quartic => {
                 let epi = Epilogue {
                     out: Some(&mut self.g),
                     out_bf: bf.then_some(&mut self.g_bf),
                     mirror: sym && !bf,
                     ..Epilogue::new()
                 };
-                let ops = if bf {
-                    Operands::Bf16(&self.e_bf, &self.e_bf)
+                if bf {
+                    run(dev, Operands::Bf16(&self.e_bf, &self.e_bf), epi, sc)?;
+                    pl.invalidate(PL_G);
                 } else {
-                    Operands::F32(&self.e, &self.e)
-                };
-                run(dev, ops, epi, sc)?;
+                    let ([pe, _], out_planes) = pl.io(dev, [PL_E, PL_E], PL_G)?;
+                    let e = F32Operand {
+                        m: &self.e,
+                        planes: pe,
+                    };
+                    let ran = run(dev, Operands::F32(e, e), Epilogue { out_planes, ..epi }, sc)?;
+                    pl.wanted = engine(ran);
+                }
                 let epi = Epilogue {
                     add1: Some(&self.g),
                     add2: Some(&self.e),
@@ -1268,12 +1478,24 @@ impl NewtonBackend for Work<'_> {
                     mirror: sym && !bf,
                     ..Epilogue::new()
                 };
-                let ops = if bf {
-                    Operands::Bf16(&self.g_bf, &self.e_bf)
+                if bf {
+                    run(dev, Operands::Bf16(&self.g_bf, &self.e_bf), epi, sc)?;
+                    pl.invalidate(PL_F);
                 } else {
-                    Operands::F32(&self.g, &self.e)
-                };
-                run(dev, ops, epi, sc)?;
+                    let ([pg, pe], out_planes) = pl.io(dev, [PL_G, PL_E], PL_F)?;
+                    let ops = Operands::F32(
+                        F32Operand {
+                            m: &self.g,
+                            planes: pg,
+                        },
+                        F32Operand {
+                            m: &self.e,
+                            planes: pe,
+                        },
+                    );
+                    let ran = run(dev, ops, Epilogue { out_planes, ..epi }, sc)?;
+                    pl.wanted = engine(ran);
+                }
             }
         }
         let quad = order == NewtonOrder::Quadratic;
@@ -1291,14 +1513,26 @@ impl NewtonBackend for Work<'_> {
             };
             let f = if quad { &self.e_bf } else { &self.f_bf };
             run(dev, Operands::Bf16(xb, f), epi, sc)?;
+            pl.invalidate(PL_X + next);
         } else {
+            let (f, f_slot) = if quad {
+                (&self.e, PL_E)
+            } else {
+                (&self.f, PL_F)
+            };
+            let ([px, pf], out_planes) = pl.io(dev, [PL_X + self.cur, f_slot], PL_X + next)?;
             let epi = Epilogue {
                 add1: Some(x),
                 out: Some(x_next),
+                out_planes,
                 ..Epilogue::new()
             };
-            let f = if quad { &self.e } else { &self.f };
-            run(dev, Operands::F32(x, f), epi, sc)?;
+            let ops = Operands::F32(
+                F32Operand { m: x, planes: px },
+                F32Operand { m: f, planes: pf },
+            );
+            let ran = run(dev, ops, epi, sc)?;
+            pl.wanted = engine(ran);
         }
         self.cur = next;
         Ok(())
@@ -1352,4 +1586,138 @@ pub(crate) fn newton_inverse(
         None => it.a_norms = Some(norms_of(&v[len..len + 4 * n.div_ceil(32)])),
     }
     driver::newton_inverse(it, warm.is_some(), opts)
+}
+
+#[cfg(all(test, feature = "test-hooks"))]
+mod tests {
+    use super::*;
+    use crate::hooks::{record_launches_here, take_launches_here};
+    use rand::{Rng, SeedableRng};
+
+    /// Each product on the engine with no planes read or written: every operand split by its
+    /// product, as before the epilogues wrote planes.
+    fn split_each(
+        d: &Device,
+        ops: Operands<'_>,
+        mut epi: Epilogue<'_>,
+        s: &mut Scratch,
+    ) -> Result<Ran> {
+        epi.out_planes = None;
+        let ops = match ops {
+            Operands::F32(a, b) => Operands::F32(a.m.into(), b.m.into()),
+            bf => bf,
+        };
+        engine_product(d, ops, epi, s)?;
+        Ok(Ran::Other)
+    }
+
+    fn engine(d: &Device, ops: Operands<'_>, epi: Epilogue<'_>, s: &mut Scratch) -> Result<Ran> {
+        engine_product(d, ops, epi, s)?;
+        Ok(Ran::Engine)
+    }
+
+    thread_local! {
+        static ASKED: std::cell::RefCell<Vec<bool>> = const { std::cell::RefCell::new(Vec::new()) };
+    }
+
+    /// The engine, reported as another candidate, noting whether each product was asked for
+    /// planes.
+    fn elsewhere(d: &Device, ops: Operands<'_>, epi: Epilogue<'_>, s: &mut Scratch) -> Result<Ran> {
+        ASKED.with(|a| a.borrow_mut().push(epi.out_planes.is_some()));
+        engine_product(d, ops, epi, s)?;
+        Ok(Ran::Other)
+    }
+
+    /// `M·Mᵀ/n + I`, `n x n`, from a seeded generator: SPD, `κ` a few units.
+    fn spd(dev: &Device, n: usize, seed: u64) -> Matrix {
+        let mut rng = rand_chacha::ChaCha8Rng::seed_from_u64(seed);
+        let m: Vec<f64> = (0..n * n).map(|_| rng.random_range(-1.0..1.0)).collect();
+        let mut a = vec![0.0f32; n * n];
+        for i in 0..n {
+            for j in 0..n {
+                let s: f64 = (0..n).map(|k| m[i * n + k] * m[j * n + k]).sum();
+                a[i * n + j] = (s / n as f64 + f64::from(u8::from(i == j))) as f32;
+            }
+        }
+        dev.upload(n, n, &a).unwrap()
+    }
+
+    /// An f32 inversion whose products read the planes their producers' epilogues wrote is
+    /// the inversion whose products split their operands themselves, bit for bit (the planes
+    /// are `grng_split3` of the stored values either way), with the same info; it splits `a`
+    /// and each start where the other splits about five matrices per step. Ragged `n`,
+    /// every order, cold and warm starts. Mutation check: an epilogue that skips the `lo`
+    /// plane changes the bits.
+    #[test]
+    fn planes_from_the_epilogues_change_no_bit_and_save_the_splits() {
+        let dev = Device::Emulated;
+        let cases = [
+            (37, NewtonOrder::Cubic, false),
+            (70, NewtonOrder::Quartic, false),
+            (65, NewtonOrder::Quadratic, true),
+            (130, NewtonOrder::Cubic, true),
+        ];
+        for (k, (n, order, warm)) in cases.into_iter().enumerate() {
+            let a = spd(&dev, n, k as u64);
+            let start = spd(&dev, n, 100 + k as u64);
+            let mut opts = NewtonOptions {
+                order,
+                precision: Precision::F32,
+                ..NewtonOptions::default()
+            };
+            if warm {
+                opts.init = InitialGuess::Warm;
+            }
+            // A warm start near A⁻¹ would stop at once: this one (≈ (A + B)/n) takes steps.
+            let start = warm.then(|| {
+                let mut s = start.to_vec().unwrap();
+                s.iter_mut().for_each(|v| *v /= n as f32);
+                dev.upload(n, n, &s).unwrap()
+            });
+            let run = |f: RunProduct| {
+                record_launches_here(true);
+                let r = newton_inverse(&dev, &a, start.as_ref(), &opts, f).unwrap();
+                let l = take_launches_here();
+                record_launches_here(false);
+                (r.0.to_vec().unwrap(), r.1, l)
+            };
+            let (x, info, launches) = run(engine);
+            let (y, info_y, launches_y) = run(split_each);
+            let bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
+            assert_eq!(bits(&x), bits(&y), "n = {n}, {order:?}");
+            assert_eq!(info, info_y);
+            let count = |l: &[&str], name: &str| l.iter().filter(|&&k| k == name).count();
+            let splits = |l: &[&str]| count(l, "gemm_split3");
+            // `a`, and each start: the warm one, and each `init_x` (after a rejected warm
+            // start, or a restart).
+            let starts = count(&launches, "newton_init_x") + usize::from(warm);
+            assert_eq!(splits(&launches), 1 + starts, "n = {n}: {launches:?}");
+            assert!(info.iterations >= 2, "n = {n}: {info:?}");
+            assert!(
+                splits(&launches_y) >= 2 + 2 * info.iterations,
+                "{launches_y:?}"
+            );
+        }
+    }
+
+    /// While the products run elsewhere ([`Ran::Other`]: they read the f32 matrices), no
+    /// epilogue after the first is asked for planes.
+    #[test]
+    fn no_planes_are_written_for_products_run_elsewhere() {
+        let dev = Device::Emulated;
+        let a = spd(&dev, 40, 7);
+        let opts = NewtonOptions {
+            precision: Precision::F32,
+            ..NewtonOptions::default()
+        };
+        ASKED.with(|a| a.borrow_mut().clear());
+        let (_, info) = newton_inverse(&dev, &a, None, &opts, elsewhere).unwrap();
+        let asked = ASKED.with(|a| a.take());
+        assert!(
+            info.iterations >= 2 && asked.len() > 3,
+            "{info:?} {asked:?}"
+        );
+        assert!(asked[0], "{asked:?}");
+        assert!(asked[1..].iter().all(|&x| !x), "{asked:?}");
+    }
 }
