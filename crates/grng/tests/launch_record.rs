@@ -11,7 +11,7 @@ use std::sync::{Mutex, PoisonError};
 use grng::cuda::anatomy::launch_anatomy;
 use grng::cuda::timing::{take_kernel_times, time_kernels};
 use grng::hooks::{record_launches, take_launches};
-use grng::optim::kron::{KronConfig, KronOptimizer, KronVariant};
+use grng::optim::kron::{KronConfig, KronGrad, KronOptimizer, KronVariant};
 use grng::optim::KronStats;
 use grng::{Device, Error, Matrix};
 
@@ -195,5 +195,124 @@ fn ring_refreshes_warm_start_their_power_iterations() {
         } else {
             assert_eq!(power_steps, [0, 0], "{variant:?}");
         }
+    }
+}
+
+/// The split planes a Kronecker optimizer keeps beside its factors and inverses on the kernel
+/// devices (`KronFactorState`'s split caches: the factors `F` of the model's products, `X₀`
+/// while a lazy step applies it as formed or by products) change no bit: an optimizer whose
+/// caches are dropped before every step (restored from its own `state()`, which copies no
+/// cache) makes the same steps, bit for bit, over refreshes, lazy steps and the
+/// Levenberg–Marquardt rule moving the damping, every variant, dense and factored gradients;
+/// and it splits more (`gemm_split3`): on the dense route a factor per layer and lazy step at
+/// least, where the caches hold them. Mutation check: without the reset of the inverse's
+/// cache when a lazy step recomputes `X₀` (`InverseUpdate::apply`), the next lazy step reads
+/// the old `X₀`'s planes and the factored RING run differs.
+#[test]
+fn kept_planes_change_no_bit_and_spare_the_splits() {
+    let _serial = SERIAL.lock().unwrap_or_else(PoisonError::into_inner);
+    let mut rng = common::seeded_rng();
+    // Batches much smaller than the layers: the factored gradients take the factored route.
+    let shapes = [(40usize, 33usize), (24, 41), (11, 30)];
+    let m = 4;
+    let dev = Device::Emulated;
+    let up = |rows: usize, cols: usize, v: &[f32]| dev.upload(rows, cols, v).unwrap();
+    let steps: usize = 7;
+    let batches: Vec<Vec<[Matrix; 3]>> = (0..steps)
+        .map(|_| {
+            shapes
+                .iter()
+                .map(|&(o, i)| {
+                    [
+                        up(m, i, &common::vals(&mut rng, m * i)),
+                        up(m, o, &common::vals(&mut rng, m * o)),
+                        up(o, i, &common::vals(&mut rng, o * i)),
+                    ]
+                })
+                .collect()
+        })
+        .collect();
+    let init: Vec<Vec<f32>> = shapes
+        .iter()
+        .map(|&(o, i)| common::vals(&mut rng, o * i))
+        .collect();
+    let cases = [KronVariant::Ring, KronVariant::Reng, KronVariant::Ngd]
+        .into_iter()
+        .flat_map(|v| [(v, false), (v, true)]);
+    for (variant, factored) in cases {
+        // `φ = 0.5`: while the loss rises ρ doubles every step, so lazy steps recompute their
+        // inverses (`|λ − λ₀|·‖X₀‖ > 1/2`), replacing `X₀` between refreshes.
+        let cfg = KronConfig {
+            skip: 4,
+            phi: 0.5,
+            ..common::variant_config(variant)
+        };
+        let run = |drop_caches: bool| {
+            let mut opt = KronOptimizer::new(&dev, &shapes, cfg).unwrap();
+            let mut params: Vec<Matrix> = shapes
+                .iter()
+                .zip(&init)
+                .map(|(&(o, i), w)| up(o, i, w))
+                .collect();
+            let mut bits = Vec::new();
+            let (mut splits, mut recomputes) = (0, 0);
+            for (k, batch) in batches.iter().enumerate() {
+                if drop_caches {
+                    let st = opt.state().unwrap();
+                    opt.restore(st).unwrap();
+                }
+                let stats: Vec<KronStats<'_>> =
+                    batch.iter().map(|[a, e, _]| KronStats { a, e }).collect();
+                // Dense gradients, or the batch factors (the factored route, where `X₀` is
+                // an operand of its own products).
+                let grads: Vec<KronGrad<'_>> = batch
+                    .iter()
+                    .map(|[a, e, g]| match factored {
+                        true => KronGrad::Factored { e, a },
+                        false => KronGrad::Dense(g),
+                    })
+                    .collect();
+                let need = opt.needs_stats();
+                record_launches(true);
+                opt.step_grads(&mut params, &grads, need.then_some(&stats[..]))
+                    .unwrap();
+                let launched = take_launches();
+                record_launches(false);
+                if !need {
+                    splits += launched.iter().filter(|&&l| l == "gemm_split3").count();
+                }
+                if let Some(q) = opt.pending_prediction() {
+                    // ρ doubles (the loss rose) after steps 0 and 1, so lazy step 2 recomputes
+                    // the inverses; then it stays (the loss fell by half the prediction) and
+                    // lazy step 3 applies the recomputed `X₀` as formed.
+                    let after = if k < 2 { 2.0 } else { 1.0 + 0.5 * q };
+                    opt.observe_loss(1.0, after).unwrap();
+                }
+                recomputes += opt.counters().lazy_recomputes;
+                for p in &params {
+                    bits.extend(p.to_vec().unwrap().into_iter().map(f32::to_bits));
+                }
+            }
+            (bits, splits, recomputes)
+        };
+        let (kept, kept_splits, recomputes) = run(false);
+        let (dropped, dropped_splits, _) = run(true);
+        assert!(
+            recomputes > 0,
+            "{variant:?}: no lazy step recomputed an inverse"
+        );
+        assert!(
+            kept == dropped,
+            "{variant:?}, factored {factored}: the kept planes changed the steps"
+        );
+        // 5 lazy steps of 3 layers; on the dense route each reads at least `Λ`'s factor per
+        // layer (the model's `ΓPΛ`); on the factored route what is kept depends on the data
+        // (`X₀` where a side applies it by products, the factors where the model reads them).
+        let lazy = steps - steps.div_ceil(4);
+        let least = if factored { 0 } else { shapes.len() * lazy };
+        assert!(
+            kept_splits + least <= dropped_splits,
+            "{variant:?}, factored {factored}: {kept_splits} splits kept vs {dropped_splits}"
+        );
     }
 }

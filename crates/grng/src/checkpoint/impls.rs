@@ -241,6 +241,7 @@ impl Checkpoint for KronOptimizer {
                     square: None,
                     retargeted: None,
                     low_rank: None,
+                    splits: Default::default(),
                 })
             };
             layers.push(KronLayerState {

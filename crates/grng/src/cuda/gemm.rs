@@ -221,16 +221,48 @@ pub fn gemm3(dev: &Device, p: MatMul<&Matrix>, beta: f32, c: &mut Matrix) -> Res
     launch_engine(dev, OP, &GEMM3_TC, planes, beta, c, None)
 }
 
+/// [`gemm3`] of operands split once ([`Split3`]: planes made at the first product that reads
+/// them, or kept from an earlier call): the same product, the same bits.
+///
+/// # Errors
+/// As [`gemm3`]. `c` is unchanged on error.
+pub fn gemm3_split(dev: &Device, p: MatMul<&Split3<'_>>, beta: f32, c: &mut Matrix) -> Result<()> {
+    const OP: &str = "cuda::gemm::gemm3";
+    // Memory safety: the kernel indexes the planes and c by these dimensions.
+    p.dims(OP, c.shape())?;
+    if p.alpha == 0.0 {
+        // No K slice runs: nothing to split (gemm3's placeholders).
+        return gemm3(dev, p.map(Split3::matrix), beta, c);
+    }
+    let planes = p.with(p.a.planes(dev)?, p.b.planes(dev)?);
+    launch_engine(dev, OP, &GEMM3_TC, planes, beta, c, None)
+}
+
+/// The split3 planes and concatenations of one `f32` matrix, each made at the first product
+/// that reads it ([`Split3`]). Owned by a `Split3` for one call's products, or kept beside
+/// a matrix that outlives the call (the optimizer's inverse and factor, [`Split3::kept`]), so
+/// that later calls split nothing; whoever keeps it drops it (or makes a new one) when the
+/// matrix changes.
+#[derive(Debug, Default)]
+pub struct SplitCache {
+    planes: OnceLock<Matrix<bf16>>,
+    /// The concatenated operands ([`split3_cat`]) by role and transpose.
+    cat: [OnceLock<Matrix<bf16>>; 4],
+}
+
+/// A [`Split3`]'s cache: its own, or one kept beside the matrix.
+enum Cache<'a> {
+    Own(Box<SplitCache>),
+    Kept(&'a SplitCache),
+}
+
 /// An `f32` matrix with its split3 planes (`gemm_split3`), made at the first product that
 /// reads them ([`product3_checked`]) and kept, so that several products reading it do not
 /// split it again, and a product the GEMM plan gives to cuBLAS (which reads the matrix)
 /// splits nothing.
 pub struct Split3<'a> {
     m: &'a Matrix,
-    planes: OnceLock<Matrix<bf16>>,
-    /// The concatenated operands ([`split3_cat`]) by role and transpose, made on first use;
-    /// boxed so that a `Split3` stays small where it is passed by value.
-    cat: Box<[OnceLock<Matrix<bf16>>; 4]>,
+    cache: Cache<'a>,
 }
 
 impl<'a> Split3<'a> {
@@ -238,8 +270,24 @@ impl<'a> Split3<'a> {
     pub fn new(m: &'a Matrix) -> Self {
         Self {
             m,
-            planes: OnceLock::new(),
-            cat: Default::default(),
+            cache: Cache::Own(Box::default()),
+        }
+    }
+
+    /// `m` with the planes kept in `cache`, which must be `m`'s (made by `Split3`s of `m` as
+    /// it is now, or empty): the caller's invariant, as the planes are read without a check
+    /// of their values.
+    pub fn kept(m: &'a Matrix, cache: &'a SplitCache) -> Self {
+        Self {
+            m,
+            cache: Cache::Kept(cache),
+        }
+    }
+
+    fn cache(&self) -> &SplitCache {
+        match &self.cache {
+            Cache::Own(c) => c,
+            Cache::Kept(c) => c,
         }
     }
 
@@ -247,7 +295,7 @@ impl<'a> Split3<'a> {
     /// concatenated over the six plane products ([`split3_cat`]), made on `dev` on first use
     /// and kept.
     pub(crate) fn concatenated(&self, dev: &Device, role: Role, t: Trans) -> Result<&Matrix<bf16>> {
-        let slot = &self.cat[Self::cat_slot(role, t)];
+        let slot = &self.cache().cat[Self::cat_slot(role, t)];
         Ok(match slot.get() {
             Some(x) => x,
             None => {
@@ -264,13 +312,13 @@ impl<'a> Split3<'a> {
 
     /// Whether the engine's planes are made: a product reading them now splits nothing.
     pub(crate) fn has_planes(&self) -> bool {
-        self.planes.get().is_some()
+        self.cache().planes.get().is_some()
     }
 
     /// Whether the concatenated operand `role` (transpose `t`) is made
     /// ([`Split3::concatenated`]).
     pub(crate) fn has_concatenated(&self, role: Role, t: Trans) -> bool {
-        self.cat[Self::cat_slot(role, t)].get().is_some()
+        self.cache().cat[Self::cat_slot(role, t)].get().is_some()
     }
 
     fn cat_slot(role: Role, t: Trans) -> usize {
@@ -280,11 +328,12 @@ impl<'a> Split3<'a> {
     /// The planes as [`launch_engine`] reads them, split on `dev` on first use (one launch,
     /// 6 bytes written per element).
     fn planes(&self, dev: &Device) -> Result<Planes<'_>> {
-        let planes = match self.planes.get() {
+        let cache = self.cache();
+        let planes = match cache.planes.get() {
             Some(p) => p,
             None => {
                 let p = split3(dev, self.m)?;
-                self.planes.get_or_init(|| p)
+                cache.planes.get_or_init(|| p)
             }
         };
         Ok((self.m.shape(), planes))

@@ -700,20 +700,34 @@ fn split_for_run<'a, R>(
 /// As [`engine::gemm3`] and [`vendor::gemm`]; the plan's errors of [`gemm()`]. `c` is unchanged
 /// on error.
 pub fn gemm3(dev: &Device, p: MatMul<&Matrix>, beta: f32, c: &mut Matrix) -> Result<()> {
-    let mut ours = |out: &mut Matrix| engine::gemm3(dev, p, beta, out);
-    let mut cublas = |out: &mut Matrix| vendor::gemm(dev, p, beta, out);
-    // Split in each run, as the engine's: a trial's timed runs pay the splits too.
-    let mut bf16x3 = |out: &mut Matrix| {
-        let (sa, sb) = (Split3::new(p.a), Split3::new(p.b));
-        gemm3_bf16x3(dev, p.with(&sa, &sb), beta, out)
-    };
+    let (sa, sb) = (Split3::new(p.a), Split3::new(p.b));
+    gemm3_split(dev, p.with(&sa, &sb), beta, c)
+}
+
+/// [`gemm3`] of operands split once ([`Split3`]: their planes and concatenations made by the
+/// first candidate that reads them, or kept from an earlier call).
+///
+/// # Errors
+/// As [`gemm3`].
+pub fn gemm3_split(dev: &Device, p: MatMul<&Split3<'_>>, beta: f32, c: &mut Matrix) -> Result<()> {
+    let planes = [p.a.has_planes(), p.b.has_planes()];
+    let cat = [
+        p.a.has_concatenated(Role::A, p.ta),
+        p.b.has_concatenated(Role::B, p.tb),
+    ];
+    let matrices = p.map(Split3::matrix);
+    let mut ours =
+        |out: &mut Matrix| split_for_run(p, planes, |p| engine::gemm3_split(dev, p, beta, out));
+    let mut cublas = |out: &mut Matrix| vendor::gemm(dev, matrices, beta, out);
+    let mut bf16x3 =
+        |out: &mut Matrix| split_for_run(p, cat, |p| gemm3_bf16x3(dev, p, beta, &mut *out));
     let plan = ("cuda::gemm_plan::gemm3", Format::F32Accurate);
     let runs: &mut Runs<'_, '_> = &mut [
         (Candidate::Engine, &mut ours),
         (Candidate::Vendor, &mut cublas),
         (Candidate::Bf16x3, &mut bf16x3),
     ];
-    dispatch_gemm(dev, plan, p, beta, runs, c)
+    dispatch_gemm(dev, plan, matrices, beta, runs, c)
 }
 
 /// `C ← α·op(A)·op(B) + β·C` at `f32` accuracy as ONE bf16 product (candidate
@@ -742,7 +756,8 @@ pub fn gemm3_bf16x3(dev: &Device, p: MatMul<&Split3<'_>>, beta: f32, c: &mut Mat
 }
 
 /// `P = Γ̃⁻¹ (G Λ̃⁻¹)` with `Γ̃⁻¹` `d_out x d_out`, `G` `d_out x d_in`, `Λ̃⁻¹` `d_in x d_in`
-/// (`crate::Device::precondition` on a kernel device): [`gemm3`] into a `d_out x d_in`
+/// (`crate::Device::precondition` on a kernel device), the inverses as split operands (their
+/// planes kept by the caller where it keeps them): [`gemm3_split`] into a `d_out x d_in`
 /// scratch matrix, then [`product3_checked`], which checks `P`'s finiteness as it stores it
 /// (into the ledger of an enclosing `Device::deferred` scope, or a status read here); the new
 /// matrix replaces `p` only when clean. Each product is the plan's.
@@ -754,18 +769,19 @@ pub fn gemm3_bf16x3(dev: &Device, p: MatMul<&Split3<'_>>, beta: f32, c: &mut Mat
 pub(crate) fn precondition_checked(
     dev: &Device,
     op: &'static str,
-    gamma_inv: &Matrix,
+    gamma_inv: &Split3<'_>,
     g: &Matrix,
-    lambda_inv: &Matrix,
+    lambda_inv: &Split3<'_>,
     p: &mut Matrix,
 ) -> Result<()> {
     let (d_out, d_in) = g.shape();
     check_shape(op, "p", p.shape(), (d_out, d_in))?;
     let mut t = dev.zeros::<f32>(d_out, d_in)?;
-    let g_lambda = MatMul::new(Trans::No, Trans::No, 1.0, g, lambda_inv);
-    gemm3(dev, g_lambda, 0.0, &mut t)?;
-    let (gi, t) = (Split3::new(gamma_inv), Split3::new(&t));
-    *p = product3_checked(dev, op, g_lambda.with(&gi, &t))?;
+    let g = Split3::new(g);
+    let g_lambda = MatMul::new(Trans::No, Trans::No, 1.0, &g, lambda_inv);
+    gemm3_split(dev, g_lambda, 0.0, &mut t)?;
+    let t = Split3::new(&t);
+    *p = product3_checked(dev, op, g_lambda.with(gamma_inv, &t))?;
     Ok(())
 }
 

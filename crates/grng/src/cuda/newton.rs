@@ -1198,6 +1198,27 @@ impl PlaneSet {
         }
         Ok((read, out))
     }
+
+    /// Runs the f32 product of `a` and `b` (held in slots `reads`) with `epi`, whose output
+    /// is slot `write`: reading the operands' planes where valid, writing the output's where
+    /// wanted, and noting whether the engine ran it.
+    fn product(
+        &mut self,
+        (dev, run): (&Device, RunProduct),
+        [(ia, a), (ib, b)]: [(usize, &Matrix); 2],
+        write: usize,
+        epi: Epilogue<'_>,
+        scratch: &mut Scratch,
+    ) -> Result<()> {
+        let ([pa, pb], out_planes) = self.io(dev, [ia, ib], write)?;
+        let ops = Operands::F32(
+            F32Operand { m: a, planes: pa },
+            F32Operand { m: b, planes: pb },
+        );
+        let ran = run(dev, ops, Epilogue { out_planes, ..epi }, scratch)?;
+        self.wanted = ran == Ran::Engine;
+        Ok(())
+    }
 }
 
 /// The iteration's device buffers (`n x n` unless noted; bf16 copies are 1x1 placeholders in
@@ -1303,27 +1324,11 @@ impl<'d> Work<'d> {
             // bf16 mode writes no planes of `E`.
             self.planes.invalidate(PL_E);
         } else {
-            let pl = &mut self.planes;
+            let (pl, cur) = (&mut self.planes, self.cur);
             pl.split(self.dev, PL_A, &self.a)?;
-            pl.split(self.dev, PL_X + self.cur, &self.x[self.cur])?;
-            let ([pa, px], out_planes) = pl.io(self.dev, [PL_A, PL_X + self.cur], PL_E)?;
-            let ops = Operands::F32(
-                F32Operand {
-                    m: &self.a,
-                    planes: pa,
-                },
-                F32Operand {
-                    m: &self.x[self.cur],
-                    planes: px,
-                },
-            );
-            let ran = (self.run)(
-                self.dev,
-                ops,
-                Epilogue { out_planes, ..epi },
-                &mut self.scratch,
-            )?;
-            self.planes.wanted = ran == Ran::Engine;
+            pl.split(self.dev, PL_X + cur, &self.x[cur])?;
+            let reads = [(PL_A, &self.a), (PL_X + cur, &self.x[cur])];
+            pl.product((self.dev, self.run), reads, PL_E, epi, &mut self.scratch)?;
         }
         residual(
             self.dev,
@@ -1422,7 +1427,6 @@ impl NewtonBackend for Work<'_> {
         let (dev, bf, run) = (self.dev, self.bf16, self.run);
         let sc = &mut self.scratch;
         let pl = &mut self.planes;
-        let engine = |ran: Ran| ran == Ran::Engine;
         // In bf16 mode F is read as its bf16 copy only; its f32 copy is written all the same,
         // because the plan compares candidates on a product's f32 output (one store per
         // element more than the bf16 copy's, in the F products only). In f32 mode each
@@ -1442,13 +1446,8 @@ impl NewtonBackend for Work<'_> {
                     run(dev, Operands::Bf16(&self.e_bf, &self.e_bf), epi, sc)?;
                     pl.invalidate(PL_F);
                 } else {
-                    let ([pe, _], out_planes) = pl.io(dev, [PL_E, PL_E], PL_F)?;
-                    let e = F32Operand {
-                        m: &self.e,
-                        planes: pe,
-                    };
-                    let ran = run(dev, Operands::F32(e, e), Epilogue { out_planes, ..epi }, sc)?;
-                    pl.wanted = engine(ran);
+                    let e = [(PL_E, &self.e), (PL_E, &self.e)];
+                    pl.product((dev, run), e, PL_F, epi, sc)?;
                 }
             }
             NewtonOrder::Quartic => {
@@ -1462,13 +1461,8 @@ impl NewtonBackend for Work<'_> {
                     run(dev, Operands::Bf16(&self.e_bf, &self.e_bf), epi, sc)?;
                     pl.invalidate(PL_G);
                 } else {
-                    let ([pe, _], out_planes) = pl.io(dev, [PL_E, PL_E], PL_G)?;
-                    let e = F32Operand {
-                        m: &self.e,
-                        planes: pe,
-                    };
-                    let ran = run(dev, Operands::F32(e, e), Epilogue { out_planes, ..epi }, sc)?;
-                    pl.wanted = engine(ran);
+                    let e = [(PL_E, &self.e), (PL_E, &self.e)];
+                    pl.product((dev, run), e, PL_G, epi, sc)?;
                 }
                 let epi = Epilogue {
                     add1: Some(&self.g),
@@ -1482,19 +1476,8 @@ impl NewtonBackend for Work<'_> {
                     run(dev, Operands::Bf16(&self.g_bf, &self.e_bf), epi, sc)?;
                     pl.invalidate(PL_F);
                 } else {
-                    let ([pg, pe], out_planes) = pl.io(dev, [PL_G, PL_E], PL_F)?;
-                    let ops = Operands::F32(
-                        F32Operand {
-                            m: &self.g,
-                            planes: pg,
-                        },
-                        F32Operand {
-                            m: &self.e,
-                            planes: pe,
-                        },
-                    );
-                    let ran = run(dev, ops, Epilogue { out_planes, ..epi }, sc)?;
-                    pl.wanted = engine(ran);
+                    let ge = [(PL_G, &self.g), (PL_E, &self.e)];
+                    pl.product((dev, run), ge, PL_F, epi, sc)?;
                 }
             }
         }
@@ -1520,19 +1503,13 @@ impl NewtonBackend for Work<'_> {
             } else {
                 (&self.f, PL_F)
             };
-            let ([px, pf], out_planes) = pl.io(dev, [PL_X + self.cur, f_slot], PL_X + next)?;
             let epi = Epilogue {
                 add1: Some(x),
                 out: Some(x_next),
-                out_planes,
                 ..Epilogue::new()
             };
-            let ops = Operands::F32(
-                F32Operand { m: x, planes: px },
-                F32Operand { m: f, planes: pf },
-            );
-            let ran = run(dev, ops, epi, sc)?;
-            pl.wanted = engine(ran);
+            let xf = [(PL_X + self.cur, x), (f_slot, f)];
+            pl.product((dev, run), xf, PL_X + next, epi, sc)?;
         }
         self.cur = next;
         Ok(())

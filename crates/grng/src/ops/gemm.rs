@@ -3,7 +3,7 @@
 use std::any::Any;
 
 use super::{host_mut, host_ref, OVERFLOW};
-use crate::cuda::gemm::Split3;
+use crate::cuda::gemm::{Split3, SplitCache};
 use crate::device::{Device, Element, Matrix};
 use crate::error::Result;
 use crate::mat::Trans;
@@ -205,6 +205,29 @@ impl Device {
         })
     }
 
+    /// [`Device::operand`] of a matrix that outlives the call, with its planes kept in `cache`
+    /// (on the kernel devices; the CPU reads the matrix): a product in a later call reuses
+    /// them. `cache` must be `m`'s: made by operands of `m` as it is now, or empty (the
+    /// caller drops it when `m` changes). Only up to [`KEEP_MAX_ELEMENTS`]: a larger matrix
+    /// gets a fresh operand, as from [`Device::operand`].
+    ///
+    /// # Errors
+    /// [`crate::Error::DeviceMismatch`].
+    pub(crate) fn kept_operand<'a>(
+        &self,
+        m: &'a Matrix,
+        cache: &'a SplitCache,
+    ) -> Result<Operand<'a>> {
+        self.check_on(OP, m)?;
+        Ok(match self {
+            Device::Cpu => Operand::Host(m),
+            Device::Emulated | Device::Cuda(_) if m.len() > KEEP_MAX_ELEMENTS => {
+                Operand::Split(Split3::new(m))
+            }
+            Device::Emulated | Device::Cuda(_) => Operand::Split(Split3::kept(m, cache)),
+        })
+    }
+
     /// [`Device::product_valid_inputs`] of operands prepared by [`Device::operand`] (the same
     /// product, the same bits).
     ///
@@ -325,6 +348,13 @@ pub(crate) fn widen(m: &Matrix<bf16>) -> Result<Matrix> {
     }
     Ok(w)
 }
+
+/// The largest matrix whose planes [`Device::kept_operand`] keeps (`2048²` elements): there a
+/// split (a launch and 10 bytes per element) is a large share of a product's time, and the
+/// kept planes (6 bytes per element, 12 per concatenation of the bf16x3 candidate) are a
+/// few tens of MB at most; above it a split is a few per cent of its `O(n³)` product and
+/// the memory grows with `n²`.
+pub(crate) const KEEP_MAX_ELEMENTS: usize = 1 << 22;
 
 /// An `f32` product operand prepared by [`Device::operand`].
 pub(crate) enum Operand<'a> {

@@ -27,6 +27,7 @@ pub mod precondition;
 pub mod syrk;
 
 pub(crate) use crate::cuda::deferred::{Readout, Scalar};
+pub(crate) use crate::cuda::gemm::SplitCache;
 use crate::device::{Device, Element, Matrix};
 use crate::error::{Error, Result};
 use crate::mat::{MatMut, MatRef};

@@ -1,5 +1,6 @@
 //! Kronecker preconditioning and damping on a device.
 
+use super::gemm::Operand;
 use super::{host_mut, host_ref, OVERFLOW};
 use crate::device::{Device, Matrix};
 use crate::error::{check_shape, Result};
@@ -46,21 +47,44 @@ impl Device {
         [gamma_inv, g, lambda_inv]: [&Matrix; 3],
         p: &mut Matrix,
     ) -> Result<()> {
+        let (gi, li) = (self.operand(gamma_inv)?, self.operand(lambda_inv)?);
+        self.precondition_of((&gi, g, &li), p)
+    }
+
+    /// [`Device::precondition_valid_inputs`] with the inverses as product operands
+    /// ([`Device::operand`], [`Device::kept_operand`]: on the kernel devices their split planes,
+    /// kept from an earlier step where the caller keeps them): the same products, the same bits.
+    ///
+    /// # Errors
+    /// As [`Device::precondition`]; [`crate::Error::DeviceMismatch`] for operands prepared
+    /// for another kind of device.
+    pub(crate) fn precondition_of(
+        &self,
+        (gamma_inv, g, lambda_inv): (&Operand<'_>, &Matrix, &Operand<'_>),
+        p: &mut Matrix,
+    ) -> Result<()> {
         const OP: &str = "Device::precondition";
-        match self {
-            Device::Cpu => self.commit_finite(OP, [(OVERFLOW, p, false)], |[p]| {
-                crate::cpu::precondition(
-                    host_ref(gamma_inv)?,
-                    host_ref(g)?,
-                    host_ref(lambda_inv)?,
-                    host_mut(p)?,
-                )
-            }),
+        match (self, gamma_inv, lambda_inv) {
+            (Device::Cpu, Operand::Host(gi), Operand::Host(li)) => {
+                self.commit_finite(OP, [(OVERFLOW, p, false)], |[p]| {
+                    crate::cpu::precondition(
+                        host_ref(gi)?,
+                        host_ref(g)?,
+                        host_ref(li)?,
+                        host_mut(p)?,
+                    )
+                })
+            }
             // The second product checks `P` in its epilogue as it stores it (no check pass),
             // into a new matrix installed only when clean.
-            Device::Emulated | Device::Cuda(_) => {
-                crate::cuda::gemm_plan::precondition_checked(self, OP, gamma_inv, g, lambda_inv, p)
+            (Device::Emulated | Device::Cuda(_), Operand::Split(gi), Operand::Split(li)) => {
+                crate::cuda::gemm_plan::precondition_checked(self, OP, gi, g, li, p)
             }
+            _ => Err(crate::Error::DeviceMismatch {
+                op: OP,
+                a: self.name(),
+                b: "an operand prepared for another device",
+            }),
         }
     }
 

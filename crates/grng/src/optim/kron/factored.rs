@@ -53,7 +53,8 @@ use crate::device::{Device, Matrix};
 use crate::error::Result;
 use crate::mat::Trans;
 use crate::ops::elementwise::AxpyOver;
-use crate::ops::{Readout, Scalar};
+use crate::ops::gemm::Operand;
+use crate::ops::{Readout, Scalar, SplitCache};
 use crate::shape::MatMul;
 
 /// A factor's inverse as one step applies it: dense, or through the rows (`low_rank.rs`).
@@ -64,6 +65,9 @@ pub(super) enum InverseView<'a> {
     Dense {
         x: &'a Matrix,
         formed: bool,
+        /// `x`'s kept split planes where `x` is the state's `X₀` (not a first-order inverse
+        /// or a formation of this step).
+        kept: Option<&'a SplitCache>,
     },
     LowRank(&'a LowRank, &'a Terms),
     /// `X₀ − d·X₀²` applied by products with `X₀` (formed at `lambda0`) on the factored
@@ -71,6 +75,8 @@ pub(super) enum InverseView<'a> {
     /// (this module's docs).
     FirstOrder {
         x0: &'a Matrix,
+        /// `x0`'s kept split planes.
+        kept: &'a SplitCache,
         lambda0: f32,
         d: f32,
     },
@@ -346,6 +352,20 @@ fn gram(d: &Device, k: &Matrix, alpha: f32) -> Result<Matrix> {
     d.product_valid_inputs(MatMul::new(Trans::Yes, Trans::No, alpha, k, k))
 }
 
+/// `x` as a product operand, with its kept split planes where it has them.
+fn operand<'a>(d: &Device, x: &'a Matrix, kept: Option<&'a SplitCache>) -> Result<Operand<'a>> {
+    match kept {
+        Some(c) => d.kept_operand(x, c),
+        None => d.operand(x),
+    }
+}
+
+/// The dense factor `F` of `s` as a product operand, its split planes kept in `s` (`F` is
+/// the same on every step between two refreshes).
+fn factor_operand<'a>(d: &Device, s: &'a KronFactorState) -> Result<Operand<'a>> {
+    d.kept_operand(s.dense_factor()?, &s.splits.factor)
+}
+
 /// `α·op(A)·op(B)` as a new matrix (operands already validated).
 fn gemm(d: &Device, ta: Trans, tb: Trans, alpha: f32, a: &Matrix, b: &Matrix) -> Result<Matrix> {
     d.product_valid_inputs(MatMul::new(ta, tb, alpha, a, b))
@@ -372,8 +392,18 @@ fn by_first_order(
 /// identity (module docs). Both inverses are dense here: the rows' route is planned only
 /// for factored gradients, which take [`factored`] then.
 fn dense(d: &Device, v: &LayerView<'_>, g: &Matrix, with_model: bool) -> Result<Preconditioned> {
-    let (InverseView::Dense { x: gamma_inv, .. }, InverseView::Dense { x: lambda_inv, .. }) =
-        (v.gamma_inv, v.lambda_inv)
+    let (
+        InverseView::Dense {
+            x: gamma_inv,
+            kept: kept_g,
+            ..
+        },
+        InverseView::Dense {
+            x: lambda_inv,
+            kept: kept_l,
+            ..
+        },
+    ) = (v.gamma_inv, v.lambda_inv)
     else {
         return Err(crate::Error::Value {
             op: "KronOptimizer::precondition",
@@ -383,22 +413,30 @@ fn dense(d: &Device, v: &LayerView<'_>, g: &Matrix, with_model: bool) -> Result<
         });
     };
     let no = Trans::No;
+    // The inverses with their kept planes where they are the state's `X₀`.
+    let (gamma_inv, lambda_inv) = (
+        operand(d, gamma_inv, kept_g)?,
+        operand(d, lambda_inv, kept_l)?,
+    );
     let (p, gpl) = match (with_model, v.identity) {
         // `ΓP = T − λ_Γ·P` with `T = GΛ̃⁻¹`, `P = Γ̃⁻¹T` (module docs): one product by `Λ`.
         (true, (_, true)) => {
-            let t = gemm(d, no, no, 1.0, g, lambda_inv)?;
-            let p = gemm(d, no, no, 1.0, gamma_inv, &t)?;
+            let t = d.product_of(MatMul::new(no, no, 1.0, &d.operand(g)?, &lambda_inv))?;
+            let p = d.product_of(MatMul::new(no, no, 1.0, &gamma_inv, &d.operand(&t)?))?;
             let gp = d.axpy_over(-v.damping.1, AxpyOver::Y { x: &p, y: t })?;
-            let gpl = gemm(d, no, no, 1.0, &gp, v.lambda.dense_factor()?)?;
+            let lambda = factor_operand(d, v.lambda)?;
+            let gpl = d.product_of(MatMul::new(no, no, 1.0, &d.operand(&gp)?, &lambda))?;
             (p, Some(gpl))
         }
         (with_model, _) => {
             let (o, i) = g.shape();
             let mut p = d.zeros(o, i)?;
-            d.precondition_valid_inputs([gamma_inv, g, lambda_inv], &mut p)?;
+            d.precondition_of((&gamma_inv, g, &lambda_inv), &mut p)?;
             let gpl = if with_model {
-                let gp = gemm(d, no, no, 1.0, v.gamma.dense_factor()?, &p)?;
-                Some(gemm(d, no, no, 1.0, &gp, v.lambda.dense_factor()?)?)
+                let gamma = factor_operand(d, v.gamma)?;
+                let gp = d.product_of(MatMul::new(no, no, 1.0, &gamma, &d.operand(&p)?))?;
+                let lambda = factor_operand(d, v.lambda)?;
+                Some(d.product_of(MatMul::new(no, no, 1.0, &d.operand(&gp)?, &lambda))?)
             } else {
                 None
             };
@@ -446,15 +484,17 @@ fn factored(
     let ((u, t_u, k_gamma, u0, eu_rows), (w, k_lambda, w0, awt_rows)) = tasks::join(
         d,
         || match v.gamma_inv {
-            InverseView::Dense { x, .. } => Ok((
-                d.product_of(MatMul::new(no, yes, 1.0, &d.operand(x)?, &eo))?,
+            InverseView::Dense { x, kept, .. } => Ok((
+                d.product_of(MatMul::new(no, yes, 1.0, &operand(d, x, kept)?, &eo))?,
                 no,
                 None,
                 None,
                 None,
             )),
-            InverseView::FirstOrder { x0, d: dl, .. } => {
-                let x0 = d.operand(x0)?;
+            InverseView::FirstOrder {
+                x0, kept, d: dl, ..
+            } => {
+                let x0 = d.kept_operand(x0, kept)?;
                 let u0 = d.product_of(MatMul::new(no, yes, 1.0, &x0, &eo))?;
                 let u1 = d.product_of(MatMul::new(no, no, 1.0, &x0, &d.operand(&u0)?))?;
                 let u = d.axpy_over(-dl, AxpyOver::X { x: u1, y: &u0 })?;
@@ -466,14 +506,16 @@ fn factored(
             }
         },
         || match v.lambda_inv {
-            InverseView::Dense { x, .. } => Ok((
-                d.product_of(MatMul::new(no, no, 1.0, &ao, &d.operand(x)?))?,
+            InverseView::Dense { x, kept, .. } => Ok((
+                d.product_of(MatMul::new(no, no, 1.0, &ao, &operand(d, x, kept)?))?,
                 None,
                 None,
                 None,
             )),
-            InverseView::FirstOrder { x0, d: dl, .. } => {
-                let x0 = d.operand(x0)?;
+            InverseView::FirstOrder {
+                x0, kept, d: dl, ..
+            } => {
+                let x0 = d.kept_operand(x0, kept)?;
                 let w0 = d.product_of(MatMul::new(no, no, 1.0, &ao, &x0))?;
                 let w1 = d.product_of(MatMul::new(no, no, 1.0, &d.operand(&w0)?, &x0))?;
                 let w = d.axpy_over(-dl, AxpyOver::X { x: w1, y: &w0 })?;
@@ -513,7 +555,7 @@ fn factored(
                         d.axpy_over(-lambda_g, AxpyOver::X { x: utu, y: &eu })?
                     }
                     (None, ..) => {
-                        let gamma = d.operand(v.gamma.dense_factor()?)?;
+                        let gamma = factor_operand(d, v.gamma)?;
                         let gu = d.product_of(MatMul::new(no, no, 1.0, &gamma, &uo))?;
                         d.symmetric_product_of(MatMul::new(yes, no, inv_m, &uo, &d.operand(&gu)?))?
                     }
@@ -536,7 +578,7 @@ fn factored(
                         d.axpy_over(-lambda_l, AxpyOver::X { x: vvt, y: &awt })?
                     }
                     (None, ..) => {
-                        let lambda = d.operand(v.lambda.dense_factor()?)?;
+                        let lambda = factor_operand(d, v.lambda)?;
                         let wl = d.product_of(MatMul::new(no, no, 1.0, &wo, &lambda))?;
                         d.symmetric_product_of(MatMul::new(no, yes, inv_m, &d.operand(&wl)?, &wo))?
                     }

@@ -29,12 +29,12 @@ use super::damping::FactorScalars;
 use super::factored::{by_identity, InverseView};
 use super::low_rank::{deferred, LowRank, Terms};
 use super::rows::{factor_update, replaced_factor, Rows};
-use super::state::{KronCounters, KronFactorState};
+use super::state::{KronCounters, KronFactorState, Splits};
 use crate::device::{Device, Matrix};
 use crate::error::{Error, Result};
 use crate::mat::Trans;
-use crate::ops::host_ref;
 use crate::ops::newton::{InitialGuess, Precision};
+use crate::ops::{host_ref, SplitCache};
 use crate::optim::StatsView;
 use crate::shape::MatMul;
 
@@ -516,14 +516,21 @@ pub(super) enum Retarget {
 /// The inverse a factor state holds as formed: through its rows when `low_rank` allows and
 /// it has them, else dense.
 pub(super) fn formed_view(s: &KronFactorState, low_rank: bool) -> Result<(InverseView<'_>, f32)> {
-    as_formed(&s.inverse, s.damping, s.low_rank.as_deref(), low_rank)
+    let kept = Some(&s.splits.inverse);
+    as_formed(
+        (&s.inverse, kept),
+        s.damping,
+        s.low_rank.as_deref(),
+        low_rank,
+    )
 }
 
 /// A formed inverse (`inverse` at `damping`, with the rows' part `rows` when the low-rank path
 /// formed it, `inverse` then deferred) as a step applies it: through the rows when `low_rank`
-/// allows, else dense (formed from the rows if it was deferred).
+/// allows, else dense (formed from the rows if it was deferred), with the split planes `kept`
+/// for the dense one where it is a state's.
 fn as_formed<'a>(
-    inverse: &'a Matrix,
+    (inverse, kept): (&'a Matrix, Option<&'a SplitCache>),
     damping: f32,
     rows: Option<&'a LowRank>,
     low_rank: bool,
@@ -534,6 +541,7 @@ fn as_formed<'a>(
             InverseView::Dense {
                 x: lr.dense_inverse()?,
                 formed: true,
+                kept,
             },
             damping,
         ),
@@ -541,6 +549,7 @@ fn as_formed<'a>(
             InverseView::Dense {
                 x: inverse,
                 formed: true,
+                kept,
             },
             damping,
         ),
@@ -563,7 +572,14 @@ impl Retarget {
                     Ok((InverseView::LowRank(lr, t), t.damping))
                 }),
                 _ => match &s.retargeted {
-                    Some((x, l)) => Ok((InverseView::Dense { x, formed: false }, *l)),
+                    Some((x, l)) => Ok((
+                        InverseView::Dense {
+                            x,
+                            formed: false,
+                            kept: None,
+                        },
+                        *l,
+                    )),
                     None => formed_view(s, false),
                 },
             },
@@ -573,12 +589,14 @@ impl Retarget {
                 InverseView::Dense {
                     x: inverse,
                     formed: false,
+                    kept: None,
                 },
                 *damping,
             )),
             Retarget::ByProducts { damping } => Ok((
                 InverseView::FirstOrder {
                     x0: s.dense_inverse()?,
+                    kept: &s.splits.inverse,
                     lambda0: s.damping,
                     d: damping - s.damping,
                 },
@@ -589,9 +607,13 @@ impl Retarget {
                 // `retarget` says `LowRank` only for a state with rows.
                 None => formed_view(s, false),
             },
-            Retarget::Formed(u) => {
-                as_formed(&u.inverse, u.damping, u.low_rank.as_deref(), low_rank)
-            }
+            // This step's formation: not the state's yet, so nothing is kept.
+            Retarget::Formed(u) => as_formed(
+                (&u.inverse, None),
+                u.damping,
+                u.low_rank.as_deref(),
+                low_rank,
+            ),
         }
     }
 
@@ -657,9 +679,11 @@ impl InverseUpdate {
         if s.low_rank.is_none() {
             if let Some(f) = old.and_then(|lr| lr.into_dense_factor()) {
                 s.factor = f;
+                s.splits.factor = SplitCache::default();
             }
         }
         s.inverse = self.inverse;
+        s.splits.inverse = SplitCache::default();
         s.damping = self.damping;
         s.inverse_norm = self.inverse_norm;
         s.square = None;
@@ -685,6 +709,7 @@ impl InverseUpdate {
             square: None,
             retargeted: None,
             low_rank: self.low_rank,
+            splits: Splits::default(),
         })
     }
 }

@@ -6,6 +6,7 @@
 use super::low_rank::LowRank;
 use crate::device::Matrix;
 use crate::error::Result;
+use crate::ops::SplitCache;
 
 /// One damped Kronecker factor of one layer (`Λ`, `d_in x d_in`, or `Γ`, `d_out x d_out`).
 ///
@@ -57,6 +58,20 @@ pub struct KronFactorState {
     /// not store it, so a restored or loaded optimizer takes the dense route until its next
     /// refresh.
     pub(crate) low_rank: Option<Box<LowRank>>,
+    /// The split planes of `factor` and `inverse` (the kernel devices' operands of their
+    /// f32-accurate products, [`crate::Device`]'s `kept_operand`), made at the first product
+    /// that reads each and kept for the steps after it; empty on the CPU. A cache: dropped
+    /// where its matrix is replaced, not copied, not stored.
+    pub(crate) splits: Splits,
+}
+
+/// [`KronFactorState::splits`].
+#[derive(Debug, Default)]
+pub(crate) struct Splits {
+    /// `factor`'s.
+    pub factor: SplitCache,
+    /// `inverse`'s (`X₀` as formed).
+    pub inverse: SplitCache,
 }
 
 impl KronFactorState {
@@ -124,6 +139,7 @@ impl KronFactorState {
             square: self.square.as_ref().map(Matrix::try_clone).transpose()?,
             retargeted: None,
             low_rank: None,
+            splits: Splits::default(),
         })
     }
 }
