@@ -208,7 +208,7 @@ fn check_product(dev: &Device, n: usize, f: &Flags, (tc, side): (bool, Side), se
     };
     let (a_bf, b_bf) = (to_bf(&a), to_bf(&b));
     let (a_f, b_f) = (up(&a), up(&b));
-    let mut planes = kn::Planes::new(dev, n).unwrap();
+    let mut planes = kn::Planes::new(n);
     let mut scratch = kn::Scratch::new(dev, n).unwrap();
     let no = Trans::No;
     let mut run = |epi: Epilogue<'_>, unused: &mut Unused| {
@@ -1116,7 +1116,7 @@ fn check_out_planes(dev: &Device, n: usize, (alpha, diag, mirror): (f32, f32, bo
             ..Epilogue::new()
         };
         if fused {
-            let mut p = kn::Planes::new(dev, n).unwrap();
+            let mut p = kn::Planes::new(n);
             kn::product_f32(dev, (&a).into(), (&b).into(), &mut p, epi, &mut unused).unwrap();
         } else {
             kn::epilogue(dev, &raw, epi, &mut unused).unwrap();
@@ -1145,7 +1145,7 @@ fn check_out_planes(dev: &Device, n: usize, (alpha, diag, mirror): (f32, f32, bo
                 m: &out,
                 planes: given,
             };
-            let mut p = kn::Planes::new(dev, n).unwrap();
+            let mut p = kn::Planes::new(n);
             kn::product_f32(dev, read, (&b).into(), &mut p, epi, &mut unused).unwrap();
             c.to_vec().unwrap().into_iter().map(f32::to_bits).collect()
         })
@@ -1204,7 +1204,7 @@ fn planes_out_of_place_are_typed_errors() {
             ),
             "{e}"
         );
-        let mut p = kn::Planes::new(&dev, n).unwrap();
+        let mut p = kn::Planes::new(n);
         let both = Epilogue {
             out_bf: Some(&mut copy),
             ..with(&mut planes)

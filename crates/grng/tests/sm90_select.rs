@@ -201,7 +201,7 @@ fn newton_f32_product(
     let (a, b) = (common::vals(rng, n * n), common::vals(rng, n * n));
     let (am, bm) = (dev.upload(n, n, &a)?, dev.upload(n, n, &b)?);
     let mut out: Matrix = dev.zeros(n, n)?;
-    let mut planes = Planes::new(dev, n)?;
+    let mut planes = Planes::new(n);
     let mut unused = Unused::new(dev)?;
     take_launches();
     let epi = Epilogue {

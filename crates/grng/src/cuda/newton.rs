@@ -103,7 +103,7 @@ fn check_newton_gemm3_wg(gpu: Option<&CudaDevice>) -> Result<std::result::Result
                 dev,
                 a.into(),
                 b.into(),
-                &mut Planes::new(dev, n)?,
+                &mut Planes::new(n),
                 epi,
                 &mut Unused::new(dev)?,
             )
@@ -429,20 +429,36 @@ pub fn product_tc(
     unsafe { launch(&GEMM_TC, cfg, args) }
 }
 
-/// Scratch of [`product_f32`]: the split3 planes of both operands (`3n x n` bf16 each).
+/// Scratch of [`product_f32`]: the split3 planes of both operands (`3n x n` bf16 each),
+/// allocated at the first product that splits an operand (one whose [`F32Operand::planes`]
+/// are not given): an inversion whose epilogues write its operands' planes never does.
 pub struct Planes {
-    a: Matrix<bf16>,
-    b: Matrix<bf16>,
+    n: usize,
+    a: Option<Matrix<bf16>>,
+    b: Option<Matrix<bf16>>,
 }
 
 impl Planes {
-    /// Planes for `n x n` operands on `dev` (`12 n²` bytes).
-    pub fn new(dev: &Device, n: usize) -> Result<Self> {
-        Ok(Self {
-            a: dev.zeros(3 * n, n)?,
-            b: dev.zeros(3 * n, n)?,
-        })
+    /// Planes for `n x n` operands (`12 n²` bytes once used).
+    pub fn new(n: usize) -> Self {
+        Self {
+            n,
+            a: None,
+            b: None,
+        }
     }
+}
+
+/// `slot`, allocated on `dev` for `n x n` operands at its first use.
+fn plane_slot<'p>(
+    dev: &Device,
+    slot: &'p mut Option<Matrix<bf16>>,
+    n: usize,
+) -> Result<&'p mut Matrix<bf16>> {
+    Ok(match slot {
+        Some(m) => m,
+        empty => empty.insert(dev.zeros(3 * n, n)?),
+    })
 }
 
 /// An f32 operand of a Newton product: the matrix, and its split3 planes (`3n x n` bf16) where
@@ -490,10 +506,16 @@ pub fn product_f32(
             check_shape(OP, arg, p.shape(), (3 * n, n))?;
         }
     }
-    let Planes { a: pa, b: pb } = planes;
+    let Planes {
+        n: pn,
+        a: pa,
+        b: pb,
+    } = planes;
+    check_shape(OP, "planes", (*pn, *pn), (n, n))?;
     let a3: &Matrix<bf16> = match a.planes {
         Some(p) => p,
         None => {
+            let pa = plane_slot(dev, pa, n)?;
             split3_into(dev, a.m, pa)?;
             pa
         }
@@ -503,6 +525,7 @@ pub fn product_f32(
         // A square (E·E) is split once.
         None if std::ptr::eq(a.m, b.m) => a3,
         None => {
+            let pb = plane_slot(dev, pb, n)?;
             split3_into(dev, b.m, pb)?;
             pb
         }
@@ -579,14 +602,14 @@ pub struct Scratch {
 }
 
 impl Scratch {
-    /// Scratch for `n x n` products on `dev` (the planes' `12 n²` bytes; the vendor's product
-    /// comes later, if ever).
+    /// Scratch for `n x n` products on `dev` (the placeholders; the planes and the vendor's
+    /// product come later, if ever).
     ///
     /// # Errors
     /// Allocation errors.
     pub fn new(dev: &Device, n: usize) -> Result<Self> {
         Ok(Self {
-            planes: Planes::new(dev, n)?,
+            planes: Planes::new(n),
             product: None,
             unused: Unused::new(dev)?,
         })
