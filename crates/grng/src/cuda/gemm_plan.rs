@@ -10,9 +10,10 @@
 //! The vendor library is the floor: on a CUDA device where it loads, the first product of a
 //! (plan, shape class, device) runs every candidate, checks each against the engine within
 //! the bound of [`Trial::bound`], times them ([`TRIAL_RUNS`] runs each, CUDA events, the
-//! median; each run pays the operand splits the candidate pays outside a trial) and keeps the fastest that agrees for every later product of that key ([`choices`]
-//! lists the decisions with their times, for the bench's kernel column). A candidate that
-//! disagrees is not chosen, and that is said once on stderr. Where the vendor
+//! median; each run pays the operand splits the candidate pays outside a trial) and keeps the
+//! fastest that agrees for every later product of that key ([`choices`] lists the decisions
+//! with their times, for the bench's kernel column). A candidate that disagrees is not
+//! chosen, and that is said once on stderr. Where the vendor
 //! is absent — always on [`Device::Emulated`] — the engine runs, each such product is counted
 //! ([`vendor_absent`]) and the first is said on stderr: never a silent slow path.
 //!

@@ -647,8 +647,9 @@ pub fn engine_product(
     }
 }
 
-/// Which candidate ran a product ([`RunProduct`]): grng's engine reads the operands' split3
-/// planes ([`F32Operand::planes`]), the others (cuBLAS, bf16x3) the f32 matrices.
+/// Which candidate ran one of the inversion's products (the GEMM plan's
+/// `newton_product` says): grng's engine reads the operands' split3 planes
+/// ([`F32Operand::planes`]), the others (cuBLAS, bf16x3) the f32 matrices.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum Ran {
     /// [`engine_product`].
