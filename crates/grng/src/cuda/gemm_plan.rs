@@ -626,11 +626,7 @@ fn checked_runs<'r>(
     op: &'static str,
     p: MatMul<&'r Split3<'r>>,
 ) -> [Box<Run<'r>>; 3] {
-    let planes = [p.a.has_planes(), p.b.has_planes()];
-    let cat = [
-        p.a.has_concatenated(Role::A, p.ta),
-        p.b.has_concatenated(Role::B, p.tb),
-    ];
+    let (planes, cat) = split_made(p);
     let check = move |out: &Matrix| super::elementwise::check_finite(dev, op, &[(OVERFLOW, out)]);
     [
         Box::new(move |out: &mut Matrix| {
@@ -645,6 +641,18 @@ fn checked_runs<'r>(
             check(out)
         }),
     ]
+}
+
+/// Which of `p`'s operands have their engine planes, and which their bf16x3 concatenation
+/// for `p`'s roles and transposes, before the product: [`split_for_run`]'s `made` of each
+/// candidate.
+fn split_made(p: MatMul<&Split3<'_>>) -> ([bool; 2], [bool; 2]) {
+    let planes = [p.a.has_planes(), p.b.has_planes()];
+    let cat = [
+        p.a.has_concatenated(Role::A, p.ta),
+        p.b.has_concatenated(Role::B, p.tb),
+    ];
+    (planes, cat)
 }
 
 thread_local! {
@@ -711,11 +719,7 @@ pub fn gemm3(dev: &Device, p: MatMul<&Matrix>, beta: f32, c: &mut Matrix) -> Res
 /// # Errors
 /// As [`gemm3`].
 pub fn gemm3_split(dev: &Device, p: MatMul<&Split3<'_>>, beta: f32, c: &mut Matrix) -> Result<()> {
-    let planes = [p.a.has_planes(), p.b.has_planes()];
-    let cat = [
-        p.a.has_concatenated(Role::A, p.ta),
-        p.b.has_concatenated(Role::B, p.tb),
-    ];
+    let (planes, cat) = split_made(p);
     let matrices = p.map(Split3::matrix);
     let mut ours =
         |out: &mut Matrix| split_for_run(p, planes, |p| engine::gemm3_split(dev, p, beta, out));

@@ -1175,11 +1175,7 @@ impl PlaneSet {
 
     /// Slot `i` on `dev`, allocated at first use.
     fn slot(&mut self, dev: &Device, i: usize) -> Result<&mut Matrix<bf16>> {
-        let n = self.n;
-        Ok(match &mut self.slots[i] {
-            Some(m) => m,
-            empty => empty.insert(dev.zeros(3 * n, n)?),
-        })
+        plane_slot(dev, &mut self.slots[i], self.n)
     }
 
     /// Slot `i`'s planes made from its matrix `m`, if planes are wanted and not valid: for

@@ -99,11 +99,17 @@ impl Device {
             (Device::Emulated | Device::Cuda(_), Operand::Split(a), Operand::Split(b)) => {
                 crate::cuda::gemm_plan::product3_checked(self, OP, p.with(a, b))
             }
-            _ => Err(crate::Error::DeviceMismatch {
-                op: OP,
-                a: self.name(),
-                b: "an operand prepared for another device",
-            }),
+            _ => Err(self.foreign_operand(OP)),
+        }
+    }
+
+    /// The error for an [`Operand`] that [`Device::operand`] prepared on another kind of
+    /// device.
+    pub(crate) fn foreign_operand(&self, op: &'static str) -> crate::Error {
+        crate::Error::DeviceMismatch {
+            op,
+            a: self.name(),
+            b: "an operand prepared for another device",
         }
     }
 

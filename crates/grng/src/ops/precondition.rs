@@ -80,11 +80,7 @@ impl Device {
             (Device::Emulated | Device::Cuda(_), Operand::Split(gi), Operand::Split(li)) => {
                 crate::cuda::gemm_plan::precondition_checked(self, OP, gi, g, li, p)
             }
-            _ => Err(crate::Error::DeviceMismatch {
-                op: OP,
-                a: self.name(),
-                b: "an operand prepared for another device",
-            }),
+            _ => Err(self.foreign_operand(OP)),
         }
     }
 
