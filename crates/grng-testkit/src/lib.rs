@@ -430,3 +430,12 @@ pub fn gemm_case(seed: u64, (m, n, k): (usize, usize, usize), ta: Trans, tb: Tra
         b_shape: stored_shape(tb, (k, n)),
     }
 }
+
+/// The split3 planes of `v` as `grng_split3` makes them (round to nearest even each):
+/// `hi = bf16(v)`, `mid = bf16(v − hi)`, `lo = bf16(v − hi − mid)`, as bits.
+pub fn host_split3(v: f32) -> [u16; 3] {
+    let hi = half::bf16::from_f32(v);
+    let r = v - hi.to_f32();
+    let mid = half::bf16::from_f32(r);
+    [hi, mid, half::bf16::from_f32(r - mid.to_f32())].map(half::bf16::to_bits)
+}

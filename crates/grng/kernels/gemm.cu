@@ -150,11 +150,7 @@ extern "C" __global__ void __launch_bounds__(256)
                    long long count) {
     for (long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x; i < count;
          i += (long long)gridDim.x * blockDim.x) {
-        __nv_bfloat16 hi, mid, lo;
-        grng_split3(x[i], hi, mid, lo);
-        planes[i] = hi;
-        planes[count + i] = mid;
-        planes[2 * count + i] = lo;
+        grng_store_split3(planes, i, count, x[i]);
     }
 }
 GRNG_EMU_ENTRY(gemm_split3, (const float*, __nv_bfloat16*, long long))
@@ -194,14 +190,22 @@ GRNG_EMU_ENTRY(gemm_split3_cat,
 // i·ldc + j of a NaN/Inf written is flagged while the tile is stored (the result check in
 // the same pass: a per-thread minimum, then a warp minimum and one atomicMin per warp that
 // saw one, grng_flag_first); the caller passes ldc = N, so it is the row-major index.
+// Split (the split products only): with planes (not null), the split3 planes of each value
+// stored are written too (grng_store_split3, plane p at p·M·ldc), so that a product reading
+// C next does not split it (a gemm_split3 launch and 10 bytes per element).
+template <bool Split>
 struct PrecondAxpby {
     float* __restrict__ C;
     int ldc;
     float alpha, beta;
     int* __restrict__ status;
+    __nv_bfloat16* __restrict__ planes;
+    long long plane;
     int bad = GRNG_NONE;
     __device__ __forceinline__ void operator()(int i, int j, float acc) {
-        const float v = gemm_axpby(C + (long long)i * ldc + j, alpha, acc, beta);
+        const long long o = (long long)i * ldc + j;
+        const float v = gemm_axpby(C + o, alpha, acc, beta);
+        if (Split && planes != nullptr) grng_store_split3(planes, o, plane, v);
         // A thread's elements do not come in index order (fragment layout): keep the least.
         if (status != nullptr && !isfinite(v)) bad = min(bad, i * ldc + j);
     }
@@ -221,20 +225,21 @@ struct PrecondAxpby {
         name(const __nv_bfloat16* __restrict__ a, int lda, long long a_plane,                 \
              const __nv_bfloat16* __restrict__ b, int ldb, long long b_plane,                 \
              float* __restrict__ c, int ldc, int M, int N, int K, float alpha, float beta,    \
-             int trans, int* __restrict__ status) {                                           \
+             int trans, int* __restrict__ status, __nv_bfloat16* __restrict__ planes) {       \
         GRNG_DYN_SHARED(__nv_bfloat16, smem);                                                 \
-        PrecondAxpby epi{c, ldc, alpha, beta, status};                                        \
+        PrecondAxpby<(TERMS > 1)> epi{c, ldc, alpha, beta, status, planes, (long long)M * ldc}; \
         grng_gemm_tile_layouts<TILE, TERMS>(a, lda, a_plane, b, ldb, b_plane, M, N, K, trans,  \
                                             smem, epi);                                       \
     }
 #define GEMM_TC_TYPES                                                                          \
     (const __nv_bfloat16*, int, long long, const __nv_bfloat16*, int, long long, float*, int, \
-     int, int, int, float, float, int, int*)
+     int, int, int, float, float, int, int*, __nv_bfloat16*)
 
 // C ← α·op(A)·op(B) + β·C with A, B given as split3 planes (a_plane, b_plane elements
 // apart; lda, ldb the stored row lengths). trans bit 0: op(A) = Aᵀ, bit 1: op(B) = Bᵀ.
 // status: null, or an int preset to GRNG_NONE that gets the first flat index of a NaN/Inf
-// in C (PrecondAxpby; M·N must fit an int then). Grid
+// in C (PrecondAxpby; M·N must fit an int then). planes: null, or 3·M·N bf16 that get the
+// split3 planes of C as stored (ldc = N; gemm_tc ignores it). Grid
 // (ceil(N/128), ceil(M/128)), block 256, GRNG_GEMM_SMEM bytes of dynamic shared memory.
 GEMM_TC(gemm3_tc, GrngTileSm80, GRNG_SPLIT3_TERMS, GRNG_GEMM_THREADS)
 GRNG_EMU_ENTRY(gemm3_tc, GEMM_TC_TYPES)

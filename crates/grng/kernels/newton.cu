@@ -62,13 +62,7 @@ __device__ __forceinline__ void newton_epi_store(float* __restrict__ out,
                                                  size_t plane, float v, int flags) {
     if (flags & NEWTON_OUT_F32) out[o] = v;
     if (flags & NEWTON_OUT_BF16) grng_st_bf16(&out_bf[o], v);
-    if (AllowSplit && (flags & NEWTON_OUT_SPLIT3)) {
-        __nv_bfloat16 hi, mid, lo;
-        grng_split3(v, hi, mid, lo);
-        out_bf[o] = hi;
-        out_bf[plane + o] = mid;
-        out_bf[2 * plane + o] = lo;
-    }
+    if (AllowSplit && (flags & NEWTON_OUT_SPLIT3)) grng_store_split3(out_bf, o, plane, v);
 }
 
 // partial[block] = Σ over the block's threads of sq, when flags ask for the residual. Every

@@ -317,7 +317,7 @@ fn product_epilogue_flags_the_first_overflow() {
             let b = dev.upload(shb.0, shb.1, &sb).unwrap();
             let mut c = dev.zeros(m, n).unwrap();
             let (a, b) = (Split3::new(&a), Split3::new(&b));
-            let r = product3_checked(&dev, "test", MatMul::new(ta, tb, 1.0, &a, &b), &mut c);
+            let r = product3_checked(&dev, "test", MatMul::new(ta, tb, 1.0, &a, &b), &mut c, None);
             let what = format!("{} case {case}: {m}x{n}x{k} {ta:?}{tb:?}", dev.name());
             match (r, expected) {
                 (Ok(()), None) => {}
@@ -337,12 +337,13 @@ fn product_epilogue_flags_the_first_overflow() {
     }
 }
 
-/// A factored lazy step splits each product operand once, and the state's matrices not at
-/// all: the 9 products of a factored layer (3 for `P`, 6 for the model's terms) read 10
-/// distinct operands (`E`, `A`, `Γ̃⁻¹`, `Λ̃⁻¹`, `U`, `W`, `Γ`, `Λ`, `ΓU`, `WΛ`), of which
-/// the factors `Γ`, `Λ`, and `X₀` on a side that applies it by products, keep their planes
-/// from an earlier step (`KronFactorState`'s split caches): `10 − 2 − (2 − f)` `gemm_split3`
-/// launches where splitting per product took 18, `f` being the sides whose first-order
+/// A factored lazy step splits only its inputs and the inverses it forms: the 9 products of
+/// a factored layer (3 for `P`, 6 for the model's terms) read 10 distinct operands (`E`, `A`,
+/// `Γ̃⁻¹`, `Λ̃⁻¹`, `U`, `W`, `Γ`, `Λ`, `ΓU`, `WΛ`), of which the factors `Γ`, `Λ`, and `X₀` on
+/// a side that applies it by products, keep their planes from an earlier step
+/// (`KronFactorState`'s split caches), and `U`, `W`, `ΓU`, `WΛ` come with the planes their
+/// products' epilogues wrote (`Device::product_split_of`): `2 + f` `gemm_split3` launches
+/// (`E`, `A`) where splitting per product took 18, `f` being the sides whose first-order
 /// inverse this step formed (an `elementwise_axpy_new` each, besides the weights' update;
 /// which sides do depends on the drawn data). One layer the cost model sends down the
 /// factored route (`m = 5`, `9 x 70`), squares already cached, so the step's only other
@@ -391,7 +392,7 @@ fn factored_lazy_step_splits_each_operand_once() {
         let formed = count(&|n| n == "elementwise_axpy_new") - 1;
         assert_eq!(
             count(&|n| n == "gemm_split3"),
-            6 + formed,
+            2 + formed,
             "{}: {launched:?}",
             dev.name()
         );
@@ -431,5 +432,63 @@ fn a_dot_is_one_launch() {
             let four = deferred(&[(&x, &y), (&y, &y), (&x, &x), (&y, &x)]);
             assert_eq!(four, [fill, dot, dot], "{name}");
         }
+    }
+}
+
+/// A dense lazy step splits only the gradients: per layer the four products of `P` and the
+/// model's `Γ·P·Λ` (`G·Λ̃⁻¹`, `Γ̃⁻¹·T`, `Γ·P`, `ΓP·Λ`) read `G` (split), the inverses and the
+/// factors (their planes kept in the state at a fixed `ρ`), and `T`, `P`, `ΓP`, which come
+/// with the planes their products' epilogues wrote. Three layers, RING (the model formed),
+/// the loss falling by half the prediction so `ρ` stays.
+#[test]
+fn dense_lazy_step_splits_only_the_gradients() {
+    let _serial = SERIAL.lock().unwrap_or_else(PoisonError::into_inner);
+    let mut rng = common::seeded_rng();
+    let shapes = [(12usize, 17usize), (7, 12), (3, 7)];
+    let cfg = KronConfig {
+        skip: 8,
+        ..common::variant_config(KronVariant::Ring)
+    };
+    for dev in devices() {
+        let mut opt = KronOptimizer::new(&dev, &shapes, cfg).unwrap();
+        let mut params = upload_all(&dev, &mut rng, &shapes);
+        let mut last = Vec::new();
+        for k in 0..3 {
+            let dims: Vec<(usize, usize)> =
+                shapes.iter().flat_map(|&(o, i)| [(M, i), (M, o)]).collect();
+            let batch = upload_all(&dev, &mut rng, &dims);
+            let stats: Vec<KronStats<'_>> = batch
+                .chunks(2)
+                .map(|ae| KronStats {
+                    a: &ae[0],
+                    e: &ae[1],
+                })
+                .collect();
+            let grads = upload_all(&dev, &mut rng, &shapes);
+            let grads: Vec<&Matrix> = grads.iter().collect();
+            let need = opt.needs_stats();
+            assert_eq!(need, k == 0, "{}", dev.name());
+            record_launches(true);
+            let info = opt
+                .step(&mut params, &grads, need.then_some(&stats[..]))
+                .unwrap();
+            last = take_launches();
+            record_launches(false);
+            let q = info.predicted_change.unwrap();
+            opt.observe_loss(1.0, 1.0 + 0.5 * q).unwrap();
+        }
+        let count = |k: &str| last.iter().filter(|&&l| l == k).count();
+        assert_eq!(
+            count("gemm3_tc"),
+            4 * shapes.len(),
+            "{}: {last:?}",
+            dev.name()
+        );
+        assert_eq!(
+            count("gemm_split3"),
+            shapes.len(),
+            "{}: {last:?}",
+            dev.name()
+        );
     }
 }

@@ -636,3 +636,151 @@ fn bad_inputs_are_errors() {
     assert!(matches!(r, Err(Error::DeviceUnavailable(_))), "{r:?}");
     unchanged(&xc, &sq);
 }
+
+/// The split3 planes an engine product's epilogue writes for its result (`out`, issue 36: a
+/// product reading that result next splits nothing): the planes of `C` as stored, bit for bit
+/// (modelled on the host), after `gemm3_split` (any α ≠ 0, β, transposes, ragged shapes) and
+/// after the checked product; a product reading them is the product that splits `C` itself,
+/// bit for bit (the same planes, the same kernel: on a GPU too).
+fn check_result_planes(
+    dev: &Device,
+    (m, n, k, ta, tb, alpha, beta): (usize, usize, usize, Trans, Trans, f32, f32),
+    seed: u64,
+) -> Result<(), TestCaseError> {
+    let t = gemm_case(seed, (m, n, k), ta, tb);
+    let ((ar, ac), (br, bc)) = (t.a_shape, t.b_shape);
+    let am = dev.upload(ar, ac, &t.a).unwrap();
+    let bm = dev.upload(br, bc, &t.b).unwrap();
+    let (sa, sb) = (gemm::Split3::new(&am), gemm::Split3::new(&bm));
+    let p = MatMul::new(ta, tb, alpha, &sa, &sb);
+    let mut c = dev.upload(m, n, &t.c0).unwrap();
+    let planes = gemm::SplitCache::default();
+    gemm::gemm3_split(dev, p, beta, &mut c, Some(&planes)).unwrap();
+    let mut checked = dev.zeros(m, n).unwrap();
+    let checked_planes = gemm::SplitCache::default();
+    let p1 = MatMul::new(ta, tb, 1.0, &sa, &sb);
+    gemm::product3_checked(dev, "test", p1, &mut checked, Some(&checked_planes)).unwrap();
+    for (c, cache, what) in [
+        (&c, &planes, "gemm3_split"),
+        (&checked, &checked_planes, "checked"),
+    ] {
+        let (v, pl) = (
+            c.to_vec().unwrap(),
+            cache.planes().unwrap().to_vec().unwrap(),
+        );
+        prop_assert_eq!(pl.len(), 3 * m * n);
+        for (i, &x) in v.iter().enumerate() {
+            let got = [pl[i], pl[m * n + i], pl[2 * m * n + i]].map(bf16::to_bits);
+            prop_assert_eq!(
+                got,
+                common::host_split3(x),
+                "{} element {} = {}",
+                what,
+                i,
+                x
+            );
+        }
+    }
+    // `C·Cᵀ`-shaped product reading C: through the kept planes, and splitting C itself.
+    let read = |s: &gemm::Split3<'_>| {
+        let mut out = dev.zeros(m, m).unwrap();
+        gemm::gemm3_split(
+            dev,
+            MatMul::new(Trans::No, Trans::Yes, 1.0, s, s),
+            0.0,
+            &mut out,
+            None,
+        )
+        .unwrap();
+        out.to_vec()
+            .unwrap()
+            .into_iter()
+            .map(f32::to_bits)
+            .collect::<Vec<_>>()
+    };
+    let kept = read(&gemm::Split3::kept(&c, &planes));
+    prop_assert_eq!(kept, read(&gemm::Split3::new(&c)));
+    Ok(())
+}
+
+proptest! {
+    #![proptest_config(common::proptest_config(24))]
+
+    #[test]
+    fn result_planes_are_the_split_of_the_stored_result(
+        (m, n, k, ta, tb, alpha, beta) in gemm_params(),
+        seed in any::<u64>(),
+    ) {
+        // α = 0 runs no K slice and writes no planes (below); a product needs one.
+        let alpha = if alpha == 0.0 { 1.0 } else { alpha };
+        for dev in devices() {
+            check_result_planes(&dev, (m, n, k, ta, tb, alpha, beta), seed)?;
+        }
+    }
+}
+
+/// Where no planes are written the cache stays empty, and a cache that holds planes already
+/// (another matrix's) is a typed error before any launch, `C` unchanged: `α = 0` (no K slice
+/// runs, nothing is split), an empty product, a filled cache.
+#[test]
+fn result_planes_only_where_written() {
+    let mut rng = common::seeded_rng();
+    for dev in devices() {
+        let (a, b) = (
+            dev.upload(7, 5, &vals(&mut rng, 35)).unwrap(),
+            dev.upload(5, 6, &vals(&mut rng, 30)).unwrap(),
+        );
+        let (sa, sb) = (gemm::Split3::new(&a), gemm::Split3::new(&b));
+        let no = Trans::No;
+        let mut c = dev.zeros(7, 6).unwrap();
+        let cache = gemm::SplitCache::default();
+        gemm::gemm3_split(
+            &dev,
+            MatMul::new(no, no, 0.0, &sa, &sb),
+            0.0,
+            &mut c,
+            Some(&cache),
+        )
+        .unwrap();
+        assert!(!cache.has_planes(), "{}: α = 0", dev.name());
+        let mut empty = dev.zeros(7, 0).unwrap();
+        let e0 = dev.zeros(5, 0).unwrap();
+        let se = gemm::Split3::new(&e0);
+        gemm::product3_checked(
+            &dev,
+            "test",
+            MatMul::new(no, no, 1.0, &sa, &se),
+            &mut empty,
+            Some(&cache),
+        )
+        .unwrap();
+        assert!(!cache.has_planes(), "{}: empty product", dev.name());
+        gemm::gemm3_split(
+            &dev,
+            MatMul::new(no, no, 1.0, &sa, &sb),
+            0.0,
+            &mut c,
+            Some(&cache),
+        )
+        .unwrap();
+        assert!(cache.has_planes(), "{}", dev.name());
+        let before = c.to_vec().unwrap();
+        let p = MatMul::new(no, no, 2.0, &sa, &sb);
+        for e in [
+            gemm::gemm3_split(&dev, p, 0.0, &mut c, Some(&cache)).unwrap_err(),
+            gemm::product3_checked(&dev, "test", p, &mut c, Some(&cache)).unwrap_err(),
+        ] {
+            assert!(
+                matches!(
+                    e,
+                    Error::Value {
+                        arg: "out planes",
+                        ..
+                    }
+                ),
+                "{e}"
+            );
+        }
+        assert_eq!(c.to_vec().unwrap(), before, "{}", dev.name());
+    }
+}

@@ -1065,15 +1065,6 @@ fn inversion_reads_back_once_per_residual() {
     }
 }
 
-/// The split3 planes of `v` as `grng_split3` makes them (round to nearest even each):
-/// `hi = bf16(v)`, `mid = bf16(v − hi)`, `lo = bf16(v − hi − mid)`.
-fn host_split3(v: f32) -> [u16; 3] {
-    let hi = bf16::from_f32(v);
-    let r = v - hi.to_f32();
-    let mid = bf16::from_f32(r);
-    [hi, mid, bf16::from_f32(r - mid.to_f32())].map(bf16::to_bits)
-}
-
 /// [`Epilogue::out_planes`] of an f32 product (`kn::product_f32`) and of the vendor side's
 /// epilogue kernel (`kn::epilogue`) over the same random operands, additions, `α`, diagonal
 /// and mirror: the planes are those of the stored `out`, bit for bit (hi, mid, lo `n²`
@@ -1126,7 +1117,7 @@ fn check_out_planes(dev: &Device, n: usize, (alpha, diag, mirror): (f32, f32, bo
             let got = [p[i], p[n * n + i], p[2 * n * n + i]].map(bf16::to_bits);
             assert_eq!(
                 got,
-                host_split3(v),
+                common::host_split3(v),
                 "n = {n}, fused {fused}, element {i} = {v}"
             );
         }

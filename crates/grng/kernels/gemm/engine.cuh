@@ -201,6 +201,17 @@ __device__ __forceinline__ void grng_split3(float x, __nv_bfloat16& hi, __nv_bfl
     lo = __float2bfloat16_rn(r - __bfloat162float(mid));
 }
 
+// Stores the three planes of x at planes[o], planes[plane + o], planes[2·plane + o]: the
+// layout gemm_split3 writes and the split products read (one f32 matrix, plane p at p·plane).
+__device__ __forceinline__ void grng_store_split3(__nv_bfloat16* __restrict__ planes,
+                                                  long long o, long long plane, float x) {
+    __nv_bfloat16 hi, mid, lo;
+    grng_split3(x, hi, mid, lo);
+    planes[o] = hi;
+    planes[plane + o] = mid;
+    planes[2 * plane + o] = lo;
+}
+
 // The mainloop of grng_gemm_tile for one loader: Vec (every operand plane 16-byte aligned
 // with ld % 8 == 0) copies by cp.async from per-thread plans (GrngLoadPlan), else the
 // element-wise gathers. The per-lane fragment offsets and the loader's plans are computed

@@ -218,24 +218,44 @@ pub fn gemm3(dev: &Device, p: MatMul<&Matrix>, beta: f32, c: &mut Matrix) -> Res
         operand_planes(dev, p.alpha, p.b)?,
     );
     let planes = p.with((p.a.shape(), &ap), (p.b.shape(), &bp));
-    launch_engine(dev, OP, &GEMM3_TC, planes, beta, c, None)
+    launch_engine(dev, OP, &GEMM3_TC, planes, beta, c, Out::default())
 }
 
 /// [`gemm3`] of operands split once ([`Split3`]: planes made at the first product that reads
-/// them, or kept from an earlier call): the same product, the same bits.
+/// them, or kept from an earlier call): the same product, the same bits. With `out` (an
+/// empty cache, `c`'s), the epilogue also writes the split planes of `c` as stored into it
+/// (except for `α = 0`), so that a product reading `c` next splits nothing.
 ///
 /// # Errors
-/// As [`gemm3`]. `c` is unchanged on error.
-pub fn gemm3_split(dev: &Device, p: MatMul<&Split3<'_>>, beta: f32, c: &mut Matrix) -> Result<()> {
+/// As [`gemm3`]; [`Error::Value`] for an `out` that holds planes already. `c` is unchanged
+/// on error.
+pub fn gemm3_split(
+    dev: &Device,
+    p: MatMul<&Split3<'_>>,
+    beta: f32,
+    c: &mut Matrix,
+    out: Option<&SplitCache>,
+) -> Result<()> {
     const OP: &str = "cuda::gemm::gemm3";
     // Memory safety: the kernel indexes the planes and c by these dimensions.
     p.dims(OP, c.shape())?;
     if p.alpha == 0.0 {
-        // No K slice runs: nothing to split (gemm3's placeholders).
+        // No K slice runs: nothing to split (gemm3's placeholders); `out` stays empty.
         return gemm3(dev, p.map(Split3::matrix), beta, c);
     }
     let planes = p.with(p.a.planes(dev)?, p.b.planes(dev)?);
-    launch_engine(dev, OP, &GEMM3_TC, planes, beta, c, None)
+    let mut result = SplitCache::result_planes(dev, OP, out, c)?;
+    launch_engine(
+        dev,
+        OP,
+        &GEMM3_TC,
+        planes,
+        beta,
+        c,
+        Out::planes(&mut result),
+    )?;
+    SplitCache::keep_result(out, result);
+    Ok(())
 }
 
 /// The split3 planes and concatenations of one `f32` matrix, each made at the first product
@@ -248,6 +268,52 @@ pub struct SplitCache {
     planes: OnceLock<Matrix<bf16>>,
     /// The concatenated operands ([`split3_cat`]) by role and transpose.
     cat: [OnceLock<Matrix<bf16>>; 4],
+}
+
+impl SplitCache {
+    /// Whether the engine's planes are here: a product reading the matrix splits nothing.
+    pub fn has_planes(&self) -> bool {
+        self.planes.get().is_some()
+    }
+
+    /// The engine's planes of the matrix (`3r x c` bf16: hi, mid, lo, plane `p` at element
+    /// offset `p·r·c`, `gemm_split3`'s layout), if made.
+    pub fn planes(&self) -> Option<&Matrix<bf16>> {
+        self.planes.get()
+    }
+
+    /// The planes an engine product's epilogue writes for its result `c` (`3r x c` bf16)
+    /// when `out` asks for them; `None` without `out` or for an empty `c` (nothing to read).
+    ///
+    /// # Errors
+    /// [`Error::Value`] naming `op` for an `out` that holds planes already (another matrix's,
+    /// or this one's before the product), allocation errors.
+    fn result_planes(
+        dev: &Device,
+        op: &'static str,
+        out: Option<&SplitCache>,
+        c: &Matrix,
+    ) -> Result<Option<Matrix<bf16>>> {
+        match out {
+            Some(o) if o.has_planes() => Err(Error::Value {
+                op,
+                arg: "out planes",
+                value: f64::NAN,
+                expected: "an empty split cache for the product's new result",
+            }),
+            Some(_) if !c.is_empty() => Ok(Some(dev.zeros::<bf16>(3 * c.rows(), c.cols())?)),
+            _ => Ok(None),
+        }
+    }
+
+    /// Keeps in `out` the planes the product's epilogue wrote ([`SplitCache::result_planes`],
+    /// empty before): from here on they are its result's.
+    fn keep_result(out: Option<&SplitCache>, planes: Option<Matrix<bf16>>) {
+        if let (Some(o), Some(p)) = (out, planes) {
+            // `result_planes` checked that `o` is empty, and nothing filled it since.
+            let _ = o.planes.set(p);
+        }
+    }
 }
 
 /// A [`Split3`]'s cache: its own, or one kept beside the matrix.
@@ -312,7 +378,7 @@ impl<'a> Split3<'a> {
 
     /// Whether the engine's planes are made: a product reading them now splits nothing.
     pub(crate) fn has_planes(&self) -> bool {
-        self.cache().planes.get().is_some()
+        self.cache().has_planes()
     }
 
     /// Whether the concatenated operand `role` (transpose `t`) is made
@@ -351,26 +417,36 @@ impl Shaped for Split3<'_> {
 /// flags the first NaN/Inf it writes, into the ledger of an enclosing `Device::deferred`
 /// scope (no read-back), or else into a status read here. `Err(Error::NonFinite)` names `op`
 /// and `"result (overflow)"` at that index — what a separate finiteness check of `c` would
-/// report, without its pass over `c`.
+/// report, without its pass over `c`. With `out`, the planes of `c` as [`gemm3_split`]'s.
 ///
 /// # Errors
-/// As [`gemm3`], plus that [`Error::NonFinite`]; `c` holds the (rejected) product then.
+/// As [`gemm3_split`], plus that [`Error::NonFinite`]; `c` holds the (rejected) product
+/// then, and `out` stays empty.
 pub fn product3_checked(
     dev: &Device,
     op: &'static str,
     p: MatMul<&Split3<'_>>,
     c: &mut Matrix,
+    out: Option<&SplitCache>,
 ) -> Result<()> {
     p.dims(op, c.shape())?;
     if c.is_empty() {
         return Ok(());
     }
     let planes = p.with(p.a.planes(dev)?, p.b.planes(dev)?);
+    let mut result = SplitCache::result_planes(dev, op, out, c)?;
     let flagged = first_flagged(dev, |status, at| {
-        launch_engine(dev, op, &GEMM3_TC, planes, 0.0, c, Some((status, at)))
+        let out = Out {
+            status: Some((status, at)),
+            planes: result.as_mut(),
+        };
+        launch_engine(dev, op, &GEMM3_TC, planes, 0.0, c, out)
     })?;
     match flagged {
-        None => Ok(()),
+        None => {
+            SplitCache::keep_result(out, result);
+            Ok(())
+        }
         Some(index) => Err(Error::NonFinite {
             op,
             arg: OVERFLOW,
@@ -401,7 +477,8 @@ pub fn gemm_tc(dev: &Device, p: MatMul<&Matrix<bf16>>, beta: f32, c: &mut Matrix
     const OP: &str = "cuda::gemm::gemm_tc";
     // Memory safety: the kernel indexes a, b and c by these dimensions.
     p.dims(OP, c.shape())?;
-    launch_engine(dev, OP, &GEMM_TC, p.map(|x| (x.shape(), x)), beta, c, None)
+    let p = p.map(|x| (x.shape(), x));
+    launch_engine(dev, OP, &GEMM_TC, p, beta, c, Out::default())
 }
 
 /// An operand of [`launch_engine`]: the shape of the matrix it holds (for split3 planes: of
@@ -409,10 +486,29 @@ pub fn gemm_tc(dev: &Device, p: MatMul<&Matrix<bf16>>, beta: f32, c: &mut Matrix
 /// `α = 0`).
 type Planes<'a> = ((usize, usize), &'a Matrix<bf16>);
 
+/// What [`launch_engine`]'s epilogue writes besides `C`.
+#[derive(Default)]
+struct Out<'s> {
+    /// A buffer and the float offset of an int preset to `NONE`: the kernel flags the first
+    /// flat index of a NaN/Inf it writes into C there.
+    status: Option<(&'s mut Matrix, usize)>,
+    /// `3m x n` bf16 (`gemm3_tc` only): the split3 planes of C as stored.
+    planes: Option<&'s mut Matrix<bf16>>,
+}
+
+impl<'s> Out<'s> {
+    /// The planes of C into `planes` where there is a buffer, no status.
+    fn planes(planes: &'s mut Option<Matrix<bf16>>) -> Self {
+        Self {
+            status: None,
+            planes: planes.as_mut(),
+        }
+    }
+}
+
 /// Launches `gemm3_tc` (split operands) or `gemm_tc` (bf16 operands, which ignores the plane
-/// offsets) for `C ← p + β·C` on operands whose shapes passed [`MatMul::dims`]. With `status`
-/// (a buffer and the float offset of an int preset to `NONE`) the kernel flags the first
-/// flat index of a NaN/Inf it writes into C there.
+/// offsets and `out.planes`) for `C ← p + β·C` on operands whose shapes passed
+/// [`MatMul::dims`], with the epilogue's extra writes `out`.
 fn launch_engine(
     dev: &Device,
     op: &'static str,
@@ -420,7 +516,7 @@ fn launch_engine(
     p: MatMul<Planes<'_>>,
     beta: f32,
     c: &mut Matrix,
-    status: Option<(&mut Matrix, usize)>,
+    out: Out<'_>,
 ) -> Result<()> {
     let MatMul {
         ta,
@@ -449,9 +545,13 @@ fn launch_engine(
         block: (256, 1, 1),
         shared_mem: GEMM_SMEM,
     };
-    if status.is_some() {
+    if out.status.is_some() {
         // The flagged index i·N + j must fit the kernel's int.
         to_i32(op, "c", c.len())?;
+    }
+    if let Some(planes) = &out.planes {
+        // Memory safety: the epilogue writes 3 planes of C's m·n elements.
+        check_shape(op, "out planes", planes.shape(), (3 * m, n))?;
     }
     let trans = i32::from(ta == Trans::Yes) | (i32::from(tb == Trans::Yes) << 1);
     let plane = |s: (usize, usize)| (s.0 * s.1) as i64;
@@ -470,15 +570,20 @@ fn launch_engine(
         .scalar(alpha)
         .scalar(beta)
         .scalar(trans);
-    match status {
+    match out.status {
         Some((s, at)) => args.output_at(op, s, at, 1)?,
+        None => args.scalar(0u64),
+    };
+    match out.planes {
+        Some(planes) => args.output(op, planes)?,
         None => args.scalar(0u64),
     };
     // SAFETY: gemm3_tc and gemm_tc(const bf16* a, int lda, long long
     // a_plane, const bf16* b, int ldb, long long b_plane, float* c, int ldc, int M, int N, int
-    // K, float alpha, float beta, int trans, int* status); status is null (0u64, the 8-byte
-    // pointer slot: the kernel then flags nothing) or one int inside its buffer (`output_at`),
-    // written by atomicMin only. When K > 0 (α ≠ 0) ap holds an a_shape matrix
+    // K, float alpha, float beta, int trans, int* status, bf16* planes); status is null (0u64,
+    // the 8-byte pointer slot: the kernel then flags nothing) or one int inside its buffer
+    // (`output_at`), written by atomicMin only; planes is null or 3·M·N bf16 (checked), of
+    // which the epilogue writes element p·M·N + i·N + j for i < M, j < N, p < 3. When K > 0 (α ≠ 0) ap holds an a_shape matrix
     // (gemm_tc) or its 3 split3 planes a_plane elements apart (gemm3_tc), each
     // stored like A: (M x K, ld K) or transposed (K x M, ld M), so lda = a_shape.1 and the
     // engine's reads of op(A)(i, kk), i < M, kk < K stay inside each plane (cp.async src-size
@@ -507,7 +612,7 @@ pub fn damped_inverse_update(dev: &Device, inv: &mut Matrix, dlambda: f32) -> Re
     let planes = split3(dev, inv)?;
     let x = (inv.shape(), &planes);
     let p = MatMul::new(Trans::No, Trans::No, -dlambda, x, x);
-    launch_engine(dev, OP, &GEMM3_TC, p, 1.0, inv, None)
+    launch_engine(dev, OP, &GEMM3_TC, p, 1.0, inv, Out::default())
 }
 
 /// Batch gradient `G = (1/m) Eᵀ A` for `E` `m x d_out` (`m ≥ 1`), `A` `m x d_in`, `G`

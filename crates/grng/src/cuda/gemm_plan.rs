@@ -44,7 +44,7 @@ use cudarc::driver::sys::CUevent_flags;
 use half::bf16;
 
 use super::engine::Role;
-use super::gemm::{self as engine, Split3};
+use super::gemm::{self as engine, Split3, SplitCache};
 use super::gemm_vendor::{self as vendor, VendorElement};
 use super::newton;
 use super::syrk;
@@ -599,16 +599,23 @@ pub fn gemm<T: PlanElement>(
 /// `α·op(A)·op(B)` as a new matrix at `f32` accuracy with the result checked (plan
 /// [`Format::F32Checked`]): the engine's [`engine::product3_checked`] (split3 planes, flagging
 /// epilogue), or cuBLAS SGEMM or [`gemm3_bf16x3`] followed by one finiteness check launch —
-/// into the ledger of an enclosing `Device::deferred` scope either way.
+/// into the ledger of an enclosing `Device::deferred` scope either way. With `out` (an empty
+/// cache for the result), the engine's epilogue writes the result's split planes into it
+/// ([`result_cache`]); after the vendor's or bf16x3's product it stays empty.
 ///
 /// # Errors
 /// As [`engine::product3_checked`]: [`Error::NonFinite`] (`op`, `"result (overflow)"`) for a
 /// non-finite product; plus allocation errors and the plan's errors of [`gemm()`].
-pub fn product3_checked(dev: &Device, op: &'static str, p: MatMul<&Split3<'_>>) -> Result<Matrix> {
+pub fn product3_checked(
+    dev: &Device,
+    op: &'static str,
+    p: MatMul<&Split3<'_>>,
+    out: Option<&SplitCache>,
+) -> Result<Matrix> {
     let matrices = p.map(Split3::matrix);
     let (m, n) = matrices.shape();
     let mut c = dev.zeros(m, n)?;
-    let [mut ours, mut cublas, mut bf16x3] = checked_runs(dev, op, p);
+    let [mut ours, mut cublas, mut bf16x3] = checked_runs(dev, op, p, out);
     let plan = (op, Format::F32Checked);
     let runs: &mut Runs<'_, '_> = &mut [
         (Candidate::Engine, &mut *ours),
@@ -625,12 +632,17 @@ fn checked_runs<'r>(
     dev: &'r Device,
     op: &'static str,
     p: MatMul<&'r Split3<'r>>,
+    result: Option<&'r SplitCache>,
 ) -> [Box<Run<'r>>; 3] {
     let (planes, cat) = split_made(p);
     let check = move |out: &Matrix| super::elementwise::check_finite(dev, op, &[(OVERFLOW, out)]);
     [
         Box::new(move |out: &mut Matrix| {
-            split_for_run(p, planes, |p| engine::product3_checked(dev, op, p, out))
+            let scratch = SplitCache::default();
+            let result = result_cache(result, &scratch);
+            split_for_run(p, planes, |p| {
+                engine::product3_checked(dev, op, p, out, result)
+            })
         }),
         Box::new(move |out: &mut Matrix| {
             vendor::gemm(dev, p.map(Split3::matrix), 0.0, out)?;
@@ -653,6 +665,20 @@ fn split_made(p: MatMul<&Split3<'_>>) -> ([bool; 2], [bool; 2]) {
         p.b.has_concatenated(Role::B, p.tb),
     ];
     (planes, cat)
+}
+
+/// Where an engine run writes its result's split planes: into `out`, or, in a [`trial`], into
+/// `scratch` (a fresh cache, dropped after the run), so that each of a trial's runs pays the
+/// epilogue's writes as the product does outside it, and only the product that stays (whose
+/// output is the caller's) fills `out`.
+fn result_cache<'o>(
+    out: Option<&'o SplitCache>,
+    scratch: &'o SplitCache,
+) -> Option<&'o SplitCache> {
+    match out {
+        Some(_) if IN_TRIAL.get() => Some(scratch),
+        out => out,
+    }
 }
 
 thread_local! {
@@ -710,19 +736,32 @@ fn split_for_run<'a, R>(
 /// on error.
 pub fn gemm3(dev: &Device, p: MatMul<&Matrix>, beta: f32, c: &mut Matrix) -> Result<()> {
     let (sa, sb) = (Split3::new(p.a), Split3::new(p.b));
-    gemm3_split(dev, p.with(&sa, &sb), beta, c)
+    gemm3_split(dev, p.with(&sa, &sb), beta, c, None)
 }
 
 /// [`gemm3`] of operands split once ([`Split3`]: their planes and concatenations made by the
-/// first candidate that reads them, or kept from an earlier call).
+/// first candidate that reads them, or kept from an earlier call). With `result` (an empty
+/// cache for `c`), the engine's epilogue writes `c`'s split planes into it, as in
+/// [`product3_checked`].
 ///
 /// # Errors
 /// As [`gemm3`].
-pub fn gemm3_split(dev: &Device, p: MatMul<&Split3<'_>>, beta: f32, c: &mut Matrix) -> Result<()> {
+pub fn gemm3_split(
+    dev: &Device,
+    p: MatMul<&Split3<'_>>,
+    beta: f32,
+    c: &mut Matrix,
+    result: Option<&SplitCache>,
+) -> Result<()> {
     let (planes, cat) = split_made(p);
     let matrices = p.map(Split3::matrix);
-    let mut ours =
-        |out: &mut Matrix| split_for_run(p, planes, |p| engine::gemm3_split(dev, p, beta, out));
+    let mut ours = |out: &mut Matrix| {
+        let scratch = SplitCache::default();
+        let result = result_cache(result, &scratch);
+        split_for_run(p, planes, |p| {
+            engine::gemm3_split(dev, p, beta, out, result)
+        })
+    };
     let mut cublas = |out: &mut Matrix| vendor::gemm(dev, matrices, beta, out);
     let mut bf16x3 =
         |out: &mut Matrix| split_for_run(p, cat, |p| gemm3_bf16x3(dev, p, beta, &mut *out));
@@ -765,7 +804,9 @@ pub fn gemm3_bf16x3(dev: &Device, p: MatMul<&Split3<'_>>, beta: f32, c: &mut Mat
 /// planes kept by the caller where it keeps them): [`gemm3_split`] into a `d_out x d_in`
 /// scratch matrix, then [`product3_checked`], which checks `P`'s finiteness as it stores it
 /// (into the ledger of an enclosing `Device::deferred` scope, or a status read here); the new
-/// matrix replaces `p` only when clean. Each product is the plan's.
+/// matrix replaces `p` only when clean. Each product is the plan's. Where the engine runs the
+/// first product, its epilogue writes the scratch's split planes and the second reads them
+/// (one split less); with `out` (empty, for `P`) the second's epilogue writes `P`'s.
 ///
 /// # Errors
 /// [`Error::Shape`] (`p`, and the products' own checks), device, allocation and launch
@@ -778,15 +819,17 @@ pub(crate) fn precondition_checked(
     g: &Matrix,
     lambda_inv: &Split3<'_>,
     p: &mut Matrix,
+    out: Option<&SplitCache>,
 ) -> Result<()> {
     let (d_out, d_in) = g.shape();
     check_shape(op, "p", p.shape(), (d_out, d_in))?;
     let mut t = dev.zeros::<f32>(d_out, d_in)?;
+    let t_planes = SplitCache::default();
     let g = Split3::new(g);
     let g_lambda = MatMul::new(Trans::No, Trans::No, 1.0, &g, lambda_inv);
-    gemm3_split(dev, g_lambda, 0.0, &mut t)?;
-    let t = Split3::new(&t);
-    *p = product3_checked(dev, op, g_lambda.with(gamma_inv, &t))?;
+    gemm3_split(dev, g_lambda, 0.0, &mut t, Some(&t_planes))?;
+    let t = Split3::kept(&t, &t_planes);
+    *p = product3_checked(dev, op, g_lambda.with(gamma_inv, &t), out)?;
     Ok(())
 }
 
@@ -1119,12 +1162,12 @@ mod tests {
             if split_before {
                 // An earlier product that read `a` (its planes), and its concatenation.
                 let sb0 = Split3::new(&b0);
-                product3_checked(&dev, "test", MatMul::new(no, no, 1.0, &sa, &sb0)).unwrap();
+                product3_checked(&dev, "test", MatMul::new(no, no, 1.0, &sa, &sb0), None).unwrap();
                 sa.concatenated(&dev, Role::A, no).unwrap();
             }
             let c = dev.zeros(33, 20).unwrap();
             let [mut e, mut v, mut x] =
-                checked_runs(&dev, "test", MatMul::new(no, no, 1.0, &sa, &sb));
+                checked_runs(&dev, "test", MatMul::new(no, no, 1.0, &sa, &sb), None);
             record_launches_here(true);
             let t = trial(
                 &dev,
@@ -1150,6 +1193,47 @@ mod tests {
             assert!(!sb.has_planes() && !sb.has_concatenated(Role::B, no));
             assert_eq!(sa.has_planes(), split_before);
         }
+    }
+
+    /// A trial's engine runs write their results' planes into scratch caches (so each pays
+    /// the epilogue's writes) and leave the caller's cache empty: only the product that
+    /// stays, whose output is the caller's, fills it, with the planes of that output.
+    /// Mutation check: without the scratch in a trial, the second engine run finds the
+    /// caller's cache filled and fails, and so does the trial.
+    #[test]
+    fn a_trial_leaves_the_result_planes_to_the_product_that_stays() {
+        let dev = Device::Emulated;
+        let upload = |r: usize, c: usize| {
+            let v: Vec<f32> = (0..r * c)
+                .map(|i| ((i * 5 % 11) as f32 - 5.0) / 3.0)
+                .collect();
+            dev.upload(r, c, &v).unwrap()
+        };
+        let (a, b) = (upload(9, 17), upload(17, 6));
+        let (sa, sb) = (Split3::new(&a), Split3::new(&b));
+        let no = Trans::No;
+        let out = SplitCache::default();
+        let mut c = dev.zeros(9, 6).unwrap();
+        let [mut e, mut v, mut x] =
+            checked_runs(&dev, "test", MatMul::new(no, no, 1.0, &sa, &sb), Some(&out));
+        let runs: &mut Runs<'_, '_> = &mut [
+            (Candidate::Engine, &mut *e),
+            (Candidate::Vendor, &mut *v),
+            (Candidate::Bf16x3, &mut *x),
+        ];
+        let t = trial(&dev, &c, &|_| 1.0, runs).unwrap();
+        assert!(t.secs(Candidate::Engine).is_some());
+        assert!(!out.has_planes());
+        run_engine(runs, &mut c).unwrap();
+        let planes = out.planes().unwrap().to_vec().unwrap();
+        let split = crate::cuda::engine::split3(&dev, &c)
+            .unwrap()
+            .to_vec()
+            .unwrap();
+        assert_eq!(
+            planes.iter().map(|p| p.to_bits()).collect::<Vec<_>>(),
+            split.iter().map(|p| p.to_bits()).collect::<Vec<_>>()
+        );
     }
 
     #[test]

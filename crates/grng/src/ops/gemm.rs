@@ -92,12 +92,23 @@ impl Device {
     /// # Errors
     /// As [`Device::product_of`], less the CPU's result check.
     pub(crate) fn product_consumed(&self, p: MatMul<&Operand<'_>>) -> Result<Matrix> {
+        self.product_into_planes(p, None)
+    }
+
+    /// [`Device::product_consumed`], with `planes` (empty) given the result's split planes
+    /// where the engine's epilogue writes them (the kernel devices, where the GEMM plan runs
+    /// the engine); on the CPU `planes` stays empty.
+    fn product_into_planes(
+        &self,
+        p: MatMul<&Operand<'_>>,
+        planes: Option<&SplitCache>,
+    ) -> Result<Matrix> {
         match (self, p.a, p.b) {
             (Device::Cpu, Operand::Host(a), Operand::Host(b)) => {
                 self.product_unchecked(p.with(*a, *b))
             }
             (Device::Emulated | Device::Cuda(_), Operand::Split(a), Operand::Split(b)) => {
-                crate::cuda::gemm_plan::product3_checked(self, OP, p.with(a, b))
+                crate::cuda::gemm_plan::product3_checked(self, OP, p.with(a, b), planes)
             }
             _ => Err(self.foreign_operand(OP)),
         }
@@ -224,14 +235,28 @@ impl Device {
         m: &'a Matrix,
         cache: &'a SplitCache,
     ) -> Result<Operand<'a>> {
+        match self {
+            Device::Emulated | Device::Cuda(_) if m.len() > KEEP_MAX_ELEMENTS => self.operand(m),
+            _ => self.cached_operand(m, cache),
+        }
+    }
+
+    /// [`Device::operand`] of `m` whose planes are in `cache` (`m`'s, or empty), of any size.
+    fn cached_operand<'a>(&self, m: &'a Matrix, cache: &'a SplitCache) -> Result<Operand<'a>> {
         self.check_on(OP, m)?;
         Ok(match self {
             Device::Cpu => Operand::Host(m),
-            Device::Emulated | Device::Cuda(_) if m.len() > KEEP_MAX_ELEMENTS => {
-                Operand::Split(Split3::new(m))
-            }
             Device::Emulated | Device::Cuda(_) => Operand::Split(Split3::kept(m, cache)),
         })
+    }
+
+    /// A [`Product`] as an operand of the next product: with the split planes its epilogue
+    /// wrote (a product on the engine), so that this one splits nothing.
+    ///
+    /// # Errors
+    /// [`crate::Error::DeviceMismatch`].
+    pub(crate) fn product_operand<'a>(&self, x: &'a Product) -> Result<Operand<'a>> {
+        self.cached_operand(&x.m, &x.planes)
     }
 
     /// [`Device::product_valid_inputs`] of operands prepared by [`Device::operand`] (the same
@@ -241,8 +266,30 @@ impl Device {
     /// As [`Device::product_valid_inputs`]; [`crate::Error::DeviceMismatch`] for operands
     /// prepared on another kind of device.
     pub(crate) fn product_of(&self, p: MatMul<&Operand<'_>>) -> Result<Matrix> {
-        let c = self.product_consumed(p)?;
-        // The kernel devices' epilogue checked it already.
+        self.product_checked(p, None)
+    }
+
+    /// [`Device::product_of`] whose result is read by another product next
+    /// ([`Device::product_operand`]): on the kernel devices the engine's epilogue writes the
+    /// result's split planes beside it (6 bytes per element), so that product splits nothing
+    /// (a launch, 10 bytes per element); after a vendor product, none (it splits then).
+    ///
+    /// # Errors
+    /// As [`Device::product_of`].
+    pub(crate) fn product_split_of(&self, p: MatMul<&Operand<'_>>) -> Result<Product> {
+        let planes = SplitCache::default();
+        let m = self.product_checked(p, Some(&planes))?;
+        Ok(Product { m, planes })
+    }
+
+    /// [`Device::product_into_planes`] with the CPU's result check (the kernel devices'
+    /// epilogue checked it already).
+    fn product_checked(
+        &self,
+        p: MatMul<&Operand<'_>>,
+        planes: Option<&SplitCache>,
+    ) -> Result<Matrix> {
+        let c = self.product_into_planes(p, planes)?;
         if matches!(self, Device::Cpu) {
             self.check_all_finite(OP, &[(OVERFLOW, &c)])?;
         }
@@ -361,6 +408,35 @@ pub(crate) fn widen(m: &Matrix<bf16>) -> Result<Matrix> {
 /// few tens of MB at most; above it a split is a few per cent of its `O(n³)` product and
 /// the memory grows with `n²`.
 pub(crate) const KEEP_MAX_ELEMENTS: usize = 1 << 22;
+
+/// A product's result with the split planes the engine's epilogue wrote for it
+/// ([`Device::product_split_of`]; empty on the CPU and after a vendor product), read by the
+/// next product as [`Device::product_operand`]. The planes go with the matrix: taking the
+/// matrix out ([`Product::into_matrix`], say for an update that writes over it) drops them.
+pub(crate) struct Product {
+    pub(super) m: Matrix,
+    pub(super) planes: SplitCache,
+}
+
+impl Product {
+    /// `m` without planes.
+    pub(crate) fn new(m: Matrix) -> Self {
+        Self {
+            m,
+            planes: SplitCache::default(),
+        }
+    }
+
+    /// The result.
+    pub(crate) fn matrix(&self) -> &Matrix {
+        &self.m
+    }
+
+    /// The result, its planes dropped.
+    pub(crate) fn into_matrix(self) -> Matrix {
+        self.m
+    }
+}
 
 /// An `f32` product operand prepared by [`Device::operand`].
 pub(crate) enum Operand<'a> {

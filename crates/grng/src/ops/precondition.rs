@@ -1,6 +1,7 @@
 //! Kronecker preconditioning and damping on a device.
 
-use super::gemm::Operand;
+use super::gemm::{Operand, Product};
+use super::SplitCache;
 use super::{host_mut, host_ref, OVERFLOW};
 use crate::device::{Device, Matrix};
 use crate::error::{check_shape, Result};
@@ -48,12 +49,14 @@ impl Device {
         p: &mut Matrix,
     ) -> Result<()> {
         let (gi, li) = (self.operand(gamma_inv)?, self.operand(lambda_inv)?);
-        self.precondition_of((&gi, g, &li), p)
+        self.precondition_of((&gi, g, &li), p, None)
     }
 
     /// [`Device::precondition_valid_inputs`] with the inverses as product operands
     /// ([`Device::operand`], [`Device::kept_operand`]: on the kernel devices their split planes,
     /// kept from an earlier step where the caller keeps them): the same products, the same bits.
+    /// With `planes` (empty, for `P`): `P`'s split planes where the engine's epilogue writes
+    /// them (as [`Device::product_split_of`]).
     ///
     /// # Errors
     /// As [`Device::precondition`]; [`crate::Error::DeviceMismatch`] for operands prepared
@@ -62,6 +65,7 @@ impl Device {
         &self,
         (gamma_inv, g, lambda_inv): (&Operand<'_>, &Matrix, &Operand<'_>),
         p: &mut Matrix,
+        planes: Option<&SplitCache>,
     ) -> Result<()> {
         const OP: &str = "Device::precondition";
         match (self, gamma_inv, lambda_inv) {
@@ -78,10 +82,25 @@ impl Device {
             // The second product checks `P` in its epilogue as it stores it (no check pass),
             // into a new matrix installed only when clean.
             (Device::Emulated | Device::Cuda(_), Operand::Split(gi), Operand::Split(li)) => {
-                crate::cuda::gemm_plan::precondition_checked(self, OP, gi, g, li, p)
+                crate::cuda::gemm_plan::precondition_checked(self, OP, gi, g, li, p, planes)
             }
             _ => Err(self.foreign_operand(OP)),
         }
+    }
+
+    /// [`Device::precondition_of`] as a new [`Product`] (`P` with its split planes where the
+    /// engine wrote them): `P` read by a product next splits nothing.
+    ///
+    /// # Errors
+    /// As [`Device::precondition_of`].
+    pub(crate) fn precondition_split_of(
+        &self,
+        inputs: (&Operand<'_>, &Matrix, &Operand<'_>),
+    ) -> Result<Product> {
+        let (o, i) = inputs.1.shape();
+        let mut p = Product::new(self.zeros(o, i)?);
+        self.precondition_of(inputs, &mut p.m, Some(&p.planes))?;
+        Ok(p)
     }
 
     /// Lazy-Fisher damped-inverse update `X ← X − dλ · X X` (docs/math.md §2) for a square `X`.

@@ -53,7 +53,7 @@ use crate::device::{Device, Matrix};
 use crate::error::Result;
 use crate::mat::Trans;
 use crate::ops::elementwise::AxpyOver;
-use crate::ops::gemm::Operand;
+use crate::ops::gemm::{Operand, Product};
 use crate::ops::{Readout, Scalar, SplitCache};
 use crate::shape::MatMul;
 
@@ -418,29 +418,39 @@ fn dense(d: &Device, v: &LayerView<'_>, g: &Matrix, with_model: bool) -> Result<
         operand(d, gamma_inv, kept_g)?,
         operand(d, lambda_inv, kept_l)?,
     );
+    // A result read by the next product comes with the split planes the engine's epilogue
+    // wrote (`Device::product_split_of`): that product splits nothing.
     let (p, gpl) = match (with_model, v.identity) {
         // `ΓP = T − λ_Γ·P` with `T = GΛ̃⁻¹`, `P = Γ̃⁻¹T` (module docs): one product by `Λ`.
         (true, (_, true)) => {
-            let t = d.product_of(MatMul::new(no, no, 1.0, &d.operand(g)?, &lambda_inv))?;
-            let p = d.product_of(MatMul::new(no, no, 1.0, &gamma_inv, &d.operand(&t)?))?;
-            let gp = d.axpy_over(-v.damping.1, AxpyOver::Y { x: &p, y: t })?;
+            let t = d.product_split_of(MatMul::new(no, no, 1.0, &d.operand(g)?, &lambda_inv))?;
+            let p = d.product_of(MatMul::new(
+                no,
+                no,
+                1.0,
+                &gamma_inv,
+                &d.product_operand(&t)?,
+            ))?;
+            let y = t.into_matrix();
+            let gp = d.axpy_over(-v.damping.1, AxpyOver::Y { x: &p, y })?;
             let lambda = factor_operand(d, v.lambda)?;
             let gpl = d.product_of(MatMul::new(no, no, 1.0, &d.operand(&gp)?, &lambda))?;
             (p, Some(gpl))
         }
-        (with_model, _) => {
+        (false, _) => {
             let (o, i) = g.shape();
             let mut p = d.zeros(o, i)?;
-            d.precondition_of((&gamma_inv, g, &lambda_inv), &mut p)?;
-            let gpl = if with_model {
-                let gamma = factor_operand(d, v.gamma)?;
-                let gp = d.product_of(MatMul::new(no, no, 1.0, &gamma, &d.operand(&p)?))?;
-                let lambda = factor_operand(d, v.lambda)?;
-                Some(d.product_of(MatMul::new(no, no, 1.0, &d.operand(&gp)?, &lambda))?)
-            } else {
-                None
-            };
-            (p, gpl)
+            d.precondition_of((&gamma_inv, g, &lambda_inv), &mut p, None)?;
+            (p, None)
+        }
+        (true, _) => {
+            let p = d.precondition_split_of((&gamma_inv, g, &lambda_inv))?;
+            let gamma = factor_operand(d, v.gamma)?;
+            let gp =
+                d.product_split_of(MatMul::new(no, no, 1.0, &gamma, &d.product_operand(&p)?))?;
+            let lambda = factor_operand(d, v.lambda)?;
+            let gpl = d.product_of(MatMul::new(no, no, 1.0, &d.product_operand(&gp)?, &lambda))?;
+            (p.into_matrix(), Some(gpl))
         }
     };
     // The three terms are of one shape: one launch on the kernel devices.
@@ -485,7 +495,7 @@ fn factored(
         d,
         || match v.gamma_inv {
             InverseView::Dense { x, kept, .. } => Ok((
-                d.product_of(MatMul::new(no, yes, 1.0, &operand(d, x, kept)?, &eo))?,
+                d.product_split_of(MatMul::new(no, yes, 1.0, &operand(d, x, kept)?, &eo))?,
                 no,
                 None,
                 None,
@@ -495,19 +505,20 @@ fn factored(
                 x0, kept, d: dl, ..
             } => {
                 let x0 = d.kept_operand(x0, kept)?;
-                let u0 = d.product_of(MatMul::new(no, yes, 1.0, &x0, &eo))?;
-                let u1 = d.product_of(MatMul::new(no, no, 1.0, &x0, &d.operand(&u0)?))?;
+                let u0 = d.product_split_of(MatMul::new(no, yes, 1.0, &x0, &eo))?;
+                let u1 = d.product_of(MatMul::new(no, no, 1.0, &x0, &d.product_operand(&u0)?))?;
+                let u0 = u0.into_matrix();
                 let u = d.axpy_over(-dl, AxpyOver::X { x: u1, y: &u0 })?;
-                Ok((u, no, None, Some(u0), None))
+                Ok((Product::new(u), no, None, Some(u0), None))
             }
             InverseView::LowRank(lr, t) => {
                 let r = lr.right(d, t, e, with_model, ee)?;
-                Ok((r.yx, yes, r.k, None, r.linear))
+                Ok((Product::new(r.yx), yes, r.k, None, r.linear))
             }
         },
         || match v.lambda_inv {
             InverseView::Dense { x, kept, .. } => Ok((
-                d.product_of(MatMul::new(no, no, 1.0, &ao, &operand(d, x, kept)?))?,
+                d.product_split_of(MatMul::new(no, no, 1.0, &ao, &operand(d, x, kept)?))?,
                 None,
                 None,
                 None,
@@ -516,18 +527,19 @@ fn factored(
                 x0, kept, d: dl, ..
             } => {
                 let x0 = d.kept_operand(x0, kept)?;
-                let w0 = d.product_of(MatMul::new(no, no, 1.0, &ao, &x0))?;
-                let w1 = d.product_of(MatMul::new(no, no, 1.0, &d.operand(&w0)?, &x0))?;
+                let w0 = d.product_split_of(MatMul::new(no, no, 1.0, &ao, &x0))?;
+                let w1 = d.product_of(MatMul::new(no, no, 1.0, &d.product_operand(&w0)?, &x0))?;
+                let w0 = w0.into_matrix();
                 let w = d.axpy_over(-dl, AxpyOver::X { x: w1, y: &w0 })?;
-                Ok((w, None, Some(w0), None))
+                Ok((Product::new(w), None, Some(w0), None))
             }
             InverseView::LowRank(lr, t) => {
                 let r = lr.right(d, t, a, with_model, aa)?;
-                Ok((r.yx, r.k, None, r.linear))
+                Ok((Product::new(r.yx), r.k, None, r.linear))
             }
         },
     )?;
-    let (uo, wo) = (d.operand(&u)?, d.operand(&w)?);
+    let (uo, wo) = (d.product_operand(&u)?, d.product_operand(&w)?);
     // Checked by the update it feeds (`Device::axpy_over`), and by the model's `‖P‖²`.
     let p = d.product_consumed_over(MatMul::new(t_u, no, inv_m, &uo, &wo), spare)?;
     let (terms, output_change) = if with_model {
@@ -548,16 +560,18 @@ fn factored(
                 let ugu = match (&k_gamma, u0, v.gamma_inv) {
                     (Some(k), ..) => gram(d, k, inv_m / k.rows() as f32)?,
                     (None, Some(u0), InverseView::FirstOrder { lambda0, d: dl, .. }) => {
-                        by_first_order(d, (&eu, &u, u0), (yes, no), inv_m, (lambda0, dl))?
+                        let u = u.matrix();
+                        by_first_order(d, (&eu, u, u0), (yes, no), inv_m, (lambda0, dl))?
                     }
                     (None, ..) if v.identity.1 => {
-                        let utu = gram(d, &u, inv_m)?;
+                        let utu = gram(d, u.matrix(), inv_m)?;
                         d.axpy_over(-lambda_g, AxpyOver::X { x: utu, y: &eu })?
                     }
                     (None, ..) => {
                         let gamma = factor_operand(d, v.gamma)?;
-                        let gu = d.product_of(MatMul::new(no, no, 1.0, &gamma, &uo))?;
-                        d.symmetric_product_of(MatMul::new(yes, no, inv_m, &uo, &d.operand(&gu)?))?
+                        let gu = d.product_split_of(MatMul::new(no, no, 1.0, &gamma, &uo))?;
+                        let gu = d.product_operand(&gu)?;
+                        d.symmetric_product_of(MatMul::new(yes, no, inv_m, &uo, &gu))?
                     }
                 };
                 Ok((eu, ugu))
@@ -570,7 +584,8 @@ fn factored(
                 let wlw = match (&k_lambda, w0, v.lambda_inv) {
                     (Some(k), ..) => gram(d, k, inv_m / k.rows() as f32)?,
                     (None, Some(w0), InverseView::FirstOrder { lambda0, d: dl, .. }) => {
-                        by_first_order(d, (&awt, &w, w0), (no, yes), inv_m, (lambda0, dl))?
+                        let w = w.matrix();
+                        by_first_order(d, (&awt, w, w0), (no, yes), inv_m, (lambda0, dl))?
                     }
                     // `VΛVᵀ = AVᵀ − λ·VVᵀ` (`AVᵀ = AΛ̃⁻¹Aᵀ` is symmetric).
                     (None, ..) if v.identity.0 => {
@@ -579,8 +594,9 @@ fn factored(
                     }
                     (None, ..) => {
                         let lambda = factor_operand(d, v.lambda)?;
-                        let wl = d.product_of(MatMul::new(no, no, 1.0, &wo, &lambda))?;
-                        d.symmetric_product_of(MatMul::new(no, yes, inv_m, &d.operand(&wl)?, &wo))?
+                        let wl = d.product_split_of(MatMul::new(no, no, 1.0, &wo, &lambda))?;
+                        let wl = d.product_operand(&wl)?;
+                        d.symmetric_product_of(MatMul::new(no, yes, inv_m, &wl, &wo))?
                     }
                 };
                 Ok((awt, wlw))
