@@ -3,7 +3,7 @@
 //!
 //! `cargo bench --bench gpu -- [SECTION] [--quick] [--deadline=SECS]`; sections: `launch`, `copy`,
 //! `adamw`, `gemm-f32`, `gemm-bf16`, `precond` (with its `precond-accuracy` rows), `syrk`,
-//! `newton`, `kalman`, `step` (SECTION runs every section whose name contains it; one that
+//! `sym`, `newton`, `kalman`, `step` (SECTION runs every section whose name contains it; one that
 //! matches none is an error, exit 2).
 //! `--deadline=SECS`: at SECS seconds after the start the bench stops wherever it is, prints
 //! what it prints at its end (the GEMM plan's choices so far, the `loaded:` lines) and exits
@@ -984,6 +984,75 @@ fn syrk_section(b: &Bench) -> Res<()> {
     Ok(())
 }
 
+fn sym_section(b: &Bench) -> Res<()> {
+    // The optimizers' symmetric f32-accurate products (Grams, E·Γ̃⁻¹·Eᵀ): grng's mirrored
+    // split3 product (the lower-triangle tiles, `Epilogue3::mirror`; through the plan, and
+    // the engine bare) beside cublasSsyrk (the vendor's triangle) and the full SGEMM and
+    // TF32 AᵀA. Every rate counts the full product's 2·m·n² FLOPs (the ratio is the time
+    // ratio), as the syrk rows.
+    use grng::cuda::gemm::{self as engine, Epilogue3, Split3};
+    use grng::cuda::{gemm_plan, gemm_vendor};
+    let blas = cublas(b, "sym")?;
+    let m = 4096;
+    let mirror = Epilogue3 {
+        planes: None,
+        mirror: true,
+    };
+    for n in b.o.sizes(&[1024, 2048, 4096]) {
+        let ha = values(m * n, 17);
+        let a = b.dev.upload(m, n, &ha)?;
+        let sa = Split3::new(&a);
+        let p = MatMul::new(Trans::Yes, Trans::No, 1.0, &sa, &sa);
+        let plan = b.grng(|| {
+            gemm_plan::product3_checked(&b.dev, "bench", p, mirror)?;
+            Ok(())
+        });
+        let mut c = b.dev.zeros(n, n)?;
+        let bare = b.grng(|| {
+            Ok(engine::product3_checked(
+                &b.dev, "bench", p, &mut c, mirror,
+            )?)
+        });
+        let work = Work::Flop(2.0 * m as f64 * (n as f64).powi(2));
+        let mut peers = Vec::new();
+        if gemm_vendor::available() {
+            peers.push(b.peer("cublasSsyrk (triangle)", || {
+                Ok(gemm_vendor::syrk_ema(&b.dev, &a, 0.0, &mut c)?)
+            })?);
+        }
+        if let Some(blas) = &blas {
+            let s = b.cuda.stream();
+            let da: CudaSlice<f32> = s.clone_htod(&ha)?;
+            let mut dc: CudaSlice<f32> = s.alloc_zeros(n * n)?;
+            let (ni, mi) = (i32::try_from(n)?, i32::try_from(m)?);
+            // Row-major A (m x n) is column-major X = Aᵀ (n x m, ld n): AᵀA = X·Xᵀ.
+            let cfg = GemmConfig {
+                transa: cublasOperation_t::CUBLAS_OP_N,
+                transb: cublasOperation_t::CUBLAS_OP_T,
+                m: ni,
+                n: ni,
+                k: mi,
+                alpha: 1.0f32,
+                lda: ni,
+                ldb: ni,
+                beta: 0.0,
+                ldc: ni,
+            };
+            for (name, mode) in sgemm_modes() {
+                set_math_mode(blas, mode)?;
+                // SAFETY: da holds m·n f32 (X: n x m, ld n), dc n² (ld n).
+                let full = format!("{name}, full AᵀA");
+                peers.push(b.peer(full, || Ok(unsafe { blas.gemm(cfg, &da, &da, &mut dc) }?))?);
+            }
+        }
+        for (ours, how) in [(&plan, "plan"), (&bare, "engine")] {
+            let case = format!("f32-accurate AᵀA, m = {m}, n = {n} (mirrored, {how})");
+            row("sym", &case, ours, &peers, work);
+        }
+    }
+    Ok(())
+}
+
 /// Row-major `n x n` SPD matrix `Q diag(λ) Qᵀ`, `λ` geometric from 1 to `kappa` (so its
 /// condition number is `kappa`), `Q` the product of three Householder reflectors.
 fn spd(n: usize, kappa: f64, salt: u64) -> Vec<f32> {
@@ -1356,7 +1425,7 @@ fn step_section(b: &Bench) -> Res<()> {
 }
 
 /// The sections in the order they run.
-const SECTIONS: [(&str, Section); 10] = [
+const SECTIONS: [(&str, Section); 11] = [
     ("launch", launch_section),
     ("copy", copy_section),
     ("adamw", adamw_section),
@@ -1364,6 +1433,7 @@ const SECTIONS: [(&str, Section); 10] = [
     ("gemm-bf16", gemm_bf16_section),
     ("precond", precond_section),
     ("syrk", syrk_section),
+    ("sym", sym_section),
     ("newton", newton_section),
     ("kalman", kalman_section),
     ("step", step_section),

@@ -192,7 +192,11 @@ GRNG_EMU_ENTRY(gemm_split3_cat,
 // saw one, grng_flag_first); the caller passes ldc = N, so it is the row-major index.
 // Split (the split products only): with planes (not null), the split3 planes of each value
 // stored are written too (grng_store_split3, plane p at p·M·ldc), so that a product reading
-// C next does not split it (a gemm_split3 launch and 10 bytes per element).
+// C next does not split it (a gemm_split3 launch and 10 bytes per element); with mirror (a
+// product symmetric in exact arithmetic, M = N, whose grid runs the lower-triangle tile
+// pairs only: GEMM_MIRROR), each accumulator at (i, j), j < i, is stored at (i, j) and at
+// (j, i), each with its own position's β·C, planes and flag, and those above the diagonal
+// (the diagonal tiles' upper halves) are skipped: C is exactly symmetric.
 template <bool Split>
 struct PrecondAxpby {
     float* __restrict__ C;
@@ -201,13 +205,21 @@ struct PrecondAxpby {
     int* __restrict__ status;
     __nv_bfloat16* __restrict__ planes;
     long long plane;
+    bool mirror;
     int bad = GRNG_NONE;
-    __device__ __forceinline__ void operator()(int i, int j, float acc) {
+    __device__ __forceinline__ void put(int i, int j, float acc) {
         const long long o = (long long)i * ldc + j;
         const float v = gemm_axpby(C + o, alpha, acc, beta);
         if (Split && planes != nullptr) grng_store_split3(planes, o, plane, v);
         // A thread's elements do not come in index order (fragment layout): keep the least.
         if (status != nullptr && !isfinite(v)) bad = min(bad, i * ldc + j);
+    }
+    __device__ __forceinline__ void operator()(int i, int j, float acc) {
+        if (Split && mirror) {
+            if (j > i) return;
+            if (j < i) put(j, i, acc);
+        }
+        put(i, j, acc);
     }
     // Every thread calls it; `status` is the same for the whole grid, so the warp agrees.
     __device__ __forceinline__ void finish() {
@@ -220,6 +232,7 @@ struct PrecondAxpby {
 // products, __launch_bounds__(__VA_ARGS__). Each sm_80 kernel has an sm_90a instance
 // (kernels/gemm/wgmma_sm90.cuh) that only the compute_90a build compiles: same parameters,
 // grid and epilogue; block 384, GRNG_WG_SMEM bytes of dynamic shared memory.
+#define GEMM_MIRROR 4
 #define GEMM_TC(name, TILE, TERMS, ...)                                                       \
     extern "C" __global__ void __launch_bounds__(__VA_ARGS__)                                 \
         name(const __nv_bfloat16* __restrict__ a, int lda, long long a_plane,                 \
@@ -227,16 +240,22 @@ struct PrecondAxpby {
              float* __restrict__ c, int ldc, int M, int N, int K, float alpha, float beta,    \
              int trans, int* __restrict__ status, __nv_bfloat16* __restrict__ planes) {       \
         GRNG_DYN_SHARED(__nv_bfloat16, smem);                                                 \
-        PrecondAxpby<(TERMS > 1)> epi{c, ldc, alpha, beta, status, planes, (long long)M * ldc}; \
+        const bool mirror = TERMS > 1 && (trans & GEMM_MIRROR);                               \
+        PrecondAxpby<(TERMS > 1)> epi{c, ldc, alpha, beta, status,                            \
+                                      planes, (long long)M * ldc, mirror};                    \
+        int bi = blockIdx.y, bj = blockIdx.x;                                                 \
+        if (mirror) grng_tri_tile(blockIdx.x, bi, bj);                                        \
         grng_gemm_tile_layouts<TILE, TERMS>(a, lda, a_plane, b, ldb, b_plane, M, N, K, trans,  \
-                                            smem, epi);                                       \
+                                            bi * GRNG_GEMM_BM, bj * GRNG_GEMM_BM, smem, epi);  \
     }
 #define GEMM_TC_TYPES                                                                          \
     (const __nv_bfloat16*, int, long long, const __nv_bfloat16*, int, long long, float*, int, \
      int, int, int, float, float, int, int*, __nv_bfloat16*)
 
 // C ← α·op(A)·op(B) + β·C with A, B given as split3 planes (a_plane, b_plane elements
-// apart; lda, ldb the stored row lengths). trans bit 0: op(A) = Aᵀ, bit 1: op(B) = Bᵀ.
+// apart; lda, ldb the stored row lengths). trans bit 0: op(A) = Aᵀ, bit 1: op(B) = Bᵀ,
+// bit 2 (GEMM_MIRROR, gemm3_tc only): the product is symmetric, M = N, and the grid is 1-D
+// over the nt(nt+1)/2 lower-triangle tile pairs (grng_tri_tile), mirrored by PrecondAxpby.
 // status: null, or an int preset to GRNG_NONE that gets the first flat index of a NaN/Inf
 // in C (PrecondAxpby; M·N must fit an int then). planes: null, or 3·M·N bf16 that get the
 // split3 planes of C as stored (ldc = N; gemm_tc ignores it). Grid

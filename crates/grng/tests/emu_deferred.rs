@@ -317,7 +317,13 @@ fn product_epilogue_flags_the_first_overflow() {
             let b = dev.upload(shb.0, shb.1, &sb).unwrap();
             let mut c = dev.zeros(m, n).unwrap();
             let (a, b) = (Split3::new(&a), Split3::new(&b));
-            let r = product3_checked(&dev, "test", MatMul::new(ta, tb, 1.0, &a, &b), &mut c, None);
+            let r = product3_checked(
+                &dev,
+                "test",
+                MatMul::new(ta, tb, 1.0, &a, &b),
+                &mut c,
+                Default::default(),
+            );
             let what = format!("{} case {case}: {m}x{n}x{k} {ta:?}{tb:?}", dev.name());
             match (r, expected) {
                 (Ok(()), None) => {}

@@ -637,6 +637,14 @@ fn bad_inputs_are_errors() {
     unchanged(&xc, &sq);
 }
 
+/// The result's planes into `cache`, no mirror.
+fn into(cache: &gemm::SplitCache) -> gemm::Epilogue3<'_> {
+    gemm::Epilogue3 {
+        planes: Some(cache),
+        mirror: false,
+    }
+}
+
 /// The split3 planes an engine product's epilogue writes for its result (`out`, issue 36: a
 /// product reading that result next splits nothing): the planes of `C` as stored, bit for bit
 /// (modelled on the host), after `gemm3_split` (any α ≠ 0, β, transposes, ragged shapes) and
@@ -659,7 +667,7 @@ fn check_result_planes(
     let mut checked = dev.zeros(m, n).unwrap();
     let checked_planes = gemm::SplitCache::default();
     let p1 = MatMul::new(ta, tb, 1.0, &sa, &sb);
-    gemm::product3_checked(dev, "test", p1, &mut checked, Some(&checked_planes)).unwrap();
+    gemm::product3_checked(dev, "test", p1, &mut checked, into(&checked_planes)).unwrap();
     for (c, cache, what) in [
         (&c, &planes, "gemm3_split"),
         (&checked, &checked_planes, "checked"),
@@ -751,7 +759,7 @@ fn result_planes_only_where_written() {
             "test",
             MatMul::new(no, no, 1.0, &sa, &se),
             &mut empty,
-            Some(&cache),
+            into(&cache),
         )
         .unwrap();
         assert!(!cache.has_planes(), "{}: empty product", dev.name());
@@ -768,7 +776,7 @@ fn result_planes_only_where_written() {
         let p = MatMul::new(no, no, 2.0, &sa, &sb);
         for e in [
             gemm::gemm3_split(&dev, p, 0.0, &mut c, Some(&cache)).unwrap_err(),
-            gemm::product3_checked(&dev, "test", p, &mut c, Some(&cache)).unwrap_err(),
+            gemm::product3_checked(&dev, "test", p, &mut c, into(&cache)).unwrap_err(),
         ] {
             assert!(
                 matches!(
@@ -782,5 +790,116 @@ fn result_planes_only_where_written() {
             );
         }
         assert_eq!(c.to_vec().unwrap(), before, "{}", dev.name());
+    }
+}
+
+/// The mirrored product (`Epilogue3::mirror`: the lower-triangle tile pairs only, each value
+/// stored at `(i, j)` and `(j, i)`) of `A·B` (`n x k` by `k x n`, not symmetric: the mirror's
+/// mechanics, whatever the operands) and of the Gram `A·Aᵀ`: exactly symmetric; each element
+/// of the lower triangle within split3's `(k + 8)·2⁻²⁴·Σ|a||b|` of the `f64` product; the
+/// planes of every stored value bit for bit, the mirrored ones included; one to three
+/// 128-wide tiles (off-diagonal tile pairs from `n = 129`). A product that is not square is
+/// an [`Error::Shape`].
+fn check_mirrored(
+    dev: &Device,
+    n: usize,
+    k: usize,
+    gram: bool,
+    seed: u64,
+) -> Result<(), TestCaseError> {
+    let mut rng = ChaCha8Rng::seed_from_u64(seed);
+    let a = vals(&mut rng, n * k);
+    let b = if gram {
+        a.clone()
+    } else {
+        vals(&mut rng, k * n)
+    };
+    let am = dev.upload(n, k, &a).unwrap();
+    let bm = if gram {
+        dev.upload(n, k, &b)
+    } else {
+        dev.upload(k, n, &b)
+    }
+    .unwrap();
+    let (sa, sb) = (gemm::Split3::new(&am), gemm::Split3::new(&bm));
+    let (q, tb) = if gram {
+        (&sa, Trans::Yes)
+    } else {
+        (&sb, Trans::No)
+    };
+    let p = MatMul::new(Trans::No, tb, 1.0, &sa, q);
+    let cache = gemm::SplitCache::default();
+    let epi = gemm::Epilogue3 {
+        planes: Some(&cache),
+        mirror: true,
+    };
+    let mut c = dev.upload(n, n, &vec![f32::NAN; n * n]).unwrap();
+    gemm::product3_checked(dev, "test", p, &mut c, epi).unwrap();
+    let (v, pl) = (
+        c.to_vec().unwrap(),
+        cache.planes().unwrap().to_vec().unwrap(),
+    );
+    // B's element (p, j) of op(B): B[p, j], or for the Gram A[j, p].
+    let b_at = |p: usize, j: usize| if gram { a[j * k + p] } else { b[p * n + j] };
+    for i in 0..n {
+        for j in 0..n {
+            prop_assert_eq!(
+                v[i * n + j].to_bits(),
+                v[j * n + i].to_bits(),
+                "({}, {})",
+                i,
+                j
+            );
+            let (r, s) = (i.max(j), i.min(j));
+            let (mut want, mut abs) = (0.0f64, 0.0f64);
+            for p in 0..k {
+                let t = f64::from(a[r * k + p]) * f64::from(b_at(p, s));
+                (want, abs) = (want + t, abs + t.abs());
+            }
+            let tol = (k as f64 + 8.0) * U32 * abs + 1e-30;
+            prop_assert!(
+                (f64::from(v[i * n + j]) - want).abs() <= tol,
+                "({}, {}): {} vs {}",
+                i,
+                j,
+                v[i * n + j],
+                want
+            );
+            let o = i * n + j;
+            let got = [pl[o], pl[n * n + o], pl[2 * n * n + o]].map(bf16::to_bits);
+            prop_assert_eq!(got, common::host_split3(v[o]));
+        }
+    }
+    let wide = dev.zeros(k, n + 1).unwrap();
+    let sw = gemm::Split3::new(&wide);
+    let mut out = dev.zeros(n, n + 1).unwrap();
+    let mirror = gemm::Epilogue3 {
+        planes: None,
+        mirror: true,
+    };
+    let e = gemm::product3_checked(
+        dev,
+        "test",
+        MatMul::new(Trans::No, Trans::No, 1.0, &sa, &sw),
+        &mut out,
+        mirror,
+    );
+    prop_assert!(matches!(e, Err(Error::Shape { .. })), "{:?}", e);
+    Ok(())
+}
+
+proptest! {
+    #![proptest_config(common::proptest_config(16))]
+
+    #[test]
+    fn mirrored_products_are_exactly_symmetric(
+        n in prop_oneof![1usize..=70, 120usize..=290],
+        k in 1usize..=90,
+        gram in any::<bool>(),
+        seed in any::<u64>(),
+    ) {
+        for dev in devices() {
+            check_mirrored(&dev, n, k, gram, seed)?;
+        }
     }
 }

@@ -405,6 +405,8 @@ extern "C" __global__ void __launch_bounds__(GRNG_GEMM_THREADS)
                      int N, int K, int layouts) {
     GRNG_DYN_SHARED(__nv_bfloat16, smem);
     SelftestStore epi{d, N};
-    grng_gemm_tile_layouts<GrngTileSm80, 1>(a, lda, 0, b, ldb, 0, M, N, K, layouts, smem, epi);
+    grng_gemm_tile_layouts<GrngTileSm80, 1>(a, lda, 0, b, ldb, 0, M, N, K, layouts,
+                                            blockIdx.y * GRNG_GEMM_BM, blockIdx.x * GRNG_GEMM_BM,
+                                            smem, epi);
 }
 GRNG_EMU_ENTRY(selftest_gemm_tc)

@@ -403,16 +403,16 @@ struct GrngTileSm80 {
 
 // Tile's block tile (Tile::run<AL, BL, Terms>, grng_gemm_tile's contract) with the operand
 // layouts chosen at run time: layouts bit 0 → A k-outer (op(A) = Aᵀ of a K x M row-major A),
-// else k-inner; bit 1 → B k-inner (op(B) = Bᵀ of an N x K row-major B), else k-outer. Block
-// (x, y) computes tile (y, x).
+// else k-inner; bit 1 → B k-inner (op(B) = Bᵀ of an N x K row-major B), else k-outer. The
+// tile at rows i0.., columns j0.. (the caller's block mapping: (blockIdx.y, blockIdx.x)·128
+// for a full grid, grng_tri_tile for the lower-triangle tile pairs).
 template <class Tile, int Terms, class Epi>
 __device__ __forceinline__ void grng_gemm_tile_layouts(const __nv_bfloat16* __restrict__ A,
                                                        int lda, long long a_plane,
                                                        const __nv_bfloat16* __restrict__ B,
                                                        int ldb, long long b_plane, int M, int N,
-                                                       int K, int layouts, __nv_bfloat16* smem,
-                                                       Epi& epi) {
-    const int i0 = blockIdx.y * GRNG_GEMM_BM, j0 = blockIdx.x * GRNG_GEMM_BM;
+                                                       int K, int layouts, int i0, int j0,
+                                                       __nv_bfloat16* smem, Epi& epi) {
     switch (layouts & 3) {
         case 0:
             Tile::template run<GrngKInner, GrngKOuter, Terms>(GRNG_GEMM_TILE_ARGS);

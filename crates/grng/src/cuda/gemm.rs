@@ -245,15 +245,11 @@ pub fn gemm3_split(
     }
     let planes = p.with(p.a.planes(dev)?, p.b.planes(dev)?);
     let mut result = SplitCache::result_planes(dev, OP, out, c)?;
-    launch_engine(
-        dev,
-        OP,
-        &GEMM3_TC,
-        planes,
-        beta,
-        c,
-        Out::planes(&mut result),
-    )?;
+    let into = Out {
+        planes: result.as_mut(),
+        ..Out::default()
+    };
+    launch_engine(dev, OP, &GEMM3_TC, planes, beta, c, into)?;
     SplitCache::keep_result(out, result);
     Ok(())
 }
@@ -417,34 +413,39 @@ impl Shaped for Split3<'_> {
 /// flags the first NaN/Inf it writes, into the ledger of an enclosing `Device::deferred`
 /// scope (no read-back), or else into a status read here. `Err(Error::NonFinite)` names `op`
 /// and `"result (overflow)"` at that index — what a separate finiteness check of `c` would
-/// report, without its pass over `c`. With `out`, the planes of `c` as [`gemm3_split`]'s.
+/// report, without its pass over `c`. What the epilogue does besides: `epi`.
 ///
 /// # Errors
 /// As [`gemm3_split`], plus that [`Error::NonFinite`]; `c` holds the (rejected) product
-/// then, and `out` stays empty.
+/// then, and `epi.planes` stays empty; [`Error::Shape`] for `epi.mirror` on a product that
+/// is not square.
 pub fn product3_checked(
     dev: &Device,
     op: &'static str,
     p: MatMul<&Split3<'_>>,
     c: &mut Matrix,
-    out: Option<&SplitCache>,
+    epi: Epilogue3<'_>,
 ) -> Result<()> {
-    p.dims(op, c.shape())?;
+    let (m, n, _) = p.dims(op, c.shape())?;
+    if epi.mirror {
+        check_shape(op, "c (mirrored: symmetric)", (m, n), (m, m))?;
+    }
     if c.is_empty() {
         return Ok(());
     }
     let planes = p.with(p.a.planes(dev)?, p.b.planes(dev)?);
-    let mut result = SplitCache::result_planes(dev, op, out, c)?;
+    let mut result = SplitCache::result_planes(dev, op, epi.planes, c)?;
     let flagged = first_flagged(dev, |status, at| {
         let out = Out {
             status: Some((status, at)),
             planes: result.as_mut(),
+            mirror: epi.mirror,
         };
         launch_engine(dev, op, &GEMM3_TC, planes, 0.0, c, out)
     })?;
     match flagged {
         None => {
-            SplitCache::keep_result(out, result);
+            SplitCache::keep_result(epi.planes, result);
             Ok(())
         }
         Some(index) => Err(Error::NonFinite {
@@ -454,6 +455,19 @@ pub fn product3_checked(
             value: c.to_vec()?[index],
         }),
     }
+}
+
+/// What the f32-accurate product's epilogue does besides storing `C` ([`product3_checked`]).
+#[derive(Clone, Copy, Debug, Default)]
+pub struct Epilogue3<'o> {
+    /// An empty cache for `C`'s split3 planes, written as `C` is stored
+    /// ([`gemm3_split`]'s `out`), so that a product reading `C` next splits nothing.
+    pub planes: Option<&'o SplitCache>,
+    /// The product is symmetric in exact arithmetic (`M = N`: a Gram `AᵀA`, `E·Γ̃⁻¹·Eᵀ`, …):
+    /// only the lower-triangle tile pairs run (`⌈n/128⌉(⌈n/128⌉+1)/2` of `⌈n/128⌉²`) and each
+    /// value computed at `(i, j)`, `j ≤ i`, is stored at `(i, j)` and `(j, i)`: `C` is
+    /// exactly symmetric, as the CPU's SYRK makes it.
+    pub mirror: bool,
 }
 
 /// The split3 planes of a product's operand, or a placeholder element when `α = 0` (no K
@@ -494,16 +508,8 @@ struct Out<'s> {
     status: Option<(&'s mut Matrix, usize)>,
     /// `3m x n` bf16 (`gemm3_tc` only): the split3 planes of C as stored.
     planes: Option<&'s mut Matrix<bf16>>,
-}
-
-impl<'s> Out<'s> {
-    /// The planes of C into `planes` where there is a buffer, no status.
-    fn planes(planes: &'s mut Option<Matrix<bf16>>) -> Self {
-        Self {
-            status: None,
-            planes: planes.as_mut(),
-        }
-    }
+    /// `gemm3_tc` only: [`Epilogue3::mirror`].
+    mirror: bool,
 }
 
 /// Launches `gemm3_tc` (split operands) or `gemm_tc` (bf16 operands, which ignores the plane
@@ -531,17 +537,39 @@ fn launch_engine(
     if m == 0 || n == 0 {
         return Ok(());
     }
-    let grid_y = u32::try_from(m.div_ceil(128))
-        .ok()
-        .filter(|&y| y <= 65_535)
-        .ok_or(Error::Value {
+    let grid = if out.mirror {
+        // The lower-triangle tile pairs, one block each (1-D grid, grng_tri_tile).
+        check_shape(op, "c (mirrored: symmetric)", (m, n), (m, m))?;
+        if kernel.name != GEMM3_TC.name {
+            return Err(Error::Value {
+                op,
+                arg: "mirror",
+                value: 1.0,
+                expected: "the split3 product (gemm3_tc) only",
+            });
+        }
+        let nt = m.div_ceil(128);
+        let pairs = u32::try_from(nt * (nt + 1) / 2).map_err(|_| Error::Value {
             op,
             arg: "m",
             value: m as f64,
-            expected: "at most 65535 128-row tiles",
+            expected: "fewer than 2^32 lower-triangle tile pairs",
         })?;
+        (pairs, 1, 1)
+    } else {
+        let grid_y = u32::try_from(m.div_ceil(128))
+            .ok()
+            .filter(|&y| y <= 65_535)
+            .ok_or(Error::Value {
+                op,
+                arg: "m",
+                value: m as f64,
+                expected: "at most 65535 128-row tiles",
+            })?;
+        (n.div_ceil(128) as u32, grid_y, 1)
+    };
     let cfg = LaunchConfig {
-        grid: (n.div_ceil(128) as u32, grid_y, 1),
+        grid,
         block: (256, 1, 1),
         shared_mem: GEMM_SMEM,
     };
@@ -553,7 +581,9 @@ fn launch_engine(
         // Memory safety: the epilogue writes 3 planes of C's m·n elements.
         check_shape(op, "out planes", planes.shape(), (3 * m, n))?;
     }
-    let trans = i32::from(ta == Trans::Yes) | (i32::from(tb == Trans::Yes) << 1);
+    let trans = i32::from(ta == Trans::Yes)
+        | (i32::from(tb == Trans::Yes) << 1)
+        | (i32::from(out.mirror) << 2);
     let plane = |s: (usize, usize)| (s.0 * s.1) as i64;
     let mut args = KernelArgs::new(dev);
     args.input(op, ap)?
@@ -583,7 +613,9 @@ fn launch_engine(
     // K, float alpha, float beta, int trans, int* status, bf16* planes); status is null (0u64,
     // the 8-byte pointer slot: the kernel then flags nothing) or one int inside its buffer
     // (`output_at`), written by atomicMin only; planes is null or 3·M·N bf16 (checked), of
-    // which the epilogue writes element p·M·N + i·N + j for i < M, j < N, p < 3. When K > 0 (α ≠ 0) ap holds an a_shape matrix
+    // which the epilogue writes element p·M·N + i·N + j for i < M, j < N, p < 3. trans bit 2
+    // (mirror, gemm3_tc only, M = N: checked) runs the nt(nt+1)/2 lower-triangle tile pairs
+    // of a 1-D grid, whose epilogue writes (i, j) and (j, i) for j ≤ i < M: inside C. When K > 0 (α ≠ 0) ap holds an a_shape matrix
     // (gemm_tc) or its 3 split3 planes a_plane elements apart (gemm3_tc), each
     // stored like A: (M x K, ld K) or transposed (K x M, ld M), so lda = a_shape.1 and the
     // engine's reads of op(A)(i, kk), i < M, kk < K stay inside each plane (cp.async src-size

@@ -44,7 +44,7 @@ use cudarc::driver::sys::CUevent_flags;
 use half::bf16;
 
 use super::engine::Role;
-use super::gemm::{self as engine, Split3, SplitCache};
+use super::gemm::{self as engine, Epilogue3, Split3, SplitCache};
 use super::gemm_vendor::{self as vendor, VendorElement};
 use super::newton;
 use super::syrk;
@@ -127,6 +127,11 @@ pub enum Product {
     /// lower-triangle SYRK with its mirror, or cuBLAS (`Ssyrk` for `f32`, `GemmEx` for `bf16`)
     /// and `newton_mirror_lower`.
     SyrkEma,
+    /// `C ← α·op(A)·op(B)` of a product symmetric in exact arithmetic (the optimizers' Grams
+    /// and `E·Γ̃⁻¹·Eᵀ`-like products), exactly symmetric: the engine's lower-triangle tiles
+    /// mirrored ([`Epilogue3::mirror`]), or the vendor's or bf16x3's full product with its
+    /// lower triangle mirrored.
+    Symmetric,
     /// A Newton product `A·B` (`cuda::newton`) with its fused epilogue, or cuBLAS and the
     /// same epilogue as a kernel (`newton_epilogue`); `mirror`: a symmetric product, of
     /// which the engine computes the lower-triangle tiles only.
@@ -588,20 +593,23 @@ pub fn gemm<T: PlanElement>(
 ) -> Result<()> {
     let mut ours = |out: &mut Matrix| T::ENGINE(dev, p, beta, out);
     let mut cublas = |out: &mut Matrix| vendor::gemm(dev, p, beta, out);
-    let plan = ("cuda::gemm_plan::gemm", T::FORMAT);
+    let plan = ("cuda::gemm_plan::gemm", Product::Gemm, T::FORMAT);
     let runs: &mut Runs<'_, '_> = &mut [
         (Candidate::Engine, &mut ours),
         (Candidate::Vendor, &mut cublas),
     ];
-    dispatch_gemm(dev, plan, p, beta, runs, c)
+    dispatch_product(dev, plan, p, beta, runs, c)
 }
 
 /// `α·op(A)·op(B)` as a new matrix at `f32` accuracy with the result checked (plan
 /// [`Format::F32Checked`]): the engine's [`engine::product3_checked`] (split3 planes, flagging
 /// epilogue), or cuBLAS SGEMM or [`gemm3_bf16x3`] followed by one finiteness check launch —
-/// into the ledger of an enclosing `Device::deferred` scope either way. With `out` (an empty
-/// cache for the result), the engine's epilogue writes the result's split planes into it
-/// ([`result_cache`]); after the vendor's or bf16x3's product it stays empty.
+/// into the ledger of an enclosing `Device::deferred` scope either way. With `epi.planes` (an
+/// empty cache for the result), the engine's epilogue writes the result's split planes into
+/// it ([`result_cache`]); after the vendor's or bf16x3's product it stays empty. With
+/// `epi.mirror` (plan [`Product::Symmetric`]) the engine computes the lower-triangle tiles and
+/// mirrors them, and the vendor and bf16x3 mirror their product's lower triangle
+/// (`newton_mirror_lower`, a launch): exactly symmetric whichever runs.
 ///
 /// # Errors
 /// As [`engine::product3_checked`]: [`Error::NonFinite`] (`op`, `"result (overflow)"`) for a
@@ -610,19 +618,32 @@ pub fn product3_checked(
     dev: &Device,
     op: &'static str,
     p: MatMul<&Split3<'_>>,
-    out: Option<&SplitCache>,
+    epi: Epilogue3<'_>,
 ) -> Result<Matrix> {
     let matrices = p.map(Split3::matrix);
     let (m, n) = matrices.shape();
+    if epi.mirror {
+        check_shape(op, "op(a)·op(b) (symmetric)", (m, n), (m, m))?;
+    }
     let mut c = dev.zeros(m, n)?;
-    let [mut ours, mut cublas, mut bf16x3] = checked_runs(dev, op, p, out);
-    let plan = (op, Format::F32Checked);
+    let [mut ours, mut cublas, mut bf16x3] = checked_runs(dev, op, p, epi);
+    let product = match epi.mirror {
+        true => Product::Symmetric,
+        false => Product::Gemm,
+    };
     let runs: &mut Runs<'_, '_> = &mut [
         (Candidate::Engine, &mut *ours),
         (Candidate::Vendor, &mut *cublas),
         (Candidate::Bf16x3, &mut *bf16x3),
     ];
-    dispatch_gemm(dev, plan, matrices, 0.0, runs, &mut c)?;
+    dispatch_product(
+        dev,
+        (op, product, Format::F32Checked),
+        matrices,
+        0.0,
+        runs,
+        &mut c,
+    )?;
     Ok(c)
 }
 
@@ -632,25 +653,34 @@ fn checked_runs<'r>(
     dev: &'r Device,
     op: &'static str,
     p: MatMul<&'r Split3<'r>>,
-    result: Option<&'r SplitCache>,
+    epi: Epilogue3<'r>,
 ) -> [Box<Run<'r>>; 3] {
     let (planes, cat) = split_made(p);
-    let check = move |out: &Matrix| super::elementwise::check_finite(dev, op, &[(OVERFLOW, out)]);
+    // The vendor's and bf16x3's full products, mirrored where the engine mirrors, then checked.
+    let finish = move |out: &mut Matrix| {
+        if epi.mirror {
+            super::cholesky::mirror_lower(dev, out)?;
+        }
+        super::elementwise::check_finite(dev, op, &[(OVERFLOW, out)])
+    };
     [
         Box::new(move |out: &mut Matrix| {
             let scratch = SplitCache::default();
-            let result = result_cache(result, &scratch);
+            let epi = Epilogue3 {
+                planes: result_cache(epi.planes, &scratch),
+                ..epi
+            };
             split_for_run(p, planes, |p| {
-                engine::product3_checked(dev, op, p, out, result)
+                engine::product3_checked(dev, op, p, out, epi)
             })
         }),
         Box::new(move |out: &mut Matrix| {
             vendor::gemm(dev, p.map(Split3::matrix), 0.0, out)?;
-            check(out)
+            finish(out)
         }),
         Box::new(move |out: &mut Matrix| {
             split_for_run(p, cat, |p| gemm3_bf16x3(dev, p, 0.0, &mut *out))?;
-            check(out)
+            finish(out)
         }),
     ]
 }
@@ -765,13 +795,13 @@ pub fn gemm3_split(
     let mut cublas = |out: &mut Matrix| vendor::gemm(dev, matrices, beta, out);
     let mut bf16x3 =
         |out: &mut Matrix| split_for_run(p, cat, |p| gemm3_bf16x3(dev, p, beta, &mut *out));
-    let plan = ("cuda::gemm_plan::gemm3", Format::F32Accurate);
+    let plan = ("cuda::gemm_plan::gemm3", Product::Gemm, Format::F32Accurate);
     let runs: &mut Runs<'_, '_> = &mut [
         (Candidate::Engine, &mut ours),
         (Candidate::Vendor, &mut cublas),
         (Candidate::Bf16x3, &mut bf16x3),
     ];
-    dispatch_gemm(dev, plan, matrices, beta, runs, c)
+    dispatch_product(dev, plan, matrices, beta, runs, c)
 }
 
 /// `C ← α·op(A)·op(B) + β·C` at `f32` accuracy as ONE bf16 product (candidate
@@ -829,7 +859,11 @@ pub(crate) fn precondition_checked(
     let g_lambda = MatMul::new(Trans::No, Trans::No, 1.0, &g, lambda_inv);
     gemm3_split(dev, g_lambda, 0.0, &mut t, Some(&t_planes))?;
     let t = Split3::kept(&t, &t_planes);
-    *p = product3_checked(dev, op, g_lambda.with(gamma_inv, &t), out)?;
+    let epi = Epilogue3 {
+        planes: out,
+        mirror: false,
+    };
+    *p = product3_checked(dev, op, g_lambda.with(gamma_inv, &t), epi)?;
     Ok(())
 }
 
@@ -878,12 +912,12 @@ pub fn damped_inverse_update(dev: &Device, inv: &mut Matrix, dlambda: f32) -> Re
     dispatch(dev, plan, (n, n, n), (-dlambda, 1.0), &norms, runs, inv)
 }
 
-/// [`dispatch`] of `C ← p + β·C`, a [`Product::Gemm`] of `format` whose operands are `p`'s
-/// matrices, after their shapes' check ([`MatMul::dims`], naming `op`); `runs` are the
-/// plan's candidates, the engine first.
-fn dispatch_gemm<T: Element>(
+/// [`dispatch`] of `C ← p + β·C`, a `product` ([`Product::Gemm`] or
+/// [`Product::Symmetric`]) of `format` whose operands are `p`'s matrices, after their shapes'
+/// check ([`MatMul::dims`], naming `op`); `runs` are the plan's candidates, the engine first.
+fn dispatch_product<T: Element>(
     dev: &Device,
-    (op, format): (&'static str, Format),
+    (op, product, format): (&'static str, Product, Format),
     p: MatMul<&Matrix<T>>,
     beta: f32,
     runs: &mut Runs<'_, '_>,
@@ -891,7 +925,7 @@ fn dispatch_gemm<T: Element>(
 ) -> Result<()> {
     let dims = p.dims(op, c.shape())?;
     let plan = GemmPlan {
-        product: Product::Gemm,
+        product,
         format,
         ta: p.ta,
         tb: p.tb,
@@ -1162,12 +1196,22 @@ mod tests {
             if split_before {
                 // An earlier product that read `a` (its planes), and its concatenation.
                 let sb0 = Split3::new(&b0);
-                product3_checked(&dev, "test", MatMul::new(no, no, 1.0, &sa, &sb0), None).unwrap();
+                product3_checked(
+                    &dev,
+                    "test",
+                    MatMul::new(no, no, 1.0, &sa, &sb0),
+                    Epilogue3::default(),
+                )
+                .unwrap();
                 sa.concatenated(&dev, Role::A, no).unwrap();
             }
             let c = dev.zeros(33, 20).unwrap();
-            let [mut e, mut v, mut x] =
-                checked_runs(&dev, "test", MatMul::new(no, no, 1.0, &sa, &sb), None);
+            let [mut e, mut v, mut x] = checked_runs(
+                &dev,
+                "test",
+                MatMul::new(no, no, 1.0, &sa, &sb),
+                Epilogue3::default(),
+            );
             record_launches_here(true);
             let t = trial(
                 &dev,
@@ -1214,8 +1258,15 @@ mod tests {
         let no = Trans::No;
         let out = SplitCache::default();
         let mut c = dev.zeros(9, 6).unwrap();
-        let [mut e, mut v, mut x] =
-            checked_runs(&dev, "test", MatMul::new(no, no, 1.0, &sa, &sb), Some(&out));
+        let [mut e, mut v, mut x] = checked_runs(
+            &dev,
+            "test",
+            MatMul::new(no, no, 1.0, &sa, &sb),
+            Epilogue3 {
+                planes: Some(&out),
+                mirror: false,
+            },
+        );
         let runs: &mut Runs<'_, '_> = &mut [
             (Candidate::Engine, &mut *e),
             (Candidate::Vendor, &mut *v),

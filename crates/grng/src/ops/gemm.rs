@@ -3,7 +3,7 @@
 use std::any::Any;
 
 use super::{host_mut, host_ref, OVERFLOW};
-use crate::cuda::gemm::{Split3, SplitCache};
+use crate::cuda::gemm::{Epilogue3, Split3, SplitCache};
 use crate::device::{Device, Element, Matrix};
 use crate::error::Result;
 use crate::mat::Trans;
@@ -92,23 +92,19 @@ impl Device {
     /// # Errors
     /// As [`Device::product_of`], less the CPU's result check.
     pub(crate) fn product_consumed(&self, p: MatMul<&Operand<'_>>) -> Result<Matrix> {
-        self.product_into_planes(p, None)
+        self.product_with(p, Epilogue3::default())
     }
 
-    /// [`Device::product_consumed`], with `planes` (empty) given the result's split planes
-    /// where the engine's epilogue writes them (the kernel devices, where the GEMM plan runs
-    /// the engine); on the CPU `planes` stays empty.
-    fn product_into_planes(
-        &self,
-        p: MatMul<&Operand<'_>>,
-        planes: Option<&SplitCache>,
-    ) -> Result<Matrix> {
+    /// [`Device::product_consumed`] with what the kernel devices' epilogue does besides
+    /// ([`Epilogue3`]: `planes` (empty) given the result's split planes where the engine writes
+    /// them; `mirror` for a product known to be symmetric). The CPU ignores `epi`.
+    fn product_with(&self, p: MatMul<&Operand<'_>>, epi: Epilogue3<'_>) -> Result<Matrix> {
         match (self, p.a, p.b) {
             (Device::Cpu, Operand::Host(a), Operand::Host(b)) => {
                 self.product_unchecked(p.with(*a, *b))
             }
             (Device::Emulated | Device::Cuda(_), Operand::Split(a), Operand::Split(b)) => {
-                crate::cuda::gemm_plan::product3_checked(self, OP, p.with(a, b), planes)
+                crate::cuda::gemm_plan::product3_checked(self, OP, p.with(a, b), epi)
             }
             _ => Err(self.foreign_operand(OP)),
         }
@@ -160,9 +156,12 @@ impl Device {
         let (da, db): (&dyn Any, &dyn Any) = (p.a, p.b);
         let f32s = da.downcast_ref::<Matrix>().zip(db.downcast_ref::<Matrix>());
         if let (Device::Emulated | Device::Cuda(_), Some((a, b))) = (self, f32s) {
-            // Split once even for a square (`a` is `b`); the epilogue checks the result.
+            // Split once even for a square (`a` is `b`); the epilogue checks the result. A Gram
+            // `AᵀA` or `AAᵀ` is symmetric: half the tiles, mirrored, as the CPU's SYRK below.
             let ao = self.operand(a)?;
-            return if std::ptr::eq(a, b) {
+            return if std::ptr::eq(a, b) && ta != tb {
+                self.symmetric_product_of(p.with(&ao, &ao))
+            } else if std::ptr::eq(a, b) {
                 self.product_of(p.with(&ao, &ao))
             } else {
                 self.product_of(p.with(&ao, &self.operand(b)?))
@@ -266,7 +265,7 @@ impl Device {
     /// As [`Device::product_valid_inputs`]; [`crate::Error::DeviceMismatch`] for operands
     /// prepared on another kind of device.
     pub(crate) fn product_of(&self, p: MatMul<&Operand<'_>>) -> Result<Matrix> {
-        self.product_checked(p, None)
+        self.product_checked(p, Epilogue3::default())
     }
 
     /// [`Device::product_of`] whose result is read by another product next
@@ -278,18 +277,18 @@ impl Device {
     /// As [`Device::product_of`].
     pub(crate) fn product_split_of(&self, p: MatMul<&Operand<'_>>) -> Result<Product> {
         let planes = SplitCache::default();
-        let m = self.product_checked(p, Some(&planes))?;
+        let epi = Epilogue3 {
+            planes: Some(&planes),
+            mirror: false,
+        };
+        let m = self.product_checked(p, epi)?;
         Ok(Product { m, planes })
     }
 
-    /// [`Device::product_into_planes`] with the CPU's result check (the kernel devices'
-    /// epilogue checked it already).
-    fn product_checked(
-        &self,
-        p: MatMul<&Operand<'_>>,
-        planes: Option<&SplitCache>,
-    ) -> Result<Matrix> {
-        let c = self.product_into_planes(p, planes)?;
+    /// [`Device::product_with`] with the CPU's result check (the kernel devices' epilogue
+    /// checked it already).
+    fn product_checked(&self, p: MatMul<&Operand<'_>>, epi: Epilogue3<'_>) -> Result<Matrix> {
+        let c = self.product_with(p, epi)?;
         if matches!(self, Device::Cpu) {
             self.check_all_finite(OP, &[(OVERFLOW, &c)])?;
         }
@@ -297,10 +296,11 @@ impl Device {
     }
 
     /// [`Device::product_of`] of a product the caller knows to be symmetric in exact
-    /// arithmetic (`n x n`: `E·Γ̃⁻¹·Eᵀ`, `UᵀΓU`, …). The CPU computes its lower triangle and
-    /// mirrors it ([`crate::cpu::syrk::symmetric_product`]: ~half the flops, exactly
-    /// symmetric); the kernel devices compute the whole product (their split3 engine has no
-    /// mirrored variant for it), symmetric to its rounding.
+    /// arithmetic (`n x n`: `E·Γ̃⁻¹·Eᵀ`, `UᵀΓU`, …), exactly symmetric: the CPU computes its
+    /// lower triangle and mirrors it ([`crate::cpu::syrk::symmetric_product`]: ~half the
+    /// flops); the kernel devices' split3 engine computes the lower-triangle tiles and mirrors
+    /// them ([`Epilogue3::mirror`]: `(nt − 1)/(2nt)` of the `nt²` 128-wide tiles fewer), or the
+    /// GEMM plan's vendor side mirrors its full product's lower triangle.
     ///
     /// # Errors
     /// As [`Device::product_of`]; [`crate::Error::Shape`] unless `op(A)·op(B)` is square.
@@ -308,7 +308,11 @@ impl Device {
         let (n, cols) = p.shape();
         crate::error::check_shape(OP, "op(a)·op(b)", (n, cols), (n, n))?;
         let (Device::Cpu, Operand::Host(ah), Operand::Host(bh)) = (self, p.a, p.b) else {
-            return self.product_of(p);
+            let mirror = Epilogue3 {
+                planes: None,
+                mirror: true,
+            };
+            return self.product_checked(p, mirror);
         };
         let mut c = self.zeros(n, n)?;
         crate::cpu::syrk::symmetric_product(
@@ -464,19 +468,20 @@ mod tests {
     proptest::proptest! {
         #![proptest_config(crate::testing::proptest_config(8))]
 
-        /// [`Device::symmetric_product_of`] of `E·(X·Eᵀ)` (`X` symmetric, ragged shapes), on
-        /// the CPU (lower triangle, mirrored) and the emulated kernels (the whole split3
-        /// product), against the product in `f64`: within `2·(k + 8)·2⁻²⁴·Σ|e||u|` per
-        /// element, twice the split3 bound (the CPU's f32 GEMM bound, `k·2⁻²⁴`, is inside it).
-        /// The CPU computes the lower triangle and mirrors it, so its `(i, j)` above the
-        /// diagonal is checked against the reference of `(j, i)`, the element it computed:
-        /// `E·U` with `U` rounded to f32 is symmetric only to within `2⁻²⁴·(Σ|e_i||u_j| +
-        /// Σ|e_j||u_i|)`, which the `(i, j)` bound alone need not cover (CI failed at `k = 3`,
-        /// the mirrored element's terms much larger than its own). The CPU's result is exactly
-        /// symmetric; a product that is not square is an [`crate::Error::Shape`] on both.
+        /// [`Device::symmetric_product_of`] of `E·(X·Eᵀ)` (`X` symmetric, ragged shapes, one
+        /// 128-wide tile or two or three: off-diagonal tiles), on the CPU (lower triangle,
+        /// mirrored) and the emulated kernels (the lower-triangle tiles, mirrored), against the
+        /// product in `f64`: within `2·(k + 8)·2⁻²⁴·Σ|e||u|` per element, twice the split3
+        /// bound (the CPU's f32 GEMM bound, `k·2⁻²⁴`, is inside it). Both compute the lower
+        /// triangle and mirror it, so `(i, j)` above the diagonal is checked against the
+        /// reference of `(j, i)`, the element computed: `E·U` with `U` rounded to f32 is
+        /// symmetric only to within `2⁻²⁴·(Σ|e_i||u_j| + Σ|e_j||u_i|)`, which the `(i, j)`
+        /// bound alone need not cover (CI failed at `k = 3`, the mirrored element's terms much
+        /// larger than its own). Both results are exactly symmetric; a product that is not
+        /// square is an [`crate::Error::Shape`] on both.
         #[test]
         fn symmetric_product_matches_the_product(
-            m in 2usize..=80,
+            m in proptest::prop_oneof![2usize..=80, 129usize..=270],
             k in 1usize..=100,
             seed in proptest::prelude::any::<u64>(),
         ) {
@@ -506,11 +511,8 @@ mod tests {
                     .unwrap();
                 for i in 0..m {
                     for j in 0..m {
-                        // The element the device computed: the lower triangle's on the CPU.
-                        let (r, s) = match dev {
-                            Device::Cpu => (i.max(j), i.min(j)),
-                            _ => (i, j),
-                        };
+                        // The element the device computed: the lower triangle's.
+                        let (r, s) = (i.max(j), i.min(j));
                         let (mut want, mut abs) = (0.0f64, 0.0f64);
                         for p in 0..k {
                             let t = e[r * k + p] as f64 * u[p * m + s] as f64;
@@ -522,9 +524,7 @@ mod tests {
                             (got - 0.5 * want).abs() <= bound,
                             "{} ({}, {}): {} vs {}", dev.name(), i, j, got, 0.5 * want
                         );
-                        if matches!(dev, Device::Cpu) {
-                            proptest::prop_assert_eq!(c[i * m + j], c[j * m + i]);
-                        }
+                        proptest::prop_assert_eq!(c[i * m + j].to_bits(), c[j * m + i].to_bits());
                     }
                 }
                 let wide = dev.zeros(k, m + 1).unwrap();
