@@ -1287,6 +1287,57 @@ mod tests {
         );
     }
 
+    /// A symmetric product's candidates all give an exactly symmetric result: the engine's
+    /// mirrored tiles, and bf16x3's full product with its lower triangle mirrored (the
+    /// vendor's run does the same after SGEMM; the emulator has no cuBLAS). Both agree with
+    /// the f64 product of the lower triangle within split3's bound. `A·B` with `B ≠ Aᵀ` (the
+    /// mirror's mechanics: a Gram's two triangles would agree anyway), three 128-wide tiles.
+    /// Mutation check: without the mirror after bf16x3's product it fails.
+    #[test]
+    fn every_symmetric_candidate_mirrors() {
+        let dev = Device::Emulated;
+        let (n, k) = (300, 37);
+        let v: Vec<f32> = (0..n * k)
+            .map(|i| ((i * 7 % 19) as f32 - 9.0) / 5.0)
+            .collect();
+        let w: Vec<f32> = (0..n * k)
+            .map(|i| ((i * 5 % 23) as f32 - 11.0) / 7.0)
+            .collect();
+        let (a, b) = (dev.upload(n, k, &v).unwrap(), dev.upload(n, k, &w).unwrap());
+        let (sa, sb) = (Split3::new(&a), Split3::new(&b));
+        let mirror = Epilogue3 {
+            planes: None,
+            mirror: true,
+        };
+        let p = MatMul::new(Trans::No, Trans::Yes, 1.0, &sa, &sb);
+        let [mut e, _, mut x] = checked_runs(&dev, "test", p, mirror);
+        for (name, run) in [("engine", &mut e), ("bf16x3", &mut x)] {
+            let mut c = dev.zeros(n, n).unwrap();
+            run(&mut c).unwrap();
+            let c = c.to_vec().unwrap();
+            for i in 0..n {
+                for j in 0..=i {
+                    assert_eq!(
+                        c[i * n + j].to_bits(),
+                        c[j * n + i].to_bits(),
+                        "{name} ({i}, {j})"
+                    );
+                    let (mut want, mut abs) = (0.0f64, 0.0f64);
+                    for q in 0..k {
+                        let t = f64::from(v[i * k + q]) * f64::from(w[j * k + q]);
+                        (want, abs) = (want + t, abs + t.abs());
+                    }
+                    let tol = (6 * k + 8) as f64 * abs / f64::from(1u32 << 24);
+                    let got = f64::from(c[i * n + j]);
+                    assert!(
+                        (got - want).abs() <= tol,
+                        "{name} ({i}, {j}): {got} vs {want}"
+                    );
+                }
+            }
+        }
+    }
+
     #[test]
     fn shape_classes_round_up_to_powers_of_two() {
         let c = ShapeClass::of(1000, 1024, 1025);

@@ -12,8 +12,9 @@
 //!
 //! These are identities, not approximations: the same `P` and the same model terms (docs/math.md §2)
 //! up to rounding. Every `m x m` product here is symmetric (`EU = E·Γ̃⁻¹·Eᵀ`, `UᵀΓU`, and
-//! likewise on the `Λ` side), so the CPU computes its lower triangle only
-//! ([`Device::symmetric_product_of`]).
+//! likewise on the `Λ` side), so every device computes its lower triangle only and mirrors
+//! it ([`Device::symmetric_product_of`]: the CPU's SYRK tiles, the engine's lower-triangle
+//! tile pairs).
 //!
 //! Flops (a GEMM `p x q x r` counted `2pqr`): the dense route costs
 //! `4·d_out·d_in·(d_out + d_in)` (two products for `P`, two for `ΓPΛ`), the factored one
