@@ -106,6 +106,29 @@ __device__ __forceinline__ float grng_ld_bf16(const __nv_bfloat16* p) {
 __device__ __forceinline__ void grng_st_bf16(__nv_bfloat16* p, float v) {
     *p = __float2bfloat16_rn(v);
 }
+
+// The three split3 bf16 planes of x (x = hi + mid + lo, exact for normal floats; the f32-accurate
+// products of gemm/engine.cuh read them): hi = bf16(x), mid = bf16(x − hi), lo = bf16(x − hi − mid)
+// (the differences are exact in f32).
+__device__ __forceinline__ void grng_split3(float x, __nv_bfloat16& hi, __nv_bfloat16& mid,
+                                            __nv_bfloat16& lo) {
+    hi = __float2bfloat16_rn(x);
+    const float r = x - __bfloat162float(hi);
+    mid = __float2bfloat16_rn(r);
+    lo = __float2bfloat16_rn(r - __bfloat162float(mid));
+}
+
+// Stores the three planes of x at planes[o], planes[plane + o], planes[2·plane + o]: the
+// layout gemm_split3 writes and the split products read (one f32 matrix, plane p at p·plane).
+__device__ __forceinline__ void grng_store_split3(__nv_bfloat16* __restrict__ planes,
+                                                  long long o, long long plane, float x) {
+    __nv_bfloat16 hi, mid, lo;
+    grng_split3(x, hi, mid, lo);
+    planes[o] = hi;
+    planes[plane + o] = mid;
+    planes[2 * plane + o] = lo;
+}
+
 // Two adjacent bf16 values as floats; `p` must be 4-byte aligned.
 __device__ __forceinline__ float2 grng_ld_bf16x2(const __nv_bfloat16* p) {
     return __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(p));

@@ -309,34 +309,47 @@ GRNG_UNROLL
     }
 };
 
-// Validation pass over `narr` (1..4) arrays of n floats: status[a] ← min(status[a], first
-// index of a NaN/Inf in array a); status[4] ← min(status[4], first index i with
-// a[sign_arr][i] < 0 (strict = 0) or ≤ 0 (strict = 1)); sign_arr < 0 checks no sign. Unused
-// array pointers may repeat a used one. Read-only on the arrays; integer atomicMin makes the
-// result independent of the order blocks run in.
+// Validation pass over `narr` (1..4) arrays, array a of n_a floats (any lengths: one launch
+// for the gradients of several layers): status[a] ← min(status[a], first index of a NaN/Inf
+// in array a); status[4] ← min(status[4], first index i with a[sign_arr][i] < 0 (strict = 0)
+// or ≤ 0 (strict = 1)); sign_arr < 0 checks no sign. Unused array pointers may repeat a used
+// one (their n_a is 0). Read-only on the arrays; integer atomicMin makes the result
+// independent of the order blocks run in. s0..s3 (each null or 3·n_a bf16): array a's split3
+// planes (grng_store_split3, plane p at p·n_a), written as it is read: the planes the
+// f32-accurate products read (gemm/engine.cuh), so that a checked input (the optimizer step's
+// gradients) is not split again by a gemm_split3 launch.
 extern "C" __global__ void elementwise_check(const float* __restrict__ a0,
                                              const float* __restrict__ a1,
                                              const float* __restrict__ a2,
                                              const float* __restrict__ a3, int narr,
-                                             int sign_arr, int strict, int n,
-                                             int* __restrict__ status) {
+                                             int sign_arr, int strict, int n0, int n1, int n2,
+                                             int n3, int* __restrict__ status,
+                                             __nv_bfloat16* __restrict__ s0,
+                                             __nv_bfloat16* __restrict__ s1,
+                                             __nv_bfloat16* __restrict__ s2,
+                                             __nv_bfloat16* __restrict__ s3) {
     const float* arr[4] = {a0, a1, a2, a3};
+    __nv_bfloat16* planes[4] = {s0, s1, s2, s3};
+    const int lens[4] = {n0, n1, n2, n3};
+    const int n = max(max(n0, n1), max(n2, n3));
     EwBad bad;
     for (int i = EW_TID; i < n; i += EW_STRIDE) {
 GRNG_UNROLL
         for (int a = 0; a < 4; ++a) {
-            if (a < narr) {
+            if (a < narr && i < lens[a]) {
                 const float v = arr[a][i];
                 bad.note(a, v, i);
                 if (a == sign_arr && bad.sign == EW_NONE && (strict ? v <= 0.0f : v < 0.0f))
                     bad.sign = i;
+                if (planes[a] != nullptr) grng_store_split3(planes[a], i, lens[a], v);
             }
         }
     }
     bad.flush(status);
 }
 GRNG_EMU_ENTRY(elementwise_check,
-               (const float*, const float*, const float*, const float*, int, int, int, int, int*))
+               (const float*, const float*, const float*, const float*, int, int, int, int, int,
+                int, int, int*, __nv_bfloat16*, __nv_bfloat16*, __nv_bfloat16*, __nv_bfloat16*))
 
 // The same validation for one bf16 array of n elements (the Kronecker SYRK's activations):
 // status[0] ← min(status[0], first index of a NaN/Inf, i.e. all 8 exponent bits set).

@@ -191,27 +191,6 @@ __device__ __forceinline__ bool grng_gemm_operands_vec(const __nv_bfloat16* A, i
 #define GRNG_SPLIT3_A_PLANES 0x121  // t = 0..5 → 1, 0, 2, 0, 1, 0
 #define GRNG_SPLIT3_B_PLANES 0x049  // t = 0..5 → 1, 2, 0, 1, 0, 0
 
-// The three bf16 planes of x: hi = bf16(x), mid = bf16(x − hi), lo = bf16(x − hi − mid) (the
-// differences are exact in f32).
-__device__ __forceinline__ void grng_split3(float x, __nv_bfloat16& hi, __nv_bfloat16& mid,
-                                            __nv_bfloat16& lo) {
-    hi = __float2bfloat16_rn(x);
-    const float r = x - __bfloat162float(hi);
-    mid = __float2bfloat16_rn(r);
-    lo = __float2bfloat16_rn(r - __bfloat162float(mid));
-}
-
-// Stores the three planes of x at planes[o], planes[plane + o], planes[2·plane + o]: the
-// layout gemm_split3 writes and the split products read (one f32 matrix, plane p at p·plane).
-__device__ __forceinline__ void grng_store_split3(__nv_bfloat16* __restrict__ planes,
-                                                  long long o, long long plane, float x) {
-    __nv_bfloat16 hi, mid, lo;
-    grng_split3(x, hi, mid, lo);
-    planes[o] = hi;
-    planes[plane + o] = mid;
-    planes[2 * plane + o] = lo;
-}
-
 // The mainloop of grng_gemm_tile for one loader: Vec (every operand plane 16-byte aligned
 // with ld % 8 == 0) copies by cp.async from per-thread plans (GrngLoadPlan), else the
 // element-wise gathers. The per-lane fragment offsets and the loader's plans are computed

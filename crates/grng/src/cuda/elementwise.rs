@@ -21,6 +21,7 @@ use super::launch::{
 };
 use std::any::Any;
 
+use super::engine::{SplitCache, KEEP_MAX_ELEMENTS};
 use crate::device::{Device, Element, Matrix};
 use crate::error::{check_len, check_value, Error, Result};
 use crate::params::elementwise::{
@@ -57,7 +58,7 @@ fn new_status(dev: &Device) -> Result<Matrix> {
 /// `v ≤ 0`, otherwise `v < 0`.
 type SignCheck = Option<(usize, bool)>;
 
-/// Queues `elementwise_check` over `arrays` (1..=4 of one length) into the 5 status slots
+/// Queues `elementwise_check` over `arrays` (1..=4, of any lengths) into the 5 status slots
 /// of `status` from float `at` on.
 fn queue_check(
     dev: &Device,
@@ -65,8 +66,16 @@ fn queue_check(
     arrays: &[(&'static str, &Matrix)],
     sign: SignCheck,
     (status, at): (&mut Matrix, usize),
+    planes: &mut [Option<Matrix<bf16>>],
 ) -> Result<()> {
-    let n = arrays[0].1.len();
+    // Memory safety: at most 4 arrays, at most one planes buffer per array, each 3·len bf16.
+    check_len(op, "arrays", arrays.len().min(4), arrays.len())?;
+    check_len(op, "planes", planes.len().min(arrays.len()), planes.len())?;
+    for (p, (_, m)) in planes.iter().zip(arrays) {
+        if let Some(p) = p {
+            check_len(op, "planes", p.len(), 3 * m.len())?;
+        }
+    }
     let ptr = |a: usize| arrays[a.min(arrays.len() - 1)].1;
     let (sign_arr, strict) = sign.map_or((-1, 0), |(a, s)| (a as i32, i32::from(s)));
     let mut args = KernelArgs::new(dev);
@@ -76,15 +85,29 @@ fn queue_check(
         .input(op, ptr(3))?
         .scalar(arrays.len() as i32)
         .scalar(sign_arr)
-        .scalar(strict)
-        .scalar(to_i32(op, arrays[0].0, n)?)
-        .output_at(op, status, at, 5)?;
+        .scalar(strict);
+    for a in 0..4 {
+        let n = arrays
+            .get(a)
+            .map_or(Ok(0), |&(arg, m)| to_i32(op, arg, m.len()))?;
+        args.scalar(n);
+    }
+    args.output_at(op, status, at, 5)?;
+    let n = arrays.iter().map(|(_, m)| m.len()).max().unwrap_or(0);
+    let mut planes = planes.iter_mut();
+    for _ in 0..4 {
+        match planes.next().and_then(Option::as_mut) {
+            Some(p) => args.output(op, p)?,
+            None => args.scalar(0u64),
+        };
+    }
     // SAFETY: elementwise_check(const float* a0, const float* a1, const float* a2,
-    // const float* a3, int narr, int sign_arr, int strict, int n, int* status): the four
-    // pointers are matrices of n floats (callers pass arrays of one length; unused slots
-    // repeat the last one and are not read, narr = arrays.len() <= 4); status points at 5
-    // ints inside its buffer (`output_at`);
-    // threads read index i < n only.
+    // const float* a3, int narr, int sign_arr, int strict, int n0, int n1, int n2, int n3,
+    // int* status, bf16* s0, bf16* s1, bf16* s2, bf16* s3): array a < narr = arrays.len() <= 4
+    // (checked) holds n_a = its length floats and is read at i < n_a only; unused slots repeat
+    // the last array with n_a = 0 and are not read; status points at 5 ints inside its buffer
+    // (`output_at`); s_a is null (the 8-byte 0) or 3·n_a bf16 (checked) of which element
+    // p·n_a + i is written for i < n_a, only for a < narr (at most one per array, checked).
     unsafe { launch(&CHECK, stream_config(n)?, args) }
 }
 
@@ -140,13 +163,13 @@ pub(crate) fn validate(
         return Ok(());
     }
     let mut status = new_status(dev)?;
-    queue_check(dev, op, arrays, sign, (&mut status, 0))?;
+    queue_check(dev, op, arrays, sign, (&mut status, 0), &mut [])?;
     status_result(op, arrays, sign, &status)
 }
 
 /// [`crate::Device::check_finite`] on a kernel device: `Err(Error::NonFinite)` at the first
-/// NaN/Inf of each matrix, in `arrays` order. Consecutive `f32` matrices of one length are
-/// checked by one `elementwise_check` launch (up to 4 at once), a `bf16` matrix by
+/// NaN/Inf of each matrix, in `arrays` order. Consecutive `f32` matrices (up to 4, of any
+/// lengths) are checked by one `elementwise_check` launch, a `bf16` matrix by
 /// `elementwise_check_bf16`; each launch costs one 20-byte status read-back (a stream
 /// synchronization on a GPU) — or, inside [`crate::Device::deferred`], none: the launch
 /// writes into the scope's ledger and the scope reads it once (`cuda::deferred`). Read-only.
@@ -163,15 +186,12 @@ pub(crate) fn check_finite<T: Element>(
             for &(arg, next) in rest[1..].iter().take(3) {
                 let any: &dyn Any = next;
                 match any.downcast_ref::<Matrix<f32>>() {
-                    Some(next) if next.len() == m.len() => group.push((arg, next)),
-                    _ => break,
+                    Some(next) => group.push((arg, next)),
+                    None => break,
                 }
             }
             rest = &rest[group.len()..];
-            let queue = |status: &mut Matrix, at| queue_check(dev, op, &group, None, (status, at));
-            if let Some(status) = queued_status(dev, 5, queue)? {
-                status_result(op, &group, None, &status)?;
-            }
+            check_group(dev, op, &group, &mut [])?;
         } else if let Some(m) = any.downcast_ref::<Matrix<bf16>>() {
             rest = &rest[1..];
             check_bf16(dev, op, arg, m)?;
@@ -180,6 +200,58 @@ pub(crate) fn check_finite<T: Element>(
                 "{op}: no finiteness check for elements of type {}",
                 std::any::type_name::<T>()
             )));
+        }
+    }
+    Ok(())
+}
+
+/// One `elementwise_check` of `group` (up to 4 `f32` matrices, any lengths) writing the
+/// `planes` given (one per matrix, or none), into the ledger or a status read here.
+fn check_group(
+    dev: &Device,
+    op: &'static str,
+    group: &[(&'static str, &Matrix)],
+    planes: &mut [Option<Matrix<bf16>>],
+) -> Result<()> {
+    let queue = |status: &mut Matrix, at| queue_check(dev, op, group, None, (status, at), planes);
+    match queued_status(dev, 5, queue)? {
+        Some(status) => status_result(op, group, None, &status),
+        None => Ok(()),
+    }
+}
+
+/// [`check_finite`] of `f32` matrices, each with a cache (empty, or holding its planes) where
+/// the caller wants its split3 planes: the check launch writes them as it reads the matrix
+/// (kept in the cache once the check is queued or has passed), so that the f32-accurate
+/// products that read it next split nothing. Matrices above
+/// [`KEEP_MAX_ELEMENTS`] get none (there a split is a few per cent of a
+/// product, and the planes 6 bytes per element). Groups as [`check_finite`]: up to 4
+/// consecutive matrices per launch.
+///
+/// # Errors
+/// As [`check_finite`]; the caches of a group that failed stay as they were.
+pub(crate) fn check_finite_split(
+    dev: &Device,
+    op: &'static str,
+    arrays: &[(&'static str, &Matrix, Option<&SplitCache>)],
+) -> Result<()> {
+    for group in arrays.chunks(4) {
+        let wanted = |m: &Matrix, c: Option<&SplitCache>| {
+            c.is_some_and(|c| !c.has_planes()) && !m.is_empty() && m.len() <= KEEP_MAX_ELEMENTS
+        };
+        let mut planes = group
+            .iter()
+            .map(|&(_, m, c)| match wanted(m, c) {
+                true => dev.zeros::<bf16>(3 * m.rows(), m.cols()).map(Some),
+                false => Ok(None),
+            })
+            .collect::<Result<Vec<_>>>()?;
+        let named: Vec<_> = group.iter().map(|&(arg, m, _)| (arg, m)).collect();
+        check_group(dev, op, &named, &mut planes)?;
+        for (&(_, _, c), p) in group.iter().zip(planes) {
+            if let (Some(c), Some(p)) = (c, p) {
+                c.keep(p);
+            }
         }
     }
     Ok(())
@@ -222,7 +294,14 @@ pub(crate) fn axpy(dev: &Device, alpha: f32, x: &Matrix, y: &mut Matrix) -> Resu
     }
     let cfg = stream_config(y.len())?;
     let mut status = new_status(dev)?;
-    queue_check(dev, OP, &[("x", x), ("y", &*y)], None, (&mut status, 0))?;
+    queue_check(
+        dev,
+        OP,
+        &[("x", x), ("y", &*y)],
+        None,
+        (&mut status, 0),
+        &mut [],
+    )?;
     let mut args = KernelArgs::new(dev);
     args.output(OP, y)?
         .input(OP, x)?
@@ -280,7 +359,7 @@ pub(crate) fn scale(dev: &Device, alpha: f32, x: &mut Matrix) -> Result<()> {
     }
     let cfg = stream_config(x.len())?;
     let mut status = new_status(dev)?;
-    queue_check(dev, OP, &[("x", &*x)], None, (&mut status, 0))?;
+    queue_check(dev, OP, &[("x", &*x)], None, (&mut status, 0), &mut [])?;
     let mut args = KernelArgs::new(dev);
     args.output(OP, x)?
         .scalar(alpha)
@@ -896,4 +975,72 @@ pub(crate) fn multi_update(
         _ => at_state(&next1[0])?,
     };
     Err(upd.error(op, layout, slot, pos, value))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::{check_finite_split, SplitCache};
+    use crate::cuda::engine::split3;
+    use crate::{Device, Error, Matrix};
+    use rand::{Rng, SeedableRng};
+
+    fn bits(m: &Matrix<half::bf16>) -> Vec<u16> {
+        m.to_vec().unwrap().iter().map(|v| v.to_bits()).collect()
+    }
+
+    proptest::proptest! {
+        #![proptest_config(crate::testing::proptest_config(16))]
+
+        /// [`check_finite_split`] on the emulator: five matrices of ragged lengths (`n`, `n`,
+        /// `n2`, `n`, `n`: two launches, the first of four matrices of two lengths), caches
+        /// wanted or not, one that holds planes already (kept as they are). The planes
+        /// written are `gemm_split3`'s of the same matrix, bit for bit; without a cache none
+        /// are made. A NaN planted in the third matrix is its typed error, and its group's
+        /// caches stay empty. Mutation check: the kernel storing the planes
+        /// of `v + v·2⁻¹⁰` fails it.
+        #[test]
+        fn the_check_writes_the_planes_of_what_it_reads(
+            n in 1usize..300,
+            n2 in 1usize..300,
+            plant in proptest::prelude::any::<bool>(),
+            seed in proptest::prelude::any::<u64>(),
+        ) {
+            let dev = Device::Emulated;
+            let mut rng = rand_chacha::ChaCha8Rng::seed_from_u64(seed);
+            let lens = [n, n, n2, n, n];
+            let mut vals: Vec<Vec<f32>> = lens
+                .iter()
+                .map(|&l| (0..l).map(|_| rng.random_range(-3.0f32..3.0)).collect())
+                .collect();
+            if plant {
+                vals[2][rng.random_range(0..n2)] = f32::NAN;
+            }
+            let ms: Vec<Matrix> = vals.iter().map(|v| dev.upload(v.len(), 1, v).unwrap()).collect();
+            let caches: Vec<SplitCache> = lens.iter().map(|_| SplitCache::default()).collect();
+            // Matrix 4 has planes already (of itself), matrix 1 wants none.
+            let own = split3(&dev, &ms[4]).unwrap();
+            caches[4].keep(split3(&dev, &ms[4]).unwrap());
+            let want = [true, false, true, true, true];
+            let named: Vec<_> = ms
+                .iter()
+                .zip(&caches)
+                .zip(want)
+                .map(|((m, c), w)| ("x", m, w.then_some(c)))
+                .collect();
+            let r = check_finite_split(&dev, "test", &named);
+            let failed = plant;
+            proptest::prop_assert_eq!(r.is_err(), failed);
+            if let Err(e) = r {
+                proptest::prop_assert!(matches!(e, Error::NonFinite { arg: "x", .. }), "{}", e);
+            }
+            for (k, (m, c)) in ms.iter().zip(&caches).enumerate() {
+                let written = k == 4 || (want[k] && !failed);
+                proptest::prop_assert_eq!(c.has_planes(), written, "matrix {}", k);
+                if let Some(p) = c.planes() {
+                    let expected = if k == 4 { bits(&own) } else { bits(&split3(&dev, m).unwrap()) };
+                    proptest::prop_assert_eq!(bits(p), expected, "matrix {}", k);
+                }
+            }
+        }
+    }
 }

@@ -11,6 +11,7 @@ use crate::driver::kernel::{SelfCheck, Sm90Variant};
 use crate::error::{check_shape, Result};
 use crate::mat::Trans;
 use half::bf16;
+use std::sync::OnceLock;
 
 /// Dynamic shared memory of every GEMM-engine kernel (`syrk_ema_tc`, `newton_gemm_tc`):
 /// `GRNG_GEMM_SMEM` of kernels/gemm/engine.cuh, 3 stages of two 128x32 bf16 tiles.
@@ -31,6 +32,47 @@ pub(crate) const fn wg_variant(kernel: Kernel, check: SelfCheck) -> Sm90Variant 
         block: WG_THREADS,
         shared_mem: WG_SMEM,
         check,
+    }
+}
+
+/// The largest matrix whose planes are kept beside it (`2048²` elements:
+/// `Device::kept_operand`, the gradients' check): there a split (a launch and 10 bytes per
+/// element) is a large share of a product's time, and the kept planes (6 bytes per element,
+/// 12 per concatenation of the bf16x3 candidate) are a few tens of MB at most; above it a
+/// split is a few per cent of its `O(n³)` product and the memory grows with `n²`.
+pub(crate) const KEEP_MAX_ELEMENTS: usize = 1 << 22;
+
+/// The split3 planes and concatenations of one `f32` matrix, each made at the first product
+/// that reads it (`cuda::gemm::Split3`). Owned by a `Split3` for one call's products, or kept
+/// beside a matrix that outlives the call (the optimizer's inverse and factor,
+/// `Split3::kept`), so that later calls split nothing; whoever keeps it drops it (or makes a
+/// new one) when the matrix changes. Also filled by a product's epilogue for its result, and
+/// by the gradients' check (`cuda::elementwise::check_finite_split`).
+#[derive(Debug, Default)]
+pub struct SplitCache {
+    /// The engine's planes ([`split3`]'s layout).
+    pub(crate) planes: OnceLock<Matrix<bf16>>,
+    /// The concatenated operands ([`split3_cat`]) by role and transpose.
+    pub(crate) cat: [OnceLock<Matrix<bf16>>; 4],
+}
+
+impl SplitCache {
+    /// Whether the engine's planes are here: a product reading the matrix splits nothing.
+    pub fn has_planes(&self) -> bool {
+        self.planes.get().is_some()
+    }
+
+    /// The engine's planes of the matrix (`3r x c` bf16: hi, mid, lo, plane `p` at element
+    /// offset `p·r·c`, `gemm_split3`'s layout), if made.
+    pub fn planes(&self) -> Option<&Matrix<bf16>> {
+        self.planes.get()
+    }
+
+    /// Keeps `planes` (`3r x c` bf16, `gemm_split3`'s layout), written for the matrix this
+    /// cache is of, when it has none (the caller made them for an empty cache; a cache that
+    /// has planes keeps its own, of the same matrix).
+    pub(crate) fn keep(&self, planes: Matrix<bf16>) {
+        let _ = self.planes.set(planes);
     }
 }
 

@@ -10,6 +10,7 @@
 //! `int` ranges; device placement is checked by [`KernelArgs`]).
 
 use super::deferred::first_flagged;
+pub use super::engine::SplitCache;
 use super::engine::{split3, split3_cat, wg_variant, GemmInts, Role, GEMM_SMEM};
 use super::launch::{kernel, launch, to_i32, Kernel, KernelArgs, LaunchConfig};
 use super::sm90;
@@ -20,7 +21,6 @@ use crate::error::{check_shape, Error, Result, OVERFLOW};
 use crate::mat::Trans;
 use crate::shape::{op_shape, MatMul, Shaped};
 use half::bf16;
-use std::sync::OnceLock;
 
 kernel!(pub GEMM_NN = GEMM::gemm_nn;);
 kernel!(pub GEMM_NT = GEMM::gemm_nt;);
@@ -254,30 +254,9 @@ pub fn gemm3_split(
     Ok(())
 }
 
-/// The split3 planes and concatenations of one `f32` matrix, each made at the first product
-/// that reads it ([`Split3`]). Owned by a `Split3` for one call's products, or kept beside
-/// a matrix that outlives the call (the optimizer's inverse and factor, [`Split3::kept`]), so
-/// that later calls split nothing; whoever keeps it drops it (or makes a new one) when the
-/// matrix changes.
-#[derive(Debug, Default)]
-pub struct SplitCache {
-    planes: OnceLock<Matrix<bf16>>,
-    /// The concatenated operands ([`split3_cat`]) by role and transpose.
-    cat: [OnceLock<Matrix<bf16>>; 4],
-}
-
+/// What [`SplitCache`] does for a product's result in this file: the planes an engine
+/// product's epilogue writes, and keeping them.
 impl SplitCache {
-    /// Whether the engine's planes are here: a product reading the matrix splits nothing.
-    pub fn has_planes(&self) -> bool {
-        self.planes.get().is_some()
-    }
-
-    /// The engine's planes of the matrix (`3r x c` bf16: hi, mid, lo, plane `p` at element
-    /// offset `p·r·c`, `gemm_split3`'s layout), if made.
-    pub fn planes(&self) -> Option<&Matrix<bf16>> {
-        self.planes.get()
-    }
-
     /// The planes an engine product's epilogue writes for its result `c` (`3r x c` bf16)
     /// when `out` asks for them; `None` without `out` or for an empty `c` (nothing to read).
     ///
@@ -306,8 +285,7 @@ impl SplitCache {
     /// empty before): from here on they are its result's.
     fn keep_result(out: Option<&SplitCache>, planes: Option<Matrix<bf16>>) {
         if let (Some(o), Some(p)) = (out, planes) {
-            // `result_planes` checked that `o` is empty, and nothing filled it since.
-            let _ = o.planes.set(p);
+            o.keep(p);
         }
     }
 }

@@ -846,17 +846,16 @@ pub(crate) fn precondition_checked(
     dev: &Device,
     op: &'static str,
     gamma_inv: &Split3<'_>,
-    g: &Matrix,
+    g: &Split3<'_>,
     lambda_inv: &Split3<'_>,
     p: &mut Matrix,
     out: Option<&SplitCache>,
 ) -> Result<()> {
-    let (d_out, d_in) = g.shape();
+    let (d_out, d_in) = g.matrix().shape();
     check_shape(op, "p", p.shape(), (d_out, d_in))?;
     let mut t = dev.zeros::<f32>(d_out, d_in)?;
     let t_planes = SplitCache::default();
-    let g = Split3::new(g);
-    let g_lambda = MatMul::new(Trans::No, Trans::No, 1.0, &g, lambda_inv);
+    let g_lambda = MatMul::new(Trans::No, Trans::No, 1.0, g, lambda_inv);
     gemm3_split(dev, g_lambda, 0.0, &mut t, Some(&t_planes))?;
     let t = Split3::kept(&t, &t_planes);
     let epi = Epilogue3 {

@@ -3,6 +3,7 @@
 use std::any::Any;
 
 use super::{host_mut, host_ref, OVERFLOW};
+use crate::cuda::engine::KEEP_MAX_ELEMENTS;
 use crate::cuda::gemm::{Epilogue3, Split3, SplitCache};
 use crate::device::{Device, Element, Matrix};
 use crate::error::Result;
@@ -236,12 +237,22 @@ impl Device {
     ) -> Result<Operand<'a>> {
         match self {
             Device::Emulated | Device::Cuda(_) if m.len() > KEEP_MAX_ELEMENTS => self.operand(m),
-            _ => self.cached_operand(m, cache),
+            _ => self.split_operand(m, cache),
         }
     }
 
-    /// [`Device::operand`] of `m` whose planes are in `cache` (`m`'s, or empty), of any size.
-    fn cached_operand<'a>(&self, m: &'a Matrix, cache: &'a SplitCache) -> Result<Operand<'a>> {
+    /// [`Device::operand`] of `m` whose planes are in `cache` (`m`'s as it is now, or empty:
+    /// the caller's invariant, as the planes are read without a check of their values), of
+    /// any size: the planes a check wrote ([`Device::check_finite_split`]) or a product's
+    /// epilogue ([`Device::product_operand`]).
+    ///
+    /// # Errors
+    /// [`crate::Error::DeviceMismatch`].
+    pub(crate) fn split_operand<'a>(
+        &self,
+        m: &'a Matrix,
+        cache: &'a SplitCache,
+    ) -> Result<Operand<'a>> {
         self.check_on(OP, m)?;
         Ok(match self {
             Device::Cpu => Operand::Host(m),
@@ -255,7 +266,7 @@ impl Device {
     /// # Errors
     /// [`crate::Error::DeviceMismatch`].
     pub(crate) fn product_operand<'a>(&self, x: &'a Product) -> Result<Operand<'a>> {
-        self.cached_operand(&x.m, &x.planes)
+        self.split_operand(&x.m, &x.planes)
     }
 
     /// [`Device::product_valid_inputs`] of operands prepared by [`Device::operand`] (the same
@@ -405,13 +416,6 @@ pub(crate) fn widen(m: &Matrix<bf16>) -> Result<Matrix> {
     }
     Ok(w)
 }
-
-/// The largest matrix whose planes [`Device::kept_operand`] keeps (`2048²` elements): there a
-/// split (a launch and 10 bytes per element) is a large share of a product's time, and the
-/// kept planes (6 bytes per element, 12 per concatenation of the bf16x3 candidate) are a
-/// few tens of MB at most; above it a split is a few per cent of its `O(n³)` product and
-/// the memory grows with `n²`.
-pub(crate) const KEEP_MAX_ELEMENTS: usize = 1 << 22;
 
 /// A product's result with the split planes the engine's epilogue wrote for it
 /// ([`Device::product_split_of`]; empty on the CPU and after a vendor product), read by the

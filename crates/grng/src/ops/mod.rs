@@ -127,6 +127,33 @@ impl Device {
         }
     }
 
+    /// [`Device::check_all_finite`] of `f32` matrices, each with a cache where the caller
+    /// wants its split3 planes: on the kernel devices the check writes them as it reads the
+    /// matrix (`cuda::elementwise::check_finite_split`), so that the f32-accurate products
+    /// reading it next ([`Device::split_operand`]) split nothing; on the CPU the caches stay
+    /// empty.
+    ///
+    /// # Errors
+    /// As [`Device::check_all_finite`].
+    pub(crate) fn check_finite_split(
+        &self,
+        op: &'static str,
+        arrays: &[(&'static str, &Matrix, Option<&SplitCache>)],
+    ) -> Result<()> {
+        match self {
+            Device::Emulated | Device::Cuda(_) => {
+                for &(_, m, _) in arrays {
+                    self.check_on(op, m)?;
+                }
+                crate::cuda::elementwise::check_finite_split(self, op, arrays)
+            }
+            Device::Cpu => {
+                let named: Vec<_> = arrays.iter().map(|&(arg, m, _)| (arg, m)).collect();
+                self.check_all_finite(op, &named)
+            }
+        }
+    }
+
     /// Runs `f` on scratch stand-ins for `outs` and commits them only when `f` succeeded and
     /// every result is finite: a failed or overflowing op (finite but huge inputs whose result
     /// is ±Inf/NaN) leaves each output bit-for-bit unchanged and returns

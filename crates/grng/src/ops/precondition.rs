@@ -5,6 +5,7 @@ use super::SplitCache;
 use super::{host_mut, host_ref, OVERFLOW};
 use crate::device::{Device, Matrix};
 use crate::error::{check_shape, Result};
+use crate::shape::Shaped;
 
 impl Device {
     /// `P = Γ̃⁻¹ G Λ̃⁻¹` with `Γ̃⁻¹` `d_out x d_out`, `G` `d_out x d_in`, `Λ̃⁻¹` `d_in x d_in`.
@@ -49,12 +50,13 @@ impl Device {
         p: &mut Matrix,
     ) -> Result<()> {
         let (gi, li) = (self.operand(gamma_inv)?, self.operand(lambda_inv)?);
-        self.precondition_of((&gi, g, &li), p, None)
+        self.precondition_of((&gi, &self.operand(g)?, &li), p, None)
     }
 
     /// [`Device::precondition_valid_inputs`] with the inverses as product operands
     /// ([`Device::operand`], [`Device::kept_operand`]: on the kernel devices their split planes,
-    /// kept from an earlier step where the caller keeps them): the same products, the same bits.
+    /// kept from an earlier step where the caller keeps them; `G`'s where its check wrote them):
+    /// the same products, the same bits.
     /// With `planes` (empty, for `P`): `P`'s split planes where the engine's epilogue writes
     /// them (as [`Device::product_split_of`]).
     ///
@@ -63,27 +65,29 @@ impl Device {
     /// for another kind of device.
     pub(crate) fn precondition_of(
         &self,
-        (gamma_inv, g, lambda_inv): (&Operand<'_>, &Matrix, &Operand<'_>),
+        (gamma_inv, g, lambda_inv): (&Operand<'_>, &Operand<'_>, &Operand<'_>),
         p: &mut Matrix,
         planes: Option<&SplitCache>,
     ) -> Result<()> {
         const OP: &str = "Device::precondition";
-        match (self, gamma_inv, lambda_inv) {
-            (Device::Cpu, Operand::Host(gi), Operand::Host(li)) => {
-                self.commit_finite(OP, [(OVERFLOW, p, false)], |[p]| {
+        match (self, gamma_inv, g, lambda_inv) {
+            (Device::Cpu, Operand::Host(gi), Operand::Host(g), Operand::Host(li)) => self
+                .commit_finite(OP, [(OVERFLOW, p, false)], |[p]| {
                     crate::cpu::precondition(
                         host_ref(gi)?,
                         host_ref(g)?,
                         host_ref(li)?,
                         host_mut(p)?,
                     )
-                })
-            }
+                }),
             // The second product checks `P` in its epilogue as it stores it (no check pass),
             // into a new matrix installed only when clean.
-            (Device::Emulated | Device::Cuda(_), Operand::Split(gi), Operand::Split(li)) => {
-                crate::cuda::gemm_plan::precondition_checked(self, OP, gi, g, li, p, planes)
-            }
+            (
+                Device::Emulated | Device::Cuda(_),
+                Operand::Split(gi),
+                Operand::Split(g),
+                Operand::Split(li),
+            ) => crate::cuda::gemm_plan::precondition_checked(self, OP, gi, g, li, p, planes),
             _ => Err(self.foreign_operand(OP)),
         }
     }
@@ -95,9 +99,9 @@ impl Device {
     /// As [`Device::precondition_of`].
     pub(crate) fn precondition_split_of(
         &self,
-        inputs: (&Operand<'_>, &Matrix, &Operand<'_>),
+        inputs: (&Operand<'_>, &Operand<'_>, &Operand<'_>),
     ) -> Result<Product> {
-        let (o, i) = inputs.1.shape();
+        let (o, i) = inputs.1.stored_shape();
         let mut p = Product::new(self.zeros(o, i)?);
         self.precondition_of(inputs, &mut p.m, Some(&p.planes))?;
         Ok(p)

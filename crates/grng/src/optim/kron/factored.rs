@@ -266,16 +266,18 @@ impl ModelTerms {
 pub(super) fn precondition(
     d: &Device,
     v: &LayerView<'_>,
-    g: KronGrad<'_>,
+    (g, [s0, s1]): (KronGrad<'_>, &[SplitCache; 2]),
     (with_model, output_change): (bool, Option<f32>),
     spare: Option<Matrix>,
 ) -> Result<Preconditioned> {
     let (o, i) = (v.gamma.dim(), v.lambda.dim());
     let rows_route = |x: &InverseView<'_>| matches!(x, InverseView::LowRank(..));
     let f = match g.parts() {
-        Parts::Dense(g) => return dense(d, v, g, with_model),
+        Parts::Dense(g) => return dense(d, v, (g, s0), with_model),
         Parts::Factored(f) => f,
     };
+    // New matrices (thinner factors, the dense gradient) are split by their first product.
+    let fresh = SplitCache::default;
     let model = |grams, output_change| Model {
         with: with_model,
         grams,
@@ -286,15 +288,30 @@ pub(super) fn precondition(
     // factors are not the ones the Gram matrices are of).
     if rows_route(&v.gamma_inv) || rows_route(&v.lambda_inv) {
         return match thin_factors(d, v, f.e, f.a)? {
-            Some((e, a)) => factored(d, v, (&e, &a), model(None, None), spare),
-            None => factored(d, v, (f.e, f.a), model(f.grams, output_change), spare),
+            Some((e, a)) => {
+                let (se, sa) = (fresh(), fresh());
+                factored(d, v, ((&e, &se), (&a, &sa)), model(None, None), spare)
+            }
+            None => factored(
+                d,
+                v,
+                ((f.e, s0), (f.a, s1)),
+                model(f.grams, output_change),
+                spare,
+            ),
         };
     }
     if factored_is_cheaper(&g, (o, i), with_model) {
-        return factored(d, v, (f.e, f.a), model(f.grams, output_change), spare);
+        return factored(
+            d,
+            v,
+            ((f.e, s0), (f.a, s1)),
+            model(f.grams, output_change),
+            spare,
+        );
     }
     let g = gemm(d, Trans::Yes, Trans::No, 1.0 / f.e.rows() as f32, f.e, f.a)?;
-    dense(d, v, &g, with_model)
+    dense(d, v, (&g, &fresh()), with_model)
 }
 
 /// What [`factored`] computes besides `P`: the model's terms (`with`), with the caller's Gram
@@ -392,7 +409,12 @@ fn by_first_order(
 /// The dense route: two products for `P`, two for `ΓPΛ`, or one where `Γ̃⁻¹` takes the
 /// identity (module docs). Both inverses are dense here: the rows' route is planned only
 /// for factored gradients, which take [`factored`] then.
-fn dense(d: &Device, v: &LayerView<'_>, g: &Matrix, with_model: bool) -> Result<Preconditioned> {
+fn dense(
+    d: &Device,
+    v: &LayerView<'_>,
+    (g, g_planes): (&Matrix, &SplitCache),
+    with_model: bool,
+) -> Result<Preconditioned> {
     let (
         InverseView::Dense {
             x: gamma_inv,
@@ -419,12 +441,14 @@ fn dense(d: &Device, v: &LayerView<'_>, g: &Matrix, with_model: bool) -> Result<
         operand(d, gamma_inv, kept_g)?,
         operand(d, lambda_inv, kept_l)?,
     );
+    // `G` with the planes its check wrote (`KronOptimizer::check_inputs`).
+    let go = d.split_operand(g, g_planes)?;
     // A result read by the next product comes with the split planes the engine's epilogue
     // wrote (`Device::product_split_of`): that product splits nothing.
     let (p, gpl) = match (with_model, v.identity) {
         // `ΓP = T − λ_Γ·P` with `T = GΛ̃⁻¹`, `P = Γ̃⁻¹T` (module docs): one product by `Λ`.
         (true, (_, true)) => {
-            let t = d.product_split_of(MatMul::new(no, no, 1.0, &d.operand(g)?, &lambda_inv))?;
+            let t = d.product_split_of(MatMul::new(no, no, 1.0, &go, &lambda_inv))?;
             let p = d.product_of(MatMul::new(
                 no,
                 no,
@@ -441,11 +465,11 @@ fn dense(d: &Device, v: &LayerView<'_>, g: &Matrix, with_model: bool) -> Result<
         (false, _) => {
             let (o, i) = g.shape();
             let mut p = d.zeros(o, i)?;
-            d.precondition_of((&gamma_inv, g, &lambda_inv), &mut p, None)?;
+            d.precondition_of((&gamma_inv, &go, &lambda_inv), &mut p, None)?;
             (p, None)
         }
         (true, _) => {
-            let p = d.precondition_split_of((&gamma_inv, g, &lambda_inv))?;
+            let p = d.precondition_split_of((&gamma_inv, &go, &lambda_inv))?;
             let gamma = factor_operand(d, v.gamma)?;
             let gp =
                 d.product_split_of(MatMul::new(no, no, 1.0, &gamma, &d.product_operand(&p)?))?;
@@ -475,7 +499,7 @@ fn dense(d: &Device, v: &LayerView<'_>, g: &Matrix, with_model: bool) -> Result<
 fn factored(
     d: &Device,
     v: &LayerView<'_>,
-    (e, a): (&Matrix, &Matrix),
+    ((e, se), (a, sa)): ((&Matrix, &SplitCache), (&Matrix, &SplitCache)),
     model: Model<'_>,
     spare: Option<Matrix>,
 ) -> Result<Preconditioned> {
@@ -483,9 +507,9 @@ fn factored(
     let (ee, aa) = model.grams.unzip();
     let m = e.rows();
     // Each operand prepared once (on the kernel devices: split into bf16 planes once, where
-    // every product would split both of its operands again): `e`, `a`, `U` and `W` are read
-    // by up to four products each.
-    let (eo, ao) = (d.operand(e)?, d.operand(a)?);
+    // every product would split both of its operands again, or by the inputs' check):
+    // `e`, `a`, `U` and `W` are read by up to four products each.
+    let (eo, ao) = (d.split_operand(e, se)?, d.split_operand(a, sa)?);
     let (no, yes) = (Trans::No, Trans::Yes);
     let inv_m = 1.0 / m as f32;
     // `U = Γ̃⁻¹Eᵀ` (`d_out x m`) dense, or `Uᵀ = E·Γ̃⁻¹` (`m x d_out`) through the rows with

@@ -74,7 +74,7 @@ use crate::device::{Device, Matrix};
 use crate::dist::{self, DataParallel, Inversions, Part};
 use crate::error::{check_shape, check_value, Error, Result};
 use crate::ops::elementwise::AxpyOver;
-use crate::ops::Readout;
+use crate::ops::{Readout, SplitCache};
 
 /// RING / RENG / NGD over `L` dense layers on one [`Device`]. See the module docs.
 #[derive(Debug)]
@@ -258,7 +258,8 @@ impl KronOptimizer {
         // This rank's row counts: per layer the gradient's (0 when a gradient is dense or
         // comes reduced), then per layer the statistics' `A` and `E`.
         let checked = || -> Result<Vec<Part>> {
-            self.check_inputs(op, grads, stats.map(StatsIn::Rows))?;
+            // Not split: the reduced gradients replace these.
+            self.check_inputs(op, grads, stats.map(StatsIn::Rows), false)?;
             if let Some(params) = params {
                 self.check_layers(op, "params", params.iter())?;
             }
@@ -552,10 +553,10 @@ impl KronOptimizer {
         // Every check of the call read back once (`Device::deferred`); the body builds new
         // matrices only, installed below.
         let ((plan, counters, ps), _) = self.device.deferred(|| {
-            self.check_inputs(op, grads, stats)?;
+            let splits = self.check_inputs(op, grads, stats, true)?;
             let mut counters = self.st.counters;
             let plan = self.plan(stats, grads, false, &mut counters)?;
-            let ps = self.preconditioned(&plan, grads, false, None, Vec::new())?;
+            let ps = self.preconditioned(&plan, (grads, &splits), false, None, Vec::new())?;
             Ok((plan, counters, ps))
         })?;
         self.commit(plan, counters);
@@ -661,13 +662,14 @@ impl KronOptimizer {
             // confirmed every check, so a failed step leaves everything as it was.
             let mut spare = Some(std::mem::take(&mut self.spare));
             let (step, readout) = self.device.deferred(|| {
-                self.check_inputs(op, grads, stats)?;
+                let splits = self.check_inputs(op, grads, stats, true)?;
                 self.check_layers(op, "params", current.iter())?;
                 let mut counters = before;
                 let plan = self.plan(stats, grads, with_model, &mut counters)?;
                 let spare = spare.take().unwrap_or_default();
                 // Formed with the model's terms only (`factored::precondition`).
                 let change = output_change.map(|l| (l, -eta));
+                let grads = (grads, &splits[..]);
                 let mut ps = self.preconditioned(&plan, grads, with_model, change, spare)?;
                 let change = change.and_then(|(l, _)| ps[l].output_change.take());
                 let terms: Vec<_> = ps.iter().map(Preconditioned::model_terms).collect();
@@ -923,20 +925,26 @@ impl KronOptimizer {
 
     /// Counts, shapes and devices of `grads` and `stats`, `stats` presence, and finite
     /// `grads` (a factored gradient's `e` and `a`).
+    /// Checks the call's inputs; returns each layer's gradient planes (dense: `G`'s in the
+    /// first cache; factored: `E`'s, `A`'s), written by the check on the kernel devices
+    /// where `split` asks ([`Device::check_finite_split`]) for the products that read them.
     fn check_inputs(
         &self,
         op: &'static str,
         grads: &[KronGrad<'_>],
         stats: Option<StatsIn<'_, '_>>,
-    ) -> Result<()> {
+        split: bool,
+    ) -> Result<Vec<[SplitCache; 2]>> {
         check_shape(op, "grads", (grads.len(), 1), (self.shapes.len(), 1))?;
+        let splits: Vec<[SplitCache; 2]> = grads.iter().map(|_| Default::default()).collect();
         let mut named = Vec::with_capacity(2 * grads.len());
-        for (g, &(o, i)) in grads.iter().zip(&self.shapes) {
+        for ((g, &(o, i)), [s0, s1]) in grads.iter().zip(&self.shapes).zip(&splits) {
+            let (s0, s1) = (split.then_some(s0), split.then_some(s1));
             match g.parts() {
                 Parts::Dense(g) => {
                     self.device.check_on(op, g)?;
                     check_shape(op, "grads", g.shape(), (o, i))?;
-                    named.push(("grads", g));
+                    named.push(("grads", g, s0));
                 }
                 Parts::Factored(Factors { e, a, grams }) => {
                     self.device.check_on(op, e)?;
@@ -944,21 +952,23 @@ impl KronOptimizer {
                     let m = e.rows().max(1);
                     check_shape(op, "grads.e", e.shape(), (m, o))?;
                     check_shape(op, "grads.a", a.shape(), (m, i))?;
-                    named.push(("grads.e", e));
-                    named.push(("grads.a", a));
+                    named.push(("grads.e", e, s0));
+                    named.push(("grads.a", a, s1));
                     if let Some((ee, aa)) = grams {
                         for (arg, x) in [("grads.ee", ee), ("grads.aa", aa)] {
                             self.device.check_on(op, x)?;
                             check_shape(op, arg, x.shape(), (e.rows(), e.rows()))?;
-                            named.push((arg, x));
+                            named.push((arg, x, None));
                         }
                     }
                 }
             }
         }
-        // One batched check (a read-back per run of equal-length gradients on a GPU); the
-        // preconditioning then skips its own input checks.
-        self.device.check_all_finite(op, &named)?;
+        // One batched check (a launch per four gradients, one read-back per step), which
+        // also splits the gradients for the products; the preconditioning then skips its own
+        // input checks.
+        self.device.check_finite_split(op, &named)?;
+        drop(named);
         match stats {
             None if self.needs_stats() => Err(Error::Value {
                 op,
@@ -967,7 +977,7 @@ impl KronOptimizer {
                 expected: "statistics on a refresh step (see needs_stats())",
             }),
             // Formed by `reduce_inputs`, with the layers' shapes.
-            None | Some(StatsIn::Grams(_) | StatsIn::Spread(..)) => Ok(()),
+            None | Some(StatsIn::Grams(_) | StatsIn::Spread(..)) => Ok(splits),
             Some(StatsIn::Rows(stats)) => {
                 check_shape(op, "stats", (stats.len(), 1), (self.shapes.len(), 1))?;
                 for (s, &(o, i)) in stats.iter().zip(&self.shapes) {
@@ -980,7 +990,7 @@ impl KronOptimizer {
                         check_shape(op, arg, shape, (shape.0.max(1), cols))?;
                     }
                 }
-                Ok(())
+                Ok(splits)
             }
         }
     }
@@ -1225,10 +1235,11 @@ impl KronOptimizer {
 
     /// `P_l = Γ̃⁻¹ G_l Λ̃⁻¹` for every layer (and the model terms when `with_model`),
     /// rejecting a non-finite result.
+    /// `grads` with the planes their check wrote ([`KronOptimizer::check_inputs`]).
     fn preconditioned(
         &self,
         plan: &Plan,
-        grads: &[KronGrad<'_>],
+        (grads, splits): (&[KronGrad<'_>], &[[SplitCache; 2]]),
         with_model: bool,
         output_change: Option<(usize, f32)>,
         spare: Vec<Matrix>,
@@ -1236,13 +1247,14 @@ impl KronOptimizer {
         let mut spare = spare.into_iter();
         let layers = grads
             .iter()
+            .zip(splits)
             .enumerate()
-            .map(|(l, &g)| (l, g, spare.next()))
+            .map(|(l, (&g, s))| (l, g, s, spare.next()))
             .collect();
-        tasks::map(&self.device, layers, |(l, g, spare)| {
+        tasks::map(&self.device, layers, |(l, g, s, spare)| {
             let view = self.view(plan, l)?;
             let change = output_change.filter(|&(k, _)| k == l).map(|(_, a)| a);
-            factored::precondition(&self.device, &view, g, (with_model, change), spare)
+            factored::precondition(&self.device, &view, (g, s), (with_model, change), spare)
         })
     }
 
