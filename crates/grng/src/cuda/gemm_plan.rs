@@ -606,10 +606,10 @@ pub fn gemm<T: PlanElement>(
 /// epilogue), or cuBLAS SGEMM or [`gemm3_bf16x3`] followed by one finiteness check launch —
 /// into the ledger of an enclosing `Device::deferred` scope either way. With `epi.planes` (an
 /// empty cache for the result), the engine's epilogue writes the result's split planes into
-/// it ([`result_cache`]); after the vendor's or bf16x3's product it stays empty. With
-/// `epi.mirror` (plan [`Product::Symmetric`]) the engine computes the lower-triangle tiles and
-/// mirrors them, and the vendor and bf16x3 mirror their product's lower triangle
-/// (`newton_mirror_lower`, a launch): exactly symmetric whichever runs.
+/// it (in a trial, a scratch cache instead); after the vendor's or bf16x3's product it stays
+/// empty. With `epi.mirror` (plan [`Product::Symmetric`]) the engine computes the
+/// lower-triangle tiles and mirrors them, and the vendor and bf16x3 mirror their product's
+/// lower triangle (`newton_mirror_lower`, a launch): exactly symmetric whichever runs.
 ///
 /// # Errors
 /// As [`engine::product3_checked`]: [`Error::NonFinite`] (`op`, `"result (overflow)"`) for a
