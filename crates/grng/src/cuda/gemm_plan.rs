@@ -1168,6 +1168,15 @@ mod tests {
         );
     }
 
+    /// `len` values `((i·mul mod m) − ⌊m/2⌋)/div`: a few distinct values around zero, not
+    /// aligned with the tiles, reproducible without a seed (the plan's tests count launches or
+    /// compare candidates, whatever the values).
+    fn pattern(len: usize, mul: usize, m: usize, div: f32) -> Vec<f32> {
+        (0..len)
+            .map(|i| ((i * mul % m) as f32 - (m / 2) as f32) / div)
+            .collect()
+    }
+
     /// A trial's runs each pay the operand splits their candidate pays outside a trial. On
     /// the emulator (the host's clock; cuBLAS fails there and is not timed), the engine's
     /// 1 + [`TRIAL_RUNS`] runs of [`product3_checked`] split both operands each
@@ -1181,12 +1190,7 @@ mod tests {
     fn a_trial_times_the_splits_each_run_pays() {
         use crate::hooks::{record_launches_here, take_launches_here};
         let dev = Device::Emulated;
-        let upload = |r: usize, c: usize| {
-            let v: Vec<f32> = (0..r * c)
-                .map(|i| ((i * 7 % 13) as f32 - 6.0) / 7.0)
-                .collect();
-            dev.upload(r, c, &v).unwrap()
-        };
+        let upload = |r: usize, c: usize| dev.upload(r, c, &pattern(r * c, 7, 13, 7.0)).unwrap();
         let (a, b, b0) = (upload(33, 40), upload(40, 20), upload(40, 20));
         let no = Trans::No;
         let runs = 1 + TRIAL_RUNS;
@@ -1246,12 +1250,7 @@ mod tests {
     #[test]
     fn a_trial_leaves_the_result_planes_to_the_product_that_stays() {
         let dev = Device::Emulated;
-        let upload = |r: usize, c: usize| {
-            let v: Vec<f32> = (0..r * c)
-                .map(|i| ((i * 5 % 11) as f32 - 5.0) / 3.0)
-                .collect();
-            dev.upload(r, c, &v).unwrap()
-        };
+        let upload = |r: usize, c: usize| dev.upload(r, c, &pattern(r * c, 5, 11, 3.0)).unwrap();
         let (a, b) = (upload(9, 17), upload(17, 6));
         let (sa, sb) = (Split3::new(&a), Split3::new(&b));
         let no = Trans::No;
@@ -1296,12 +1295,7 @@ mod tests {
     fn every_symmetric_candidate_mirrors() {
         let dev = Device::Emulated;
         let (n, k) = (300, 37);
-        let v: Vec<f32> = (0..n * k)
-            .map(|i| ((i * 7 % 19) as f32 - 9.0) / 5.0)
-            .collect();
-        let w: Vec<f32> = (0..n * k)
-            .map(|i| ((i * 5 % 23) as f32 - 11.0) / 7.0)
-            .collect();
+        let (v, w) = (pattern(n * k, 7, 19, 5.0), pattern(n * k, 5, 23, 7.0));
         let (a, b) = (dev.upload(n, k, &v).unwrap(), dev.upload(n, k, &w).unwrap());
         let (sa, sb) = (Split3::new(&a), Split3::new(&b));
         let mirror = Epilogue3 {
