@@ -72,6 +72,8 @@ impl Opt {
     fn all(dev: &Device) -> [Opt; 3] {
         let ring = KronConfig {
             skip: 1, // every step refreshes: Kronecker factors, inverses, preconditioning
+            // On the device (Newton, power iteration), not the host: every kernel file.
+            host_refresh_max: 0,
             ..KronConfig::ring()
         };
         [

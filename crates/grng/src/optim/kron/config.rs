@@ -28,7 +28,9 @@ pub enum InverseMethod {
     /// blocked Cholesky inverse takes about n³ flops, Newton about 18 GEMMs of 2n³: 5–10x
     /// slower on a CPU, `docs/benchmarks.md` §3), warm-started [`InverseMethod::Newton`] with
     /// default options (to the `f32` floor) on [`Device::Cuda`] and [`Device::Emulated`]
-    /// (GEMM-only and device-resident, no triangular solves or host round trip).
+    /// (GEMM-only and device-resident, no triangular solves or host round trip) — there for
+    /// factors larger than [`KronConfig::host_refresh_max`]; smaller ones are refreshed and
+    /// inverted by Cholesky on the host.
     ///
     /// On [`Device::Cpu`] a Cholesky inversion at a refresh whose factor is replaced (EMA
     /// `ε = 0`, the default, or the first refresh) from `m ≤ n/2` statistics rows (`n > 64`,
@@ -126,7 +128,7 @@ pub struct KronConfig {
     /// Inversion method. Default [`InverseMethod::Auto`]: Cholesky on the CPU, cubic Newton
     /// from the warm start (scaled identity on the first refresh) to the `f32` floor
     /// ([`crate::ops::newton::NewtonStop::Floor`]; a floor above `1e-4` is a divergence) on a
-    /// GPU. Until issue 36 it stopped at a residual `≤ 1e-4`, which left a few `1e-5` of
+    /// GPU (small factors there: [`KronConfig::host_refresh_max`]). Until issue 36 it stopped at a residual `≤ 1e-4`, which left a few `1e-5` of
     /// relative error in the update where the floor leaves ~1e-6, for 0–1 more steps
     /// (docs/math.md §2).
     pub inverse: InverseMethod,
@@ -149,7 +151,22 @@ pub struct KronConfig {
     /// same training quality at scale (not measured on a GPU yet).
     /// `bf16` statistics always take the `bf16` path: they carry no more precision to keep.
     pub stats_precision: Precision,
+    /// Largest factor dimension `n` refreshed on the host on a kernel device with
+    /// [`InverseMethod::Auto`]: the factor is read back once (with RING's last power
+    /// iterate), its scalars (RING's `‖F‖₂` by the CPU's power iteration, NGD's trace) and its
+    /// inverse (the CPU's Cholesky, as [`Device::Cpu`] inverts) are computed there, and the
+    /// inverse (and the iterate) are uploaded. On the device such a factor costs tens of
+    /// launches and a read-back per Newton iteration and power batch, each a few µs of
+    /// latency for `n² ≤ 16k` values, where the host takes ~`n³` flops (≤ 0.1 ms at
+    /// `n = 128`). Larger factors stay on the device; `0` keeps every factor there. An
+    /// explicit [`KronConfig::inverse`] is always honoured on the device. Default
+    /// [`HOST_REFRESH_MAX`] (designed, not measured on a GPU: the GPU bench's `refresh-route`
+    /// rows time both routes at n = 16 to 512).
+    pub host_refresh_max: usize,
 }
+
+/// Default [`KronConfig::host_refresh_max`].
+pub const HOST_REFRESH_MAX: usize = 128;
 
 impl KronConfig {
     fn base(variant: KronVariant) -> Self {
@@ -169,6 +186,7 @@ impl KronConfig {
             grad_reg: 0.0,
             damping_floor: 1e-6,
             stats_precision: Precision::F32,
+            host_refresh_max: HOST_REFRESH_MAX,
         }
     }
 

@@ -34,7 +34,7 @@ use crate::device::{Device, Matrix};
 use crate::error::{Error, Result};
 use crate::mat::Trans;
 use crate::ops::newton::{InitialGuess, Precision};
-use crate::ops::{host_ref, SplitCache};
+use crate::ops::{host, host_ref, SplitCache};
 use crate::optim::StatsView;
 use crate::shape::MatMul;
 
@@ -104,12 +104,12 @@ impl Ctx<'_> {
             }
             _ => replaced_factor(self.device, &rows)?,
         };
-        let (norm, trace, top) = match self.cfg.variant {
-            KronVariant::Ring if gram_norm => (self.rows_norm(&rows, c)?, 0.0, None),
-            _ => self.formed_scalars(&f, old, c)?,
+        let ((norm, trace, top), host) = match self.cfg.variant {
+            KronVariant::Ring if gram_norm => ((self.rows_norm(&rows, c)?, 0.0, None), None),
+            _ => self.refreshed_scalars(&f, old, c)?,
         };
         let rows = (eps == 0.0).then_some(rows);
-        Ok((Refreshed::Formed(f, rows), scalars(norm, trace), top))
+        Ok((Refreshed::Formed(f, rows, host), scalars(norm, trace), top))
     }
 
     /// The statistics rows `x` as the factor's SYRK reads them: `f32` rows rounded to `bf16`
@@ -133,13 +133,13 @@ impl Ctx<'_> {
         c: &mut KronCounters,
     ) -> Result<Fresh<'x>> {
         let f = self.blended_gram(gram, old)?;
-        let (norm, trace, top) = self.formed_scalars(&f, old, c)?;
+        let ((norm, trace, top), host) = self.refreshed_scalars(&f, old, c)?;
         let scalars = FactorScalars {
             dim: f.rows(),
             norm,
             trace,
         };
-        Ok((Refreshed::Formed(f, None), scalars, top))
+        Ok((Refreshed::Formed(f, None, host), scalars, top))
     }
 
     /// The factor of [`Ctx::factor_from_gram`] without its scalars: `gram` blended into
@@ -157,19 +157,55 @@ impl Ctx<'_> {
         }
     }
 
-    /// The damping rules' scalars of a formed factor `f`: `(‖f‖₂, 0)` for RING, `(0, tr f)`
-    /// for NGD, zeros for RENG — each only for the variant that reads it: both are host round
-    /// trips. RING's power iteration starts from `old`'s last iterate when it kept one
-    /// ([`KronFactorState::top`]) and returns its own, the next refresh's.
-    fn formed_scalars(
+    /// Whether a factor of dimension `n` is refreshed on the host
+    /// ([`KronConfig::host_refresh_max`]).
+    fn on_host(&self, n: usize) -> bool {
+        !matches!(self.device, Device::Cpu)
+            && self.cfg.inverse == InverseMethod::Auto
+            && n <= self.cfg.host_refresh_max
+    }
+
+    /// [`Ctx::formed_scalars`] of `f` where `f` is refreshed: on the device, or on the host
+    /// ([`Ctx::on_host`]: `f` and `old`'s iterate read back, the iterate found there uploaded),
+    /// with `f`'s host copy then, for [`Ctx::inverse`].
+    fn refreshed_scalars(
         &self,
         f: &Matrix,
         old: Option<&KronFactorState>,
         c: &mut KronCounters,
-    ) -> Result<(f32, f32, Option<Matrix>)> {
+    ) -> Result<(Scalars, Option<Matrix>)> {
+        let warm = old.and_then(|o| o.top.as_ref());
+        if !self.on_host(f.rows()) {
+            return Ok((self.formed_scalars(f, warm, c)?, None));
+        }
+        let host = to_host(f)?;
+        let warm = warm.map(to_host).transpose()?;
+        let cpu = Ctx {
+            device: &Device::Cpu,
+            cfg: self.cfg,
+        };
+        let (norm, trace, top) = cpu.formed_scalars(&host, warm.as_ref(), c)?;
+        let top = top.map(|t| self.upload(&t)).transpose()?;
+        Ok(((norm, trace, top), Some(host)))
+    }
+
+    /// A CPU-backend matrix of [`Ctx::refreshed_scalars`] on this context's device.
+    fn upload(&self, m: &Matrix) -> Result<Matrix> {
+        self.device.upload(m.rows(), m.cols(), host(m)?)
+    }
+
+    /// The damping rules' scalars of a formed factor `f`: `(‖f‖₂, 0)` for RING, `(0, tr f)`
+    /// for NGD, zeros for RENG — each only for the variant that reads it: both are host round
+    /// trips. RING's power iteration starts from `warm`, the last refresh's iterate when the
+    /// factor kept one ([`KronFactorState::top`]), and returns its own, the next refresh's.
+    fn formed_scalars(
+        &self,
+        f: &Matrix,
+        warm: Option<&Matrix>,
+        c: &mut KronCounters,
+    ) -> Result<Scalars> {
         Ok(match self.cfg.variant {
             KronVariant::Ring => {
-                let warm = old.and_then(|o| o.top.as_ref());
                 let (norm, top) = self.spectral_norm(f, warm, c)?;
                 (norm, 0.0, Some(top))
             }
@@ -275,10 +311,24 @@ impl Ctx<'_> {
             }
         }
         let mut formed = None;
-        let factor: &Matrix = match factor {
-            FactorArg::Formed(f, _) => f,
-            FactorArg::Rows(rows) => formed.insert(replaced_factor(self.device, rows)?),
+        let (factor, host_copy) = match factor {
+            FactorArg::Formed(f, _, host) => (f, host),
+            FactorArg::Rows(rows) => (&*formed.insert(replaced_factor(self.device, rows)?), None),
         };
+        if self.on_host(factor.rows()) {
+            // The CPU backend's inverse (`Device::Cpu`'s Cholesky), uploaded.
+            let read;
+            let host_factor = match host_copy {
+                Some(h) => h,
+                None => {
+                    read = to_host(factor)?;
+                    &read
+                }
+            };
+            c.cholesky_inversions += 1;
+            let x = Device::Cpu.damped_cholesky_inverse(host_factor, damping)?;
+            return Ok(InverseUpdate::new(self.upload(&x)?, damping, None, formed));
+        }
         // `factor` is a checked result (formed and checked, or restored and checked).
         let damped = |lambda: f32| -> Result<Matrix> {
             let mut d = factor.try_clone()?;
@@ -423,7 +473,7 @@ impl Ctx<'_> {
         }
         c.lazy_recomputes += 1;
         self.inverse(
-            FactorArg::Formed(s.dense_factor()?, None),
+            FactorArg::Formed(s.dense_factor()?, None, None),
             target,
             known_norm(s.norm),
             s.warm_start(),
@@ -443,6 +493,15 @@ impl Ctx<'_> {
     }
 }
 
+/// A formed factor's damping scalars `(‖F‖₂, tr F)` and RING's power iterate
+/// ([`Ctx::formed_scalars`]).
+type Scalars = (f32, f32, Option<Matrix>);
+
+/// `m`, on a kernel device, as a CPU-backend matrix: one read-back.
+fn to_host(m: &Matrix) -> Result<Matrix> {
+    Matrix::from_host_vec(m.rows(), m.cols(), m.to_vec()?)
+}
+
 /// `‖F‖₂` as stored in a factor state: RENG and NGD store `0` (never computed).
 pub(super) fn known_norm(norm: f32) -> Option<f32> {
     (norm > 0.0).then_some(norm)
@@ -454,8 +513,9 @@ pub(super) type Fresh<'x> = (Refreshed<'x>, FactorScalars, Option<Matrix>);
 
 /// A factor refreshed by [`Ctx::factor`].
 pub(super) enum Refreshed<'x> {
-    /// Formed, with the rows it replaced the old factor from (none for an EMA blend).
-    Formed(Matrix, Option<Rows<'x>>),
+    /// Formed, with the rows it replaced the old factor from (none for an EMA blend), and its
+    /// host copy where it is refreshed on the host ([`KronConfig::host_refresh_max`]).
+    Formed(Matrix, Option<Rows<'x>>, Option<Matrix>),
     /// Left to the rows that replace the old factor ([`Ctx::defers_factor`]): formed by
     /// [`Ctx::inverse`] unless the low-rank route takes it, and then on demand
     /// ([`super::low_rank::LowRank::dense_factor`]).
@@ -466,24 +526,25 @@ impl<'x> Refreshed<'x> {
     /// The factor as [`Ctx::inverse`] reads it.
     pub fn arg(&self) -> FactorArg<'_, 'x> {
         match self {
-            Refreshed::Formed(f, rows) => FactorArg::Formed(f, rows.as_ref()),
+            Refreshed::Formed(f, rows, host) => FactorArg::Formed(f, rows.as_ref(), host.as_ref()),
             Refreshed::Rows(rows) => FactorArg::Rows(rows),
         }
     }
 }
 
 /// The factor [`Ctx::inverse`] inverts: formed (with the rows that replaced the old one, for
-/// the low-rank path), or left to its rows.
+/// the low-rank path, and its host copy where it was refreshed on the host), or left to its
+/// rows.
 #[derive(Clone, Copy)]
 pub(super) enum FactorArg<'a, 'x> {
-    Formed(&'a Matrix, Option<&'a Rows<'x>>),
+    Formed(&'a Matrix, Option<&'a Rows<'x>>, Option<&'a Matrix>),
     Rows(&'a Rows<'x>),
 }
 
 impl<'a, 'x> FactorArg<'a, 'x> {
     fn rows(self) -> Option<&'a Rows<'x>> {
         match self {
-            FactorArg::Formed(_, rows) => rows,
+            FactorArg::Formed(_, rows, _) => rows,
             FactorArg::Rows(rows) => Some(rows),
         }
     }
@@ -695,7 +756,7 @@ impl InverseUpdate {
     /// placeholder [`deferred`]).
     pub fn with_factor(self, (factor, scalars, top): Fresh<'_>) -> Result<KronFactorState> {
         let factor = match (factor, self.formed) {
-            (Refreshed::Formed(f, _), _) | (Refreshed::Rows(_), Some(f)) => f,
+            (Refreshed::Formed(f, _, _), _) | (Refreshed::Rows(_), Some(f)) => f,
             (Refreshed::Rows(_), None) => deferred()?,
         };
         Ok(KronFactorState {

@@ -58,7 +58,7 @@ mod rows;
 mod state;
 mod tasks;
 
-pub use config::{InverseMethod, KronConfig, KronVariant, NEWTON_RETRY_DAMPING};
+pub use config::{InverseMethod, KronConfig, KronVariant, HOST_REFRESH_MAX, NEWTON_RETRY_DAMPING};
 pub use damping::levenberg_marquardt;
 pub use factored::KronGrad;
 pub use state::{KronCounters, KronFactorState, KronLayerState, KronState, KronStepInfo};
@@ -1145,7 +1145,7 @@ impl KronOptimizer {
                 _ => Some(self.device.upload(n, 1, &packed[at + 1..at + 1 + n])?),
             };
             let state = InverseUpdate::new(inverse, damping, None, None).with_factor((
-                Refreshed::Formed(f, None),
+                Refreshed::Formed(f, None, None),
                 scalars,
                 top,
             ))?;
