@@ -3,7 +3,7 @@
 //!
 //! `cargo bench --bench gpu -- [SECTION] [--quick] [--deadline=SECS]`; sections: `launch`, `copy`,
 //! `adamw`, `gemm-f32`, `gemm-bf16`, `precond` (with its `precond-accuracy` rows), `syrk`,
-//! `sym`, `newton`, `kalman`, `step` (SECTION runs every section whose name contains it; one that
+//! `sym`, `newton`, `kalman`, `step`, `refresh` (SECTION runs every section whose name contains it; one that
 //! matches none is an error, exit 2).
 //! `--deadline=SECS`: at SECS seconds after the start the bench stops wherever it is, prints
 //! what it prints at its end (the GEMM plan's choices so far, the `loaded:` lines) and exits
@@ -1424,8 +1424,50 @@ fn step_section(b: &Bench) -> Res<()> {
     Ok(())
 }
 
+/// Where a small factor is refreshed (`KronConfig::host_refresh_max`): one `n x n` layer at
+/// `S = 1` (every step forms both factors, RING's norms or NGD's traces, and both inverses),
+/// its step with the factors refreshed on the host beside the same step with them on the
+/// device (Newton, power iteration), in the same run. The ratio (host / device) below 1 is
+/// where the host route wins: the default `HOST_REFRESH_MAX` (128) is designed, not measured,
+/// and this row sets it.
+fn refresh_section(b: &Bench) -> Res<()> {
+    let dev = &b.dev;
+    let m = 64;
+    for n in b.o.sizes(&[32, 128, 512]) {
+        let a = dev.upload(m, n, &values(m * n, 300))?;
+        let e = dev.upload(m, n, &values(m * n, 301))?;
+        let w = dev.upload(n, n, &values(n * n, 302))?;
+        let stats = [KronStats { a: &a, e: &e }];
+        let grads = [KronGrad::Factored { e: &e, a: &a }];
+        for (variant, base) in [("RING", KronConfig::ring()), ("NGD", KronConfig::ngd())] {
+            let optimizer = |host_refresh_max| -> Res<_> {
+                let cfg = KronConfig {
+                    skip: 1,
+                    host_refresh_max,
+                    ..base
+                };
+                Ok((KronOptimizer::new(dev, &[(n, n)], cfg)?, vec![w.try_clone()?]))
+            };
+            let (mut opt, mut params) = optimizer(usize::MAX)?;
+            let host = b.grng(|| {
+                opt.step_grads(&mut params, &grads, Some(&stats))?;
+                Ok(())
+            });
+            let (mut opt, mut params) = optimizer(0)?;
+            let device = b.peer("device route (Newton, power iteration)", || {
+                opt.step_grads(&mut params, &grads, Some(&stats))?;
+                Ok(())
+            });
+            let device = device.unwrap_or_else(|e| Timed::none(format!("error: {e}")));
+            let case = format!("{variant}, S = 1, one {n} x {n} layer, m = {m}, host route");
+            row("refresh", &case, &host, &[device], Work::Millis);
+        }
+    }
+    Ok(())
+}
+
 /// The sections in the order they run.
-const SECTIONS: [(&str, Section); 11] = [
+const SECTIONS: [(&str, Section); 12] = [
     ("launch", launch_section),
     ("copy", copy_section),
     ("adamw", adamw_section),
@@ -1437,6 +1479,8 @@ const SECTIONS: [(&str, Section); 11] = [
     ("newton", newton_section),
     ("kalman", kalman_section),
     ("step", step_section),
+    // Last: a bench cut short by its deadline loses these rows before the step rows.
+    ("refresh", refresh_section),
 ];
 
 /// `--deadline=SECS`: a thread that, `secs` after the start, prints the bench's closing tables
