@@ -1446,7 +1446,10 @@ fn refresh_section(b: &Bench) -> Res<()> {
                     host_refresh_max,
                     ..base
                 };
-                Ok((KronOptimizer::new(dev, &[(n, n)], cfg)?, vec![w.try_clone()?]))
+                Ok((
+                    KronOptimizer::new(dev, &[(n, n)], cfg)?,
+                    vec![w.try_clone()?],
+                ))
             };
             let (mut opt, mut params) = optimizer(usize::MAX)?;
             let host = b.grng(|| {

@@ -379,11 +379,14 @@ __device__ __forceinline__ float ew_lane(const float4& x, int k) {
 
 // out ← y + α x (n elements) into a new buffer, checking while it streams: status slots 0, 1,
 // 2 ← the first index of a NaN/Inf in x, y and out (the CPU's axpy_new reports them in that
-// order). One pass: no separate check of the inputs or of the result.
+// order). One pass: no separate check of the inputs or of the result. With planes (else
+// null), also the split3 planes of out (gemm_split3's layout, plane p at p·n), so that a
+// product reading out splits nothing.
 extern "C" __global__ void elementwise_axpy_new(float* __restrict__ out,
                                                 const float* __restrict__ x,
                                                 const float* __restrict__ y, float alpha, int n,
-                                                int* __restrict__ status) {
+                                                int* __restrict__ status,
+                                                __nv_bfloat16* __restrict__ planes) {
     EwBad bad;
     const int n4 = ew_aligned16(out, x, y) ? n / 4 : 0;
     for (int k = EW_TID; k < n4; k += EW_STRIDE) {
@@ -399,7 +402,10 @@ GRNG_UNROLL
         b.z = __fadd_rn(b.z, __fmul_rn(alpha, a.z));
         b.w = __fadd_rn(b.w, __fmul_rn(alpha, a.w));
 GRNG_UNROLL
-        for (int e = 0; e < 4; ++e) bad.note(2, ew_lane(b, e), 4 * k + e);
+        for (int e = 0; e < 4; ++e) {
+            bad.note(2, ew_lane(b, e), 4 * k + e);
+            if (planes) grng_store_split3(planes, 4 * k + e, n, ew_lane(b, e));
+        }
         reinterpret_cast<float4*>(out)[k] = b;
     }
     for (int i = 4 * n4 + EW_TID; i < n; i += EW_STRIDE) {
@@ -409,10 +415,12 @@ GRNG_UNROLL
         const float v = __fadd_rn(b, __fmul_rn(alpha, a));
         bad.note(2, v, i);
         out[i] = v;
+        if (planes) grng_store_split3(planes, i, n, v);
     }
     bad.flush(status);
 }
-GRNG_EMU_ENTRY(elementwise_axpy_new, (float*, const float*, const float*, float, int, int*))
+GRNG_EMU_ENTRY(elementwise_axpy_new,
+               (float*, const float*, const float*, float, int, int*, __nv_bfloat16*))
 
 // The checks of one element at index i of the single-tensor fused updates' inputs: status
 // slots 0..3 = p, g, s0, s1; slot 4 = first s1 < 0 where f.sign1(). F is an EwStep* step.

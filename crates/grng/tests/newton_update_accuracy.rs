@@ -145,19 +145,24 @@ proptest! {
     #![proptest_config(common::proptest_config(15))]
 
     /// `on`: the CPU's default (Cholesky, or Woodbury from the rows), the kernel devices'
-    /// default Newton run by the CPU backend, or the emulator's default (warm-started Newton
-    /// in `kernels/newton.cu`).
+    /// default Newton run by the CPU backend, the emulator's default (factors up to
+    /// `host_refresh_max = 128` refreshed on the host by Cholesky, larger ones by warm-started
+    /// Newton in `kernels/newton.cu`), or the emulator with every factor on the device
+    /// (`host_refresh_max = 0`: Newton at every width).
     #[test]
     fn update_matches_f64_reference(
-        on in 0u8..3,
+        on in 0u8..4,
         d_out in 17usize..=130,
         d_in in 17usize..=130,
         seed: u64,
     ) {
-        let dev = if on == 2 { Device::Emulated } else { Device::Cpu };
+        let dev = if on >= 2 { Device::Emulated } else { Device::Cpu };
         for (name, mut cfg) in variants() {
             if on == 1 {
                 cfg.inverse = kernel_default();
+            }
+            if on == 3 {
+                cfg.host_refresh_max = 0;
             }
             check(&dev, cfg, name, d_out, d_in, seed);
         }

@@ -318,8 +318,17 @@ pub(crate) fn axpy(dev: &Device, alpha: f32, x: &Matrix, y: &mut Matrix) -> Resu
 /// (`elementwise_axpy_new`): `Err(Error::NonFinite)` at the first NaN/Inf of `x`, else of
 /// `y`, else of the result (`"result (overflow)"`), as the CPU's `axpy_new` reports them. One
 /// pass and one status read-back, or none inside [`crate::Device::deferred`] (the scope
-/// reads the status). `α` is checked by [`Device::axpy_new`].
-pub(crate) fn axpy_new(dev: &Device, alpha: f32, x: &Matrix, y: &Matrix) -> Result<Matrix> {
+/// reads the status). `α` is checked by [`Device::axpy_new`]. With `planes` (a cache without
+/// planes, of a result up to [`KEEP_MAX_ELEMENTS`]), the same pass writes the result's split3
+/// planes, kept there once the launch is queued or has passed: a product reading the result
+/// then splits nothing.
+pub(crate) fn axpy_new(
+    dev: &Device,
+    alpha: f32,
+    x: &Matrix,
+    y: &Matrix,
+    planes: Option<&SplitCache>,
+) -> Result<Matrix> {
     const OP: &str = "cuda::axpy_new";
     // Memory safety: the kernel reads x and y and writes out, n = len(y) elements each.
     check_len(OP, "x", x.len(), y.len())?;
@@ -328,8 +337,14 @@ pub(crate) fn axpy_new(dev: &Device, alpha: f32, x: &Matrix, y: &Matrix) -> Resu
     if n == 0 {
         return Ok(out);
     }
+    // The planes of `out` where the caller keeps them and they fit (as the check's).
+    let wanted = planes.filter(|c| !c.has_planes() && y.len() <= KEEP_MAX_ELEMENTS);
+    let mut written = match wanted {
+        Some(_) => Some(dev.zeros::<bf16>(3 * y.rows(), y.cols())?),
+        None => None,
+    };
     let cfg = stream_config(y.len())?;
-    let queue = |out: &mut Matrix, status: &mut Matrix, at: usize| {
+    let mut queue = |out: &mut Matrix, status: &mut Matrix, at: usize| {
         let mut args = KernelArgs::new(dev);
         args.output(OP, out)?
             .input(OP, x)?
@@ -337,15 +352,23 @@ pub(crate) fn axpy_new(dev: &Device, alpha: f32, x: &Matrix, y: &Matrix) -> Resu
             .scalar(alpha)
             .scalar(n)
             .output_at(OP, status, at, 5)?;
+        match written.as_mut() {
+            Some(p) => args.output(OP, p)?,
+            None => args.scalar(0u64),
+        };
         // SAFETY: elementwise_axpy_new(float* out, const float* x, const float* y, float
-        // alpha, int n, int* status): out, x and y hold n floats (out is y's shape, x checked
-        // above); status points at 5 ints inside its buffer (`output_at`), slots 0..2 written;
-        // indices stay below n.
+        // alpha, int n, int* status, bf16* planes): out, x and y hold n floats (out is y's
+        // shape, x checked above); status points at 5 ints inside its buffer (`output_at`),
+        // slots 0..2 written; planes is null (the 8-byte 0) or 3n bf16 (allocated above),
+        // element p·n + i written for p < 3; indices stay below n.
         unsafe { launch(&AXPY_NEW, cfg, args) }
     };
     if let Some(status) = queued_status(dev, 5, |status, at| queue(&mut out, status, at))? {
         let arrays = [("x", x), ("y", y), (crate::error::OVERFLOW, &out)];
         status_result(OP, &arrays, None, &status)?;
+    }
+    if let (Some(c), Some(p)) = (wanted, written) {
+        c.keep(p);
     }
     Ok(out)
 }
@@ -979,7 +1002,7 @@ pub(crate) fn multi_update(
 
 #[cfg(test)]
 mod tests {
-    use super::{check_finite_split, SplitCache};
+    use super::{axpy_new, check_finite_split, SplitCache};
     use crate::cuda::engine::split3;
     use crate::{Device, Error, Matrix};
     use rand::{Rng, SeedableRng};
@@ -1041,6 +1064,48 @@ mod tests {
                     proptest::prop_assert_eq!(bits(p), expected, "matrix {}", k);
                 }
             }
+        }
+
+        /// [`axpy_new`] with a cache on the emulator: the result is the one without (bit for
+        /// bit), and the planes it writes are `gemm_split3`'s of the result, bit for bit, at
+        /// ragged lengths (the float4 body and its tail, unaligned views excluded: matrices
+        /// are fresh). A cache that holds planes keeps its own; a non-finite result fails
+        /// and leaves the cache empty. Mutation check: the kernel storing the planes of
+        /// `v + v·2⁻¹⁰` fails it.
+        #[test]
+        fn axpy_new_writes_the_planes_of_its_result(
+            n in 1usize..600,
+            alpha in -4.0f32..4.0,
+            overflow in proptest::prelude::any::<bool>(),
+            seed in proptest::prelude::any::<u64>(),
+        ) {
+            let dev = Device::Emulated;
+            let mut rng = rand_chacha::ChaCha8Rng::seed_from_u64(seed);
+            let mut draw = || -> Vec<f32> { (0..n).map(|_| rng.random_range(-3.0f32..3.0)).collect() };
+            let (xv, mut yv) = (draw(), draw());
+            if overflow {
+                // y + αx overflows at one element: x finite, y finite, the sum not.
+                let i = n / 2;
+                yv[i] = f32::MAX;
+                let mut xv = xv.clone();
+                xv[i] = f32::MAX;
+                let (x, y) = (dev.upload(n, 1, &xv).unwrap(), dev.upload(n, 1, &yv).unwrap());
+                let c = SplitCache::default();
+                proptest::prop_assert!(axpy_new(&dev, 1.0, &x, &y, Some(&c)).is_err());
+                proptest::prop_assert!(!c.has_planes());
+                return Ok(());
+            }
+            let (x, y) = (dev.upload(n, 1, &xv).unwrap(), dev.upload(n, 1, &yv).unwrap());
+            let plain = axpy_new(&dev, alpha, &x, &y, None).unwrap();
+            let c = SplitCache::default();
+            let out = axpy_new(&dev, alpha, &x, &y, Some(&c)).unwrap();
+            proptest::prop_assert_eq!(out.to_vec().unwrap(), plain.to_vec().unwrap());
+            let planes = c.planes().expect("planes written");
+            proptest::prop_assert_eq!(bits(planes), bits(&split3(&dev, &out).unwrap()));
+            // A cache with planes keeps them.
+            let kept = bits(planes);
+            axpy_new(&dev, -alpha, &x, &y, Some(&c)).unwrap();
+            proptest::prop_assert_eq!(bits(c.planes().unwrap()), kept);
         }
     }
 }

@@ -20,7 +20,8 @@ use crate::cpu::elementwise::Over;
 use crate::cuda::elementwise as ew;
 use crate::device::{Device, Matrix};
 use crate::error::{check_len, check_shape, check_value, Error, Result};
-use crate::ops::{check_finite_scalar, finite_result, host, Scalar, OVERFLOW};
+use crate::ops::gemm::Product;
+use crate::ops::{check_finite_scalar, finite_result, host, Scalar, SplitCache, OVERFLOW};
 use crate::params::elementwise::{check_beta, InputBounds, MultiUpdate};
 pub use crate::params::elementwise::{AdamWCoeffs, MultiLayout, SgdCoeffs, SophiaCoeffs};
 
@@ -77,6 +78,29 @@ impl Device {
     /// As [`Device::axpy`] (an overflowing result is `"result (overflow)"`), plus
     /// [`Error::OutOfMemory`].
     pub fn axpy_new(&self, alpha: f32, x: &Matrix, y: &Matrix) -> Result<Matrix> {
+        self.axpy_new_with(alpha, x, y, None)
+    }
+
+    /// [`Device::axpy_new`] with the split planes of the result where the kernel devices'
+    /// pass writes them (`elementwise_axpy_new`), for the f32-accurate products that read it
+    /// next ([`Device::product_operand`]); the same bits. None on the CPU.
+    ///
+    /// # Errors
+    /// As [`Device::axpy_new`].
+    pub(crate) fn axpy_new_split(&self, alpha: f32, x: &Matrix, y: &Matrix) -> Result<Product> {
+        let planes = SplitCache::default();
+        let m = self.axpy_new_with(alpha, x, y, Some(&planes))?;
+        Ok(Product { m, planes })
+    }
+
+    /// [`Device::axpy_new`], the kernel devices writing the result's planes into `planes`.
+    fn axpy_new_with(
+        &self,
+        alpha: f32,
+        x: &Matrix,
+        y: &Matrix,
+        planes: Option<&SplitCache>,
+    ) -> Result<Matrix> {
         const OP: &str = "Device::axpy_new";
         self.check_same(OP, &[("y", y), ("x", x)])?;
         check_finite_scalar(OP, "alpha", alpha)?;
@@ -85,7 +109,7 @@ impl Device {
                 let v = crate::cpu::elementwise::axpy_new(alpha, host(x)?, host(y)?)?;
                 Matrix::from_host_vec(y.rows(), y.cols(), v)
             }
-            Device::Emulated | Device::Cuda(_) => ew::axpy_new(self, alpha, x, y),
+            Device::Emulated | Device::Cuda(_) => ew::axpy_new(self, alpha, x, y, planes),
         }
     }
 
@@ -124,8 +148,8 @@ impl Device {
                 Ok(owned)
             }
             Device::Emulated | Device::Cuda(_) => match over {
-                Over::X => ew::axpy_new(self, alpha, &owned, kept),
-                Over::Y => ew::axpy_new(self, alpha, kept, &owned),
+                Over::X => ew::axpy_new(self, alpha, &owned, kept, None),
+                Over::Y => ew::axpy_new(self, alpha, kept, &owned, None),
             },
         }
     }

@@ -421,6 +421,7 @@ pub(crate) fn widen(m: &Matrix<bf16>) -> Result<Matrix> {
 /// ([`Device::product_split_of`]; empty on the CPU and after a vendor product), read by the
 /// next product as [`Device::product_operand`]. The planes go with the matrix: taking the
 /// matrix out ([`Product::into_matrix`], say for an update that writes over it) drops them.
+#[derive(Debug)]
 pub(crate) struct Product {
     pub(super) m: Matrix,
     pub(super) planes: SplitCache,
@@ -438,6 +439,11 @@ impl Product {
     /// The result.
     pub(crate) fn matrix(&self) -> &Matrix {
         &self.m
+    }
+
+    /// The result's planes (empty where none were written), to keep beside it.
+    pub(crate) fn planes(&self) -> &SplitCache {
+        &self.planes
     }
 
     /// The result, its planes dropped.

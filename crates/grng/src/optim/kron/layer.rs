@@ -33,6 +33,7 @@ use super::state::{KronCounters, KronFactorState, Splits};
 use crate::device::{Device, Matrix};
 use crate::error::{Error, Result};
 use crate::mat::Trans;
+use crate::ops::gemm::Product;
 use crate::ops::newton::{InitialGuess, Precision};
 use crate::ops::{host, host_ref, SplitCache};
 use crate::optim::StatsView;
@@ -458,15 +459,16 @@ impl Ctx<'_> {
             // One pass, X₀ + (−d)·S₀ into a new matrix; S₀ is formed once per formation and
             // handed to the caller to cache.
             let x0 = s.dense_inverse()?;
+            // With its split planes, written by the same pass: the products read them.
             let (inverse, square) = match &s.square {
-                Some(sq) => (self.device.axpy_new(-d, sq, x0)?, None),
+                Some(sq) => (self.device.axpy_new_split(-d, sq, x0)?, None),
                 None => {
                     let sq = self.square(x0)?;
-                    (self.device.axpy_new(-d, &sq, x0)?, Some(sq))
+                    (self.device.axpy_new_split(-d, &sq, x0)?, Some(sq))
                 }
             };
             return Ok(Retarget::FirstOrder {
-                inverse,
+                inverse: Box::new(inverse),
                 damping: target,
                 square,
             });
@@ -560,7 +562,7 @@ pub(super) enum Retarget {
     /// `X₀` and `λ₀`, and caches this one on commit); `square` is `S₀` when this step formed
     /// it, for the state to cache too.
     FirstOrder {
-        inverse: Matrix,
+        inverse: Box<Product>,
         damping: f32,
         square: Option<Matrix>,
     },
@@ -635,9 +637,9 @@ impl Retarget {
                 _ => match &s.retargeted {
                     Some((x, l)) => Ok((
                         InverseView::Dense {
-                            x,
+                            x: x.matrix(),
                             formed: false,
-                            kept: None,
+                            kept: Some(x.planes()),
                         },
                         *l,
                     )),
@@ -648,9 +650,9 @@ impl Retarget {
                 inverse, damping, ..
             } => Ok((
                 InverseView::Dense {
-                    x: inverse,
+                    x: inverse.matrix(),
                     formed: false,
-                    kept: None,
+                    kept: Some(inverse.planes()),
                 },
                 *damping,
             )),
@@ -688,7 +690,7 @@ impl Retarget {
                 damping,
                 square,
             } => {
-                s.retargeted = Some((inverse, damping));
+                s.retargeted = Some((*inverse, damping));
                 if square.is_some() {
                     s.square = square;
                 }

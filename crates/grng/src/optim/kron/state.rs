@@ -6,6 +6,7 @@
 use super::low_rank::LowRank;
 use crate::device::Matrix;
 use crate::error::Result;
+use crate::ops::gemm::Product;
 use crate::ops::SplitCache;
 
 /// One damped Kronecker factor of one layer (`Λ`, `d_in x d_in`, or `Γ`, `d_out x d_out`).
@@ -48,10 +49,11 @@ pub struct KronFactorState {
     /// `S₀ = X₀·X₀`, formed at the first lazy step whose target differs from `λ₀`; dropped
     /// with `X₀`. A cache: a pure function of `inverse` (see [`KronFactorState::square`]).
     pub(crate) square: Option<Matrix>,
-    /// The last first-order inverse `X₀ − (λ − λ₀)·S₀` and its `λ`; dropped with `X₀`. A
-    /// cache like `square`: not copied by [`super::KronOptimizer::state`] nor stored by the
-    /// checkpoint, and formed again from `X₀` and `S₀` with the same bits.
-    pub(crate) retargeted: Option<(Matrix, f32)>,
+    /// The last first-order inverse `X₀ − (λ − λ₀)·S₀` (with the split planes its pass wrote
+    /// on a kernel device) and its `λ`; dropped with `X₀`. A cache like `square`: not copied
+    /// by [`super::KronOptimizer::state`] nor stored by the checkpoint, and formed again from
+    /// `X₀` and `S₀` with the same bits.
+    pub(crate) retargeted: Option<(Product, f32)>,
     /// The rows a replaced factor was formed from, with the `m x m` kernel of its inverse
     /// (the CPU's low-rank route, `low_rank.rs`). A cache the lazy steps read, not part of
     /// the state: [`super::KronOptimizer::state`] does not copy it and the checkpoint does
