@@ -160,8 +160,8 @@ pub struct KronConfig {
     /// latency for `n² ≤ 16k` values, where the host takes ~`n³` flops (≤ 0.1 ms at
     /// `n = 128`). Larger factors stay on the device; `0` keeps every factor there. An
     /// explicit [`KronConfig::inverse`] is always honoured on the device. Default
-    /// [`HOST_REFRESH_MAX`] (designed, not measured on a GPU: the GPU bench's `refresh-route`
-    /// rows time both routes at n = 16 to 512).
+    /// [`HOST_REFRESH_MAX`] (designed, not measured on a GPU: the GPU bench's `refresh`
+    /// rows time both routes at n = 32, 128 and 512).
     pub host_refresh_max: usize,
 }
 

@@ -190,7 +190,7 @@ impl Ctx<'_> {
         Ok(((norm, trace, top), Some(host)))
     }
 
-    /// A CPU-backend matrix of [`Ctx::refreshed_scalars`] on this context's device.
+    /// `m`, a CPU-backend matrix, uploaded to this context's device.
     fn upload(&self, m: &Matrix) -> Result<Matrix> {
         self.device.upload(m.rows(), m.cols(), host(m)?)
     }
