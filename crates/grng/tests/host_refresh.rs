@@ -20,21 +20,21 @@ use rand_chacha::ChaCha8Rng;
 use common::vals;
 use grng_testkit as common;
 
-/// `steps` refresh steps (`S = 1`) of a `KronOptimizer` on the emulator over layers `shapes`
-/// with batch `m`: the state after them, and the read-backs of the last step.
+/// `steps` refresh steps (`S = 1`) of a `KronOptimizer` on `dev` over layers `shapes` with
+/// batch `m`: the state after them, and the read-backs of the last step.
 fn refreshed(
+    dev: &Device,
     cfg: KronConfig,
     shapes: &[(usize, usize)],
     m: usize,
     steps: usize,
     seed: u64,
 ) -> (KronState, u64) {
-    let dev = Device::Emulated;
     let mut rng = ChaCha8Rng::seed_from_u64(seed);
     let up =
         |rng: &mut ChaCha8Rng, r: usize, c: usize| dev.upload(r, c, &vals(rng, r * c)).unwrap();
     let cfg = KronConfig { skip: 1, ..cfg };
-    let mut opt = KronOptimizer::new(&dev, shapes, cfg).unwrap();
+    let mut opt = KronOptimizer::new(dev, shapes, cfg).unwrap();
     let mut params: Vec<Matrix> = shapes.iter().map(|&(o, i)| up(&mut rng, o, i)).collect();
     let mut reads = 0;
     for _ in 0..steps {
@@ -90,7 +90,8 @@ proptest! {
         seed in any::<u64>(),
     ) {
         let cfg = variant(k);
-        let (st, _) = refreshed(cfg, &[(o, i)], m, steps, seed);
+        for dev in common::devices() {
+        let (st, _) = refreshed(&dev, cfg, &[(o, i)], m, steps, seed);
         prop_assert_eq!(routes(&st.counters), (0, 2 * steps as u64));
         for f in [&st.layers[0].lambda, &st.layers[0].gamma] {
             let fh = host(&f.factor);
@@ -117,6 +118,7 @@ proptest! {
                 KronVariant::Reng => {}
             }
         }
+        }
     }
 }
 
@@ -142,28 +144,33 @@ fn the_route_follows_the_factor_size() {
                 inverse,
                 ..base
             };
-            let (st, _) = refreshed(cfg, &[(8, 9)], 6, 1, common::seed());
-            assert_eq!(routes(&st.counters), want, "max {max}, {inverse:?}");
+            for dev in common::devices() {
+                let (st, _) = refreshed(&dev, cfg, &[(8, 9)], 6, 1, common::seed());
+                let name = dev.name();
+                assert_eq!(routes(&st.counters), want, "{name}: max {max}, {inverse:?}");
+            }
         }
     }
 }
 
 /// What a refresh of small factors reads back: RING each factor and its last power iterate
 /// (a warm refresh), NGD and RENG each factor, plus the step's one deferred read — where the
-/// device route read each Newton residual and each power batch (tens per factor).
+/// device route read each Newton residual and each power batch (tens per factor). On the
+/// emulator only: on a GPU the GEMM plan's first trials read back too.
 #[test]
 fn a_small_refresh_reads_each_factor_back_once() {
+    let dev = Device::Emulated;
     let shapes = [(9, 70), (3, 6), (17, 5)];
     let factors = 2 * shapes.len() as u64;
     for (k, per_factor) in [(0, 2), (1, 1), (2, 1)] {
         let cfg = variant(k);
-        let (_, reads) = refreshed(cfg, &shapes, 5, 2, common::seed());
+        let (_, reads) = refreshed(&dev, cfg, &shapes, 5, 2, common::seed());
         assert_eq!(reads, per_factor * factors + 1, "{:?}", cfg.variant);
         let device = KronConfig {
             host_refresh_max: 0,
             ..cfg
         };
-        let (_, on_device) = refreshed(device, &shapes, 5, 2, common::seed());
+        let (_, on_device) = refreshed(&dev, device, &shapes, 5, 2, common::seed());
         assert!(
             on_device > 2 * reads,
             "{:?}: {on_device} vs {reads}",
