@@ -91,33 +91,33 @@ proptest! {
     ) {
         let cfg = variant(k);
         for dev in common::devices() {
-        let (st, _) = refreshed(&dev, cfg, &[(o, i)], m, steps, seed);
-        prop_assert_eq!(routes(&st.counters), (0, 2 * steps as u64));
-        for f in [&st.layers[0].lambda, &st.layers[0].gamma] {
-            let fh = host(&f.factor);
-            let mut damped = fh.try_clone().unwrap();
-            Device::Cpu.add_diagonal(&mut damped, f.damping).unwrap();
-            let want = Device::Cpu.cholesky_inverse(&damped).unwrap();
-            prop_assert_eq!(bits(&f.inverse), bits(&want), "inverse, n = {}", fh.rows());
-            match cfg.variant {
-                KronVariant::Ring => {
-                    let cpu = Device::Cpu.spectral_norm(&fh, &cfg.power).unwrap().value;
-                    if steps == 1 {
-                        prop_assert_eq!(f.norm.to_bits(), cpu.to_bits());
-                    } else {
-                        // Either run stops within `tol/(1 − r²)` (≤ 2·tol at these spectra,
-                        // whose top eigenvalue dominates) of ‖F‖₂, from below.
-                        let rel = ((f.norm - cpu) / cpu).abs();
-                        prop_assert!(rel <= 4.0 * cfg.power.tol, "{} vs {}", f.norm, cpu);
+            let (st, _) = refreshed(&dev, cfg, &[(o, i)], m, steps, seed);
+            prop_assert_eq!(routes(&st.counters), (0, 2 * steps as u64));
+            for f in [&st.layers[0].lambda, &st.layers[0].gamma] {
+                let fh = host(&f.factor);
+                let mut damped = fh.try_clone().unwrap();
+                Device::Cpu.add_diagonal(&mut damped, f.damping).unwrap();
+                let want = Device::Cpu.cholesky_inverse(&damped).unwrap();
+                prop_assert_eq!(bits(&f.inverse), bits(&want), "inverse, n = {}", fh.rows());
+                match cfg.variant {
+                    KronVariant::Ring => {
+                        let cpu = Device::Cpu.spectral_norm(&fh, &cfg.power).unwrap().value;
+                        if steps == 1 {
+                            prop_assert_eq!(f.norm.to_bits(), cpu.to_bits());
+                        } else {
+                            // Either run stops within `tol/(1 − r²)` (≤ 2·tol at these spectra,
+                            // whose top eigenvalue dominates) of ‖F‖₂, from below.
+                            let rel = ((f.norm - cpu) / cpu).abs();
+                            prop_assert!(rel <= 4.0 * cfg.power.tol, "{} vs {}", f.norm, cpu);
+                        }
+                        prop_assert!(f.top().is_some());
                     }
-                    prop_assert!(f.top().is_some());
+                    KronVariant::Ngd => {
+                        prop_assert_eq!(f.trace.to_bits(), Device::Cpu.trace(&fh).unwrap().to_bits());
+                    }
+                    KronVariant::Reng => {}
                 }
-                KronVariant::Ngd => {
-                    prop_assert_eq!(f.trace.to_bits(), Device::Cpu.trace(&fh).unwrap().to_bits());
-                }
-                KronVariant::Reng => {}
             }
-        }
         }
     }
 }
