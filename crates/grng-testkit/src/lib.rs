@@ -287,6 +287,46 @@ pub fn vals(rng: &mut ChaCha8Rng, len: usize) -> Vec<f32> {
     uniform(rng, len, -1.0, 1.0)
 }
 
+/// Eigenvalues of a symmetric matrix by cyclic Jacobi rotations (f64), largest first.
+pub fn eigs64(a: &[f64], n: usize) -> Vec<f64> {
+    let mut a = a.to_vec();
+    for _ in 0..100 {
+        let off: f64 = (0..n)
+            .flat_map(|i| (0..n).filter(move |&j| j != i).map(move |j| (i, j)))
+            .map(|(i, j)| a[i * n + j].powi(2))
+            .sum();
+        if off < 1e-30 {
+            break;
+        }
+        for p in 0..n {
+            for q in p + 1..n {
+                let apq = a[p * n + q];
+                if apq.abs() < 1e-300 {
+                    continue;
+                }
+                let theta = (a[q * n + q] - a[p * n + p]) / (2.0 * apq);
+                let t = theta.signum() / (theta.abs() + (theta * theta + 1.0).sqrt());
+                let t = if theta == 0.0 { 1.0 } else { t };
+                let c = 1.0 / (t * t + 1.0).sqrt();
+                let s = t * c;
+                for k in 0..n {
+                    let (akp, akq) = (a[k * n + p], a[k * n + q]);
+                    a[k * n + p] = c * akp - s * akq;
+                    a[k * n + q] = s * akp + c * akq;
+                }
+                for k in 0..n {
+                    let (apk, aqk) = (a[p * n + k], a[q * n + k]);
+                    a[p * n + k] = c * apk - s * aqk;
+                    a[q * n + k] = s * apk + c * aqk;
+                }
+            }
+        }
+    }
+    let mut d: Vec<f64> = (0..n).map(|i| a[i * n + i]).collect();
+    d.sort_by(|x, y| y.total_cmp(x));
+    d
+}
+
 /// `Q = (I − 2 v₁v₁ᵀ/v₁ᵀv₁)⋯(I − 2 v_r v_rᵀ/v_rᵀv_r)` in `f64` (row-major `n x n`): the
 /// product of `reflectors` Householder reflectors, each `v` drawn uniformly from `[-1, 1)ⁿ`.
 pub fn householder_q64(rng: &mut ChaCha8Rng, n: usize, reflectors: usize) -> Vec<f64> {
