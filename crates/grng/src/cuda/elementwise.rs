@@ -21,7 +21,7 @@ use super::launch::{
 };
 use std::any::Any;
 
-use super::engine::{SplitCache, KEEP_MAX_ELEMENTS};
+use super::engine::SplitCache;
 use crate::device::{Device, Element, Matrix};
 use crate::error::{check_len, check_value, Error, Result};
 use crate::params::elementwise::{
@@ -224,7 +224,7 @@ fn check_group(
 /// the caller wants its split3 planes: the check launch writes them as it reads the matrix
 /// (kept in the cache once the check is queued or has passed), so that the f32-accurate
 /// products that read it next split nothing. Matrices above
-/// [`KEEP_MAX_ELEMENTS`] get none (there a split is a few per cent of a
+/// [`KEEP_MAX_ELEMENTS`](super::engine::KEEP_MAX_ELEMENTS) get none (there a split is a few per cent of a
 /// product, and the planes 6 bytes per element). Groups as [`check_finite`]: up to 4
 /// consecutive matrices per launch.
 ///
@@ -236,22 +236,14 @@ pub(crate) fn check_finite_split(
     arrays: &[(&'static str, &Matrix, Option<&SplitCache>)],
 ) -> Result<()> {
     for group in arrays.chunks(4) {
-        let wanted = |m: &Matrix, c: Option<&SplitCache>| {
-            c.is_some_and(|c| !c.has_planes()) && !m.is_empty() && m.len() <= KEEP_MAX_ELEMENTS
-        };
         let mut planes = group
             .iter()
-            .map(|&(_, m, c)| match wanted(m, c) {
-                true => dev.zeros::<bf16>(3 * m.rows(), m.cols()).map(Some),
-                false => Ok(None),
-            })
+            .map(|&(_, m, c)| SplitCache::planes_to_write(dev, c, m))
             .collect::<Result<Vec<_>>>()?;
         let named: Vec<_> = group.iter().map(|&(arg, m, _)| (arg, m)).collect();
         check_group(dev, op, &named, &mut planes)?;
         for (&(_, _, c), p) in group.iter().zip(planes) {
-            if let (Some(c), Some(p)) = (c, p) {
-                c.keep(p);
-            }
+            SplitCache::keep_written(c, p);
         }
     }
     Ok(())
@@ -319,7 +311,7 @@ pub(crate) fn axpy(dev: &Device, alpha: f32, x: &Matrix, y: &mut Matrix) -> Resu
 /// `y`, else of the result (`"result (overflow)"`), as the CPU's `axpy_new` reports them. One
 /// pass and one status read-back, or none inside [`crate::Device::deferred`] (the scope
 /// reads the status). `α` is checked by [`Device::axpy_new`]. With `planes` (a cache without
-/// planes, of a result up to [`KEEP_MAX_ELEMENTS`]), the same pass writes the result's split3
+/// planes, of a result up to [`KEEP_MAX_ELEMENTS`](super::engine::KEEP_MAX_ELEMENTS)), the same pass writes the result's split3
 /// planes, kept there once the launch is queued or has passed: a product reading the result
 /// then splits nothing.
 pub(crate) fn axpy_new(
@@ -337,12 +329,8 @@ pub(crate) fn axpy_new(
     if n == 0 {
         return Ok(out);
     }
-    // The planes of `out` where the caller keeps them and they fit (as the check's).
-    let wanted = planes.filter(|c| !c.has_planes() && y.len() <= KEEP_MAX_ELEMENTS);
-    let mut written = match wanted {
-        Some(_) => Some(dev.zeros::<bf16>(3 * y.rows(), y.cols())?),
-        None => None,
-    };
+    // The planes of `out` (`y`'s shape) where the caller keeps them and they fit.
+    let mut written = SplitCache::planes_to_write(dev, planes, y)?;
     let cfg = stream_config(y.len())?;
     let mut queue = |out: &mut Matrix, status: &mut Matrix, at: usize| {
         let mut args = KernelArgs::new(dev);
@@ -367,9 +355,7 @@ pub(crate) fn axpy_new(
         let arrays = [("x", x), ("y", y), (crate::error::OVERFLOW, &out)];
         status_result(OP, &arrays, None, &status)?;
     }
-    if let (Some(c), Some(p)) = (wanted, written) {
-        c.keep(p);
-    }
+    SplitCache::keep_written(planes, written);
     Ok(out)
 }
 

@@ -74,6 +74,31 @@ impl SplitCache {
     pub(crate) fn keep(&self, planes: Matrix<bf16>) {
         let _ = self.planes.set(planes);
     }
+
+    /// The planes a pass that stores or reads `m` writes for `cache` (`3r x c` bf16, to pass
+    /// to its kernel), where the caller keeps them: a cache without planes, and `m` non-empty
+    /// and up to [`KEEP_MAX_ELEMENTS`] (the gradients' check, the first-order inverse's
+    /// axpy); else `None`.
+    pub(crate) fn planes_to_write(
+        dev: &Device,
+        cache: Option<&SplitCache>,
+        m: &Matrix,
+    ) -> Result<Option<Matrix<bf16>>> {
+        match cache {
+            Some(c) if !c.has_planes() && !m.is_empty() && m.len() <= KEEP_MAX_ELEMENTS => {
+                dev.zeros::<bf16>(3 * m.rows(), m.cols()).map(Some)
+            }
+            _ => Ok(None),
+        }
+    }
+
+    /// Keeps in `cache` the planes a pass wrote for its matrix, once that pass is queued or
+    /// has passed: from here on they are the matrix's.
+    pub(crate) fn keep_written(cache: Option<&SplitCache>, planes: Option<Matrix<bf16>>) {
+        if let (Some(c), Some(p)) = (cache, planes) {
+            c.keep(p);
+        }
+    }
 }
 
 kernel!(pub SPLIT3 = GEMM::gemm_split3;);

@@ -250,12 +250,12 @@ pub fn gemm3_split(
         ..Out::default()
     };
     launch_engine(dev, OP, &GEMM3_TC, planes, beta, c, into)?;
-    SplitCache::keep_result(out, result);
+    SplitCache::keep_written(out, result);
     Ok(())
 }
 
 /// What [`SplitCache`] does for a product's result in this file: the planes an engine
-/// product's epilogue writes, and keeping them.
+/// product's epilogue writes (kept by [`SplitCache::keep_written`]).
 impl SplitCache {
     /// The planes an engine product's epilogue writes for its result `c` (`3r x c` bf16)
     /// when `out` asks for them; `None` without `out` or for an empty `c` (nothing to read).
@@ -278,14 +278,6 @@ impl SplitCache {
             }),
             Some(_) if !c.is_empty() => Ok(Some(dev.zeros::<bf16>(3 * c.rows(), c.cols())?)),
             _ => Ok(None),
-        }
-    }
-
-    /// Keeps in `out` the planes the product's epilogue wrote ([`SplitCache::result_planes`],
-    /// empty before): from here on they are its result's.
-    fn keep_result(out: Option<&SplitCache>, planes: Option<Matrix<bf16>>) {
-        if let (Some(o), Some(p)) = (out, planes) {
-            o.keep(p);
         }
     }
 }
@@ -423,7 +415,7 @@ pub fn product3_checked(
     })?;
     match flagged {
         None => {
-            SplitCache::keep_result(epi.planes, result);
+            SplitCache::keep_written(epi.planes, result);
             Ok(())
         }
         Some(index) => Err(Error::NonFinite {
