@@ -55,6 +55,50 @@ impl Device {
         })
     }
 
+    /// The elements of every matrix of `ms` (row-major, in order) by one read-back: on a GPU
+    /// the matrices are gathered into one buffer by queued device-to-device copies and that
+    /// buffer is copied to the host, one wait for the stream where [`Matrix::to_vec`] of each
+    /// would wait once per matrix. An empty `ms` reads nothing.
+    ///
+    /// # Errors
+    /// [`Error::DeviceMismatch`] for a matrix of another device, [`Error::OutOfMemory`] for the
+    /// gathering buffer, driver errors.
+    pub fn download_all<T: Element>(&self, ms: &[&Matrix<T>]) -> Result<Vec<Vec<T>>> {
+        const OP: &str = "Device::download_all";
+        for m in ms {
+            self.check_on(OP, m)?;
+        }
+        if ms.is_empty() {
+            return Ok(Vec::new());
+        }
+        crate::hooks::count_read_back();
+        let Device::Cuda(d) = self else {
+            return ms.iter().map(|m| m.elements()).collect();
+        };
+        let total = ms.iter().map(|m| m.len()).sum::<usize>();
+        let stream = d.stream();
+        // SAFETY: the copies below write every element (the matrices' lengths add up to
+        // `total`) before the one read; `T` is plain data (`Element: Pod`).
+        let mut all = unsafe { stream.alloc::<T>(total) }
+            .map_err(|e| self.driver_alloc_error::<T>(total, 1, e))?;
+        let mut at = 0;
+        for m in ms {
+            if let Storage::Cuda(s) = &m.storage {
+                stream.memcpy_dtod(s, &mut all.slice_mut(at..at + s.len()))?;
+                at += s.len();
+            }
+        }
+        let flat = stream.clone_dtoh(&all)?;
+        let mut rest = &flat[..];
+        ms.iter()
+            .map(|m| {
+                let (head, tail) = rest.split_at(m.len());
+                rest = tail;
+                crate::error::try_to_vec(head)
+            })
+            .collect()
+    }
+
     /// A `rows x cols` matrix of zeros on this device.
     ///
     /// # Errors
@@ -204,6 +248,10 @@ impl<T: Element> Matrix<T> {
     /// Copies the elements back to the host (row-major).
     pub fn to_vec(&self) -> Result<Vec<T>> {
         crate::hooks::count_read_back();
+        self.elements()
+    }
+    /// [`Matrix::to_vec`] without the count.
+    fn elements(&self) -> Result<Vec<T>> {
         match &self.storage {
             Storage::Host(v) => crate::error::try_to_vec(v),
             Storage::Cuda(s) => Ok(s.stream().clone_dtoh(s)?),

@@ -73,27 +73,35 @@ fn routes(c: &KronCounters) -> (u64, u64) {
 proptest! {
     #![proptest_config(common::proptest_config(10))]
 
-    /// Every factor of a first refresh (all of them small) holds what the CPU backend makes of
-    /// the factor the device formed: the inverse of `F + λI` by the CPU's Cholesky at the
-    /// state's damping, bit for bit; RING's norm by the CPU's power iteration from the same
-    /// cold start, and NGD's trace, bit for bit. No Newton inversion is counted. A second
-    /// refresh (RING: warm-started from the uploaded iterate) does the same with the state's
-    /// damping; its norm is the CPU's cold one within the iteration's stop tolerance.
-    /// Ragged sizes: factors of 1 to 40 rows, batches narrower and wider than them.
+    /// Every small factor of a first refresh holds what the CPU backend makes of the factor the
+    /// device formed: the inverse of `F + λI` by the CPU's Cholesky at the state's damping,
+    /// bit for bit; RING's norm by the CPU's power iteration from the same cold start, and
+    /// NGD's trace, bit for bit. Where every factor is small no Newton inversion is counted. A
+    /// second refresh (RING: warm-started from the uploaded iterate) does the same with the
+    /// state's damping; its norm is the CPU's cold one within the iteration's stop tolerance.
+    /// Two layers, whose small factors the refresh reads back together, and a random
+    /// `host_refresh_max` that sends some factors to the device (each host copy must reach its
+    /// own factor). Ragged sizes: factors of 1 to 40 rows, batches narrower and wider.
     #[test]
     fn small_factors_are_refreshed_as_the_cpu_refreshes_them(
         o in 1usize..=24,
         i in 1usize..=40,
+        o2 in 1usize..=24,
         m in 1usize..=48,
         k in 0usize..3,
         steps in 1usize..=2,
+        max in prop_oneof![Just(HOST_REFRESH_MAX), 1usize..=40],
         seed in any::<u64>(),
     ) {
-        let cfg = variant(k);
+        let cfg = KronConfig { host_refresh_max: max, ..variant(k) };
+        let shapes = [(o, i), (o2, o)];
         for dev in common::devices() {
-            let (st, _) = refreshed(&dev, cfg, &[(o, i)], m, steps, seed);
-            prop_assert_eq!(routes(&st.counters), (0, 2 * steps as u64));
-            for f in [&st.layers[0].lambda, &st.layers[0].gamma] {
+            let (st, _) = refreshed(&dev, cfg, &shapes, m, steps, seed);
+            if [o, i, o2].iter().all(|&n| n <= max) {
+                prop_assert_eq!(routes(&st.counters), (0, 4 * steps as u64));
+            }
+            let small = st.layers.iter().flat_map(|l| [&l.lambda, &l.gamma]);
+            for f in small.filter(|f| f.factor.rows() <= max) {
                 let fh = host(&f.factor);
                 let mut damped = fh.try_clone().unwrap();
                 Device::Cpu.add_diagonal(&mut damped, f.damping).unwrap();
@@ -124,6 +132,40 @@ proptest! {
                     }
                     KronVariant::Reng => {}
                 }
+            }
+        }
+    }
+}
+
+proptest! {
+    #![proptest_config(common::proptest_config(16))]
+
+    /// `Device::download_all`, which reads a refresh's host copies back: every matrix's
+    /// elements in order, as `to_vec` of each gives them, counted as one read-back (none for
+    /// no matrix). Ragged shapes, empty ones included, on every device (a GPU where present,
+    /// where a host matrix is a typed device mismatch).
+    #[test]
+    fn download_all_reads_every_matrix_at_once(
+        shapes in prop::collection::vec((0usize..=9, 1usize..=70), 0..=5),
+        seed in any::<u64>(),
+    ) {
+        let mut rng = ChaCha8Rng::seed_from_u64(seed);
+        let host: Vec<Vec<f32>> = shapes.iter().map(|&(r, c)| vals(&mut rng, r * c)).collect();
+        for dev in common::devices() {
+            let ms: Vec<Matrix> = shapes
+                .iter()
+                .zip(&host)
+                .map(|(&(r, c), v)| dev.upload(r, c, v).unwrap())
+                .collect();
+            let refs: Vec<&Matrix> = ms.iter().collect();
+            let before = read_backs();
+            let got = dev.download_all(&refs).unwrap();
+            prop_assert_eq!(read_backs() - before, u64::from(!ms.is_empty()));
+            prop_assert_eq!(&got, &host);
+            if matches!(dev, Device::Cuda(_)) {
+                let cpu = Device::Cpu.upload(1, 1, &[1.0]).unwrap();
+                let err = dev.download_all(&[&cpu]).unwrap_err();
+                prop_assert!(matches!(err, grng::Error::DeviceMismatch { .. }), "{err}");
             }
         }
     }
@@ -160,19 +202,19 @@ fn the_route_follows_the_factor_size() {
     }
 }
 
-/// What a refresh of small factors reads back: RING each factor and its last power iterate
-/// (a warm refresh), NGD and RENG each factor, plus the step's one deferred read — where the
-/// device route read each Newton residual and each power batch (tens per factor). On the
-/// emulator only: on a GPU the GEMM plan's first trials read back too.
+/// What a refresh of small factors reads back: every factor (and RING's last power iterates,
+/// a warm refresh) in one read, plus the step's one deferred read — where reading each factor
+/// as it was formed took one per factor (RING two), and the device route reads each Newton
+/// residual and each power batch (tens per factor). On the emulator only: on a GPU the GEMM
+/// plan's first trials read back too.
 #[test]
-fn a_small_refresh_reads_each_factor_back_once() {
+fn a_small_refresh_reads_its_factors_back_at_once() {
     let dev = Device::Emulated;
     let shapes = [(9, 70), (3, 6), (17, 5)];
-    let factors = 2 * shapes.len() as u64;
-    for (k, per_factor) in [(0, 2), (1, 1), (2, 1)] {
+    for k in 0..3 {
         let cfg = variant(k);
         let (_, reads) = refreshed(&dev, cfg, &shapes, 5, 2, common::seed());
-        assert_eq!(reads, per_factor * factors + 1, "{:?}", cfg.variant);
+        assert_eq!(reads, 2, "{:?}", cfg.variant);
         let device = KronConfig {
             host_refresh_max: 0,
             ..cfg
@@ -183,5 +225,60 @@ fn a_small_refresh_reads_each_factor_back_once() {
             "{:?}: {on_device} vs {reads}",
             cfg.variant
         );
+    }
+}
+
+/// A lazy step that recomputes small factors' inverses (the damping moved past the
+/// first-order guard) inverts the host copies their refresh kept: no read-back beyond the
+/// step's one, and each inverse is the CPU's Cholesky inverse of the factor at the new
+/// damping, bit for bit (a stale copy, or another factor's, fails it).
+#[test]
+fn a_lazy_recompute_inverts_the_kept_host_copies() {
+    let dev = Device::Emulated;
+    let shapes = [(9, 12), (3, 6), (5, 5)];
+    let m = 7;
+    for k in 0..3 {
+        let cfg = KronConfig {
+            skip: 8,
+            phi: 0.5,
+            ..variant(k)
+        };
+        let mut rng = ChaCha8Rng::seed_from_u64(common::seed() ^ k as u64);
+        let mut up = |r: usize, c: usize| dev.upload(r, c, &vals(&mut rng, r * c)).unwrap();
+        let mut opt = KronOptimizer::new(&dev, &shapes, cfg).unwrap();
+        let mut params: Vec<Matrix> = shapes.iter().map(|&(o, i)| up(o, i)).collect();
+        let mut recomputed = false;
+        for step in 0..4 {
+            let batch: Vec<[Matrix; 3]> = shapes
+                .iter()
+                .map(|&(o, i)| [up(m, i), up(m, o), up(o, i)])
+                .collect();
+            let stats: Vec<KronStats<'_>> =
+                batch.iter().map(|[a, e, _]| KronStats { a, e }).collect();
+            let grads: Vec<&Matrix> = batch.iter().map(|[_, _, g]| g).collect();
+            let need = opt.needs_stats();
+            let before = read_backs();
+            let info = opt
+                .step(&mut params, &grads, need.then_some(&stats[..]))
+                .unwrap();
+            let reads = read_backs() - before;
+            // The loss rose: the Levenberg–Marquardt rule doubles ρ (φ = 0.5).
+            opt.observe_loss(1.0, 2.0).unwrap();
+            if step == 0 || info.lazy_recomputes == 0 {
+                continue;
+            }
+            recomputed = true;
+            assert_eq!(reads, 1, "{:?}, step {step}", cfg.variant);
+            let st = opt.state().unwrap();
+            for layer in &st.layers {
+                for f in [&layer.lambda, &layer.gamma] {
+                    let mut damped = host(&f.factor);
+                    Device::Cpu.add_diagonal(&mut damped, f.damping).unwrap();
+                    let want = Device::Cpu.cholesky_inverse(&damped).unwrap();
+                    assert_eq!(bits(&f.inverse), bits(&want), "{:?}", cfg.variant);
+                }
+            }
+        }
+        assert!(recomputed, "{:?}: no lazy recompute", cfg.variant);
     }
 }

@@ -242,6 +242,7 @@ impl Checkpoint for KronOptimizer {
                     retargeted: None,
                     low_rank: None,
                     splits: Default::default(),
+                    host_factor: None,
                 })
             };
             layers.push(KronLayerState {

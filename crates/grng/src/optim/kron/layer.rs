@@ -67,7 +67,7 @@ impl Ctx<'_> {
         x: StatsView<'x>,
         old: Option<&KronFactorState>,
         c: &mut KronCounters,
-    ) -> Result<Fresh<'x>> {
+    ) -> Result<Forming<'x>> {
         let (m, n) = x.shape();
         let eps = match old {
             Some(_) if self.cfg.ema > 0.0 => self.cfg.ema,
@@ -94,7 +94,11 @@ impl Ctx<'_> {
         };
         if gram_norm && self.defers_factor(&rows)? {
             let norm = self.rows_norm(&rows, c)?;
-            return Ok((Refreshed::Rows(rows), scalars(norm, 0.0), None));
+            return Ok(Forming::Fresh((
+                Refreshed::Rows(rows),
+                scalars(norm, 0.0),
+                None,
+            )));
         }
         // The factor update checks the rows, so `rows_norm`'s Gram product reads checked rows.
         let f = match old {
@@ -105,12 +109,20 @@ impl Ctx<'_> {
             }
             _ => replaced_factor(self.device, &rows)?,
         };
-        let ((norm, trace, top), host) = match self.cfg.variant {
-            KronVariant::Ring if gram_norm => ((self.rows_norm(&rows, c)?, 0.0, None), None),
-            _ => self.refreshed_scalars(&f, old, c)?,
+        // (Never with `gram_norm`, which is the CPU's.)
+        if self.on_host(n) {
+            return Ok(Forming::Host(f, (eps == 0.0).then_some(rows)));
+        }
+        let (norm, trace, top) = match self.cfg.variant {
+            KronVariant::Ring if gram_norm => (self.rows_norm(&rows, c)?, 0.0, None),
+            _ => self.formed_scalars(&f, old.and_then(|o| o.top.as_ref()), c)?,
         };
         let rows = (eps == 0.0).then_some(rows);
-        Ok((Refreshed::Formed(f, rows, host), scalars(norm, trace), top))
+        Ok(Forming::Fresh((
+            Refreshed::Formed(f, rows, None),
+            scalars(norm, trace),
+            top,
+        )))
     }
 
     /// The statistics rows `x` as the factor's SYRK reads them: `f32` rows rounded to `bf16`
@@ -132,15 +144,22 @@ impl Ctx<'_> {
         gram: &Matrix,
         old: Option<&KronFactorState>,
         c: &mut KronCounters,
-    ) -> Result<Fresh<'x>> {
+    ) -> Result<Forming<'x>> {
         let f = self.blended_gram(gram, old)?;
-        let ((norm, trace, top), host) = self.refreshed_scalars(&f, old, c)?;
+        if self.on_host(f.rows()) {
+            return Ok(Forming::Host(f, None));
+        }
+        let (norm, trace, top) = self.formed_scalars(&f, old.and_then(|o| o.top.as_ref()), c)?;
         let scalars = FactorScalars {
             dim: f.rows(),
             norm,
             trace,
         };
-        Ok((Refreshed::Formed(f, None, host), scalars, top))
+        Ok(Forming::Fresh((
+            Refreshed::Formed(f, None, None),
+            scalars,
+            top,
+        )))
     }
 
     /// The factor of [`Ctx::factor_from_gram`] without its scalars: `gram` blended into
@@ -160,34 +179,68 @@ impl Ctx<'_> {
 
     /// Whether a factor of dimension `n` is refreshed on the host
     /// ([`KronConfig::host_refresh_max`]).
-    fn on_host(&self, n: usize) -> bool {
+    pub fn on_host(&self, n: usize) -> bool {
         !matches!(self.device, Device::Cpu)
             && self.cfg.inverse == InverseMethod::Auto
             && n <= self.cfg.host_refresh_max
     }
 
-    /// [`Ctx::formed_scalars`] of `f` where `f` is refreshed: on the device, or on the host
-    /// ([`Ctx::on_host`]: `f` and `old`'s iterate read back, the iterate found there uploaded),
-    /// with `f`'s host copy then, for [`Ctx::inverse`].
-    fn refreshed_scalars(
+    /// What a factor refreshed on the host ([`Forming::Host`]) needs read back: the factor `f`,
+    /// and for RING the iterate `old` kept ([`KronFactorState::top`], its power iteration's
+    /// warm start).
+    pub fn host_reads<'a>(
         &self,
-        f: &Matrix,
-        old: Option<&KronFactorState>,
-        c: &mut KronCounters,
-    ) -> Result<(Scalars, Option<Matrix>)> {
+        f: &'a Matrix,
+        old: Option<&'a KronFactorState>,
+    ) -> Vec<&'a Matrix> {
         let warm = old.and_then(|o| o.top.as_ref());
-        if !self.on_host(f.rows()) {
-            return Ok((self.formed_scalars(f, warm, c)?, None));
+        match self.cfg.variant {
+            KronVariant::Ring => std::iter::once(f).chain(warm).collect(),
+            KronVariant::Reng | KronVariant::Ngd => vec![f],
         }
-        let host = to_host(f)?;
-        let warm = warm.map(to_host).transpose()?;
+    }
+
+    /// The refreshed factor of `forming`: as it is, or for [`Forming::Host`] from `copies`, the
+    /// elements of its [`Ctx::host_reads`] in order: [`Ctx::formed_scalars`] of the host copy
+    /// by the CPU backend (RING's iterate found there uploaded), and the copy kept for
+    /// [`Ctx::inverse`].
+    pub fn refreshed<'x>(
+        &self,
+        forming: Forming<'x>,
+        copies: Vec<Vec<f32>>,
+        c: &mut KronCounters,
+    ) -> Result<Fresh<'x>> {
+        let (f, rows) = match forming {
+            Forming::Fresh(fresh) => return Ok(fresh),
+            Forming::Host(f, rows) => (f, rows),
+        };
+        let n = f.rows();
+        let mut copies = copies.into_iter();
+        let mut host = |cols| -> Result<Option<Matrix>> {
+            copies
+                .next()
+                .map(|v| Matrix::from_host_vec(n, cols, v))
+                .transpose()
+        };
+        let (factor, warm) = (host(n)?, host(1)?);
+        let factor = factor.ok_or(Error::Value {
+            op: "KronOptimizer::step",
+            arg: "host copies",
+            value: 0.0,
+            expected: "the factor's host copy (Ctx::host_reads)",
+        })?;
         let cpu = Ctx {
             device: &Device::Cpu,
             cfg: self.cfg,
         };
-        let (norm, trace, top) = cpu.formed_scalars(&host, warm.as_ref(), c)?;
+        let (norm, trace, top) = cpu.formed_scalars(&factor, warm.as_ref(), c)?;
         let top = top.map(|t| self.upload(&t)).transpose()?;
-        Ok(((norm, trace, top), Some(host)))
+        let scalars = FactorScalars {
+            dim: n,
+            norm,
+            trace,
+        };
+        Ok((Refreshed::Formed(f, rows, Some(factor)), scalars, top))
     }
 
     /// `m`, a CPU-backend matrix, uploaded to this context's device.
@@ -475,7 +528,7 @@ impl Ctx<'_> {
         }
         c.lazy_recomputes += 1;
         self.inverse(
-            FactorArg::Formed(s.dense_factor()?, None, None),
+            FactorArg::Formed(s.dense_factor()?, None, s.host_factor.as_ref()),
             target,
             known_norm(s.norm),
             s.warm_start(),
@@ -512,6 +565,17 @@ pub(super) fn known_norm(norm: f32) -> Option<f32> {
 /// A refreshed factor ([`Ctx::factor`]): the factor, its damping rules' scalars, and RING's
 /// power-iteration iterate ([`KronFactorState::top`]).
 pub(super) type Fresh<'x> = (Refreshed<'x>, FactorScalars, Option<Matrix>);
+
+/// A factor formed by [`Ctx::factor`] (or [`Ctx::factor_from_gram`]), refreshed or waiting
+/// for its host copies.
+pub(super) enum Forming<'x> {
+    /// Refreshed: its scalars computed on its device.
+    Fresh(Fresh<'x>),
+    /// Formed on a kernel device, with the rows it replaced the old one from, and refreshed on
+    /// the host ([`KronConfig::host_refresh_max`]) by [`Ctx::refreshed`] once
+    /// [`Ctx::host_reads`] are read back: a refresh reads every such factor back at once.
+    Host(Matrix, Option<Rows<'x>>),
+}
 
 /// A factor refreshed by [`Ctx::factor`].
 pub(super) enum Refreshed<'x> {
@@ -743,6 +807,7 @@ impl InverseUpdate {
             if let Some(f) = old.and_then(|lr| lr.into_dense_factor()) {
                 s.factor = f;
                 s.splits.factor = SplitCache::default();
+                s.host_factor = None;
             }
         }
         s.inverse = self.inverse;
@@ -757,9 +822,10 @@ impl InverseUpdate {
     /// (formed by the inversion, or else kept by the low-rank kernel, the state holding the
     /// placeholder [`deferred`]).
     pub fn with_factor(self, (factor, scalars, top): Fresh<'_>) -> Result<KronFactorState> {
-        let factor = match (factor, self.formed) {
-            (Refreshed::Formed(f, _, _), _) | (Refreshed::Rows(_), Some(f)) => f,
-            (Refreshed::Rows(_), None) => deferred()?,
+        let (factor, host_factor) = match (factor, self.formed) {
+            (Refreshed::Formed(f, _, host), _) => (f, host),
+            (Refreshed::Rows(_), Some(f)) => (f, None),
+            (Refreshed::Rows(_), None) => (deferred()?, None),
         };
         Ok(KronFactorState {
             factor,
@@ -773,6 +839,7 @@ impl InverseUpdate {
             retargeted: None,
             low_rank: self.low_rank,
             splits: Splits::default(),
+            host_factor,
         })
     }
 }

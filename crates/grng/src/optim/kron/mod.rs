@@ -111,7 +111,7 @@ impl<'a> StatsIn<'_, 'a> {
         (l, side): (usize, usize),
         old: Option<&KronFactorState>,
         c: &mut KronCounters,
-    ) -> Result<layer::Fresh<'a>> {
+    ) -> Result<layer::Forming<'a>> {
         match *self {
             StatsIn::Rows(s) => ctx.factor([s[l].a, s[l].e][side].view(), old, c),
             StatsIn::Grams(g) | StatsIn::Spread(g, _) => ctx.factor_from_gram(&g[l][side], old, c),
@@ -142,6 +142,15 @@ impl Reduced {
         Some(rows.iter().map(|(a, e)| KronStats { a, e }).collect())
     }
 }
+
+/// A layer of a refresh with its factors formed ([`KronOptimizer::refresh_layers`]): its
+/// index, each factor with the host copies of [`Ctx::host_reads`] (empty until read back), and
+/// each factor's counters.
+type FormedLayer<'x> = (
+    usize,
+    [(layer::Forming<'x>, Vec<Vec<f32>>); 2],
+    [KronCounters; 2],
+);
 
 /// How the inverses move on this call: rebuilt from statistics, or retargeted lazily.
 enum Plan {
@@ -1056,32 +1065,83 @@ impl KronOptimizer {
             StatsIn::Spread(grams, received) => tasks::map(&self.device, all, |l| {
                 self.received_layer(&grams[l], &received[l], l)
             })?,
-            _ => tasks::map(&self.device, all, |l| self.refresh_layer(stats, l))?,
+            _ => self.refresh_layers(stats, all)?,
         };
         c.refreshes += 1;
         Ok(Plan::Refresh(tally(layers, c), low_rank))
     }
 
-    /// Layer `l` refreshed from `stats`: both factors, their scalars and dampings at the
-    /// current `ρ`, their inverses, and each factor's counters.
-    fn refresh_layer(
+    /// Layers `ls` refreshed from `stats`: both factors of each, their scalars and dampings at
+    /// the current `ρ`, their inverses, and each factor's counters. Where a factor is refreshed
+    /// on the host ([`KronConfig::host_refresh_max`]), in three phases: every factor formed,
+    /// one read-back of all those factors (and RING's iterates), then each layer's scalars,
+    /// dampings and inverses — one wait for the GPU per refresh where reading each factor as
+    /// it was formed waited once per factor. Elsewhere each layer is one task, as before.
+    fn refresh_layers(
         &self,
         stats: StatsIn<'_, '_>,
-        l: usize,
-    ) -> Result<(KronLayerState, [KronCounters; 2])> {
+        ls: Vec<usize>,
+    ) -> Result<Vec<(KronLayerState, [KronCounters; 2])>> {
         let ctx = Ctx {
             device: &self.device,
             cfg: &self.config,
         };
-        let rho = self.st.rho;
+        let old = |l: usize| {
+            let o = self.st.layers.get(l);
+            [o.map(|o| &o.lambda), o.map(|o| &o.gamma)]
+        };
+        let form = |l: usize| -> Result<FormedLayer<'_>> {
+            let [ol, og] = old(l);
+            let (mut cl, mut cg) = (KronCounters::default(), KronCounters::default());
+            let (fl, fg) = tasks::join(
+                ctx.device,
+                || stats.factor(&ctx, (l, 0), ol, &mut cl),
+                || stats.factor(&ctx, (l, 1), og, &mut cg),
+            )?;
+            Ok((l, [(fl, Vec::new()), (fg, Vec::new())], [cl, cg]))
+        };
+        let host = ls.iter().any(|&l| {
+            let (o, i) = self.shapes[l];
+            ctx.on_host(o) || ctx.on_host(i)
+        });
+        if !host {
+            return tasks::map(&self.device, ls, |l| self.finish_layer(&ctx, form(l)?));
+        }
+        let mut formed = tasks::map(&self.device, ls, form)?;
+        let mut counts = Vec::with_capacity(2 * formed.len());
+        let mut reads = Vec::new();
+        for (l, fs, _) in &formed {
+            for ((f, _), o) in fs.iter().zip(old(*l)) {
+                let r = match f {
+                    layer::Forming::Host(f, _) => ctx.host_reads(f, o),
+                    layer::Forming::Fresh(_) => Vec::new(),
+                };
+                counts.push(r.len());
+                reads.extend(r);
+            }
+        }
+        let mut copies = self.device.download_all(&reads)?.into_iter();
+        let mut counts = counts.into_iter();
+        for (_, fs, _) in &mut formed {
+            for (_, c) in fs {
+                *c = copies.by_ref().take(counts.next().unwrap_or(0)).collect();
+            }
+        }
+        tasks::map(&self.device, formed, |f| self.finish_layer(&ctx, f))
+    }
+
+    /// A layer of [`KronOptimizer::refresh_layers`] from its formed factors: their scalars
+    /// (from the host copies where they are refreshed on the host), dampings at the current
+    /// `ρ`, and inverses.
+    fn finish_layer(
+        &self,
+        ctx: &Ctx<'_>,
+        (l, [(fl, hl), (fg, hg)], [mut cl, mut cg]): FormedLayer<'_>,
+    ) -> Result<(KronLayerState, [KronCounters; 2])> {
         let old = self.st.layers.get(l);
-        let (mut cl, mut cg) = (KronCounters::default(), KronCounters::default());
-        let ((fl, sl, tl), (fg, sg, tg)) = tasks::join(
-            ctx.device,
-            || stats.factor(&ctx, (l, 0), old.map(|o| &o.lambda), &mut cl),
-            || stats.factor(&ctx, (l, 1), old.map(|o| &o.gamma), &mut cg),
-        )?;
-        let (dl, dg) = factor_dampings(&self.config, rho, sl, sg);
+        let (fl, sl, tl) = ctx.refreshed(fl, hl, &mut cl)?;
+        let (fg, sg, tg) = ctx.refreshed(fg, hg, &mut cg)?;
+        let (dl, dg) = factor_dampings(&self.config, self.st.rho, sl, sg);
         let (il, ig) = tasks::join(
             ctx.device,
             || {
@@ -1189,9 +1249,9 @@ impl KronOptimizer {
             .collect();
         let mine = crate::cpu::on_pool(self.pool_work(), || {
             let ours: Vec<usize> = (0..owners.len()).filter(|&l| owners[l] == rank).collect();
-            let (layers, _) = self.device.deferred(|| {
-                tasks::map(&self.device, ours.clone(), |l| self.refresh_layer(stats, l))
-            })?;
+            let (layers, _) = self
+                .device
+                .deferred(|| self.refresh_layers(stats, ours.clone()))?;
             layers
                 .iter()
                 .map(|(layer, [cl, cg])| {

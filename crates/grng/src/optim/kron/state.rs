@@ -65,6 +65,11 @@ pub struct KronFactorState {
     /// that reads each and kept for the steps after it; empty on the CPU. A cache: dropped
     /// where its matrix is replaced, not copied, not stored.
     pub(crate) splits: Splits,
+    /// The factor's host copy where it was refreshed on the host
+    /// ([`super::KronConfig::host_refresh_max`]): a lazy step that recomputes the inverse
+    /// inverts it without reading the factor back. A cache like `splits`: dropped with the
+    /// factor, not copied, not stored (a restored factor is read back when it is inverted).
+    pub(crate) host_factor: Option<Matrix>,
 }
 
 /// [`KronFactorState::splits`].
@@ -142,6 +147,7 @@ impl KronFactorState {
             retargeted: None,
             low_rank: None,
             splits: Splits::default(),
+            host_factor: None,
         })
     }
 }
