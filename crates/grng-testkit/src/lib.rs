@@ -471,6 +471,32 @@ pub fn gemm_case(seed: u64, (m, n, k): (usize, usize, usize), ta: Trans, tb: Tra
     }
 }
 
+/// The launches of `jobs` axpys formed together (a Kronecker step's first-order inverses,
+/// its weight updates: `Device::axpy_new_split_all`, `axpy_over_all` on a kernel device):
+/// `[elementwise_axpy_new, elementwise_multi_axpy_new]` — one launch of the single kernel for
+/// one job, one of the batched kernel for several.
+pub fn batched_axpy_launches(jobs: usize) -> [usize; 2] {
+    match jobs {
+        0 => [0, 0],
+        1 => [1, 0],
+        _ => [0, 1],
+    }
+}
+
+/// The `[elementwise_axpy_new, elementwise_multi_axpy_new]` launches in `launched`.
+pub fn axpy_launches(launched: &[&str]) -> [usize; 2] {
+    let count = |k: &str| launched.iter().filter(|&&l| l == k).count();
+    [
+        count("elementwise_axpy_new"),
+        count("elementwise_multi_axpy_new"),
+    ]
+}
+
+/// `a + b`, element by element.
+pub fn add2(a: [usize; 2], b: [usize; 2]) -> [usize; 2] {
+    [a[0] + b[0], a[1] + b[1]]
+}
+
 /// The split3 planes of `v` as `grng_split3` makes them (round to nearest even each):
 /// `hi = bf16(v)`, `mid = bf16(v − hi)`, `lo = bf16(v − hi − mid)`, as bits.
 pub fn host_split3(v: f32) -> [u16; 3] {

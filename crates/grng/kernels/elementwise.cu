@@ -593,18 +593,24 @@ __device__ __forceinline__ const float* ew_entry_ptr(const unsigned* e, int k) {
     return reinterpret_cast<const float*>(a);
 }
 
-// The tensor holding float4 item k: the last t with item_begin(t) <= k (empty tensors share
-// their successor's item_begin and are skipped).
-__device__ __forceinline__ int ew_find_tensor(const unsigned* table, int ntensors, int k) {
+// The tensor holding float4 item k of a table of `entry` words per tensor whose word `first`
+// is the tensor's first item: the last t with item_begin(t) <= k (empty tensors share their
+// successor's item_begin and are skipped).
+__device__ __forceinline__ int ew_find_item(const unsigned* table, int entry, int first,
+                                            int ntensors, int k) {
     int lo = 0, hi = ntensors - 1;
     while (lo < hi) {
         const int mid = (lo + hi + 1) >> 1;
-        if (static_cast<int>(table[EW_ENTRY * mid + 10]) <= k)
+        if (static_cast<int>(table[entry * mid + first]) <= k)
             lo = mid;
         else
             hi = mid - 1;
     }
     return lo;
+}
+
+__device__ __forceinline__ int ew_find_tensor(const unsigned* table, int ntensors, int k) {
+    return ew_find_item(table, EW_ENTRY, 10, ntensors, k);
 }
 
 // First flat position per status slot, per thread (positions grow along a thread's items).
@@ -736,3 +742,72 @@ extern "C" __global__ void elementwise_multi_sophia(
 GRNG_EMU_ENTRY(elementwise_multi_sophia, (const unsigned*, int, int, const float*, const float*,
                                           float*, float*, float, float, float, float, float,
                                           float, int, float, float, float, int*))
+
+// ---------------------------------------------------------------------------------------
+// out_t ← y_t + α_t x_t for every tensor t of `table` in one launch: a lazy Kronecker step's
+// first-order inverses X₀ − d·S₀, one per factor whose damping moved (one launch for the
+// step, not one per factor). Element for element elementwise_axpy_new's arithmetic, so each
+// out_t and its planes are the bits a launch of that tensor alone writes.
+//
+// `table` holds EW_AXPY_ENTRY 32-bit words per tensor (`multi_axpy_new` in
+// src/cuda/elementwise.rs): the addresses of out, x, y and planes (two words each, low
+// first; planes 0 for none, else 3n bf16 in gemm_split3's layout), the length n, the index of
+// its first float4 item among all tensors' items, and the bits of α. Status slots 5t, 5t + 1,
+// 5t + 2 ← the first index of a NaN/Inf in x_t, y_t and out_t (integer atomicMin only where a
+// value is bad: a clean pass issues none).
+#define EW_AXPY_ENTRY 11
+
+__device__ __forceinline__ void ew_axpy_flag(int* slot, float v, int i) {
+    if (!isfinite(v)) atomicMin(slot, i);
+}
+
+extern "C" __global__ void elementwise_multi_axpy_new(const unsigned* __restrict__ table,
+                                                      int ntensors, int nitems,
+                                                      int* __restrict__ status) {
+    for (int k = EW_TID; k < nitems; k += EW_STRIDE) {
+        const int t = ew_find_item(table, EW_AXPY_ENTRY, 9, ntensors, k);
+        const unsigned* e = table + EW_AXPY_ENTRY * t;
+        float* out = const_cast<float*>(ew_entry_ptr(e, 0));
+        const float* x = ew_entry_ptr(e, 1);
+        const float* y = ew_entry_ptr(e, 2);
+        __nv_bfloat16* planes =
+            reinterpret_cast<__nv_bfloat16*>(const_cast<float*>(ew_entry_ptr(e, 3)));
+        const int n = static_cast<int>(e[8]);
+        const float alpha = __uint_as_float(e[10]);
+        const int i0 = 4 * (k - static_cast<int>(e[9]));
+        const int cnt = n - i0 < 4 ? n - i0 : 4;
+        int* st = status + 5 * t;
+        const bool vec = cnt == 4 && ew_aligned16(out + i0, x + i0, y + i0);
+        float a[4], b[4];
+        if (vec) {
+            const float4 A = *reinterpret_cast<const float4*>(x + i0);
+            const float4 B = *reinterpret_cast<const float4*>(y + i0);
+GRNG_UNROLL
+            for (int j = 0; j < 4; ++j) {
+                a[j] = ew_lane(A, j);
+                b[j] = ew_lane(B, j);
+            }
+        } else {
+            for (int j = 0; j < cnt; ++j) {
+                a[j] = x[i0 + j];
+                b[j] = y[i0 + j];
+            }
+        }
+        float v[4];
+GRNG_UNROLL
+        for (int j = 0; j < 4; ++j) {
+            if (j >= cnt) break;
+            ew_axpy_flag(&st[0], a[j], i0 + j);
+            ew_axpy_flag(&st[1], b[j], i0 + j);
+            v[j] = __fadd_rn(b[j], __fmul_rn(alpha, a[j]));
+            ew_axpy_flag(&st[2], v[j], i0 + j);
+            if (planes) grng_store_split3(planes, i0 + j, n, v[j]);
+        }
+        if (vec) {
+            *reinterpret_cast<float4*>(out + i0) = float4{v[0], v[1], v[2], v[3]};
+        } else {
+            for (int j = 0; j < cnt; ++j) out[i0 + j] = v[j];
+        }
+    }
+}
+GRNG_EMU_ENTRY(elementwise_multi_axpy_new, (const unsigned*, int, int, int*))

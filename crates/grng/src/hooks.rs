@@ -172,3 +172,39 @@ pub fn deferred_dots(
         .map(|s| readout.get(s).unwrap_or(f32::NAN))
         .collect())
 }
+
+/// A result of [`axpy_new_split_all`]: `y + αx` and, on the kernel devices, the split planes
+/// its pass wrote (`3·len` bf16 bits, plane `p` at `p·len`).
+#[cfg(feature = "test-hooks")]
+pub type AxpyOut = (Vec<f32>, Option<Vec<u16>>);
+
+/// `Device::axpy_new_split_all` of the `(α, x, y)` jobs (a lazy Kronecker step's first-order
+/// inverses: on the kernel devices one launch of `elementwise_multi_axpy_new`), inside a
+/// `Device::deferred` scope when `deferred`, else eager: each result with its planes.
+///
+/// # Errors
+/// As `Device::axpy_new`, the first failing job's.
+#[cfg(feature = "test-hooks")]
+pub fn axpy_new_split_all(
+    dev: &crate::Device,
+    jobs: &[(f32, &crate::Matrix, &crate::Matrix)],
+    deferred: bool,
+) -> crate::Result<Vec<AxpyOut>> {
+    let run = || dev.axpy_new_split_all(jobs);
+    let products = if deferred {
+        dev.deferred(run)?.0
+    } else {
+        run()?
+    };
+    products
+        .iter()
+        .map(|p| {
+            let planes = p
+                .planes()
+                .planes()
+                .map(|m| m.to_vec().map(|v| v.iter().map(|b| b.to_bits()).collect()))
+                .transpose()?;
+            Ok((p.matrix().to_vec()?, planes))
+        })
+        .collect()
+}

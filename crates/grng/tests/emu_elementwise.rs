@@ -1360,3 +1360,82 @@ fn optimizers_step_many_equals_one_flat_step() {
         assert_eq!(sm.state().unwrap(), st);
     }
 }
+
+proptest! {
+    #![proptest_config(common::proptest_config(24))]
+
+    /// `Device::axpy_new_split_all` (`hooks::axpy_new_split_all`; on the kernel devices ONE
+    /// launch of `elementwise_multi_axpy_new` for every job, as a lazy Kronecker step forms its
+    /// first-order inverses): each result is the CPU's `axpy_new` of that job and this device's
+    /// own `axpy_new` of it, bit for bit, eager and deferred; on the kernel devices each
+    /// non-empty result comes with its split planes, `host_split3` of every element. Ragged
+    /// lengths (empty jobs, float4 body and tail). A NaN or ±Inf planted in one job's `x` or
+    /// `y`, or an overflowing `y + αx`, is the error the CPU reports for the first failing job
+    /// (variant, argument, index), deferred or not.
+    #[test]
+    fn batched_axpys_are_each_axpy_new(
+        lens in prop::collection::vec(prop_oneof![Just(0usize), 1usize..80, 1020usize..1030], 1..=5),
+        alphas in prop::collection::vec(-4.0f32..4.0, 5),
+        bad in prop::option::of((0usize..5, 0usize..3, any::<usize>(), any::<u8>())),
+        seed in any::<u64>(),
+    ) {
+        let mut rng = ChaCha8Rng::seed_from_u64(seed);
+        let mut alphas = alphas;
+        let mut xs: Vec<Vec<f32>> = lens.iter().map(|&n| vals(&mut rng, n, -3.0, 3.0)).collect();
+        let mut ys: Vec<Vec<f32>> = lens.iter().map(|&n| vals(&mut rng, n, -3.0, 3.0)).collect();
+        if let Some((job, which, at, kind)) = bad {
+            let j = job % lens.len();
+            if lens[j] > 0 {
+                match which {
+                    0 => plant(&mut xs[j..=j], 0, at, kind % 2),
+                    1 => plant(&mut ys[j..=j], 0, at, kind % 2),
+                    _ => {
+                        let i = at % lens[j];
+                        (xs[j][i], ys[j][i], alphas[j]) = (f32::MAX, f32::MAX, 1.0);
+                    }
+                }
+            }
+        }
+        let cpu = |j: usize| {
+            Device::Cpu
+                .axpy_new(alphas[j], &up(&Device::Cpu, &xs[j]), &up(&Device::Cpu, &ys[j]))
+                .map(|m| m.to_vec().unwrap())
+                .map_err(|e| key(&e))
+        };
+        let want: Vec<_> = (0..lens.len()).map(cpu).collect();
+        let first_err = want.iter().find_map(|r| r.as_ref().err()).cloned();
+        for dev in devices() {
+            let xd: Vec<Matrix> = xs.iter().map(|v| up(&dev, v)).collect();
+            let yd: Vec<Matrix> = ys.iter().map(|v| up(&dev, v)).collect();
+            let jobs: Vec<(f32, &Matrix, &Matrix)> =
+                (0..lens.len()).map(|j| (alphas[j], &xd[j], &yd[j])).collect();
+            let name = dev.name();
+            for deferred in [false, true] {
+                let got = grng::hooks::axpy_new_split_all(&dev, &jobs, deferred);
+                let got = match (&first_err, got) {
+                    (Some(e), got) => {
+                        prop_assert_eq!(got.map(|_| ()).map_err(|e| key(&e)), Err(e.clone()));
+                        continue;
+                    }
+                    (None, got) => got.unwrap(),
+                };
+                for (j, (out, planes)) in got.iter().enumerate() {
+                    let w = want[j].as_ref().unwrap();
+                    prop_assert_eq!(bits(out), bits(w), "{}: job {}", name, j);
+                    let own = dev.axpy_new(alphas[j], &xd[j], &yd[j]).unwrap().to_vec().unwrap();
+                    prop_assert_eq!(bits(out), bits(&own), "{}: job {}", name, j);
+                    let n = lens[j];
+                    let kernel = !matches!(dev, Device::Cpu);
+                    prop_assert_eq!(planes.is_some(), kernel && n > 0, "{}: job {}", name, j);
+                    if let Some(p) = planes {
+                        prop_assert_eq!(p.len(), 3 * n);
+                        for (i, &v) in out.iter().enumerate() {
+                            let s = common::host_split3(v);
+                            prop_assert_eq!([p[i], p[n + i], p[2 * n + i]], s, "{}: job {}", name, j);
+                        }
+                    }
+                }
+            }
+        }
+    }
+}

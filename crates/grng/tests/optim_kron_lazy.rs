@@ -208,9 +208,13 @@ fn lazy_steps_match_cpu_with_one_axpy_per_factor() {
                 "{}: step {k}: GEMM launches {launched:?}",
                 dev.name()
             );
+            // The first-order inverses together, then the layers' updates together.
             assert_eq!(
-                count(&|n| n == "elementwise_axpy_new"),
-                drifting + layers,
+                common::axpy_launches(&launched),
+                common::add2(
+                    common::batched_axpy_launches(drifting),
+                    common::batched_axpy_launches(layers)
+                ),
                 "{}: step {k}: axpy launches {launched:?}",
                 dev.name()
             );
@@ -230,7 +234,7 @@ fn lazy_steps_match_cpu_with_one_axpy_per_factor() {
 }
 
 /// A lazy step at the same damping target as the step before reuses that step's first-order
-/// inverse: no axpy for the factors (only the parameter update's, one per layer) and no GEMM
+/// inverse: no axpy for the factors (only the parameter updates', one launch for the layers) and no GEMM
 /// beyond the preconditioning's and the model's, still counted as first-order updates, and
 /// the same bits as an optimizer without the cache (loaded from a checkpoint, which does not
 /// store it), on the CPU and on each kernel device.
@@ -265,10 +269,16 @@ fn unchanged_target_reuses_the_first_order_inverse() {
         step(&mut opt, 0, Some(&ks), 1.0);
         let (first, launched, _) = step(&mut opt, 1, None, 0.5);
         assert_eq!(first.first_order_updates, 4, "{name}: every factor drifted");
-        let axpys = |l: &[&str]| l.iter().filter(|n| **n == "elementwise_axpy_new").count();
+        let axpys = |l: &[&str]| common::axpy_launches(l);
+        // The factors' first-order inverses formed together (4), the layers' updates together.
+        let (factors, updates) = (
+            common::batched_axpy_launches(4),
+            common::batched_axpy_launches(layers),
+        );
         let gemms = |l: &[&str]| l.iter().filter(|n| common::is_product(n)).count();
         if !matches!(dev, Device::Cpu) {
-            assert_eq!(axpys(&launched), 4 + layers, "{name}: {launched:?}");
+            let both = common::add2(factors, updates);
+            assert_eq!(axpys(&launched), both, "{name}: {launched:?}");
         }
         let mut saved = Writer::new();
         opt.save(&mut saved).unwrap();
@@ -285,12 +295,12 @@ fn unchanged_target_reuses_the_first_order_inverse() {
         assert_eq!(cached.first_order_updates, 4, "{name}");
         assert_eq!(uncached.first_order_updates, 4, "{name}");
         if !matches!(dev, Device::Cpu) {
-            assert_eq!(axpys(&launched), layers, "{name}: {launched:?}");
+            assert_eq!(axpys(&launched), updates, "{name}: {launched:?}");
             assert_eq!(gemms(&launched), 4 * layers, "{name}: {launched:?}");
-            // Without the cache: an axpy per factor, and the squares again (not stored).
+            // Without the cache: the factors' axpys, and the squares again (not stored).
             assert_eq!(
                 axpys(&launched_fresh),
-                4 + layers,
+                common::add2(factors, updates),
                 "{name}: {launched_fresh:?}"
             );
             assert_eq!(

@@ -31,6 +31,7 @@ use half::bf16;
 
 kernel!(pub(crate) AXPY = ELEMENTWISE::elementwise_axpy;);
 kernel!(pub(crate) AXPY_NEW = ELEMENTWISE::elementwise_axpy_new;);
+kernel!(pub(crate) MULTI_AXPY_NEW = ELEMENTWISE::elementwise_multi_axpy_new;);
 kernel!(pub(crate) SCALE = ELEMENTWISE::elementwise_scale;);
 kernel!(pub(crate) COPY = ELEMENTWISE::elementwise_copy;);
 kernel!(pub(crate) DOT = ELEMENTWISE::elementwise_dot;);
@@ -120,11 +121,25 @@ fn status_result(
     sign: SignCheck,
     status: &Matrix,
 ) -> Result<()> {
-    let s: Vec<i32> = status
+    status_error(op, arrays, sign, &status_slots(status)?)
+}
+
+/// A status read back as its `int` slots.
+fn status_slots(status: &Matrix) -> Result<Vec<i32>> {
+    Ok(status
         .to_vec()?
         .iter()
         .map(|v| v.to_bits() as i32)
-        .collect();
+        .collect())
+}
+
+/// [`status_result`] of the 5 slots `s` read back.
+fn status_error(
+    op: &'static str,
+    arrays: &[(&'static str, &Matrix)],
+    sign: SignCheck,
+    s: &[i32],
+) -> Result<()> {
     for (a, &(arg, m)) in arrays.iter().enumerate() {
         if s[a] != NONE {
             let index = s[a] as usize;
@@ -357,6 +372,94 @@ pub(crate) fn axpy_new(
     }
     SplitCache::keep_written(planes, written);
     Ok(out)
+}
+
+/// 32-bit words per tensor in `elementwise_multi_axpy_new`'s table (`EW_AXPY_ENTRY`): the
+/// addresses of out, x, y and planes (two words each, low first; planes 0 for none), then the
+/// length, the first float4 item and the bits of `α`.
+const AXPY_ENTRY: usize = 11;
+
+/// One `y + α x` of [`multi_axpy_new`], with the cache its result's planes go to (as
+/// [`axpy_new`]'s `planes`).
+pub(crate) type AxpyJob<'a> = (f32, &'a Matrix, &'a Matrix, Option<&'a SplitCache>);
+
+/// [`axpy_new`] of every job in ONE launch (`elementwise_multi_axpy_new`): each result and
+/// its planes the bits [`axpy_new`] of that job alone gives, one status of 5 slots per job
+/// (read by [`crate::Device::deferred`]'s scope, or here), and on error the one the first
+/// failing job's own [`axpy_new`] reports. A lazy Kronecker step forms all its first-order
+/// inverses so: one launch, not one per factor.
+pub(crate) fn multi_axpy_new(dev: &Device, jobs: &[AxpyJob<'_>]) -> Result<Vec<Matrix>> {
+    const OP: &str = "cuda::axpy_new";
+    let mut outs = Vec::with_capacity(jobs.len());
+    let mut written = Vec::with_capacity(jobs.len());
+    for &(_, x, y, planes) in jobs {
+        // Memory safety: the kernel reads x and y and writes out (y's shape), n = len(y)
+        // elements each, and 3n planes where it has some.
+        check_len(OP, "x", x.len(), y.len())?;
+        to_i32(OP, "y", y.len())?;
+        outs.push(dev.zeros(y.rows(), y.cols())?);
+        written.push(SplitCache::planes_to_write(dev, planes, y)?);
+    }
+    let items: usize = jobs.iter().map(|j| j.2.len().div_ceil(4)).sum();
+    let nitems = to_i32(OP, "y", items)?;
+    let ntensors = to_i32(OP, "jobs", jobs.len())?;
+    if items == 0 {
+        return Ok(outs);
+    }
+    let slots = 5 * jobs.len();
+    let cfg = stream_config(4 * items)?;
+    let queue = |status: &mut Matrix, at: usize| {
+        let table: Matrix;
+        let mut args = KernelArgs::new(dev);
+        let mut words = vec![0u32; AXPY_ENTRY * jobs.len()];
+        let mut item = 0usize;
+        let entries = words.chunks_exact_mut(AXPY_ENTRY).zip(jobs);
+        let buffers = outs.iter_mut().zip(written.iter_mut());
+        for ((e, &(alpha, x, y, _)), (out, planes)) in entries.zip(buffers) {
+            let addrs = [
+                args.address_mut(OP, out)?,
+                args.address(OP, x)?,
+                args.address(OP, y)?,
+                match planes {
+                    Some(p) => args.address_mut(OP, p)?,
+                    None => 0,
+                },
+            ];
+            for (k, a) in addrs.iter().enumerate() {
+                e[2 * k] = *a as u32;
+                e[2 * k + 1] = (*a >> 32) as u32;
+            }
+            // Each below 2^31: len(y) and item <= items (checked above).
+            e[8] = y.len() as u32;
+            e[9] = item as u32;
+            e[10] = alpha.to_bits();
+            item += y.len().div_ceil(4);
+        }
+        let bits: Vec<f32> = words.into_iter().map(f32::from_bits).collect();
+        table = dev.upload(bits.len(), 1, &bits)?;
+        args.input(OP, &table)?
+            .scalar(ntensors)
+            .scalar(nitems)
+            .output_at(OP, status, at, slots)?;
+        // SAFETY: elementwise_multi_axpy_new(const unsigned* table, int ntensors, int nitems,
+        // int* status): the table holds AXPY_ENTRY words per job with the addresses of out,
+        // x and y (len(y) floats each, checked above) and of its planes (null, or 3·len(y)
+        // bf16 from `planes_to_write`), all borrowed by `args`; the items add up to nitems;
+        // status points at 5 ints per job inside its buffer (`output_at`), the kernel writes
+        // slots 5t..5t + 2 only; indices stay below each job's len(y).
+        unsafe { launch(&MULTI_AXPY_NEW, cfg, args) }
+    };
+    if let Some(status) = queued_status(dev, slots, queue)? {
+        let s = status_slots(&status)?;
+        for (t, (&(_, x, y, _), out)) in jobs.iter().zip(&outs).enumerate() {
+            let arrays = [("x", x), ("y", y), (crate::error::OVERFLOW, out)];
+            status_error(OP, &arrays, None, &s[5 * t..5 * t + 5])?;
+        }
+    }
+    for (&(_, _, _, planes), w) in jobs.iter().zip(written) {
+        SplitCache::keep_written(planes, w);
+    }
+    Ok(outs)
 }
 
 /// `x ← α x`; `x` unchanged on error (non-finite `x`). `α` is checked by [`Device::scale`].

@@ -93,6 +93,40 @@ impl Device {
         Ok(Product { m, planes })
     }
 
+    /// [`Device::axpy_new_split`] of every `(α, x, y)` of `jobs`, the same bits and planes: on
+    /// the kernel devices in ONE launch (`elementwise_multi_axpy_new`) where there are several.
+    ///
+    /// # Errors
+    /// As [`Device::axpy_new`], the first failing job's.
+    pub(crate) fn axpy_new_split_all(
+        &self,
+        jobs: &[(f32, &Matrix, &Matrix)],
+    ) -> Result<Vec<Product>> {
+        const OP: &str = "Device::axpy_new";
+        if matches!(self, Device::Cpu) || jobs.len() < 2 {
+            return jobs
+                .iter()
+                .map(|&(alpha, x, y)| self.axpy_new_split(alpha, x, y))
+                .collect();
+        }
+        for &(alpha, x, y) in jobs {
+            self.check_same(OP, &[("y", y), ("x", x)])?;
+            check_finite_scalar(OP, "alpha", alpha)?;
+        }
+        let planes: Vec<SplitCache> = jobs.iter().map(|_| SplitCache::default()).collect();
+        let with: Vec<_> = jobs
+            .iter()
+            .zip(&planes)
+            .map(|(&(alpha, x, y), p)| (alpha, x, y, Some(p)))
+            .collect();
+        let ms = ew::multi_axpy_new(self, &with)?;
+        Ok(ms
+            .into_iter()
+            .zip(planes)
+            .map(|(m, planes)| Product { m, planes })
+            .collect())
+    }
+
     /// [`Device::axpy_new`], the kernel devices writing the result's planes into `planes`.
     fn axpy_new_with(
         &self,
@@ -152,6 +186,32 @@ impl Device {
                 Over::Y => ew::axpy_new(self, alpha, kept, &owned, None),
             },
         }
+    }
+
+    /// [`Device::axpy_over`] `y + αx` over `x` for every `(x, y)` of `pairs`: on the kernel
+    /// devices in ONE launch (`elementwise_multi_axpy_new`, into new matrices) where there are
+    /// several — a Kronecker step's weight updates, one launch for every layer.
+    ///
+    /// # Errors
+    /// As [`Device::axpy_over`], the first failing pair's.
+    pub(crate) fn axpy_over_all(
+        &self,
+        alpha: f32,
+        pairs: Vec<(Matrix, &Matrix)>,
+    ) -> Result<Vec<Matrix>> {
+        const OP: &str = "Device::axpy_over";
+        if matches!(self, Device::Cpu) || pairs.len() < 2 {
+            return pairs
+                .into_iter()
+                .map(|(x, y)| self.axpy_over(alpha, AxpyOver::X { x, y }))
+                .collect();
+        }
+        for (x, y) in &pairs {
+            self.check_same(OP, &[("x", x), ("y", y)])?;
+        }
+        check_finite_scalar(OP, "alpha", alpha)?;
+        let jobs: Vec<_> = pairs.iter().map(|(x, y)| (alpha, x, *y, None)).collect();
+        ew::multi_axpy_new(self, &jobs)
     }
 
     /// `x ← α x`.

@@ -29,7 +29,7 @@ use super::damping::FactorScalars;
 use super::factored::{by_identity, InverseView};
 use super::low_rank::{deferred, LowRank, Terms};
 use super::rows::{factor_update, replaced_factor, Rows};
-use super::state::{KronCounters, KronFactorState, Splits};
+use super::state::{KronCounters, KronFactorState, KronLayerState, Splits};
 use crate::device::{Device, Matrix};
 use crate::error::{Error, Result};
 use crate::mat::Trans;
@@ -471,58 +471,56 @@ impl Ctx<'_> {
     /// Else with `by_products` (the layer's step takes the factored route with the model)
     /// and `X₀` meeting [`super::factored::by_identity`], the first-order inverse is left to
     /// that route's products ([`Retarget::ByProducts`]): no `S₀`, no axpy.
+    ///
+    /// A first-order inverse to form is [`Planned::Due`]: [`first_order_all`] forms every
+    /// factor's of a step in one pass.
     pub fn retarget(
         &self,
         s: &KronFactorState,
         target: f32,
         (low_rank, by_products): (bool, bool),
         c: &mut KronCounters,
-    ) -> Result<Retarget> {
+    ) -> Result<Planned> {
         // The drift since the formation, not since the last step.
         let d = target - s.damping;
         if d == 0.0 {
-            return Ok(Retarget::Keep);
+            return Ok(Planned::Ready(Retarget::Keep));
         }
         let first_order = (d * s.inverse_norm).abs() <= FIRST_ORDER_LIMIT;
         if let (true, Some(lr)) = (low_rank, &s.low_rank) {
             if first_order {
                 c.first_order_updates += 1;
                 if lr.retargeted.as_ref().is_some_and(|t| t.damping == target) {
-                    return Ok(Retarget::Cached);
+                    return Ok(Planned::Ready(Retarget::Cached));
                 }
-                return Ok(Retarget::LowRank(Box::new(lr.terms_at(target)?)));
+                let terms = lr.terms_at(target)?;
+                return Ok(Planned::Ready(Retarget::LowRank(Box::new(terms))));
             }
             c.lazy_recomputes += 1;
-            return Ok(Retarget::Formed(InverseUpdate {
+            return Ok(Planned::Ready(Retarget::Formed(InverseUpdate {
                 inverse: deferred()?,
                 damping: target,
                 inverse_norm: 1.0 / target,
                 low_rank: Some(Box::new(lr.reformed(target)?)),
                 formed: None,
-            }));
+            })));
         }
         if first_order {
             c.first_order_updates += 1;
             if by_products && by_identity(self.device, self.cfg, s, s.damping, true) {
-                return Ok(Retarget::ByProducts { damping: target });
+                return Ok(Planned::Ready(Retarget::ByProducts { damping: target }));
             }
             if s.retargeted.as_ref().is_some_and(|r| r.1 == target) {
-                return Ok(Retarget::Cached);
+                return Ok(Planned::Ready(Retarget::Cached));
             }
-            // One pass, X₀ + (−d)·S₀ into a new matrix; S₀ is formed once per formation and
-            // handed to the caller to cache.
-            let x0 = s.dense_inverse()?;
-            // With its split planes, written by the same pass: the products read them.
-            let (inverse, square) = match &s.square {
-                Some(sq) => (self.device.axpy_new_split(-d, sq, x0)?, None),
-                None => {
-                    let sq = self.square(x0)?;
-                    (self.device.axpy_new_split(-d, &sq, x0)?, Some(sq))
-                }
+            // S₀ is formed once per formation and handed to the caller to cache.
+            let square = match &s.square {
+                Some(_) => None,
+                None => Some(self.square(s.dense_inverse()?)?),
             };
-            return Ok(Retarget::FirstOrder {
-                inverse: Box::new(inverse),
+            return Ok(Planned::Due {
                 damping: target,
+                drift: d,
                 square,
             });
         }
@@ -534,7 +532,7 @@ impl Ctx<'_> {
             s.warm_start(),
             c,
         )
-        .map(Retarget::Formed)
+        .map(|u| Planned::Ready(Retarget::Formed(u)))
     }
 
     /// `S₀ = X₀ᵀX₀` of a formed inverse: `X₀²` for the symmetric Cholesky and Woodbury
@@ -616,7 +614,71 @@ impl<'a, 'x> FactorArg<'a, 'x> {
     }
 }
 
-/// A factor's inverse on a lazy step ([`Ctx::retarget`]).
+/// A factor's inverse on a lazy step as [`Ctx::retarget`] plans it.
+pub(super) enum Planned {
+    /// Decided.
+    Ready(Retarget),
+    /// The first-order inverse `X₀ − drift·S₀` at the target `damping`, to be formed by
+    /// [`first_order_all`]; `square` is `S₀` when this step formed it (else the state's).
+    Due {
+        damping: f32,
+        drift: f32,
+        square: Option<Matrix>,
+    },
+}
+
+/// Every [`Planned::Due`] of a lazy step's plan `ups` (per layer `[Λ, Γ]`, the states
+/// `layers`') formed: `X₀ + (−drift)·S₀` into a new matrix with its split planes, written by
+/// the same pass (the products read them), all factors' in one pass
+/// ([`Device::axpy_new_split_all`]: on the kernel devices one launch for the step, not one per
+/// factor).
+pub(super) fn first_order_all(
+    device: &Device,
+    layers: &[KronLayerState],
+    ups: Vec<[Planned; 2]>,
+) -> Result<Vec<[Retarget; 2]>> {
+    let mut jobs = Vec::new();
+    for (layer, up) in layers.iter().zip(&ups) {
+        for (s, u) in [&layer.lambda, &layer.gamma].into_iter().zip(up) {
+            if let Planned::Due { drift, square, .. } = u {
+                let square = square.as_ref().or(s.square.as_ref());
+                let square = square.ok_or(Error::Value {
+                    op: "KronOptimizer::step",
+                    arg: "square",
+                    value: f64::from(*drift),
+                    expected: "X₀·X₀ formed for a first-order inverse (Ctx::retarget)",
+                })?;
+                jobs.push((-drift, square, s.dense_inverse()?));
+            }
+        }
+    }
+    let count = jobs.len();
+    let mut formed = device.axpy_new_split_all(&jobs)?.into_iter();
+    drop(jobs);
+    let mut ready = |u: Planned| -> Result<Retarget> {
+        Ok(match u {
+            Planned::Ready(r) => r,
+            Planned::Due {
+                damping, square, ..
+            } => Retarget::FirstOrder {
+                // One result per job (`axpy_new_split_all`).
+                inverse: Box::new(formed.next().ok_or(Error::Value {
+                    op: "KronOptimizer::step",
+                    arg: "first-order inverses",
+                    value: count as f64,
+                    expected: "one formed per first-order inverse due",
+                })?),
+                damping,
+                square,
+            },
+        })
+    };
+    ups.into_iter()
+        .map(|[ul, ug]| Ok([ready(ul)?, ready(ug)?]))
+        .collect()
+}
+
+/// A factor's inverse on a lazy step ([`Ctx::retarget`], [`first_order_all`]).
 pub(super) enum Retarget {
     /// The inverse as formed serves: the damping target is the one it was formed at.
     Keep,

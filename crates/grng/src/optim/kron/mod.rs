@@ -73,7 +73,6 @@ use super::{KronStats, StatsView};
 use crate::device::{Device, Matrix};
 use crate::dist::{self, DataParallel, Inversions, Part};
 use crate::error::{check_shape, check_value, Error, Result};
-use crate::ops::elementwise::AxpyOver;
 use crate::ops::{Readout, SplitCache};
 
 /// RING / RENG / NGD over `L` dense layers on one [`Device`]. See the module docs.
@@ -689,21 +688,20 @@ impl KronOptimizer {
                 }
                 // The new weights go into new matrices, each over its `P` (read by nothing after
                 // the model terms above): an update that overflows on a later layer must leave
-                // every layer and the optimizer state as they were.
-                let mut updated = Vec::with_capacity(current.len());
-                for (w, p) in current.iter().zip(ps) {
-                    match self.device.axpy_over(-eta, AxpyOver::X { x: p.p, y: w }) {
-                        Ok(w) => updated.push(w),
-                        Err(e) => {
-                            // Nothing reads the parameters before this update, so NaN/Inf in
-                            // them surfaces here as a non-finite result; name them, checking
-                            // only on this error path (no read-back on a good step).
-                            let all: Vec<_> = current.iter().map(|p| ("params", p)).collect();
-                            self.device.check_all_finite(op, &all)?;
-                            return Err(e);
-                        }
+                // every layer and the optimizer state as they were. Every layer's in one pass
+                // (on the kernel devices one launch).
+                let pairs = ps.into_iter().zip(current).map(|(p, w)| (p.p, w)).collect();
+                let updated = match self.device.axpy_over_all(-eta, pairs) {
+                    Ok(updated) => updated,
+                    Err(e) => {
+                        // Nothing reads the parameters before this update, so NaN/Inf in them
+                        // surfaces here as a non-finite result; name them, checking only on
+                        // this error path (no read-back on a good step).
+                        let all: Vec<_> = current.iter().map(|p| ("params", p)).collect();
+                        self.device.check_all_finite(op, &all)?;
+                        return Err(e);
                     }
-                }
+                };
                 Ok((plan, counters, terms, updated, change))
             })?;
             let (plan, counters, terms, updated, change) = step;
@@ -1058,7 +1056,8 @@ impl KronOptimizer {
                 )?;
                 Ok(([ul, ug], [cl, cg]))
             })?;
-            return Ok(Plan::Lazy(tally(ups, c), low_rank));
+            let ups = layer::first_order_all(&self.device, &self.st.layers, tally(ups, c))?;
+            return Ok(Plan::Lazy(ups, low_rank));
         };
         let all = (0..self.shapes.len()).collect();
         let layers = match stats {
