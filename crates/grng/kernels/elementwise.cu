@@ -203,13 +203,15 @@ extern "C" __global__ void elementwise_copy(float* __restrict__ dst, const float
 }
 GRNG_EMU_ENTRY(elementwise_copy, (float*, const float*, int))
 
-// This thread's share of Σ x_i y_i: float4 items while both pointers are 16-byte aligned, then
-// the scalar tail (every element of the pair exactly once over the grid).
+// The share of Σ x_i y_i of thread `tid` of `stride` threads: float4 items while both pointers
+// are 16-byte aligned, then the scalar tail (every element of the pair exactly once over the
+// threads).
 __device__ __forceinline__ double ew_dot_part(const float* __restrict__ x,
-                                              const float* __restrict__ y, int n) {
+                                              const float* __restrict__ y, int n, int tid,
+                                              int stride) {
     double acc = 0.0;
     const int n4 = ew_aligned16(x, y) ? n / 4 : 0;
-    for (int k = EW_TID; k < n4; k += EW_STRIDE) {
+    for (int k = tid; k < n4; k += stride) {
         const float4 a = reinterpret_cast<const float4*>(x)[k];
         const float4 b = reinterpret_cast<const float4*>(y)[k];
         // f32 x f32 is exact in f64.
@@ -218,9 +220,58 @@ __device__ __forceinline__ double ew_dot_part(const float* __restrict__ x,
         acc += static_cast<double>(a.z) * static_cast<double>(b.z);
         acc += static_cast<double>(a.w) * static_cast<double>(b.w);
     }
-    for (int i = 4 * n4 + EW_TID; i < n; i += EW_STRIDE)
+    for (int i = 4 * n4 + tid; i < n; i += stride)
         acc += static_cast<double>(x[i]) * static_cast<double>(y[i]);
     return acc;
+}
+
+// Block lb of the nb blocks that reduce the k = 1..3 pairs (xs[j], ys[j]) of one length n (the
+// body of elementwise_dot, whose grid they are, and of each group of elementwise_multi_dot):
+// the block's f64 partial of pair j goes to part[j * nb + lb]; the last of the nb blocks to
+// finish (counted in out[2], whose bits start at `counted_from`) sums each pair's nb partials
+// in block order, strided over its threads, and writes out[3j] = the f32 rounding of the sum
+// (of its square root when `take_sqrt`), out[3j + 1] = 1 when the f64 sum is finite, else 0.
+__device__ __forceinline__ void ew_dots(const float* const* xs, const float* const* ys, int k,
+                                        int n, int lb, int nb, double* part, int take_sqrt,
+                                        unsigned int counted_from, float* out) {
+    const int tid = lb * static_cast<int>(blockDim.x) + static_cast<int>(threadIdx.x);
+    const int stride = nb * static_cast<int>(blockDim.x);
+GRNG_UNROLL
+    for (int j = 0; j < 3; ++j) {
+        if (j >= k) break;  // k is uniform: every thread leaves together
+        // The block sum's shared buffer is reused: the last one's readers are done first.
+        if (j > 0) __syncthreads();
+        const double total = ew_block_sum_f64(ew_dot_part(xs[j], ys[j], n, tid, stride));
+        if (threadIdx.x == 0) part[j * nb + lb] = total;
+    }
+    __shared__ int last;
+    if (threadIdx.x == 0) {
+        // Release: the partials are visible device-wide before the count says they are there
+        // (thread 0 wrote them all).
+        __threadfence();
+        unsigned int* count = reinterpret_cast<unsigned int*>(out) + 2;
+        last = atomicAdd(count, 1u) - counted_from == static_cast<unsigned int>(nb - 1);
+        // Acquire: the partials the count has seen are visible to this block from here.
+        if (last) __threadfence();
+    }
+    __syncthreads();
+    if (last) {
+        // volatile: read from memory, not from a cache line this SM may hold.
+        const volatile double* p = part;
+GRNG_UNROLL
+        for (int j = 0; j < 3; ++j) {
+            if (j >= k) break;
+            double sum = 0.0;
+            for (int b = threadIdx.x; b < nb; b += blockDim.x) sum += p[j * nb + b];
+            if (j > 0) __syncthreads();
+            sum = ew_block_sum_f64(sum);
+            if (threadIdx.x == 0) {
+                const bool finite = isfinite(sum);
+                out[3 * j] = static_cast<float>(take_sqrt ? sqrt(sum) : sum);
+                out[3 * j + 1] = finite ? 1.0f : 0.0f;
+            }
+        }
+    }
 }
 
 // The k = 1..3 sums Σ x_j,i y_j,i of pairs of one length n in one launch (a Kronecker step's
@@ -239,46 +290,10 @@ extern "C" __global__ void elementwise_dot(const float* __restrict__ x0, const f
                                            const float* __restrict__ x2, const float* __restrict__ y2,
                                            int k, int n, float* __restrict__ partial, int take_sqrt,
                                            unsigned int counted_from, float* __restrict__ out) {
-    double* part = grng_as_f64(partial);
-GRNG_UNROLL
-    for (int j = 0; j < 3; ++j) {
-        if (j >= k) break;  // k is uniform: every thread leaves together
-        const float* x = j == 0 ? x0 : j == 1 ? x1 : x2;
-        const float* y = j == 0 ? y0 : j == 1 ? y1 : y2;
-        // The block sum's shared buffer is reused: the last one's readers are done first.
-        if (j > 0) __syncthreads();
-        const double total = ew_block_sum_f64(ew_dot_part(x, y, n));
-        if (threadIdx.x == 0) part[j * gridDim.x + blockIdx.x] = total;
-    }
-    __shared__ int last;
-    if (threadIdx.x == 0) {
-        // Release: the partials are visible device-wide before the count says they are there
-        // (thread 0 wrote them all).
-        __threadfence();
-        unsigned int* count = reinterpret_cast<unsigned int*>(out) + 2;
-        last = atomicAdd(count, 1u) - counted_from == gridDim.x - 1;
-        // Acquire: the partials the count has seen are visible to this block from here.
-        if (last) __threadfence();
-    }
-    __syncthreads();
-    if (last) {
-        // volatile: read from memory, not from a cache line this SM may hold.
-        const volatile double* p = part;
-GRNG_UNROLL
-        for (int j = 0; j < 3; ++j) {
-            if (j >= k) break;
-            double sum = 0.0;
-            for (int b = threadIdx.x; b < static_cast<int>(gridDim.x); b += blockDim.x)
-                sum += p[j * gridDim.x + b];
-            if (j > 0) __syncthreads();
-            sum = ew_block_sum_f64(sum);
-            if (threadIdx.x == 0) {
-                const bool finite = isfinite(sum);
-                out[3 * j] = static_cast<float>(take_sqrt ? sqrt(sum) : sum);
-                out[3 * j + 1] = finite ? 1.0f : 0.0f;
-            }
-        }
-    }
+    const float* xs[3] = {x0, x1, x2};
+    const float* ys[3] = {y0, y1, y2};
+    ew_dots(xs, ys, k, n, static_cast<int>(blockIdx.x), static_cast<int>(gridDim.x),
+            grng_as_f64(partial), take_sqrt, counted_from, out);
 }
 GRNG_EMU_ENTRY(elementwise_dot,
                (const float*, const float*, const float*, const float*, const float*, const float*,
@@ -811,3 +826,30 @@ GRNG_UNROLL
     }
 }
 GRNG_EMU_ENTRY(elementwise_multi_axpy_new, (const unsigned*, int, int, int*))
+
+// ---------------------------------------------------------------------------------------
+// The groups of elementwise_dot in one launch: a Kronecker step's model terms, every layer's
+// (one launch for the step, not one per layer). Group g (1..3 pairs of one length n_g) takes
+// nb_g consecutive blocks, the grid a launch of elementwise_dot would give it, and runs its
+// body (ew_dots) with its own partials, count and outputs: each sum is the one that launch
+// gives, bit for bit.
+//
+// `table` holds EW_DOT_ENTRY 32-bit words per group (`multi_dots` in src/cuda/elementwise.rs):
+// the addresses of x0, y0, x1, y1, x2, y2 (two words each, low first; unused pairs repeat a
+// used one), then k, n, the group's first block, its block count nb, the offset of its
+// partials in f64s (k·nb of them) and of its outputs in floats (3 per pair).
+#define EW_DOT_ENTRY 18
+
+extern "C" __global__ void elementwise_multi_dot(const unsigned* __restrict__ table, int ngroups,
+                                                 float* __restrict__ partial, int take_sqrt,
+                                                 unsigned int counted_from,
+                                                 float* __restrict__ out) {
+    const int g = ew_find_item(table, EW_DOT_ENTRY, 14, ngroups, static_cast<int>(blockIdx.x));
+    const unsigned* e = table + EW_DOT_ENTRY * g;
+    const float* xs[3] = {ew_entry_ptr(e, 0), ew_entry_ptr(e, 2), ew_entry_ptr(e, 4)};
+    const float* ys[3] = {ew_entry_ptr(e, 1), ew_entry_ptr(e, 3), ew_entry_ptr(e, 5)};
+    const int lb = static_cast<int>(blockIdx.x) - static_cast<int>(e[14]);
+    ew_dots(xs, ys, static_cast<int>(e[12]), static_cast<int>(e[13]), lb, static_cast<int>(e[15]),
+            grng_as_f64(partial) + e[16], take_sqrt, counted_from, out + e[17]);
+}
+GRNG_EMU_ENTRY(elementwise_multi_dot, (const unsigned*, int, float*, int, unsigned int, float*))

@@ -147,11 +147,11 @@ pub(crate) fn rejection_injected(file: &str) -> bool {
     false
 }
 
-/// `Device::dots_deferred` of the `(x, y)` pairs (every matrix of one shape; one launch per
-/// three pairs) inside one `Device::deferred` scope, resolved by the scope's readout: the
-/// deferred reductions of a Kronecker step's model (`optim::kron::factored`), reachable from
-/// the tests of their launches, values and failed-check re-run, which the crate-private API
-/// hides.
+/// `Device::dots_deferred` of the `(x, y)` pairs of every group (a group's matrices of one
+/// shape; one launch for all) inside one `Device::deferred` scope, resolved by the scope's
+/// readout: the deferred reductions of a Kronecker step's model (`optim::kron::factored`),
+/// reachable from the tests of their launches, values and failed-check re-run, which the
+/// crate-private API hides.
 ///
 /// # Errors
 /// As [`crate::Device::dot`]: a non-finite pair fails the scope's check, and the body's eager
@@ -159,11 +159,11 @@ pub(crate) fn rejection_injected(file: &str) -> bool {
 #[cfg(feature = "test-hooks")]
 pub fn deferred_dots(
     dev: &crate::Device,
-    pairs: &[(&crate::Matrix, &crate::Matrix)],
+    groups: &[&[(&crate::Matrix, &crate::Matrix)]],
 ) -> crate::Result<Vec<f32>> {
     let (scalars, readout) = dev.deferred(|| {
-        let mut out = vec![Default::default(); pairs.len()];
-        dev.dots_deferred(pairs, &mut out)?;
+        let mut out = vec![Default::default(); groups.iter().map(|g| g.len()).sum()];
+        dev.dots_deferred(groups, &mut out)?;
         Ok(out)
     })?;
     // Every scalar is this scope's own, so it resolves; NaN only if that ever broke.

@@ -409,7 +409,8 @@ fn factored_lazy_step_splits_nothing() {
 /// finish sums the per-block partials): `Device::dot` and `Device::norm2` launch nothing else,
 /// and in a deferred scope the only other launch is the ledger chunk's preset
 /// (`elementwise_fill`, once per scope); up to three deferred dots of one length share one
-/// launch, so three are two launches and four three. At one block (`n` = 3) and at several.
+/// `elementwise_dot`, and more (or several groups) one `elementwise_multi_dot`: three are two
+/// launches with the fill, and four too. At one block (`n` = 3) and at several.
 #[test]
 fn a_dot_is_one_launch() {
     fn launched<R>(f: impl FnOnce() -> R) -> Vec<&'static str> {
@@ -429,14 +430,14 @@ fn a_dot_is_one_launch() {
             assert_eq!(launched(|| dev.dot(&x, &y).unwrap()), [dot], "{name}");
             assert_eq!(launched(|| dev.norm2(&x).unwrap()), [dot], "{name}");
             let deferred = |pairs: &[(&Matrix, &Matrix)]| {
-                launched(|| grng::hooks::deferred_dots(&dev, pairs).unwrap())
+                launched(|| grng::hooks::deferred_dots(&dev, &[pairs]).unwrap())
             };
             let fill = "elementwise_fill";
             assert_eq!(deferred(&[(&x, &y)]), [fill, dot], "{name}");
             let three = deferred(&[(&x, &y), (&y, &y), (&x, &x)]);
             assert_eq!(three, [fill, dot], "{name}");
             let four = deferred(&[(&x, &y), (&y, &y), (&x, &x), (&y, &x)]);
-            assert_eq!(four, [fill, dot, dot], "{name}");
+            assert_eq!(four, [fill, "elementwise_multi_dot"], "{name}");
         }
     }
 }

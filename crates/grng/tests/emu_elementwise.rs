@@ -530,11 +530,11 @@ fn reductions_in_kernel_order(devs: &[Device], n: usize, seed: u64) -> Result<()
             got,
             norm
         );
-        // Four pairs: three in one launch (with their own x each), the fourth in another.
+        // Four pairs: two chunks (three with their own x each, and the fourth) in one launch.
         let zd = up(dev, &z);
         let reads = grng::hooks::read_backs();
         let pairs = [(&xd, &yd), (&xd, &xd), (&zd, &yd), (&yd, &zd)];
-        let got = grng::hooks::deferred_dots(dev, &pairs).unwrap();
+        let got = grng::hooks::deferred_dots(dev, &[&pairs]).unwrap();
         prop_assert_eq!(grng::hooks::read_backs() - reads, u64::from(n > 0));
         let sum_zy = kernel_sum(&z, &y, aligned16(&[&zd, &yd])) as f32;
         prop_assert_eq!(
@@ -575,12 +575,12 @@ fn reduction_errors(
     let errs = |dev: &Device| {
         let (xd, yd) = (up(dev, x), up(dev, y));
         let reads = grng::hooks::read_backs();
-        let deferred = grng::hooks::deferred_dots(dev, &[(&xd, &yd)]).map(|_| ());
+        let deferred = grng::hooks::deferred_dots(dev, &[&[(&xd, &yd)]]).map(|_| ());
         let reads = grng::hooks::read_backs() - reads;
         // The bad pair between clean ones in one launch: its error, as one dot after the
         // other would meet it.
         let cd = up(dev, clean);
-        let middle = grng::hooks::deferred_dots(dev, &[(&cd, &cd), (&xd, &yd), (&cd, &xd)]);
+        let middle = grng::hooks::deferred_dots(dev, &[&[(&cd, &cd), (&xd, &yd), (&cd, &xd)]]);
         let keys = [
             dev.dot(&xd, &yd).map(|_| ()),
             dev.norm2(&xd).map(|_| ()),
@@ -634,9 +634,9 @@ fn reduction_overflow_is_the_cpu_error() {
         [
             dev.dot(&xd, &xd).map(|_| ()),
             dev.norm2(&yd).map(|_| ()),
-            grng::hooks::deferred_dots(dev, &[(&xd, &xd)]).map(|_| ()),
+            grng::hooks::deferred_dots(dev, &[&[(&xd, &xd)]]).map(|_| ()),
             // The overflow comes first, a NaN input after it: the overflow's error.
-            grng::hooks::deferred_dots(dev, &[(&xd, &xd), (&nd, &xd)]).map(|_| ()),
+            grng::hooks::deferred_dots(dev, &[&[(&xd, &xd), (&nd, &xd)]]).map(|_| ()),
         ]
         .map(|r| r.map_or_else(|e| key(&e), |()| "ok".into()))
     };
@@ -1434,6 +1434,100 @@ proptest! {
                             prop_assert_eq!([p[i], p[n + i], p[2 * n + i]], s, "{}: job {}", name, j);
                         }
                     }
+                }
+            }
+        }
+    }
+}
+
+proptest! {
+    #![proptest_config(common::proptest_config(24))]
+
+    /// The deferred dots of several groups of ragged lengths (`hooks::deferred_dots`: a
+    /// Kronecker step's model terms, every layer's; empty groups and empty matrices included)
+    /// in ONE launch on the kernel devices (`elementwise_multi_dot`, or `elementwise_dot` for a
+    /// single chunk of at most three pairs) and one read-back: each value is the bits
+    /// `Device::dot` gives its pair alone, so each chunk ran on the blocks and in the order of
+    /// a launch of its own. A NaN or ±Inf planted in one pair is the CPU's error for the first
+    /// failing pair (variant, argument, index).
+    #[test]
+    fn grouped_dots_are_each_dot(
+        lens in prop::collection::vec(prop_oneof![Just(0usize), 1usize..80, 1020usize..1030, 4090usize..4200], 1..=5),
+        per in prop::collection::vec(0usize..=4, 5),
+        bad in prop::option::of((any::<usize>(), any::<usize>(), any::<u8>())),
+        seed in any::<u64>(),
+    ) {
+        let mut rng = ChaCha8Rng::seed_from_u64(seed);
+        // Group g: per[g] pairs of length lens[g], each of its own two arrays.
+        let mut host: Vec<Vec<[Vec<f32>; 2]>> = lens
+            .iter()
+            .zip(&per)
+            .map(|(&n, &k)| (0..k).map(|_| [vals(&mut rng, n, -1.0, 1.0), vals(&mut rng, n, -1.0, 1.0)]).collect())
+            .collect();
+        let all = host.iter().map(Vec::len).sum::<usize>();
+        if let (Some((pair, at, kind)), true) = (bad, all > 0) {
+            let flat: Vec<(usize, usize)> = host
+                .iter()
+                .enumerate()
+                .flat_map(|(g, ps)| (0..ps.len()).map(move |j| (g, j)))
+                .filter(|&(g, _)| lens[g] > 0)
+                .collect();
+            if !flat.is_empty() {
+                let (g, j) = flat[pair % flat.len()];
+                plant(&mut host[g][j], (kind / 2) as usize, at, kind % 2);
+            }
+        }
+        let run = |dev: &Device| {
+            let ms: Vec<Vec<[Matrix; 2]>> = host
+                .iter()
+                .map(|ps| ps.iter().map(|[x, y]| [up(dev, x), up(dev, y)]).collect())
+                .collect();
+            let pairs: Vec<Vec<(&Matrix, &Matrix)>> =
+                ms.iter().map(|ps| ps.iter().map(|[x, y]| (x, y)).collect()).collect();
+            let groups: Vec<&[(&Matrix, &Matrix)]> = pairs.iter().map(Vec::as_slice).collect();
+            let reads = grng::hooks::read_backs();
+            grng::hooks::record_launches_here(true);
+            let got = grng::hooks::deferred_dots(dev, &groups);
+            let launched = grng::hooks::take_launches_here();
+            grng::hooks::record_launches_here(false);
+            let reads = grng::hooks::read_backs() - reads;
+            let alone: Vec<Result<f32, String>> = pairs
+                .iter()
+                .flatten()
+                .map(|&(x, y)| dev.dot(x, y).map_err(|e| key(&e)))
+                .collect();
+            (got.map_err(|e| key(&e)), alone, launched, reads)
+        };
+        let (want, cpu_alone, _, _) = run(&Device::Cpu);
+        let first_err = cpu_alone.iter().find_map(|r| r.as_ref().err()).cloned();
+        match &first_err {
+            Some(e) => prop_assert_eq!(&want, &Err(e.clone())),
+            None => prop_assert!(want.is_ok()),
+        }
+        for dev in devices().into_iter().filter(|d| !matches!(d, Device::Cpu)) {
+            let name = dev.name();
+            let (got, alone, launched, reads) = run(&dev);
+            match &first_err {
+                Some(e) => prop_assert_eq!(&got, &Err(e.clone()), "{}", name),
+                None => {
+                    let got = got.unwrap();
+                    let alone: Vec<f32> = alone.into_iter().map(Result::unwrap).collect();
+                    prop_assert_eq!(bits(&got), bits(&alone), "{}", name);
+                    // The chunks: at most three pairs of one non-empty group each.
+                    let chunks: usize = lens
+                        .iter()
+                        .zip(&host)
+                        .filter(|(&n, _)| n > 0)
+                        .map(|(_, ps)| ps.len().div_ceil(3))
+                        .sum();
+                    let dots = |k: &str| launched.iter().filter(|&&l| l == k).count();
+                    let want = match chunks {
+                        0 => (0, 0),
+                        1 => (1, 0),
+                        _ => (0, 1),
+                    };
+                    prop_assert_eq!((dots("elementwise_dot"), dots("elementwise_multi_dot")), want, "{}: {:?}", name, launched);
+                    prop_assert_eq!(reads, u64::from(chunks > 0), "{}", name);
                 }
             }
         }

@@ -606,9 +606,15 @@ void run_grid(const grng_emu_launch* cfg, const char* name, void (*body)(void*),
     r.block.grid = dim3(cfg->grid[0], cfg->grid[1], cfg->grid[2]);
     r.running = true;
     tl_block = &r.block;
+    // Blocks run one after another, along x in the order 0, 2, 4, …, 1, 3, 5, …: a GPU runs
+    // them in no given order, so a kernel must not depend on it, and an order other than the
+    // launch order lets the tests see one that does (a block reading what a later block of its
+    // launch writes, or two parts of a launch sharing scratch: elementwise_multi_dot's groups).
+    const uint32_t gx = cfg->grid[0], evens = (gx + 1) / 2;
     for (uint32_t z = 0; z < cfg->grid[2]; ++z)
         for (uint32_t y = 0; y < cfg->grid[1]; ++y)
-            for (uint32_t x = 0; x < cfg->grid[0]; ++x) {
+            for (uint32_t i = 0; i < gx; ++i) {
+                const uint32_t x = i < evens ? 2 * i : 2 * (i - evens) + 1;
                 r.block.idx = uint3{x, y, z};
                 run_block(r);
             }

@@ -3,7 +3,9 @@
 // The same kernels/*.cu sources compile as C++17 with g++/clang (-DGRNG_EMU) against this
 // header and run on the CPU: every thread of a block is a cooperative fiber (runtime in
 // cuda_emu.cpp) that switches only at barriers and warp collectives; blocks run one after
-// another on the calling OS thread. Anything not declared here fails to compile on purpose.
+// another on the calling OS thread, along x in the order 0, 2, 4, …, 1, 3, 5, … (not the
+// launch order, which a GPU does not keep either: a kernel that depends on it shows).
+// Anything not declared here fails to compile on purpose.
 //
 // Semantics (each checked by kernels/emu/selftest.cu against its CUDA definition):
 // - __shared__ is `static thread_local`: per OS thread, shared by the fibers of the running

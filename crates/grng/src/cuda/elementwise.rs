@@ -35,6 +35,7 @@ kernel!(pub(crate) MULTI_AXPY_NEW = ELEMENTWISE::elementwise_multi_axpy_new;);
 kernel!(pub(crate) SCALE = ELEMENTWISE::elementwise_scale;);
 kernel!(pub(crate) COPY = ELEMENTWISE::elementwise_copy;);
 kernel!(pub(crate) DOT = ELEMENTWISE::elementwise_dot;);
+kernel!(pub(crate) MULTI_DOT = ELEMENTWISE::elementwise_multi_dot;);
 kernel!(pub(crate) CHECK = ELEMENTWISE::elementwise_check;);
 kernel!(pub(crate) CHECK_BF16 = ELEMENTWISE::elementwise_check_bf16;);
 kernel!(pub(crate) SGD = ELEMENTWISE::elementwise_sgd;);
@@ -513,15 +514,21 @@ pub(crate) fn dot(dev: &Device, x: &Matrix, y: &Matrix) -> Result<f32> {
     const OP: &str = "cuda::dot";
     // Memory safety: the kernel reads n = len(x) elements of both.
     check_len(OP, "y", y.len(), x.len())?;
-    one(reduce(dev, OP, &[[("x", x), ("y", y)]], false, &Ok)?)
+    if x.is_empty() {
+        return Ok(0.0);
+    }
+    one(reduce(dev, OP, &[vec![[("x", x), ("y", y)]]], false, &Ok)?)
 }
 
 /// `√(Σ xᵢ²)` accumulated in f64 like [`dot`], the square root taken in f64.
 pub(crate) fn norm2(dev: &Device, x: &Matrix) -> Result<f32> {
+    if x.is_empty() {
+        return Ok(0.0);
+    }
     one(reduce(
         dev,
         "cuda::norm2",
-        &[[("x", x), ("x", x)]],
+        &[vec![[("x", x), ("x", x)]]],
         true,
         &Ok,
     )?)
@@ -534,70 +541,88 @@ fn one(v: Vec<f32>) -> Result<f32> {
         .ok_or_else(|| crate::Error::Cuda("a reduction without its value".into()))
 }
 
-/// [`dot`] of each `(x, y)` pair (all of one length, checked) into `out` (one slot per pair,
-/// checked), queued into the ledger of an enclosing [`crate::Device::deferred`] (no
-/// read-back here), or computed now when there is none — then each value, in order, through
-/// `finish` (the op's overflow check), as one dot after the other would. Either way one
-/// launch per [`MAX_PAIRS`] pairs, each pair's value the bits of [`dot`]'s.
+/// [`dot`] of each `(x, y)` pair of every group (a group's pairs of one length, checked) into
+/// `out` (one slot per pair, in order, checked), queued into the ledger of an enclosing
+/// [`crate::Device::deferred`] (no read-back here), or computed now when there is none — then
+/// each value, in order, through `finish` (the op's overflow check), as one dot after the
+/// other would. Either way ONE launch: `elementwise_dot` when the pairs make one chunk (at
+/// most [`MAX_PAIRS`] of one length), else `elementwise_multi_dot` over every chunk (a
+/// Kronecker step's model terms, every layer's); each pair's value the bits of [`dot`]'s.
 pub(crate) fn dots_deferred(
     dev: &Device,
-    pairs: &[(&Matrix, &Matrix)],
+    groups: &[&[(&Matrix, &Matrix)]],
     out: &mut [Scalar],
     finish: &dyn Fn(f32) -> Result<f32>,
 ) -> Result<()> {
     const OP: &str = "cuda::dot";
-    check_len(OP, "out", out.len(), pairs.len())?;
-    let Some(&(first, _)) = pairs.first() else {
-        return Ok(());
-    };
-    // Memory safety: the kernel reads n = len(first) elements of every array.
-    for &(x, y) in pairs {
-        check_len(OP, "x", x.len(), first.len())?;
-        check_len(OP, "y", y.len(), first.len())?;
-    }
-    if to_i32(OP, "x", first.len())? == 0 {
-        out.fill(Scalar::Value(0.0));
-        return Ok(());
-    }
-    for (chunk, out) in pairs.chunks(MAX_PAIRS).zip(out.chunks_mut(MAX_PAIRS)) {
-        let named: Vec<Pair<'_>> = chunk.iter().map(|&(x, y)| [("x", x), ("y", y)]).collect();
-        let queued = deferred::queue_scalars(dev, out, |buf, at, preset| {
-            queue_reduce(dev, OP, &named, false, (buf, at, preset))
-        });
-        match queued {
-            Some(r) => r?,
-            None => {
-                let values = reduce(dev, OP, &named, false, finish)?;
-                for (o, v) in out.iter_mut().zip(values) {
-                    *o = Scalar::Value(v);
+    let total = groups.iter().map(|g| g.len()).sum();
+    check_len(OP, "out", out.len(), total)?;
+    // The launch's chunks (each pair named, for errors) and each chunk's first slot in `out`.
+    let mut chunks: Vec<(Vec<Pair<'_>>, usize)> = Vec::new();
+    let mut at = 0;
+    for g in groups {
+        if let Some(&(first, _)) = g.first() {
+            // Memory safety: the kernel reads n = len(first) elements of every array.
+            for &(x, y) in *g {
+                check_len(OP, "x", x.len(), first.len())?;
+                check_len(OP, "y", y.len(), first.len())?;
+            }
+            if to_i32(OP, "x", first.len())? == 0 {
+                out[at..at + g.len()].fill(Scalar::Value(0.0));
+            } else {
+                for (c, chunk) in g.chunks(MAX_PAIRS).enumerate() {
+                    let named = chunk.iter().map(|&(x, y)| [("x", x), ("y", y)]).collect();
+                    chunks.push((named, at + c * MAX_PAIRS));
                 }
             }
+        }
+        at += g.len();
+    }
+    if chunks.is_empty() {
+        return Ok(());
+    }
+    let launched: Vec<Vec<Pair<'_>>> = chunks.iter().map(|(c, _)| c.clone()).collect();
+    let mut slots = vec![Scalar::default(); launched.iter().map(Vec::len).sum()];
+    let queued = deferred::queue_scalars(dev, &mut slots, |buf, at, preset| {
+        queue_reduce(dev, OP, &launched, false, (buf, at, preset))
+    });
+    match queued {
+        Some(r) => r?,
+        None => {
+            let values = reduce(dev, OP, &launched, false, finish)?;
+            slots = values.into_iter().map(Scalar::Value).collect();
+        }
+    }
+    let mut slots = slots.into_iter();
+    for (chunk, first) in &chunks {
+        for (o, s) in out[*first..*first + chunk.len()]
+            .iter_mut()
+            .zip(slots.by_ref())
+        {
+            *o = s;
         }
     }
     Ok(())
 }
 
-/// The f64 reductions of `pairs` (at most [`MAX_PAIRS`], of one length, checked by the
-/// caller) in one launch and one read-back; each value, in pair order, checked (a non-finite
-/// sum names its pair's first NaN/Inf as the CPU does) and passed through `finish`, so the
-/// first failure is the one a reduction per pair would have met.
+/// The f64 reductions of the `chunks` (each 1..=[`MAX_PAIRS`] pairs of one length `n ≥ 1`,
+/// checked by the caller) in one launch and one read-back; each value, in pair order,
+/// checked (a non-finite sum names its pair's first NaN/Inf as the CPU does) and passed
+/// through `finish`, so the first failure is the one a reduction per pair would have met.
 fn reduce(
     dev: &Device,
     op: &'static str,
-    pairs: &[Pair<'_>],
+    chunks: &[Vec<Pair<'_>>],
     take_sqrt: bool,
     finish: &dyn Fn(f32) -> Result<f32>,
 ) -> Result<Vec<f32>> {
-    let n = to_i32(op, pairs[0][0].0, pairs[0][0].1.len())?;
-    if n == 0 {
-        return Ok(vec![0.0; pairs.len()]);
-    }
-    // Zeros: the block count starts at 0 (a memset on CUDA, not a launch).
+    let pairs: Vec<&Pair<'_>> = chunks.iter().flatten().collect();
+    // Zeros: each chunk's block count starts at 0 (a memset on CUDA, not a launch).
     let mut out = dev.zeros(SCALAR_SLOT * pairs.len(), 1)?;
-    queue_reduce(dev, op, pairs, take_sqrt, (&mut out, 0, 0))?;
+    queue_reduce(dev, op, chunks, take_sqrt, (&mut out, 0, 0))?;
     let o = out.to_vec()?;
     let mut values = Vec::with_capacity(pairs.len());
-    for (pair, slot) in pairs.iter().zip(o.chunks_exact(SCALAR_SLOT)) {
+    for (pair, slot) in pairs.into_iter().zip(o.chunks_exact(SCALAR_SLOT)) {
         let v = if slot[1] == 1.0 {
             slot[0]
         } else {
@@ -618,36 +643,49 @@ fn reduce(
     Ok(values)
 }
 
-/// Queues [`reduce`]'s launch over `n ≥ 1` elements of each of the 1..=[`MAX_PAIRS`]
-/// `pairs`: `elementwise_dot` writes pair `j`'s `(sum, finite flag)` into the
-/// [`SCALAR_SLOT`] floats of `out` from float `at + j·SCALAR_SLOT` on; the first slot's third
-/// float counts the finished blocks up from the bits `preset` (the slots' preset).
+/// The blocks of one chunk's reduction over `n` elements: a function of `n` only, so the
+/// summation order (and the result) is device-independent.
+fn reduce_blocks(n: usize) -> usize {
+    n.div_ceil(4 * STREAM_BLOCK as usize)
+        .clamp(1, REDUCE_BLOCKS)
+}
+
+/// Queues [`reduce`]'s launch over the `chunks` (each 1..=[`MAX_PAIRS`] pairs of one length
+/// `n ≥ 1`): pair `j` (counted over all chunks) gets its `(sum, finite flag)` in the
+/// [`SCALAR_SLOT`] floats of `out` from float `at + j·SCALAR_SLOT` on; each chunk's first
+/// slot's third float counts its finished blocks up from the bits `preset` (the slots'
+/// preset). One chunk: `elementwise_dot`; several: `elementwise_multi_dot`, each chunk on the
+/// blocks a launch of its own would have.
 fn queue_reduce(
     dev: &Device,
     op: &'static str,
-    pairs: &[Pair<'_>],
+    chunks: &[Vec<Pair<'_>>],
     take_sqrt: bool,
     (out, at, preset): (&mut Matrix, usize, u32),
 ) -> Result<()> {
-    let k = pairs.len();
-    if !(1..=MAX_PAIRS).contains(&k) {
-        return Err(crate::Error::Cuda(format!(
-            "{op}: {k} pairs in one reduction (1 to {MAX_PAIRS})"
-        )));
+    for c in chunks {
+        let k = c.len();
+        if !(1..=MAX_PAIRS).contains(&k) {
+            return Err(crate::Error::Cuda(format!(
+                "{op}: {k} pairs in one reduction (1 to {MAX_PAIRS})"
+            )));
+        }
     }
-    let x = pairs[0][0].1;
-    let n = to_i32(op, pairs[0][0].0, x.len())?;
-    let blocks = x
-        .len()
-        .div_ceil(4 * STREAM_BLOCK as usize)
-        .clamp(1, REDUCE_BLOCKS);
+    let pairs = chunks.iter().map(Vec::len).sum::<usize>();
+    let [pairs0] = chunks else {
+        return queue_multi_reduce(dev, op, chunks, take_sqrt, (out, at, preset), pairs);
+    };
+    let x = pairs0[0][0].1;
+    let k = pairs0.len();
+    let n = to_i32(op, pairs0[0][0].0, x.len())?;
+    let blocks = reduce_blocks(x.len());
     // f64 partials in an f32 buffer, one spare float for the kernel's 8-byte alignment; every
     // block writes its own before it counts itself, so no preset.
     let mut partial = dev.scratch(2 * k * blocks + 1)?;
     let mut args = KernelArgs::new(dev);
     // Unused pairs repeat the last one (never read: the kernel stops at k).
     for j in 0..MAX_PAIRS {
-        let [(_, x), (_, y)] = pairs[j.min(k - 1)];
+        let [(_, x), (_, y)] = pairs0[j.min(k - 1)];
         args.input(op, x)?.input(op, y)?;
     }
     args.scalar(k as i32)
@@ -666,6 +704,83 @@ fn queue_reduce(
     // reads those k*blocks f64; out points at SCALAR_SLOT*k floats inside its buffer
     // (`output_at`): every block adds to out[2], the last writes out[3j..3j+2], j < k.
     unsafe { launch(&DOT, cfg, args) }
+}
+
+/// 32-bit words per chunk in `elementwise_multi_dot`'s table (`EW_DOT_ENTRY`): the addresses
+/// of x0, y0, x1, y1, x2, y2 (two words each, low first), then k, n, the first block, the
+/// block count, the partials' offset in f64s and the outputs' offset in floats.
+const DOT_ENTRY: usize = 18;
+
+/// [`queue_reduce`] of several chunks (`pairs` in all): one launch of `elementwise_multi_dot`.
+fn queue_multi_reduce(
+    dev: &Device,
+    op: &'static str,
+    chunks: &[Vec<Pair<'_>>],
+    take_sqrt: bool,
+    (out, at, preset): (&mut Matrix, usize, u32),
+    pairs: usize,
+) -> Result<()> {
+    let ngroups = to_i32(op, "pairs", chunks.len())?;
+    let blocks: Vec<usize> = chunks
+        .iter()
+        .map(|c| reduce_blocks(c[0][0].1.len()))
+        .collect();
+    let parts: usize = chunks.iter().zip(&blocks).map(|(c, b)| c.len() * b).sum();
+    let total_blocks = u32::try_from(blocks.iter().sum::<usize>()).ok();
+    let total_blocks = total_blocks.filter(|&b| b <= i32::MAX as u32 && parts <= u32::MAX as usize);
+    let total_blocks = total_blocks.ok_or(crate::Error::Value {
+        op,
+        arg: "pairs",
+        value: pairs as f64,
+        expected: "fewer than 2^31 reduction blocks in one launch",
+    })?;
+    let mut partial = dev.scratch(2 * parts + 1)?;
+    let table: Matrix;
+    let mut args = KernelArgs::new(dev);
+    let mut words = vec![0u32; DOT_ENTRY * chunks.len()];
+    let (mut block, mut part, mut slot) = (0usize, 0usize, 0usize);
+    for ((e, c), &nb) in words.chunks_exact_mut(DOT_ENTRY).zip(chunks).zip(&blocks) {
+        let k = c.len();
+        let n = to_i32(op, c[0][0].0, c[0][0].1.len())?;
+        // Unused pairs repeat the last one (never read: the kernel stops at k).
+        for j in 0..MAX_PAIRS {
+            let [(_, x), (_, y)] = c[j.min(k - 1)];
+            for (w, m) in [(4 * j, x), (4 * j + 2, y)] {
+                let a = args.address(op, m)?;
+                e[w] = a as u32;
+                e[w + 1] = (a >> 32) as u32;
+            }
+        }
+        // Each below 2^31 or 2^32: k <= 3, n an int, blocks and parts checked above, slot
+        // below SCALAR_SLOT * pairs (the launch's own output range).
+        e[12] = k as u32;
+        e[13] = n as u32;
+        e[14] = block as u32;
+        e[15] = nb as u32;
+        e[16] = part as u32;
+        e[17] = (SCALAR_SLOT * slot) as u32;
+        block += nb;
+        part += k * nb;
+        slot += k;
+    }
+    let bits: Vec<f32> = words.into_iter().map(f32::from_bits).collect();
+    table = dev.upload(bits.len(), 1, &bits)?;
+    args.input(op, &table)?
+        .scalar(ngroups)
+        .output(op, &mut partial)?
+        .scalar(i32::from(take_sqrt))
+        .scalar(preset)
+        .output_at(op, out, at, SCALAR_SLOT * pairs)?;
+    let cfg = LaunchConfig::linear(total_blocks, STREAM_BLOCK);
+    // SAFETY: elementwise_multi_dot(const unsigned* table, int ngroups, float* partial, int
+    // take_sqrt, unsigned int counted_from, float* out): the table holds DOT_ENTRY words per
+    // chunk, whose k <= 3 pairs' arrays (borrowed by `args`) hold n floats each (checked by
+    // the callers), read below n only; chunk g's nb blocks, consecutive from its first block,
+    // write the f64s at the 8-byte aligned start of partial + 2·(its offset) + j·nb + b,
+    // inside the 2·parts + 1 floats, and its last block reads those k·nb; out points at
+    // SCALAR_SLOT·pairs floats inside its buffer (`output_at`), chunk g's slots from its
+    // offset: every block adds to the first slot's third float, the last writes its k slots.
+    unsafe { launch(&MULTI_DOT, cfg, args) }
 }
 
 /// The prologue and epilogue the four fused optimizer updates share: in order, the length

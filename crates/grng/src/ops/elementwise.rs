@@ -244,10 +244,11 @@ impl Device {
         finite_result(OP, r)
     }
 
-    /// [`Device::dot`] of each `(x, y)` pair (every matrix of one shape) into `out` (one value
-    /// per pair), deferred inside [`Device::deferred`] on a kernel device (resolve them with
-    /// the scope's [`Readout`]), computed now otherwise; on a kernel device one launch per
-    /// three pairs, each value the bits [`Device::dot`] gives its pair.
+    /// [`Device::dot`] of each `(x, y)` pair of every group (a group's matrices of one shape)
+    /// into `out` (one value per pair, in order), deferred inside [`Device::deferred`] on a
+    /// kernel device (resolve them with the scope's [`Readout`]), computed now otherwise; on a
+    /// kernel device ONE launch for all groups (a Kronecker step's model terms, every layer's),
+    /// each value the bits [`Device::dot`] gives its pair.
     ///
     /// # Errors
     /// As [`Device::dot`] (the shapes are checked before any product is summed), and
@@ -255,21 +256,24 @@ impl Device {
     /// surfaces as the scope's error. `out` is partly written on error.
     pub(crate) fn dots_deferred(
         &self,
-        pairs: &[(&Matrix, &Matrix)],
+        groups: &[&[(&Matrix, &Matrix)]],
         out: &mut [Scalar],
     ) -> Result<()> {
         const OP: &str = "Device::dot";
-        check_len(OP, "out", out.len(), pairs.len())?;
+        let pairs = groups.iter().flat_map(|g| g.iter());
+        check_len(OP, "out", out.len(), pairs.clone().count())?;
         if let Device::Cpu = self {
-            for (&(x, y), o) in pairs.iter().zip(out) {
+            for (&(x, y), o) in pairs.zip(out) {
                 *o = Scalar::Value(self.dot(x, y)?);
             }
             return Ok(());
         }
-        for &(x, y) in pairs {
-            self.check_same(OP, &[("x", pairs[0].0), ("x", x), ("y", y)])?;
+        for g in groups {
+            for &(x, y) in *g {
+                self.check_same(OP, &[("x", g[0].0), ("x", x), ("y", y)])?;
+            }
         }
-        crate::cuda::elementwise::dots_deferred(self, pairs, out, &|v| finite_result(OP, v))
+        crate::cuda::elementwise::dots_deferred(self, groups, out, &|v| finite_result(OP, v))
     }
 
     /// Euclidean (Frobenius) norm `√(Σ xᵢ²)`, accumulated in `f64`.

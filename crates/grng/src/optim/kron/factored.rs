@@ -217,11 +217,11 @@ pub(super) fn by_identity(
         && bound + damping <= IDENTITY_MAX_COND * damping
 }
 
-/// `P` of one layer and, when asked for, the model terms `⟨G, P⟩`, `⟨P, ΓPΛ⟩`, `‖P‖²`
-/// (deferred inside [`Device::deferred`]).
+/// `P` of one layer and, when asked for, what the model terms `⟨G, P⟩`, `⟨P, ΓPΛ⟩`, `‖P‖²`
+/// are summed from ([`model_terms`]).
 pub(super) struct Preconditioned {
     pub p: Matrix,
-    pub terms: Option<[Scalar; 3]>,
+    pub operands: Option<TermOperands>,
     /// `α·A·Pᵀ` (`m x d_out`) when [`precondition`] was asked for it and could give it.
     pub output_change: Option<Matrix>,
     /// `(λ_Λ, λ_Γ)` of the inverses applied.
@@ -232,11 +232,64 @@ pub(super) struct Preconditioned {
 /// dampings `(λ_Λ, λ_Γ)` of its inverses.
 pub(super) struct ModelTerms([Scalar; 3], (f32, f32));
 
-impl Preconditioned {
-    /// The terms with the dampings; `None` when they were not computed.
-    pub fn model_terms(&self) -> Option<ModelTerms> {
-        self.terms.map(|t| ModelTerms(t, self.damping))
+/// What a layer's model terms are summed from besides `P` and the gradient: the dense route's
+/// `ΓPΛ` (with the `G` it formed from the factors, where it did), or the factored route's
+/// `m x m` pairs `[EU, AVᵀ, UᵀΓU, VΛVᵀ]` (each scaled by `1/m`: `⟨EU, AVᵀ⟩ = ⟨G, P⟩`,
+/// `⟨UᵀΓU, VΛVᵀ⟩ = ⟨P, ΓPΛ⟩`).
+pub(super) enum TermOperands {
+    Dense {
+        gpl: Matrix,
+        formed_g: Option<Matrix>,
+    },
+    Factored([Matrix; 4]),
+}
+
+/// The model's terms of every layer of `ps` (`None` where a layer formed none; `grads` the
+/// gradients `ps` were preconditioned from), with the dampings: every inner product of the
+/// step in one [`Device::dots_deferred`] (deferred inside [`Device::deferred`]; on the kernel
+/// devices one launch for all layers, each sum the bits of its own launch).
+pub(super) fn model_terms(
+    d: &Device,
+    ps: &[Preconditioned],
+    grads: &[KronGrad<'_>],
+) -> Result<Vec<Option<ModelTerms>>> {
+    let mut groups: Vec<Vec<(&Matrix, &Matrix)>> = Vec::new();
+    for (pc, g) in ps.iter().zip(grads) {
+        let p = &pc.p;
+        match (&pc.operands, g.parts()) {
+            (None, _) => {}
+            (Some(TermOperands::Dense { gpl, formed_g }), parts) => {
+                let g = match (formed_g, parts) {
+                    (Some(g), _) | (None, Parts::Dense(g)) => g,
+                    (None, Parts::Factored(_)) => {
+                        return Err(crate::Error::Value {
+                            op: "KronOptimizer::step",
+                            arg: "grads",
+                            value: f64::NAN,
+                            expected: "the dense gradient the dense route preconditioned",
+                        })
+                    }
+                };
+                groups.push(vec![(g, p), (p, gpl), (p, p)]);
+            }
+            (Some(TermOperands::Factored([eu, awt, ugu, wlw])), _) => {
+                groups.push(vec![(eu, awt), (ugu, wlw)]);
+                groups.push(vec![(p, p)]);
+            }
+        }
     }
+    let refs: Vec<&[(&Matrix, &Matrix)]> = groups.iter().map(Vec::as_slice).collect();
+    let mut sums = vec![Scalar::default(); groups.iter().map(Vec::len).sum()];
+    d.dots_deferred(&refs, &mut sums)?;
+    let mut sums = sums.into_iter();
+    Ok(ps
+        .iter()
+        .map(|pc| {
+            pc.operands.as_ref()?;
+            let t = [sums.next()?, sums.next()?, sums.next()?];
+            Some(ModelTerms(t, pc.damping))
+        })
+        .collect())
 }
 
 impl ModelTerms {
@@ -311,7 +364,11 @@ pub(super) fn precondition(
         );
     }
     let g = gemm(d, Trans::Yes, Trans::No, 1.0 / f.e.rows() as f32, f.e, f.a)?;
-    dense(d, v, (&g, &fresh()), with_model)
+    let mut pc = dense(d, v, (&g, &fresh()), with_model)?;
+    if let Some(TermOperands::Dense { formed_g, .. }) = &mut pc.operands {
+        *formed_g = Some(g);
+    }
+    Ok(pc)
 }
 
 /// What [`factored`] computes besides `P`: the model's terms (`with`), with the caller's Gram
@@ -478,18 +535,14 @@ fn dense(
             (p.into_matrix(), Some(gpl))
         }
     };
-    // The three terms are of one shape: one launch on the kernel devices.
-    let terms = match gpl {
-        Some(gpl) => {
-            let mut t = [Scalar::default(); 3];
-            d.dots_deferred(&[(g, &p), (&p, &gpl), (&p, &p)], &mut t)?;
-            Some(t)
-        }
-        None => None,
-    };
+    // The terms' pairs `(G, P)`, `(P, ΓPΛ)`, `(P, P)` are summed with every layer's.
+    let operands = gpl.map(|gpl| TermOperands::Dense {
+        gpl,
+        formed_g: None,
+    });
     Ok(Preconditioned {
         p,
-        terms,
+        operands,
         output_change: None,
         damping: v.damping,
     })
@@ -637,17 +690,17 @@ fn factored(
             }
             None => None,
         };
-        // The two `m x m` terms in one launch on the kernel devices, `‖P‖²` in another.
-        let mut t = [Scalar::default(); 3];
-        d.dots_deferred(&[(&eu, &awt), (&ugu, &wlw)], &mut t[..2])?;
-        d.dots_deferred(&[(&p, &p)], &mut t[2..])?;
-        (Some(t), output_change)
+        // The two `m x m` pairs, and `(P, P)`, are summed with every layer's.
+        (
+            Some(TermOperands::Factored([eu, awt, ugu, wlw])),
+            output_change,
+        )
     } else {
         (None, None)
     };
     Ok(Preconditioned {
         p,
-        terms,
+        operands: terms,
         output_change,
         damping: v.damping,
     })

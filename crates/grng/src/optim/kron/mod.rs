@@ -680,7 +680,7 @@ impl KronOptimizer {
                 let grads = (grads, &splits[..]);
                 let mut ps = self.preconditioned(&plan, grads, with_model, change, spare)?;
                 let change = change.and_then(|(l, _)| ps[l].output_change.take());
-                let terms: Vec<_> = ps.iter().map(Preconditioned::model_terms).collect();
+                let terms = factored::model_terms(&self.device, &ps, grads.0)?;
                 // Where the values are known now (not deferred), an overflowing step is
                 // reported before any update runs.
                 if let Some(q) = self.predicted(&terms, &Readout::default()) {
