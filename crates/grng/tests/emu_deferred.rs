@@ -507,3 +507,66 @@ fn dense_lazy_step_splits_nothing() {
         }
     }
 }
+
+/// Inverses formed without planes — a refresh's (by the host route's upload, or by Newton),
+/// a lazy step's recomputed one — and a refresh's factors where the model reads them are split
+/// together by one checking pass (`Ctx::split_formed`: up to four per `elementwise_check`)
+/// and keep their planes: on the host route (the layers below, all small) neither the refresh
+/// step nor a recomputing lazy step nor the step after it launches a `gemm_split3`, where each
+/// product's first read split its operand (12 per refresh of 3 layers: the 6 inverses and the
+/// 6 factors the model's products read; 6 per recomputing step). `φ = 0.5` and a rising loss
+/// double ρ, so lazy step 2 recomputes its inverses. Mutation check: without the refresh's
+/// split, 12 splits; without the recompute's, 6.
+#[test]
+fn formed_inverses_come_with_their_planes() {
+    let _serial = SERIAL.lock().unwrap_or_else(PoisonError::into_inner);
+    let mut rng = common::seeded_rng();
+    let shapes = [(12usize, 17usize), (7, 12), (3, 7)];
+    for variant in [KronVariant::Ring, KronVariant::Ngd] {
+        let cfg = KronConfig {
+            skip: 4,
+            phi: 0.5,
+            ..common::variant_config(variant)
+        };
+        for dev in devices() {
+            let name = dev.name();
+            let mut opt = KronOptimizer::new(&dev, &shapes, cfg).unwrap();
+            let mut params = upload_all(&dev, &mut rng, &shapes);
+            let mut recomputed = false;
+            for k in 0..4 {
+                let dims: Vec<(usize, usize)> =
+                    shapes.iter().flat_map(|&(o, i)| [(M, i), (M, o)]).collect();
+                let batch = upload_all(&dev, &mut rng, &dims);
+                let stats: Vec<KronStats<'_>> = batch
+                    .chunks(2)
+                    .map(|ae| KronStats {
+                        a: &ae[0],
+                        e: &ae[1],
+                    })
+                    .collect();
+                let grads = upload_all(&dev, &mut rng, &shapes);
+                let grads: Vec<&Matrix> = grads.iter().collect();
+                let need = opt.needs_stats();
+                record_launches(true);
+                let info = opt
+                    .step(&mut params, &grads, need.then_some(&stats[..]))
+                    .unwrap();
+                let launched = take_launches();
+                record_launches(false);
+                recomputed |= info.lazy_recomputes > 0;
+                // Step 1 forms the squares `X₀·X₀` of the first-order inverses, whose product
+                // splits `X₀` as its own input (not from the state's planes).
+                if k != 1 {
+                    let splits = launched.iter().filter(|&&l| l == "gemm_split3").count();
+                    assert_eq!(splits, 0, "{name}, {variant:?}, step {k}: {launched:?}");
+                }
+                // The loss rises after steps 0 and 1 (ρ doubles twice), then falls by half
+                // the prediction (ρ stays).
+                let q = info.predicted_change.unwrap();
+                let after = if k < 2 { 2.0 } else { 1.0 + 0.5 * q };
+                opt.observe_loss(1.0, after).unwrap();
+            }
+            assert!(recomputed, "{name}, {variant:?}: no lazy step recomputed");
+        }
+    }
+}

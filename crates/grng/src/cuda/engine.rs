@@ -85,11 +85,17 @@ impl SplitCache {
         m: &Matrix,
     ) -> Result<Option<Matrix<bf16>>> {
         match cache {
-            Some(c) if !c.has_planes() && !m.is_empty() && m.len() <= KEEP_MAX_ELEMENTS => {
+            Some(c) if !c.has_planes() && Self::keeps(m) => {
                 dev.zeros::<bf16>(3 * m.rows(), m.cols()).map(Some)
             }
             _ => Ok(None),
         }
+    }
+
+    /// Whether a pass keeps the planes of `m`: a non-empty matrix up to
+    /// [`KEEP_MAX_ELEMENTS`].
+    pub(crate) fn keeps<T: crate::device::Element>(m: &Matrix<T>) -> bool {
+        !m.is_empty() && m.len() <= KEEP_MAX_ELEMENTS
     }
 
     /// Keeps in `cache` the planes a pass wrote for its matrix, once that pass is queued or

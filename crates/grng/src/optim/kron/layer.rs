@@ -243,6 +243,27 @@ impl Ctx<'_> {
         Ok((Refreshed::Formed(f, rows, Some(factor)), scalars, top))
     }
 
+    /// The split planes of the matrices of `items` (a refresh's new inverses and factors, a
+    /// recomputed inverse: formed without planes), written into their caches by one pass that
+    /// checks them too (`Device::check_finite_split`: up to four per launch), where each
+    /// product reading one first would have split it in a launch of its own. The kernel
+    /// devices only, matrices whose planes are kept ([`SplitCache::keeps`]).
+    pub fn split_formed(&self, items: &[(&'static str, &Matrix, &SplitCache)]) -> Result<()> {
+        if matches!(self.device, Device::Cpu) {
+            return Ok(());
+        }
+        let arrays: Vec<_> = items
+            .iter()
+            .filter(|(_, m, c)| !c.has_planes() && SplitCache::keeps(*m))
+            .map(|&(arg, m, c)| (arg, m, Some(c)))
+            .collect();
+        if arrays.is_empty() {
+            return Ok(());
+        }
+        self.device
+            .check_finite_split("KronOptimizer::step", &arrays)
+    }
+
     /// `m`, a CPU-backend matrix, uploaded to this context's device.
     fn upload(&self, m: &Matrix) -> Result<Matrix> {
         self.device.upload(m.rows(), m.cols(), host(m)?)
@@ -497,13 +518,14 @@ impl Ctx<'_> {
                 return Ok(Planned::Ready(Retarget::LowRank(Box::new(terms))));
             }
             c.lazy_recomputes += 1;
-            return Ok(Planned::Ready(Retarget::Formed(InverseUpdate {
+            return Ok(Planned::Ready(Retarget::Formed(Box::new(InverseUpdate {
                 inverse: deferred()?,
+                planes: SplitCache::default(),
                 damping: target,
                 inverse_norm: 1.0 / target,
                 low_rank: Some(Box::new(lr.reformed(target)?)),
                 formed: None,
-            })));
+            }))));
         }
         if first_order {
             c.first_order_updates += 1;
@@ -532,7 +554,7 @@ impl Ctx<'_> {
             s.warm_start(),
             c,
         )
-        .map(|u| Planned::Ready(Retarget::Formed(u)))
+        .map(|u| Planned::Ready(Retarget::Formed(Box::new(u))))
     }
 
     /// `S₀ = X₀ᵀX₀` of a formed inverse: `X₀²` for the symmetric Cholesky and Woodbury
@@ -699,7 +721,7 @@ pub(super) enum Retarget {
     /// state's low-rank part on commit.
     LowRank(Box<Terms>),
     /// A recomputed inverse: the new formation.
-    Formed(InverseUpdate),
+    Formed(Box<InverseUpdate>),
 }
 
 /// The inverse a factor state holds as formed: through its rows when `low_rank` allows and
@@ -796,9 +818,9 @@ impl Retarget {
                 // `retarget` says `LowRank` only for a state with rows.
                 None => formed_view(s, false),
             },
-            // This step's formation: not the state's yet, so nothing is kept.
+            // This step's formation, with the planes written since it was formed.
             Retarget::Formed(u) => as_formed(
-                (&u.inverse, None),
+                (&u.inverse, Some(&u.planes)),
                 u.damping,
                 u.low_rank.as_deref(),
                 low_rank,
@@ -826,7 +848,7 @@ impl Retarget {
                     lr.retargeted = Some(*t);
                 }
             }
-            Retarget::Formed(u) => u.apply(s),
+            Retarget::Formed(u) => (*u).apply(s),
         }
     }
 }
@@ -835,6 +857,9 @@ impl Retarget {
 /// its [`KronFactorState`] and drops its caches.
 pub(super) struct InverseUpdate {
     pub inverse: Matrix,
+    /// `inverse`'s split planes where they were written before the update is installed
+    /// ([`Ctx::split_formed`]), kept by the state on [`InverseUpdate::apply`].
+    pub planes: SplitCache,
     pub damping: f32,
     pub inverse_norm: f32,
     /// The rows' kernel of the low-rank path (`low_rank.rs`), when it formed the inverse.
@@ -853,6 +878,7 @@ impl InverseUpdate {
     ) -> Self {
         Self {
             inverse,
+            planes: SplitCache::default(),
             damping,
             inverse_norm: 1.0 / damping,
             low_rank,
@@ -873,7 +899,7 @@ impl InverseUpdate {
             }
         }
         s.inverse = self.inverse;
-        s.splits.inverse = SplitCache::default();
+        s.splits.inverse = self.planes;
         s.damping = self.damping;
         s.inverse_norm = self.inverse_norm;
         s.square = None;
@@ -900,7 +926,10 @@ impl InverseUpdate {
             square: None,
             retargeted: None,
             low_rank: self.low_rank,
-            splits: Splits::default(),
+            splits: Splits {
+                factor: SplitCache::default(),
+                inverse: self.planes,
+            },
             host_factor,
         })
     }

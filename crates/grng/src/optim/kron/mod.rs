@@ -1057,6 +1057,15 @@ impl KronOptimizer {
                 Ok(([ul, ug], [cl, cg]))
             })?;
             let ups = layer::first_order_all(&self.device, &self.st.layers, tally(ups, c))?;
+            let formed: Vec<_> = ups
+                .iter()
+                .flatten()
+                .filter_map(|u| match u {
+                    Retarget::Formed(u) => Some(("inverse", &u.inverse, &u.planes)),
+                    _ => None,
+                })
+                .collect();
+            ctx.split_formed(&formed)?;
             return Ok(Plan::Lazy(ups, low_rank));
         };
         let all = (0..self.shapes.len()).collect();
@@ -1066,6 +1075,17 @@ impl KronOptimizer {
             })?,
             _ => self.refresh_layers(stats, all)?,
         };
+        // The new inverses, and the factors where the model reads them, split together.
+        let mut formed = Vec::new();
+        for (layer, _) in &layers {
+            for s in [&layer.lambda, &layer.gamma] {
+                formed.push(("inverse", &s.inverse, &s.splits.inverse));
+                if with_model {
+                    formed.push(("factor", &s.factor, &s.splits.factor));
+                }
+            }
+        }
+        ctx.split_formed(&formed)?;
         c.refreshes += 1;
         Ok(Plan::Refresh(tally(layers, c), low_rank))
     }
