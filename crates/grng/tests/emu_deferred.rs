@@ -13,7 +13,7 @@
 use grng::cuda::gemm::{product3_checked, Split3};
 use grng::hooks::{read_backs, record_launches, take_launches};
 use grng::mat::Trans;
-use grng::optim::kron::{KronConfig, KronGrad, KronOptimizer, KronVariant};
+use grng::optim::kron::{KronConfig, KronGrad, KronOptimizer, KronStepInfo, KronVariant};
 use grng::optim::KronStats;
 use grng::{Device, Error, MatMul, Matrix};
 use rand::Rng;
@@ -442,6 +442,36 @@ fn a_dot_is_one_launch() {
     }
 }
 
+/// One step of `opt` on a fresh batch of dense gradients (`M` rows of statistics where it
+/// refreshes), with the kernels it launched.
+fn recorded_step(
+    dev: &Device,
+    rng: &mut ChaCha8Rng,
+    opt: &mut KronOptimizer,
+    params: &mut [Matrix],
+    shapes: &[(usize, usize)],
+) -> (KronStepInfo, Vec<&'static str>) {
+    let dims: Vec<(usize, usize)> = shapes.iter().flat_map(|&(o, i)| [(M, i), (M, o)]).collect();
+    let batch = upload_all(dev, rng, &dims);
+    let stats: Vec<KronStats<'_>> = batch
+        .chunks(2)
+        .map(|ae| KronStats {
+            a: &ae[0],
+            e: &ae[1],
+        })
+        .collect();
+    let grads = upload_all(dev, rng, shapes);
+    let grads: Vec<&Matrix> = grads.iter().collect();
+    let need = opt.needs_stats();
+    record_launches(true);
+    let info = opt
+        .step(params, &grads, need.then_some(&stats[..]))
+        .unwrap();
+    let launched = take_launches();
+    record_launches(false);
+    (info, launched)
+}
+
 /// A dense lazy step splits nothing: per layer the four products of `P` and the model's
 /// `Γ·P·Λ` (`G·Λ̃⁻¹`, `Γ̃⁻¹·T`, `Γ·P`, `ΓP·Λ`) read `G` (split by its check: one launch for
 /// up to four gradients of any shapes, here the three), the inverses and the factors (their planes
@@ -469,26 +499,9 @@ fn dense_lazy_step_splits_nothing() {
             let mut last = Vec::new();
             // Step 1 forms the squares `S₀` of the first-order inverses; step 2 reuses them.
             for k in 0..3 {
-                let dims: Vec<(usize, usize)> =
-                    shapes.iter().flat_map(|&(o, i)| [(M, i), (M, o)]).collect();
-                let batch = upload_all(&dev, &mut rng, &dims);
-                let stats: Vec<KronStats<'_>> = batch
-                    .chunks(2)
-                    .map(|ae| KronStats {
-                        a: &ae[0],
-                        e: &ae[1],
-                    })
-                    .collect();
-                let grads = upload_all(&dev, &mut rng, &shapes);
-                let grads: Vec<&Matrix> = grads.iter().collect();
-                let need = opt.needs_stats();
-                assert_eq!(need, k == 0, "{}", dev.name());
-                record_launches(true);
-                let info = opt
-                    .step(&mut params, &grads, need.then_some(&stats[..]))
-                    .unwrap();
-                last = take_launches();
-                record_launches(false);
+                assert_eq!(opt.needs_stats(), k == 0, "{}", dev.name());
+                let info;
+                (info, last) = recorded_step(&dev, &mut rng, &mut opt, &mut params, &shapes);
                 if k == 2 {
                     let moved = u32::from(gain != 0.5);
                     assert_eq!(info.first_order_updates, 2 * 3 * moved, "{}", dev.name());
@@ -534,25 +547,8 @@ fn formed_inverses_come_with_their_planes() {
             let mut params = upload_all(&dev, &mut rng, &shapes);
             let mut recomputed = false;
             for k in 0..4 {
-                let dims: Vec<(usize, usize)> =
-                    shapes.iter().flat_map(|&(o, i)| [(M, i), (M, o)]).collect();
-                let batch = upload_all(&dev, &mut rng, &dims);
-                let stats: Vec<KronStats<'_>> = batch
-                    .chunks(2)
-                    .map(|ae| KronStats {
-                        a: &ae[0],
-                        e: &ae[1],
-                    })
-                    .collect();
-                let grads = upload_all(&dev, &mut rng, &shapes);
-                let grads: Vec<&Matrix> = grads.iter().collect();
-                let need = opt.needs_stats();
-                record_launches(true);
-                let info = opt
-                    .step(&mut params, &grads, need.then_some(&stats[..]))
-                    .unwrap();
-                let launched = take_launches();
-                record_launches(false);
+                let (info, launched) =
+                    recorded_step(&dev, &mut rng, &mut opt, &mut params, &shapes);
                 recomputed |= info.lazy_recomputes > 0;
                 // Step 1 forms the squares `X₀·X₀` of the first-order inverses, whose product
                 // splits `X₀` as its own input (not from the state's planes).

@@ -649,16 +649,6 @@ fn reduction_overflow_is_the_cpu_error() {
 
 // ---- Multi-tensor updates (`Device::*_update_many`, one launch over all tensors) ----
 
-/// Held by every test below that launches a multi-tensor kernel, so that
-/// [`multi_step_is_one_launch`] counts only its own launches.
-static MULTI: std::sync::Mutex<()> = std::sync::Mutex::new(());
-
-fn multi_lock() -> std::sync::MutexGuard<'static, ()> {
-    MULTI
-        .lock()
-        .unwrap_or_else(std::sync::PoisonError::into_inner)
-}
-
 /// Ragged tensor lists: 1 to 6 tensors, each empty, tiny, at a float4 or warp edge, or a
 /// block edge; `cols` > 1 splits a length into a matrix (any shape of that length is one
 /// tensor to the update).
@@ -973,14 +963,12 @@ proptest! {
     /// [`multi_updates`] on the CPU, the emulator (and CUDA) at ragged tensor lists.
     #[test]
     fn multi_updates_match_per_tensor_ops(shapes in shapes(), seed in any::<u64>(), lr in 1e-4f32..0.5, wd in 0f32..0.1) {
-        let _l = multi_lock();
         multi_updates(&devices(), &shapes, seed, lr, wd)?;
     }
 
     /// [`multi_errors`] on the CPU, the emulator (and CUDA) at ragged tensor lists.
     #[test]
     fn multi_errors_name_tensor_and_index_and_leave_state(shapes in shapes(), seed in any::<u64>(), plants in prop::collection::vec((0usize..5, any::<usize>(), any::<u8>()), 1..4)) {
-        let _l = multi_lock();
         multi_errors(&devices(), &shapes, seed, &plants)?;
     }
 }
@@ -1140,7 +1128,6 @@ proptest! {
     /// [`multi_extreme_scales`] at ragged tensor lists.
     #[test]
     fn multi_updates_at_extreme_scales_match_the_checked_route(shapes in shapes(), seed in any::<u64>()) {
-        let _l = multi_lock();
         multi_extreme_scales(&devices(), &shapes, seed)?;
     }
 }
@@ -1210,9 +1197,11 @@ fn cpu_multi_update_writes_in_place_when_proven_clean() {
 /// changes; and a multi-tensor step is ONE kernel launch on a kernel device.
 #[test]
 fn multi_overflow_is_named_and_step_is_one_launch() {
-    use grng::hooks::{record_launches, take_launches};
+    // This thread's launches only: other tests launch multi-tensor kernels too.
+    use grng::hooks::{
+        record_launches_here as record_launches, take_launches_here as take_launches,
+    };
     use grng::ops::elementwise::MultiState;
-    let _l = multi_lock();
     let shapes = [(3, 2), (0, 4), (5, 3), (1, 1)];
     let (_, adam, _) = coeffs(0.1, 0.0, 1);
     let mut all = vec![Device::Cpu];
@@ -1284,7 +1273,6 @@ fn multi_overflow_is_named_and_step_is_one_launch() {
 fn optimizers_step_many_equals_one_flat_step() {
     use grng::optim::adamw::{AdamW, AdamWConfig};
     use grng::optim::sophia::{Sophia, SophiaConfig, SophiaHessian, SophiaHessians};
-    let _l = multi_lock();
     let shapes = [(7, 3), (1, 5), (0, 2), (33, 1)];
     let n: usize = shapes.iter().map(|&(r, c)| r * c).sum();
     let mut rng = common::seeded_rng();

@@ -375,6 +375,15 @@ pub(crate) fn axpy_new(
     Ok(out)
 }
 
+/// Device addresses into the first words of a multi-tensor kernel's table entry `e`: two
+/// words each, low first (`ew_entry_ptr` in the kernels).
+fn put_addresses(e: &mut [u32], addrs: &[u64]) {
+    for (w, a) in e.chunks_exact_mut(2).zip(addrs) {
+        w[0] = *a as u32;
+        w[1] = (*a >> 32) as u32;
+    }
+}
+
 /// 32-bit words per tensor in `elementwise_multi_axpy_new`'s table (`EW_AXPY_ENTRY`): the
 /// addresses of out, x, y and planes (two words each, low first; planes 0 for none), then the
 /// length, the first float4 item and the bits of `α`.
@@ -426,10 +435,7 @@ pub(crate) fn multi_axpy_new(dev: &Device, jobs: &[AxpyJob<'_>]) -> Result<Vec<M
                     None => 0,
                 },
             ];
-            for (k, a) in addrs.iter().enumerate() {
-                e[2 * k] = *a as u32;
-                e[2 * k + 1] = (*a >> 32) as u32;
-            }
+            put_addresses(e, &addrs);
             // Each below 2^31: len(y) and item <= items (checked above).
             e[8] = y.len() as u32;
             e[9] = item as u32;
@@ -743,14 +749,13 @@ fn queue_multi_reduce(
         let k = c.len();
         let n = to_i32(op, c[0][0].0, c[0][0].1.len())?;
         // Unused pairs repeat the last one (never read: the kernel stops at k).
+        let mut addrs = [0u64; 2 * MAX_PAIRS];
         for j in 0..MAX_PAIRS {
             let [(_, x), (_, y)] = c[j.min(k - 1)];
-            for (w, m) in [(4 * j, x), (4 * j + 2, y)] {
-                let a = args.address(op, m)?;
-                e[w] = a as u32;
-                e[w + 1] = (a >> 32) as u32;
-            }
+            addrs[2 * j] = args.address(op, x)?;
+            addrs[2 * j + 1] = args.address(op, y)?;
         }
+        put_addresses(e, &addrs);
         // Each below 2^31 or 2^32: k <= 3, n an int, blocks and parts checked above, slot
         // below SCALAR_SLOT * pairs (the launch's own output range).
         e[12] = k as u32;
@@ -1116,10 +1121,7 @@ pub(crate) fn multi_update(
             args.address_mut(op, po)?,
             gh,
         ];
-        for (k, a) in addrs.iter().enumerate() {
-            e[2 * k] = *a as u32;
-            e[2 * k + 1] = (*a >> 32) as u32;
-        }
+        put_addresses(e, &addrs);
         // Each below 2^31: lens[t] <= state_len and item, first(t) <= items, total.
         e[8] = lens[t] as u32;
         e[9] = layout.segment(t).start as u32;
