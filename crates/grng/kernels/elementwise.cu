@@ -624,9 +624,6 @@ __device__ __forceinline__ int ew_find_item(const unsigned* table, int entry, in
     return lo;
 }
 
-__device__ __forceinline__ int ew_find_tensor(const unsigned* table, int ntensors, int k) {
-    return ew_find_item(table, EW_ENTRY, 10, ntensors, k);
-}
 
 // First flat position per status slot, per thread (positions grow along a thread's items).
 struct EwFirst {
@@ -680,7 +677,7 @@ __device__ __forceinline__ void ew_multi(const F& f, const unsigned* __restrict_
     EwFirst bad;
     const bool two = F::TWO_STATE, w1 = f.writes1(), rg = f.reads_gh();
     for (int k = EW_TID; k < nitems; k += EW_STRIDE) {
-        const unsigned* e = table + EW_ENTRY * ew_find_tensor(table, ntensors, k);
+        const unsigned* e = table + EW_ENTRY * ew_find_item(table, EW_ENTRY, 10, ntensors, k);
         const float* p = ew_entry_ptr(e, 0);
         const float* g = ew_entry_ptr(e, 1);
         float* po = const_cast<float*>(ew_entry_ptr(e, 2));

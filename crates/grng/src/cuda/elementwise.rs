@@ -384,6 +384,13 @@ fn put_addresses(e: &mut [u32], addrs: &[u64]) {
     }
 }
 
+/// A multi-tensor kernel's table of 32-bit `words` on the device (as the bits of an `f32`
+/// matrix, which holds any 32-bit pattern).
+fn upload_table(dev: &Device, words: Vec<u32>) -> Result<Matrix> {
+    let bits: Vec<f32> = words.into_iter().map(f32::from_bits).collect();
+    dev.upload(bits.len(), 1, &bits)
+}
+
 /// 32-bit words per tensor in `elementwise_multi_axpy_new`'s table (`EW_AXPY_ENTRY`): the
 /// addresses of out, x, y and planes (two words each, low first; planes 0 for none), then the
 /// length, the first float4 item and the bits of `α`.
@@ -442,8 +449,7 @@ pub(crate) fn multi_axpy_new(dev: &Device, jobs: &[AxpyJob<'_>]) -> Result<Vec<M
             e[10] = alpha.to_bits();
             item += y.len().div_ceil(4);
         }
-        let bits: Vec<f32> = words.into_iter().map(f32::from_bits).collect();
-        table = dev.upload(bits.len(), 1, &bits)?;
+        table = upload_table(dev, words)?;
         args.input(OP, &table)?
             .scalar(ntensors)
             .scalar(nitems)
@@ -564,7 +570,7 @@ pub(crate) fn dots_deferred(
     let total = groups.iter().map(|g| g.len()).sum();
     check_len(OP, "out", out.len(), total)?;
     // The launch's chunks (each pair named, for errors) and each chunk's first slot in `out`.
-    let mut chunks: Vec<(Vec<Pair<'_>>, usize)> = Vec::new();
+    let (mut chunks, mut firsts): (Vec<Vec<Pair<'_>>>, Vec<usize>) = (Vec::new(), Vec::new());
     let mut at = 0;
     for g in groups {
         if let Some(&(first, _)) = g.first() {
@@ -577,8 +583,8 @@ pub(crate) fn dots_deferred(
                 out[at..at + g.len()].fill(Scalar::Value(0.0));
             } else {
                 for (c, chunk) in g.chunks(MAX_PAIRS).enumerate() {
-                    let named = chunk.iter().map(|&(x, y)| [("x", x), ("y", y)]).collect();
-                    chunks.push((named, at + c * MAX_PAIRS));
+                    chunks.push(chunk.iter().map(|&(x, y)| [("x", x), ("y", y)]).collect());
+                    firsts.push(at + c * MAX_PAIRS);
                 }
             }
         }
@@ -587,20 +593,19 @@ pub(crate) fn dots_deferred(
     if chunks.is_empty() {
         return Ok(());
     }
-    let launched: Vec<Vec<Pair<'_>>> = chunks.iter().map(|(c, _)| c.clone()).collect();
-    let mut slots = vec![Scalar::default(); launched.iter().map(Vec::len).sum()];
+    let mut slots = vec![Scalar::default(); chunks.iter().map(Vec::len).sum()];
     let queued = deferred::queue_scalars(dev, &mut slots, |buf, at, preset| {
-        queue_reduce(dev, OP, &launched, false, (buf, at, preset))
+        queue_reduce(dev, OP, &chunks, false, (buf, at, preset))
     });
     match queued {
         Some(r) => r?,
         None => {
-            let values = reduce(dev, OP, &launched, false, finish)?;
+            let values = reduce(dev, OP, &chunks, false, finish)?;
             slots = values.into_iter().map(Scalar::Value).collect();
         }
     }
     let mut slots = slots.into_iter();
-    for (chunk, first) in &chunks {
+    for (chunk, first) in chunks.iter().zip(&firsts) {
         for (o, s) in out[*first..*first + chunk.len()]
             .iter_mut()
             .zip(slots.by_ref())
@@ -677,9 +682,8 @@ fn queue_reduce(
             )));
         }
     }
-    let pairs = chunks.iter().map(Vec::len).sum::<usize>();
     let [pairs0] = chunks else {
-        return queue_multi_reduce(dev, op, chunks, take_sqrt, (out, at, preset), pairs);
+        return queue_multi_reduce(dev, op, chunks, take_sqrt, (out, at, preset));
     };
     let x = pairs0[0][0].1;
     let k = pairs0.len();
@@ -717,15 +721,15 @@ fn queue_reduce(
 /// block count, the partials' offset in f64s and the outputs' offset in floats.
 const DOT_ENTRY: usize = 18;
 
-/// [`queue_reduce`] of several chunks (`pairs` in all): one launch of `elementwise_multi_dot`.
+/// [`queue_reduce`] of several chunks: one launch of `elementwise_multi_dot`.
 fn queue_multi_reduce(
     dev: &Device,
     op: &'static str,
     chunks: &[Vec<Pair<'_>>],
     take_sqrt: bool,
     (out, at, preset): (&mut Matrix, usize, u32),
-    pairs: usize,
 ) -> Result<()> {
+    let pairs = chunks.iter().map(Vec::len).sum::<usize>();
     let ngroups = to_i32(op, "pairs", chunks.len())?;
     let blocks: Vec<usize> = chunks
         .iter()
@@ -768,8 +772,7 @@ fn queue_multi_reduce(
         part += k * nb;
         slot += k;
     }
-    let bits: Vec<f32> = words.into_iter().map(f32::from_bits).collect();
-    table = dev.upload(bits.len(), 1, &bits)?;
+    table = upload_table(dev, words)?;
     args.input(op, &table)?
         .scalar(ngroups)
         .output(op, &mut partial)?
@@ -1129,8 +1132,7 @@ pub(crate) fn multi_update(
         e[11] = layout.first(t) as u32;
         item += lens[t].div_ceil(4);
     }
-    let bits: Vec<f32> = words.into_iter().map(f32::from_bits).collect();
-    table = dev.upload(bits.len(), 1, &bits)?;
+    table = upload_table(dev, words)?;
     args.input(op, &table)?.scalar(ntensors).scalar(nitems);
     let (next0, next1) = next.split_at_mut(1);
     let cfg = stream_config(4 * items)?;

@@ -85,17 +85,15 @@ impl SplitCache {
         m: &Matrix,
     ) -> Result<Option<Matrix<bf16>>> {
         match cache {
-            Some(c) if !c.has_planes() && Self::keeps(m) => {
-                dev.zeros::<bf16>(3 * m.rows(), m.cols()).map(Some)
-            }
+            Some(c) if c.wants_planes(m) => dev.zeros::<bf16>(3 * m.rows(), m.cols()).map(Some),
             _ => Ok(None),
         }
     }
 
-    /// Whether a pass keeps the planes of `m`: a non-empty matrix up to
-    /// [`KEEP_MAX_ELEMENTS`].
-    pub(crate) fn keeps<T: crate::device::Element>(m: &Matrix<T>) -> bool {
-        !m.is_empty() && m.len() <= KEEP_MAX_ELEMENTS
+    /// Whether a pass over `m` writes planes for this cache ([`SplitCache::planes_to_write`]):
+    /// it has none yet, and `m` is non-empty and up to [`KEEP_MAX_ELEMENTS`].
+    pub(crate) fn wants_planes(&self, m: &Matrix) -> bool {
+        !self.has_planes() && !m.is_empty() && m.len() <= KEEP_MAX_ELEMENTS
     }
 
     /// Keeps in `cache` the planes a pass wrote for its matrix, once that pass is queued or

@@ -41,6 +41,18 @@ pub(crate) enum AxpyOver<'a> {
 }
 
 impl Device {
+    /// An axpy's argument checks: both operands on this device and of one shape (in the
+    /// order of `args`), then a finite `α`.
+    fn check_axpy(
+        &self,
+        op: &'static str,
+        alpha: f32,
+        args: [(&'static str, &Matrix); 2],
+    ) -> Result<()> {
+        self.check_same(op, &args)?;
+        check_finite_scalar(op, "alpha", alpha)
+    }
+
     /// Checks that every operand lives on this device and has the shape of the first.
     fn check_same(&self, op: &'static str, args: &[(&'static str, &Matrix)]) -> Result<()> {
         let shape = args[0].1.shape();
@@ -58,8 +70,7 @@ impl Device {
     /// [`Error::NonFinite`] for NaN/Inf in `x` or `y`. `y` is unchanged on error.
     pub fn axpy(&self, alpha: f32, x: &Matrix, y: &mut Matrix) -> Result<()> {
         const OP: &str = "Device::axpy";
-        self.check_same(OP, &[("y", &*y), ("x", x)])?;
-        check_finite_scalar(OP, "alpha", alpha)?;
+        self.check_axpy(OP, alpha, [("y", &*y), ("x", x)])?;
         self.commit_finite(OP, [(OVERFLOW, y, true)], |[y]| match self {
             Device::Cpu => crate::cpu::elementwise::axpy(alpha, host(x)?, host_mut(y)?),
             Device::Emulated | Device::Cuda(_) => ew::axpy(self, alpha, x, y),
@@ -110,8 +121,7 @@ impl Device {
                 .collect();
         }
         for &(alpha, x, y) in jobs {
-            self.check_same(OP, &[("y", y), ("x", x)])?;
-            check_finite_scalar(OP, "alpha", alpha)?;
+            self.check_axpy(OP, alpha, [("y", y), ("x", x)])?;
         }
         let planes: Vec<SplitCache> = jobs.iter().map(|_| SplitCache::default()).collect();
         let with: Vec<_> = jobs
@@ -136,8 +146,7 @@ impl Device {
         planes: Option<&SplitCache>,
     ) -> Result<Matrix> {
         const OP: &str = "Device::axpy_new";
-        self.check_same(OP, &[("y", y), ("x", x)])?;
-        check_finite_scalar(OP, "alpha", alpha)?;
+        self.check_axpy(OP, alpha, [("y", y), ("x", x)])?;
         match self {
             Device::Cpu => {
                 let v = crate::cpu::elementwise::axpy_new(alpha, host(x)?, host(y)?)?;
@@ -169,8 +178,7 @@ impl Device {
             Over::X => ("x", "y"),
             Over::Y => ("y", "x"),
         };
-        self.check_same(OP, &[(owned_arg, &owned), (kept_arg, kept)])?;
-        check_finite_scalar(OP, "alpha", alpha)?;
+        self.check_axpy(OP, alpha, [(owned_arg, &owned), (kept_arg, kept)])?;
         match self {
             Device::Cpu => {
                 crate::cpu::elementwise::axpy_over(
@@ -207,9 +215,8 @@ impl Device {
                 .collect();
         }
         for (x, y) in &pairs {
-            self.check_same(OP, &[("x", x), ("y", y)])?;
+            self.check_axpy(OP, alpha, [("x", x), ("y", y)])?;
         }
-        check_finite_scalar(OP, "alpha", alpha)?;
         let jobs: Vec<_> = pairs.iter().map(|(x, y)| (alpha, x, *y, None)).collect();
         ew::multi_axpy_new(self, &jobs)
     }

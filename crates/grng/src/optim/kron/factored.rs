@@ -620,7 +620,7 @@ fn factored(
     let (uo, wo) = (d.product_operand(&u)?, d.product_operand(&w)?);
     // Checked by the update it feeds (`Device::axpy_over`), and by the model's `‖P‖²`.
     let p = d.product_consumed_over(MatMul::new(t_u, no, inv_m, &uo, &wo), spare)?;
-    let (terms, output_change) = if with_model {
+    let (operands, output_change) = if with_model {
         // Each m x m pair scaled by 1/m so the inner products need no further 1/m². The Γ
         // side's two products and the Λ side's are independent tasks.
         let (lambda_l, lambda_g) = v.damping;
@@ -700,7 +700,7 @@ fn factored(
     };
     Ok(Preconditioned {
         p,
-        operands: terms,
+        operands,
         output_change,
         damping: v.damping,
     })

@@ -247,14 +247,15 @@ impl Ctx<'_> {
     /// recomputed inverse: formed without planes), written into their caches by one pass that
     /// checks them too (`Device::check_finite_split`: up to four per launch), where each
     /// product reading one first would have split it in a launch of its own. The kernel
-    /// devices only, matrices whose planes are kept ([`SplitCache::keeps`]).
+    /// devices only, matrices whose planes the pass would write ([`SplitCache::wants_planes`]:
+    /// no pass over the others).
     pub fn split_formed(&self, items: &[(&'static str, &Matrix, &SplitCache)]) -> Result<()> {
         if matches!(self.device, Device::Cpu) {
             return Ok(());
         }
         let arrays: Vec<_> = items
             .iter()
-            .filter(|(_, m, c)| !c.has_planes() && SplitCache::keeps(*m))
+            .filter(|(_, m, c)| c.wants_planes(m))
             .map(|&(arg, m, c)| (arg, m, Some(c)))
             .collect();
         if arrays.is_empty() {
