@@ -37,6 +37,9 @@ impl Device {
     pub fn upload<T: Element>(&self, rows: usize, cols: usize, host: &[T]) -> Result<Matrix<T>> {
         let len = self.alloc_len::<T>(rows, cols)?;
         crate::error::check_len("Device::upload", "host", host.len(), len)?;
+        if !matches!(self, Device::Cpu) {
+            crate::hooks::count_upload();
+        }
         let storage = match self {
             Device::Cpu | Device::Emulated => {
                 let mut v = crate::error::try_with_capacity(self.name(), rows, cols)?;
@@ -106,6 +109,9 @@ impl Device {
     /// allocator's refusal is returned, not an abort); the device stays usable.
     pub fn zeros<T: Element>(&self, rows: usize, cols: usize) -> Result<Matrix<T>> {
         let len = self.alloc_len::<T>(rows, cols)?;
+        if !matches!(self, Device::Cpu) {
+            crate::hooks::count_zero_fill();
+        }
         let storage = match self {
             Device::Cpu | Device::Emulated => {
                 let mut v = crate::error::try_with_capacity(self.name(), rows, cols)?;
@@ -124,26 +130,27 @@ impl Device {
         })
     }
 
-    /// A `len x 1` matrix for a kernel that writes each element before reading it (a
-    /// reduction's per-block partials): on CUDA the memory as allocated, without the memset
-    /// [`Device::zeros`] queues; on the host NaN, so that an element read before it was written
-    /// poisons what it fed (as the emulator poisons dynamic shared memory).
-    pub(crate) fn scratch(&self, len: usize) -> Result<Matrix> {
-        self.alloc_len::<f32>(len, 1)?;
+    /// A `rows x cols` matrix for a kernel that writes each element before anything reads it
+    /// (a product's result, a reduction's per-block partials): on CUDA the memory as
+    /// allocated, without the memset [`Device::zeros`] queues (an operation on the stream, as a
+    /// launch is); on the host NaN, so that an element read before it was written poisons what
+    /// it fed (as the emulator poisons dynamic shared memory), and the tests see it.
+    pub(crate) fn scratch<T: Element>(&self, rows: usize, cols: usize) -> Result<Matrix<T>> {
+        let len = self.alloc_len::<T>(rows, cols)?;
         let storage = match self {
             Device::Cpu | Device::Emulated => {
-                let mut v = crate::error::try_with_capacity(self.name(), len, 1)?;
-                v.resize(len, f32::NAN);
+                let mut v = crate::error::try_with_capacity(self.name(), rows, cols)?;
+                v.resize(len, T::from_f32(f32::NAN));
                 Storage::Host(v)
             }
             Device::Cuda(d) => Storage::Cuda(
                 d.scratch(len)
-                    .map_err(|e| self.driver_alloc_error::<f32>(len, 1, e))?,
+                    .map_err(|e| self.driver_alloc_error::<T>(rows, cols, e))?,
             ),
         };
         Ok(Matrix {
-            rows: len,
-            cols: 1,
+            rows,
+            cols,
             storage,
         })
     }

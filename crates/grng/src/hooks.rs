@@ -1,7 +1,8 @@
 //! Test and benchmark instrumentation of the kernel devices, behind the cargo feature
 //! `test-hooks` (which grng's own tests and benches turn on through their dev-dependency):
 //! the launch record (which kernels ran, for benches that must name them and tests of the
-//! launch sequence), the per-thread read-back count (the synchronizations an op costs), and
+//! launch sequence), the per-thread counts of read-backs (the synchronizations an op costs),
+//! uploads and zero-filled allocations (the copies and memsets it queues beside its kernels), and
 //! the injection of a PTX rejection (a driver that will not load a kernel file). Kernel timing
 //! is `cuda::timing`, the emulated sm_90a device `cuda::sm90::inject_sm90`, both behind
 //! the same feature.
@@ -112,6 +113,46 @@ pub(crate) fn count_read_back() {
 #[cfg(feature = "test-hooks")]
 pub fn read_backs() -> u64 {
     READ_BACKS.with(std::cell::Cell::get)
+}
+
+#[cfg(feature = "test-hooks")]
+thread_local! {
+    /// Host-to-device copies this thread queued on a kernel device ([`uploads`]).
+    static UPLOADS: std::cell::Cell<u64> = const { std::cell::Cell::new(0) };
+    /// Zero-filled allocations this thread made on a kernel device ([`zero_fills`]).
+    static ZERO_FILLS: std::cell::Cell<u64> = const { std::cell::Cell::new(0) };
+}
+
+/// Counts one `Device::upload` to a kernel device on this thread.
+#[inline(always)]
+pub(crate) fn count_upload() {
+    #[cfg(feature = "test-hooks")]
+    UPLOADS.with(|c| c.set(c.get() + 1));
+}
+
+/// Counts one `Device::zeros` on a kernel device on this thread.
+#[inline(always)]
+pub(crate) fn count_zero_fill() {
+    #[cfg(feature = "test-hooks")]
+    ZERO_FILLS.with(|c| c.set(c.get() + 1));
+}
+
+/// How many host-to-device copies (`Device::upload` to the emulator or a GPU) this thread has
+/// queued so far. On a GPU each is a driver call and a copy on the stream beside the kernels,
+/// from pageable memory, which a stream capture cannot take: a step's work should queue none
+/// (`tests/emu_deferred.rs`). Per thread, as [`read_backs`].
+#[cfg(feature = "test-hooks")]
+pub fn uploads() -> u64 {
+    UPLOADS.with(std::cell::Cell::get)
+}
+
+/// How many zero-filled allocations (`Device::zeros` on the emulator or a GPU) this thread has
+/// made so far. On a GPU each queues a memset beside the allocation: an operation on the
+/// stream like a launch, paid for nothing where a kernel writes every element (those take
+/// `Device::scratch`). Per thread, as [`read_backs`].
+#[cfg(feature = "test-hooks")]
+pub fn zero_fills() -> u64 {
+    ZERO_FILLS.with(std::cell::Cell::get)
 }
 
 /// Whether a PTX rejection is being injected ([`inject_ptx_reject`]): one relaxed load per

@@ -254,7 +254,7 @@ kernel!(pub(crate) FILL = ELEMENTWISE::elementwise_fill;);
 pub(crate) fn filled(dev: &Device, n: usize, bits: u32) -> Result<Matrix> {
     const OP: &str = "cuda::filled";
     let len = to_i32(OP, "n", n)?;
-    let mut m = dev.zeros(n, 1)?;
+    let mut m = dev.scratch(n, 1)?;
     if n == 0 {
         return Ok(m);
     }

@@ -341,7 +341,7 @@ pub(crate) fn axpy_new(
     // Memory safety: the kernel reads x and y and writes out, n = len(y) elements each.
     check_len(OP, "x", x.len(), y.len())?;
     let n = to_i32(OP, "y", y.len())?;
-    let mut out = dev.zeros(y.rows(), y.cols())?;
+    let mut out = dev.scratch(y.rows(), y.cols())?;
     if n == 0 {
         return Ok(out);
     }
@@ -414,7 +414,7 @@ pub(crate) fn multi_axpy_new(dev: &Device, jobs: &[AxpyJob<'_>]) -> Result<Vec<M
         // elements each, and 3n planes where it has some.
         check_len(OP, "x", x.len(), y.len())?;
         to_i32(OP, "y", y.len())?;
-        outs.push(dev.zeros(y.rows(), y.cols())?);
+        outs.push(dev.scratch(y.rows(), y.cols())?);
         written.push(SplitCache::planes_to_write(dev, planes, y)?);
     }
     let items: usize = jobs.iter().map(|j| j.2.len().div_ceil(4)).sum();
@@ -691,7 +691,7 @@ fn queue_reduce(
     let blocks = reduce_blocks(x.len());
     // f64 partials in an f32 buffer, one spare float for the kernel's 8-byte alignment; every
     // block writes its own before it counts itself, so no preset.
-    let mut partial = dev.scratch(2 * k * blocks + 1)?;
+    let mut partial: Matrix = dev.scratch(2 * k * blocks + 1, 1)?;
     let mut args = KernelArgs::new(dev);
     // Unused pairs repeat the last one (never read: the kernel stops at k).
     for j in 0..MAX_PAIRS {
@@ -744,7 +744,7 @@ fn queue_multi_reduce(
         value: pairs as f64,
         expected: "fewer than 2^31 reduction blocks in one launch",
     })?;
-    let mut partial = dev.scratch(2 * parts + 1)?;
+    let mut partial: Matrix = dev.scratch(2 * parts + 1, 1)?;
     let table: Matrix;
     let mut args = KernelArgs::new(dev);
     let mut words = vec![0u32; DOT_ENTRY * chunks.len()];
@@ -828,7 +828,7 @@ fn fused_update<B, const K: usize, const W: usize>(
     }
     let outs = written
         .iter()
-        .map(|&a| dev.zeros(list[a].1.rows(), list[a].1.cols()))
+        .map(|&a| dev.scratch(list[a].1.rows(), list[a].1.cols()))
         .collect::<Result<Vec<Matrix>>>()?;
     let Ok(mut outs) = <[Matrix; W]>::try_from(outs) else {
         unreachable!("one output per entry of `written`")

@@ -85,7 +85,7 @@ impl SplitCache {
         m: &Matrix,
     ) -> Result<Option<Matrix<bf16>>> {
         match cache {
-            Some(c) if c.wants_planes(m) => dev.zeros::<bf16>(3 * m.rows(), m.cols()).map(Some),
+            Some(c) if c.wants_planes(m) => dev.scratch::<bf16>(3 * m.rows(), m.cols()).map(Some),
             _ => Ok(None),
         }
     }
@@ -114,7 +114,7 @@ pub(crate) fn split3(dev: &Device, x: &Matrix) -> Result<Matrix<bf16>> {
     if x.is_empty() {
         return dev.zeros::<bf16>(1, 1);
     }
-    let mut planes = dev.zeros::<bf16>(3 * x.rows(), x.cols())?;
+    let mut planes = dev.scratch::<bf16>(3 * x.rows(), x.cols())?;
     split3_into(dev, x, &mut planes)?;
     Ok(planes)
 }

@@ -276,7 +276,7 @@ impl SplitCache {
                 value: f64::NAN,
                 expected: "an empty split cache for the product's new result",
             }),
-            Some(_) if !c.is_empty() => Ok(Some(dev.zeros::<bf16>(3 * c.rows(), c.cols())?)),
+            Some(_) if !c.is_empty() => Ok(Some(dev.scratch::<bf16>(3 * c.rows(), c.cols())?)),
             _ => Ok(None),
         }
     }

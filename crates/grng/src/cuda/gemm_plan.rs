@@ -625,7 +625,7 @@ pub fn product3_checked(
     if epi.mirror {
         check_shape(op, "op(a)·op(b) (symmetric)", (m, n), (m, m))?;
     }
-    let mut c = dev.zeros(m, n)?;
+    let mut c = dev.scratch(m, n)?;
     let [mut ours, mut cublas, mut bf16x3] = checked_runs(dev, op, p, epi);
     let product = match epi.mirror {
         true => Product::Symmetric,
@@ -853,7 +853,7 @@ pub(crate) fn precondition_checked(
 ) -> Result<()> {
     let (d_out, d_in) = g.matrix().shape();
     check_shape(op, "p", p.shape(), (d_out, d_in))?;
-    let mut t = dev.zeros::<f32>(d_out, d_in)?;
+    let mut t = dev.scratch::<f32>(d_out, d_in)?;
     let t_planes = SplitCache::default();
     let g_lambda = MatMul::new(Trans::No, Trans::No, 1.0, g, lambda_inv);
     gemm3_split(dev, g_lambda, 0.0, &mut t, Some(&t_planes))?;

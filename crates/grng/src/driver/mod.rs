@@ -219,11 +219,14 @@ impl CudaDevice {
         self.stream.alloc_zeros(len)
     }
 
-    /// `len` floats of device memory as allocated, no memset queued (`Device::scratch`).
-    pub(crate) fn scratch(&self, len: usize) -> std::result::Result<CudaSlice<f32>, DriverError> {
-        // SAFETY: cudarc leaves the memory unset; every bit pattern is a valid f32, and the
-        // one caller's kernel writes each element before it reads it. Stream-ordered like
-        // `alloc_zeros`'s allocation.
+    /// `len` elements of device memory as allocated, no memset queued (`Device::scratch`).
+    pub(crate) fn scratch<T: Element>(
+        &self,
+        len: usize,
+    ) -> std::result::Result<CudaSlice<T>, DriverError> {
+        // SAFETY: cudarc leaves the memory unset; every bit pattern is a valid `T` (`Pod`), and
+        // the callers' kernels write each element before anything reads it. Stream-ordered
+        // like `alloc_zeros`'s allocation.
         unsafe { self.stream.alloc(len) }
     }
 

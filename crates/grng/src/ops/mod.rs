@@ -160,9 +160,11 @@ impl Device {
     /// [`Error::NonFinite`] naming the output's `arg` (e.g. `"result (overflow)"`).
     ///
     /// Each entry is `(arg, output, copy)`: `copy` starts the scratch as a copy of the output
-    /// (the op reads it), otherwise as zeros (write-only output). Commit is a move of the
-    /// scratch into place, so the cost is one allocation (plus a copy) per output and one
-    /// finiteness check of the results ([`Device::check_all_finite`]).
+    /// (the op reads it), otherwise as zeros on the CPU and unset on the kernel devices, whose
+    /// ops write every element of a write-only output (no memset queued; the emulator's NaN
+    /// shows any element they miss). Commit is a move of the scratch into place, so the cost
+    /// is one allocation (plus a copy) per output and one finiteness check of the results
+    /// ([`Device::check_all_finite`]).
     pub(crate) fn commit_finite<const N: usize>(
         &self,
         op: &'static str,
@@ -171,10 +173,10 @@ impl Device {
     ) -> Result<()> {
         let mut scratch = Vec::with_capacity(N);
         for (_, m, copy) in &outs {
-            scratch.push(if *copy {
-                m.try_clone()?
-            } else {
-                self.zeros(m.rows(), m.cols())?
+            scratch.push(match (copy, self) {
+                (true, _) => m.try_clone()?,
+                (false, Device::Cpu) => self.zeros(m.rows(), m.cols())?,
+                (false, _) => self.scratch(m.rows(), m.cols())?,
             });
         }
         let mut scratch: [Matrix; N] = scratch

@@ -102,7 +102,7 @@ impl Device {
         inputs: (&Operand<'_>, &Operand<'_>, &Operand<'_>),
     ) -> Result<Product> {
         let (o, i) = inputs.1.stored_shape();
-        let mut p = Product::new(self.zeros(o, i)?);
+        let mut p = Product::new(self.scratch(o, i)?);
         self.precondition_of(inputs, &mut p.m, Some(&p.planes))?;
         Ok(p)
     }

@@ -30,7 +30,8 @@ impl Rows<'_> {
 /// factor left to its rows is formed with (so the same bits).
 pub(super) fn replaced_factor(d: &Device, rows: &Rows<'_>) -> Result<Matrix> {
     let n = rows.view().shape().1;
-    let mut f = d.zeros(n, n)?;
+    // ε = 0: the update writes every element and reads none.
+    let mut f = d.scratch(n, n)?;
     factor_update(d, rows, 0.0, &mut f)?;
     Ok(f)
 }
