@@ -601,6 +601,16 @@ GRNG_EMU_ENTRY(elementwise_hessian_ema, (const float*, const float*, float*, flo
 #define EW_ENTRY 12
 #define EW_MSLOTS 9
 
+// A multi-tensor kernel's table, passed by value (`KernelArgs::table`): the launch carries it,
+// so no copy to the device precedes the launch, and a stream capture would hold it whole.
+// __grid_constant__ keeps it in parameter memory, read through a pointer without a local
+// copy (sm_70 and later). Its 4000 bytes leave room for the kernels' other parameters under
+// the 4 KiB parameter limit; a launch with more entries than fit is split by the launcher.
+#define EW_TABLE_WORDS 1000
+struct EwTable {
+    unsigned w[EW_TABLE_WORDS];
+};
+
 __device__ __forceinline__ const float* ew_entry_ptr(const unsigned* e, int k) {
     const unsigned long long a =
         static_cast<unsigned long long>(e[2 * k]) |
@@ -670,7 +680,7 @@ __device__ __forceinline__ void ew_multi_elem(const F& f, EwFirst& bad, int pos,
 // The grid-stride loop over all tensors' float4 items shared by the multi-tensor kernels.
 // s1/o1 are unused (may be null) without TWO_STATE, o1 unless writes1().
 template <class F>
-__device__ __forceinline__ void ew_multi(const F& f, const unsigned* __restrict__ table,
+__device__ __forceinline__ void ew_multi(const F& f, const unsigned* table,
                                          int ntensors, int nitems, const float* __restrict__ s0,
                                          const float* __restrict__ s1, float* __restrict__ o0,
                                          float* __restrict__ o1, int* __restrict__ status) {
@@ -717,41 +727,42 @@ __device__ __forceinline__ void ew_multi(const F& f, const unsigned* __restrict_
 }
 
 // SGD over all tensors: state s0 = momentum buffer b.
-extern "C" __global__ void elementwise_multi_sgd(const unsigned* __restrict__ table, int ntensors,
-                                                 int nitems, const float* __restrict__ b,
+extern "C" __global__ void elementwise_multi_sgd(const __grid_constant__ EwTable table,
+                                                 int ntensors, int nitems,
+                                                 const float* __restrict__ b,
                                                  float* __restrict__ bo, float lr, float mu,
                                                  float lrwd, int* __restrict__ status) {
     const EwStepSgd f{EwSgd{lr, mu, lrwd}};
-    ew_multi(f, table, ntensors, nitems, b, nullptr, bo, nullptr, status);
+    ew_multi(f, table.w, ntensors, nitems, b, nullptr, bo, nullptr, status);
 }
-GRNG_EMU_ENTRY(elementwise_multi_sgd, (const unsigned*, int, int, const float*, float*, float,
-                                       float, float, int*))
+GRNG_EMU_ENTRY(elementwise_multi_sgd, (EwTable, int, int, const float*, float*, float, float,
+                                       float, int*))
 
 // AdamW over all tensors: state s0 = m, s1 = v.
 extern "C" __global__ void elementwise_multi_adamw(
-    const unsigned* __restrict__ table, int ntensors, int nitems, const float* __restrict__ m,
+    const __grid_constant__ EwTable table, int ntensors, int nitems, const float* __restrict__ m,
     const float* __restrict__ v, float* __restrict__ mo, float* __restrict__ vo, float lr,
     float b1, float omb1, float b2, float omb2, float eps, float lrwd, float bc1, float bc2,
     int* __restrict__ status) {
     const EwStepAdamW f{EwAdamW{lr, b1, omb1, b2, omb2, eps, lrwd, bc1, bc2}};
-    ew_multi(f, table, ntensors, nitems, m, v, mo, vo, status);
+    ew_multi(f, table.w, ntensors, nitems, m, v, mo, vo, status);
 }
-GRNG_EMU_ENTRY(elementwise_multi_adamw, (const unsigned*, int, int, const float*, const float*,
+GRNG_EMU_ENTRY(elementwise_multi_adamw, (EwTable, int, int, const float*, const float*,
                                          float*, float*, float, float, float, float, float, float,
                                          float, float, float, int*))
 
 // Sophia over all tensors: state s0 = m, s1 = h; with refresh != 0 the Hessian EMA of h with
 // the tables' samples gh (β₂, batch size bs) is fused in and h' written to ho.
 extern "C" __global__ void elementwise_multi_sophia(
-    const unsigned* __restrict__ table, int ntensors, int nitems, const float* __restrict__ m,
+    const __grid_constant__ EwTable table, int ntensors, int nitems, const float* __restrict__ m,
     const float* __restrict__ h, float* __restrict__ mo, float* __restrict__ ho, float lr,
     float b1, float omb1, float gamma, float eps, float lrwd, int refresh, float b2, float omb2,
     float bs, int* __restrict__ status) {
     const EwStepSophia f{EwSophia{lr, b1, omb1, gamma, eps, lrwd}, EwHessianEma{b2, omb2, bs},
                           refresh};
-    ew_multi(f, table, ntensors, nitems, m, h, mo, ho, status);
+    ew_multi(f, table.w, ntensors, nitems, m, h, mo, ho, status);
 }
-GRNG_EMU_ENTRY(elementwise_multi_sophia, (const unsigned*, int, int, const float*, const float*,
+GRNG_EMU_ENTRY(elementwise_multi_sophia, (EwTable, int, int, const float*, const float*,
                                           float*, float*, float, float, float, float, float,
                                           float, int, float, float, float, int*))
 
@@ -773,12 +784,12 @@ __device__ __forceinline__ void ew_axpy_flag(int* slot, float v, int i) {
     if (!isfinite(v)) atomicMin(slot, i);
 }
 
-extern "C" __global__ void elementwise_multi_axpy_new(const unsigned* __restrict__ table,
+extern "C" __global__ void elementwise_multi_axpy_new(const __grid_constant__ EwTable table,
                                                       int ntensors, int nitems,
                                                       int* __restrict__ status) {
     for (int k = EW_TID; k < nitems; k += EW_STRIDE) {
-        const int t = ew_find_item(table, EW_AXPY_ENTRY, 9, ntensors, k);
-        const unsigned* e = table + EW_AXPY_ENTRY * t;
+        const int t = ew_find_item(table.w, EW_AXPY_ENTRY, 9, ntensors, k);
+        const unsigned* e = table.w + EW_AXPY_ENTRY * t;
         float* out = const_cast<float*>(ew_entry_ptr(e, 0));
         const float* x = ew_entry_ptr(e, 1);
         const float* y = ew_entry_ptr(e, 2);
@@ -822,7 +833,7 @@ GRNG_UNROLL
         }
     }
 }
-GRNG_EMU_ENTRY(elementwise_multi_axpy_new, (const unsigned*, int, int, int*))
+GRNG_EMU_ENTRY(elementwise_multi_axpy_new, (EwTable, int, int, int*))
 
 // ---------------------------------------------------------------------------------------
 // The groups of elementwise_dot in one launch: a Kronecker step's model terms, every layer's
@@ -837,16 +848,16 @@ GRNG_EMU_ENTRY(elementwise_multi_axpy_new, (const unsigned*, int, int, int*))
 // partials in f64s (k·nb of them) and of its outputs in floats (3 per pair).
 #define EW_DOT_ENTRY 18
 
-extern "C" __global__ void elementwise_multi_dot(const unsigned* __restrict__ table, int ngroups,
-                                                 float* __restrict__ partial, int take_sqrt,
-                                                 unsigned int counted_from,
+extern "C" __global__ void elementwise_multi_dot(const __grid_constant__ EwTable table,
+                                                 int ngroups, float* __restrict__ partial,
+                                                 int take_sqrt, unsigned int counted_from,
                                                  float* __restrict__ out) {
-    const int g = ew_find_item(table, EW_DOT_ENTRY, 14, ngroups, static_cast<int>(blockIdx.x));
-    const unsigned* e = table + EW_DOT_ENTRY * g;
+    const int g = ew_find_item(table.w, EW_DOT_ENTRY, 14, ngroups, static_cast<int>(blockIdx.x));
+    const unsigned* e = table.w + EW_DOT_ENTRY * g;
     const float* xs[3] = {ew_entry_ptr(e, 0), ew_entry_ptr(e, 2), ew_entry_ptr(e, 4)};
     const float* ys[3] = {ew_entry_ptr(e, 1), ew_entry_ptr(e, 3), ew_entry_ptr(e, 5)};
     const int lb = static_cast<int>(blockIdx.x) - static_cast<int>(e[14]);
     ew_dots(xs, ys, static_cast<int>(e[12]), static_cast<int>(e[13]), lb, static_cast<int>(e[15]),
             grng_as_f64(partial) + e[16], take_sqrt, counted_from, out + e[17]);
 }
-GRNG_EMU_ENTRY(elementwise_multi_dot, (const unsigned*, int, float*, int, unsigned int, float*))
+GRNG_EMU_ENTRY(elementwise_multi_dot, (EwTable, int, float*, int, unsigned int, float*))

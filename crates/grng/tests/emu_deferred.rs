@@ -11,7 +11,7 @@
 //! steps here are below `cpu::on_pool`'s threshold, so they run on the test's thread).
 
 use grng::cuda::gemm::{product3_checked, Split3};
-use grng::hooks::{read_backs, record_launches, take_launches, zero_fills};
+use grng::hooks::{read_backs, record_launches, take_launches, uploads, zero_fills};
 use grng::mat::Trans;
 use grng::optim::kron::{KronConfig, KronGrad, KronOptimizer, KronStepInfo, KronVariant};
 use grng::optim::KronStats;
@@ -95,7 +95,8 @@ fn refreshed(
 }
 
 /// Lazy steps, dense and factored, and a lazy preconditioning each read back exactly once,
-/// with the first-order inverse update in use (counted), for every variant; and allocate
+/// with the first-order inverse update in use (counted), for every variant; and queue no
+/// copy to the device (the batched kernels' tables are kernel parameters) and allocate
 /// nothing zero-filled (on a GPU a memset per allocation: every buffer of a step is written
 /// whole by the kernel that makes it).
 #[test]
@@ -117,12 +118,12 @@ fn lazy_kron_steps_read_back_once() {
                         .map(|(e, a)| KronGrad::Factored { e, a })
                         .collect()
                 };
-                let (before, fills) = (read_backs(), zero_fills());
+                let (before, ups, fills) = (read_backs(), uploads(), zero_fills());
                 let info = opt.step_grads(&mut params, &kg, None).unwrap();
                 let reads = read_backs() - before;
                 assert_eq!(
-                    (reads, zero_fills() - fills),
-                    (1, 0),
+                    (reads, uploads() - ups, zero_fills() - fills),
+                    (1, 0, 0),
                     "{} {variant:?} lazy step {k}: {info:?}",
                     dev.name()
                 );

@@ -651,7 +651,8 @@ fn reduction_overflow_is_the_cpu_error() {
 
 /// Ragged tensor lists: 1 to 6 tensors, each empty, tiny, at a float4 or warp edge, or a
 /// block edge; `cols` > 1 splits a length into a matrix (any shape of that length is one
-/// tensor to the update).
+/// tensor to the update). One list in four is long (80 to 200 small tensors): more than one
+/// launch's table holds (83), so the update takes several launches.
 fn shapes() -> impl Strategy<Value = Vec<(usize, usize)>> {
     let one = prop_oneof![
         Just(0usize),
@@ -660,7 +661,12 @@ fn shapes() -> impl Strategy<Value = Vec<(usize, usize)>> {
         1020usize..1030,
         Just(4000)
     ];
-    prop::collection::vec((one, 1usize..4), 1..7).prop_map(|v| {
+    let small = prop_oneof![Just(0usize), 1usize..9, 31usize..34];
+    let lists = prop_oneof![
+        3 => prop::collection::vec((one, 1usize..4), 1..7),
+        1 => prop::collection::vec((small, 1usize..4), 80..=200),
+    ];
+    lists.prop_map(|v| {
         v.into_iter()
             .map(|(n, c)| if n % c == 0 { (n / c, c) } else { (n, 1) })
             .collect()
@@ -1360,11 +1366,17 @@ proptest! {
     /// lengths (empty jobs, float4 body and tail). A NaN or ±Inf planted in one job's `x` or
     /// `y`, or an overflowing `y + αx`, is the error the CPU reports for the first failing job
     /// (variant, argument, index), deferred or not.
+    ///
+    /// One list in four is long (80 to 200 small jobs): a launch's table holds 90, so it takes
+    /// one launch per 90 jobs (counted), still with no upload.
     #[test]
     fn batched_axpys_are_each_axpy_new(
-        lens in prop::collection::vec(prop_oneof![Just(0usize), 1usize..80, 1020usize..1030], 1..=5),
-        alphas in prop::collection::vec(-4.0f32..4.0, 5),
-        bad in prop::option::of((0usize..5, 0usize..3, any::<usize>(), any::<u8>())),
+        lens in prop_oneof![
+            3 => prop::collection::vec(prop_oneof![Just(0usize), 1usize..80, 1020usize..1030], 1..=5),
+            1 => prop::collection::vec(prop_oneof![Just(0usize), 1usize..12], 80..=200),
+        ],
+        alphas in prop::collection::vec(-4.0f32..4.0, 200),
+        bad in prop::option::of((any::<usize>(), 0usize..3, any::<usize>(), any::<u8>())),
         seed in any::<u64>(),
     ) {
         let mut rng = ChaCha8Rng::seed_from_u64(seed);
@@ -1399,7 +1411,22 @@ proptest! {
                 (0..lens.len()).map(|j| (alphas[j], &xd[j], &yd[j])).collect();
             let name = dev.name();
             for deferred in [false, true] {
+                let uploads = grng::hooks::uploads();
+                grng::hooks::record_launches_here(true);
                 let got = grng::hooks::axpy_new_split_all(&dev, &jobs, deferred);
+                let launched = grng::hooks::take_launches_here();
+                grng::hooks::record_launches_here(false);
+                // The tables travel as kernel parameters: nothing uploaded.
+                prop_assert_eq!(grng::hooks::uploads(), uploads, "{}", name);
+                if first_err.is_none() && !matches!(dev, Device::Cpu) {
+                    // One job alone is elementwise_axpy_new's.
+                    let batches = match lens.len() {
+                        1 => 0,
+                        _ => lens.chunks(90).filter(|b| b.iter().any(|&n| n > 0)).count(),
+                    };
+                    let multi = launched.iter().filter(|&&k| k == "elementwise_multi_axpy_new");
+                    prop_assert_eq!(multi.count(), batches, "{}: {:?}", name, launched);
+                }
                 let got = match (&first_err, got) {
                     (Some(e), got) => {
                         prop_assert_eq!(got.map(|_| ()).map_err(|e| key(&e)), Err(e.clone()));
@@ -1438,13 +1465,19 @@ proptest! {
     /// `Device::dot` gives its pair alone, so each chunk ran on the blocks and in the order of
     /// a launch of its own. A NaN or ±Inf planted in one pair is the CPU's error for the first
     /// failing pair (variant, argument, index).
+    ///
+    /// One list in four is long (80 to 200 small groups): a launch's table holds 55 chunks, so
+    /// it takes one launch per 55 (counted), still with no upload.
     #[test]
     fn grouped_dots_are_each_dot(
-        lens in prop::collection::vec(prop_oneof![Just(0usize), 1usize..80, 1020usize..1030, 4090usize..4200], 1..=5),
-        per in prop::collection::vec(0usize..=4, 5),
+        groups in prop_oneof![
+            3 => prop::collection::vec((prop_oneof![Just(0usize), 1usize..80, 1020usize..1030, 4090usize..4200], 0usize..=4), 1..=5),
+            1 => prop::collection::vec((prop_oneof![1 => Just(0usize), 5 => 1usize..40], 1usize..=4), 80..=200),
+        ],
         bad in prop::option::of((any::<usize>(), any::<usize>(), any::<u8>())),
         seed in any::<u64>(),
     ) {
+        let (lens, per): (Vec<usize>, Vec<usize>) = groups.into_iter().unzip();
         let mut rng = ChaCha8Rng::seed_from_u64(seed);
         // Group g: per[g] pairs of length lens[g], each of its own two arrays.
         let mut host: Vec<Vec<[Vec<f32>; 2]>> = lens
@@ -1473,12 +1506,14 @@ proptest! {
             let pairs: Vec<Vec<(&Matrix, &Matrix)>> =
                 ms.iter().map(|ps| ps.iter().map(|[x, y]| (x, y)).collect()).collect();
             let groups: Vec<&[(&Matrix, &Matrix)]> = pairs.iter().map(Vec::as_slice).collect();
-            let reads = grng::hooks::read_backs();
+            let (reads, uploads) = (grng::hooks::read_backs(), grng::hooks::uploads());
             grng::hooks::record_launches_here(true);
             let got = grng::hooks::deferred_dots(dev, &groups);
             let launched = grng::hooks::take_launches_here();
             grng::hooks::record_launches_here(false);
             let reads = grng::hooks::read_backs() - reads;
+            // The tables travel as kernel parameters: nothing uploaded.
+            assert_eq!(grng::hooks::uploads(), uploads, "{}", dev.name());
             let alone: Vec<Result<f32, String>> = pairs
                 .iter()
                 .flatten()
@@ -1512,7 +1547,7 @@ proptest! {
                     let want = match chunks {
                         0 => (0, 0),
                         1 => (1, 0),
-                        _ => (0, 1),
+                        _ => (0, chunks.div_ceil(55)),
                     };
                     prop_assert_eq!((dots("elementwise_dot"), dots("elementwise_multi_dot")), want, "{}: {:?}", name, launched);
                     prop_assert_eq!(reads, u64::from(chunks > 0), "{}", name);

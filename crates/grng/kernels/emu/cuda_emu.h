@@ -66,6 +66,8 @@ struct grng_emu_launch {
 #define __constant__ const
 #define __align__(n) alignas(n)
 #define __launch_bounds__(...)
+// A by-value parameter read in place (CUDA: no local copy); here the fiber's own copy.
+#define __grid_constant__
 // __restrict__ is a GNU C++ keyword already. __noinline__ is not emulated: libstdc++ uses
 // it as an attribute name.
 
@@ -176,14 +178,17 @@ void thunk(void* p) {
     call_unpacked(c->f, c->args, std::index_sequence_for<A...>{});
 }
 // Kernel parameters are what the Rust argument builder can pass: pointers and scalars of at
-// most 8 bytes (each read from its own 8-byte slot, exactly like cuLaunchKernel's params).
+// most 8 bytes (each read from its own 8-byte slot, exactly like cuLaunchKernel's params), and
+// plain structs of 32-bit words (a multi-tensor table, `KernelArgs::table`), read from a
+// buffer of their own size.
 template <class T>
 constexpr bool is_kernel_param =
-    std::is_pointer<T>::value || (std::is_arithmetic<T>::value && sizeof(T) <= 8);
+    std::is_pointer<T>::value || (std::is_arithmetic<T>::value && sizeof(T) <= 8) ||
+    (std::is_class<T>::value && std::is_trivially_copyable<T>::value && alignof(T) == 4);
 template <class... A>
 void launch(const grng_emu_launch* cfg, const char* name, void (*f)(A...), void** args) {
     static_assert((is_kernel_param<A> && ...),
-                  "kernel parameters must be pointers or scalars of at most 8 bytes");
+                  "kernel parameters must be pointers, scalars of at most 8 bytes or tables");
     LaunchCtx<A...> c{f, args};
     run_grid(cfg, name, &thunk<A...>, &c);
 }

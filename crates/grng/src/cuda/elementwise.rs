@@ -17,7 +17,7 @@
 
 use super::deferred::{self, filled, first_flagged, queued_status, Scalar, NONE, SCALAR_SLOT};
 use super::launch::{
-    kernel, launch, stream_config, to_i32, KernelArgs, LaunchConfig, STREAM_BLOCK,
+    kernel, launch, stream_config, to_i32, KernelArgs, LaunchConfig, STREAM_BLOCK, TABLE_WORDS,
 };
 use std::any::Any;
 
@@ -384,13 +384,6 @@ fn put_addresses(e: &mut [u32], addrs: &[u64]) {
     }
 }
 
-/// A multi-tensor kernel's table of 32-bit `words` on the device (as the bits of an `f32`
-/// matrix, which holds any 32-bit pattern).
-fn upload_table(dev: &Device, words: Vec<u32>) -> Result<Matrix> {
-    let bits: Vec<f32> = words.into_iter().map(f32::from_bits).collect();
-    dev.upload(bits.len(), 1, &bits)
-}
-
 /// 32-bit words per tensor in `elementwise_multi_axpy_new`'s table (`EW_AXPY_ENTRY`): the
 /// addresses of out, x, y and planes (two words each, low first; planes 0 for none), then the
 /// length, the first float4 item and the bits of `α`.
@@ -418,49 +411,58 @@ pub(crate) fn multi_axpy_new(dev: &Device, jobs: &[AxpyJob<'_>]) -> Result<Vec<M
         written.push(SplitCache::planes_to_write(dev, planes, y)?);
     }
     let items: usize = jobs.iter().map(|j| j.2.len().div_ceil(4)).sum();
-    let nitems = to_i32(OP, "y", items)?;
-    let ntensors = to_i32(OP, "jobs", jobs.len())?;
+    to_i32(OP, "y", items)?;
     if items == 0 {
         return Ok(outs);
     }
     let slots = 5 * jobs.len();
-    let cfg = stream_config(4 * items)?;
+    let per_launch = TABLE_WORDS / AXPY_ENTRY;
     let queue = |status: &mut Matrix, at: usize| {
-        let table: Matrix;
-        let mut args = KernelArgs::new(dev);
-        let mut words = vec![0u32; AXPY_ENTRY * jobs.len()];
-        let mut item = 0usize;
-        let entries = words.chunks_exact_mut(AXPY_ENTRY).zip(jobs);
-        let buffers = outs.iter_mut().zip(written.iter_mut());
-        for ((e, &(alpha, x, y, _)), (out, planes)) in entries.zip(buffers) {
-            let addrs = [
-                args.address_mut(OP, out)?,
-                args.address(OP, x)?,
-                args.address(OP, y)?,
-                match planes {
-                    Some(p) => args.address_mut(OP, p)?,
-                    None => 0,
-                },
-            ];
-            put_addresses(e, &addrs);
-            // Each below 2^31: len(y) and item <= items (checked above).
-            e[8] = y.len() as u32;
-            e[9] = item as u32;
-            e[10] = alpha.to_bits();
-            item += y.len().div_ceil(4);
+        let launches = jobs
+            .chunks(per_launch)
+            .zip(outs.chunks_mut(per_launch))
+            .zip(written.chunks_mut(per_launch));
+        for (c, ((jobs, outs), written)) in launches.enumerate() {
+            let mut args = KernelArgs::new(dev);
+            let mut words = vec![0u32; AXPY_ENTRY * jobs.len()];
+            let mut item = 0usize;
+            let entries = words.chunks_exact_mut(AXPY_ENTRY).zip(jobs);
+            let buffers = outs.iter_mut().zip(written.iter_mut());
+            for ((e, &(alpha, x, y, _)), (out, planes)) in entries.zip(buffers) {
+                let addrs = [
+                    args.address_mut(OP, out)?,
+                    args.address(OP, x)?,
+                    args.address(OP, y)?,
+                    match planes {
+                        Some(p) => args.address_mut(OP, p)?,
+                        None => 0,
+                    },
+                ];
+                put_addresses(e, &addrs);
+                // Each below 2^31: len(y) and item <= items (checked above).
+                e[8] = y.len() as u32;
+                e[9] = item as u32;
+                e[10] = alpha.to_bits();
+                item += y.len().div_ceil(4);
+            }
+            if item == 0 {
+                continue;
+            }
+            // Below 2^31: at most items, and per_launch jobs.
+            args.table(OP, &words)?
+                .scalar(jobs.len() as i32)
+                .scalar(item as i32)
+                .output_at(OP, status, at + 5 * per_launch * c, 5 * jobs.len())?;
+            // SAFETY: elementwise_multi_axpy_new(EwTable table, int ntensors, int nitems, int*
+            // status): the table holds AXPY_ENTRY words per job of this launch with the
+            // addresses of out, x and y (len(y) floats each, checked above) and of its planes
+            // (null, or 3·len(y) bf16 from `planes_to_write`), all borrowed by `args`; the
+            // items add up to nitems; status points at 5 ints per job of the launch inside its
+            // buffer (`output_at`), the kernel writes slots 5t..5t + 2 only; indices stay
+            // below each job's len(y).
+            unsafe { launch(&MULTI_AXPY_NEW, stream_config(4 * item)?, args)? };
         }
-        table = upload_table(dev, words)?;
-        args.input(OP, &table)?
-            .scalar(ntensors)
-            .scalar(nitems)
-            .output_at(OP, status, at, slots)?;
-        // SAFETY: elementwise_multi_axpy_new(const unsigned* table, int ntensors, int nitems,
-        // int* status): the table holds AXPY_ENTRY words per job with the addresses of out,
-        // x and y (len(y) floats each, checked above) and of its planes (null, or 3·len(y)
-        // bf16 from `planes_to_write`), all borrowed by `args`; the items add up to nitems;
-        // status points at 5 ints per job inside its buffer (`output_at`), the kernel writes
-        // slots 5t..5t + 2 only; indices stay below each job's len(y).
-        unsafe { launch(&MULTI_AXPY_NEW, cfg, args) }
+        Ok(())
     };
     if let Some(status) = queued_status(dev, slots, queue)? {
         let s = status_slots(&status)?;
@@ -665,8 +667,8 @@ fn reduce_blocks(n: usize) -> usize {
 /// `n ≥ 1`): pair `j` (counted over all chunks) gets its `(sum, finite flag)` in the
 /// [`SCALAR_SLOT`] floats of `out` from float `at + j·SCALAR_SLOT` on; each chunk's first
 /// slot's third float counts its finished blocks up from the bits `preset` (the slots'
-/// preset). One chunk: `elementwise_dot`; several: `elementwise_multi_dot`, each chunk on the
-/// blocks a launch of its own would have.
+/// preset). One chunk: `elementwise_dot`; several: `elementwise_multi_dot` (one launch per 55
+/// chunks), each chunk on the blocks a launch of its own would have.
 fn queue_reduce(
     dev: &Device,
     op: &'static str,
@@ -683,7 +685,13 @@ fn queue_reduce(
         }
     }
     let [pairs0] = chunks else {
-        return queue_multi_reduce(dev, op, chunks, take_sqrt, (out, at, preset));
+        // One launch per table's worth of chunks, each from its first pair's slots on.
+        let mut at = at;
+        for batch in chunks.chunks(TABLE_WORDS / DOT_ENTRY) {
+            queue_multi_reduce(dev, op, batch, take_sqrt, (out, at, preset))?;
+            at += SCALAR_SLOT * batch.iter().map(Vec::len).sum::<usize>();
+        }
+        return Ok(());
     };
     let x = pairs0[0][0].1;
     let k = pairs0.len();
@@ -721,7 +729,8 @@ fn queue_reduce(
 /// block count, the partials' offset in f64s and the outputs' offset in floats.
 const DOT_ENTRY: usize = 18;
 
-/// [`queue_reduce`] of several chunks: one launch of `elementwise_multi_dot`.
+/// [`queue_reduce`] of several chunks, at most a table's worth (`TABLE_WORDS / DOT_ENTRY`,
+/// 55): one launch of `elementwise_multi_dot`.
 fn queue_multi_reduce(
     dev: &Device,
     op: &'static str,
@@ -745,7 +754,6 @@ fn queue_multi_reduce(
         expected: "fewer than 2^31 reduction blocks in one launch",
     })?;
     let mut partial: Matrix = dev.scratch(2 * parts + 1, 1)?;
-    let table: Matrix;
     let mut args = KernelArgs::new(dev);
     let mut words = vec![0u32; DOT_ENTRY * chunks.len()];
     let (mut block, mut part, mut slot) = (0usize, 0usize, 0usize);
@@ -772,15 +780,14 @@ fn queue_multi_reduce(
         part += k * nb;
         slot += k;
     }
-    table = upload_table(dev, words)?;
-    args.input(op, &table)?
+    args.table(op, &words)?
         .scalar(ngroups)
         .output(op, &mut partial)?
         .scalar(i32::from(take_sqrt))
         .scalar(preset)
         .output_at(op, out, at, SCALAR_SLOT * pairs)?;
     let cfg = LaunchConfig::linear(total_blocks, STREAM_BLOCK);
-    // SAFETY: elementwise_multi_dot(const unsigned* table, int ngroups, float* partial, int
+    // SAFETY: elementwise_multi_dot(EwTable table, int ngroups, float* partial, int
     // take_sqrt, unsigned int counted_from, float* out): the table holds DOT_ENTRY words per
     // chunk, whose k <= 3 pairs' arrays (borrowed by `args`) hold n floats each (checked by
     // the callers), read below n only; chunk g's nb blocks, consecutive from its first block,
@@ -1095,90 +1102,100 @@ pub(crate) fn multi_update(
     for m in state.iter().chain(next.iter()) {
         check_len(op, "state", m.len(), layout.state_len())?;
     }
-    let ntensors = to_i32(op, "params", lens.len())?;
     to_i32(op, "params", layout.state_len())?;
     let items: usize = lens.iter().map(|n| n.div_ceil(4)).sum();
-    let nitems = to_i32(op, "params", items)?;
+    to_i32(op, "params", items)?;
     if items == 0 {
         return Ok(());
     }
 
-    let table: Matrix;
     let mut status = filled(dev, MULTI_SLOTS, NONE as u32)?;
-    let mut args = KernelArgs::new(dev);
-    let mut words = vec![0u32; ENTRY * lens.len()];
-    let mut item = 0usize;
-    for (t, ((e, p), po)) in words
-        .chunks_exact_mut(ENTRY)
-        .zip(params)
-        .zip(spare.iter_mut())
-        .enumerate()
-    {
-        let gh = match sampled {
-            Some(gh) => args.address(op, gh[t])?,
-            None => 0,
-        };
-        let addrs = [
-            args.address(op, *p)?,
-            args.address(op, grads[t])?,
-            args.address_mut(op, po)?,
-            gh,
-        ];
-        put_addresses(e, &addrs);
-        // Each below 2^31: lens[t] <= state_len and item, first(t) <= items, total.
-        e[8] = lens[t] as u32;
-        e[9] = layout.segment(t).start as u32;
-        e[10] = item as u32;
-        e[11] = layout.first(t) as u32;
-        item += lens[t].div_ceil(4);
-    }
-    table = upload_table(dev, words)?;
-    args.input(op, &table)?.scalar(ntensors).scalar(nitems);
     let (next0, next1) = next.split_at_mut(1);
-    let cfg = stream_config(4 * items)?;
-    match upd {
-        MultiUpdate::Sgd(c) => {
-            args.input(op, &state[0])?.output(op, &mut next0[0])?;
-            sgd_scalars(&mut args, c).output(op, &mut status)?;
-            // SAFETY: elementwise_multi_sgd(const unsigned* table, int ntensors, int nitems,
-            // const float* b, float* bo, float lr, float mu, float lrwd, int* status): the
-            // table holds ENTRY words per tensor with the addresses of params, grads and
-            // spare, which hold lens[t] floats (checked above) and stay borrowed by `args`;
-            // b, bo hold state_len floats and each tensor's segment lies inside; items and
-            // positions are computed from `layout` as the kernel expects; status holds
-            // MULTI_SLOTS ints.
-            unsafe { launch(&MULTI_SGD, cfg, args)? };
+    // One launch per table's worth of tensors; they share the status (positions are global),
+    // the state arrays (segments are global) and the outputs.
+    let per_launch = TABLE_WORDS / ENTRY;
+    for (c, spare) in spare.chunks_mut(per_launch).enumerate() {
+        let (first, ntensors) = (c * per_launch, spare.len());
+        let mut args = KernelArgs::new(dev);
+        let mut words = vec![0u32; ENTRY * ntensors];
+        let mut item = 0usize;
+        for (e, (t, po)) in words
+            .chunks_exact_mut(ENTRY)
+            .zip(spare.iter_mut().enumerate())
+        {
+            let t = first + t;
+            let gh = match sampled {
+                Some(gh) => args.address(op, gh[t])?,
+                None => 0,
+            };
+            let addrs = [
+                args.address(op, params[t])?,
+                args.address(op, grads[t])?,
+                args.address_mut(op, po)?,
+                gh,
+            ];
+            put_addresses(e, &addrs);
+            // Each below 2^31: lens[t] <= state_len and item, first(t) <= items, total.
+            e[8] = lens[t] as u32;
+            e[9] = layout.segment(t).start as u32;
+            e[10] = item as u32;
+            e[11] = layout.first(t) as u32;
+            item += lens[t].div_ceil(4);
         }
-        MultiUpdate::AdamW(c) => {
-            args.input(op, &state[0])?
-                .input(op, &state[1])?
-                .output(op, &mut next0[0])?
-                .output(op, &mut next1[0])?;
-            adamw_scalars(&mut args, c).output(op, &mut status)?;
-            // SAFETY: elementwise_multi_adamw(const unsigned* table, int ntensors, int nitems,
-            // const float* m, const float* v, float* mo, float* vo, float lr, float b1, float
-            // omb1, float b2, float omb2, float eps, float lrwd, float bc1, float bc2, int*
-            // status): as for SGD, with the four state buffers of state_len floats.
-            unsafe { launch(&MULTI_ADAMW, cfg, args)? };
+        if item == 0 {
+            continue;
         }
-        MultiUpdate::Sophia(c, refresh) => {
-            let (beta2, batch) = refresh.unwrap_or((0.0, 1));
-            args.input(op, &state[0])?
-                .input(op, &state[1])?
-                .output(op, &mut next0[0])?
-                .output(op, &mut next1[0])?;
-            sophia_scalars(&mut args, c)
-                .scalar(i32::from(refresh.is_some()))
-                .scalar(beta2)
-                .scalar(1.0 - beta2)
-                .scalar(batch as f32)
-                .output(op, &mut status)?;
-            // SAFETY: elementwise_multi_sophia(const unsigned* table, int ntensors, int
-            // nitems, const float* m, const float* h, float* mo, float* ho, float lr, float
-            // b1, float omb1, float gamma, float eps, float lrwd, int refresh, float b2, float
-            // omb2, float bs, int* status): as for AdamW; the sample addresses are read only
-            // when refresh != 0, and then every tensor has one of lens[t] floats (checked).
-            unsafe { launch(&MULTI_SOPHIA, cfg, args)? };
+        // Below 2^31: at most per_launch tensors and all tensors' items.
+        args.table(op, &words)?
+            .scalar(ntensors as i32)
+            .scalar(item as i32);
+        let cfg = stream_config(4 * item)?;
+        match upd {
+            MultiUpdate::Sgd(c) => {
+                args.input(op, &state[0])?.output(op, &mut next0[0])?;
+                sgd_scalars(&mut args, c).output(op, &mut status)?;
+                // SAFETY: elementwise_multi_sgd(EwTable table, int ntensors, int nitems, const
+                // float* b, float* bo, float lr, float mu, float lrwd, int* status): the table
+                // holds ENTRY words per tensor of this launch with the addresses of params,
+                // grads and spare, which hold lens[t] floats (checked above) and stay borrowed
+                // by `args`; b, bo hold state_len floats and each tensor's segment lies inside;
+                // items and positions are computed from `layout` as the kernel expects; status
+                // holds MULTI_SLOTS ints.
+                unsafe { launch(&MULTI_SGD, cfg, args)? };
+            }
+            MultiUpdate::AdamW(c) => {
+                args.input(op, &state[0])?
+                    .input(op, &state[1])?
+                    .output(op, &mut next0[0])?
+                    .output(op, &mut next1[0])?;
+                adamw_scalars(&mut args, c).output(op, &mut status)?;
+                // SAFETY: elementwise_multi_adamw(EwTable table, int ntensors, int nitems,
+                // const float* m, const float* v, float* mo, float* vo, float lr, float b1,
+                // float omb1, float b2, float omb2, float eps, float lrwd, float bc1, float
+                // bc2, int* status): as for SGD, with the four state buffers of state_len
+                // floats.
+                unsafe { launch(&MULTI_ADAMW, cfg, args)? };
+            }
+            MultiUpdate::Sophia(c, refresh) => {
+                let (beta2, batch) = refresh.unwrap_or((0.0, 1));
+                args.input(op, &state[0])?
+                    .input(op, &state[1])?
+                    .output(op, &mut next0[0])?
+                    .output(op, &mut next1[0])?;
+                sophia_scalars(&mut args, c)
+                    .scalar(i32::from(refresh.is_some()))
+                    .scalar(beta2)
+                    .scalar(1.0 - beta2)
+                    .scalar(batch as f32)
+                    .output(op, &mut status)?;
+                // SAFETY: elementwise_multi_sophia(EwTable table, int ntensors, int nitems,
+                // const float* m, const float* h, float* mo, float* ho, float lr, float b1,
+                // float omb1, float gamma, float eps, float lrwd, int refresh, float b2, float
+                // omb2, float bs, int* status): as for AdamW; the sample addresses are read
+                // only when refresh != 0, and then every tensor has one of lens[t] floats
+                // (checked).
+                unsafe { launch(&MULTI_SOPHIA, cfg, args)? };
+            }
         }
     }
     let s: Vec<i32> = status

@@ -37,14 +37,17 @@ mod private {
 
 /// A kernel's argument list, in parameter order, built against one device.
 ///
-/// Every value gets its own 8-byte slot (its bytes at the start), and a launch passes one
-/// pointer per slot — cuLaunchKernel's `kernelParams`, and what `GRNG_EMU_ENTRY` unpacks.
+/// Every value gets its own 8-byte slot (its bytes at the start), a table its own buffer, and
+/// a launch passes one pointer per parameter — cuLaunchKernel's `kernelParams`, and what
+/// `GRNG_EMU_ENTRY` unpacks.
 /// Buffers are borrowed for `'a` (shared for [`KernelArgs::input`], exclusive for
 /// [`KernelArgs::output`]), so they outlive the launch and a written buffer cannot also be
 /// passed as another argument.
 pub struct KernelArgs<'a> {
     device: &'a Device,
     slots: Vec<u64>,
+    /// By-value tables ([`KernelArgs::table`]) and the parameter index each stands at.
+    tables: Vec<(usize, Box<[u32; TABLE_WORDS]>)>,
     /// Stream-ordering records of the CUDA buffers, dropped after the launch is queued.
     guards: Vec<SyncOnDrop<'a>>,
     /// Host buffers (emulator checks).
@@ -58,6 +61,7 @@ impl<'a> KernelArgs<'a> {
         Self {
             device,
             slots: Vec::with_capacity(16),
+            tables: Vec::new(),
             guards: Vec::new(),
             host: Vec::new(),
             _buffers: PhantomData,
@@ -76,6 +80,27 @@ impl<'a> KernelArgs<'a> {
         bytemuck::bytes_of_mut(&mut slot)[..bytes.len()].copy_from_slice(bytes);
         self.slots.push(slot);
         self
+    }
+
+    /// Appends a by-value table parameter (`const __grid_constant__ EwTable` in
+    /// `kernels/elementwise.cu`): `words`, padded with zeros to [`TABLE_WORDS`]. The launch
+    /// carries it to the device, where an uploaded table would be a copy queued before it.
+    /// Errors if `words` does not fit.
+    pub fn table(&mut self, op: &'static str, words: &[u32]) -> Result<&mut Self> {
+        let mut table = Box::new([0u32; TABLE_WORDS]);
+        table
+            .get_mut(..words.len())
+            .ok_or_else(|| Error::Shape {
+                op,
+                arg: "table",
+                expected: format!("at most {TABLE_WORDS} words (one launch's table)"),
+                got: format!("{} words", words.len()),
+            })?
+            .copy_from_slice(words);
+        self.tables.push((self.slots.len(), table));
+        // The slot stands in for the table's place in the parameter order.
+        self.slots.push(0);
+        Ok(self)
     }
 
     /// Appends a `const T*` parameter: `m`'s first element (row-major, `m.len()` elements).
@@ -191,7 +216,7 @@ fn host_buffer<T>(v: &[T]) -> EmuBuffer {
 /// the kernel's signature:
 /// 1. `args` holds exactly the kernel's parameters, in order, with matching types
 ///    (`input`/`output` for `const T*`/`T*` of the same element type, `scalar` of the same
-///    width and kind);
+///    width and kind, `table` for `EwTable`);
 /// 2. every access the kernel makes under `cfg` stays inside the buffers passed (as
 ///    parameters, or through a table of [`KernelArgs::address`]es), and it writes only buffers
 ///    passed through `output` or `address_mut`;
@@ -206,15 +231,19 @@ pub unsafe fn launch(kernel: &Kernel, cfg: LaunchConfig, args: KernelArgs<'_>) -
     let KernelArgs {
         device,
         mut slots,
+        mut tables,
         guards,
         host,
         ..
     } = args;
-    // Pointers into `slots`, which is neither moved nor resized until the launch returns.
+    // Pointers into `slots` and `tables`, neither moved nor resized until the launch returns.
     let mut params: Vec<*mut c_void> = slots
         .iter_mut()
         .map(|s| (s as *mut u64).cast::<c_void>())
         .collect();
+    for (at, table) in &mut tables {
+        params[*at] = table.as_mut_ptr().cast::<c_void>();
+    }
     crate::hooks::record(kernel.name);
     #[cfg(feature = "test-hooks")]
     let started = super::timing::start(device)?;
@@ -257,6 +286,11 @@ pub(crate) fn to_i32(op: &'static str, arg: &'static str, n: usize) -> Result<i3
         expected: "below 2^31 (the kernels index with int)",
     })
 }
+
+/// 32-bit words of a by-value table parameter ([`KernelArgs::table`]; `EW_TABLE_WORDS` in
+/// `kernels/elementwise.cu`): 4000 bytes, under the 4 KiB of a launch's parameters with the
+/// kernels' other parameters.
+pub(crate) const TABLE_WORDS: usize = 1000;
 
 /// Threads per block of every element-wise kernel.
 pub(crate) const STREAM_BLOCK: u32 = 256;
