@@ -113,17 +113,26 @@ proptest! {
                         if steps == 1 {
                             prop_assert_eq!(f.norm.to_bits(), cpu.to_bits());
                         } else {
-                            // Each run stops once its Rayleigh quotient moves by `≤ tol` of
-                            // itself in a step, so within about `tol/(1 − r²)` of ‖F‖₂ from
-                            // below (`r = λ₂/λ₁`): twice that allowed (optim_kron's rule), and
-                            // f32 rounding.
+                            // The warm run stops once its Rayleigh quotient moves by `≤ tol` of
+                            // itself in a step: from a start with a fair share of the top
+                            // eigenvector, within about `tol/(1 − r²)` of ‖F‖₂ = λ₁ from below
+                            // (`r = λ₂/λ₁`). But the last refresh's top iterate can lie near
+                            // this factor's second eigenvector when λ₂ is close to λ₁: the
+                            // quotient then creeps up from about λ₂ slower than `tol` per step
+                            // and the run stops up to `1 − r` below λ₁ (a two-eigenvector
+                            // model; seen at r = 0.978: 1.9% below, a cold run 0.0%). Allowed:
+                            // the larger of twice each, and f32 rounding; never above λ₁.
                             let n = fh.rows();
                             let f64s: Vec<f64> = fh.to_vec().unwrap().iter().map(|&v| v as f64).collect();
                             let ev = common::eigs64(&f64s, n);
                             let r = if n > 1 && ev[0] > 0.0 { ev[1] / ev[0] } else { 0.0 };
-                            let tol = 2.0 * cfg.power.tol as f64 / (1.0 - r * r).max(1e-12) + 1e-6;
-                            let rel = ((f.norm - cpu) as f64 / cpu as f64).abs();
-                            prop_assert!(rel <= tol, "{} vs {}, r = {}", f.norm, cpu, r);
+                            let stopped = 2.0 * cfg.power.tol as f64 / (1.0 - r * r).max(1e-12);
+                            let tol = stopped.max(2.0 * (1.0 - r)) + 1e-5;
+                            let rel = (f.norm as f64 - ev[0]) / ev[0];
+                            prop_assert!(
+                                (-tol..=1e-5).contains(&rel),
+                                "{} vs λ₁ = {} (cold {}), r = {}", f.norm, ev[0], cpu, r
+                            );
                         }
                         prop_assert!(f.top().is_some());
                     }
