@@ -354,6 +354,15 @@ fn launch_section(b: &Bench) -> Res<()> {
     ] {
         println!("| launch-anatomy | {case} | elementwise_fill | {secs} | - | - | - |");
     }
+    // What a step no longer queues beside its kernels: a memset per output buffer, an upload
+    // per batched launch's table.
+    for (case, secs) in [
+        ("zeroed alloc of 1 float + free, 1000 queued", us(a.zeroed)),
+        ("unset alloc of 1 float + free, 1000 queued", us(a.unset)),
+        ("upload of 44 bytes, 1000 queued", us(a.upload)),
+    ] {
+        println!("| launch-anatomy | {case} | - | {secs} | - | - | - |");
+    }
     Ok(())
 }
 

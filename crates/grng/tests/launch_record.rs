@@ -85,6 +85,9 @@ fn launch_anatomy_times_each_part() {
             ("queued", a.queued),
             ("waited", a.waited),
             ("read_back", a.read_back),
+            ("zeroed", a.zeroed),
+            ("unset", a.unset),
+            ("upload", a.upload),
         ] {
             assert!(
                 secs > 0.0 && secs.is_finite(),

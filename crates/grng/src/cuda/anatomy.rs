@@ -1,7 +1,9 @@
 //! One launch taken apart, for benchmarks (feature `test-hooks`): [`launch_anatomy`] times a
 //! one-thread kernel queued, waited for, read back, and as a node of a CUDA graph — the parts
 //! of the eager launch-and-check op, and what a step replayed as a graph would pay per kernel
-//! instead (issue 36 item 4; the GPU bench's `launch-anatomy` rows).
+//! instead (issue 36 item 4; the GPU bench's `launch-anatomy` rows) — and the other
+//! operations a step may queue beside its kernels: a zero-filled allocation, an unset one, a
+//! small upload.
 
 use std::time::Instant;
 
@@ -26,6 +28,16 @@ pub struct LaunchAnatomy {
     /// The same launches captured once into a CUDA graph, replayed: per node. `None` on the
     /// emulator, which has no graphs.
     pub graph: Option<f64>,
+    /// A zero-filled one-float allocation (`Device::zeros`: on a GPU the allocation and a
+    /// memset) freed again, queued back to back: what each output buffer of a step cost before
+    /// the outputs its kernels write whole took `Device::scratch`.
+    pub zeroed: f64,
+    /// The same allocation unset (`Device::scratch`: the stream-ordered allocation and free
+    /// alone).
+    pub unset: f64,
+    /// An upload of 44 bytes (`Device::upload`, from pageable memory), queued back to back:
+    /// what each batched launch cost beside it before its table became a kernel parameter.
+    pub upload: f64,
 }
 
 /// [`LaunchAnatomy`] over `n ≥ 1` launches on `dev` (the emulator: the host's cost of an
@@ -76,6 +88,16 @@ pub fn launch_anatomy(dev: &Device, n: usize) -> Result<LaunchAnatomy> {
     let waited = best(&mut || (0..n).try_for_each(|_| fill(&mut x).and_then(|()| sync())))?;
     let read_back =
         best(&mut || (0..n).try_for_each(|_| fill(&mut x).and_then(|()| x.to_vec().map(drop))))?;
+    let queued_ops = |op: &dyn Fn() -> Result<()>| {
+        best(&mut || {
+            (0..n).try_for_each(|_| op())?;
+            sync()
+        })
+    };
+    let zeroed = queued_ops(&|| dev.zeros::<f32>(1, 1).map(drop))?;
+    let unset = queued_ops(&|| dev.scratch::<f32>(1, 1).map(drop))?;
+    let table = [0.0f32; 11];
+    let upload = queued_ops(&|| dev.upload(table.len(), 1, &table).map(drop))?;
     let graph = match dev {
         Device::Cuda(d) => {
             let stream = d.stream();
@@ -98,5 +120,8 @@ pub fn launch_anatomy(dev: &Device, n: usize) -> Result<LaunchAnatomy> {
         waited,
         read_back,
         graph,
+        zeroed,
+        unset,
+        upload,
     })
 }
