@@ -220,10 +220,10 @@ impl Unused {
     /// One element each on `dev`.
     pub fn new(dev: &Device) -> Result<Self> {
         Ok(Self {
-            input: dev.zeros(1, 1)?,
-            out: dev.zeros(1, 1)?,
-            partial: dev.zeros(1, 1)?,
-            out_bf: dev.zeros(1, 1)?,
+            input: dev.scratch(1, 1)?,
+            out: dev.scratch(1, 1)?,
+            partial: dev.scratch(1, 1)?,
+            out_bf: dev.scratch(1, 1)?,
         })
     }
 }
@@ -457,7 +457,7 @@ fn plane_slot<'p>(
 ) -> Result<&'p mut Matrix<bf16>> {
     Ok(match slot {
         Some(m) => m,
-        empty => empty.insert(dev.zeros(3 * n, n)?),
+        empty => empty.insert(dev.scratch(3 * n, n)?),
     })
 }
 
@@ -623,7 +623,7 @@ impl Scratch {
     pub fn for_epilogue(&mut self, dev: &Device, n: usize) -> Result<(&mut Matrix, &mut Unused)> {
         let product = match self.product.take() {
             Some(p) if p.shape() == (n, n) => p,
-            _ => dev.zeros(n, n)?,
+            _ => dev.scratch(n, n)?,
         };
         Ok((self.product.insert(product), &mut self.unused))
     }
@@ -726,7 +726,7 @@ pub fn sym_stats(
     sym_bf: Option<&mut Matrix<bf16>>,
     unused: &mut Unused,
 ) -> Result<SymStats> {
-    let mut stats: Matrix = dev.zeros(SymStats::len(a.rows()), 1)?;
+    let mut stats: Matrix = dev.scratch(SymStats::len(a.rows()), 1)?;
     queue_sym_stats(dev, a, (sym, sym_bf), unused, (&mut stats, 0))?;
     Ok(SymStats::of(&stats.to_vec()?))
 }
@@ -823,7 +823,7 @@ impl SymStats {
 /// # Errors
 /// [`Error::Shape`] unless square, [`Error::Value`] for `n` out of range, launch errors.
 pub(crate) fn abs_norms(dev: &Device, m: &Matrix) -> Result<ANorms> {
-    let mut part: Matrix = dev.zeros(4 * m.rows().div_ceil(32), 1)?;
+    let mut part: Matrix = dev.scratch(4 * m.rows().div_ceil(32), 1)?;
     queue_abs_norms(dev, m, (&mut part, 0))?;
     Ok(norms_of(&part.to_vec()?))
 }
@@ -1296,8 +1296,8 @@ impl<'d> Work<'d> {
         run: RunProduct,
     ) -> Result<Self> {
         let sq = |on: bool| if on { n } else { 1 };
-        let f = |on: bool| dev.zeros::<f32>(sq(on), sq(on));
-        let b = |on: bool| dev.zeros::<bf16>(sq(on), sq(on));
+        let f = |on: bool| dev.scratch::<f32>(sq(on), sq(on));
+        let b = |on: bool| dev.scratch::<bf16>(sq(on), sq(on));
         Ok(Self {
             dev,
             n,
@@ -1317,10 +1317,10 @@ impl<'d> Work<'d> {
             scratch: Scratch::new(dev, n)?,
             planes: PlaneSet::new(n),
             run,
-            partial: dev.zeros(partials(n), 1)?,
+            partial: dev.scratch(partials(n), 1)?,
             // The residual, then room for `E`'s norms read with it
             // ([`NewtonBackend::product_t_and_e_norms`]).
-            res: dev.zeros(1 + 4 * n.div_ceil(32), 1)?,
+            res: dev.scratch(1 + 4 * n.div_ceil(32), 1)?,
             a_norms: None,
         })
     }
@@ -1561,7 +1561,7 @@ pub(crate) fn newton_inverse(
     // read back together: one synchronization for the setup, the CPU's checks in its order.
     let len = SymStats::len(n);
     let warm = warm.filter(|_| opts.init == InitialGuess::Warm);
-    let mut stats: Matrix = dev.zeros(2 * len, 1)?;
+    let mut stats: Matrix = dev.scratch(2 * len, 1)?;
     let a_bf = bf16.then_some(&mut it.a_bf);
     let unused = &mut it.scratch.unused;
     queue_sym_stats(dev, a, (Some(&mut it.a), a_bf), unused, (&mut stats, 0))?;
