@@ -956,7 +956,7 @@ impl<'a> DevicePower<'a> {
     ) -> Result<Self> {
         let n = a.rows();
         let batch = max_batch.max(1);
-        let mut scal = dev.zeros(4 * batch + SymStats::len(n), 1)?;
+        let mut scal = dev.scratch(4 * batch + SymStats::len(n), 1)?;
         queue_sym_stats(dev, a, (None, None), unused, (&mut scal, 4 * batch))?;
         Ok(Self {
             dev,
@@ -964,8 +964,9 @@ impl<'a> DevicePower<'a> {
             warm,
             batch,
             stats: None,
-            v: dev.zeros(n, 1)?,
-            w: dev.zeros(n, 1)?,
+            v: dev.scratch(n, 1)?,
+            w: dev.scratch(n, 1)?,
+            // Zeroed: the counter after the partials starts at 0.
             part: dev.zeros(4 * n.div_ceil(8).min(MATVEC_MAX_BLOCKS) + 1, 1)?,
             scal,
         })
