@@ -500,11 +500,16 @@ fn dense_lazy_step_splits_nothing() {
             let mut opt = KronOptimizer::new(&dev, &shapes, cfg).unwrap();
             let mut params = upload_all(&dev, &mut rng, &shapes);
             let mut last = Vec::new();
-            // Step 1 forms the squares `S₀` of the first-order inverses; step 2 reuses them.
+            // Step 1 forms the squares `S₀` of the first-order inverses (from the inverses'
+            // kept planes: no split either); step 2 reuses them.
             for k in 0..3 {
                 assert_eq!(opt.needs_stats(), k == 0, "{}", dev.name());
                 let info;
                 (info, last) = recorded_step(&dev, &mut rng, &mut opt, &mut params, &shapes);
+                if k == 1 {
+                    let splits = last.iter().filter(|&&l| l == "gemm_split3").count();
+                    assert_eq!(splits, 0, "{}: {last:?}", dev.name());
+                }
                 if k == 2 {
                     let moved = u32::from(gain != 0.5);
                     assert_eq!(info.first_order_updates, 2 * 3 * moved, "{}", dev.name());

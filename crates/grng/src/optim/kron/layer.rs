@@ -539,7 +539,11 @@ impl Ctx<'_> {
             // S₀ is formed once per formation and handed to the caller to cache.
             let square = match &s.square {
                 Some(_) => None,
-                None => Some(self.square(s.dense_inverse()?)?),
+                // X₀'s kept planes, unless X₀ is the low-rank route's (they are `inverse`'s).
+                None => {
+                    let kept = s.low_rank.is_none().then_some(&s.splits.inverse);
+                    Some(self.square(s.dense_inverse()?, kept)?)
+                }
             };
             return Ok(Planned::Due {
                 damping: target,
@@ -563,9 +567,19 @@ impl Ctx<'_> {
     /// rounding (`X₀` is checked state: the product's result check only). A Gram, so on the
     /// CPU the SYRK (`n³` flops, exactly symmetric) and elsewhere one `2n³`-flop product per
     /// formation; the same device product every time, so the same bits for the same `X₀`.
-    pub fn square(&self, x: &Matrix) -> Result<Matrix> {
-        self.device
-            .product_valid_inputs(MatMul::new(Trans::Yes, Trans::No, 1.0, x, x))
+    /// `kept`: `x`'s split-plane cache ([`Splits::inverse`]), whose planes the kernel devices
+    /// read (or write there, where it has none).
+    pub fn square(&self, x: &Matrix, kept: Option<&SplitCache>) -> Result<Matrix> {
+        let p = MatMul::new(Trans::Yes, Trans::No, 1.0, x, x);
+        match (self.device, kept) {
+            // The product `product_valid_inputs` runs there (half the tiles, mirrored), from
+            // the planes the refresh kept (`Ctx::split_formed`) instead of a split of its own.
+            (Device::Emulated | Device::Cuda(_), Some(c)) => {
+                let x = self.device.kept_operand(x, c)?;
+                self.device.symmetric_product_of(p.with(&x, &x))
+            }
+            _ => self.device.product_valid_inputs(p),
+        }
     }
 }
 

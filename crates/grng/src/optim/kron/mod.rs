@@ -922,7 +922,7 @@ impl KronOptimizer {
         for layer in &mut state.layers {
             for s in [&mut layer.lambda, &mut layer.gamma] {
                 if s.square.is_some() {
-                    s.square = Some(ctx.square(&s.inverse)?);
+                    s.square = Some(ctx.square(&s.inverse, None)?);
                 }
             }
         }
