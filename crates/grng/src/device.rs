@@ -38,7 +38,7 @@ impl Device {
         let len = self.alloc_len::<T>(rows, cols)?;
         crate::error::check_len("Device::upload", "host", host.len(), len)?;
         if !matches!(self, Device::Cpu) {
-            crate::hooks::count_upload();
+            crate::hooks::count(crate::hooks::Queued::Upload);
         }
         let storage = match self {
             Device::Cpu | Device::Emulated => {
@@ -74,7 +74,7 @@ impl Device {
         if ms.is_empty() {
             return Ok(Vec::new());
         }
-        crate::hooks::count_read_back();
+        crate::hooks::count(crate::hooks::Queued::ReadBack);
         let Device::Cuda(d) = self else {
             return ms.iter().map(|m| m.elements()).collect();
         };
@@ -110,7 +110,7 @@ impl Device {
     pub fn zeros<T: Element>(&self, rows: usize, cols: usize) -> Result<Matrix<T>> {
         let len = self.alloc_len::<T>(rows, cols)?;
         if !matches!(self, Device::Cpu) {
-            crate::hooks::count_zero_fill();
+            crate::hooks::count(crate::hooks::Queued::ZeroFill);
         }
         let storage = match self {
             Device::Cpu | Device::Emulated => {
@@ -254,7 +254,7 @@ impl<T: Element> Matrix<T> {
     }
     /// Copies the elements back to the host (row-major).
     pub fn to_vec(&self) -> Result<Vec<T>> {
-        crate::hooks::count_read_back();
+        crate::hooks::count(crate::hooks::Queued::ReadBack);
         self.elements()
     }
     /// [`Matrix::to_vec`] without the count.

@@ -91,17 +91,39 @@ pub fn take_launches() -> Vec<&'static str> {
     std::mem::take(&mut *LAUNCHED.lock().unwrap_or_else(PoisonError::into_inner))
 }
 
-#[cfg(feature = "test-hooks")]
-thread_local! {
-    /// Matrices this thread copied to the host with `Matrix::to_vec` ([`read_backs`]).
-    static READ_BACKS: std::cell::Cell<u64> = const { std::cell::Cell::new(0) };
+/// What a kernel device queues beside its kernels, counted per thread ([`count`]).
+#[derive(Clone, Copy)]
+pub(crate) enum Queued {
+    /// A `Matrix::to_vec` ([`read_backs`]).
+    ReadBack,
+    /// A `Device::upload` to a kernel device ([`uploads`]).
+    Upload,
+    /// A `Device::zeros` on a kernel device ([`zero_fills`]).
+    ZeroFill,
 }
 
-/// Counts one `Matrix::to_vec` on this thread.
+#[cfg(feature = "test-hooks")]
+thread_local! {
+    /// This thread's counts, indexed by [`Queued`].
+    static COUNTS: std::cell::Cell<[u64; 3]> = const { std::cell::Cell::new([0; 3]) };
+}
+
+/// Counts one `what` on this thread.
 #[inline(always)]
-pub(crate) fn count_read_back() {
+pub(crate) fn count(what: Queued) {
     #[cfg(feature = "test-hooks")]
-    READ_BACKS.with(|c| c.set(c.get() + 1));
+    COUNTS.with(|c| {
+        let mut counts = c.get();
+        counts[what as usize] += 1;
+        c.set(counts);
+    });
+    #[cfg(not(feature = "test-hooks"))]
+    let _ = what;
+}
+
+#[cfg(feature = "test-hooks")]
+fn counted(what: Queued) -> u64 {
+    COUNTS.with(|c| c.get()[what as usize])
 }
 
 /// How many matrices this thread has read to the host with `Matrix::to_vec` so far: every
@@ -112,29 +134,7 @@ pub(crate) fn count_read_back() {
 /// costs (`tests/emu_deferred.rs`).
 #[cfg(feature = "test-hooks")]
 pub fn read_backs() -> u64 {
-    READ_BACKS.with(std::cell::Cell::get)
-}
-
-#[cfg(feature = "test-hooks")]
-thread_local! {
-    /// Host-to-device copies this thread queued on a kernel device ([`uploads`]).
-    static UPLOADS: std::cell::Cell<u64> = const { std::cell::Cell::new(0) };
-    /// Zero-filled allocations this thread made on a kernel device ([`zero_fills`]).
-    static ZERO_FILLS: std::cell::Cell<u64> = const { std::cell::Cell::new(0) };
-}
-
-/// Counts one `Device::upload` to a kernel device on this thread.
-#[inline(always)]
-pub(crate) fn count_upload() {
-    #[cfg(feature = "test-hooks")]
-    UPLOADS.with(|c| c.set(c.get() + 1));
-}
-
-/// Counts one `Device::zeros` on a kernel device on this thread.
-#[inline(always)]
-pub(crate) fn count_zero_fill() {
-    #[cfg(feature = "test-hooks")]
-    ZERO_FILLS.with(|c| c.set(c.get() + 1));
+    counted(Queued::ReadBack)
 }
 
 /// How many host-to-device copies (`Device::upload` to the emulator or a GPU) this thread has
@@ -143,7 +143,7 @@ pub(crate) fn count_zero_fill() {
 /// (`tests/emu_deferred.rs`). Per thread, as [`read_backs`].
 #[cfg(feature = "test-hooks")]
 pub fn uploads() -> u64 {
-    UPLOADS.with(std::cell::Cell::get)
+    counted(Queued::Upload)
 }
 
 /// How many zero-filled allocations (`Device::zeros` on the emulator or a GPU) this thread has
@@ -152,7 +152,7 @@ pub fn uploads() -> u64 {
 /// `Device::scratch`). Per thread, as [`read_backs`].
 #[cfg(feature = "test-hooks")]
 pub fn zero_fills() -> u64 {
-    ZERO_FILLS.with(std::cell::Cell::get)
+    counted(Queued::ZeroFill)
 }
 
 /// Whether a PTX rejection is being injected ([`inject_ptx_reject`]): one relaxed load per
