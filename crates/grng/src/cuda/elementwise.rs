@@ -393,7 +393,8 @@ const AXPY_ENTRY: usize = 11;
 /// [`axpy_new`]'s `planes`).
 pub(crate) type AxpyJob<'a> = (f32, &'a Matrix, &'a Matrix, Option<&'a SplitCache>);
 
-/// [`axpy_new`] of every job in ONE launch (`elementwise_multi_axpy_new`): each result and
+/// [`axpy_new`] of every job in ONE launch per 90 jobs (`elementwise_multi_axpy_new`, the
+/// jobs a table parameter holds): each result and
 /// its planes the bits [`axpy_new`] of that job alone gives, one status of 5 slots per job
 /// (read by [`crate::Device::deferred`]'s scope, or here), and on error the one the first
 /// failing job's own [`axpy_new`] reports. A lazy Kronecker step forms all its first-order
@@ -561,7 +562,8 @@ fn one(v: Vec<f32>) -> Result<f32> {
 /// each value, in order, through `finish` (the op's overflow check), as one dot after the
 /// other would. Either way ONE launch: `elementwise_dot` when the pairs make one chunk (at
 /// most [`MAX_PAIRS`] of one length), else `elementwise_multi_dot` over every chunk (a
-/// Kronecker step's model terms, every layer's); each pair's value the bits of [`dot`]'s.
+/// Kronecker step's model terms, every layer's; one launch per 55 chunks, what a table
+/// parameter holds); each pair's value the bits of [`dot`]'s.
 pub(crate) fn dots_deferred(
     dev: &Device,
     groups: &[&[(&Matrix, &Matrix)]],
@@ -619,9 +621,10 @@ pub(crate) fn dots_deferred(
 }
 
 /// The f64 reductions of the `chunks` (each 1..=[`MAX_PAIRS`] pairs of one length `n ≥ 1`,
-/// checked by the caller) in one launch and one read-back; each value, in pair order,
-/// checked (a non-finite sum names its pair's first NaN/Inf as the CPU does) and passed
-/// through `finish`, so the first failure is the one a reduction per pair would have met.
+/// checked by the caller) in one launch (per 55 chunks) and one read-back; each value, in
+/// pair order, checked (a non-finite sum names its pair's first NaN/Inf as the CPU does) and
+/// passed through `finish`, so the first failure is the one a reduction per pair would have
+/// met.
 fn reduce(
     dev: &Device,
     op: &'static str,
@@ -1057,7 +1060,8 @@ pub(crate) struct MultiDevice<'a> {
 }
 
 /// One multi-tensor update in ONE launch of `elementwise_multi_{sgd,adamw,sophia}` over every
-/// tensor, then one 36-byte status read-back (the only synchronization); on a clean status the
+/// tensor (per 83 tensors, what a table parameter holds; the launches share the status), then
+/// one 36-byte status read-back (the only synchronization); on a clean status the
 /// outputs (`spare`, `next`) hold the step and the caller swaps them in, else the error the CPU
 /// backend reports ([`MultiUpdate::error`]). Nothing is written but the outputs.
 pub(crate) fn multi_update(

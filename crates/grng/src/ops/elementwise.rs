@@ -105,7 +105,8 @@ impl Device {
     }
 
     /// [`Device::axpy_new_split`] of every `(α, x, y)` of `jobs`, the same bits and planes: on
-    /// the kernel devices in ONE launch (`elementwise_multi_axpy_new`) where there are several.
+    /// the kernel devices in ONE launch (`elementwise_multi_axpy_new`; per 90 jobs) where there
+    /// are several.
     ///
     /// # Errors
     /// As [`Device::axpy_new`], the first failing job's.
@@ -197,8 +198,8 @@ impl Device {
     }
 
     /// [`Device::axpy_over`] `y + αx` over `x` for every `(x, y)` of `pairs`: on the kernel
-    /// devices in ONE launch (`elementwise_multi_axpy_new`, into new matrices) where there are
-    /// several — a Kronecker step's weight updates, one launch for every layer.
+    /// devices in ONE launch (`elementwise_multi_axpy_new`, into new matrices; per 90 pairs)
+    /// where there are several — a Kronecker step's weight updates, one launch for every layer.
     ///
     /// # Errors
     /// As [`Device::axpy_over`], the first failing pair's.
@@ -254,7 +255,8 @@ impl Device {
     /// [`Device::dot`] of each `(x, y)` pair of every group (a group's matrices of one shape)
     /// into `out` (one value per pair, in order), deferred inside [`Device::deferred`] on a
     /// kernel device (resolve them with the scope's [`Readout`]), computed now otherwise; on a
-    /// kernel device ONE launch for all groups (a Kronecker step's model terms, every layer's),
+    /// kernel device ONE launch for all groups (a Kronecker step's model terms, every layer's;
+    /// per 55 chunks of at most three pairs),
     /// each value the bits [`Device::dot`] gives its pair.
     ///
     /// # Errors
