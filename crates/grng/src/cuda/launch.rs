@@ -290,7 +290,7 @@ pub(crate) fn to_i32(op: &'static str, arg: &'static str, n: usize) -> Result<i3
 /// 32-bit words of a by-value table parameter ([`KernelArgs::table`]; `EW_TABLE_WORDS` in
 /// `kernels/elementwise.cu`): 4000 bytes, under the 4 KiB of a launch's parameters with the
 /// kernels' other parameters.
-pub(crate) const TABLE_WORDS: usize = 1000;
+pub const TABLE_WORDS: usize = 1000;
 
 /// Threads per block of every element-wise kernel.
 pub(crate) const STREAM_BLOCK: u32 = 256;
