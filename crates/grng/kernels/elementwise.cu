@@ -605,7 +605,8 @@ GRNG_EMU_ENTRY(elementwise_hessian_ema, (const float*, const float*, float*, flo
 // so no copy to the device precedes the launch, and a stream capture would hold it whole.
 // __grid_constant__ keeps it in parameter memory, read through a pointer without a local
 // copy (sm_70 and later). Its 4000 bytes leave room for the kernels' other parameters under
-// the 4 KiB parameter limit; a launch with more entries than fit is split by the launcher.
+// the 4 KiB parameter limit (elementwise_multi_sophia's take 4088 bytes in all: a parameter
+// more needs a smaller table); a launch with more entries than fit is split by the launcher.
 #define EW_TABLE_WORDS 1000
 struct EwTable {
     unsigned w[EW_TABLE_WORDS];
