@@ -362,3 +362,35 @@ impl<T: Element> Matrix<T> {
         })
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use half::bf16;
+
+    /// `Device::scratch` poisons on the host: an element a kernel leaves unwritten is NaN, so
+    /// the emulated tests of every kernel writing into scratch buffers see it (zeros would hide
+    /// it), in both element types; and it is no zero-filled allocation.
+    #[test]
+    fn scratch_is_poisoned_on_the_host() {
+        for dev in [Device::Cpu, Device::Emulated] {
+            #[cfg(feature = "test-hooks")]
+            let fills = crate::hooks::zero_fills();
+            let f: Matrix = dev.scratch(3, 5).unwrap();
+            assert_eq!(f.shape(), (3, 5));
+            assert!(
+                f.to_vec().unwrap().iter().all(|v| v.is_nan()),
+                "{}",
+                dev.name()
+            );
+            let b: Matrix<bf16> = dev.scratch(2, 7).unwrap();
+            assert!(
+                b.to_vec().unwrap().iter().all(|v| v.is_nan()),
+                "{}",
+                dev.name()
+            );
+            #[cfg(feature = "test-hooks")]
+            assert_eq!(crate::hooks::zero_fills(), fills, "{}", dev.name());
+        }
+    }
+}
