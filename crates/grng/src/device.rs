@@ -108,26 +108,11 @@ impl Device {
     /// [`Error::OutOfMemory`] when `rows * cols` overflows or the memory cannot be had (the host
     /// allocator's refusal is returned, not an abort); the device stays usable.
     pub fn zeros<T: Element>(&self, rows: usize, cols: usize) -> Result<Matrix<T>> {
-        let len = self.alloc_len::<T>(rows, cols)?;
+        let m = self.allocate(rows, cols, true)?;
         if !matches!(self, Device::Cpu) {
             crate::hooks::count(crate::hooks::Queued::ZeroFill);
         }
-        let storage = match self {
-            Device::Cpu | Device::Emulated => {
-                let mut v = crate::error::try_with_capacity(self.name(), rows, cols)?;
-                v.resize(len, T::default());
-                Storage::Host(v)
-            }
-            Device::Cuda(d) => Storage::Cuda(
-                d.zeros(len)
-                    .map_err(|e| self.driver_alloc_error::<T>(rows, cols, e))?,
-            ),
-        };
-        Ok(Matrix {
-            rows,
-            cols,
-            storage,
-        })
+        Ok(m)
     }
 
     /// A `rows x cols` matrix for a kernel that writes each element before anything reads it
@@ -136,17 +121,29 @@ impl Device {
     /// launch is); on the host NaN, so that an element read before it was written poisons what
     /// it fed (as the emulator poisons dynamic shared memory), and the tests see it.
     pub(crate) fn scratch<T: Element>(&self, rows: usize, cols: usize) -> Result<Matrix<T>> {
+        self.allocate(rows, cols, false)
+    }
+
+    /// [`Device::zeros`] (`zeroed`) or [`Device::scratch`].
+    fn allocate<T: Element>(&self, rows: usize, cols: usize, zeroed: bool) -> Result<Matrix<T>> {
         let len = self.alloc_len::<T>(rows, cols)?;
         let storage = match self {
             Device::Cpu | Device::Emulated => {
                 let mut v = crate::error::try_with_capacity(self.name(), rows, cols)?;
-                v.resize(len, T::from_f32(f32::NAN));
+                let fill = match zeroed {
+                    true => T::default(),
+                    false => T::from_f32(f32::NAN),
+                };
+                v.resize(len, fill);
                 Storage::Host(v)
             }
-            Device::Cuda(d) => Storage::Cuda(
-                d.scratch(len)
-                    .map_err(|e| self.driver_alloc_error::<T>(rows, cols, e))?,
-            ),
+            Device::Cuda(d) => {
+                let slice = match zeroed {
+                    true => d.zeros(len),
+                    false => d.scratch(len),
+                };
+                Storage::Cuda(slice.map_err(|e| self.driver_alloc_error::<T>(rows, cols, e))?)
+            }
         };
         Ok(Matrix {
             rows,

@@ -256,8 +256,8 @@ impl Device {
     /// into `out` (one value per pair, in order), deferred inside [`Device::deferred`] on a
     /// kernel device (resolve them with the scope's [`Readout`]), computed now otherwise; on a
     /// kernel device ONE launch for all groups (a Kronecker step's model terms, every layer's;
-    /// per 55 chunks of at most three pairs),
-    /// each value the bits [`Device::dot`] gives its pair.
+    /// per 55 chunks of at most three pairs), each value the bits [`Device::dot`] gives its
+    /// pair.
     ///
     /// # Errors
     /// As [`Device::dot`] (the shapes are checked before any product is summed), and
